@@ -1,0 +1,11 @@
+// commands.h: one register function per subcommand; each lives in cli/cmd_<name>.cpp,
+// adds its CLI11 subcommand with its options and --help text, and sets its callback.
+// Callbacks throw mhar::Error for user errors; main() prints them and exits 1.
+#pragma once
+#include <CLI/CLI.hpp>
+
+namespace mhar::cli {
+
+void register_config(CLI::App& app);
+
+}  // namespace mhar::cli

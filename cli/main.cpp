@@ -1,0 +1,41 @@
+// main.cpp: the `mhar` command. Global flags (--version, --log-level), the list of
+// subcommands, and the one place where errors turn into messages and exit codes.
+#include <spdlog/spdlog.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <map>
+
+#include "cli/commands.h"
+#include "engine/error.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "mhar: pretraining engine for decoder-only transformers with depth routing\n"
+      "(standard residuals, Attention Residuals, Multi-Head Attention Residuals)."};
+  app.set_version_flag("--version", std::string("mhar ") + MHAR_VERSION);
+  std::string log_level = "info";
+  app.add_option("--log-level", log_level, "Logging verbosity")
+      ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "off"}))
+      ->capture_default_str();
+  app.require_subcommand(1);
+
+  mhar::cli::register_config(app);
+
+  app.parse_complete_callback([&] {
+    spdlog::set_level(spdlog::level::from_str(log_level));
+    spdlog::set_pattern("[%H:%M:%S] %^%l%$ %v");
+  });
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const mhar::Error& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "internal error: %s\n", e.what());
+    return 2;
+  }
+  return 0;
+}

@@ -1,0 +1,11 @@
+// device.h: CUDA device discovery. Safe to call on machines without a GPU or driver:
+// they report zero devices instead of failing, so CPU-only runs and CI work unchanged.
+#pragma once
+#include <string>
+
+namespace mhar::cuda {
+
+int device_count();                  // 0 when no driver or no device
+std::string describe_device(int i);  // "NVIDIA H200 (sm_90, 132 SMs, 139.8 GiB)"
+
+}  // namespace mhar::cuda

@@ -1,0 +1,99 @@
+// config.h: the typed run configuration (model, residual, train, data, checkpoint) and
+// its JSON form. Every section lists its fields once, in a visit_fields() function that
+// serves both parsing and printing, so the two can never drift apart. Parsing rejects
+// unknown keys and validates every field with an error naming the file, the field path,
+// the bad value and what would be valid.
+#pragma once
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace mhar {
+
+enum class ResidualMode { Standard, AttnRes, Mhar };
+const char* residual_mode_name(ResidualMode m);
+
+struct ModelConfig {
+  int vocab_size = 50304;
+  int d_model = 512;
+  int n_layers = 12;
+  int n_heads = 8;
+  int n_kv_heads = 4;
+  int head_dim = 64;
+  int d_ff = 1536;
+  int context_length = 2048;
+  double rope_theta = 1e6;
+  double rms_eps = 1e-6;
+  bool tie_embeddings = true;
+  double init_std = 0.02;
+
+  int n_sources() const { return 2 * n_layers + 1; }  // v_0 .. v_{2L}
+  int n_sites() const { return 2 * n_layers + 1; }    // sites 0 .. 2L
+  int q_dim() const { return n_heads * head_dim; }
+  int kv_dim() const { return n_kv_heads * head_dim; }
+};
+
+struct ResidualConfig {
+  ResidualMode mode = ResidualMode::Standard;
+  int heads = 0;  // routing heads H; 0 in a file means "n_kv_heads" (mhar) or 1 (attnres)
+  bool routed() const { return mode != ResidualMode::Standard; }
+};
+
+struct TrainConfig {
+  int micro_batch = 8;
+  int seq_len = 1024;
+  long long batch_tokens = 0;  // tokens per optimizer step; 0 = one micro-batch
+  int steps = 1000;
+  double lr = 5e-4;
+  double min_lr_ratio = 0.1;
+  int warmup_steps = 100;
+  std::string schedule = "cosine";  // cosine | wsd
+  double decay_fraction = 0.2;      // wsd: share of the steps spent decaying
+  double weight_decay = 0.1;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double adam_eps = 1e-8;
+  double grad_clip = 1.0;  // 0 disables clipping
+  unsigned long long seed = 1234;
+  int eval_every = 100;
+  int eval_batches = 10;
+  int log_every = 1;
+  int max_bad_steps = 5;
+  std::string device = "auto";  // auto | cpu | cuda
+};
+
+struct DataConfig {
+  std::string train;  // shard glob, absolute or relative to the config file
+  std::string val;
+  std::string tokenizer = "gpt2";
+};
+
+struct CheckpointConfig {
+  int every = 1000;  // steps; 0 = only at the end
+  int keep = 3;      // newest K kept; 0 = keep all
+};
+
+struct Config {
+  ModelConfig model;
+  ResidualConfig residual;
+  TrainConfig train;
+  DataConfig data;
+  CheckpointConfig checkpoint;
+  std::string source;      // file it was read from ("<memory>" otherwise), for messages
+  std::string config_dir;  // where relative data paths are resolved from
+
+  nlohmann::json to_json() const;
+  // Throws mhar::Error naming `source` and the field when a value is invalid.
+  void validate() const;
+};
+
+// Parses and validates. `source` names the origin in error messages.
+Config config_from_json(const nlohmann::json& j, const std::string& source = "<memory>");
+// Reads a file, applies `overrides` ("model.n_layers=4"; values parsed as JSON when they
+// are valid JSON, else taken as strings), then parses and validates.
+Config load_config(const std::string& path, const std::vector<std::string>& overrides = {});
+// Applies one "a.b.c=value" override to a JSON document (creating no new sections).
+void apply_override(nlohmann::json& j, const std::string& assignment, const std::string& source);
+
+}  // namespace mhar
