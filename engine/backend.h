@@ -6,7 +6,9 @@
 // - Tensors are row-major views; N = batch * seq_len token rows; d = d_model.
 // - Inputs and outputs are act_dtype() unless stated; saved statistics (RMSNorm rstd,
 //   attention log-sum-exp, routing inverse RMS and weights, per-token losses) are
-//   stat_dtype(). Token ids are I32.
+//   stat_dtype(). Parameter gradients (dtable, dw, dquery, dgain, and the output of a
+//   weight-gradient matmul) are grad_dtype(). Token ids are I32. On the CPU backend all
+//   three are the backend's scalar type; on CUDA: BF16, F32, F32.
 // - "+=" ops accumulate into their output (gradient accumulation); all others overwrite
 //   every element of their output.
 // - No op allocates: every buffer comes from the model's memory plans (allocator.h).
@@ -25,6 +27,7 @@ class Backend {
   virtual std::string name() const = 0;
   virtual DType act_dtype() const = 0;
   virtual DType stat_dtype() const = 0;
+  virtual DType grad_dtype() const = 0;
 
   // ---- memory
   virtual void* allocate(size_t bytes) = 0;  // zero-filled
@@ -50,7 +53,9 @@ class Backend {
                                 Tensor rstd, bool accumulate_dx) = 0;
 
   // ---- C = op(A) op(B) (or C += when accumulate); op(X) = X^T when trans_X.
-  // 2-D tensors; a linear layer y = x W^T is matmul(y, x, W, false, true, false).
+  // 2-D tensors; a linear layer y = x W^T is matmul(y, x, W, false, true, false) and its
+  // weight gradient dW += dy^T x is matmul(dW, dy, x, true, false, true). A and B share a
+  // dtype; C may be grad_dtype() (fp32 accumulation into a weight gradient).
   virtual void matmul(Tensor c, Tensor a, Tensor b, bool trans_a, bool trans_b,
                       bool accumulate) = 0;
 
