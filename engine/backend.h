@@ -101,6 +101,22 @@ class Backend {
   virtual void routing_backward(Tensor dhistory, Tensor dquery, Tensor dgain, Tensor dx,
                                 Tensor history, Tensor inv_rms, Tensor weights, Tensor query,
                                 Tensor gain, int n_src, int heads) = 0;
+
+  // ---- optimizer support
+  // Sum of squares of every element (fp64 result, host-synchronising): the global
+  // gradient norm is sqrt(sum_squares(all gradients)), one call over the gradient arena.
+  virtual double sum_squares(Tensor t) = 0;
+  // One AdamW step on one parameter tensor (DESIGN.md section 5), elementwise:
+  //   g = grad * grad_scale;  m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2
+  //   w -= lr * ( m/(1-b1^t) / (sqrt(v/(1-b2^t)) + eps) + weight_decay * w )
+  // w is `master` (F32) when given, then copied (rounded) into `param`; when `master` is
+  // empty, `param` itself is the master. m, v are F32 (CPU: the backend's scalar type).
+  struct AdamW {
+    double lr, beta1, beta2, eps, weight_decay, grad_scale;
+    long long step;  // t, from 1
+  };
+  virtual void adamw(Tensor param, Tensor master, Tensor grad, Tensor m, Tensor v,
+                     const AdamW& hp) = 0;
 };
 
 // The CPU reference backend in fp32 (dtype F32) or fp64 (F64, for gradient checks).
