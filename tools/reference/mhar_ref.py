@@ -1,0 +1,341 @@
+# mhar_ref.py: the independent PyTorch reference of the mhar model (DESIGN.md sections
+# 1-2), written from the equations: a Qwen3-style decoder whose sublayer inputs come
+# from one of the residual modes `standard`, `attnres` or `mhar`. It owns the model's
+# math for the golden fixtures (tools/reference/make_golden.py, run in float64) and for
+# the PyTorch throughput baseline (tools/reference/bench_step.py, bf16 autocast,
+# torch.compile, SDPA). Parameter names are Hugging Face Qwen3's (DESIGN.md section 6)
+# plus model.routing.{j}.query / .gain, so a state_dict is a checkpoint of the engine.
+#
+# Nothing here is tied to a dtype or device: build the module, move it with .to(), and
+# every computation follows the parameters' dtype (float64 works end to end).
+import copy
+import json
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+RESIDUAL_MODES = ("standard", "attnres", "mhar")
+
+# Defaults of the engine's config (engine/config.h), so a partial config file means the
+# same thing here as there.
+DEFAULT_CONFIG = {
+    "model": {
+        "vocab_size": 50304,
+        "d_model": 512,
+        "n_layers": 12,
+        "n_heads": 8,
+        "n_kv_heads": 4,
+        "head_dim": 64,
+        "d_ff": 1536,
+        "context_length": 2048,
+        "rope_theta": 1e6,
+        "rms_eps": 1e-6,
+        "tie_embeddings": True,
+        "init_std": 0.02,
+    },
+    "residual": {"mode": "standard", "heads": 0},
+}
+
+
+def resolve_config(config):
+    """Returns a full copy of `config` (engine format: {"model": {...}, "residual":
+    {...}}, other sections ignored) with defaults filled in and residual.heads resolved
+    the way the engine resolves it (0 means 1 for attnres and n_kv_heads for mhar)."""
+    out = copy.deepcopy(DEFAULT_CONFIG)
+    for section in ("model", "residual"):
+        for key, value in (config.get(section) or {}).items():
+            if key not in out[section]:
+                raise ValueError(f"unknown key {section}.{key}")
+            out[section][key] = value
+    m, r = out["model"], out["residual"]
+    if r["mode"] not in RESIDUAL_MODES:
+        raise ValueError(f"residual.mode = {r['mode']!r}; valid: {RESIDUAL_MODES}")
+    if r["heads"] == 0:
+        r["heads"] = {"standard": 0, "attnres": 1, "mhar": m["n_kv_heads"]}[r["mode"]]
+    if r["mode"] == "attnres" and r["heads"] != 1:
+        raise ValueError("residual.mode attnres is routing with exactly 1 head")
+    if r["mode"] != "standard" and m["d_model"] % r["heads"]:
+        raise ValueError(f"residual.heads = {r['heads']} does not divide d_model = {m['d_model']}")
+    if m["n_heads"] % m["n_kv_heads"]:
+        raise ValueError("n_kv_heads must divide n_heads (GQA)")
+    if m["head_dim"] % 2:
+        raise ValueError("head_dim must be even (RoPE pairs i with i + head_dim/2)")
+    return out
+
+
+def load_config(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def _autocast_dtype(device_type):
+    """The dtype autocast computes in on `device_type`, or None when autocast is off."""
+    if device_type == "cuda":
+        if not torch.is_autocast_enabled():
+            return None
+        getter = getattr(torch, "get_autocast_dtype", None)
+        return getter("cuda") if getter else torch.get_autocast_gpu_dtype()
+    if device_type == "cpu" and torch.is_autocast_cpu_enabled():
+        return torch.get_autocast_cpu_dtype()
+    return None
+
+
+def _stat_dtype(dtype):
+    # Norm statistics and routing logits/softmax run in at least float32, as the engine
+    # does in bf16 (DESIGN.md section 5); float64 stays float64.
+    return torch.promote_types(dtype, torch.float32)
+
+
+def rms_normalize(x, eps):
+    """x / sqrt(mean(x^2) + eps) over the last dimension, without a learned scale;
+    computed in at least float32 and returned in that precision."""
+    xs = x.to(_stat_dtype(x.dtype))
+    return xs * torch.rsqrt(xs.pow(2).mean(dim=-1, keepdim=True) + eps)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with a learned per-feature weight (init 1)."""
+
+    def __init__(self, dim, eps, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+    def forward(self, x):
+        return rms_normalize(x, self.eps).to(x.dtype) * self.weight
+
+
+def rope_cos_sin(seq_len, head_dim, theta, device, dtype):
+    """cos/sin tables [seq_len, head_dim] in Hugging Face's rotate-half layout: feature
+    i and i + head_dim/2 share the angle pos * theta^(-2i/head_dim). Angles are formed
+    in float64 so the float64 reference carries no float32 rounding."""
+    half = head_dim // 2
+    inv_freq = theta ** (-torch.arange(half, device=device, dtype=torch.float64) * 2.0 / head_dim)
+    pos = torch.arange(seq_len, device=device, dtype=torch.float64)
+    angles = torch.outer(pos, inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x, cos, sin):
+    """x [B, heads, T, head_dim]: out_i = x_i cos - x_{i+h/2} sin for the first half,
+    out_{i+h/2} = x_{i+h/2} cos + x_i sin for the second (rotate-half)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return x * cos + rotated * sin
+
+
+def _sdpa_supports_gqa():
+    major, minor = (int(p) for p in torch.__version__.split(".")[:2])
+    return (major, minor) >= (2, 5)
+
+
+class Attention(nn.Module):
+    """Causal GQA self-attention with QK-norm and RoPE (Qwen3). `impl` is "manual"
+    (the explicit math: scores, mask, softmax, weighted sum; works in any dtype) or
+    "sdpa" (F.scaled_dot_product_attention(is_causal=True), for speed)."""
+
+    def __init__(self, m, impl="manual", sdpa_gqa="auto", device=None, dtype=None):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = m["n_heads"], m["n_kv_heads"], m["head_dim"]
+        self.rope_theta = float(m["rope_theta"])
+        self.impl = impl
+        # "native": enable_gqa=True lets SDPA read the shared KV heads in place;
+        # "expand": repeat KV heads first (older PyTorch, or kernels without GQA).
+        self.sdpa_gqa = ("native" if _sdpa_supports_gqa() else "expand") if sdpa_gqa == "auto" else sdpa_gqa
+        d, q_dim, kv_dim = m["d_model"], self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        kw = dict(bias=False, device=device, dtype=dtype)
+        self.q_proj = nn.Linear(d, q_dim, **kw)
+        self.k_proj = nn.Linear(d, kv_dim, **kw)
+        self.v_proj = nn.Linear(d, kv_dim, **kw)
+        self.o_proj = nn.Linear(q_dim, d, **kw)
+        self.q_norm = RMSNorm(self.head_dim, m["rms_eps"], device=device, dtype=dtype)
+        self.k_norm = RMSNorm(self.head_dim, m["rms_eps"], device=device, dtype=dtype)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        # QK-norm acts per head over head_dim, before the heads move in front of T.
+        q = self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        # Position = index in the sequence.
+        cos, sin = rope_cos_sin(T, self.head_dim, self.rope_theta, x.device, q.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # Each stage of a real QK-norm output keeps its dtype; under autocast q/k become
+        # float32 through the norm weight, so bring them to v's dtype for the product.
+        q, k = q.to(v.dtype), k.to(v.dtype)
+        group = self.n_heads // self.n_kv_heads  # query heads per KV head
+        if self.impl == "sdpa":
+            if self.sdpa_gqa == "native" and group > 1:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            else:
+                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            # Query head h reads KV head h // group (Hugging Face's repeat_kv layout).
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
+            future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
+            scores = scores.masked_fill(future, float("-inf"))
+            out = torch.softmax(scores.to(_stat_dtype(scores.dtype)), dim=-1).to(v.dtype) @ v
+        out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate x) * up x)."""
+
+    def __init__(self, m, device=None, dtype=None):
+        super().__init__()
+        kw = dict(bias=False, device=device, dtype=dtype)
+        self.gate_proj = nn.Linear(m["d_model"], m["d_ff"], **kw)
+        self.up_proj = nn.Linear(m["d_model"], m["d_ff"], **kw)
+        self.down_proj = nn.Linear(m["d_ff"], m["d_model"], **kw)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, m, attn_impl, sdpa_gqa, device=None, dtype=None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(m["d_model"], m["rms_eps"], device=device, dtype=dtype)
+        self.self_attn = Attention(m, attn_impl, sdpa_gqa, device=device, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(m["d_model"], m["rms_eps"], device=device, dtype=dtype)
+        self.mlp = MLP(m, device=device, dtype=dtype)
+
+    # The two sublayers are called separately: each reads its own routed input.
+    def attention_sublayer(self, x):
+        return self.self_attn(self.input_layernorm(x))
+
+    def mlp_sublayer(self, x):
+        return self.mlp(self.post_attention_layernorm(x))
+
+
+class RoutingSite(nn.Module):
+    """Depth routing at one site j: a per-token, per-head softmax mix of the sources
+    v_0..v_j (DESIGN.md section 2). query q_j (init 0) and gain g_j (init 1), both [d];
+    head h owns features [h*d/H, (h+1)*d/H)."""
+
+    def __init__(self, d, heads, eps, device=None, dtype=None):
+        super().__init__()
+        self.heads, self.eps = heads, eps
+        self.query = nn.Parameter(torch.zeros(d, device=device, dtype=dtype))
+        self.gain = nn.Parameter(torch.ones(d, device=device, dtype=dtype))
+
+    def forward(self, sources):
+        V = torch.stack(sources)  # [n, B, T, d], n = j + 1
+        n, B, T, d = V.shape
+        H = self.heads
+        # k_i = g_j * RMSNorm(v_i): the norm is over the full d and has no learned scale.
+        K = self.gain * rms_normalize(V, self.eps)
+        # s_{i,h} = sum_{c in h} q_j[c] k_i[c]; no 1/sqrt scaling.
+        logits = (self.query * K).view(n, B, T, H, d // H).sum(dim=-1)
+        weights = torch.softmax(logits, dim=0)  # over the sources i = 0..j
+        # x_j[c] = sum_i a_{i, head(c)} v_i[c]
+        mixed = (weights.unsqueeze(-1) * V.view(n, B, T, H, d // H)).sum(dim=0)
+        return mixed.reshape(B, T, d).to(V.dtype)
+
+
+class Backbone(nn.Module):
+    """Holds the `model.*` parameters under Hugging Face Qwen3's names."""
+
+    def __init__(self, cfg, attn_impl, sdpa_gqa, device=None, dtype=None):
+        super().__init__()
+        m, r = cfg["model"], cfg["residual"]
+        self.embed_tokens = nn.Embedding(m["vocab_size"], m["d_model"], device=device, dtype=dtype)
+        self.layers = nn.ModuleList(
+            DecoderLayer(m, attn_impl, sdpa_gqa, device=device, dtype=dtype) for _ in range(m["n_layers"])
+        )
+        self.norm = RMSNorm(m["d_model"], m["rms_eps"], device=device, dtype=dtype)
+        if r["mode"] != "standard":
+            n_sites = 2 * m["n_layers"] + 1
+            self.routing = nn.ModuleList(
+                RoutingSite(m["d_model"], r["heads"], m["rms_eps"], device=device, dtype=dtype)
+                for _ in range(n_sites)
+            )
+
+
+class MharModel(nn.Module):
+    """The whole model. forward(input_ids [B,T], targets [B,T] or None) returns
+    (logits [B,T,V] or None, loss or None); loss is the mean cross-entropy over all
+    B*T tokens.
+
+    attn_impl: "manual" (explicit math; the reference) or "sdpa".
+    """
+
+    def __init__(self, config, attn_impl="manual", sdpa_gqa="auto", device=None, dtype=None):
+        super().__init__()
+        self.config = resolve_config(config)
+        m, r = self.config["model"], self.config["residual"]
+        self.mode = r["mode"]
+        self.n_layers = m["n_layers"]
+        self.model = Backbone(self.config, attn_impl, sdpa_gqa, device=device, dtype=dtype)
+        if not m["tie_embeddings"]:
+            self.lm_head = nn.Linear(m["d_model"], m["vocab_size"], bias=False, device=device, dtype=dtype)
+        self.init_weights()
+
+    def lm_head_weight(self):
+        return self.model.embed_tokens.weight if self.config["model"]["tie_embeddings"] else self.lm_head.weight
+
+    @torch.no_grad()
+    def init_weights(self, generator=None):
+        """DESIGN.md section 1-2 init: matrices normal(0, init_std), output projections
+        (o_proj, down_proj) scaled by 1/sqrt(2L), norms 1, routing queries 0, gains 1."""
+        std = self.config["model"]["init_std"]
+        out_std = std / math.sqrt(2 * self.n_layers)
+        for name, p in self.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.normal_(0.0, out_std, generator=generator)
+            elif name.endswith(".query"):
+                p.zero_()
+            elif name.endswith(("norm.weight", ".gain")):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=generator)
+
+    def site_input(self, j, sources, running_sum):
+        """Input of site j (0..2L) from sources v_0..v_j."""
+        if self.mode == "standard":
+            return running_sum
+        return self.model.routing[j](sources)
+
+    def forward(self, input_ids, targets=None, return_logits=True, capture=None):
+        """capture: optional dict; receives "sources" (v_0..v_2L) and "site_inputs"
+        (x_0..x_2L), for tests of the routing identities."""
+        h = self.model.embed_tokens(input_ids)
+        # Under autocast every source should share the compute dtype, as the engine's
+        # bf16 history does; the embedding lookup alone would stay float32.
+        ac = _autocast_dtype(h.device.type)
+        if ac is not None:
+            h = h.to(ac)
+        sources = [h]  # v_0
+        running_sum = h  # standard mode's residual stream: sum of sources so far
+        site_inputs = []
+        for l, layer in enumerate(self.model.layers):
+            for sub in (layer.attention_sublayer, layer.mlp_sublayer):
+                j = len(sources) - 1  # site j feeds sublayer j and sees v_0..v_j
+                x = self.site_input(j, sources, running_sum)
+                site_inputs.append(x)
+                v = sub(x).to(h.dtype)
+                sources.append(v)
+                if self.mode == "standard":
+                    running_sum = running_sum + v
+        x = self.site_input(len(sources) - 1, sources, running_sum)  # site 2L: the final norm
+        site_inputs.append(x)
+        if capture is not None:
+            capture["sources"], capture["site_inputs"] = sources, site_inputs
+        logits = F.linear(self.model.norm(x), self.lm_head_weight())
+        loss = None
+        if targets is not None:
+            V = logits.shape[-1]
+            loss = F.cross_entropy(logits.reshape(-1, V).float() if logits.dtype in (torch.float16, torch.bfloat16)
+                                   else logits.reshape(-1, V), targets.reshape(-1))
+        return (logits if return_logits else None), loss
+
+
+def count_parameters(model):
+    return sum(p.numel() for p in model.parameters())
