@@ -311,13 +311,12 @@ def check_against_transformers(cfg, weights, input_ids, logits):
         num_key_value_heads=m["n_kv_heads"], head_dim=m["head_dim"],
         max_position_embeddings=m["context_length"], rms_norm_eps=m["rms_eps"],
         rope_theta=m["rope_theta"], tie_word_embeddings=m["tie_embeddings"],
-        attention_bias=False, hidden_act="silu", use_sliding_window=False,
+        attention_bias=False, hidden_act="silu", use_sliding_window=False, attn_implementation="eager",
     )
     # transformers >= 5 keeps RoPE settings in rope_parameters.
     rp = getattr(hf_cfg, "rope_parameters", None)
     if isinstance(rp, dict):
         rp["rope_theta"] = m["rope_theta"]
-    hf_cfg._attn_implementation = "eager"
     hf = Qwen3ForCausalLM(hf_cfg).to(torch.float64).eval()
     state = {n: w.to(torch.float64) for n, w in weights.items()}
     missing, unexpected = hf.load_state_dict(state, strict=False)
@@ -369,10 +368,23 @@ def make_fixture(mode, device, out_dir, log):
     np_loss = torch.nn.functional.cross_entropy(torch.from_numpy(np_logits).reshape(-1, V), targets.reshape(-1))
     assert abs(np_loss.item() - loss.item()) < 1e-10
 
+    if hasattr(torch.nn.functional, "scaled_dot_product_attention"):
+        # The benchmark's SDPA path must be the same function as the explicit math.
+        sdpa = mhar_ref.MharModel(cfg, attn_impl="sdpa", device=device, dtype=torch.float64)
+        sdpa.load_state_dict(build_reference(cfg, weights, device).state_dict())
+        with torch.no_grad():
+            diff = (sdpa(input_ids.to(device))[0].cpu() - logits).abs().max().item()
+        log(f"[{mode}] SDPA attention path (gqa {sdpa.model.layers[0].self_attn.sdpa_gqa}) vs explicit math: "
+            f"max |logit diff| {diff:.2e}")
+        assert diff < 1e-10
     if mode != "standard":
         check_no_future_sources(cfg, weights, input_ids)
     if mode == "standard":
-        log(f"[{mode}] Hugging Face check: {check_against_transformers(cfg, weights, input_ids, logits)}")
+        try:
+            verdict = check_against_transformers(cfg, weights, input_ids, logits)
+        except Exception as e:  # an API drift in transformers must not cost the fixtures
+            verdict = f"error ({type(e).__name__}: {e})"
+        log(f"[{mode}] Hugging Face check: {verdict}")
 
     # Dead-path guard: every gradient tensor must be non-trivial, or the fixture would
     # not catch a wrong backward term there.

@@ -71,14 +71,17 @@ def load_config(path):
 
 
 def _autocast_dtype(device_type):
-    """The dtype autocast computes in on `device_type`, or None when autocast is off."""
-    if device_type == "cuda":
-        if not torch.is_autocast_enabled():
+    """The dtype autocast computes in on `device_type`, or None when autocast is off.
+    PyTorch >= 2.4 has the per-device API (which torch.compile traces); older releases
+    only the per-backend functions."""
+    if hasattr(torch, "get_autocast_dtype"):
+        if not torch.is_autocast_enabled(device_type):
             return None
-        getter = getattr(torch, "get_autocast_dtype", None)
-        return getter("cuda") if getter else torch.get_autocast_gpu_dtype()
-    if device_type == "cpu" and torch.is_autocast_cpu_enabled():
-        return torch.get_autocast_cpu_dtype()
+        return torch.get_autocast_dtype(device_type)
+    if device_type == "cuda":
+        return torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else None
+    if device_type == "cpu":
+        return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else None
     return None
 
 
