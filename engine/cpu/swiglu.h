@@ -1,0 +1,30 @@
+// swiglu.h: CPU reference SwiGLU gate: h = silu(gate) * up, silu(z) = z * sigmoid(z).
+// Backward: dgate = dh * up * sigmoid(z) * (1 + z * (1 - sigmoid(z))), dup = dh * silu(z).
+#pragma once
+#include <cmath>
+#include <cstdint>
+
+namespace mhar::cpu {
+
+template <class T>
+void swiglu_forward(T* h, const T* gate, const T* up, int64_t n) {
+#pragma omp parallel for
+  for (int64_t i = 0; i < n; ++i) {
+    T z = gate[i];
+    T sig = T(1) / (T(1) + std::exp(-z));
+    h[i] = z * sig * up[i];
+  }
+}
+
+template <class T>
+void swiglu_backward(T* dgate, T* dup, const T* dh, const T* gate, const T* up, int64_t n) {
+#pragma omp parallel for
+  for (int64_t i = 0; i < n; ++i) {
+    T z = gate[i];
+    T sig = T(1) / (T(1) + std::exp(-z));
+    dgate[i] = dh[i] * up[i] * sig * (T(1) + z * (T(1) - sig));
+    dup[i] = dh[i] * z * sig;
+  }
+}
+
+}  // namespace mhar::cpu

@@ -1,0 +1,209 @@
+// cpu_backend.cpp: the CPU reference backend, CpuBackend<T> for T = float or double.
+// Every op checks its tensors' dtypes and shapes and forwards to the templated kernel in
+// engine/cpu/<op>.h. Memory is host memory; act, stat and grad dtypes are all T.
+#include <cstdlib>
+#include <cstring>
+
+#include "engine/backend.h"
+#include "engine/cpu/attention.h"
+#include "engine/cpu/classifier.h"
+#include "engine/cpu/embedding.h"
+#include "engine/cpu/matmul.h"
+#include "engine/cpu/optimizer.h"
+#include "engine/cpu/rmsnorm.h"
+#include "engine/cpu/rope.h"
+#include "engine/cpu/routing.h"
+#include "engine/cpu/swiglu.h"
+
+namespace mhar {
+
+namespace {
+
+void expect_shape(const Tensor& t, std::initializer_list<int64_t> dims, const char* what) {
+  Tensor want(nullptr, t.dtype, dims);
+  bool same = want.ndim == t.ndim;
+  for (int i = 0; same && i < t.ndim; ++i) same = want.shape[i] == t.shape[i];
+  MHAR_CHECK(same, what, " has shape ", t.shape_str(), ", expected ", want.shape_str());
+}
+
+template <class T>
+class CpuBackend final : public Backend {
+ public:
+  std::string name() const override {
+    return dtype_of<T>() == DType::F32 ? "cpu-fp32" : "cpu-fp64";
+  }
+  DType act_dtype() const override { return dtype_of<T>(); }
+  DType stat_dtype() const override { return dtype_of<T>(); }
+  DType grad_dtype() const override { return dtype_of<T>(); }
+
+  void* allocate(size_t bytes) override {
+    void* p = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
+    if (!p) fail("out of host memory allocating ", bytes, " bytes");
+    std::memset(p, 0, bytes);
+    return p;
+  }
+  void release(void* p) override { std::free(p); }
+  void zero(Tensor t) override { std::memset(t.data, 0, t.bytes()); }
+  void copy(Tensor dst, Tensor src) override {
+    MHAR_CHECK(dst.dtype == src.dtype && dst.numel() == src.numel(), "copy mismatch");
+    std::memmove(dst.data, src.data, src.bytes());
+  }
+  void upload(Tensor dst, const double* host) override {
+    T* p = dst.ptr<T>();
+    for (int64_t i = 0; i < dst.numel(); ++i) p[i] = T(host[i]);
+  }
+  void download(double* host, Tensor src) override {
+    const T* p = src.ptr<T>();
+    for (int64_t i = 0; i < src.numel(); ++i) host[i] = double(p[i]);
+  }
+  void upload_tokens(Tensor dst, const int32_t* host) override {
+    std::memcpy(dst.ptr<int32_t>(), host, dst.bytes());
+  }
+
+  void embedding_forward(Tensor out, Tensor tokens, Tensor table) override {
+    const int64_t N = tokens.numel(), d = table.dim(1);
+    expect_shape(out, {N, d}, "embedding out");
+    cpu::embedding_forward(out.ptr<T>(), tokens.ptr<int32_t>(), table.ptr<T>(), N, table.dim(0), d);
+  }
+  void embedding_backward(Tensor dtable, Tensor dout, Tensor tokens) override {
+    const int64_t N = tokens.numel(), d = dtable.dim(1);
+    expect_shape(dout, {N, d}, "embedding dout");
+    cpu::embedding_backward(dtable.ptr<T>(), dout.ptr<T>(), tokens.ptr<int32_t>(), N, d);
+  }
+
+  void rmsnorm_forward(Tensor y, Tensor rstd, Tensor x, Tensor w, double eps) override {
+    const int64_t D = w.numel(), R = x.numel() / D;
+    MHAR_CHECK(x.numel() == R * D && y.numel() == x.numel() && rstd.numel() == R, "rmsnorm shapes");
+    cpu::rmsnorm_forward(y.ptr<T>(), rstd.ptr<T>(), x.ptr<T>(), w.ptr<T>(), R, D, eps);
+  }
+  void rmsnorm_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor rstd,
+                        bool accumulate_dx) override {
+    const int64_t D = w.numel(), R = x.numel() / D;
+    MHAR_CHECK(dx.numel() == x.numel() && dy.numel() == x.numel() && dw.numel() == D &&
+                   rstd.numel() == R, "rmsnorm backward shapes");
+    cpu::rmsnorm_backward(dx.ptr<T>(), dw.ptr<T>(), dy.ptr<T>(), x.ptr<T>(), w.ptr<T>(),
+                          rstd.ptr<T>(), R, D, accumulate_dx);
+  }
+
+  void matmul(Tensor c, Tensor a, Tensor b, bool trans_a, bool trans_b, bool accumulate) override {
+    MHAR_CHECK(a.ndim == 2 && b.ndim == 2 && c.ndim == 2, "matmul wants 2-D tensors");
+    const int64_t M = trans_a ? a.dim(1) : a.dim(0), K = trans_a ? a.dim(0) : a.dim(1);
+    const int64_t N = trans_b ? b.dim(0) : b.dim(1), Kb = trans_b ? b.dim(1) : b.dim(0);
+    MHAR_CHECK(K == Kb && c.dim(0) == M && c.dim(1) == N, "matmul shapes ", a.shape_str(),
+               b.shape_str(), "->", c.shape_str());
+    cpu::gemm(trans_a, trans_b, M, N, K, a.ptr<T>(), a.dim(1), b.ptr<T>(), b.dim(1),
+              accumulate ? T(1) : T(0), c.ptr<T>(), N);
+  }
+
+  void rope(Tensor x, double theta, bool backward) override {
+    MHAR_CHECK(x.ndim == 4, "rope wants [B, T, heads, hd]");
+    cpu::rope(x.ptr<T>(), x.dim(0), x.dim(1), x.dim(2), x.dim(3), theta, backward);
+  }
+
+  void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v) override {
+    const int64_t B = q.dim(0), Tn = q.dim(1), Hq = q.dim(2), hd = q.dim(3), Hkv = k.dim(2);
+    expect_shape(k, {B, Tn, Hkv, hd}, "attention k");
+    expect_shape(v, {B, Tn, Hkv, hd}, "attention v");
+    expect_shape(out, {B, Tn, Hq, hd}, "attention out");
+    expect_shape(lse, {B, Hq, Tn}, "attention lse");
+    MHAR_CHECK(Hq % Hkv == 0, "GQA heads");
+    cpu::attention_forward(out.ptr<T>(), lse.ptr<T>(), q.ptr<T>(), k.ptr<T>(), v.ptr<T>(), B,
+                           Tn, Hq, Hkv, hd);
+  }
+  void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k,
+                          Tensor v, Tensor out, Tensor lse) override {
+    const int64_t B = q.dim(0), Tn = q.dim(1), Hq = q.dim(2), hd = q.dim(3), Hkv = k.dim(2);
+    MHAR_CHECK(dq.numel() == q.numel() && dk.numel() == k.numel() && dv.numel() == v.numel() &&
+                   dout.numel() == q.numel(), "attention backward shapes");
+    cpu::attention_backward(dq.ptr<T>(), dk.ptr<T>(), dv.ptr<T>(), dout.ptr<T>(), q.ptr<T>(),
+                            k.ptr<T>(), v.ptr<T>(), out.ptr<T>(), lse.ptr<T>(), B, Tn, Hq, Hkv, hd);
+  }
+
+  void swiglu_forward(Tensor h, Tensor gate, Tensor up) override {
+    MHAR_CHECK(h.numel() == gate.numel() && up.numel() == gate.numel(), "swiglu shapes");
+    cpu::swiglu_forward(h.ptr<T>(), gate.ptr<T>(), up.ptr<T>(), h.numel());
+  }
+  void swiglu_backward(Tensor dgate, Tensor dup, Tensor dh, Tensor gate, Tensor up) override {
+    MHAR_CHECK(dh.numel() == gate.numel() && dgate.numel() == gate.numel() &&
+                   dup.numel() == gate.numel(), "swiglu backward shapes");
+    cpu::swiglu_backward(dgate.ptr<T>(), dup.ptr<T>(), dh.ptr<T>(), gate.ptr<T>(), up.ptr<T>(),
+                         dh.numel());
+  }
+
+  void add(Tensor out, Tensor a, Tensor b) override {
+    MHAR_CHECK(out.numel() == a.numel() && b.numel() == a.numel(), "add shapes");
+    T* o = out.ptr<T>();
+    const T *x = a.ptr<T>(), *y = b.ptr<T>();
+#pragma omp parallel for
+    for (int64_t i = 0; i < out.numel(); ++i) o[i] = x[i] + y[i];
+  }
+  void add_inplace(Tensor y, Tensor x) override {
+    MHAR_CHECK(y.numel() == x.numel(), "add_inplace shapes");
+    T* o = y.ptr<T>();
+    const T* p = x.ptr<T>();
+#pragma omp parallel for
+    for (int64_t i = 0; i < y.numel(); ++i) o[i] += p[i];
+  }
+
+  void cross_entropy(Tensor losses, Tensor logits, Tensor targets, double grad_scale,
+                     bool compute_grad) override {
+    const int64_t N = targets.numel(), V = logits.dim(-1);
+    MHAR_CHECK(logits.numel() == N * V && losses.numel() == N, "cross_entropy shapes");
+    cpu::cross_entropy(losses.ptr<T>(), logits.ptr<T>(), targets.ptr<int32_t>(), N, V,
+                       grad_scale, compute_grad);
+  }
+
+  void routing_source_stats(Tensor inv_rms, Tensor v, double eps) override {
+    const int64_t N = inv_rms.numel(), d = v.numel() / N;
+    MHAR_CHECK(v.numel() == N * d, "routing stats shapes");
+    cpu::routing_source_stats(inv_rms.ptr<T>(), v.ptr<T>(), N, d, eps);
+  }
+  void check_routing(Tensor x, Tensor weights, Tensor history, Tensor inv_rms, Tensor query,
+                     Tensor gain, int n_src, int heads) {
+    const int64_t S = history.dim(0), N = history.dim(1), d = history.dim(2);
+    MHAR_CHECK(n_src >= 1 && n_src <= S, "n_src ", n_src, " of ", S);
+    MHAR_CHECK(heads >= 1 && d % heads == 0, "routing heads ", heads, " for d ", d);
+    expect_shape(x, {N, d}, "routing x");
+    expect_shape(weights, {N, heads, n_src}, "routing weights");
+    expect_shape(inv_rms, {S, N}, "routing inv_rms");
+    MHAR_CHECK(query.numel() == d && gain.numel() == d, "routing query/gain");
+  }
+  void routing_forward(Tensor x, Tensor weights, Tensor history, Tensor inv_rms, Tensor query,
+                       Tensor gain, int n_src, int heads) override {
+    check_routing(x, weights, history, inv_rms, query, gain, n_src, heads);
+    cpu::routing_forward(x.ptr<T>(), weights.ptr<T>(), history.ptr<T>(), inv_rms.ptr<T>(),
+                         query.ptr<T>(), gain.ptr<T>(), history.dim(1), history.dim(2), n_src, heads);
+  }
+  void routing_backward(Tensor dhistory, Tensor dquery, Tensor dgain, Tensor dx, Tensor history,
+                        Tensor inv_rms, Tensor weights, Tensor query, Tensor gain, int n_src,
+                        int heads) override {
+    check_routing(dx, weights, history, inv_rms, query, gain, n_src, heads);
+    MHAR_CHECK(dhistory.numel() == history.numel() && dquery.numel() == query.numel() &&
+                   dgain.numel() == gain.numel(), "routing backward shapes");
+    cpu::routing_backward(dhistory.ptr<T>(), dquery.ptr<T>(), dgain.ptr<T>(), dx.ptr<T>(),
+                          history.ptr<T>(), inv_rms.ptr<T>(), weights.ptr<T>(), query.ptr<T>(),
+                          gain.ptr<T>(), history.dim(1), history.dim(2), n_src, heads);
+  }
+
+  double sum_squares(Tensor t) override { return cpu::sum_squares(t.ptr<T>(), t.numel()); }
+  void adamw(Tensor param, Tensor master, Tensor grad, Tensor m, Tensor v,
+             const AdamW& hp) override {
+    MHAR_CHECK(master.empty(), "the CPU backend keeps no separate master weights");
+    MHAR_CHECK(grad.numel() == param.numel() && m.numel() == param.numel() &&
+                   v.numel() == param.numel(), "adamw shapes");
+    cpu::adamw(param.ptr<T>(), grad.ptr<T>(), m.ptr<T>(), v.ptr<T>(), param.numel(), hp.lr,
+               hp.beta1, hp.beta2, hp.eps, hp.weight_decay, hp.grad_scale, hp.step);
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cpu_backend(DType dtype) {
+  switch (dtype) {
+    case DType::F32: return std::make_unique<CpuBackend<float>>();
+    case DType::F64: return std::make_unique<CpuBackend<double>>();
+    default: fail("the CPU backend runs in F32 or F64, not ", dtype_name(dtype));
+  }
+}
+
+}  // namespace mhar

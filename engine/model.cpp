@@ -1,0 +1,431 @@
+// model.cpp: parameter layout, activation memory plan, and the one layer loop (forward
+// and backward) of the model in model.h.
+//
+// Timeline used by the activation plan. Forward events, in order:
+//   site j           at 2j        (j = 0..2L; site 0 also runs the embedding)
+//   sublayer j       at 2j + 1    (j = 0..2L-1; even j attention, odd j MLP)
+//   head             at 4L + 1    (final norm, LM head, cross-entropy)
+// The backward runs the same E = 4L + 2 events in reverse: event e at 2E - 1 - e.
+// A buffer saved by event e for its backward lives [e, 2E-1-e]; a backward scratch lives
+// only at its event, so scratch of different layers shares memory.
+#include "engine/model.h"
+
+#include <cmath>
+#include <cstdio>
+
+#include "engine/error.h"
+
+namespace mhar {
+
+namespace {
+
+// splitmix64: a tiny, fully specified generator, so initial weights are identical on
+// every platform and backend for the same seed.
+struct SplitMix64 {
+  uint64_t s;
+  uint64_t next() {
+    uint64_t z = (s += 0x9E3779B97F4A7C15ULL);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+  }
+  double uniform() { return (double(next() >> 11) + 0.5) * 0x1.0p-53; }  // (0, 1)
+  double normal() {  // Box-Muller; one draw per call keeps the stream simple
+    return std::sqrt(-2.0 * std::log(uniform())) * std::cos(6.283185307179586 * uniform());
+  }
+};
+
+}  // namespace
+
+struct Model::SublayerActs {
+  // Saved for the backward (both kinds).
+  int xn = -1, rstd = -1;
+  // Attention.
+  int q_pre = -1, k_pre = -1, q = -1, k = -1, v = -1, q_rstd = -1, k_rstd = -1, att = -1,
+      lse = -1;
+  // MLP.
+  int gate = -1, up = -1, h = -1;
+  // Backward scratch.
+  int d_xn = -1, d_att = -1, dq = -1, dk = -1, dv = -1, dq_pre = -1, dk_pre = -1, d_h = -1,
+      d_gate = -1, d_up = -1;
+};
+
+struct Model::StepBuffers {
+  int tokens = -1, targets = -1, history = -1, inv_rms = -1, losses = -1;
+  int dhistory = -1;  // routed modes: gradients of every source [S, N, d]
+  int dresid = -1;    // standard mode: running sum_{k >= j} dx_k, the gradient of v_j
+  std::vector<int> site_x, site_w, site_dx;
+  int xfn = -1, rstd_f = -1, logits = -1, d_xfn = -1;
+};
+
+Model::Model(const ModelConfig& model, const ResidualConfig& residual, Backend& backend,
+             int batch, int seq_len)
+    : cfg_(model), res_(residual), be_(backend), B_(batch), T_(seq_len),
+      N_(int64_t(batch) * seq_len) {
+  MHAR_CHECK(batch > 0 && seq_len > 0, "batch ", batch, " seq_len ", seq_len);
+  if (res_.routed())
+    MHAR_CHECK(res_.heads >= 1 && cfg_.d_model % res_.heads == 0, "routing heads ", res_.heads);
+  plan_parameters();
+  plan_activations();
+}
+
+Model::~Model() = default;
+
+void Model::plan_parameters() {
+  const int64_t d = cfg_.d_model, V = cfg_.vocab_size, F = cfg_.d_ff, hd = cfg_.head_dim;
+  const DType pt = be_.act_dtype(), gt = be_.grad_dtype();
+  param_plan_ = std::make_unique<MemoryPlan>("parameters");
+  grad_plan_ = std::make_unique<MemoryPlan>("gradients");
+  auto add = [&](const std::string& name, std::initializer_list<int64_t> shape, bool decay) {
+    param_plan_->add(name, pt, shape);
+    grad_plan_->add(name, gt, shape);
+    params_.push_back({name, Tensor(), Tensor(), decay});
+    return int(params_.size()) - 1;
+  };
+  embed_ = add("model.embed_tokens.weight", {V, d}, true);
+  for (int l = 0; l < cfg_.n_layers; ++l) {
+    const std::string pre = "model.layers." + std::to_string(l) + ".";
+    LayerParams lp;
+    lp.attn_norm = add(pre + "input_layernorm.weight", {d}, false);
+    lp.wq = add(pre + "self_attn.q_proj.weight", {cfg_.q_dim(), d}, true);
+    lp.wk = add(pre + "self_attn.k_proj.weight", {cfg_.kv_dim(), d}, true);
+    lp.wv = add(pre + "self_attn.v_proj.weight", {cfg_.kv_dim(), d}, true);
+    lp.wo = add(pre + "self_attn.o_proj.weight", {d, cfg_.q_dim()}, true);
+    lp.q_norm = add(pre + "self_attn.q_norm.weight", {hd}, false);
+    lp.k_norm = add(pre + "self_attn.k_norm.weight", {hd}, false);
+    lp.mlp_norm = add(pre + "post_attention_layernorm.weight", {d}, false);
+    lp.w_gate = add(pre + "mlp.gate_proj.weight", {F, d}, true);
+    lp.w_up = add(pre + "mlp.up_proj.weight", {F, d}, true);
+    lp.w_down = add(pre + "mlp.down_proj.weight", {d, F}, true);
+    layers_.push_back(lp);
+  }
+  final_norm_ = add("model.norm.weight", {d}, false);
+  if (!cfg_.tie_embeddings) lm_head_ = add("lm_head.weight", {V, d}, true);
+  if (res_.routed())
+    for (int j = 0; j < cfg_.n_sites(); ++j) {
+      route_query_.push_back(add("model.routing." + std::to_string(j) + ".query", {d}, false));
+      route_gain_.push_back(add("model.routing." + std::to_string(j) + ".gain", {d}, false));
+    }
+  param_plan_->plan();
+  grad_plan_->plan();
+  param_arena_ = std::make_unique<Arena>(be_, *param_plan_);
+  grad_arena_ = std::make_unique<Arena>(be_, *grad_plan_);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    params_[i].value = param_arena_->tensor(int(i));
+    params_[i].grad = grad_arena_->tensor(int(i));
+  }
+}
+
+void Model::plan_activations() {
+  const int L = cfg_.n_layers, S = cfg_.n_sources(), H = res_.heads;
+  const int64_t N = N_, d = cfg_.d_model, F = cfg_.d_ff, V = cfg_.vocab_size;
+  const int64_t qd = cfg_.q_dim(), kvd = cfg_.kv_dim();
+  const DType at = be_.act_dtype(), st = be_.stat_dtype();
+  const int E = 4 * L + 2, last = 2 * E - 1;
+  auto tb = [&](int e) { return 2 * E - 1 - e; };
+  auto site_ev = [](int j) { return 2 * j; };
+  auto sub_ev = [](int j) { return 2 * j + 1; };
+  const int head_ev = 4 * L + 1;
+
+  act_plan_ = std::make_unique<MemoryPlan>("activations");
+  MemoryPlan& P = *act_plan_;
+  step_ = std::make_unique<StepBuffers>();
+  StepBuffers& s = *step_;
+  s.tokens = P.add("tokens", DType::I32, {N}, 0, last);
+  s.targets = P.add("targets", DType::I32, {N}, 0, last);
+  s.history = P.add("history", at, {S, N, d}, 0, last);
+  s.losses = P.add("losses", st, {N}, 0, last);
+  if (res_.routed()) {
+    s.inv_rms = P.add("routing.inv_rms", st, {S, N}, 0, last);
+    s.dhistory = P.add("history.grad", at, {S, N, d}, tb(head_ev), last);
+  } else {
+    s.dresid = P.add("residual.grad", at, {N, d}, tb(head_ev), last);
+  }
+  for (int j = 0; j < S; ++j) {
+    const std::string name = "site." + std::to_string(j);
+    const int consumer = j < 2 * L ? sub_ev(j) : head_ev;  // the event that reads x_j
+    s.site_x.push_back(P.add(name + ".x", at, {N, d}, site_ev(j), tb(consumer)));
+    s.site_dx.push_back(P.add(name + ".x.grad", at, {N, d}, tb(consumer), tb(site_ev(j))));
+    if (res_.routed())
+      s.site_w.push_back(P.add(name + ".weights", st, {N, H, j + 1}, site_ev(j), tb(site_ev(j))));
+  }
+  for (int j = 0; j < 2 * L; ++j) {
+    const int e = sub_ev(j), b = tb(e);
+    const std::string name = "sublayer." + std::to_string(j) + ".";
+    auto A = std::make_unique<SublayerActs>();
+    A->xn = P.add(name + "xn", at, {N, d}, e, b);
+    A->rstd = P.add(name + "rstd", st, {N}, e, b);
+    A->d_xn = P.add(name + "xn.grad", at, {N, d}, b, b);
+    if (j % 2 == 0) {
+      const int64_t hq = cfg_.n_heads, hkv = cfg_.n_kv_heads;
+      A->q_pre = P.add(name + "q_pre", at, {N, qd}, e, b);
+      A->k_pre = P.add(name + "k_pre", at, {N, kvd}, e, b);
+      A->q = P.add(name + "q", at, {N, qd}, e, b);
+      A->k = P.add(name + "k", at, {N, kvd}, e, b);
+      A->v = P.add(name + "v", at, {N, kvd}, e, b);
+      A->q_rstd = P.add(name + "q_rstd", st, {N * hq}, e, b);
+      A->k_rstd = P.add(name + "k_rstd", st, {N * hkv}, e, b);
+      A->att = P.add(name + "att", at, {N, qd}, e, b);
+      A->lse = P.add(name + "lse", st, {int64_t(B_), hq, int64_t(T_)}, e, b);
+      A->d_att = P.add(name + "att.grad", at, {N, qd}, b, b);
+      A->dq = P.add(name + "q.grad", at, {N, qd}, b, b);
+      A->dk = P.add(name + "k.grad", at, {N, kvd}, b, b);
+      A->dv = P.add(name + "v.grad", at, {N, kvd}, b, b);
+      A->dq_pre = P.add(name + "q_pre.grad", at, {N, qd}, b, b);
+      A->dk_pre = P.add(name + "k_pre.grad", at, {N, kvd}, b, b);
+    } else {
+      A->gate = P.add(name + "gate", at, {N, F}, e, b);
+      A->up = P.add(name + "up", at, {N, F}, e, b);
+      A->h = P.add(name + "h", at, {N, F}, e, b);
+      A->d_h = P.add(name + "h.grad", at, {N, F}, b, b);
+      A->d_gate = P.add(name + "gate.grad", at, {N, F}, b, b);
+      A->d_up = P.add(name + "up.grad", at, {N, F}, b, b);
+    }
+    acts_.push_back(std::move(A));
+  }
+  s.xfn = P.add("head.xn", at, {N, d}, head_ev, tb(head_ev));
+  s.rstd_f = P.add("head.rstd", st, {N}, head_ev, tb(head_ev));
+  s.logits = P.add("head.logits", at, {N, V}, head_ev, tb(head_ev));
+  s.d_xfn = P.add("head.xn.grad", at, {N, d}, tb(head_ev), tb(head_ev));
+  P.plan();
+  act_arena_ = std::make_unique<Arena>(be_, P);
+}
+
+Tensor Model::act(int id) const { return act_arena_->tensor(id); }
+
+const Parameter& Model::parameter(const std::string& name) const {
+  for (const auto& p : params_)
+    if (p.name == name) return p;
+  fail("no parameter named ", name, " in this model (", residual_mode_name(res_.mode),
+       ", tie_embeddings=", cfg_.tie_embeddings ? "true" : "false", ")");
+}
+
+int64_t Model::num_parameters() const {
+  int64_t n = 0;
+  for (const auto& p : params_) n += p.value.numel();
+  return n;
+}
+
+Tensor Model::all_gradients() const {
+  Tensor t(grad_arena_->base(), be_.grad_dtype(),
+           {int64_t(grad_plan_->total_bytes() / dtype_size(be_.grad_dtype()))});
+  return t;  // alignment padding between tensors is zero and stays zero
+}
+
+void Model::init_weights(uint64_t seed) {
+  const double std = cfg_.init_std, out_scale = 1.0 / std::sqrt(2.0 * cfg_.n_layers);
+  std::vector<double> host;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Parameter& prm = params_[i];
+    host.assign(size_t(prm.value.numel()), 0.0);
+    const std::string& n = prm.name;
+    auto ends_with = [&](const char* suffix) {
+      std::string s(suffix);
+      return n.size() >= s.size() && n.compare(n.size() - s.size(), s.size(), s) == 0;
+    };
+    if (ends_with(".query")) {
+      // zero: every site starts as the uniform mean of its sources
+    } else if (prm.value.ndim == 1) {
+      std::fill(host.begin(), host.end(), 1.0);  // norm weights and routing gains
+    } else {
+      // Each tensor draws from its own stream, keyed by seed and name, so adding a tensor
+      // never changes the others' initial values.
+      uint64_t key = seed;
+      for (char c : n) key = key * 1099511628211ULL + uint8_t(c);
+      SplitMix64 rng{key};
+      const double scale =
+          std * ((ends_with("o_proj.weight") || ends_with("down_proj.weight")) ? out_scale : 1.0);
+      for (double& x : host) x = scale * rng.normal();
+    }
+    be_.upload(prm.value, host.data());
+  }
+}
+
+void Model::zero_grads() { be_.zero(all_gradients()); }
+
+Tensor Model::logits() const { return act(step_->logits); }
+Tensor Model::site_input(int site) const { return act(step_->site_x.at(site)); }
+Tensor Model::routing_weights(int site) const {
+  MHAR_CHECK(res_.routed(), "routing weights exist only in routed modes");
+  return act(step_->site_w.at(site));
+}
+Tensor Model::history() const { return act(step_->history); }
+
+std::string Model::memory_report() const {
+  std::string out;
+  for (const MemoryPlan* p : {param_plan_.get(), grad_plan_.get(), act_plan_.get()}) {
+    char line[200];
+    std::snprintf(line, sizeof line, "%-12s %12s allocated (%s requested, %zu tensors)\n",
+                  p->category().c_str(), format_bytes(p->total_bytes()).c_str(),
+                  format_bytes(p->requested_bytes()).c_str(), p->buffers().size());
+    out += line;
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------- forward
+
+double Model::forward(const int32_t* tokens, const int32_t* targets, double loss_scale) {
+  const StepBuffers& s = *step_;
+  loss_scale_ = loss_scale;
+  be_.upload_tokens(act(s.tokens), tokens);
+  be_.upload_tokens(act(s.targets), targets);
+  Tensor hist = act(s.history);
+  be_.embedding_forward(hist[0], act(s.tokens), p(embed_));
+  for (int j = 0; j < cfg_.n_sites(); ++j) {
+    site_forward(j);
+    if (j == 2 * cfg_.n_layers) break;
+    if (j % 2 == 0) attention_forward(j / 2);
+    else mlp_forward(j / 2);
+  }
+  // Head: final norm of site 2L's input, LM head, cross-entropy.
+  const int last_site = 2 * cfg_.n_layers;
+  be_.rmsnorm_forward(act(s.xfn), act(s.rstd_f), act(s.site_x[last_site]), p(final_norm_),
+                      cfg_.rms_eps);
+  Tensor head_w = lm_head_ >= 0 ? p(lm_head_) : p(embed_);
+  be_.matmul(act(s.logits), act(s.xfn), head_w, false, true, false);
+  be_.cross_entropy(act(s.losses), act(s.logits), act(s.targets), loss_scale / double(N_),
+                    loss_scale != 0);
+  std::vector<double> losses(static_cast<size_t>(N_));
+  be_.download(losses.data(), act(s.losses));
+  double sum = 0;
+  for (double l : losses) sum += l;
+  return sum / double(N_);
+}
+
+void Model::site_forward(int j) {
+  const StepBuffers& s = *step_;
+  Tensor hist = act(s.history), x = act(s.site_x[j]);
+  if (!res_.routed()) {  // standard: x_j = x_{j-1} + v_j, x_0 = v_0
+    if (j == 0) be_.copy(x, hist[0]);
+    else be_.add(x, act(s.site_x[j - 1]), hist[j]);
+    return;
+  }
+  // Source j was written just before this site: its RMS statistics are computed once
+  // here and shared by every later site.
+  be_.routing_source_stats(act(s.inv_rms)[j], hist[j], cfg_.rms_eps);
+  be_.routing_forward(x, act(s.site_w[j]), hist, act(s.inv_rms), p(route_query_[j]),
+                      p(route_gain_[j]), j + 1, res_.heads);
+}
+
+void Model::attention_forward(int l) {
+  const int j = 2 * l;
+  const SublayerActs& A = *acts_[j];
+  const LayerParams& lp = layers_[l];
+  const int64_t hq = cfg_.n_heads, hkv = cfg_.n_kv_heads, hd = cfg_.head_dim;
+  be_.rmsnorm_forward(act(A.xn), act(A.rstd), site_input(j), p(lp.attn_norm), cfg_.rms_eps);
+  be_.matmul(act(A.q_pre), act(A.xn), p(lp.wq), false, true, false);
+  be_.matmul(act(A.k_pre), act(A.xn), p(lp.wk), false, true, false);
+  be_.matmul(act(A.v), act(A.xn), p(lp.wv), false, true, false);
+  be_.rmsnorm_forward(act(A.q), act(A.q_rstd), act(A.q_pre), p(lp.q_norm), cfg_.rms_eps);
+  be_.rmsnorm_forward(act(A.k), act(A.k_rstd), act(A.k_pre), p(lp.k_norm), cfg_.rms_eps);
+  Tensor q4 = act(A.q).view({B_, T_, hq, hd}), k4 = act(A.k).view({B_, T_, hkv, hd});
+  be_.rope(q4, cfg_.rope_theta, false);
+  be_.rope(k4, cfg_.rope_theta, false);
+  be_.attention_forward(act(A.att).view({B_, T_, hq, hd}), act(A.lse), q4, k4,
+                        act(A.v).view({B_, T_, hkv, hd}));
+  be_.matmul(history()[j + 1], act(A.att), p(lp.wo), false, true, false);
+}
+
+void Model::mlp_forward(int l) {
+  const int j = 2 * l + 1;
+  const SublayerActs& A = *acts_[j];
+  const LayerParams& lp = layers_[l];
+  be_.rmsnorm_forward(act(A.xn), act(A.rstd), site_input(j), p(lp.mlp_norm), cfg_.rms_eps);
+  be_.matmul(act(A.gate), act(A.xn), p(lp.w_gate), false, true, false);
+  be_.matmul(act(A.up), act(A.xn), p(lp.w_up), false, true, false);
+  be_.swiglu_forward(act(A.h), act(A.gate), act(A.up));
+  be_.matmul(history()[j + 1], act(A.h), p(lp.w_down), false, true, false);
+}
+
+// ---------------------------------------------------------------- backward
+
+Tensor Model::source_grad(int source) {
+  // Routed: slot `source` of the history gradient, complete once every site >= source
+  // has run its backward. Standard: the running sum of site gradients, which at this
+  // point is exactly sum_{k >= source} dx_k.
+  return res_.routed() ? act(step_->dhistory)[source] : act(step_->dresid);
+}
+
+void Model::backward() {
+  MHAR_CHECK(loss_scale_ != 0, "backward() after a forward without a loss scale");
+  const StepBuffers& s = *step_;
+  const int last_site = 2 * cfg_.n_layers;
+  if (res_.routed()) be_.zero(act(s.dhistory));
+  else be_.zero(act(s.dresid));
+  // Head: the logits buffer now holds d(loss)/d(logits).
+  Tensor head_w = lm_head_ >= 0 ? p(lm_head_) : p(embed_);
+  Tensor head_g = lm_head_ >= 0 ? g(lm_head_) : g(embed_);
+  be_.matmul(act(s.d_xfn), act(s.logits), head_w, false, false, false);
+  be_.matmul(head_g, act(s.logits), act(s.xfn), true, false, true);
+  be_.rmsnorm_backward(act(s.site_dx[last_site]), g(final_norm_), act(s.d_xfn),
+                       site_input(last_site), p(final_norm_), act(s.rstd_f), false);
+  for (int j = last_site; j >= 0; --j) {
+    if (j < last_site) {
+      if (j % 2 == 0) attention_backward(j / 2);
+      else mlp_backward(j / 2);
+    }
+    site_backward(j);
+  }
+  be_.embedding_backward(g(embed_), source_grad(0), act(s.tokens));
+  loss_scale_ = 0;  // the logits buffer no longer holds a gradient we may reuse
+}
+
+void Model::site_backward(int j) {
+  const StepBuffers& s = *step_;
+  Tensor dx = act(s.site_dx[j]);
+  if (!res_.routed()) {
+    be_.add_inplace(act(s.dresid), dx);
+    return;
+  }
+  be_.routing_backward(act(s.dhistory), g(route_query_[j]), g(route_gain_[j]), dx, history(),
+                       act(s.inv_rms), act(s.site_w[j]), p(route_query_[j]), p(route_gain_[j]),
+                       j + 1, res_.heads);
+}
+
+void Model::attention_backward(int l) {
+  const int j = 2 * l;
+  const SublayerActs& A = *acts_[j];
+  const LayerParams& lp = layers_[l];
+  const int64_t hq = cfg_.n_heads, hkv = cfg_.n_kv_heads, hd = cfg_.head_dim;
+  Tensor dout = source_grad(j + 1);
+  be_.matmul(act(A.d_att), dout, p(lp.wo), false, false, false);
+  be_.matmul(g(lp.wo), dout, act(A.att), true, false, true);
+  Tensor dq4 = act(A.dq).view({B_, T_, hq, hd}), dk4 = act(A.dk).view({B_, T_, hkv, hd});
+  be_.attention_backward(dq4, dk4, act(A.dv).view({B_, T_, hkv, hd}),
+                         act(A.d_att).view({B_, T_, hq, hd}), act(A.q).view({B_, T_, hq, hd}),
+                         act(A.k).view({B_, T_, hkv, hd}), act(A.v).view({B_, T_, hkv, hd}),
+                         act(A.att).view({B_, T_, hq, hd}), act(A.lse));
+  be_.rope(dq4, cfg_.rope_theta, true);
+  be_.rope(dk4, cfg_.rope_theta, true);
+  be_.rmsnorm_backward(act(A.dq_pre), g(lp.q_norm), act(A.dq), act(A.q_pre), p(lp.q_norm),
+                       act(A.q_rstd), false);
+  be_.rmsnorm_backward(act(A.dk_pre), g(lp.k_norm), act(A.dk), act(A.k_pre), p(lp.k_norm),
+                       act(A.k_rstd), false);
+  be_.matmul(act(A.d_xn), act(A.dq_pre), p(lp.wq), false, false, false);
+  be_.matmul(act(A.d_xn), act(A.dk_pre), p(lp.wk), false, false, true);
+  be_.matmul(act(A.d_xn), act(A.dv), p(lp.wv), false, false, true);
+  be_.matmul(g(lp.wq), act(A.dq_pre), act(A.xn), true, false, true);
+  be_.matmul(g(lp.wk), act(A.dk_pre), act(A.xn), true, false, true);
+  be_.matmul(g(lp.wv), act(A.dv), act(A.xn), true, false, true);
+  be_.rmsnorm_backward(act(step_->site_dx[j]), g(lp.attn_norm), act(A.d_xn), site_input(j),
+                       p(lp.attn_norm), act(A.rstd), false);
+}
+
+void Model::mlp_backward(int l) {
+  const int j = 2 * l + 1;
+  const SublayerActs& A = *acts_[j];
+  const LayerParams& lp = layers_[l];
+  Tensor dout = source_grad(j + 1);
+  be_.matmul(act(A.d_h), dout, p(lp.w_down), false, false, false);
+  be_.matmul(g(lp.w_down), dout, act(A.h), true, false, true);
+  be_.swiglu_backward(act(A.d_gate), act(A.d_up), act(A.d_h), act(A.gate), act(A.up));
+  be_.matmul(act(A.d_xn), act(A.d_gate), p(lp.w_gate), false, false, false);
+  be_.matmul(act(A.d_xn), act(A.d_up), p(lp.w_up), false, false, true);
+  be_.matmul(g(lp.w_gate), act(A.d_gate), act(A.xn), true, false, true);
+  be_.matmul(g(lp.w_up), act(A.d_up), act(A.xn), true, false, true);
+  be_.rmsnorm_backward(act(step_->site_dx[j]), g(lp.mlp_norm), act(A.d_xn), site_input(j),
+                       p(lp.mlp_norm), act(A.rstd), false);
+}
+
+}  // namespace mhar

@@ -1,0 +1,110 @@
+// model.h: the model of DESIGN.md sections 1-2 and its one layer loop.
+//
+// The Model owns three allocations (parameters, gradients, activations; see
+// allocator.h) and runs forward and backward through a Backend. Its layer loop treats
+// the depth history as a first-class stage: sources v_0 (embedding), v_{2l+1}
+// (attention of layer l) and v_{2l+2} (MLP of layer l) live in one [S, N, d] buffer;
+// every sublayer writes its output straight into its slot with its last matmul, and
+// routing site j builds the input of sublayer j (site 2L feeds the final norm) from
+// slots 0..j according to the residual mode.
+//
+// Parameter names are Hugging Face Qwen3's (DESIGN.md section 6).
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/allocator.h"
+#include "engine/backend.h"
+#include "engine/config.h"
+
+namespace mhar {
+
+struct Parameter {
+  std::string name;
+  Tensor value;  // act_dtype
+  Tensor grad;   // grad_dtype
+  bool decay;    // AdamW weight decay applies (matrices only)
+};
+
+class Model {
+ public:
+  Model(const ModelConfig& model, const ResidualConfig& residual, Backend& backend, int batch,
+        int seq_len);
+  ~Model();
+
+  const ModelConfig& config() const { return cfg_; }
+  const ResidualConfig& residual() const { return res_; }
+  Backend& backend() { return be_; }
+  int batch() const { return B_; }
+  int seq_len() const { return T_; }
+
+  std::vector<Parameter>& parameters() { return params_; }
+  const Parameter& parameter(const std::string& name) const;  // throws for unknown names
+  int64_t num_parameters() const;
+  // The whole gradient allocation as one flat tensor (for the global norm).
+  Tensor all_gradients() const;
+
+  // DESIGN.md init: normal(0, init_std), output projections scaled by 1/sqrt(2L), norm
+  // weights 1, routing queries 0 and gains 1. Deterministic in `seed` on every backend.
+  void init_weights(uint64_t seed);
+  void zero_grads();
+
+  // Runs the forward pass on tokens/targets [B*T] (host memory) and returns the mean
+  // cross-entropy. With `loss_scale` != 0 the logits buffer is turned into the gradient
+  // of loss_scale * mean loss, ready for backward(); with 0 the logits stay readable.
+  double forward(const int32_t* tokens, const int32_t* targets, double loss_scale);
+  // Accumulates (+=) parameter gradients of loss_scale * mean loss of the last forward.
+  void backward();
+
+  // Views for tests, reports and sampling (valid after forward).
+  Tensor logits() const;                  // [N, V]
+  Tensor site_input(int site) const;      // x_j [N, d]
+  Tensor routing_weights(int site) const; // [N, H, site+1] (routed modes only)
+  Tensor history() const;                 // [S, N, d]
+
+  const MemoryPlan& parameter_plan() const { return *param_plan_; }
+  const MemoryPlan& activation_plan() const { return *act_plan_; }
+  // One line per category: bytes requested and bytes allocated after lifetime reuse.
+  std::string memory_report() const;
+
+ private:
+  struct LayerParams {
+    int attn_norm, wq, wk, wv, wo, q_norm, k_norm, mlp_norm, w_gate, w_up, w_down;
+  };
+  struct SublayerActs;  // defined in model.cpp
+
+  void plan_parameters();
+  void plan_activations();
+  Tensor p(int id) const { return params_[id].value; }
+  Tensor g(int id) const { return params_[id].grad; }
+  Tensor act(int id) const;
+  Tensor source_grad(int source);  // gradient of v_source, complete when read
+  void site_forward(int site);
+  void site_backward(int site);
+  void attention_forward(int layer);
+  void attention_backward(int layer);
+  void mlp_forward(int layer);
+  void mlp_backward(int layer);
+
+  ModelConfig cfg_;
+  ResidualConfig res_;
+  Backend& be_;
+  int B_, T_;
+  int64_t N_;
+  double loss_scale_ = 0;
+
+  std::vector<Parameter> params_;
+  int embed_ = -1, final_norm_ = -1, lm_head_ = -1;
+  std::vector<LayerParams> layers_;
+  std::vector<int> route_query_, route_gain_;
+
+  std::unique_ptr<MemoryPlan> param_plan_, grad_plan_, act_plan_;
+  std::unique_ptr<Arena> param_arena_, grad_arena_, act_arena_;
+  std::vector<std::unique_ptr<SublayerActs>> acts_;  // one per sublayer, then the head
+  struct StepBuffers;
+  std::unique_ptr<StepBuffers> step_;
+};
+
+}  // namespace mhar
