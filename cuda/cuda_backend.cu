@@ -1,0 +1,243 @@
+// cuda_backend.cu: the CUDA implementation of mhar::Backend. Owns the device selection,
+// the one stream, the cuBLASLt/cuBLAS handles and workspace, and a one-double scratch
+// for sum_squares; memory ops and host transfers live here, kernels in one .cu per op
+// family (kernels.h).
+// - act_dtype BF16, stat_dtype F32, grad_dtype F32.
+// - allocate() is cudaMalloc, zero-filled and synchronous (not on the hot path).
+// - upload/download convert on the host between float64 and the tensor's dtype (BF16
+//   rounds to nearest even; NaN stays NaN) through a host staging vector.
+#include <cstring>
+#include <vector>
+
+#include "cuda/common.cuh"
+#include "cuda/cuda_backend.h"
+#include "cuda/device.h"
+#include "cuda/kernels.h"
+
+namespace mhar {
+namespace {
+
+uint16_t host_float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return uint16_t((bits >> 16) | 0x0040u);  // quiet NaN
+  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
+  return uint16_t(bits >> 16);
+}
+float host_bf16_to_float(uint16_t h) {
+  uint32_t bits = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(int device) : device_(device) {
+    int n = cuda::device_count();
+    if (device < 0 || device >= n)
+      fail("CUDA device ", device, " does not exist (", n, " device(s) found)");
+    CUDA_CHECK(cudaSetDevice(device_));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    CUBLAS_CHECK(cublasLtCreate(&mm_.lt));
+    CUBLAS_CHECK(cublasCreate(&mm_.blas));
+    CUBLAS_CHECK(cublasSetStream(mm_.blas, stream_));
+    // 32 MiB: cuBLASLt's recommendation for Hopper is at least 32 MiB for the best kernels.
+    mm_.workspace_bytes = size_t(32) << 20;
+    CUDA_CHECK(cudaMalloc(&mm_.workspace, mm_.workspace_bytes));
+    CUBLAS_CHECK(cublasSetWorkspace(mm_.blas, mm_.workspace, mm_.workspace_bytes));
+    CUDA_CHECK(cudaMalloc(&scratch_, sizeof(double)));
+  }
+  ~CudaBackend() override {
+    cudaSetDevice(device_);
+    cudaStreamSynchronize(stream_);
+    cudaFree(scratch_);
+    cudaFree(mm_.workspace);
+    cublasDestroy(mm_.blas);
+    cublasLtDestroy(mm_.lt);
+    cudaStreamDestroy(stream_);
+  }
+
+  std::string name() const override { return "cuda:" + std::to_string(device_); }
+  DType act_dtype() const override { return DType::BF16; }
+  DType stat_dtype() const override { return DType::F32; }
+  DType grad_dtype() const override { return DType::F32; }
+
+  void* allocate(size_t bytes) override {
+    void* p = nullptr;
+    if (bytes == 0) return nullptr;
+    cudaError_t err = cudaMalloc(&p, bytes);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      size_t free_b = 0, total_b = 0;
+      cudaMemGetInfo(&free_b, &total_b);
+      fail("CUDA: cannot allocate ", bytes, " bytes on device ", device_, " (", free_b,
+           " free of ", total_b, "): ", cudaGetErrorString(err));
+    }
+    CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream_));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    return p;
+  }
+  void release(void* p) override {
+    if (!p) return;
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    CUDA_CHECK(cudaFree(p));
+  }
+  void zero(Tensor t) override {
+    if (t.bytes()) CUDA_CHECK(cudaMemsetAsync(t.data, 0, t.bytes(), stream_));
+  }
+  void copy(Tensor dst, Tensor src) override {
+    MHAR_CHECK(dst.dtype == src.dtype && dst.numel() == src.numel(), "copy ", dst.shape_str(),
+               dtype_name(dst.dtype), " <- ", src.shape_str(), dtype_name(src.dtype));
+    if (dst.bytes() && dst.data != src.data)
+      CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, dst.bytes(), cudaMemcpyDeviceToDevice,
+                                 stream_));
+  }
+
+  void upload(Tensor dst, const double* host) override {
+    const int64_t n = dst.numel();
+    std::vector<unsigned char> staging(dst.bytes());
+    switch (dst.dtype) {
+      case DType::F64: std::memcpy(staging.data(), host, dst.bytes()); break;
+      case DType::F32: {
+        auto* p = reinterpret_cast<float*>(staging.data());
+        for (int64_t i = 0; i < n; ++i) p[i] = float(host[i]);
+        break;
+      }
+      case DType::BF16: {
+        auto* p = reinterpret_cast<uint16_t*>(staging.data());
+        for (int64_t i = 0; i < n; ++i) p[i] = host_float_to_bf16(float(host[i]));
+        break;
+      }
+      case DType::I32: {
+        auto* p = reinterpret_cast<int32_t*>(staging.data());
+        for (int64_t i = 0; i < n; ++i) p[i] = int32_t(host[i]);
+        break;
+      }
+    }
+    put(dst, staging.data());
+  }
+  void download(double* host, Tensor src) override {
+    const int64_t n = src.numel();
+    std::vector<unsigned char> staging(src.bytes());
+    if (src.bytes()) {
+      CUDA_CHECK(cudaMemcpyAsync(staging.data(), src.data, src.bytes(), cudaMemcpyDeviceToHost,
+                                 stream_));
+      CUDA_CHECK(cudaStreamSynchronize(stream_));
+    }
+    switch (src.dtype) {
+      case DType::F64: std::memcpy(host, staging.data(), src.bytes()); break;
+      case DType::F32: {
+        auto* p = reinterpret_cast<const float*>(staging.data());
+        for (int64_t i = 0; i < n; ++i) host[i] = p[i];
+        break;
+      }
+      case DType::BF16: {
+        auto* p = reinterpret_cast<const uint16_t*>(staging.data());
+        for (int64_t i = 0; i < n; ++i) host[i] = host_bf16_to_float(p[i]);
+        break;
+      }
+      case DType::I32: {
+        auto* p = reinterpret_cast<const int32_t*>(staging.data());
+        for (int64_t i = 0; i < n; ++i) host[i] = p[i];
+        break;
+      }
+    }
+  }
+  void upload_tokens(Tensor dst, const int32_t* host) override {
+    cuda::check_dtype(dst, DType::I32, "upload_tokens", "dst");
+    put(dst, host);
+  }
+  void synchronize() override { CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+  void embedding_forward(Tensor out, Tensor tokens, Tensor table) override {
+    cuda::embedding_forward(stream_, out, tokens, table);
+  }
+  void embedding_backward(Tensor dtable, Tensor dout, Tensor tokens) override {
+    cuda::embedding_backward(stream_, dtable, dout, tokens);
+  }
+  void rmsnorm_forward(Tensor y, Tensor rstd, Tensor x, Tensor w, double eps) override {
+    cuda::rmsnorm_forward(stream_, y, rstd, x, w, eps);
+  }
+  void rmsnorm_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor rstd,
+                        bool accumulate_dx) override {
+    cuda::rmsnorm_backward(stream_, dx, dw, dy, x, w, rstd, accumulate_dx);
+  }
+  void matmul(Tensor c, Tensor a, Tensor b, bool trans_a, bool trans_b, bool accumulate) override {
+    cuda::matmul(stream_, mm_, c, a, b, trans_a, trans_b, accumulate);
+  }
+  void rope(Tensor x, double theta, bool backward) override {
+    cuda::rope(stream_, x, theta, backward);
+  }
+  void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v) override {
+    cuda::attention_forward(stream_, out, lse, q, k, v);
+  }
+  void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k,
+                          Tensor v, Tensor out, Tensor lse) override {
+    cuda::attention_backward(stream_, dq, dk, dv, dout, q, k, v, out, lse);
+  }
+  void swiglu_forward(Tensor h, Tensor gate, Tensor up) override {
+    cuda::swiglu_forward(stream_, h, gate, up);
+  }
+  void swiglu_backward(Tensor dgate, Tensor dup, Tensor dh, Tensor gate, Tensor up) override {
+    cuda::swiglu_backward(stream_, dgate, dup, dh, gate, up);
+  }
+  void add(Tensor out, Tensor a, Tensor b) override { cuda::add(stream_, out, a, b); }
+  void add_inplace(Tensor y, Tensor x) override { cuda::add_inplace(stream_, y, x); }
+  void cross_entropy(Tensor losses, Tensor logits, Tensor targets, double grad_scale,
+                     bool compute_grad) override {
+    cuda::cross_entropy(stream_, losses, logits, targets, grad_scale, compute_grad);
+  }
+  void routing_source_stats(Tensor inv_rms, Tensor v, double eps) override {
+    cuda::routing_source_stats(stream_, inv_rms, v, eps);
+  }
+  void routing_forward(Tensor x, Tensor weights, Tensor history, Tensor inv_rms, Tensor query,
+                       Tensor gain, int n_src, int heads) override {
+    cuda::routing_forward(stream_, x, weights, history, inv_rms, query, gain, n_src, heads);
+  }
+  void routing_backward(Tensor dhistory, Tensor dquery, Tensor dgain, Tensor dx, Tensor history,
+                        Tensor inv_rms, Tensor weights, Tensor query, Tensor gain, int n_src,
+                        int heads) override {
+    cuda::routing_backward(stream_, dhistory, dquery, dgain, dx, history, inv_rms, weights,
+                           query, gain, n_src, heads);
+  }
+  double sum_squares(Tensor t) override { return cuda::sum_squares(stream_, t, scratch_); }
+  void adamw(Tensor param, Tensor master, Tensor grad, Tensor m, Tensor v,
+             const AdamW& hp) override {
+    cuda::adamw(stream_, param, master, grad, m, v, hp);
+  }
+
+ private:
+  void put(Tensor dst, const void* host) {
+    if (!dst.bytes()) return;
+    CUDA_CHECK(cudaMemcpyAsync(dst.data, host, dst.bytes(), cudaMemcpyHostToDevice, stream_));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));  // the host buffer may go away on return
+  }
+
+  int device_;
+  cudaStream_t stream_ = nullptr;
+  cuda::MatmulContext mm_;
+  double* scratch_ = nullptr;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cuda_backend(int device) {
+  return std::make_unique<CudaBackend>(device);
+}
+
+namespace cuda {
+int grid_stride_blocks(int64_t work_items, int threads) {
+  static int sms = [] {
+    int dev = 0, n = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    return n;
+  }();
+  int64_t want = ceil_div(work_items, threads);
+  int64_t cap = int64_t(sms) * 8;
+  return int(want < 1 ? 1 : (want < cap ? want : cap));
+}
+}  // namespace cuda
+
+}  // namespace mhar

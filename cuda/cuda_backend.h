@@ -1,0 +1,15 @@
+// cuda_backend.h: the CUDA backend (bf16 activations and weights, fp32 statistics and
+// parameter gradients, fp32 accumulation everywhere), tested op by op against the CPU
+// reference (tests/*_cudatest.cpp). One stream per backend; every op is asynchronous on
+// it except the host transfers and sum_squares, which synchronise.
+#pragma once
+#include <memory>
+
+#include "engine/backend.h"
+
+namespace mhar {
+
+// Fails (mhar::Error) when `device` does not exist.
+std::unique_ptr<Backend> make_cuda_backend(int device = 0);
+
+}  // namespace mhar

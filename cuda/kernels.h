@@ -1,0 +1,69 @@
+// kernels.h: the CUDA backend's op entry points, one group per .cu file (internal to
+// cuda/). Each takes the backend's stream and the same tensors as the matching
+// mhar::Backend method (engine/backend.h), with the same semantics: ops named "+=" there
+// accumulate into their output, all others overwrite every element. Shapes and dtypes
+// are checked here; every function only enqueues work on `stream`.
+#pragma once
+#include <cublasLt.h>
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include "engine/backend.h"
+#include "engine/tensor.h"
+
+namespace mhar::cuda {
+
+// embedding.cu
+void embedding_forward(cudaStream_t s, Tensor out, Tensor tokens, Tensor table);
+void embedding_backward(cudaStream_t s, Tensor dtable, Tensor dout, Tensor tokens);
+
+// norm.cu
+void rmsnorm_forward(cudaStream_t s, Tensor y, Tensor rstd, Tensor x, Tensor w, double eps);
+void rmsnorm_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,
+                      Tensor rstd, bool accumulate_dx);
+
+// rope.cu
+void rope(cudaStream_t s, Tensor x, double theta, bool backward);
+
+// attention.cu
+void attention_forward(cudaStream_t s, Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v);
+void attention_backward(cudaStream_t s, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q,
+                        Tensor k, Tensor v, Tensor out, Tensor lse);
+
+// matmul.cu: cuBLASLt first, cuBLAS GemmEx when Lt offers no algorithm for a shape.
+struct MatmulContext {
+  cublasLtHandle_t lt = nullptr;
+  cublasHandle_t blas = nullptr;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+void matmul(cudaStream_t s, MatmulContext& ctx, Tensor c, Tensor a, Tensor b, bool trans_a,
+            bool trans_b, bool accumulate);
+
+// mlp.cu
+void swiglu_forward(cudaStream_t s, Tensor h, Tensor gate, Tensor up);
+void swiglu_backward(cudaStream_t s, Tensor dgate, Tensor dup, Tensor dh, Tensor gate, Tensor up);
+
+// classifier.cu
+void cross_entropy(cudaStream_t s, Tensor losses, Tensor logits, Tensor targets,
+                   double grad_scale, bool compute_grad);
+
+// routing.cu
+void routing_source_stats(cudaStream_t s, Tensor inv_rms, Tensor v, double eps);
+void routing_forward(cudaStream_t s, Tensor x, Tensor weights, Tensor history, Tensor inv_rms,
+                     Tensor query, Tensor gain, int n_src, int heads);
+void routing_backward(cudaStream_t s, Tensor dhistory, Tensor dquery, Tensor dgain, Tensor dx,
+                      Tensor history, Tensor inv_rms, Tensor weights, Tensor query, Tensor gain,
+                      int n_src, int heads);
+
+// reductions.cu. sum_squares accumulates into *scratch (one device double) and returns the
+// host value (synchronises the stream).
+double sum_squares(cudaStream_t s, Tensor t, double* scratch);
+void add(cudaStream_t s, Tensor out, Tensor a, Tensor b);
+void add_inplace(cudaStream_t s, Tensor y, Tensor x);
+
+// optimizer.cu
+void adamw(cudaStream_t s, Tensor param, Tensor master, Tensor grad, Tensor m, Tensor v,
+           const Backend::AdamW& hp);
+
+}  // namespace mhar::cuda

@@ -1,0 +1,155 @@
+// matmul.cu: C [M, N] = op(A) op(B) (beta = 1 when accumulating), row-major, through
+// cuBLASLt with fp32 accumulation (CUBLAS_COMPUTE_32F, fp32 alpha/beta).
+// - A and B share a dtype: BF16 (the hot path) or F32 (plain fp32, no TF32).
+// - C is BF16 or F32: a weight gradient accumulates straight into its fp32 grad buffer.
+//   F32 inputs need an F32 C.
+// Row-major to cuBLAS's column-major: a row-major [r, c] matrix is a column-major [c, r]
+// one, so we ask for C^T = op(B)^T op(A)^T, i.e. Lt's "A" is our B and its "B" our A.
+// Algorithms come from Lt's heuristic once per (shape, transposes, dtypes) and are cached;
+// when Lt offers none (unusual alignments), cublasGemmEx computes the same product.
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include "cuda/common.cuh"
+#include "cuda/kernels.h"
+
+namespace mhar::cuda {
+namespace {
+
+cudaDataType_t cuda_type(DType t) {
+  switch (t) {
+    case DType::BF16: return CUDA_R_16BF;
+    case DType::F32: return CUDA_R_32F;
+    default: fail("CUDA matmul: unsupported dtype ", dtype_name(t), " (BF16 or F32)");
+  }
+}
+
+struct Key {
+  int64_t m, n, k;
+  bool ta, tb;
+  DType ab, c;
+  uint32_t align_a, align_b, align_c;  // Lt's algorithms may need aligned pointers
+  bool operator<(const Key& o) const {
+    return std::tie(m, n, k, ta, tb, ab, c, align_a, align_b, align_c) <
+           std::tie(o.m, o.n, o.k, o.ta, o.tb, o.ab, o.c, o.align_a, o.align_b, o.align_c);
+  }
+};
+struct Plan {
+  bool use_lt = false;
+  cublasLtMatmulAlgo_t algo{};
+};
+
+// Largest power of two (up to 256) dividing the address: views into an arena may start
+// anywhere, and Lt's heuristic assumes 256-byte alignment unless told otherwise.
+uint32_t alignment(const void* p) {
+  uint32_t a = 256;
+  while (a > 1 && reinterpret_cast<uintptr_t>(p) % a) a >>= 1;
+  return a;
+}
+
+std::mutex plan_mutex;
+std::map<Key, Plan> plans;  // shapes repeat every step: one heuristic call per shape
+
+struct LtObjects {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  ~LtObjects() {
+    if (c) cublasLtMatrixLayoutDestroy(c);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+};
+
+}  // namespace
+
+void matmul(cudaStream_t s, MatmulContext& ctx, Tensor c, Tensor a, Tensor b, bool trans_a,
+            bool trans_b, bool accumulate) {
+  MHAR_CHECK(a.ndim == 2 && b.ndim == 2 && c.ndim == 2, "matmul wants 2-D tensors, got ",
+             a.shape_str(), " ", b.shape_str(), " ", c.shape_str());
+  MHAR_CHECK(a.dtype == b.dtype, "matmul: A is ", dtype_name(a.dtype), ", B is ",
+             dtype_name(b.dtype));
+  const int64_t M = trans_a ? a.dim(1) : a.dim(0);
+  const int64_t K = trans_a ? a.dim(0) : a.dim(1);
+  const int64_t Kb = trans_b ? b.dim(1) : b.dim(0);
+  const int64_t N = trans_b ? b.dim(0) : b.dim(1);
+  MHAR_CHECK(K == Kb && c.dim(0) == M && c.dim(1) == N, "matmul shapes: C ", c.shape_str(),
+             " = op(A ", a.shape_str(), (trans_a ? "^T" : ""), ") op(B ", b.shape_str(),
+             (trans_b ? "^T" : ""), ")");
+  if (a.dtype == DType::F32 && c.dtype != DType::F32)
+    fail("CUDA matmul: F32 inputs need an F32 output, got ", dtype_name(c.dtype));
+  if (M == 0 || N == 0) return;
+  if (K == 0) {
+    if (!accumulate) CUDA_CHECK(cudaMemsetAsync(c.data, 0, c.bytes(), s));
+    return;
+  }
+  const cudaDataType_t ab_type = cuda_type(a.dtype), c_type = cuda_type(c.dtype);
+  const float alpha = 1.f, beta = accumulate ? 1.f : 0.f;
+
+  // Column-major view: C^T [N, M] = opL(B^T-storage) [N, K] x opR(A^T-storage) [K, M].
+  const cublasOperation_t op_l = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t op_r = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const int64_t ld_b = b.dim(1), ld_a = a.dim(1), ld_c = N;
+
+  LtObjects lt;
+  CUBLAS_CHECK(cublasLtMatmulDescCreate(&lt.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(lt.op, CUBLASLT_MATMUL_DESC_TRANSA, &op_l,
+                                              sizeof op_l));
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(lt.op, CUBLASLT_MATMUL_DESC_TRANSB, &op_r,
+                                              sizeof op_r));
+  // Stored (column-major) shapes: B storage is [b.dim(1), b.dim(0)], A storage [a.dim(1), a.dim(0)].
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lt.a, ab_type, b.dim(1), b.dim(0), ld_b));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lt.b, ab_type, a.dim(1), a.dim(0), ld_a));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lt.c, c_type, N, M, ld_c));
+
+  const Key key{M, N, K, trans_a, trans_b, a.dtype, c.dtype,
+                alignment(a.data), alignment(b.data), alignment(c.data)};
+  Plan plan;
+  {
+    std::lock_guard<std::mutex> lock(plan_mutex);
+    auto it = plans.find(key);
+    if (it != plans.end()) {
+      plan = it->second;
+    } else {
+      cublasLtMatmulPreference_t pref = nullptr;
+      CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+      CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+          pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ctx.workspace_bytes,
+          sizeof ctx.workspace_bytes));
+      // Lt's "A" is our B, its "B" our A.
+      const uint32_t al_a = key.align_b, al_b = key.align_a, al_c = key.align_c;
+      CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+          pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof al_a));
+      CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+          pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof al_b));
+      CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+          pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof al_c));
+      CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+          pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof al_c));
+      cublasLtMatmulHeuristicResult_t result{};
+      int found = 0;
+      cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(ctx.lt, lt.op, lt.a, lt.b, lt.c, lt.c,
+                                                         pref, 1, &result, &found);
+      cublasLtMatmulPreferenceDestroy(pref);
+      if (st == CUBLAS_STATUS_SUCCESS && found > 0) {
+        plan.use_lt = true;
+        plan.algo = result.algo;
+      }
+      plans[key] = plan;
+    }
+  }
+
+  if (plan.use_lt) {
+    CUBLAS_CHECK(cublasLtMatmul(ctx.lt, lt.op, &alpha, b.data, lt.a, a.data, lt.b, &beta, c.data,
+                                lt.c, c.data, lt.c, &plan.algo, ctx.workspace,
+                                ctx.workspace_bytes, s));
+  } else {
+    CUBLAS_CHECK(cublasSetStream(ctx.blas, s));
+    CUBLAS_CHECK(cublasGemmEx(ctx.blas, op_l, op_r, int(N), int(M), int(K), &alpha, b.data,
+                              ab_type, int(ld_b), a.data, ab_type, int(ld_a), &beta, c.data,
+                              c_type, int(ld_c), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  }
+}
+
+}  // namespace mhar::cuda

@@ -1,0 +1,103 @@
+// reductions.cu: elementwise add, in-place accumulate, and the sum of squares behind the
+// global gradient norm.
+// - add: out = a + b (overwritten; any mix of BF16/F32 storage, fp32 math).
+// - add_inplace: y += x (y and x may differ in dtype, e.g. fp32 y += bf16 x).
+// - sum_squares: fp64 per-thread and per-block sums (a billion fp32 squares stay exact to
+//   rounding), one fp64 atomic per block into a device scratch double, then copied to the
+//   host: synchronises the stream.
+// (zero and copy are cudaMemsetAsync / cudaMemcpyAsync in cuda_backend.cu.)
+#include "cuda/common.cuh"
+#include "cuda/kernels.h"
+
+namespace mhar::cuda {
+namespace {
+
+template <class TO, class TA, class TB>
+__global__ void add_kernel(TO* out, const TA* a, const TB* b, int64_t n) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = store<TO>(load(a[i]) + load(b[i]));
+}
+
+template <class TY, class TX>
+__global__ void add_inplace_kernel(TY* y, const TX* x, int64_t n) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    y[i] = store<TY>(load(y[i]) + load(x[i]));
+}
+
+template <class T>
+__global__ void sum_squares_kernel(double* result, const T* x, int64_t n) {
+  __shared__ double warp_sums[32];
+  double acc = 0.0;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const double v = load(x[i]);
+    acc += v * v;
+  }
+  acc = warp_sum(acc);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) warp_sums[warp] = acc;
+  __syncthreads();
+  if (warp == 0) {
+    acc = lane < int(blockDim.x >> 5) ? warp_sums[lane] : 0.0;
+    acc = warp_sum(acc);
+    if (lane == 0) atomicAdd(result, acc);
+  }
+}
+
+}  // namespace
+
+void add(cudaStream_t s, Tensor out, Tensor a, Tensor b) {
+  const int64_t n = out.numel();
+  check_numel(a, n, "add", "a");
+  check_numel(b, n, "add", "b");
+  if (n == 0) return;
+  dispatch_float(out.dtype, "add", [&](auto to) {
+    dispatch_float(a.dtype, "add", [&](auto ta) {
+      dispatch_float(b.dtype, "add", [&](auto tb) {
+        using TO = decltype(to);
+        using TA = decltype(ta);
+        using TB = decltype(tb);
+        add_kernel<TO, TA, TB><<<grid_stride_blocks(n, 256), 256, 0, s>>>(
+            static_cast<TO*>(out.data), static_cast<const TA*>(a.data),
+            static_cast<const TB*>(b.data), n);
+        CUDA_CHECK_LAUNCH();
+      });
+    });
+  });
+}
+
+void add_inplace(cudaStream_t s, Tensor y, Tensor x) {
+  const int64_t n = y.numel();
+  check_numel(x, n, "add_inplace", "x");
+  if (n == 0) return;
+  dispatch_float(y.dtype, "add_inplace", [&](auto ty) {
+    dispatch_float(x.dtype, "add_inplace", [&](auto tx) {
+      using TY = decltype(ty);
+      using TX = decltype(tx);
+      add_inplace_kernel<TY, TX><<<grid_stride_blocks(n, 256), 256, 0, s>>>(
+          static_cast<TY*>(y.data), static_cast<const TX*>(x.data), n);
+      CUDA_CHECK_LAUNCH();
+    });
+  });
+}
+
+double sum_squares(cudaStream_t s, Tensor t, double* scratch) {
+  const int64_t n = t.numel();
+  CUDA_CHECK(cudaMemsetAsync(scratch, 0, sizeof(double), s));
+  if (n > 0) {
+    dispatch_float(t.dtype, "sum_squares", [&](auto tag) {
+      using T = decltype(tag);
+      sum_squares_kernel<T><<<grid_stride_blocks(n, 256), 256, 0, s>>>(
+          scratch, static_cast<const T*>(t.data), n);
+      CUDA_CHECK_LAUNCH();
+    });
+  }
+  double host = 0.0;
+  CUDA_CHECK(cudaMemcpyAsync(&host, scratch, sizeof(double), cudaMemcpyDeviceToHost, s));
+  CUDA_CHECK(cudaStreamSynchronize(s));
+  return host;
+}
+
+}  // namespace mhar::cuda
