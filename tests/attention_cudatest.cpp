@@ -1,0 +1,68 @@
+// attention_cudatest.cpp: CUDA causal GQA attention forward/backward against the CPU
+// reference, head_dim 64 and 128, GQA ratios 1, 2, 3 and 8, T not a multiple of the tiles.
+#include <gtest/gtest.h>
+
+#include "tests/cuda_test_util.h"
+
+namespace mhar::test {
+namespace {
+
+struct AttnCase {
+  int64_t B, T, Hq, Hkv, hd;
+};
+
+class AttentionParity : public CudaParity, public ::testing::WithParamInterface<AttnCase> {};
+
+TEST_P(AttentionParity, ForwardAndBackward) {
+  const AttnCase c = GetParam();
+  const std::string tag = "B" + std::to_string(c.B) + " T" + std::to_string(c.T) + " Hq" +
+                          std::to_string(c.Hq) + " Hkv" + std::to_string(c.Hkv) + " hd" +
+                          std::to_string(c.hd);
+  // q scaled by 2 makes some rows' softmax peaked, others flat.
+  Pair q = random_pair(DType::BF16, {c.B, c.T, c.Hq, c.hd}, 2.0);
+  Pair k = random_pair(DType::BF16, {c.B, c.T, c.Hkv, c.hd});
+  Pair v = random_pair(DType::BF16, {c.B, c.T, c.Hkv, c.hd});
+  Pair out = pair(DType::BF16, {c.B, c.T, c.Hq, c.hd});
+  Pair lse = pair(DType::F32, {c.B, c.Hq, c.T});
+  out.g.poison();
+  lse.g.poison();
+  cpu->attention_forward(out.c, lse.c, q.c, k.c, v.c);
+  gpu->attention_forward(out.g, lse.g, q.g, k.g, v.g);
+  expect_close("attention_forward out " + tag, out.g, out.c, kTolBf16Output);
+  expect_close("attention_forward lse " + tag, lse.g, lse.c, kTolF32Output);
+
+  // Backward from the same saved tensors on both sides: the reference's out, rounded to
+  // what the GPU stores, and its lse.
+  out.set(rounded(DType::BF16, out.c.get()));
+  lse.g.set(lse.c.get());
+  Pair dout = random_pair(DType::BF16, {c.B, c.T, c.Hq, c.hd});
+  Pair dq = pair(DType::BF16, {c.B, c.T, c.Hq, c.hd});
+  Pair dk = pair(DType::BF16, {c.B, c.T, c.Hkv, c.hd});
+  Pair dv = pair(DType::BF16, {c.B, c.T, c.Hkv, c.hd});
+  dq.g.poison();
+  dk.g.poison();
+  dv.g.poison();
+  cpu->attention_backward(dq.c, dk.c, dv.c, dout.c, q.c, k.c, v.c, out.c, lse.c);
+  gpu->attention_backward(dq.g, dk.g, dv.g, dout.g, q.g, k.g, v.g, out.g, lse.g);
+  expect_close("attention_backward dq " + tag, dq.g, dq.c, kTolBf16Output);
+  expect_close("attention_backward dk " + tag, dk.g, dk.c, kTolBf16Output);
+  expect_close("attention_backward dv " + tag, dv.g, dv.c, kTolBf16Output);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, AttentionParity,
+    ::testing::Values(AttnCase{2, 37, 4, 4, 64},    // MHA, T below one tile
+                      AttnCase{1, 130, 4, 2, 128},  // GQA 2, hd 128
+                      AttnCase{2, 77, 6, 2, 64},    // GQA 3
+                      AttnCase{1, 200, 8, 1, 128},  // MQA (GQA 8)
+                      AttnCase{1, 1, 2, 1, 64},     // a single token
+                      AttnCase{1, 512, 2, 1, 64}),  // several key tiles per query tile
+    [](const ::testing::TestParamInfo<AttnCase>& i) {
+      const AttnCase& c = i.param;
+      return "B" + std::to_string(c.B) + "_T" + std::to_string(c.T) + "_Hq" +
+             std::to_string(c.Hq) + "_Hkv" + std::to_string(c.Hkv) + "_hd" +
+             std::to_string(c.hd);
+    });
+
+}  // namespace
+}  // namespace mhar::test

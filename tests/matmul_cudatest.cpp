@@ -1,0 +1,53 @@
+// matmul_cudatest.cpp: CUDA matmul (cuBLASLt, fp32 accumulation) against the CPU
+// reference: every transpose combination, odd sizes, bf16 and fp32 outputs, overwrite and
+// accumulate (a weight gradient summed into fp32), and fp32 inputs.
+#include <gtest/gtest.h>
+
+#include "tests/cuda_test_util.h"
+
+namespace mhar::test {
+namespace {
+
+class MatmulParity : public CudaParity {
+ protected:
+  void check(int64_t M, int64_t N, int64_t K, bool ta, bool tb, DType in, DType out, bool acc) {
+    const std::string tag = "M" + std::to_string(M) + " N" + std::to_string(N) + " K" +
+                            std::to_string(K) + (ta ? " At" : "") + (tb ? " Bt" : "") + " " +
+                            dtype_name(in) + "->" + dtype_name(out) + (acc ? " +=" : "");
+    Pair a = ta ? random_pair(in, {K, M}) : random_pair(in, {M, K});
+    Pair b = tb ? random_pair(in, {N, K}) : random_pair(in, {K, N});
+    Pair c = acc ? random_pair(out, {M, N}) : pair(out, {M, N});
+    if (!acc) c.g.poison();
+    cpu->matmul(c.c, a.c, b.c, ta, tb, acc);
+    gpu->matmul(c.g, a.g, b.g, ta, tb, acc);
+    // fp32 output: products of bf16 values are exact in fp32; only the summation order
+    // differs from OpenBLAS (~sqrt(K) * 2^-24), far inside kTolF32Output.
+    expect_close("matmul " + tag, c.g, c.c, out == DType::BF16 ? kTolBf16Output : kTolF32Output);
+  }
+};
+
+TEST_F(MatmulParity, AllTransposesOddSizes) {
+  for (bool ta : {false, true})
+    for (bool tb : {false, true}) {
+      check(37, 53, 71, ta, tb, DType::BF16, DType::BF16, false);
+      check(37, 53, 71, ta, tb, DType::BF16, DType::F32, true);
+      check(128, 96, 256, ta, tb, DType::BF16, DType::BF16, false);
+    }
+}
+
+TEST_F(MatmulParity, LinearLayerShapes) {
+  // y = x W^T, dx = dy W, dW += dy^T x for x [N=300, in=256], W [out=384, in].
+  check(300, 384, 256, false, true, DType::BF16, DType::BF16, false);
+  check(300, 256, 384, false, false, DType::BF16, DType::BF16, false);
+  check(384, 256, 300, true, false, DType::BF16, DType::F32, true);
+  check(384, 256, 300, true, false, DType::BF16, DType::F32, false);
+  check(300, 384, 256, false, true, DType::BF16, DType::BF16, true);
+}
+
+TEST_F(MatmulParity, Fp32Inputs) {
+  check(33, 65, 17, false, true, DType::F32, DType::F32, false);
+  check(33, 65, 17, true, false, DType::F32, DType::F32, true);
+}
+
+}  // namespace
+}  // namespace mhar::test

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# gpu_check.sh: the one command for the GPU machine (fresh and bare on every call):
+# configures with CMake + Ninja, builds the CUDA test binary, runs it, and prints a short
+# summary last. Logs go to $OUT (when set, e.g. by the device tool) or build-gpu/logs.
+# Also builds (and skips the GPU tests) on a machine without a GPU.
+#   BUILD_DIR   build directory (default build-gpu)
+#   GTEST_FILTER  passed through to the test binary (default: every test)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BUILD_DIR="${BUILD_DIR:-build-gpu}"
+LOG_DIR="${OUT:-$BUILD_DIR/logs}"
+mkdir -p "$LOG_DIR"
+export PATH="/usr/local/cuda/bin:$PATH"
+
+{
+  echo "== host: $(uname -srm), $(nproc) cores"
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total \
+    --format=csv,noheader || echo "no nvidia-smi"
+  nvcc --version | tail -2
+  cmake --version | head -1
+} 2>&1 | tee "$LOG_DIR/env.log"
+
+echo "== configure"
+if ! cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+     -DCMAKE_CUDA_COMPILER="$(command -v nvcc)" >"$LOG_DIR/configure.log" 2>&1; then
+  tail -40 "$LOG_DIR/configure.log"
+  echo "gpu_check: CONFIGURE FAILED"
+  exit 1
+fi
+
+echo "== build mhar_cuda_tests"
+start=$(date +%s)
+if ! cmake --build "$BUILD_DIR" -j "$(nproc)" --target mhar_cuda_tests >"$LOG_DIR/build.log" 2>&1; then
+  grep -E "error|FAILED" "$LOG_DIR/build.log" | head -40
+  echo "gpu_check: BUILD FAILED"
+  exit 1
+fi
+echo "built in $(( $(date +%s) - start )) s"
+
+echo "== mhar_cuda_tests"
+start=$(date +%s)
+"$BUILD_DIR/mhar_cuda_tests" --gtest_filter="${GTEST_FILTER:-*}" 2>&1 | tee "$LOG_DIR/cuda_tests.log"
+rc=${PIPESTATUS[0]}
+echo "tests ran in $(( $(date +%s) - start )) s, exit $rc"
+
+echo "== summary"
+grep -E "^PARITY" "$LOG_DIR/cuda_tests.log" | sort -k7 -g -r | head -15 || true
+grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[  FAILED  \]|tests? ran" "$LOG_DIR/cuda_tests.log" | tail -30
+exit "$rc"
