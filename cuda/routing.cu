@@ -31,18 +31,21 @@
 namespace mhar::cuda {
 namespace {
 
-constexpr int kMaxPerThread = 16;
+// Each thread keeps about six fp32 registers per owned feature; 8 features at up to 512
+// threads (d <= 4096) stays within the register file at one block per SM.
+constexpr int kMaxPerThread = 8;
+constexpr int kMaxThreads = 512;
 
 struct Layout {
   int threads, kmax;
 };
 Layout layout_for(int64_t d) {
-  int threads = int(ceil_div(d, 32) * 32);
+  int64_t threads = ceil_div(d, 32) * 32;
   if (threads > 256) threads = 256;
-  if (d > int64_t(256) * kMaxPerThread) threads = 1024;
-  const int64_t kmax = ceil_div(d, threads);
-  if (kmax > kMaxPerThread) fail("CUDA routing: d = ", d, " too large (at most ", 1024 * kMaxPerThread, ")");
-  return {threads, int(kmax)};
+  if (ceil_div(d, threads) > kMaxPerThread) threads = ceil_div(ceil_div(d, kMaxPerThread), 32) * 32;
+  if (threads > kMaxThreads)
+    fail("CUDA routing: d = ", d, " too large (at most ", kMaxThreads * kMaxPerThread, ")");
+  return {int(threads), int(ceil_div(d, threads))};
 }
 
 // Adds this thread's value for head h into sums[h]. warp_uniform: the whole warp is
@@ -75,7 +78,7 @@ __global__ void source_stats_kernel(float* inv_rms, const T* v, int64_t N, int64
 
 // ---------------------------------------------------------------- forward
 template <class T, class W>
-__global__ void routing_forward_kernel(T* x, float* weights, const T* hist, const float* inv_rms,
+__global__ void __launch_bounds__(kMaxThreads) routing_forward_kernel(T* x, float* weights, const T* hist, const float* inv_rms,
                                        const W* query, const W* gain, int64_t N, int d,
                                        int n_src, int H, int kmax) {
   extern __shared__ float smem[];
@@ -165,7 +168,7 @@ __global__ void routing_forward_kernel(T* x, float* weights, const T* hist, cons
 
 // ---------------------------------------------------------------- backward
 template <class T, class DH, class W>
-__global__ void routing_backward_kernel(DH* dhist, float* dquery, float* dgain, const T* dx,
+__global__ void __launch_bounds__(kMaxThreads) routing_backward_kernel(DH* dhist, float* dquery, float* dgain, const T* dx,
                                         const T* hist, const float* inv_rms,
                                         const float* weights, const W* query, const W* gain,
                                         int64_t N, int d, int n_src, int H, int kmax) {
