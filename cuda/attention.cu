@@ -2,6 +2,8 @@
 // [T, T] score matrix is never stored; the forward saves only the log-sum-exp.
 // Layouts: q, out, dq [B, T, Hq, hd]; k, v, dk, dv [B, T, Hkv, hd]; lse [B, Hq, T] (F32,
 // natural log of sum_u exp(scale q.k_u)). Query head h reads KV head h / (Hq/Hkv).
+// attention_cached (incremental decoding) is the forward with Tk >= Tq cached keys, query
+// t at position Tk - Tq + t, and no lse.
 // Every output is overwritten. head_dim 64 or 128 (a multiple of 32 up to 256 by adding an
 // instance); q, k, v, out and their gradients share one storage type (BF16 or F32).
 //
@@ -29,8 +31,9 @@ constexpr int kKeysPerBlock = kWarps * kRowsPerWarp;  // keys per block (dk/dv)
 constexpr int kQueryTile = 32;                        // queries per tile (dk/dv)
 
 struct Dims {
-  int64_t B, T, Hq, Hkv;
+  int64_t B, T, Hq, Hkv;  // T: query rows (and keys, except in the cached forward)
   float scale;
+  int64_t Tk = 0, offset = 0;  // forward only: key rows; query t sits at offset + t
 };
 
 __device__ __forceinline__ int64_t row_index(int64_t b, int64_t t, int64_t h, int64_t heads,
@@ -70,12 +73,12 @@ __global__ void __launch_bounds__(kWarps * 32)
     m[rr] = -INFINITY;
     l[rr] = 0.f;
     // Rows past the end mask like the last row (keeps the arithmetic finite); not written.
-    my_row[rr] = min(r0 + warp * kRowsPerWarp + rr, dm.T - 1);
+    my_row[rr] = dm.offset + min(r0 + warp * kRowsPerWarp + rr, dm.T - 1);  // its position
 #pragma unroll
     for (int e = 0; e < DPL; ++e) acc[rr][e] = 0.f;
   }
 
-  const int64_t n_tiles = (r_end - 1) / kKeyTile + 1;
+  const int64_t n_tiles = (dm.offset + r_end - 1) / kKeyTile + 1;
   for (int64_t kt = 0; kt < n_tiles; ++kt) {
     const int64_t k0 = kt * kKeyTile;
     __syncthreads();  // previous tile fully consumed (and qs written, first time)
@@ -83,8 +86,8 @@ __global__ void __launch_bounds__(kWarps * 32)
       const int j = idx / HD, c = idx % HD;
       const int64_t u = k0 + j;
       float kv = 0.f, vv = 0.f;
-      if (u < dm.T) {
-        const int64_t base = row_index(b, u, hkv, dm.Hkv, dm.T) * HD + c;
+      if (u < dm.Tk) {
+        const int64_t base = row_index(b, u, hkv, dm.Hkv, dm.Tk) * HD + c;
         kv = load(k[base]);
         vv = load(v[base]);
       }
@@ -139,7 +142,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     T* o = out + row_index(b, t, h, dm.Hq, dm.T) * HD;
 #pragma unroll
     for (int e = 0; e < DPL; ++e) o[lane + 32 * e] = store<T>(acc[rr][e] * inv_l);
-    if (lane == 0) lse[(b * dm.Hq + h) * dm.T + t] = m[rr] + logf(l[rr]);
+    if (lse && lane == 0) lse[(b * dm.Hq + h) * dm.T + t] = m[rr] + logf(l[rr]);
   }
 }
 
@@ -400,10 +403,12 @@ struct Shape {
   int64_t B, T, Hq, Hkv, hd;
 };
 
-Shape check_shapes(const char* what, const Tensor& q, const Tensor& k, const Tensor& v) {
+Shape check_shapes(const char* what, const Tensor& q, const Tensor& k, const Tensor& v,
+                   bool cached = false) {
   MHAR_CHECK(q.ndim == 4 && k.ndim == 4 && v.ndim == 4, what, ": q, k, v must be [B, T, H, hd]");
   Shape sh{q.dim(0), q.dim(1), q.dim(2), k.dim(2), q.dim(3)};
-  MHAR_CHECK(k.dim(0) == sh.B && k.dim(1) == sh.T && k.dim(3) == sh.hd, what, ": k ",
+  MHAR_CHECK(k.dim(0) == sh.B && (cached ? k.dim(1) >= sh.T : k.dim(1) == sh.T) &&
+                 k.dim(3) == sh.hd, what, ": k ",
              k.shape_str(), " vs q ", q.shape_str());
   MHAR_CHECK(v.numel() == k.numel(), what, ": v ", v.shape_str(), " vs k ", k.shape_str());
   MHAR_CHECK(sh.Hkv > 0 && sh.Hq % sh.Hkv == 0, what, ": Hq ", sh.Hq, " not a multiple of Hkv ",
@@ -426,13 +431,14 @@ template <int HD> size_t dkdv_smem() {
 
 template <int HD, class T>
 void forward_impl(cudaStream_t s, Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v,
-                  const Shape& sh) {
-  Dims dm{sh.B, sh.T, sh.Hq, sh.Hkv, float(1.0 / std::sqrt(double(HD)))};
+                  const Shape& sh, int64_t Tk) {
+  Dims dm{sh.B, sh.T, sh.Hq, sh.Hkv, float(1.0 / std::sqrt(double(HD))), Tk, Tk - sh.T};
   const size_t smem = forward_smem<HD>();
   auto kernel = attention_forward_kernel<HD, T>;
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   dim3 grid(unsigned(ceil_div(sh.T, kQueryRows)), unsigned(sh.Hq), unsigned(sh.B));
-  kernel<<<grid, kWarps * 32, smem, s>>>(static_cast<T*>(out.data), lse.ptr<float>(),
+  kernel<<<grid, kWarps * 32, smem, s>>>(static_cast<T*>(out.data),
+                                         lse.empty() ? nullptr : lse.ptr<float>(),
                                          static_cast<const T*>(q.data),
                                          static_cast<const T*>(k.data),
                                          static_cast<const T*>(v.data), dm);
@@ -480,8 +486,8 @@ void attention_forward(cudaStream_t s, Tensor out, Tensor lse, Tensor q, Tensor 
   if (q.numel() == 0) return;
   dispatch_float(q.dtype, "attention_forward", [&](auto tag) {
     using T = decltype(tag);
-    if (sh.hd == 64) forward_impl<64, T>(s, out, lse, q, k, v, sh);
-    else forward_impl<128, T>(s, out, lse, q, k, v, sh);
+    if (sh.hd == 64) forward_impl<64, T>(s, out, lse, q, k, v, sh, sh.T);
+    else forward_impl<128, T>(s, out, lse, q, k, v, sh, sh.T);
   });
 }
 
@@ -502,6 +508,19 @@ void attention_backward(cudaStream_t s, Tensor dq, Tensor dk, Tensor dv, Tensor 
     using T = decltype(tag);
     if (sh.hd == 64) backward_impl<64, T>(s, dq, dk, dv, dout, q, k, v, out, lse, sh);
     else backward_impl<128, T>(s, dq, dk, dv, dout, q, k, v, out, lse, sh);
+  });
+}
+
+void attention_cached(cudaStream_t s, Tensor out, Tensor q, Tensor k_cache, Tensor v_cache) {
+  const Shape sh = check_shapes("attention_cached", q, k_cache, v_cache, true);
+  check_numel(out, q.numel(), "attention_cached", "out");
+  check_dtype(out, q.dtype, "attention_cached", "out");
+  if (q.numel() == 0) return;
+  const int64_t Tk = k_cache.dim(1);
+  dispatch_float(q.dtype, "attention_cached", [&](auto tag) {
+    using T = decltype(tag);
+    if (sh.hd == 64) forward_impl<64, T>(s, out, Tensor(), q, k_cache, v_cache, sh, Tk);
+    else forward_impl<128, T>(s, out, Tensor(), q, k_cache, v_cache, sh, Tk);
   });
 }
 

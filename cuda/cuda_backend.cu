@@ -169,6 +169,13 @@ class CudaBackend final : public Backend {
   void rope(Tensor x, double theta, bool backward) override {
     cuda::rope(stream_, x, theta, backward);
   }
+  void rope_at(Tensor x, double theta, int64_t first_position) override {
+    MHAR_CHECK(first_position >= 0, "rope_at position ", first_position);
+    cuda::rope(stream_, x, theta, false, first_position);
+  }
+  void attention_cached(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache) override {
+    cuda::attention_cached(stream_, out, q, k_cache, v_cache);
+  }
   void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v) override {
     cuda::attention_forward(stream_, out, lse, q, k, v);
   }

@@ -23,12 +23,13 @@ void rmsnorm_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor x,
                       Tensor rstd, bool accumulate_dx);
 
 // rope.cu
-void rope(cudaStream_t s, Tensor x, double theta, bool backward);
+void rope(cudaStream_t s, Tensor x, double theta, bool backward, int64_t first_position = 0);
 
 // attention.cu
 void attention_forward(cudaStream_t s, Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v);
 void attention_backward(cudaStream_t s, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q,
                         Tensor k, Tensor v, Tensor out, Tensor lse);
+void attention_cached(cudaStream_t s, Tensor out, Tensor q, Tensor k_cache, Tensor v_cache);
 
 // matmul.cu: cuBLASLt first, cuBLAS GemmEx when Lt offers no algorithm for a shape.
 struct MatmulContext {

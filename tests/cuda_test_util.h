@@ -118,13 +118,14 @@ class CudaParity : public ::testing::Test {
     return h;
   }
 
-  // One logical tensor on both backends: CPU in F32, GPU in `gpu_dtype`.
+  // One logical tensor on both backends: CPU in F32 (I32 stays I32), GPU in `gpu_dtype`.
   struct Pair {
     Buffer c, g;
     void set(const std::vector<double>& v) { c.set(v); g.set(v); }
   };
   Pair pair(DType gpu_dtype, std::initializer_list<int64_t> shape) {
-    return Pair{Buffer(*cpu, DType::F32, shape), Buffer(*gpu, gpu_dtype, shape)};
+    const DType cpu_dtype = gpu_dtype == DType::I32 ? DType::I32 : DType::F32;
+    return Pair{Buffer(*cpu, cpu_dtype, shape), Buffer(*gpu, gpu_dtype, shape)};
   }
   // A pair filled with the same random normal values (rounded to the GPU's dtype).
   Pair random_pair(DType gpu_dtype, std::initializer_list<int64_t> shape, double stddev = 1.0,

@@ -23,5 +23,14 @@ TEST_F(RopeParity, ForwardAndBackward) {
   }
 }
 
+TEST_F(RopeParity, AtPositionOffsetForIncrementalDecoding) {
+  for (int64_t first : {int64_t(0), int64_t(1), int64_t(777)}) {
+    Pair x = random_pair(DType::BF16, {1, 5, 4, 64});
+    cpu->rope_at(x.c, 1e6, first);
+    gpu->rope_at(x.g, 1e6, first);
+    expect_close("rope_at first_position " + std::to_string(first), x.g, x.c, kTolBf16Output);
+  }
+}
+
 }  // namespace
 }  // namespace mhar::test

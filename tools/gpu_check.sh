@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # gpu_check.sh: the one command for the GPU machine (fresh and bare on every call):
-# configures with CMake + Ninja, builds the CUDA test binary, runs it, and prints a short
-# summary last. Logs go to $OUT (when set, e.g. by the device tool) or build-gpu/logs.
+# configures with CMake + Ninja, builds the CUDA test binary, runs the parity tests and the
+# op timings (tests/op_timing_cudatest.cpp), and prints a short summary last. Logs go to
+# $OUT (when set, e.g. by the device tool) or $BUILD_DIR/logs.
 # Also builds (and skips the GPU tests) on a machine without a GPU.
 #   BUILD_DIR   build directory (default build-gpu)
 #   GTEST_FILTER  passed through to the test binary (default: every test)
@@ -54,6 +55,11 @@ start=$(date +%s)
 "$BUILD_DIR/mhar_cuda_tests" --gtest_filter="${GTEST_FILTER:-*}" 2>&1 | tee "$LOG_DIR/cuda_tests.log"
 rc=${PIPESTATUS[0]}
 echo "tests ran in $(( $(date +%s) - start )) s, exit $rc"
+
+echo "== op timings (model-sized shapes)"
+"$BUILD_DIR/mhar_cuda_tests" --gtest_also_run_disabled_tests --gtest_filter='OpTiming.*' \
+  >"$LOG_DIR/op_timing.log" 2>&1 || echo "op timing run failed (exit $?)"
+grep -E "^TIMING|FAILED|Failure|exception" "$LOG_DIR/op_timing.log" || true
 
 echo "== summary"
 grep -E "^PARITY" "$LOG_DIR/cuda_tests.log" | sort -k7 -g -r | head -15 || true

@@ -1,0 +1,141 @@
+// op_timing_cudatest.cpp: wall-clock timings of the CUDA ops at model-sized shapes (not a
+// parity test; DISABLED_ so plain test runs skip it; tools/gpu_check.sh runs it with
+// --gtest_also_run_disabled_tests). Each op: 2 warm-up calls, then the mean of `reps`
+// calls between two stream synchronisations, with the FLOP or byte count it implies.
+// Inputs are random (never zeros: zeros can run faster than real data).
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <functional>
+
+#include "tests/cuda_test_util.h"
+
+namespace mhar::test {
+namespace {
+
+class OpTiming : public CudaParity {
+ protected:
+  // Uniform(-1, 1) values from a cheap generator: these buffers hold up to ~10^8 elements.
+  Buffer random_gpu(DType t, std::initializer_list<int64_t> shape, double scale = 1.0) {
+    Buffer b(*gpu, t, shape);
+    std::vector<double> v(static_cast<size_t>(b.t().numel()));
+    uint64_t x = rng();
+    for (double& e : v) {
+      x ^= x << 13;
+      x ^= x >> 7;
+      x ^= x << 17;
+      e = scale * (double(x >> 11) * (2.0 / 9007199254740992.0) - 1.0);
+    }
+    b.set(v);
+    return b;
+  }
+  double time_ms(const std::function<void()>& op, int reps = 10) {
+    op();
+    op();
+    gpu->synchronize();
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < reps; ++i) op();
+    gpu->synchronize();
+    const auto t1 = std::chrono::steady_clock::now();
+    return std::chrono::duration<double, std::milli>(t1 - t0).count() / reps;
+  }
+  static void report(const std::string& what, double ms, double flop, double bytes) {
+    std::printf("TIMING %-58s %9.3f ms", what.c_str(), ms);
+    if (flop > 0) std::printf("  %7.1f TFLOP/s", flop / ms * 1e-9);
+    if (bytes > 0) std::printf("  %7.1f GB/s", bytes / ms * 1e-6);
+    std::printf("\n");
+  }
+};
+
+TEST_F(OpTiming, DISABLED_ModelShapes) {
+  const int64_t N = 16384, d = 2048, ff = 6144;  // 8 x 2048 tokens of a ~1B-wide model
+  {
+    Buffer x = random_gpu(DType::BF16, {N, d}), w = random_gpu(DType::BF16, {ff, d}, 0.02);
+    Buffer y(*gpu, DType::BF16, {N, ff});
+    Buffer dw(*gpu, DType::F32, {ff, d});
+    const double flop = 2.0 * N * d * ff;
+    report("matmul y = x W^T  [16384x2048]x[6144x2048]^T bf16",
+           time_ms([&] { gpu->matmul(y, x, w, false, true, false); }), flop, 0);
+    report("matmul dW += dy^T x  fp32 accumulate",
+           time_ms([&] { gpu->matmul(dw, y, x, true, false, true); }), flop, 0);
+  }
+  {
+    Buffer x = random_gpu(DType::BF16, {N, d}), w = random_gpu(DType::BF16, {d});
+    Buffer y(*gpu, DType::BF16, {N, d}), rstd(*gpu, DType::F32, {N});
+    report("rmsnorm_forward [16384, 2048]",
+           time_ms([&] { gpu->rmsnorm_forward(y, rstd, x, w, 1e-6); }), 0, 2.0 * N * d * 2);
+    Buffer dx(*gpu, DType::BF16, {N, d}), dw(*gpu, DType::F32, {d});
+    report("rmsnorm_backward [16384, 2048]",
+           time_ms([&] { gpu->rmsnorm_backward(dx, dw, y, x, w, rstd, false); }), 0,
+           2.0 * N * d * 3);
+  }
+  for (auto [B, T, Hq, Hkv, hd] : {std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>{
+                                       8, 2048, 16, 8, 128},
+                                   {8, 2048, 16, 16, 64}}) {
+    Buffer q = random_gpu(DType::BF16, {B, T, Hq, hd}, 2.0);
+    Buffer k = random_gpu(DType::BF16, {B, T, Hkv, hd}), v = random_gpu(DType::BF16, {B, T, Hkv, hd});
+    Buffer out(*gpu, DType::BF16, {B, T, Hq, hd}), lse(*gpu, DType::F32, {B, Hq, T});
+    Buffer dout = random_gpu(DType::BF16, {B, T, Hq, hd});
+    Buffer dq(*gpu, DType::BF16, {B, T, Hq, hd});
+    Buffer dk(*gpu, DType::BF16, {B, T, Hkv, hd}), dv(*gpu, DType::BF16, {B, T, Hkv, hd});
+    const std::string tag = "B" + std::to_string(B) + " T" + std::to_string(T) + " Hq" +
+                            std::to_string(Hq) + " Hkv" + std::to_string(Hkv) + " hd" +
+                            std::to_string(hd);
+    const double fwd_flop = 4.0 * B * Hq * hd * double(T) * T / 2;  // causal: half the pairs
+    report("attention_forward " + tag,
+           time_ms([&] { gpu->attention_forward(out, lse, q, k, v); }, 3), fwd_flop, 0);
+    report("attention_backward " + tag,
+           time_ms([&] { gpu->attention_backward(dq, dk, dv, dout, q, k, v, out, lse); }, 3),
+           2.5 * fwd_flop, 0);
+  }
+  for (int n_src : {9, 49}) {
+    const int H = 8;
+    Buffer hist = random_gpu(DType::BF16, {n_src, N, d});
+    Buffer inv_rms(*gpu, DType::F32, {n_src, N});
+    for (int i = 0; i < n_src; ++i) gpu->routing_source_stats(inv_rms.t()[i], hist.t()[i], 1e-6);
+    Buffer query = random_gpu(DType::BF16, {d}, 0.05), gain = random_gpu(DType::BF16, {d});
+    Buffer x(*gpu, DType::BF16, {N, d}), weights(*gpu, DType::F32, {N, H, n_src});
+    Buffer dx = random_gpu(DType::BF16, {N, d});
+    Buffer dhist(*gpu, DType::BF16, {n_src, N, d});
+    Buffer dquery(*gpu, DType::F32, {d}), dgain(*gpu, DType::F32, {d});
+    const double src_bytes = 2.0 * n_src * N * d;
+    const std::string tag = "N16384 d2048 H8 n_src" + std::to_string(n_src);
+    report("routing_forward " + tag,
+           time_ms([&] { gpu->routing_forward(x, weights, hist, inv_rms, query, gain, n_src, H); }),
+           0, src_bytes + 2.0 * N * d);
+    // Backward reads the sources twice and dhistory once, writes dhistory once.
+    report("routing_backward " + tag,
+           time_ms([&] {
+             gpu->routing_backward(dhist, dquery, dgain, dx, hist, inv_rms, weights, query, gain,
+                                   n_src, H);
+           }),
+           0, 4 * src_bytes + 2.0 * N * d);
+  }
+  {
+    const int64_t rows = 2048, V = 151936;
+    Buffer logits = random_gpu(DType::BF16, {rows, V}, 3.0);
+    Buffer targets(*gpu, DType::I32, {rows});
+    std::vector<int32_t> ids(static_cast<size_t>(rows));
+    for (size_t i = 0; i < ids.size(); ++i) ids[i] = int32_t((i * 7919) % V);
+    gpu->upload_tokens(targets, ids.data());
+    Buffer losses(*gpu, DType::F32, {rows});
+    report("cross_entropy losses only [2048, 151936]",
+           time_ms([&] { gpu->cross_entropy(losses, logits, targets, 1.0, false); }), 0,
+           2.0 * rows * V);
+    // With the gradient the logits are overwritten: each call sees the previous gradient,
+    // which is still a valid (small-valued) row of logits.
+    report("cross_entropy with gradient [2048, 151936]",
+           time_ms([&] { gpu->cross_entropy(losses, logits, targets, 1.0, true); }), 0,
+           3 * 2.0 * rows * V);
+  }
+  {
+    const int64_t n = N * ff;
+    Buffer g = random_gpu(DType::BF16, {n}), u = random_gpu(DType::BF16, {n});
+    Buffer h(*gpu, DType::BF16, {n});
+    report("swiglu_forward [16384 x 6144]", time_ms([&] { gpu->swiglu_forward(h, g, u); }), 0,
+           3 * 2.0 * n);
+  }
+}
+
+}  // namespace
+}  // namespace mhar::test
