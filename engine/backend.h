@@ -64,6 +64,18 @@ class Backend {
   // (the transpose), which is the gradient.
   virtual void rope(Tensor x, double theta, bool backward) = 0;
 
+  // ---- incremental decoding (sampling with a KV cache; Model::forward_cached).
+  // Defaults throw: a backend opts in by overriding both. The training path never
+  // calls them.
+  // RoPE in place on x [1, T, heads, head_dim] whose row t sits at position
+  // first_position + t (rope() is the case first_position = 0).
+  virtual void rope_at(Tensor x, double theta, int64_t first_position);
+  // Causal attention of a chunk of queries against the cached keys and values:
+  // q, out [1, Tq, Hq, hd]; k_cache, v_cache [1, Tk, Hkv, hd] with Tk >= Tq, the chunk's
+  // own keys last, so query i sits at position Tk - Tq + i and reads keys 0..Tk-Tq+i.
+  // No log-sum-exp is saved: there is no backward.
+  virtual void attention_cached(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache);
+
   // ---- causal grouped-query attention with scale 1/sqrt(head_dim).
   // q, out [B, T, Hq, hd]; k, v [B, T, Hkv, hd]; lse [B, Hq, T] (saved).
   virtual void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v) = 0;
@@ -118,6 +130,13 @@ class Backend {
   virtual void adamw(Tensor param, Tensor master, Tensor grad, Tensor m, Tensor v,
                      const AdamW& hp) = 0;
 };
+
+inline void Backend::rope_at(Tensor, double, int64_t) {
+  fail(name(), " does not implement incremental decoding yet; run sampling on the CPU");
+}
+inline void Backend::attention_cached(Tensor, Tensor, Tensor, Tensor) {
+  fail(name(), " does not implement incremental decoding yet; run sampling on the CPU");
+}
 
 // The CPU reference backend in fp32 (dtype F32) or fp64 (F64, for gradient checks).
 std::unique_ptr<Backend> make_cpu_backend(DType dtype = DType::F32);

@@ -100,6 +100,26 @@ class CpuBackend final : public Backend {
     cpu::rope(x.ptr<T>(), x.dim(0), x.dim(1), x.dim(2), x.dim(3), theta, backward);
   }
 
+  void rope_at(Tensor x, double theta, int64_t first_position) override {
+    MHAR_CHECK(x.ndim == 4 && x.dim(0) == 1, "rope_at wants [1, T, heads, hd], got ",
+               x.shape_str());
+    MHAR_CHECK(first_position >= 0, "rope_at position ", first_position);
+    cpu::rope_at(x.ptr<T>(), 1, x.dim(1), x.dim(2), x.dim(3), theta, false, first_position);
+  }
+
+  void attention_cached(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache) override {
+    MHAR_CHECK(q.ndim == 4 && q.dim(0) == 1, "attention_cached q ", q.shape_str());
+    const int64_t Tq = q.dim(1), Hq = q.dim(2), hd = q.dim(3);
+    const int64_t Tk = k_cache.dim(1), Hkv = k_cache.dim(2);
+    MHAR_CHECK(Tk >= Tq, "attention_cached: ", Tk, " cached keys for ", Tq, " queries");
+    expect_shape(k_cache, {1, Tk, Hkv, hd}, "attention_cached k_cache");
+    expect_shape(v_cache, {1, Tk, Hkv, hd}, "attention_cached v_cache");
+    expect_shape(out, {1, Tq, Hq, hd}, "attention_cached out");
+    MHAR_CHECK(Hq % Hkv == 0, "GQA heads");
+    cpu::attention_forward_offset(out.ptr<T>(), static_cast<T*>(nullptr), q.ptr<T>(),
+                                  k_cache.ptr<T>(), v_cache.ptr<T>(), 1, Tq, Tk, Hq, Hkv, hd);
+  }
+
   void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v) override {
     const int64_t B = q.dim(0), Tn = q.dim(1), Hq = q.dim(2), hd = q.dim(3), Hkv = k.dim(2);
     expect_shape(k, {B, Tn, Hkv, hd}, "attention k");

@@ -58,6 +58,13 @@ struct Model::StepBuffers {
   int xfn = -1, rstd_f = -1, logits = -1, d_xfn = -1;
 };
 
+struct Model::KvCache {
+  int capacity = 0, used = 0;
+  std::unique_ptr<MemoryPlan> plan;
+  std::unique_ptr<Arena> arena;
+  std::vector<int> k, v;  // per layer, [capacity, n_kv_heads, head_dim]
+};
+
 Model::Model(const ModelConfig& model, const ResidualConfig& residual, Backend& backend,
              int batch, int seq_len)
     : cfg_(model), res_(residual), be_(backend), B_(batch), T_(seq_len),
@@ -268,8 +275,20 @@ std::string Model::memory_report() const {
 double Model::forward(const int32_t* tokens, const int32_t* targets, double loss_scale) {
   const StepBuffers& s = *step_;
   loss_scale_ = loss_scale;
-  be_.upload_tokens(act(s.tokens), tokens);
   be_.upload_tokens(act(s.targets), targets);
+  run_layers(tokens);
+  be_.cross_entropy(act(s.losses), act(s.logits), act(s.targets), loss_scale / double(N_),
+                    loss_scale != 0);
+  std::vector<double> losses(static_cast<size_t>(N_));
+  be_.download(losses.data(), act(s.losses));
+  double sum = 0;
+  for (double l : losses) sum += l;
+  return sum / double(N_);
+}
+
+void Model::run_layers(const int32_t* tokens) {
+  const StepBuffers& s = *step_;
+  be_.upload_tokens(act(s.tokens), tokens);
   Tensor hist = act(s.history);
   be_.embedding_forward(hist[0], act(s.tokens), p(embed_));
   for (int j = 0; j < cfg_.n_sites(); ++j) {
@@ -284,13 +303,59 @@ double Model::forward(const int32_t* tokens, const int32_t* targets, double loss
                       cfg_.rms_eps);
   Tensor head_w = lm_head_ >= 0 ? p(lm_head_) : p(embed_);
   be_.matmul(act(s.logits), act(s.xfn), head_w, false, true, false);
-  be_.cross_entropy(act(s.losses), act(s.logits), act(s.targets), loss_scale / double(N_),
-                    loss_scale != 0);
-  std::vector<double> losses(static_cast<size_t>(N_));
-  be_.download(losses.data(), act(s.losses));
-  double sum = 0;
-  for (double l : losses) sum += l;
-  return sum / double(N_);
+}
+
+// ---------------------------------------------------------------- decode mode
+
+void Model::enable_kv_cache(int capacity) {
+  if (B_ != 1)
+    fail("decoding with a KV cache needs batch 1, this model was built for batch ", B_);
+  if (capacity < 1) fail("KV cache capacity must be at least 1 position, got ", capacity);
+  const int64_t hkv = cfg_.n_kv_heads, hd = cfg_.head_dim;
+  kv_.reset();
+  auto kv = std::make_unique<KvCache>();
+  kv->capacity = capacity;
+  kv->plan = std::make_unique<MemoryPlan>("kv_cache");
+  for (int l = 0; l < cfg_.n_layers; ++l) {
+    const std::string pre = "layer." + std::to_string(l) + ".";
+    kv->k.push_back(kv->plan->add(pre + "k", be_.act_dtype(), {capacity, hkv, hd}));
+    kv->v.push_back(kv->plan->add(pre + "v", be_.act_dtype(), {capacity, hkv, hd}));
+  }
+  kv->plan->plan();
+  kv->arena = std::make_unique<Arena>(be_, *kv->plan);
+  kv_ = std::move(kv);
+}
+
+int Model::cached_positions() const { return kv_ ? kv_->used : 0; }
+int Model::kv_cache_capacity() const { return kv_ ? kv_->capacity : 0; }
+void Model::clear_kv_cache() {
+  if (kv_) kv_->used = 0;
+}
+
+void Model::forward_cached(const int32_t* tokens, int count) {
+  MHAR_CHECK(kv_, "forward_cached() needs enable_kv_cache() first");
+  MHAR_CHECK(count >= 1, "forward_cached() of ", count, " tokens");
+  if (kv_->used + count > kv_->capacity)
+    fail("decoding past the end of the KV cache: ", kv_->used, " cached + ", count,
+         " new positions > capacity ", kv_->capacity);
+  if (count != T_) {  // re-plan the activations for this chunk length
+    act_arena_.reset();
+    act_plan_.reset();
+    acts_.clear();
+    T_ = count;
+    N_ = count;
+    plan_activations();
+  }
+  loss_scale_ = 0;
+  decode_position_ = kv_->used;
+  try {
+    run_layers(tokens);
+  } catch (...) {
+    decode_position_ = -1;
+    throw;
+  }
+  decode_position_ = -1;
+  kv_->used += count;
 }
 
 void Model::site_forward(int j) {
@@ -320,10 +385,25 @@ void Model::attention_forward(int l) {
   be_.rmsnorm_forward(act(A.q), act(A.q_rstd), act(A.q_pre), p(lp.q_norm), cfg_.rms_eps);
   be_.rmsnorm_forward(act(A.k), act(A.k_rstd), act(A.k_pre), p(lp.k_norm), cfg_.rms_eps);
   Tensor q4 = act(A.q).view({B_, T_, hq, hd}), k4 = act(A.k).view({B_, T_, hkv, hd});
-  be_.rope(q4, cfg_.rope_theta, false);
-  be_.rope(k4, cfg_.rope_theta, false);
-  be_.attention_forward(act(A.att).view({B_, T_, hq, hd}), act(A.lse), q4, k4,
-                        act(A.v).view({B_, T_, hkv, hd}));
+  Tensor v4 = act(A.v).view({B_, T_, hkv, hd}), att4 = act(A.att).view({B_, T_, hq, hd});
+  if (decode_position_ < 0) {
+    be_.rope(q4, cfg_.rope_theta, false);
+    be_.rope(k4, cfg_.rope_theta, false);
+    be_.attention_forward(att4, act(A.lse), q4, k4, v4);
+  } else {
+    // Decode: the chunk continues the cached prefix at position decode_position_.
+    be_.rope_at(q4, cfg_.rope_theta, decode_position_);
+    be_.rope_at(k4, cfg_.rope_theta, decode_position_);
+    auto cache_rows = [&](int id, int64_t first, int64_t count) {
+      Tensor c = kv_->arena->tensor(id);
+      char* base = static_cast<char*>(c.data) + size_t(first) * size_t(hkv * hd) * dtype_size(c.dtype);
+      return Tensor(base, c.dtype, {1, count, hkv, hd});
+    };
+    be_.copy(cache_rows(kv_->k[l], decode_position_, T_), k4);
+    be_.copy(cache_rows(kv_->v[l], decode_position_, T_), v4);
+    const int64_t seen = decode_position_ + T_;
+    be_.attention_cached(att4, q4, cache_rows(kv_->k[l], 0, seen), cache_rows(kv_->v[l], 0, seen));
+  }
   be_.matmul(history()[j + 1], act(A.att), p(lp.wo), false, true, false);
 }
 

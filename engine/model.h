@@ -8,6 +8,11 @@
 // routing site j builds the input of sublayer j (site 2L feeds the final norm) from
 // slots 0..j according to the residual mode.
 //
+// Decode mode (sampling) runs the same loop over a chunk of new tokens with a KV cache:
+// attention appends the chunk's keys and values and attends to every cached position.
+// Routing mixes sources of the same position only, so the depth history stays per chunk
+// and nothing beyond keys and values is cached across positions.
+//
 // Parameter names are Hugging Face Qwen3's (DESIGN.md section 6).
 #pragma once
 #include <cstdint>
@@ -58,6 +63,20 @@ class Model {
   // Accumulates (+=) parameter gradients of loss_scale * mean loss of the last forward.
   void backward();
 
+  // ---- Decode mode (incremental forward for sampling; backends that implement
+  // Backend::rope_at and Backend::attention_cached).
+  // Allocates, per layer, a cache of the normed and roped keys and of the values of up
+  // to `capacity` positions ([capacity, n_kv_heads, head_dim] each). Needs batch 1.
+  void enable_kv_cache(int capacity);
+  // Runs the tokens [count] at positions cached_positions() .. + count - 1, appending
+  // their keys and values to the cache; logits() then holds [count, V] (no loss, no
+  // backward). A count other than seq_len() re-plans the activation memory to that
+  // length, so prefill the prompt in one chunk, then decode one token at a time.
+  void forward_cached(const int32_t* tokens, int count);
+  int cached_positions() const;
+  int kv_cache_capacity() const;
+  void clear_kv_cache();  // forget every cached position (a new sequence)
+
   // Views for tests, reports and sampling (valid after forward).
   Tensor logits() const;                  // [N, V]
   Tensor site_input(int site) const;      // x_j [N, d]
@@ -77,6 +96,7 @@ class Model {
 
   void plan_parameters();
   void plan_activations();
+  void run_layers(const int32_t* tokens);  // embedding, layer loop, final norm, LM head
   Tensor p(int id) const { return params_[id].value; }
   Tensor g(int id) const { return params_[id].grad; }
   Tensor act(int id) const;
@@ -105,6 +125,9 @@ class Model {
   std::vector<std::unique_ptr<SublayerActs>> acts_;  // one per sublayer, then the head
   struct StepBuffers;
   std::unique_ptr<StepBuffers> step_;
+  struct KvCache;  // decode mode only
+  std::unique_ptr<KvCache> kv_;
+  int64_t decode_position_ = -1;  // position of the chunk's first token while decoding
 };
 
 }  // namespace mhar

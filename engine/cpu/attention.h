@@ -1,6 +1,9 @@
 // attention.h: CPU reference causal grouped-query attention.
 // Layouts: q, out [B, T, Hq, hd]; k, v [B, T, Hkv, hd]; lse [B, Hq, T]. Query head h
-// reads KV head h / (Hq/Hkv). Scale 1/sqrt(hd). The forward saves only the log-sum-exp;
+// reads KV head h / (Hq/Hkv). Scale 1/sqrt(hd). The forward kernel also serves
+// incremental decoding: with Tk >= Tq keys (a cached prefix, then the chunk's own), query
+// t sits at position Tk - Tq + t and reads keys 0..Tk-Tq+t; Tk = Tq is the training case.
+// The forward saves only the log-sum-exp (lse may be null when no backward follows);
 // the backward recomputes the probabilities from it (as flash attention does):
 //   p = exp(s - lse);  D_t = dout_t . out_t;  ds = p * (dout_t . v_u - D_t)
 //   dq_t = scale * sum_u ds k_u;  dk_u += scale * ds q_t;  dv_u += p dout_t
@@ -15,40 +18,47 @@
 namespace mhar::cpu {
 
 template <class T>
-void attention_forward(T* out, T* lse, const T* q, const T* k, const T* v, int64_t B,
-                       int64_t Tn, int64_t Hq, int64_t Hkv, int64_t hd) {
-  const int64_t group = Hq / Hkv;
+void attention_forward_offset(T* out, T* lse, const T* q, const T* k, const T* v, int64_t B,
+                              int64_t Tq, int64_t Tk, int64_t Hq, int64_t Hkv, int64_t hd) {
+  const int64_t group = Hq / Hkv, offset = Tk - Tq;
   const T scale = T(1.0 / std::sqrt(double(hd)));
 #pragma omp parallel
   {
-    std::vector<T> p(Tn);
+    std::vector<T> p(Tk);
 #pragma omp for collapse(2)
     for (int64_t b = 0; b < B; ++b)
       for (int64_t h = 0; h < Hq; ++h) {
         const int64_t g = h / group;
-        for (int64_t t = 0; t < Tn; ++t) {
-          const T* qt = q + ((b * Tn + t) * Hq + h) * hd;
+        for (int64_t t = 0; t < Tq; ++t) {
+          const int64_t last = offset + t;  // the query's own position
+          const T* qt = q + ((b * Tq + t) * Hq + h) * hd;
           T mx = -std::numeric_limits<T>::infinity();
-          for (int64_t u = 0; u <= t; ++u) {
-            const T* ku = k + ((b * Tn + u) * Hkv + g) * hd;
+          for (int64_t u = 0; u <= last; ++u) {
+            const T* ku = k + ((b * Tk + u) * Hkv + g) * hd;
             T s = 0;
             for (int64_t c = 0; c < hd; ++c) s += qt[c] * ku[c];
             p[u] = s * scale;
             if (p[u] > mx) mx = p[u];
           }
           T sum = 0;
-          for (int64_t u = 0; u <= t; ++u) sum += (p[u] = std::exp(p[u] - mx));
-          lse[(b * Hq + h) * Tn + t] = mx + std::log(sum);
-          T* ot = out + ((b * Tn + t) * Hq + h) * hd;
+          for (int64_t u = 0; u <= last; ++u) sum += (p[u] = std::exp(p[u] - mx));
+          if (lse) lse[(b * Hq + h) * Tq + t] = mx + std::log(sum);
+          T* ot = out + ((b * Tq + t) * Hq + h) * hd;
           std::memset(ot, 0, sizeof(T) * hd);
-          for (int64_t u = 0; u <= t; ++u) {
-            const T* vu = v + ((b * Tn + u) * Hkv + g) * hd;
+          for (int64_t u = 0; u <= last; ++u) {
+            const T* vu = v + ((b * Tk + u) * Hkv + g) * hd;
             const T w = p[u] / sum;
             for (int64_t c = 0; c < hd; ++c) ot[c] += w * vu[c];
           }
         }
       }
   }
+}
+
+template <class T>
+void attention_forward(T* out, T* lse, const T* q, const T* k, const T* v, int64_t B,
+                       int64_t Tn, int64_t Hq, int64_t Hkv, int64_t hd) {
+  attention_forward_offset(out, lse, q, k, v, B, Tn, Tn, Hq, Hkv, hd);
 }
 
 template <class T>
