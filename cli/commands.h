@@ -7,5 +7,6 @@
 namespace mhar::cli {
 
 void register_config(CLI::App& app);
+void register_data(CLI::App& app);
 
 }  // namespace mhar::cli

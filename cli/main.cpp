@@ -21,6 +21,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
 
   mhar::cli::register_config(app);
+  mhar::cli::register_data(app);
 
   app.parse_complete_callback([&] {
     spdlog::set_level(spdlog::level::from_str(log_level));

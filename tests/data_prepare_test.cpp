@@ -1,0 +1,143 @@
+// data_prepare_test.cpp: `mhar data prepare` end to end through the real binary:
+// documents become <|endoftext|>-separated tokens, whole documents are held out for
+// validation, shards are cut at exactly --shard-tokens, output is byte-identical for
+// any thread count, and `mhar data inspect` reads the result.
+#include <cstdio>
+
+#include "data/corpus.h"
+#include "data/shard.h"
+#include "tests/data_test_util.h"
+
+using mhar::test::read_bytes;
+using mhar::test::TempDir;
+using mhar::test::write_bytes;
+namespace md = mhar::data;
+
+namespace {
+
+std::string run(const std::string& args, int* status = nullptr) {
+  const std::string cmd = std::string(MHAR_BINARY) + " " + args + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  std::string out;
+  char buf[4096];
+  while (size_t n = fread(buf, 1, sizeof(buf), p)) out.append(buf, n);
+  const int rc = pclose(p);
+  if (status) *status = WEXITSTATUS(rc);
+  return out;
+}
+
+std::string trained_tokenizer() { return mhar::test::fixture_dir() + "/trained_4096.json"; }
+
+void make_corpus(const TempDir& dir) {
+  std::string jsonl;
+  for (int i = 0; i < 40; ++i) {
+    nlohmann::json doc = {{"id", "doc" + std::to_string(i)}, {"text", ""}};
+    std::string text;
+    for (int k = 0; k <= i % 7; ++k)
+      text += "Document " + std::to_string(i) + " paragraph " + std::to_string(k) +
+              ": the quick brown fox jumps over the lazy dog, caf\xc3\xa9 \xe4\xb8\xad\xe6\x96\x87.\n";
+    doc["text"] = text;
+    jsonl += doc.dump() + "\n";
+  }
+  std::filesystem::create_directories(dir / "corpus/sub");
+  write_bytes(dir / "corpus/a.jsonl", jsonl);
+  write_bytes(dir / "corpus/sub/b.txt", "A plain text file is one document.\n");
+}
+
+std::vector<std::string> files_in(const std::string& dir) {
+  std::vector<std::string> out;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) out.push_back(e.path().filename().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+}  // namespace
+
+TEST(DataPrepare, ShardsDocumentsValidationAndDeterminism) {
+  TempDir dir;
+  make_corpus(dir);
+  const std::string common = "data prepare --tokenizer " + trained_tokenizer() + " --input " + (dir / "corpus") +
+                             " --val-docs 3 --shard-tokens 500 --no-progress";
+  int status = 0;
+  const std::string out1 = run(common + " --threads 1 --out " + (dir / "out1"), &status);
+  ASSERT_EQ(status, 0) << out1;
+  EXPECT_NE(out1.find("documents      41 (train 38, val 3)"), std::string::npos) << out1;
+  run(common + " --threads 2 --out " + (dir / "out2"), &status);
+  ASSERT_EQ(status, 0);
+  const auto names = files_in(dir / "out1");
+  EXPECT_EQ(names, files_in(dir / "out2"));
+  for (const auto& n : names) EXPECT_EQ(read_bytes(dir / ("out1/" + n)), read_bytes(dir / ("out2/" + n))) << n;
+
+  // Token stream = for each document in input order: eot, encode(text).
+  const auto tok = md::Tokenizer::load(trained_tokenizer());
+  std::vector<int32_t> expected_train, expected_val;
+  md::DocumentReader reader({dir / "corpus"});
+  md::Document d;
+  for (uint64_t i = 0; reader.next(d); ++i) {
+    const bool val = (i + 1) * 3 / 41 > i * 3 / 41;
+    auto& target = val ? expected_val : expected_train;
+    target.push_back(tok.eot_id());
+    const auto ids = tok.encode(d.text);
+    target.insert(target.end(), ids.begin(), ids.end());
+  }
+  std::vector<int32_t> train, val;
+  std::vector<size_t> train_sizes;
+  for (const auto& n : names) {
+    if (n.size() < 4 || n.substr(n.size() - 4) != ".bin") continue;
+    const auto t = md::read_shard(dir / ("out1/" + n), tok.vocab_size());
+    const bool is_train = n.rfind("train_", 0) == 0;
+    auto& target = is_train ? train : val;
+    target.insert(target.end(), t.begin(), t.end());
+    if (is_train) train_sizes.push_back(t.size());
+  }
+  ASSERT_GE(train_sizes.size(), 2u);
+  for (size_t i = 0; i + 1 < train_sizes.size(); ++i) EXPECT_EQ(train_sizes[i], 500u) << "cut at --shard-tokens";
+  EXPECT_LE(train_sizes.back(), 500u);
+  EXPECT_EQ(train, expected_train);
+  EXPECT_EQ(val, expected_val);
+  EXPECT_GT(train.size(), 1000u);
+
+  const auto meta = nlohmann::json::parse(read_bytes(dir / "out1/prepare.json"));
+  EXPECT_EQ(meta["val_document_ids"].size(), 3u);
+  EXPECT_EQ(meta["tokens"]["train"].get<size_t>(), train.size());
+
+  const std::string inspect = run("data inspect " + (dir / "out1/train_000000.bin"), &status);
+  EXPECT_EQ(status, 0) << inspect;
+  EXPECT_NE(inspect.find("magic 20240520, version 1 (uint16 tokens), 500 tokens"), std::string::npos) << inspect;
+  EXPECT_NE(inspect.find("Document 0 paragraph 0"), std::string::npos) << inspect;
+}
+
+TEST(DataPrepare, Uint32ShardsForLargeVocabularies) {
+  MHAR_LOAD_TOKENIZER_OR_SKIP(qwen, "qwen3");
+  TempDir dir;
+  make_corpus(dir);
+  int status = 0;
+  const std::string out = run("data prepare --tokenizer qwen3 --input " + (dir / "corpus/a.jsonl") +
+                                  " --val-fraction 0.1 --no-progress --out " + (dir / "q"),
+                              &status);
+  ASSERT_EQ(status, 0) << out;
+  const auto info = md::read_shard_header(dir / "q/train_000000.bin");
+  EXPECT_EQ(info.magic, 20240801);
+  EXPECT_EQ(info.version, 7);
+  const auto tokens = md::read_shard(dir / "q/train_000000.bin", qwen.vocab_size());
+  EXPECT_EQ(tokens.front(), qwen.eot_id());
+}
+
+TEST(DataPrepare, ClearErrors) {
+  TempDir dir;
+  int status = 0;
+  std::string out = run("data prepare --tokenizer " + trained_tokenizer() + " --input " + (dir / "missing") +
+                            " --out " + (dir / "o"),
+                        &status);
+  EXPECT_EQ(status, 1);
+  EXPECT_NE(out.find("missing: no such file or folder"), std::string::npos) << out;
+  write_bytes(dir / "bad.jsonl", "{\"text\": \"ok\"}\n{\"txt\": 1}\n");
+  out = run("data prepare --tokenizer " + trained_tokenizer() + " --input " + (dir / "bad.jsonl") + " --out " +
+                (dir / "o") + " --val-docs 0 --no-progress",
+            &status);
+  EXPECT_EQ(status, 1);
+  EXPECT_NE(out.find("bad.jsonl:2"), std::string::npos) << out;
+  out = run("data inspect " + (dir / "bad.jsonl"), &status);
+  EXPECT_EQ(status, 1);
+  EXPECT_NE(out.find("bad.jsonl"), std::string::npos) << out;
+}
