@@ -154,14 +154,14 @@ class CpuBackend final : public Backend {
     MHAR_CHECK(out.numel() == a.numel() && b.numel() == a.numel(), "add shapes");
     T* o = out.ptr<T>();
     const T *x = a.ptr<T>(), *y = b.ptr<T>();
-#pragma omp parallel for
+#pragma omp parallel for if (cpu::worth_parallel(out.numel()))
     for (int64_t i = 0; i < out.numel(); ++i) o[i] = x[i] + y[i];
   }
   void add_inplace(Tensor y, Tensor x) override {
     MHAR_CHECK(y.numel() == x.numel(), "add_inplace shapes");
     T* o = y.ptr<T>();
     const T* p = x.ptr<T>();
-#pragma omp parallel for
+#pragma omp parallel for if (cpu::worth_parallel(y.numel()))
     for (int64_t i = 0; i < y.numel(); ++i) o[i] += p[i];
   }
 

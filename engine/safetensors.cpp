@@ -131,8 +131,9 @@ std::vector<int32_t> SafetensorsFile::to_i32(const std::string& name) const {
   return out;
 }
 
-void write_safetensors(const std::string& path, const std::vector<TensorToWrite>& tensors,
-                       const std::map<std::string, std::string>& metadata) {
+void write_safetensors_to(const std::function<void(const void*, size_t)>& sink,
+                          const std::vector<TensorToWrite>& tensors,
+                          const std::map<std::string, std::string>& metadata) {
   nlohmann::json header = nlohmann::json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   uint64_t offset = 0;
@@ -146,16 +147,23 @@ void write_safetensors(const std::string& path, const std::vector<TensorToWrite>
   }
   std::string h = header.dump();
   h.append((8 - h.size() % 8) % 8, ' ');  // the format pads the header to 8 bytes
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) fail(path, ": cannot create file");
   uint64_t len = h.size();
-  out.write(reinterpret_cast<const char*>(&len), 8);
-  out.write(h.data(), std::streamsize(h.size()));
+  sink(&len, 8);
+  sink(h.data(), h.size());
   for (const auto& t : tensors) {
     uint64_t n = 1;
     for (int64_t s : t.shape) n *= uint64_t(s);
-    out.write(static_cast<const char*>(t.data), std::streamsize(n * dtype_bytes(t.dtype)));
+    sink(t.data, n * dtype_bytes(t.dtype));
   }
+}
+
+void write_safetensors(const std::string& path, const std::vector<TensorToWrite>& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  if (!out) fail(path, ": cannot create file");
+  write_safetensors_to(
+      [&](const void* p, size_t n) { out.write(static_cast<const char*>(p), std::streamsize(n)); },
+      tensors, metadata);
   out.flush();
   if (!out) fail(path, ": write failed (disk full?)");
 }

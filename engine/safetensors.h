@@ -6,6 +6,7 @@
 // past its end.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -49,6 +50,11 @@ struct TensorToWrite {
   const void* data;   // numel * dtype size bytes, little-endian
 };
 
+// Streams the file's bytes into `sink` (checkpoints use this to account for and check
+// every write).
+void write_safetensors_to(const std::function<void(const void*, size_t)>& sink,
+                          const std::vector<TensorToWrite>& tensors,
+                          const std::map<std::string, std::string>& metadata = {});
 // Writes the file at `path` (not atomically: callers write into a temporary directory or
 // name and rename). Metadata values must be strings, as the format requires.
 void write_safetensors(const std::string& path, const std::vector<TensorToWrite>& tensors,

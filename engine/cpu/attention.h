@@ -9,6 +9,7 @@
 //   dq_t = scale * sum_u ds k_u;  dk_u += scale * ds q_t;  dv_u += p dout_t
 // Work is split over (batch, KV head) so the dk/dv sums of a group never race.
 #pragma once
+#include "engine/cpu/parallel.h"
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -22,7 +23,7 @@ void attention_forward_offset(T* out, T* lse, const T* q, const T* k, const T* v
                               int64_t Tq, int64_t Tk, int64_t Hq, int64_t Hkv, int64_t hd) {
   const int64_t group = Hq / Hkv, offset = Tk - Tq;
   const T scale = T(1.0 / std::sqrt(double(hd)));
-#pragma omp parallel
+#pragma omp parallel if (worth_parallel(B * Hq * Tq * Tk * hd))
   {
     std::vector<T> p(Tk);
 #pragma omp for collapse(2)
@@ -67,7 +68,7 @@ void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T*
                         int64_t Hkv, int64_t hd) {
   const int64_t group = Hq / Hkv;
   const T scale = T(1.0 / std::sqrt(double(hd)));
-#pragma omp parallel
+#pragma omp parallel if (worth_parallel(B * Hq * Tn * Tn * hd))
   {
     std::vector<T> p(Tn), ds(Tn);
 #pragma omp for collapse(2)

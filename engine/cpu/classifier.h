@@ -4,6 +4,7 @@
 // grad_scale * sum_n losses[n]. Sums run in double so fp32 rows of 150k entries stay exact
 // to rounding.
 #pragma once
+#include "engine/cpu/parallel.h"
 #include <cmath>
 #include <cstdint>
 
@@ -16,7 +17,7 @@ void cross_entropy(T* losses, T* logits, const int32_t* targets, int64_t N, int6
                    double grad_scale, bool compute_grad) {
   for (int64_t n = 0; n < N; ++n)
     MHAR_CHECK(targets[n] >= 0 && targets[n] < V, "target ", targets[n], " outside [0, ", V, ")");
-#pragma omp parallel for
+#pragma omp parallel for if (worth_parallel(N * V))
   for (int64_t n = 0; n < N; ++n) {
     T* row = logits + n * V;
     double mx = row[0];

@@ -2,6 +2,7 @@
 // tokens [N]; the backward scatters rows of dout back into dtable (+=). Token ids were
 // validated by the data loader; an id outside [0, V) here is an engine bug.
 #pragma once
+#include "engine/cpu/parallel.h"
 #include <cstdint>
 #include <cstring>
 
@@ -15,7 +16,7 @@ void embedding_forward(T* out, const int32_t* tokens, const T* table, int64_t N,
   // Checked before the parallel loop: an exception must not escape an OpenMP region.
   for (int64_t n = 0; n < N; ++n)
     MHAR_CHECK(tokens[n] >= 0 && tokens[n] < V, "token id ", tokens[n], " outside [0, ", V, ")");
-#pragma omp parallel for
+#pragma omp parallel for if (worth_parallel(N * d))
   for (int64_t n = 0; n < N; ++n) {
     std::memcpy(out + n * d, table + int64_t(tokens[n]) * d, sizeof(T) * d);
   }

@@ -5,6 +5,7 @@
 //   dw += sum_r dy * xhat
 //   dx  = rstd * (dy*w - xhat * mean(dy*w*xhat))
 #pragma once
+#include "engine/cpu/parallel.h"
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -15,7 +16,7 @@ namespace mhar::cpu {
 
 template <class T>
 void rmsnorm_forward(T* y, T* rstd, const T* x, const T* w, int64_t R, int64_t D, double eps) {
-#pragma omp parallel for
+#pragma omp parallel for if (worth_parallel(R * D))
   for (int64_t r = 0; r < R; ++r) {
     const T* xr = x + r * D;
     double ss = 0;
@@ -32,7 +33,7 @@ void rmsnorm_backward(T* dx, T* dw, const T* dy, const T* x, const T* w, const T
                       int64_t R, int64_t D, bool accumulate_dx) {
   const int threads = omp_get_max_threads();
   std::vector<T> dw_partial(size_t(threads) * D, T(0));  // per-thread, no races on dw
-#pragma omp parallel
+#pragma omp parallel if (worth_parallel(R * D))
   {
     T* my_dw = dw_partial.data() + size_t(omp_get_thread_num()) * D;
 #pragma omp for

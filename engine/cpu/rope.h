@@ -5,6 +5,7 @@
 // The rotation is orthogonal, so the backward is the inverse rotation (angle negated).
 // Angles are computed in double whatever T is, so fp32 and fp64 runs see the same cos/sin.
 #pragma once
+#include "engine/cpu/parallel.h"
 #include <cmath>
 #include <cstdint>
 
@@ -14,7 +15,7 @@ template <class T>
 void rope_at(T* x, int64_t B, int64_t Tn, int64_t heads, int64_t hd, double theta,
              bool inverse, int64_t first_position) {
   const int64_t half = hd / 2;
-#pragma omp parallel for collapse(2)
+#pragma omp parallel for collapse(2) if (worth_parallel(B * Tn * heads * hd))
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < Tn; ++t)
       for (int64_t i = 0; i < half; ++i) {

@@ -12,6 +12,7 @@
 //                dv_i[c] += r_i w_i[c] - r_i^3 v_i[c] (sum_c' w_i[c'] v_i[c']) / d
 //                (the second term is the gradient through the RMS over the full d).
 #pragma once
+#include "engine/cpu/parallel.h"
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -22,7 +23,7 @@ namespace mhar::cpu {
 
 template <class T>
 void routing_source_stats(T* inv_rms, const T* v, int64_t N, int64_t d, double eps) {
-#pragma omp parallel for
+#pragma omp parallel for if (worth_parallel(N * d))
   for (int64_t n = 0; n < N; ++n) {
     double ss = 0;
     for (int64_t c = 0; c < d; ++c) ss += double(v[n * d + c]) * v[n * d + c];
@@ -34,7 +35,7 @@ template <class T>
 void routing_forward(T* x, T* weights, const T* history, const T* inv_rms, const T* query,
                      const T* gain, int64_t N, int64_t d, int n_src, int H) {
   const int64_t hs = d / H;
-#pragma omp parallel
+#pragma omp parallel if (worth_parallel(N * d * n_src))
   {
     std::vector<double> s(n_src);
 #pragma omp for
@@ -70,7 +71,7 @@ void routing_backward(T* dhistory, T* dquery, T* dgain, const T* dx, const T* hi
   const int threads = omp_get_max_threads();
   // Per-thread partial sums for the site's query and gain: tokens run in parallel.
   std::vector<T> dq_part(size_t(threads) * d, T(0)), dg_part(size_t(threads) * d, T(0));
-#pragma omp parallel
+#pragma omp parallel if (worth_parallel(N * d * n_src))
   {
     T* dq = dq_part.data() + size_t(omp_get_thread_num()) * d;
     T* dg = dg_part.data() + size_t(omp_get_thread_num()) * d;

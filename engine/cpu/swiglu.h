@@ -1,6 +1,7 @@
 // swiglu.h: CPU reference SwiGLU gate: h = silu(gate) * up, silu(z) = z * sigmoid(z).
 // Backward: dgate = dh * up * sigmoid(z) * (1 + z * (1 - sigmoid(z))), dup = dh * silu(z).
 #pragma once
+#include "engine/cpu/parallel.h"
 #include <cmath>
 #include <cstdint>
 
@@ -8,7 +9,7 @@ namespace mhar::cpu {
 
 template <class T>
 void swiglu_forward(T* h, const T* gate, const T* up, int64_t n) {
-#pragma omp parallel for
+#pragma omp parallel for if (worth_parallel(n))
   for (int64_t i = 0; i < n; ++i) {
     T z = gate[i];
     T sig = T(1) / (T(1) + std::exp(-z));
@@ -18,7 +19,7 @@ void swiglu_forward(T* h, const T* gate, const T* up, int64_t n) {
 
 template <class T>
 void swiglu_backward(T* dgate, T* dup, const T* dh, const T* gate, const T* up, int64_t n) {
-#pragma omp parallel for
+#pragma omp parallel for if (worth_parallel(n))
   for (int64_t i = 0; i < n; ++i) {
     T z = gate[i];
     T sig = T(1) / (T(1) + std::exp(-z));

@@ -1,0 +1,61 @@
+// cmd_train.cpp: `mhar train CONFIG.json [--set k=v ...] [--run-dir DIR] [--device D]`
+// and `mhar train --resume RUN_DIR [--resume-latest-valid]`.
+#include <spdlog/spdlog.h>
+
+#include <filesystem>
+
+#include "cli/commands.h"
+#include "engine/error.h"
+#include "engine/trainer.h"
+
+namespace mhar::cli {
+
+void register_train(CLI::App& app) {
+  auto* cmd = app.add_subcommand(
+      "train",
+      "Train a model from a run config. Ctrl-C (SIGINT) or SIGTERM finishes the current step, "
+      "writes a checkpoint and exits 0; a second signal exits at once.");
+  static std::string config_path, run_dir, resume_dir, device;
+  static std::vector<std::string> overrides;
+  static bool latest_valid = false;
+  static long long steps = -1;
+  cmd->add_option("config", config_path, "Run config (JSON); not needed with --resume");
+  cmd->add_option("--set", overrides, "Override a config field, e.g. --set train.lr=3e-4");
+  cmd->add_option("--run-dir", run_dir, "Where checkpoints, metrics and the report go "
+                  "(default: runs/<config name>)");
+  cmd->add_option("--resume", resume_dir, "Continue the run in this directory from its newest checkpoint");
+  cmd->add_flag("--resume-latest-valid", latest_valid,
+                "With --resume: fall back to the newest checkpoint that validates");
+  cmd->add_option("--device", device, "cpu, cuda or auto (default: train.device)")
+      ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
+  cmd->add_option("--steps", steps, "Override train.steps");
+  cmd->callback([] {
+    TrainOptions opt;
+    opt.device = device;
+    Config cfg;
+    if (!resume_dir.empty()) {
+      if (!config_path.empty() || !overrides.empty())
+        fail("--resume continues a run with the config it was started with; drop CONFIG and --set");
+      if (steps > 0) fail("--steps cannot change a resumed run; it continues to its train.steps");
+      opt.resume = true;
+      opt.resume_latest_valid = latest_valid;
+      opt.run_dir = resume_dir;
+    } else {
+      if (config_path.empty()) fail("give a CONFIG.json to train, or --resume RUN_DIR");
+      if (latest_valid) fail("--resume-latest-valid goes with --resume RUN_DIR");
+      std::vector<std::string> sets = overrides;
+      if (steps > 0) sets.push_back("train.steps=" + std::to_string(steps));
+      cfg = load_config(config_path, sets);
+      opt.run_dir = run_dir.empty()
+                        ? "runs/" + std::filesystem::path(config_path).stem().string()
+                        : run_dir;
+    }
+    install_stop_signal_handlers();
+    TrainResult r = train(cfg, opt);
+    spdlog::info("{} at step {}: train loss {:.4f}, val loss {:.4f}; checkpoint {}",
+                 r.interrupted ? "stopped" : "done", r.step, r.last_loss, r.last_val_loss,
+                 r.last_checkpoint);
+  });
+}
+
+}  // namespace mhar::cli

@@ -1,0 +1,247 @@
+// trainer.cpp: the training loop, evaluation, run-directory rules and resume (see
+// trainer.h).
+#include "engine/trainer.h"
+
+#include <spdlog/spdlog.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <csignal>
+#include <filesystem>
+#include <fstream>
+
+#include "data/loader.h"
+#include "engine/backend_factory.h"
+#include "engine/checkpoint.h"
+#include "engine/error.h"
+#include "engine/metrics.h"
+#include "engine/optimizer.h"
+
+namespace fs = std::filesystem;
+
+namespace mhar {
+
+namespace {
+
+std::atomic<int> g_stop_signals{0};
+
+void on_stop_signal(int sig) {
+  if (g_stop_signals.fetch_add(1) >= 1) {
+    std::signal(sig, SIG_DFL);
+    std::raise(sig);  // second signal: leave now
+  }
+}
+
+std::string format_duration(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "--:--:--";
+  long long s = std::llround(seconds);
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%02lld:%02lld:%02lld", s / 3600, (s / 60) % 60, s % 60);
+  return buf;
+}
+
+std::string join_path(const std::string& base, const std::string& p) {
+  if (p.empty() || fs::path(p).is_absolute()) return p;
+  return (fs::path(base) / p).lexically_normal().string();
+}
+
+// The run directory must be new, or hold this very run (then only with --resume).
+void prepare_run_dir(const Config& cfg, const TrainOptions& opt) {
+  const fs::path cfg_path = fs::path(opt.run_dir) / "config.json";
+  if (opt.resume) return;
+  if (fs::exists(cfg_path)) {
+    std::ifstream in(cfg_path);
+    auto j = nlohmann::json::parse(in, nullptr, false);
+    if (j.is_discarded() || j != cfg.to_json())
+      fail(opt.run_dir, " already holds a different run (its config.json differs from this "
+           "config); choose a new --run-dir, or delete that directory");
+    if (!list_checkpoints(opt.run_dir).empty())
+      fail(opt.run_dir, " already holds checkpoints of this run; continue it with --resume ",
+           opt.run_dir, " or choose a new --run-dir");
+  }
+  fs::create_directories(opt.run_dir);
+  const std::string tmp = cfg_path.string() + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << cfg.to_json().dump(2) << "\n";
+    if (!out) fail(cfg_path.string(), ": cannot write (disk full?)");
+  }
+  fs::rename(tmp, cfg_path);
+}
+
+}  // namespace
+
+void install_stop_signal_handlers() {
+  std::signal(SIGINT, on_stop_signal);
+  std::signal(SIGTERM, on_stop_signal);
+}
+
+void resolve_data_paths(Config& cfg) {
+  const std::string base = cfg.config_dir.empty() ? fs::current_path().string() : cfg.config_dir;
+  cfg.data.train = join_path(base, cfg.data.train);
+  cfg.data.val = join_path(base, cfg.data.val);
+}
+
+EvalResult evaluate(Model& model, data::DataLoader& loader, long long max_batches) {
+  loader.reset();
+  const int B = model.batch(), T = model.seq_len();
+  long long n = (long long)loader.num_batches();
+  if (max_batches > 0) n = std::min(n, max_batches);
+  std::vector<int32_t> x(size_t(B) * T), y(size_t(B) * T);
+  EvalResult r;
+  double sum = 0;
+  for (long long b = 0; b < n; ++b) {
+    loader.next_batch(x.data(), y.data());
+    sum += model.forward(x.data(), y.data(), 0.0) * double(B) * T;  // equal-size batches
+    r.tokens += (long long)B * T;
+  }
+  r.batches = n;
+  r.loss = r.tokens ? sum / double(r.tokens) : NAN;
+  return r;
+}
+
+TrainResult train(Config cfg, const TrainOptions& opt) {
+  MHAR_CHECK(!opt.run_dir.empty(), "run_dir");
+  g_stop_signals = 0;
+  TrainResult result;
+  CheckpointInfo resume_from;
+  if (opt.resume) {
+    if (!fs::exists(fs::path(opt.run_dir) / "config.json"))
+      fail("--resume ", opt.run_dir, ": no config.json there, so it is not a run directory");
+    resume_from = open_checkpoint(opt.run_dir, opt.resume_latest_valid);
+    cfg = resume_from.config;  // the run continues with the config it was started with
+    spdlog::info("resuming {} from {} (step {})", opt.run_dir, resume_from.dir, resume_from.step);
+  } else {
+    resolve_data_paths(cfg);
+  }
+  if (!opt.device.empty()) cfg.train.device = opt.device;
+  cfg.validate();
+  if (cfg.data.train.empty()) fail(cfg.source, ": data.train is empty; give a shard glob");
+  if (cfg.data.val.empty()) fail(cfg.source, ": data.val is empty; give a shard glob");
+  prepare_run_dir(cfg, opt);
+
+  const auto& t = cfg.train;
+  const int B = t.micro_batch, T = t.seq_len;
+  const long long micro_tokens = (long long)B * T;
+  const long long accum = t.batch_tokens > 0 ? t.batch_tokens / micro_tokens : 1;
+
+  data::DataLoader train_data(cfg.data.train, B, T, t.seed, 0, 1, cfg.model.vocab_size,
+                              data::LoaderMode::Shuffled);
+  data::DataLoader val_data(cfg.data.val, B, T, t.seed, 0, 1, cfg.model.vocab_size,
+                            data::LoaderMode::Sequential);
+  if (val_data.num_batches() == 0)
+    fail(cfg.data.val, ": validation shards hold ", val_data.total_tokens(),
+         " tokens, fewer than one batch of ", B, " x ", T + 1);
+
+  auto backend = make_backend(t.device);
+  Model model(cfg.model, cfg.residual, *backend, B, T);
+  AdamWOptimizer optimizer(model, t);
+  long long step = 0, tokens_seen = 0, consecutive_bad = 0, total_bad = 0;
+  double elapsed_before = 0;
+  if (opt.resume) {
+    load_model_weights(resume_from, model);
+    load_optimizer_state(resume_from, model, optimizer, 0);
+    train_data.restore(resume_from.state.at("loader"));
+    const auto& ts = resume_from.state.at("trainer");
+    step = resume_from.step;
+    tokens_seen = ts.value("tokens_seen", 0LL);
+    total_bad = ts.value("total_bad_steps", 0LL);
+    elapsed_before = ts.value("elapsed_s", 0.0);
+    result.last_checkpoint = resume_from.dir;
+  } else {
+    model.init_weights(t.seed);
+    optimizer.sync_master_from_params();
+  }
+  MetricsLog metrics((fs::path(opt.run_dir) / "metrics.jsonl").string(), opt.resume ? step : -1);
+  spdlog::info("model: {} parameters, residual {} (H={}), backend {}", model.num_parameters(),
+               residual_mode_name(cfg.residual.mode), cfg.residual.heads, backend->name());
+  spdlog::info("batch: {} x {} tokens x {} micro-batches = {} tokens per step; {} steps",
+               B, T, accum, micro_tokens * accum, t.steps);
+  for (const auto& line : {model.memory_report()}) spdlog::debug("memory:\n{}", line);
+
+  auto checkpoint = [&](long long at_step, double elapsed_total) {
+    CheckpointWrite w;
+    w.run_dir = opt.run_dir;
+    w.step = at_step;
+    w.config = &cfg;
+    w.loader = train_data.state();
+    w.trainer = {{"tokens_seen", tokens_seen}, {"total_bad_steps", total_bad},
+                 {"elapsed_s", elapsed_total}};
+    w.keep = cfg.checkpoint.keep;
+    result.last_checkpoint = save_checkpoint(w, model, optimizer);
+    spdlog::info("checkpoint: {}", result.last_checkpoint);
+  };
+  auto run_eval = [&](long long at_step) {
+    EvalResult ev = evaluate(model, val_data, t.eval_batches);
+    metrics.append({{"kind", "eval"}, {"step", at_step}, {"val_loss", ev.loss},
+                    {"val_ppl", std::exp(ev.loss)}, {"tokens", ev.tokens}});
+    spdlog::info("eval step {}: val loss {:.4f} (ppl {:.2f}) over {} tokens", at_step, ev.loss,
+                 std::exp(ev.loss), ev.tokens);
+    if (result.first_val_loss < 0) result.first_val_loss = ev.loss;
+    result.last_val_loss = ev.loss;
+  };
+
+  if (step == 0) run_eval(0);
+  std::vector<int32_t> x(static_cast<size_t>(micro_tokens)), y(static_cast<size_t>(micro_tokens));
+  const auto run_start = std::chrono::steady_clock::now();
+  const long long first_step = step;
+  while (step < t.steps) {
+    const auto t0 = std::chrono::steady_clock::now();
+    model.zero_grads();
+    double loss = 0;
+    for (long long a = 0; a < accum; ++a) {
+      train_data.next_batch(x.data(), y.data());
+      loss += model.forward(x.data(), y.data(), 1.0 / double(accum)) / double(accum);
+      model.backward();
+    }
+    const double grad_norm = std::sqrt(backend->sum_squares(model.all_gradients()));
+    const double lr = learning_rate(t, step);
+    if (!std::isfinite(loss) || !std::isfinite(grad_norm)) {
+      ++consecutive_bad, ++total_bad;
+      metrics.append({{"kind", "skip"}, {"step", step + 1},
+                      {"reason", !std::isfinite(loss) ? "non-finite loss" : "non-finite gradients"}});
+      spdlog::warn("step {}: non-finite {} — update skipped ({} in a row)", step + 1,
+                   std::isfinite(loss) ? "gradients" : "loss", consecutive_bad);
+      if (consecutive_bad > t.max_bad_steps)
+        fail("stopping: ", consecutive_bad, " consecutive steps with non-finite loss or gradients "
+             "(train.max_bad_steps = ", t.max_bad_steps, "); the last good checkpoint is ",
+             result.last_checkpoint.empty() ? std::string("none yet") : result.last_checkpoint);
+      ++step;  // the batch is consumed; the data position moves on
+      continue;
+    }
+    consecutive_bad = 0;
+    optimizer.step(lr, clip_factor(grad_norm, t.grad_clip), step + 1);
+    backend->synchronize();
+    ++step;
+    tokens_seen += micro_tokens * accum;
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double elapsed =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
+    const double tok_s = double(micro_tokens * accum) / dt;
+    metrics.append({{"kind", "train"}, {"step", step}, {"loss", loss}, {"lr", lr},
+                    {"grad_norm", grad_norm}, {"tokens_per_s", tok_s}, {"tokens", tokens_seen},
+                    {"elapsed_s", elapsed_before + elapsed}});
+    result.last_loss = loss;
+    result.step = step;
+    if (!opt.quiet && (step % t.log_every == 0 || step == t.steps)) {
+      const double eta = elapsed / double(step - first_step) * double(t.steps - step);
+      spdlog::info("step {:>6}/{} | loss {:.4f} | lr {:.2e} | grad norm {:.3f} | {:.0f} tok/s | ETA {}",
+                   step, t.steps, loss, lr, grad_norm, tok_s, format_duration(eta));
+    }
+    const bool stop = g_stop_signals > 0 || (opt.stop_after_steps >= 0 && step - first_step >= opt.stop_after_steps);
+    if (step % t.eval_every == 0 || step == t.steps) run_eval(step);
+    if (stop) {
+      spdlog::info("stop requested: checkpointing at step {} and exiting", step);
+      checkpoint(step, elapsed_before + elapsed);
+      result.interrupted = true;
+      return result;
+    }
+    if ((cfg.checkpoint.every > 0 && step % cfg.checkpoint.every == 0) || step == t.steps)
+      checkpoint(step, elapsed_before + elapsed);
+  }
+  result.step = step;
+  return result;
+}
+
+}  // namespace mhar
