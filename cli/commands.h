@@ -7,6 +7,8 @@
 namespace mhar::cli {
 
 void register_config(CLI::App& app);
+void register_sample(CLI::App& app);
+void register_report(CLI::App& app);
 void register_data(CLI::App& app);
 
 }  // namespace mhar::cli

@@ -21,6 +21,8 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
 
   mhar::cli::register_config(app);
+  mhar::cli::register_sample(app);
+  mhar::cli::register_report(app);
   mhar::cli::register_data(app);
 
   app.parse_complete_callback([&] {

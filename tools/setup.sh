@@ -4,7 +4,8 @@
 set -euo pipefail
 PKGS=(cmake ninja-build g++ nlohmann-json3-dev libcli11-dev libspdlog-dev libfmt-dev
       libopenblas-dev libopenmpi-dev openmpi-bin libgtest-dev libgmock-dev
-      libicu-dev)
+      libicu-dev
+      chromium)  # headless Chromium renders the run report in tests/report_test.cpp
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,0 +1,110 @@
+// cmd_sample.cpp: `mhar sample --checkpoint DIR --prompt TEXT [--max-tokens N]
+// [--temperature T] [--top-k K] [--seed S]` prints the prompt's continuation.
+// The continuation alone goes to stdout, token by token as it is generated (so the output
+// can be piped); the summary line goes to stderr. Sampling runs on the CPU backend
+// (fp32): the CUDA backend does not implement incremental decoding yet.
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+
+#include "cli/commands.h"
+#include "data/tokenizer.h"
+#include "engine/backend.h"
+#include "engine/checkpoint.h"
+#include "engine/error.h"
+#include "engine/sampler.h"
+
+namespace mhar::cli {
+
+void register_sample(CLI::App& app) {
+  auto* cmd = app.add_subcommand("sample", "Generate text from a checkpoint (runs on the CPU)");
+  cmd->footer(
+      "Prefills the prompt in one chunk, then decodes token by token with a KV cache (cost\n"
+      "linear in length) until <|endoftext|>, --max-tokens or the model's context length.\n"
+      "The continuation goes to stdout as it is generated, a summary line to stderr.\n"
+      "Sampling runs on the CPU backend (fp32) for now, whatever the machine: the CUDA\n"
+      "backend does not implement incremental decoding yet.");
+  static std::string checkpoint, prompt, tokenizer_name;
+  static SamplingOptions opt = [] {
+    SamplingOptions o;
+    o.temperature = 0.8;
+    o.top_k = 50;
+    return o;
+  }();
+  cmd->add_option("--checkpoint", checkpoint,
+                  "Checkpoint directory, or a run directory (its newest checkpoint)")
+      ->required();
+  cmd->add_option("--prompt", prompt,
+                  "Text to continue; special tokens such as <|endoftext|> are recognised. Empty:\n"
+                  "start from <|endoftext|> (an unconditional sample)");
+  cmd->add_option("--max-tokens", opt.max_tokens, "New tokens at most")->capture_default_str();
+  cmd->add_option("--temperature", opt.temperature, "Softmax temperature; 0 = greedy")
+      ->capture_default_str();
+  cmd->add_option("--top-k", opt.top_k, "Sample among the K most likely tokens; 0 = all")
+      ->capture_default_str();
+  cmd->add_option("--seed", opt.seed, "Random seed: the same seed gives the same text")
+      ->capture_default_str();
+  cmd->add_option("--tokenizer", tokenizer_name,
+                  "gpt2, qwen3 or a tokenizer.json path (default: the checkpoint's data.tokenizer)");
+  cmd->callback([] {
+    validate_sampling_options(opt);
+    CheckpointInfo ckpt = open_checkpoint(checkpoint);
+    const Config& cfg = ckpt.config;
+    const std::string tok_name = tokenizer_name.empty() ? cfg.data.tokenizer : tokenizer_name;
+    data::Tokenizer tokenizer = [&] {
+      try {
+        return data::Tokenizer::load(tok_name);
+      } catch (const Error& e) {
+        fail(e.what(), "\n  (the tokenizer named by ",
+             tokenizer_name.empty() ? "the checkpoint's data.tokenizer" : "--tokenizer",
+             "; pass --tokenizer gpt2|qwen3|PATH to choose another)");
+      }
+    }();
+    const int V = cfg.model.vocab_size;
+    if (tokenizer.vocab_size() > V)
+      fail("tokenizer ", tokenizer.origin(), " has ", tokenizer.vocab_size(),
+           " tokens but the checkpoint's model.vocab_size is ", V,
+           ": it is not the tokenizer this model was trained with (see --tokenizer)");
+    const std::optional<int32_t> eot = tokenizer.token_id("<|endoftext|>");
+
+    std::vector<int32_t> ids = tokenizer.encode_with_special(prompt);
+    if (ids.empty()) {
+      if (!eot)
+        fail("--prompt is empty and tokenizer ", tokenizer.origin(),
+             " has no <|endoftext|> to start an unconditional sample from; give a prompt");
+      ids.push_back(*eot);
+    }
+    const int ctx = cfg.model.context_length;
+    if (int(ids.size()) > ctx)
+      fail("--prompt is ", ids.size(), " tokens, more than the model's context_length of ", ctx);
+
+    auto backend = make_cpu_backend(DType::F32);
+    Model model(cfg.model, cfg.residual, *backend, 1, int(ids.size()));
+    load_model_weights(ckpt, model);
+    model.enable_kv_cache(ctx);
+    opt.stop_token = eot ? *eot : -1;
+    opt.vocab_limit = tokenizer.vocab_size();  // never draw the embedding's padding rows
+
+    const auto start = std::chrono::steady_clock::now();
+    const Generation g = generate(model, ids, opt, [&](int32_t t) {
+      const std::string& bytes = tokenizer.token_bytes(t);
+      std::fwrite(bytes.data(), 1, bytes.size(), stdout);
+      std::fflush(stdout);
+    });
+    const double secs =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::fputc('\n', stdout);
+    std::fflush(stdout);
+    const char* why = g.reason == StopReason::StopToken    ? "<|endoftext|>"
+                      : g.reason == StopReason::ContextFull ? "context length reached"
+                                                            : "--max-tokens reached";
+    std::fprintf(stderr,
+                 "[sample] %s (step %lld, %s): %zu prompt + %zu new tokens in %.2f s "
+                 "(%.1f tokens/s, CPU), stopped: %s\n",
+                 ckpt.dir.c_str(), static_cast<long long>(ckpt.step),
+                 residual_mode_name(cfg.residual.mode), ids.size(), g.tokens.size(), secs,
+                 secs > 0 ? double(ids.size() + g.tokens.size()) / secs : 0.0, why);
+  });
+}
+
+}  // namespace mhar::cli

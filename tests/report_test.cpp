@@ -1,0 +1,351 @@
+// report_test.cpp: the run report (engine/report.h).
+// - A synthetic mhar run (train, eval, routing, skip, unknown-kind, malformed and
+//   truncated lines) renders into one self-contained file: SVG charts, one heatmap per
+//   routing site, no external references, written atomically.
+// - Headless Chromium renders it, and the screenshot is decoded (PNG, zlib) and must not
+//   be blank: many distinct colours and a good share of non-white pixels. Chromium is
+//   installed by tools/setup.sh; when it is absent the test fails if $CI or
+//   $MHAR_REQUIRE_BROWSER is set and otherwise skips with a loud banner.
+// - RoutingAccumulator averages Model::routing_weights over tokens and batches.
+#include <dlfcn.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <set>
+#include <sstream>
+
+#include "engine/report.h"
+#include "tests/model_test_util.h"
+
+using namespace mhar;
+using namespace mhar::test;
+namespace fs = std::filesystem;
+
+namespace {
+
+fs::path fresh_dir(const std::string& name) {
+  fs::path d = fs::path(::testing::TempDir()) /
+               ("mhar_report_" + name + "_" + std::to_string(::getpid()));
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d;
+}
+
+std::string read_file(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+int count_of(const std::string& s, const std::string& what) {
+  int n = 0;
+  for (size_t p = s.find(what); p != std::string::npos; p = s.find(what, p + 1)) ++n;
+  return n;
+}
+
+// A run dir as the trainer writes it: an mhar model of 4 layers (9 routing sites, 4
+// heads), 400 steps with a falling loss, evaluations every 50 steps with routing lines.
+fs::path make_synthetic_run(const std::string& name, ResidualMode mode) {
+  const fs::path dir = fresh_dir(name);
+  nlohmann::json cj = {
+      {"model", {{"vocab_size", 512}, {"d_model", 64}, {"n_layers", 4}, {"n_heads", 4},
+                 {"n_kv_heads", 4}, {"head_dim", 16}, {"d_ff", 128}, {"context_length", 64}}},
+      {"residual", {{"mode", residual_mode_name(mode)}, {"heads", mode == ResidualMode::Mhar ? 4 : 0}}},
+      {"train", {{"steps", 400}, {"seq_len", 64}, {"micro_batch", 4}, {"warmup_steps", 20}}}};
+  Config cfg = config_from_json(cj, "synthetic");
+  std::ofstream(dir / "config.json") << cfg.to_json().dump(2) << "\n";
+
+  std::mt19937_64 rng(5);
+  std::normal_distribution<double> noise(0.0, 1.0);
+  std::ofstream m(dir / "metrics.jsonl");
+  const int steps = 400, sites = 2 * 4 + 1, H = 4;
+  for (int s = 1; s <= steps; ++s) {
+    const double lr = s < 20 ? 5e-4 * s / 20 : 5e-5 + 4.5e-4 * 0.5 * (1 + std::cos(3.141592653589793 * (s - 20) / 380.0));
+    nlohmann::json t = {{"kind", "train"}, {"step", s},
+                        {"loss", 3.0 + 3.5 * std::exp(-s / 80.0) + 0.08 * noise(rng)},
+                        {"lr", lr}, {"grad_norm", 0.3 + 2.0 * std::exp(-s / 30.0) + 0.05 * std::fabs(noise(rng))},
+                        {"tokens_per_s", 21000 + 400 * noise(rng)}, {"tokens", s * 256},
+                        {"elapsed_s", s * 0.012}};
+    m << t.dump() << "\n";
+    if (s == 137) m << R"({"kind":"skip","step":137,"reason":"non-finite gradient <norm=nan>"})" << "\n";
+    if (s == 200) m << R"({"kind":"future_kind","step":200,"x":1})" << "\n";
+    if (s == 201) m << "{this line is damaged\n";
+    if (s % 50 == 0) {
+      m << nlohmann::json({{"kind", "eval"}, {"step", s}, {"val_loss", 3.1 + 3.4 * std::exp(-s / 80.0)},
+                           {"val_ppl", std::exp(3.1 + 3.4 * std::exp(-s / 80.0))}, {"tokens", s * 256}})
+               .dump()
+        << "\n";
+      if (mode == ResidualMode::Standard) continue;
+      for (int j = 0; j < sites; ++j) {
+        nlohmann::json weights = nlohmann::json::array();
+        for (int h = 0; h < H; ++h) {
+          std::vector<double> w(size_t(j) + 1);
+          double sum = 0;
+          for (int i = 0; i <= j; ++i) sum += (w[size_t(i)] = std::exp(1.5 * noise(rng) + (i == j ? 1.0 : 0.0)));
+          nlohmann::json row = nlohmann::json::array();
+          for (double x : w) row.push_back(x / sum);
+          weights.push_back(row);
+        }
+        m << nlohmann::json({{"kind", "routing"}, {"step", s}, {"site", j}, {"heads", H},
+                             {"weights", weights}})
+                 .dump()
+          << "\n";
+      }
+    }
+  }
+  m << R"({"kind":"train","step":401,"loss":2.9,"lr")";  // a write in progress
+  return dir;
+}
+
+// ---- PNG decoding (8-bit RGB/RGBA, non-interlaced: what Chromium writes).
+// zlib is loaded at run time from libz.so.1 (on every Debian system), which keeps the
+// test binary's link line unchanged.
+using UncompressFn = int (*)(unsigned char*, unsigned long*, const unsigned char*, unsigned long);
+
+UncompressFn zlib_uncompress() {
+  static UncompressFn fn = [] {
+    void* lib = dlopen("libz.so.1", RTLD_NOW);
+    return lib ? reinterpret_cast<UncompressFn>(dlsym(lib, "uncompress")) : nullptr;
+  }();
+  return fn;
+}
+
+struct Image {
+  int width = 0, height = 0;
+  std::vector<uint8_t> rgb;  // width * height * 3
+};
+
+uint32_t be32(const uint8_t* p) { return uint32_t(p[0]) << 24 | p[1] << 16 | p[2] << 8 | p[3]; }
+
+Image decode_png(const std::string& bytes) {
+  Image img;
+  const auto* d = reinterpret_cast<const uint8_t*>(bytes.data());
+  if (bytes.size() < 8 || std::memcmp(d, "\x89PNG\r\n\x1a\n", 8) != 0)
+    throw std::runtime_error("not a PNG file");
+  size_t pos = 8;
+  int bit_depth = 0, colour_type = 0, interlace = 0;
+  std::vector<uint8_t> idat;
+  while (pos + 12 <= bytes.size()) {
+    const uint32_t len = be32(d + pos);
+    const std::string type(bytes, pos + 4, 4);
+    const uint8_t* body = d + pos + 8;
+    if (pos + 12 + len > bytes.size()) throw std::runtime_error("truncated PNG chunk " + type);
+    if (type == "IHDR") {
+      img.width = int(be32(body));
+      img.height = int(be32(body + 4));
+      bit_depth = body[8];
+      colour_type = body[9];
+      interlace = body[12];
+    } else if (type == "IDAT") {
+      idat.insert(idat.end(), body, body + len);
+    } else if (type == "IEND") {
+      break;
+    }
+    pos += 12 + len;
+  }
+  if (bit_depth != 8 || (colour_type != 2 && colour_type != 6) || interlace != 0)
+    throw std::runtime_error("unsupported PNG: depth " + std::to_string(bit_depth) + " colour type " +
+                             std::to_string(colour_type) + " interlace " + std::to_string(interlace));
+  const int bpp = colour_type == 6 ? 4 : 3;
+  const size_t stride = size_t(img.width) * bpp;
+  std::vector<uint8_t> raw((stride + 1) * size_t(img.height));
+  unsigned long raw_len = raw.size();
+  UncompressFn uncompress = zlib_uncompress();
+  if (!uncompress) throw std::runtime_error("libz.so.1 not found");
+  if (uncompress(raw.data(), &raw_len, idat.data(), idat.size()) != 0 || raw_len != raw.size())
+    throw std::runtime_error("PNG image data does not inflate to the expected size");
+  std::vector<uint8_t> cur(stride), prev(stride, 0);
+  img.rgb.resize(size_t(img.width) * img.height * 3);
+  for (int y = 0; y < img.height; ++y) {
+    const uint8_t filter = raw[size_t(y) * (stride + 1)];
+    const uint8_t* in = &raw[size_t(y) * (stride + 1) + 1];
+    for (size_t i = 0; i < stride; ++i) {
+      const int a = i >= size_t(bpp) ? cur[i - bpp] : 0, b = prev[i],
+                c = i >= size_t(bpp) ? prev[i - bpp] : 0;
+      int pred = 0;
+      switch (filter) {
+        case 0: pred = 0; break;
+        case 1: pred = a; break;
+        case 2: pred = b; break;
+        case 3: pred = (a + b) / 2; break;
+        case 4: {
+          const int p = a + b - c, pa = std::abs(p - a), pb = std::abs(p - b), pc = std::abs(p - c);
+          pred = pa <= pb && pa <= pc ? a : pb <= pc ? b : c;
+          break;
+        }
+        default: throw std::runtime_error("bad PNG filter " + std::to_string(filter));
+      }
+      cur[i] = uint8_t(in[i] + pred);
+    }
+    for (int x = 0; x < img.width; ++x)
+      for (int k = 0; k < 3; ++k) img.rgb[(size_t(y) * img.width + x) * 3 + k] = cur[size_t(x) * bpp + k];
+    std::swap(cur, prev);
+  }
+  return img;
+}
+
+std::string find_chromium() {
+  if (const char* env = std::getenv("MHAR_CHROMIUM")) return env;
+  for (const char* name : {"chromium", "chromium-browser", "google-chrome"}) {
+    const std::string cmd = std::string("command -v ") + name + " >/dev/null 2>&1";
+    if (std::system(cmd.c_str()) == 0) return name;
+  }
+  return "";
+}
+
+TEST(RunReport, SyntheticMharRunRendersSelfContained) {
+  const fs::path dir = make_synthetic_run("mhar", ResidualMode::Mhar);
+  write_run_report(dir.string());
+  const std::string html = read_file(dir / "report.html");
+  ASSERT_FALSE(html.empty());
+  // Atomic write: no temporary file is left behind.
+  for (const auto& e : fs::directory_iterator(dir))
+    EXPECT_EQ(e.path().filename().string().find(".report.html.tmp"), std::string::npos);
+  // Self-contained: nothing to fetch, nothing to run.
+  for (const char* banned : {"http:", "https:", "<script", "@import", "url(", "<link", "<img"})
+    EXPECT_EQ(html.find(banned), std::string::npos) << banned;
+  EXPECT_EQ(count_of(html, "<figure class=\"chart\">"), 4);    // loss, lr, grad norm, throughput
+  EXPECT_EQ(count_of(html, "<figure class=\"heatmap\">"), 9);  // one per routing site
+  // The latest evaluation's routing (step 400); 4 heads x (1 + ... + 9) sources cells.
+  EXPECT_NE(html.find("at step 400"), std::string::npos);
+  EXPECT_EQ(count_of(html, "<title>site "), 4 * 45);
+  // The skip, escaped; the damaged line counted; the truncated last line noticed.
+  EXPECT_NE(html.find("non-finite gradient &lt;norm=nan&gt;"), std::string::npos);
+  EXPECT_NE(html.find("1 malformed line(s)"), std::string::npos);
+  EXPECT_NE(html.find("1 of unknown kinds ignored"), std::string::npos);
+  EXPECT_NE(html.find("last line incomplete"), std::string::npos);
+  EXPECT_NE(html.find("400 / 400"), std::string::npos);
+  EXPECT_NE(html.find("<th>d_model</th><td>64</td>"), std::string::npos);
+  EXPECT_NE(html.find("<th>heads / KV heads</th><td>4 / 4</td>"), std::string::npos);
+  // Rewriting replaces the file in place.
+  write_run_report(dir.string());
+  EXPECT_EQ(count_of(read_file(dir / "report.html"), "<figure class=\"heatmap\">"), 9);
+}
+
+TEST(RunReport, StandardRunHasNoRoutingSection) {
+  const fs::path dir = make_synthetic_run("standard", ResidualMode::Standard);
+  const std::string html = render_run_report(dir.string());
+  EXPECT_EQ(html.find("<h2>Routing</h2>"), std::string::npos);
+  EXPECT_EQ(count_of(html, "<figure class=\"chart\">"), 4);
+}
+
+TEST(RunReport, EmptyOrMissingInputs) {
+  const fs::path dir = fresh_dir("empty");
+  // No metrics, no config: still a valid page that says so (the trainer may call early).
+  std::string html = render_run_report(dir.string());
+  EXPECT_NE(html.find("metrics.jsonl not found"), std::string::npos);
+  EXPECT_NE(html.find("config.json not found"), std::string::npos);
+  EXPECT_NE(html.find("no data yet"), std::string::npos);
+  std::ofstream(dir / "metrics.jsonl") << "";
+  std::ofstream(dir / "config.json") << "{ not json";
+  html = render_run_report(dir.string());
+  EXPECT_NE(html.find("config.json is not valid JSON"), std::string::npos);
+  EXPECT_THROW(write_run_report((dir / "no_such_dir").string()), Error);
+}
+
+TEST(RunReport, ChromiumScreenshotIsNotBlank) {
+  const std::string chromium = find_chromium();
+  if (chromium.empty()) {
+    const bool required = std::getenv("CI") || std::getenv("MHAR_REQUIRE_BROWSER");
+    std::fprintf(stderr,
+                 "\n############################################################\n"
+                 "# RunReport.ChromiumScreenshotIsNotBlank: NO CHROMIUM FOUND. #\n"
+                 "# The report was NOT rendered in a browser. Install it with  #\n"
+                 "# tools/setup.sh (Debian package `chromium`) or point        #\n"
+                 "# $MHAR_CHROMIUM at a Chromium/Chrome binary.                #\n"
+                 "############################################################\n\n");
+    if (required) FAIL() << "chromium is required here ($CI or $MHAR_REQUIRE_BROWSER is set)";
+    GTEST_SKIP() << "chromium not installed (see the banner above)";
+  }
+  const fs::path dir = make_synthetic_run("browser", ResidualMode::Mhar);
+  write_run_report(dir.string());
+  const fs::path shot = dir / "shot.png", profile = dir / "chromium-profile", log = dir / "chromium.log";
+  // A fresh profile and every background service off: nothing touches the network.
+  const std::string cmd =
+      "timeout 120 " + chromium +
+      " --headless --no-sandbox --disable-gpu --disable-dev-shm-usage"
+      " --disable-background-networking --disable-component-update --disable-sync"
+      " --disable-extensions --disable-default-apps --no-first-run --no-default-browser-check"
+      " --hide-scrollbars --user-data-dir=" + profile.string() +
+      " --window-size=1280,1800 --screenshot=" + shot.string() + " file://" +
+      fs::absolute(dir / "report.html").string() + " >" + log.string() + " 2>&1";
+  const int rc = std::system(cmd.c_str());
+  ASSERT_EQ(rc, 0) << cmd << "\n" << read_file(log);
+  ASSERT_TRUE(fs::exists(shot)) << read_file(log);
+  Image img;
+  ASSERT_NO_THROW(img = decode_png(read_file(shot)));
+  ASSERT_EQ(img.width, 1280);
+  ASSERT_GT(img.height, 1000);
+  std::set<uint32_t> colours;
+  size_t non_white = 0;
+  const size_t pixels = size_t(img.width) * img.height;
+  for (size_t i = 0; i < pixels; ++i) {
+    const uint8_t r = img.rgb[3 * i], g = img.rgb[3 * i + 1], b = img.rgb[3 * i + 2];
+    colours.insert(uint32_t(r) << 16 | g << 8 | b);
+    if (r < 245 || g < 245 || b < 245) ++non_white;
+  }
+  std::fprintf(stderr, "[ report ] screenshot %dx%d: %zu distinct colours, %.1f%% non-white\n",
+               img.width, img.height, colours.size(), 100.0 * double(non_white) / double(pixels));
+  // The page background is grey-blue, the charts white with coloured curves, the
+  // heatmaps viridis: a blank or failed render has a handful of colours at most.
+  EXPECT_GE(colours.size(), 200u);
+  EXPECT_GE(double(non_white) / double(pixels), 0.2);
+}
+
+TEST(RoutingSummary, AveragesWeightsOverTokensAndBatches) {
+  Config cfg = tiny_config(ResidualMode::Mhar, 2);
+  auto be = make_cpu_backend(DType::F64);
+  Model m(cfg.model, cfg.residual, *be, 2, 5);
+  randomize_weights(m, 3);
+  RoutingAccumulator acc;
+  std::vector<std::vector<double>> expect(size_t(cfg.model.n_sites()));
+  const int batches = 2, N = 10, H = 2;
+  for (int b = 0; b < batches; ++b) {
+    std::vector<int32_t> tok, tgt;
+    random_tokens(N, cfg.model.vocab_size, 10 + b, tok, tgt);
+    m.forward(tok.data(), tgt.data(), 0.0);
+    acc.add(m);
+    for (int j = 0; j < cfg.model.n_sites(); ++j) {
+      const auto w = download(*be, m.routing_weights(j));
+      auto& e = expect[size_t(j)];
+      e.resize(size_t(H) * (j + 1), 0.0);
+      for (int n = 0; n < N; ++n)
+        for (size_t k = 0; k < e.size(); ++k) e[k] += w[size_t(n) * e.size() + k] / (batches * N);
+    }
+  }
+  const nlohmann::json lines = acc.lines(300);
+  ASSERT_EQ(int(lines.size()), cfg.model.n_sites());
+  for (int j = 0; j < cfg.model.n_sites(); ++j) {
+    const auto& l = lines[size_t(j)];
+    EXPECT_EQ(l["kind"], "routing");
+    EXPECT_EQ(l["step"], 300);
+    EXPECT_EQ(l["site"], j);
+    EXPECT_EQ(l["heads"], H);
+    ASSERT_EQ(l["weights"].size(), size_t(H));
+    for (int h = 0; h < H; ++h) {
+      ASSERT_EQ(l["weights"][size_t(h)].size(), size_t(j + 1));
+      double sum = 0;
+      for (int i = 0; i <= j; ++i) {
+        const double w = l["weights"][size_t(h)][size_t(i)];
+        EXPECT_NEAR(w, expect[size_t(j)][size_t(h) * (j + 1) + i], 1e-12);
+        sum += w;
+      }
+      EXPECT_NEAR(sum, 1.0, 1e-12);  // a mean of distributions is a distribution
+    }
+  }
+  // One batch alone, and a standard model (nothing to log).
+  EXPECT_EQ(routing_summary(m, 7).size(), size_t(cfg.model.n_sites()));
+  Config sc = tiny_config(ResidualMode::Standard);
+  Model s(sc.model, sc.residual, *be, 1, 4);
+  EXPECT_TRUE(routing_summary(s, 7).empty());
+}
+
+}  // namespace
