@@ -68,7 +68,8 @@ class Progress {
     const double since = std::chrono::duration<double>(now - last_).count();
     if (!final && since < (tty_ ? 0.2 : 10.0)) return;
     last_ = now;
-    const double frac = std::min(1.0, static_cast<double>(done) / total_);
+    // The total counted jsonl line bytes (with escapes), so the end is pinned to 100%.
+    const double frac = final ? 1.0 : std::min(1.0, static_cast<double>(done) / total_);
     const double secs = std::chrono::duration<double>(now - start_).count();
     const int width = 30, filled = static_cast<int>(frac * width);
     std::fprintf(stderr, "%s[%.*s%*s] %5.1f%%  %.1f MB  %.2fM tokens  %.1f MB/s%s", tty_ ? "\r" : "", filled,

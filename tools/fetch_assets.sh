@@ -54,6 +54,8 @@ deb_fetch() {
   fi
   mkdir -p "$tmp/x"
   dpkg-deb -x "$tmp"/*.deb "$tmp/x"
+  # Debian serves the current version only; record which one was used.
+  dpkg-deb -f "$tmp"/*.deb Version > "$tmp/x/.deb-version"
   mkdir -p "$DL/deb"
   mv "$tmp/x" "$dir"
   rm -rf "$tmp"

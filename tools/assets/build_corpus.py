@@ -193,6 +193,9 @@ def main():
         stats = {"packages": set(), "train_docs": 0, "train_bytes": 0,
                  "heldout_docs": 0, "heldout_bytes": 0}
         for doc_id, package, text in reader(args.downloads):
+            version_file = os.path.join(args.downloads, "deb", package, ".deb-version")
+            if os.path.exists(version_file):
+                package += "=" + open(version_file).read().strip()
             text = clean(text)
             if len(text.strip()) == 0:
                 continue
