@@ -52,7 +52,10 @@ struct RunData {
   bool have_metrics = false;
   std::map<int64_t, TrainRow> train;
   std::map<int64_t, EvalRow> eval;
-  std::map<int64_t, std::map<int, RoutingSite>> routing;  // step -> site -> weights
+  // The routing of the latest step that has any (only that one is drawn; keeping one
+  // bounds memory for long runs of big models).
+  int64_t routing_step = -1;
+  std::map<int, RoutingSite> routing;  // site -> weights
   std::vector<std::pair<int64_t, std::string>> skips;
   int64_t lines = 0, malformed = 0, unknown_kinds = 0;
   bool truncated_last_line = false;
@@ -126,7 +129,12 @@ void read_metrics_line(RunData& run, const json& j) {
       for (const json& x : row) r.push_back(x.is_number() ? x.get<double>() : kNaN);
       rs.weights.push_back(std::move(r));
     }
-    run.routing[step][int(site)] = std::move(rs);
+    if (step < run.routing_step) return;
+    if (step > run.routing_step) {
+      run.routing.clear();
+      run.routing_step = step;
+    }
+    run.routing[int(site)] = std::move(rs);
   }
 }
 
@@ -201,7 +209,7 @@ std::string fmt(const char* format, double v) {
 std::string num(double v) {
   if (!std::isfinite(v)) return "–";
   const double a = std::fabs(v);
-  if (a != 0 && (a >= 1e6 || a < 1e-3)) return fmt("%.2e", v);
+  if (a != 0 && (a >= 1e6 || a < 1e-4)) return fmt("%.2e", v);
   if (a >= 1000) return fmt("%.0f", v);
   return fmt("%.4g", v);
 }
@@ -585,7 +593,8 @@ std::string render(const RunData& run) {
   std::vector<Series> loss_series;
   loss_series.push_back({"train", "#93c5fd", loss, 1.0, 0.9, false});
   if (half_width > 0) loss_series.push_back({"train (smoothed)", "#1d4ed8", loss_smooth, 2.0, 1.0, false});
-  loss_series.push_back({"validation", "#dc2626", val, 2.0, 1.0, true});
+  // Markers while they stay readable; a long run's many evaluations make a line.
+  loss_series.push_back({"validation", "#dc2626", val, 2.0, 1.0, val.size() <= 60});
   o << "<h2>Training</h2><div class=\"charts\">"
     << line_chart("Loss", loss_series,
                   "cross-entropy per token (nats); validation at each evaluation")
@@ -602,13 +611,12 @@ std::string render(const RunData& run) {
       o << "<p class=\"muted\">No routing weights logged yet (they are written at each "
            "evaluation).</p>";
     } else {
-      const auto& [step, sites] = *run.routing.rbegin();
       o << "<p class=\"muted\">Mean routing weight of each source (columns: emb = embedding, "
            "a<i>l</i> / m<i>l</i> = attention / MLP output of layer <i>l</i>) per routing head "
            "(rows), over the validation tokens at step "
-        << step << ". Colour scale per site from 0 (dark) to the site's largest weight "
+        << run.routing_step << ". Colour scale per site from 0 (dark) to the site's largest weight "
            "(yellow); hover a cell for its value.</p><div class=\"heatmaps\">";
-      for (const auto& [site, rs] : sites) o << heatmap(site, rs, n_layers);
+      for (const auto& [site, rs] : run.routing) o << heatmap(site, rs, n_layers);
       o << "</div>\n";
     }
   }

@@ -8,11 +8,18 @@
 //   the cached positions; the work of a step is a constant plus a term linear in the
 //   position (no recomputation of the prefix).
 // - A backend without the decode ops fails with a message saying what to do.
+// - End to end through the `mhar` binary: a tokenizer and shards made by `mhar data`, a
+//   tiny run by `mhar train`, then `mhar sample` (same seed, same text) and `mhar report`.
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <map>
+#include <sstream>
 
 #include "engine/sampler.h"
 #include "tests/model_test_util.h"
@@ -327,6 +334,80 @@ TEST(Sampling, BackendWithoutDecodeOpsSaysSo) {
   // A model built for a batch of 2 cannot decode.
   Model batched(cfg.model, cfg.residual, *cpu, 2, 2);
   EXPECT_THROW(batched.enable_kv_cache(8), Error);
+}
+
+// Runs the mhar binary with `args`; returns the exit status, stdout and stderr in files.
+int run_mhar(const std::filesystem::path& dir, const std::string& args, const char* name) {
+  const std::string cmd = std::string(MHAR_BINARY) + " " + args + " >" + (dir / name).string() +
+                          ".out 2>" + (dir / name).string() + ".err";
+  const int rc = std::system(cmd.c_str());
+  return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+}
+
+std::string slurp(const std::filesystem::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+TEST(SampleCli, TinyRunSamplesTheSameTextForTheSameSeedAndReports) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::path(::testing::TempDir()) / ("mhar_sample_cli_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  {
+    std::ofstream docs(dir / "docs.jsonl");
+    const char* subjects[] = {"the cat", "a dog", "the bird", "my friend"};
+    const char* verbs[] = {"sat on", "looked at", "ran to", "slept near"};
+    const char* objects[] = {"the mat.", "the door.", "a tree.", "the house."};
+    for (int d = 0; d < 160; ++d) {
+      std::string text;
+      for (int s = 0; s < 12; ++s)
+        text += std::string(subjects[(d + s) % 4]) + " " + verbs[(d * 3 + s) % 4] + " " +
+                objects[(d + 2 * s) % 4] + " ";
+      docs << nlohmann::json({{"text", text}}).dump() << "\n";
+    }
+  }
+  auto expect_ok = [&](const std::string& args, const char* name) {
+    ASSERT_EQ(run_mhar(dir, args, name), 0)
+        << "mhar " << args << "\n" << slurp(dir / (std::string(name) + ".err"));
+  };
+  const std::string d = dir.string();
+  expect_ok("data train-tokenizer --vocab 300 --threads 1 --input " + d + "/docs.jsonl --out " + d +
+                "/tok.json", "tokenizer");
+  expect_ok("data prepare --threads 1 --no-progress --val-docs 16 --tokenizer " + d +
+                "/tok.json --input " + d + "/docs.jsonl --out " + d + "/shards", "prepare");
+  nlohmann::json cfg = {
+      {"model", {{"vocab_size", 320}, {"d_model", 32}, {"n_layers", 2}, {"n_heads", 4},
+                 {"n_kv_heads", 2}, {"head_dim", 8}, {"d_ff", 64}, {"context_length", 32}}},
+      {"residual", {{"mode", "mhar"}, {"heads", 2}}},
+      {"train", {{"micro_batch", 4}, {"seq_len", 32}, {"steps", 30}, {"lr", 1e-2},
+                 {"warmup_steps", 3}, {"eval_every", 15}, {"eval_batches", 2}, {"device", "cpu"}}},
+      {"data", {{"train", d + "/shards/train_*.bin"}, {"val", d + "/shards/val_*.bin"},
+                {"tokenizer", d + "/tok.json"}}},
+      {"checkpoint", {{"every", 0}, {"keep", 1}}}};
+  std::ofstream(dir / "cfg.json") << cfg.dump(2);
+  expect_ok("train " + d + "/cfg.json --run-dir " + d + "/run", "train");
+
+  const std::string sample = "sample --checkpoint " + d + "/run --prompt 'the cat' --max-tokens 40 --seed 4";
+  expect_ok(sample, "sample1");
+  expect_ok(sample, "sample2");
+  const std::string text = slurp(dir / "sample1.out");
+  EXPECT_GT(text.size(), 5u);
+  EXPECT_EQ(text, slurp(dir / "sample2.out"));
+  EXPECT_NE(slurp(dir / "sample1.err").find("stopped:"), std::string::npos);
+  // The continuation only: the prompt is not echoed back at the start.
+  EXPECT_NE(text.rfind("the cat", 0), 0u) << text;
+
+  // Bad options fail with a message naming the option.
+  EXPECT_EQ(run_mhar(dir, "sample --checkpoint " + d + "/run --prompt x --temperature -1", "bad"), 1);
+  EXPECT_NE(slurp(dir / "bad.err").find("--temperature"), std::string::npos);
+  EXPECT_EQ(run_mhar(dir, "sample --checkpoint " + d + "/nothing --prompt x", "missing"), 1);
+
+  expect_ok("report " + d + "/run", "report");
+  EXPECT_TRUE(fs::exists(dir / "run" / "report.html"));
+  fs::remove_all(dir);
 }
 
 }  // namespace
