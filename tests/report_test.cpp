@@ -228,6 +228,7 @@ TEST(RunReport, SyntheticMharRunRendersSelfContained) {
   // Rewriting replaces the file in place.
   write_run_report(dir.string());
   EXPECT_EQ(count_of(read_file(dir / "report.html"), "<figure class=\"heatmap\">"), 9);
+  if (!HasFailure()) fs::remove_all(dir);  // kept for inspection when something failed
 }
 
 TEST(RunReport, StandardRunHasNoRoutingSection) {
@@ -235,6 +236,7 @@ TEST(RunReport, StandardRunHasNoRoutingSection) {
   const std::string html = render_run_report(dir.string());
   EXPECT_EQ(html.find("<h2>Routing</h2>"), std::string::npos);
   EXPECT_EQ(count_of(html, "<figure class=\"chart\">"), 4);
+  if (!HasFailure()) fs::remove_all(dir);
 }
 
 TEST(RunReport, EmptyOrMissingInputs) {
@@ -249,6 +251,7 @@ TEST(RunReport, EmptyOrMissingInputs) {
   html = render_run_report(dir.string());
   EXPECT_NE(html.find("config.json is not valid JSON"), std::string::npos);
   EXPECT_THROW(write_run_report((dir / "no_such_dir").string()), Error);
+  fs::remove_all(dir);
 }
 
 TEST(RunReport, ChromiumScreenshotIsNotBlank) {
@@ -298,6 +301,7 @@ TEST(RunReport, ChromiumScreenshotIsNotBlank) {
   // heatmaps viridis: a blank or failed render has a handful of colours at most.
   EXPECT_GE(colours.size(), 200u);
   EXPECT_GE(double(non_white) / double(pixels), 0.2);
+  if (!HasFailure()) fs::remove_all(dir);  // the screenshot stays when the check failed
 }
 
 TEST(RoutingSummary, AveragesWeightsOverTokensAndBatches) {

@@ -54,6 +54,8 @@ struct ModeCase {
   int heads;
 };
 
+void PrintTo(const ModeCase& c, std::ostream* os) { *os << c.label; }
+
 class CachedDecode : public ::testing::TestWithParam<ModeCase> {};
 
 TEST_P(CachedDecode, LogitsEqualFullForwardAtEveryPosition) {
@@ -407,7 +409,7 @@ TEST(SampleCli, TinyRunSamplesTheSameTextForTheSameSeedAndReports) {
 
   expect_ok("report " + d + "/run", "report");
   EXPECT_TRUE(fs::exists(dir / "run" / "report.html"));
-  fs::remove_all(dir);
+  if (!HasFailure()) fs::remove_all(dir);  // kept for inspection when something failed
 }
 
 }  // namespace
