@@ -24,6 +24,7 @@ int main(int argc, char** argv) {
   mhar::cli::register_sample(app);
   mhar::cli::register_report(app);
   mhar::cli::register_data(app);
+  mhar::cli::register_bench_command(app);
 
   app.parse_complete_callback([&] {
     spdlog::set_level(spdlog::level::from_str(log_level));
