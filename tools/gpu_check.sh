@@ -1,17 +1,48 @@
 #!/usr/bin/env bash
 # gpu_check.sh: the one command for the GPU machine (fresh and bare on every call):
-# configures with CMake + Ninja, builds the CUDA test binary, runs the parity tests and the
-# op timings (tests/op_timing_cudatest.cpp), and prints a short summary last. Logs go to
-# $OUT (when set, e.g. by the device tool) or $BUILD_DIR/logs.
+# configures with CMake + Ninja, builds the CUDA test binary and `mhar`, runs the parity
+# tests (every op, the whole model, GPU training) and the op timings
+# (tests/op_timing_cudatest.cpp), optionally the benchmark table against PyTorch
+# (tools/bench_compare.sh), and prints a short summary last. Logs go to $OUT (when set,
+# e.g. by the device tool) or $BUILD_DIR/logs; at most 7 files, so they all come back.
 # Also builds (and skips the GPU tests) on a machine without a GPU.
-#   BUILD_DIR   build directory (default build-gpu)
-#   GTEST_FILTER  passed through to the test binary (default: every test)
+#   BUILD_DIR       build directory (default build-gpu)
+#   GTEST_FILTER    passed through to the test binary (default: every test)
+#   JOBS            build parallelism (default: nproc)
+#   BENCH=1         also run tools/bench_compare.sh; it starts first, so the PyTorch jobs
+#                   compile while this script builds and tests, and our runs wait for
+#                   the tests to finish. BENCH_DEADLINE (s, default 420) bounds it.
+#
+# ICU: the project's data library needs ICU (find_package(ICU COMPONENTS uc)) and the GPU
+# image has no ICU headers and no network. Debian 12's libicu72 + libicu-dev (headers,
+# libicuuc, libicudata; 8.4 MiB as .tar.xz) travel in the git-ignored folder .icu/ (name
+# it in the device call's `carry`); this script unpacks them into /tmp and points CMake
+# (ICU_ROOT) and the loader (LD_LIBRARY_PATH) there. They need only an old glibc. Made
+# with, in the repo root:
+#   mkdir -p .icu && echo /.icu/ >> .git/info/exclude && cd .icu &&
+#   apt-get download libicu-dev libicu72 && for f in *.deb; do dpkg-deb -x $f root; done &&
+#   L=usr/lib/x86_64-linux-gnu && tar -C root -cJf icu72.tar.xz \
+#     --transform 's,^usr/lib/x86_64-linux-gnu,lib,;s,^usr/include,include,' \
+#     usr/include/unicode $L/libicuuc.so* $L/libicudata.so* && rm -rf root *.deb
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR="${BUILD_DIR:-build-gpu}"
 LOG_DIR="${OUT:-$BUILD_DIR/logs}"
-mkdir -p "$LOG_DIR"
+JOBS="${JOBS:-$(nproc)}"
+mkdir -p "$LOG_DIR" "$BUILD_DIR"
 export PATH="/usr/local/cuda/bin:$PATH"
+t_start=$(date +%s)
+elapsed() { echo "$(( $(date +%s) - t_start )) s"; }
+
+bench_pid=""
+tests_done="$PWD/$BUILD_DIR/.tests_done"
+rm -f "$tests_done"
+if [ "${BENCH:-0}" = 1 ]; then
+  echo "== bench_compare.sh started in the background (PyTorch compiles while we build)"
+  tools/bench_compare.sh --mhar "$BUILD_DIR/mhar" --after "$tests_done" \
+    --deadline "${BENCH_DEADLINE:-420}" >"$BUILD_DIR/bench_compare.out" 2>&1 &
+  bench_pid=$!
+fi
 
 {
   echo "== host: $(uname -srm), $(nproc) cores"
@@ -19,49 +50,79 @@ export PATH="/usr/local/cuda/bin:$PATH"
     --format=csv,noheader || echo "no nvidia-smi"
   nvcc --version | tail -2
   cmake --version | head -1
+  python3 -c 'import torch; print("torch", torch.__version__)' 2>/dev/null || echo "no torch"
 } 2>&1 | tee "$LOG_DIR/env.log"
 
 echo "== configure"
 extra_args=()
-# The GPU image has no ICU headers (libicu-dev), which only mhar_data needs, and nothing
-# can be installed there. This script never builds mhar_data, so an empty stand-in lets
-# the project configure; the real ICU is used wherever it is installed.
-if [ ! -e /usr/include/unicode/utypes.h ] && [ -z "${ICU_ROOT:-}" ]; then
+targets=(mhar_cuda_tests)
+if [ -e /usr/include/unicode/utypes.h ] || [ -n "${ICU_ROOT:-}" ]; then
+  targets+=(mhar)
+elif [ -e .icu/icu72.tar.xz ]; then
+  icu=/tmp/mhar-icu
+  mkdir -p "$icu" && tar -xJf .icu/icu72.tar.xz -C "$icu"
+  extra_args+=("-DICU_ROOT=$icu")
+  export LD_LIBRARY_PATH="$icu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  targets+=(mhar)
+  echo "ICU: Debian's libicu72 carried in .icu/, unpacked to $icu"
+else
+  # No ICU at all: an empty stand-in lets the project configure; mhar_data (and so
+  # `mhar`) is not built.
   stub="$PWD/$BUILD_DIR/icu-standin"
   mkdir -p "$stub/include/unicode" "$stub/lib"
   echo "/* empty stand-in: see tools/gpu_check.sh */" >"$stub/include/unicode/utypes.h"
   [ -e "$stub/lib/libicuuc.a" ] || ar rc "$stub/lib/libicuuc.a"
   extra_args+=("-DICU_ROOT=$stub")
-  echo "note: no ICU headers here; configuring with an empty ICU stand-in (mhar_data is not built)"
+  echo "note: no ICU here and no .icu/ carried; empty ICU stand-in, \`mhar\` is not built"
 fi
 if ! cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-     -DCMAKE_CUDA_COMPILER="$(command -v nvcc)" "${extra_args[@]}" >"$LOG_DIR/configure.log" 2>&1; then
-  tail -40 "$LOG_DIR/configure.log"
+     -DCMAKE_CUDA_COMPILER="$(command -v nvcc)" "${extra_args[@]}" >"$LOG_DIR/build.log" 2>&1; then
+  tail -40 "$LOG_DIR/build.log"
   echo "gpu_check: CONFIGURE FAILED"
+  touch "$tests_done"
   exit 1
 fi
 
-echo "== build mhar_cuda_tests"
+echo "== build ${targets[*]} (-j $JOBS)"
 start=$(date +%s)
-if ! cmake --build "$BUILD_DIR" -j "$(nproc)" --target mhar_cuda_tests >"$LOG_DIR/build.log" 2>&1; then
+if ! cmake --build "$BUILD_DIR" -j "$JOBS" --target "${targets[@]}" >>"$LOG_DIR/build.log" 2>&1; then
   grep -E "error|FAILED" "$LOG_DIR/build.log" | head -40
   echo "gpu_check: BUILD FAILED"
+  touch "$tests_done"
+  [ -n "$bench_pid" ] && wait "$bench_pid"
   exit 1
 fi
-echo "built in $(( $(date +%s) - start )) s"
+echo "built in $(( $(date +%s) - start )) s (at $(elapsed))"
+if command -v cuobjdump >/dev/null; then
+  {
+    echo "== SASS of cuda/attention.cu (tensor-core path: HMMA, LDSM, LDGSTS; spills: LDL/STL)"
+    obj=$(find "$BUILD_DIR" -name 'attention.cu.o' | head -1)
+    cuobjdump --dump-sass "$obj" | grep -oE "HMMA\.[0-9A-Z.]+|LDSM[.A-Z0-9]*|LDGSTS[.A-Z0-9]*|\bLDL\b|\bSTL\b" \
+      | sort | uniq -c
+  } 2>&1 | tee -a "$LOG_DIR/env.log"
+fi
 
 echo "== mhar_cuda_tests"
 start=$(date +%s)
-"$BUILD_DIR/mhar_cuda_tests" --gtest_filter="${GTEST_FILTER:-*}" 2>&1 | tee "$LOG_DIR/cuda_tests.log"
-rc=${PIPESTATUS[0]}
-echo "tests ran in $(( $(date +%s) - start )) s, exit $rc"
+timeout 240 "$BUILD_DIR/mhar_cuda_tests" --gtest_filter="${GTEST_FILTER:-*}" >"$LOG_DIR/cuda_tests.log" 2>&1
+rc=$?
+echo "tests ran in $(( $(date +%s) - start )) s, exit $rc (at $(elapsed))"
 
 echo "== op timings (model-sized shapes)"
-"$BUILD_DIR/mhar_cuda_tests" --gtest_also_run_disabled_tests --gtest_filter='OpTiming.*' \
+timeout 60 "$BUILD_DIR/mhar_cuda_tests" --gtest_also_run_disabled_tests --gtest_filter='OpTiming.*' \
   >"$LOG_DIR/op_timing.log" 2>&1 || echo "op timing run failed (exit $?)"
+touch "$tests_done"
 grep -E "^TIMING|FAILED|Failure|exception" "$LOG_DIR/op_timing.log" || true
 
-echo "== summary"
-grep -E "^PARITY" "$LOG_DIR/cuda_tests.log" | sort -k7 -g -r | head -15 || true
-grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[  FAILED  \]|tests? ran" "$LOG_DIR/cuda_tests.log" | tail -30
+if [ -n "$bench_pid" ]; then
+  echo "== waiting for bench_compare.sh (at $(elapsed))"
+  wait "$bench_pid"
+  grep -E "^\[bench_compare" "$BUILD_DIR/bench_compare.out" | tail -40
+fi
+
+echo "== summary (at $(elapsed))"
+grep -E "^MODEL_PARITY .*worst|^TRAIN .*mean" "$LOG_DIR/cuda_tests.log" || true
+grep -E "^PARITY" "$LOG_DIR/cuda_tests.log" | sort -k7 -g -r | head -8 || true
+grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[  FAILED  \]|tests? ran|Failure" "$LOG_DIR/cuda_tests.log" | tail -30
+[ -e "$LOG_DIR/bench_table.md" ] && cat "$LOG_DIR/bench_table.md"
 exit "$rc"
