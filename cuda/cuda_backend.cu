@@ -52,6 +52,7 @@ class CudaBackend final : public Backend {
     cudaSetDevice(device_);
     cudaStreamSynchronize(stream_);
     cudaFree(scratch_);
+    if (attn_ws_) cudaFree(attn_ws_);
     cudaFree(mm_.workspace);
     cublasDestroy(mm_.blas);
     cublasLtDestroy(mm_.lt);
@@ -181,7 +182,19 @@ class CudaBackend final : public Backend {
   }
   void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k,
                           Tensor v, Tensor out, Tensor lse) override {
-    cuda::attention_backward(stream_, dq, dk, dv, dout, q, k, v, out, lse);
+    // Scratch for the backward's row dots (B*Hq*T floats), owned here like the cuBLAS
+    // workspace: it grows on first use of a larger shape only, so steady-state steps
+    // never allocate.
+    const size_t need = size_t(q.dim(0) * q.dim(1) * q.dim(2));
+    if (need > attn_ws_floats_) {
+      CUDA_CHECK(cudaStreamSynchronize(stream_));
+      if (attn_ws_) CUDA_CHECK(cudaFree(attn_ws_));
+      attn_ws_ = nullptr;
+      CUDA_CHECK(cudaMalloc(&attn_ws_, need * sizeof(float)));
+      attn_ws_floats_ = need;
+    }
+    cuda::attention_backward(stream_, dq, dk, dv, dout, q, k, v, out, lse, attn_ws_,
+                             attn_ws_floats_);
   }
   void swiglu_forward(Tensor h, Tensor gate, Tensor up) override {
     cuda::swiglu_forward(stream_, h, gate, up);
@@ -225,6 +238,8 @@ class CudaBackend final : public Backend {
   cudaStream_t stream_ = nullptr;
   cuda::MatmulContext mm_;
   double* scratch_ = nullptr;
+  float* attn_ws_ = nullptr;
+  size_t attn_ws_floats_ = 0;
 };
 
 }  // namespace

@@ -27,8 +27,11 @@ void rope(cudaStream_t s, Tensor x, double theta, bool backward, int64_t first_p
 
 // attention.cu
 void attention_forward(cudaStream_t s, Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v);
+// workspace: device scratch of at least B*Hq*T floats (the BF16 tensor-core path keeps the
+// row dots D = dout . out there); may be null for the fp32 path.
 void attention_backward(cudaStream_t s, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q,
-                        Tensor k, Tensor v, Tensor out, Tensor lse);
+                        Tensor k, Tensor v, Tensor out, Tensor lse, float* workspace,
+                        size_t workspace_floats);
 void attention_cached(cudaStream_t s, Tensor out, Tensor q, Tensor k_cache, Tensor v_cache);
 
 // matmul.cu: cuBLASLt first, cuBLAS GemmEx when Lt offers no algorithm for a shape.
