@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <csignal>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 
@@ -17,6 +18,7 @@
 #include "engine/error.h"
 #include "engine/metrics.h"
 #include "engine/optimizer.h"
+#include "engine/report.h"
 
 namespace fs = std::filesystem;
 
@@ -81,9 +83,12 @@ void resolve_data_paths(Config& cfg) {
   const std::string base = cfg.config_dir.empty() ? fs::current_path().string() : cfg.config_dir;
   cfg.data.train = join_path(base, cfg.data.train);
   cfg.data.val = join_path(base, cfg.data.val);
+  if (cfg.data.tokenizer != "gpt2" && cfg.data.tokenizer != "qwen3")
+    cfg.data.tokenizer = join_path(base, cfg.data.tokenizer);
 }
 
-EvalResult evaluate(Model& model, data::DataLoader& loader, long long max_batches) {
+EvalResult evaluate(Model& model, data::DataLoader& loader, long long max_batches,
+                    RoutingAccumulator* routing) {
   loader.reset();
   const int B = model.batch(), T = model.seq_len();
   long long n = (long long)loader.num_batches();
@@ -94,6 +99,7 @@ EvalResult evaluate(Model& model, data::DataLoader& loader, long long max_batche
   for (long long b = 0; b < n; ++b) {
     loader.next_batch(x.data(), y.data());
     sum += model.forward(x.data(), y.data(), 0.0) * double(B) * T;  // equal-size batches
+    if (routing) routing->add(model);
     r.tokens += (long long)B * T;
   }
   r.batches = n;
@@ -173,9 +179,16 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
     spdlog::info("checkpoint: {}", result.last_checkpoint);
   };
   auto run_eval = [&](long long at_step) {
-    EvalResult ev = evaluate(model, val_data, t.eval_batches);
+    RoutingAccumulator routing;
+    EvalResult ev = evaluate(model, val_data, t.eval_batches, &routing);
     metrics.append({{"kind", "eval"}, {"step", at_step}, {"val_loss", ev.loss},
                     {"val_ppl", std::exp(ev.loss)}, {"tokens", ev.tokens}});
+    for (const auto& line : routing.lines(at_step)) metrics.append(line);
+    try {  // the report is a diagnostic: it never stops a run
+      write_run_report(opt.run_dir);
+    } catch (const std::exception& e) {
+      spdlog::warn("report not written: {}", e.what());
+    }
     spdlog::info("eval step {}: val loss {:.4f} (ppl {:.2f}) over {} tokens", at_step, ev.loss,
                  std::exp(ev.loss), ev.tokens);
     if (result.first_val_loss < 0) result.first_val_loss = ev.loss;
@@ -184,6 +197,10 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
 
   if (step == 0) run_eval(0);
   std::vector<int32_t> x(static_cast<size_t>(micro_tokens)), y(static_cast<size_t>(micro_tokens));
+  // Fault injection for tests: from this step on the loss reads as NaN, as after a
+  // divergence, to prove the skip-and-stop path and that checkpoints stay intact.
+  const char* nan_env = std::getenv("MHAR_SIMULATE_NONFINITE_FROM_STEP");
+  const long long nan_from = nan_env ? std::atoll(nan_env) : -1;
   const auto run_start = std::chrono::steady_clock::now();
   const long long first_step = step;
   while (step < t.steps) {
@@ -195,6 +212,7 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
       loss += model.forward(x.data(), y.data(), 1.0 / double(accum)) / double(accum);
       model.backward();
     }
+    if (nan_from >= 0 && step + 1 >= nan_from) loss = NAN;
     const double grad_norm = std::sqrt(backend->sum_squares(model.all_gradients()));
     const double lr = learning_rate(t, step);
     if (!std::isfinite(loss) || !std::isfinite(grad_norm)) {

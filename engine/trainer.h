@@ -16,6 +16,7 @@
 namespace mhar {
 
 namespace data { class DataLoader; }
+class RoutingAccumulator;
 
 struct TrainOptions {
   std::string run_dir;              // required
@@ -43,10 +44,13 @@ struct EvalResult {
   long long batches = 0;
 };
 // Mean cross-entropy over every predicted token of the first `max_batches` batches (all
-// when <= 0) of a sequential loader, read from its first batch.
-EvalResult evaluate(Model& model, data::DataLoader& loader, long long max_batches);
+// when <= 0) of a sequential loader, read from its first batch. With `routing`, every
+// batch's routing weights are accumulated into it (for the report).
+EvalResult evaluate(Model& model, data::DataLoader& loader, long long max_batches,
+                    RoutingAccumulator* routing = nullptr);
 
-// Makes relative data globs absolute against the config file's directory.
+// Makes relative data globs and a tokenizer.json path absolute against the config
+// file's directory (the names "gpt2" and "qwen3" stay as they are).
 void resolve_data_paths(Config& cfg);
 
 // Install SIGINT/SIGTERM handlers that ask a running train() to stop cleanly (a second

@@ -50,6 +50,7 @@ class TrainTest : public ::testing::Test {
   }
   void TearDown() override {
     unsetenv("MHAR_SIMULATE_DISK_FULL_AFTER_BYTES");
+    unsetenv("MHAR_SIMULATE_NONFINITE_FROM_STEP");
     fs::remove_all(dir);
   }
   Config config(const char* mode, int steps) {
@@ -235,6 +236,23 @@ TEST_F(TrainTest, FullDiskWhileCheckpointingLosesNothing) {
   EXPECT_EQ(read_file(fs::path(good) / "model.safetensors"), before);
   // And the run continues from there once there is room again.
   EXPECT_EQ(train(Config(), r).step, 8);
+}
+
+TEST_F(TrainTest, RepeatedNonFiniteStepsStopTheRunWithTheLastGoodCheckpointIntact) {
+  Config cfg = config("mhar", 20);
+  cfg.train.max_bad_steps = 3;
+  setenv("MHAR_SIMULATE_NONFINITE_FROM_STEP", "6", 1);
+  try {
+    train(cfg, options("run"));
+    FAIL() << "a diverged run kept going";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("4 consecutive steps"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("step_00000004"), std::string::npos) << e.what();
+  }
+  unsetenv("MHAR_SIMULATE_NONFINITE_FROM_STEP");
+  EXPECT_EQ(open_checkpoint((dir / "run").string()).step, 4);
+  EXPECT_EQ(metrics(dir / "run", "skip").size(), 4u);
+  EXPECT_EQ(metrics(dir / "run", "train").size(), 5u);
 }
 
 TEST_F(TrainTest, TooLittleDataForOneBatchIsAClearError) {
