@@ -34,6 +34,8 @@ while [ $# -gt 0 ]; do
     *) echo "bench_compare.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
+# tools/gpu_check.sh unpacks the carried ICU here; `mhar` needs it on the loader path.
+[ -d /tmp/mhar-icu/lib ] && export LD_LIBRARY_PATH="/tmp/mhar-icu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 LOG_DIR="${OUT:-build-gpu/logs}"
 mkdir -p "$LOG_DIR"
 export MHAR_BIN DEADLINE AFTER SIZES LOG_DIR PYTHONUNBUFFERED=1

@@ -34,16 +34,6 @@ export PATH="/usr/local/cuda/bin:$PATH"
 t_start=$(date +%s)
 elapsed() { echo "$(( $(date +%s) - t_start )) s"; }
 
-bench_pid=""
-tests_done="$PWD/$BUILD_DIR/.tests_done"
-rm -f "$tests_done"
-if [ "${BENCH:-0}" = 1 ]; then
-  echo "== bench_compare.sh started in the background (PyTorch compiles while we build)"
-  tools/bench_compare.sh --mhar "$BUILD_DIR/mhar" --after "$tests_done" \
-    --deadline "${BENCH_DEADLINE:-420}" >"$BUILD_DIR/bench_compare.out" 2>&1 &
-  bench_pid=$!
-fi
-
 {
   echo "== host: $(uname -srm), $(nproc) cores"
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total \
@@ -74,6 +64,19 @@ else
   [ -e "$stub/lib/libicuuc.a" ] || ar rc "$stub/lib/libicuuc.a"
   extra_args+=("-DICU_ROOT=$stub")
   echo "note: no ICU here and no .icu/ carried; empty ICU stand-in, \`mhar\` is not built"
+fi
+# Started only now, so that its runs of `mhar` inherit LD_LIBRARY_PATH: the carried
+# libicuuc needs libicudata, which the binary's RUNPATH does not cover (RUNPATH serves
+# direct dependencies only). Started before the export, in this script's first device
+# run, every run of ours failed: "libicudata.so.72: cannot open shared object file".
+bench_pid=""
+tests_done="$PWD/$BUILD_DIR/.tests_done"
+rm -f "$tests_done"
+if [ "${BENCH:-0}" = 1 ]; then
+  echo "== bench_compare.sh started in the background (PyTorch compiles while we build)"
+  tools/bench_compare.sh --mhar "$BUILD_DIR/mhar" --after "$tests_done" \
+    --deadline "${BENCH_DEADLINE:-420}" >"$BUILD_DIR/bench_compare.out" 2>&1 &
+  bench_pid=$!
 fi
 if ! cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release \
      -DCMAKE_CUDA_COMPILER="$(command -v nvcc)" "${extra_args[@]}" >"$LOG_DIR/build.log" 2>&1; then
