@@ -16,6 +16,7 @@
 #include <queue>
 #include <sstream>
 #include <thread>
+#include <mutex>
 #include <unordered_map>
 
 #include "data/unicode.h"
@@ -293,6 +294,93 @@ struct AddedToken {
   bool special;
 };
 
+// A memo of piece bytes -> ids: open addressing over offsets into two arenas, so an
+// entry costs no allocation of its own.
+class PieceTable {
+ public:
+  PieceTable() { slots_.resize(1 << 8); }
+  // Appends the ids of piece to out and returns true if present.
+  bool find(std::string_view piece, uint64_t hash, std::vector<int32_t>& out) const {
+    for (size_t p = hash & (slots_.size() - 1);; p = (p + 1) & (slots_.size() - 1)) {
+      const Slot& s = slots_[p];
+      if (s.key_len == kEmpty) return false;
+      if (s.hash == hash && s.key_len == piece.size() &&
+          std::string_view(keys_.data() + s.key_off, s.key_len) == piece) {
+        out.insert(out.end(), values_.begin() + s.val_off, values_.begin() + s.val_off + s.val_len);
+        return true;
+      }
+    }
+  }
+  // Adds a piece known to be absent. Past max_key_bytes it starts over (memory stays
+  // bounded on endless streams of new pieces).
+  void insert(std::string_view piece, uint64_t hash, const int32_t* ids, size_t count, size_t max_key_bytes) {
+    if (keys_.size() + piece.size() > max_key_bytes) clear();
+    if (2 * (used_ + 1) > slots_.size()) grow();
+    size_t p = hash & (slots_.size() - 1);
+    while (slots_[p].key_len != kEmpty) p = (p + 1) & (slots_.size() - 1);
+    slots_[p] = {hash, static_cast<uint32_t>(keys_.size()), static_cast<uint32_t>(piece.size()),
+                 static_cast<uint32_t>(values_.size()), static_cast<uint32_t>(count)};
+    keys_.append(piece);
+    values_.insert(values_.end(), ids, ids + count);
+    ++used_;
+  }
+
+ private:
+  static constexpr uint32_t kEmpty = UINT32_MAX;
+  struct Slot {
+    uint64_t hash = 0;
+    uint32_t key_off = 0, key_len = kEmpty, val_off = 0, val_len = 0;
+  };
+  void clear() {
+    std::fill(slots_.begin(), slots_.end(), Slot{});
+    keys_.clear();
+    values_.clear();
+    used_ = 0;
+  }
+  void grow() {
+    std::vector<Slot> old(slots_.size() * 2);
+    old.swap(slots_);
+    for (const Slot& s : old) {
+      if (s.key_len == kEmpty) continue;
+      size_t p = s.hash & (slots_.size() - 1);
+      while (slots_[p].key_len != kEmpty) p = (p + 1) & (slots_.size() - 1);
+      slots_[p] = s;
+    }
+  }
+  std::vector<Slot> slots_;
+  std::string keys_;
+  std::vector<int32_t> values_;
+  size_t used_ = 0;
+};
+
+// Pieces already merged by any thread, shared by all encoders of one tokenizer. Each
+// encoder looks in its own table first and here only on a miss, so these locks are
+// taken about once per distinct piece per thread; without it every thread of a batch
+// redoes the BPE of every rare word it meets.
+class SharedPieceCache {
+ public:
+  bool find(std::string_view piece, uint64_t hash, std::vector<int32_t>& out) const {
+    const Shard& sh = shards_[(hash >> 40) % kShards];
+    std::lock_guard<std::mutex> lock(sh.mutex);
+    return sh.table.find(piece, hash, out);
+  }
+  void insert(std::string_view piece, uint64_t hash, const int32_t* ids, size_t count) {
+    Shard& sh = shards_[(hash >> 40) % kShards];
+    std::lock_guard<std::mutex> lock(sh.mutex);
+    std::vector<int32_t> ignored;
+    if (!sh.table.find(piece, hash, ignored)) sh.table.insert(piece, hash, ids, count, kMaxKeyBytesPerShard);
+  }
+
+ private:
+  static constexpr size_t kShards = 64;
+  static constexpr size_t kMaxKeyBytesPerShard = (256u << 20) / kShards;
+  struct Shard {
+    mutable std::mutex mutex;
+    PieceTable table;
+  };
+  std::array<Shard, kShards> shards_;
+};
+
 struct TokenizerModel {
   std::string origin;
   Rule rule = Rule::Gpt2;
@@ -306,6 +394,7 @@ struct TokenizerModel {
   size_t merge_count = 0;
   std::vector<AddedToken> added;  // longest first, for leftmost-longest matching
   int32_t eot = -1;
+  mutable SharedPieceCache shared_cache;
 };
 
 namespace {
@@ -313,7 +402,7 @@ namespace {
 // Memoized BPE for one thread: piece bytes -> ids. Keys and values live in arenas.
 class Encoder {
  public:
-  explicit Encoder(const TokenizerModel& m) : m_(m) { slots_.resize(1 << 8); }
+  explicit Encoder(const TokenizerModel& m) : m_(m) {}
 
   void encode_plain(std::string_view text, std::vector<int32_t>& out) {
     std::string prefixed, normalized;
@@ -344,55 +433,17 @@ class Encoder {
       return;
     }
     const uint64_t h = hash_bytes(piece);
-    size_t p = h & (slots_.size() - 1);
-    for (;; p = (p + 1) & (slots_.size() - 1)) {
-      const Slot& s = slots_[p];
-      if (s.key_len == kEmpty) break;
-      if (s.hash == h && s.key_len == piece.size() &&
-          std::string_view(keys_.data() + s.key_off, s.key_len) == piece) {
-        out.insert(out.end(), values_.begin() + s.val_off, values_.begin() + s.val_off + s.val_len);
-        return;
-      }
-    }
+    if (local_.find(piece, h, out)) return;
     const size_t before = out.size();
-    bpe(piece, out);
-    if (keys_.size() > kMaxKeyBytes) clear();  // bound memory on endless unique pieces
-    if (2 * (used_ + 1) > slots_.size()) {
-      grow();
-      p = h & (slots_.size() - 1);
-      while (slots_[p].key_len != kEmpty) p = (p + 1) & (slots_.size() - 1);
+    if (!m_.shared_cache.find(piece, h, out)) {
+      bpe(piece, out);
+      m_.shared_cache.insert(piece, h, out.data() + before, out.size() - before);
     }
-    slots_[p] = {h, static_cast<uint32_t>(keys_.size()), static_cast<uint32_t>(piece.size()),
-                 static_cast<uint32_t>(values_.size()), static_cast<uint32_t>(out.size() - before)};
-    keys_.append(piece);
-    values_.insert(values_.end(), out.begin() + before, out.end());
-    ++used_;
+    local_.insert(piece, h, out.data() + before, out.size() - before, kMaxLocalKeyBytes);
   }
 
  private:
-  static constexpr uint32_t kEmpty = UINT32_MAX;
-  static constexpr size_t kMaxKeyBytes = 64u << 20;
-  struct Slot {
-    uint64_t hash = 0;
-    uint32_t key_off = 0, key_len = kEmpty, val_off = 0, val_len = 0;
-  };
-
-  void clear() {
-    std::fill(slots_.begin(), slots_.end(), Slot{});
-    keys_.clear();
-    values_.clear();
-    used_ = 0;
-  }
-  void grow() {
-    std::vector<Slot> old(slots_.size() * 2);
-    old.swap(slots_);
-    for (const Slot& s : old) {
-      if (s.key_len == kEmpty) continue;
-      size_t p = s.hash & (slots_.size() - 1);
-      while (slots_[p].key_len != kEmpty) p = (p + 1) & (slots_.size() - 1);
-      slots_[p] = s;
-    }
-  }
+  static constexpr size_t kMaxLocalKeyBytes = 64u << 20;
 
   void bpe(std::string_view piece, std::vector<int32_t>& out, int force = 0) {
     syms_.clear();
@@ -464,10 +515,7 @@ class Encoder {
   }
 
   const TokenizerModel& m_;
-  std::vector<Slot> slots_;
-  std::string keys_;
-  std::vector<int32_t> values_;
-  size_t used_ = 0;
+  PieceTable local_;
   std::vector<int32_t> syms_;
   std::vector<uint32_t> ranks_;
   std::vector<int32_t> merged_;
