@@ -7,9 +7,11 @@
 namespace mhar::cli {
 
 void register_config(CLI::App& app);
+void register_train(CLI::App& app);
+void register_eval(CLI::App& app);
+void register_data(CLI::App& app);
 void register_sample(CLI::App& app);
 void register_report(CLI::App& app);
-void register_data(CLI::App& app);
 void register_bench_command(CLI::App& app);  // `mhar bench` (cmd_bench.cpp)
 
 }  // namespace mhar::cli

@@ -21,9 +21,11 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
 
   mhar::cli::register_config(app);
+  mhar::cli::register_train(app);
+  mhar::cli::register_eval(app);
+  mhar::cli::register_data(app);
   mhar::cli::register_sample(app);
   mhar::cli::register_report(app);
-  mhar::cli::register_data(app);
   mhar::cli::register_bench_command(app);
 
   app.parse_complete_callback([&] {
