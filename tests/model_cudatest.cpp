@@ -42,6 +42,7 @@
 #include "engine/config.h"
 #include "engine/model.h"
 #include "engine/optimizer.h"
+#include "tests/model_test_util.h"
 
 namespace mhar::test {
 namespace {
@@ -177,17 +178,6 @@ INSTANTIATE_TEST_SUITE_P(Modes, ModelParity,
                          [](const ::testing::TestParamInfo<ModeCase>& i) {
                            return std::string(i.param.mode);
                          });
-
-// A low-entropy Markov "language" over 32 ids (as in tests/train_test.cpp): each token is
-// followed by one of two successors, so a model that learns it falls from ln 32 = 3.47
-// toward ln 2 = 0.69.
-std::vector<int32_t> markov_tokens(size_t n, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::vector<int32_t> t(n);
-  t[0] = 1;
-  for (size_t i = 1; i < n; ++i) t[i] = int32_t((5 * t[i - 1] + 1 + 7 * (rng() % 2)) % 32);
-  return t;
-}
 
 class GpuTraining : public ::testing::TestWithParam<ModeCase> {};
 

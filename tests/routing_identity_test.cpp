@@ -16,13 +16,6 @@ using namespace mhar::test;
 
 namespace {
 
-void copy_weights(Model& from, Model& to) {
-  for (auto& p : from.parameters()) {
-    auto v = download(from.backend(), p.value);
-    to.backend().upload(to.parameter(p.name).value, v.data());
-  }
-}
-
 TEST(RoutingIdentity, MharWithOneHeadIsAttnRes) {
   Config a = tiny_config(ResidualMode::AttnRes), m = tiny_config(ResidualMode::Mhar, 1);
   auto be = make_cpu_backend(DType::F64);

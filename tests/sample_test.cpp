@@ -29,13 +29,6 @@ using namespace mhar::test;
 
 namespace {
 
-void copy_weights(Model& from, Model& to) {
-  for (auto& p : from.parameters()) {
-    auto v = download(from.backend(), p.value);
-    to.backend().upload(to.parameter(p.name).value, v.data());
-  }
-}
-
 std::vector<double> full_forward_logits(Model& full, const std::vector<int32_t>& tokens) {
   std::vector<int32_t> targets(tokens.size(), 0);
   full.forward(tokens.data(), targets.data(), 0.0);

@@ -19,21 +19,13 @@
 #include "engine/checkpoint.h"
 #include "engine/error.h"
 #include "engine/trainer.h"
+#include "tests/model_test_util.h"
 
 namespace fs = std::filesystem;
 using namespace mhar;
+using mhar::test::markov_tokens;
 
 namespace {
-
-// A low-entropy Markov "language" over 32 ids: each token is followed by one of two
-// successors, so a model that learns it reaches ~ln 2 from ln 32 at the start.
-std::vector<int32_t> markov_tokens(size_t n, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::vector<int32_t> t(n);
-  t[0] = 1;
-  for (size_t i = 1; i < n; ++i) t[i] = int32_t((5 * t[i - 1] + 1 + 7 * (rng() % 2)) % 32);
-  return t;
-}
 
 class TrainTest : public ::testing::Test {
  protected:
