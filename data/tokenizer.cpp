@@ -3,7 +3,8 @@
 // below is the exact left-to-right, first-alternative-wins, backtracking semantics of
 // its regex, written as a scanner (several times faster, and identical by test against
 // the reference libraries). BPE merges the lowest-ranked adjacent pair first, leftmost
-// on ties, like Hugging Face's BPE model; results are memoized per piece within a call.
+// on ties, like Hugging Face's BPE model; results are memoized per piece, per thread
+// and in a table shared by all threads of one tokenizer.
 #include "data/tokenizer.h"
 
 #include <unistd.h>
@@ -15,8 +16,8 @@
 #include <fstream>
 #include <queue>
 #include <sstream>
-#include <thread>
 #include <mutex>
+#include <thread>
 #include <unordered_map>
 
 #include "data/unicode.h"
