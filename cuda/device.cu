@@ -6,6 +6,8 @@
 
 namespace mhar::cuda {
 
+bool built_with_cuda() { return true; }
+
 int device_count() {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) {

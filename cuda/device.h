@@ -5,6 +5,7 @@
 
 namespace mhar::cuda {
 
+bool built_with_cuda();              // false in a -DMHAR_WITH_CUDA=OFF build
 int device_count();                  // 0 when no driver or no device
 std::string describe_device(int i);  // "NVIDIA H200 (sm_90, 132 SMs, 139.8 GiB)"
 // Device memory in use on device i (cudaMemGetInfo: total - free), every process and the

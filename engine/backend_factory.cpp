@@ -35,6 +35,7 @@ std::unique_ptr<Backend> make_backend(const std::string& device) {
       spdlog::info("device: {}", cuda::describe_device(0));
       return make_cuda_backend(0);
     }
+    if (device == "cuda" && !cuda::built_with_cuda()) return make_cuda_backend(0);  // says how to get it
     if (device == "cuda") fail("--device cuda: no CUDA device is present (use --device cpu)");
     return make_cpu_backend_checked();
   }

@@ -1,0 +1,27 @@
+// no_cuda.cpp: the CUDA entry points of a build configured with -DMHAR_WITH_CUDA=OFF (a
+// machine without the CUDA toolkit). Discovery reports no device, so `auto` picks the CPU;
+// asking for the CUDA backend explicitly is an error that says how to get it.
+#include "cuda/cuda_backend.h"
+#include "cuda/device.h"
+#include "engine/error.h"
+
+namespace mhar {
+
+namespace cuda {
+
+bool built_with_cuda() { return false; }
+int device_count() { return 0; }
+std::string describe_device(int i) {
+  fail("CUDA device ", i, ": this mhar was built without CUDA (-DMHAR_WITH_CUDA=OFF)");
+}
+long long device_memory_in_use(int) { return -1; }
+void device_synchronize(int) {}
+
+}  // namespace cuda
+
+std::unique_ptr<Backend> make_cuda_backend(int) {
+  fail("this mhar was built without the CUDA backend; reconfigure with -DMHAR_WITH_CUDA=ON "
+       "(needs the CUDA toolkit), or use --device cpu");
+}
+
+}  // namespace mhar
