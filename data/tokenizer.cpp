@@ -14,9 +14,9 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <queue>
 #include <sstream>
-#include <mutex>
 #include <thread>
 #include <unordered_map>
 
