@@ -116,6 +116,13 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
     if (!fs::exists(fs::path(opt.run_dir) / "config.json"))
       fail("--resume ", opt.run_dir, ": no config.json there, so it is not a run directory");
     resume_from = open_checkpoint(opt.run_dir, opt.resume_latest_valid);
+    {  // the run directory's config must describe the checkpoint's model
+      const std::string path = (fs::path(opt.run_dir) / "config.json").string();
+      std::ifstream in(path);
+      auto j = nlohmann::json::parse(in, nullptr, false);
+      if (j.is_discarded()) fail(path, ": not valid JSON");
+      check_same_model(config_from_json(j, path), resume_from.config, resume_from.dir);
+    }
     cfg = resume_from.config;  // the run continues with the config it was started with
     spdlog::info("resuming {} from {} (step {})", opt.run_dir, resume_from.dir, resume_from.step);
   } else {

@@ -262,6 +262,27 @@ TEST_F(TrainTest, TooLittleDataForOneBatchIsAClearError) {
   EXPECT_THROW(train(cfg, options("run2")), Error);
 }
 
+TEST_F(TrainTest, ResumeRefusesACheckpointOfAnotherModel) {
+  TrainOptions o = options("run");
+  o.stop_after_steps = 2;
+  train(config("standard", 8), o);
+  // Someone edits the run's config.json to another model: resuming must refuse, naming
+  // the field, and leave the checkpoint as it was.
+  const fs::path cfg_path = fs::path(o.run_dir) / "config.json";
+  auto j = nlohmann::json::parse(read_file(cfg_path));
+  j["model"]["d_model"] = 64;
+  std::ofstream(cfg_path) << j.dump(2);
+  TrainOptions r = options("run");
+  r.resume = true;
+  try {
+    train(Config(), r);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("model.d_model"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(open_checkpoint(o.run_dir).step, 2);
+}
+
 TEST_F(TrainTest, CheckpointOfAnotherModelIsRefusedByEval) {
   TrainResult r = train(config("standard", 4), options("run"));
   Config other = config("standard", 4);
