@@ -3,8 +3,7 @@
 // below is the exact left-to-right, first-alternative-wins, backtracking semantics of
 // its regex, written as a scanner (several times faster, and identical by test against
 // the reference libraries). BPE merges the lowest-ranked adjacent pair first, leftmost
-// on ties, like Hugging Face's BPE model; results are memoized per piece, per thread
-// and in a table shared by all threads of one tokenizer.
+// on ties, like Hugging Face's BPE model; results are memoized per piece and thread.
 #include "data/tokenizer.h"
 
 #include <unistd.h>
@@ -14,7 +13,6 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <mutex>
 #include <queue>
 #include <sstream>
 #include <thread>
@@ -354,34 +352,6 @@ class PieceTable {
   size_t used_ = 0;
 };
 
-// Pieces already merged by any thread, shared by all encoders of one tokenizer. Each
-// encoder looks in its own table first and here only on a miss, so these locks are
-// taken about once per distinct piece per thread; without it every thread of a batch
-// redoes the BPE of every rare word it meets.
-class SharedPieceCache {
- public:
-  bool find(std::string_view piece, uint64_t hash, std::vector<int32_t>& out) const {
-    const Shard& sh = shards_[(hash >> 40) % kShards];
-    std::lock_guard<std::mutex> lock(sh.mutex);
-    return sh.table.find(piece, hash, out);
-  }
-  void insert(std::string_view piece, uint64_t hash, const int32_t* ids, size_t count) {
-    Shard& sh = shards_[(hash >> 40) % kShards];
-    std::lock_guard<std::mutex> lock(sh.mutex);
-    std::vector<int32_t> ignored;
-    if (!sh.table.find(piece, hash, ignored)) sh.table.insert(piece, hash, ids, count, kMaxKeyBytesPerShard);
-  }
-
- private:
-  static constexpr size_t kShards = 64;
-  static constexpr size_t kMaxKeyBytesPerShard = (256u << 20) / kShards;
-  struct Shard {
-    mutable std::mutex mutex;
-    PieceTable table;
-  };
-  std::array<Shard, kShards> shards_;
-};
-
 struct TokenizerModel {
   std::string origin;
   Rule rule = Rule::Gpt2;
@@ -395,7 +365,6 @@ struct TokenizerModel {
   size_t merge_count = 0;
   std::vector<AddedToken> added;  // longest first, for leftmost-longest matching
   int32_t eot = -1;
-  mutable SharedPieceCache shared_cache;
 };
 
 namespace {
@@ -435,11 +404,10 @@ class Encoder {
     }
     const uint64_t h = hash_bytes(piece);
     if (local_.find(piece, h, out)) return;
+    // Each thread keeps its own memo: a table shared between threads (tried, with
+    // sharded locks) cost more than the merges it saved (BENCHMARKS.md, Tokenizer).
     const size_t before = out.size();
-    if (!m_.shared_cache.find(piece, h, out)) {
-      bpe(piece, out);
-      m_.shared_cache.insert(piece, h, out.data() + before, out.size() - before);
-    }
+    bpe(piece, out);
     local_.insert(piece, h, out.data() + before, out.size() - before, kMaxLocalKeyBytes);
   }
 

@@ -5,9 +5,8 @@
 // encode_with_special() also matches the added tokens, as Hugging Face's encode does.
 // decode() returns the exact bytes (no U+FFFD substitution), so for tokenizers without
 // a normalizer decode(encode(s)) == s for every byte string; with NFC (Qwen3) it holds
-// for every NFC string. A Tokenizer is immutable after load (but for an internal,
-// locked memo of merged pieces) and cheap to copy (copies share it); all methods are
-// safe to call from many threads at once.
+// for every NFC string. A Tokenizer is immutable after load and cheap to copy; all
+// methods are safe to call from many threads at once.
 #pragma once
 #include <nlohmann/json.hpp>
 
