@@ -214,9 +214,11 @@ void check_same_model(const Config& ours, const Config& theirs, const std::strin
              ": it belongs to a different model");
 }
 
-void load_model_weights(const CheckpointInfo& ckpt, Model& model) {
+void load_model_weights(const CheckpointInfo& ckpt, Model& model, AdamWOptimizer* opt) {
   SafetensorsFile f = SafetensorsFile::load((fs::path(ckpt.dir) / "model.safetensors").string());
-  for (auto& p : model.parameters()) {
+  auto& params = model.parameters();
+  for (size_t i = 0; i < params.size(); ++i) {
+    const Parameter& p = params[i];
     if (!f.has(p.name)) fail(f.path(), ": has no tensor ", p.name, " (checkpoint of another model?)");
     const auto& e = f.entry(p.name);
     if (e.shape != shape_of(p.value)) {
@@ -227,10 +229,11 @@ void load_model_weights(const CheckpointInfo& ckpt, Model& model) {
     }
     auto w = f.to_f64(p.name);
     model.backend().upload(p.value, w.data());
+    if (opt && opt->has_master()) model.backend().upload(opt->master(i), w.data());
   }
 }
 
-void load_optimizer_state(const CheckpointInfo& ckpt, Model& model, AdamWOptimizer& opt, int rank) {
+void load_optimizer_moments(const CheckpointInfo& ckpt, Model& model, AdamWOptimizer& opt, int rank) {
   const fs::path file = fs::path(ckpt.dir) / ("optimizer.rank" + std::to_string(rank) + ".safetensors");
   if (!fs::exists(file)) fail(file.string(), ": missing (checkpoint written with fewer ranks?)");
   SafetensorsFile f = SafetensorsFile::load(file.string());
@@ -243,13 +246,6 @@ void load_optimizer_state(const CheckpointInfo& ckpt, Model& model, AdamWOptimiz
         fail(file.string(), ": tensor ", name, " missing or of the wrong size");
       auto v = f.to_f64(name);
       be.upload(std::string(kind) == ".exp_avg" ? opt.exp_avg(i) : opt.exp_avg_sq(i), v.data());
-    }
-  }
-  if (opt.has_master()) {
-    SafetensorsFile w = SafetensorsFile::load((fs::path(ckpt.dir) / "model.safetensors").string());
-    for (size_t i = 0; i < params.size(); ++i) {
-      auto v = w.to_f64(params[i].name);
-      be.upload(opt.master(i), v.data());
     }
   }
 }

@@ -41,11 +41,12 @@ std::vector<std::string> list_checkpoints(const std::string& run_dir);
 CheckpointInfo open_checkpoint(const std::string& path, bool newest_valid = false);
 
 // Loads the fp32 master weights into `model`; every tensor must exist with the model's
-// shape, else the error names the first mismatch.
-void load_model_weights(const CheckpointInfo& ckpt, Model& model);
-// Loads rank `rank`'s AdamW moments and the fp32 master copy (from model.safetensors,
-// so a bf16 model resumes from the exact fp32 weights).
-void load_optimizer_state(const CheckpointInfo& ckpt, Model& model, AdamWOptimizer& opt, int rank);
+// shape, else the error names the first mismatch. With `opt`, its fp32 master copy (bf16
+// models) gets the same weights from the one read, so a resume continues from the exact
+// fp32 values.
+void load_model_weights(const CheckpointInfo& ckpt, Model& model, AdamWOptimizer* opt = nullptr);
+// Loads rank `rank`'s AdamW moments.
+void load_optimizer_moments(const CheckpointInfo& ckpt, Model& model, AdamWOptimizer& opt, int rank);
 // Throws if the model sections differ, naming the first differing field.
 void check_same_model(const Config& ours, const Config& theirs, const std::string& theirs_where);
 

@@ -157,15 +157,4 @@ void write_safetensors_to(const std::function<void(const void*, size_t)>& sink,
   }
 }
 
-void write_safetensors(const std::string& path, const std::vector<TensorToWrite>& tensors,
-                       const std::map<std::string, std::string>& metadata) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) fail(path, ": cannot create file");
-  write_safetensors_to(
-      [&](const void* p, size_t n) { out.write(static_cast<const char*>(p), std::streamsize(n)); },
-      tensors, metadata);
-  out.flush();
-  if (!out) fail(path, ": write failed (disk full?)");
-}
-
 }  // namespace mhar

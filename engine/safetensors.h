@@ -50,14 +50,11 @@ struct TensorToWrite {
   const void* data;   // numel * dtype size bytes, little-endian
 };
 
-// Streams the file's bytes into `sink` (checkpoints use this to account for and check
-// every write).
+// Streams the file's bytes into `sink`; the caller owns the file (checkpoints write
+// through a sink that counts, hashes and checks every byte, into a temporary name that is
+// renamed once complete).
 void write_safetensors_to(const std::function<void(const void*, size_t)>& sink,
                           const std::vector<TensorToWrite>& tensors,
                           const std::map<std::string, std::string>& metadata = {});
-// Writes the file at `path` (not atomically: callers write into a temporary directory or
-// name and rename). Metadata values must be strings, as the format requires.
-void write_safetensors(const std::string& path, const std::vector<TensorToWrite>& tensors,
-                       const std::map<std::string, std::string>& metadata = {});
 
 }  // namespace mhar

@@ -113,11 +113,11 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
   TrainResult result;
   CheckpointInfo resume_from;
   if (opt.resume) {
-    if (!fs::exists(fs::path(opt.run_dir) / "config.json"))
+    const std::string path = (fs::path(opt.run_dir) / "config.json").string();
+    if (!fs::exists(path))
       fail("--resume ", opt.run_dir, ": no config.json there, so it is not a run directory");
     resume_from = open_checkpoint(opt.run_dir, opt.resume_latest_valid);
     {  // the run directory's config must describe the checkpoint's model
-      const std::string path = (fs::path(opt.run_dir) / "config.json").string();
       std::ifstream in(path);
       auto j = nlohmann::json::parse(in, nullptr, false);
       if (j.is_discarded()) fail(path, ": not valid JSON");
@@ -153,8 +153,8 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
   long long step = 0, tokens_seen = 0, consecutive_bad = 0, total_bad = 0;
   double elapsed_before = 0;
   if (opt.resume) {
-    load_model_weights(resume_from, model);
-    load_optimizer_state(resume_from, model, optimizer, 0);
+    load_model_weights(resume_from, model, &optimizer);
+    load_optimizer_moments(resume_from, model, optimizer, 0);
     train_data.restore(resume_from.state.at("loader"));
     const auto& ts = resume_from.state.at("trainer");
     step = resume_from.step;
@@ -171,7 +171,7 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
                residual_mode_name(cfg.residual.mode), cfg.residual.heads, backend->name());
   spdlog::info("batch: {} x {} tokens x {} micro-batches = {} tokens per step; {} steps",
                B, T, accum, micro_tokens * accum, t.steps);
-  for (const auto& line : {model.memory_report()}) spdlog::debug("memory:\n{}", line);
+  spdlog::debug("memory:\n{}", model.memory_report());
 
   auto checkpoint = [&](long long at_step, double elapsed_total) {
     CheckpointWrite w;
