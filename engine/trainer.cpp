@@ -160,6 +160,9 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
     step = resume_from.step;
     tokens_seen = ts.value("tokens_seen", 0LL);
     total_bad = ts.value("total_bad_steps", 0LL);
+    // A run stopped during a streak of skipped steps keeps counting it toward
+    // train.max_bad_steps (absent in checkpoints written before this field: 0).
+    consecutive_bad = ts.value("consecutive_bad_steps", 0LL);
     elapsed_before = ts.value("elapsed_s", 0.0);
     result.last_checkpoint = resume_from.dir;
   } else {
@@ -180,7 +183,7 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
     w.config = &cfg;
     w.loader = train_data.state();
     w.trainer = {{"tokens_seen", tokens_seen}, {"total_bad_steps", total_bad},
-                 {"elapsed_s", elapsed_total}};
+                 {"consecutive_bad_steps", consecutive_bad}, {"elapsed_s", elapsed_total}};
     w.keep = cfg.checkpoint.keep;
     result.last_checkpoint = save_checkpoint(w, model, optimizer);
     spdlog::info("checkpoint: {}", result.last_checkpoint);
@@ -222,7 +225,8 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
     if (nan_from >= 0 && step + 1 >= nan_from) loss = NAN;
     const double grad_norm = std::sqrt(backend->sum_squares(model.all_gradients()));
     const double lr = learning_rate(t, step);
-    if (!std::isfinite(loss) || !std::isfinite(grad_norm)) {
+    const bool good = std::isfinite(loss) && std::isfinite(grad_norm);
+    if (!good) {
       ++consecutive_bad, ++total_bad;
       metrics.append({{"kind", "skip"}, {"step", step + 1},
                       {"reason", !std::isfinite(loss) ? "non-finite loss" : "non-finite gradients"}});
@@ -233,36 +237,46 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
              "(train.max_bad_steps = ", t.max_bad_steps, "); the last good checkpoint is ",
              result.last_checkpoint.empty() ? std::string("none yet") : result.last_checkpoint);
       ++step;  // the batch is consumed; the data position moves on
-      continue;
+    } else {
+      consecutive_bad = 0;
+      optimizer.step(lr, clip_factor(grad_norm, t.grad_clip), step + 1);
+      backend->synchronize();
+      ++step;
+      tokens_seen += micro_tokens * accum;
     }
-    consecutive_bad = 0;
-    optimizer.step(lr, clip_factor(grad_norm, t.grad_clip), step + 1);
-    backend->synchronize();
-    ++step;
-    tokens_seen += micro_tokens * accum;
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const double elapsed =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
-    const double tok_s = double(micro_tokens * accum) / dt;
-    metrics.append({{"kind", "train"}, {"step", step}, {"loss", loss}, {"lr", lr},
-                    {"grad_norm", grad_norm}, {"tokens_per_s", tok_s}, {"tokens", tokens_seen},
-                    {"elapsed_s", elapsed_before + elapsed}});
-    result.last_loss = loss;
     result.step = step;
-    if (!opt.quiet && (step % t.log_every == 0 || step == t.steps)) {
-      const double eta = elapsed / double(step - first_step) * double(t.steps - step);
-      spdlog::info("step {:>6}/{} | loss {:.4f} | lr {:.2e} | grad norm {:.3f} | {:.0f} tok/s | ETA {}",
-                   step, t.steps, loss, lr, grad_norm, tok_s, format_duration(eta));
+    if (good) {
+      const double tok_s = double(micro_tokens * accum) / dt;
+      metrics.append({{"kind", "train"}, {"step", step}, {"loss", loss}, {"lr", lr},
+                      {"grad_norm", grad_norm}, {"tokens_per_s", tok_s}, {"tokens", tokens_seen},
+                      {"elapsed_s", elapsed_before + elapsed}});
+      result.last_loss = loss;
+      if (!opt.quiet && (step % t.log_every == 0 || step == t.steps)) {
+        const double eta = elapsed / double(step - first_step) * double(t.steps - step);
+        spdlog::info("step {:>6}/{} | loss {:.4f} | lr {:.2e} | grad norm {:.3f} | {:.0f} tok/s | ETA {}",
+                     step, t.steps, loss, lr, grad_norm, tok_s, format_duration(eta));
+      }
     }
+    // A stop request and the end of the run are honoured after a skipped step too (a
+    // Ctrl-C during a streak of bad steps must not wait for the next good one). That
+    // checkpoint is safe: a skipped step leaves weights, master copy and moments as the
+    // last good step left them, and only the data position and the step count move on,
+    // exactly as in an uninterrupted run, so resuming from it continues that run. The
+    // periodic evaluations and checkpoints are for good steps only, so during a streak
+    // of bad steps the newest checkpoint stays the last good one (and `keep` does not
+    // rotate good checkpoints out in favour of copies of the same weights).
     const bool stop = g_stop_signals > 0 || (opt.stop_after_steps >= 0 && step - first_step >= opt.stop_after_steps);
-    if (step % t.eval_every == 0 || step == t.steps) run_eval(step);
+    if ((good && step % t.eval_every == 0) || step == t.steps) run_eval(step);
     if (stop) {
       spdlog::info("stop requested: checkpointing at step {} and exiting", step);
       checkpoint(step, elapsed_before + elapsed);
       result.interrupted = true;
       return result;
     }
-    if ((cfg.checkpoint.every > 0 && step % cfg.checkpoint.every == 0) || step == t.steps)
+    if ((good && cfg.checkpoint.every > 0 && step % cfg.checkpoint.every == 0) || step == t.steps)
       checkpoint(step, elapsed_before + elapsed);
   }
   result.step = step;

@@ -5,6 +5,10 @@
 // clipping, validation every train.eval_every steps, metrics.jsonl, checkpoints (every
 // checkpoint.every steps, at the end, and when SIGINT/SIGTERM asks the run to stop: the
 // step in flight finishes, a checkpoint is written, and train() returns normally).
+// A step with a non-finite loss or gradient norm is skipped (no update; the data position
+// moves on); more than train.max_bad_steps of them in a row stop the run with an error.
+// A stop request and the end of the run are honoured after a skipped step as after a
+// good one; periodic evaluations and checkpoints follow good steps only.
 // Resuming restores weights, optimizer moments, step and data position, so the resumed
 // run's losses are bit-identical to an uninterrupted run's.
 #pragma once

@@ -1,7 +1,8 @@
 // train_test.cpp: end-to-end training on the CPU backend with synthetic shards: the loss
 // falls, resume is bit-exact (also across gradient accumulation), `mhar eval` agrees with
-// the trainer, SIGINT checkpoints and exits 0, and bad input (another run in the run dir,
-// a damaged checkpoint, a full disk, too little data) fails cleanly without damage.
+// the trainer, SIGINT checkpoints and exits 0 (also during a streak of skipped non-finite
+// steps), and bad input (another run in the run dir, a damaged checkpoint, a full disk,
+// too little data) fails cleanly without damage.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -157,6 +158,97 @@ TEST_F(TrainTest, SigintFinishesTheStepCheckpointsAndExitsZero) {
   EXPECT_EQ(WEXITSTATUS(status), 0);
   CheckpointInfo ck = open_checkpoint(run);
   EXPECT_EQ(ck.step, (long long)metrics(run, "train").size());
+}
+
+// A Ctrl-C during a streak of skipped (non-finite) steps is honoured at once, not after
+// the next good step: the run checkpoints at its last step and exits 0. The skipped steps
+// left the weights and moments as the last good step (3) left them, so the checkpoint
+// holds exactly the weights and moments of a clean run stopped at step 3, and the run
+// resumes from it.
+TEST_F(TrainTest, SigintDuringSkippedStepsCheckpointsTheUnchangedWeightsAndExitsZero) {
+  Config cfg = config("standard", 100000);
+  cfg.checkpoint.every = 0;
+  cfg.train.max_bad_steps = 1000000;
+  std::ofstream(dir / "cfg.json") << cfg.to_json().dump();
+  const std::string run = (dir / "sig").string();
+  setenv("MHAR_SIMULATE_NONFINITE_FROM_STEP", "4", 1);  // steps 4, 5, ... are skipped
+  pid_t pid = fork();
+  if (pid == 0) {
+    execl(MHAR_BINARY, MHAR_BINARY, "--log-level", "error", "train", (dir / "cfg.json").c_str(),
+          "--run-dir", run.c_str(), (char*)nullptr);
+    _exit(127);
+  }
+  unsetenv("MHAR_SIMULATE_NONFINITE_FROM_STEP");
+  for (int i = 0; i < 1200 && metrics(run, "skip").size() < 3; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  if (metrics(run, "skip").size() < 3) {
+    kill(pid, SIGKILL);
+    waitpid(pid, nullptr, 0);
+    FAIL() << "the simulated non-finite steps did not start";
+  }
+  kill(pid, SIGINT);
+  int status = 0;
+  bool exited = false;
+  for (int i = 0; i < 1200 && !exited; ++i) {  // a stopping run takes one step: 60 s is ample
+    exited = waitpid(pid, &status, WNOHANG) == pid;
+    if (!exited) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  if (!exited) {
+    kill(pid, SIGKILL);
+    waitpid(pid, nullptr, 0);
+    FAIL() << "SIGINT during skipped steps was not honoured within 60 s";
+  }
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+  const auto good = metrics(run, "train"), skipped = metrics(run, "skip");
+  ASSERT_EQ(good.size(), 3u);
+  ASSERT_GE(skipped.size(), 3u);
+  CheckpointInfo ck = open_checkpoint(run);
+  EXPECT_EQ(ck.step, (long long)(good.size() + skipped.size()));  // the last step run
+  EXPECT_EQ(skipped.back()["step"].get<long long>(), ck.step);
+  EXPECT_EQ(ck.state["trainer"]["total_bad_steps"].get<long long>(), (long long)skipped.size());
+  EXPECT_EQ(ck.state["trainer"]["consecutive_bad_steps"].get<long long>(),
+            (long long)skipped.size());
+
+  // The same weights and moments as a clean run stopped after its 3 good steps.
+  TrainOptions clean = options("clean");
+  clean.stop_after_steps = 3;
+  TrainResult c = train(cfg, clean);
+  ASSERT_EQ(c.step, 3);
+  EXPECT_EQ(read_file(fs::path(c.last_checkpoint) / "optimizer.rank0.safetensors"),
+            read_file(fs::path(ck.dir) / "optimizer.rank0.safetensors"));
+  auto be = make_cpu_backend();
+  Model a(cfg.model, cfg.residual, *be, 4, 16), b(cfg.model, cfg.residual, *be, 4, 16);
+  load_model_weights(open_checkpoint(c.last_checkpoint), a);
+  load_model_weights(ck, b);
+  for (size_t i = 0; i < a.parameters().size(); ++i)
+    EXPECT_EQ(mhar::test::download(*be, a.parameters()[i].value),
+              mhar::test::download(*be, b.parameters()[i].value))
+        << a.parameters()[i].name;
+
+  // And the run continues from there once the steps are good again.
+  TrainOptions r = options("sig");
+  r.resume = true;
+  r.stop_after_steps = 2;
+  TrainResult rest = train(Config(), r);
+  EXPECT_EQ(rest.step, ck.step + 2);
+  EXPECT_EQ(metrics(run, "train").size(), 5u);
+}
+
+// A run whose last step is skipped still ends with a checkpoint at that step (and the
+// evaluation of the end of the run), not only at its last periodic checkpoint.
+TEST_F(TrainTest, RunEndingOnASkippedStepCheckpointsItsLastStep) {
+  Config cfg = config("standard", 6);
+  cfg.train.max_bad_steps = 3;
+  setenv("MHAR_SIMULATE_NONFINITE_FROM_STEP", "6", 1);
+  TrainResult r = train(cfg, options("run"));
+  unsetenv("MHAR_SIMULATE_NONFINITE_FROM_STEP");
+  EXPECT_EQ(r.step, 6);
+  EXPECT_FALSE(r.interrupted);
+  EXPECT_EQ(metrics(dir / "run", "skip").size(), 1u);
+  EXPECT_EQ(open_checkpoint((dir / "run").string()).step, 6);
+  ASSERT_FALSE(metrics(dir / "run", "eval").empty());
+  EXPECT_EQ(metrics(dir / "run", "eval").back()["step"].get<long long>(), 6);
 }
 
 TEST_F(TrainTest, RunDirOfAnotherRunIsRefused) {
