@@ -1,8 +1,13 @@
 // cmd_sample.cpp: `mhar sample --checkpoint DIR --prompt TEXT [--max-tokens N]
-// [--temperature T] [--top-k K] [--seed S]` prints the prompt's continuation.
-// The continuation alone goes to stdout, token by token as it is generated (so the output
-// can be piped); the summary line goes to stderr. Sampling runs on the CPU backend
-// (fp32): the CUDA backend does not implement incremental decoding yet.
+// [--temperature T] [--top-k K] [--seed S] [--device cpu|cuda|auto]` prints the prompt's
+// continuation. The continuation alone goes to stdout, token by token as it is generated
+// (so the output can be piped); the summary line goes to stderr.
+// The device is chosen as `mhar train` chooses it (engine/backend_factory.h): --device,
+// else the checkpoint's train.device, so a run trained on the CPU samples on the CPU and
+// one trained with "auto" samples on the GPU when there is one. The CPU backend decodes
+// in fp32, the CUDA backend in bf16 (Backend::rope_at / attention_cached); a seed repeats
+// its text on one device, but the GPU's text can differ from the CPU's where bf16
+// rounding reorders nearly tied logits (tests/sample_cudatest.cpp bounds the difference).
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -10,6 +15,7 @@
 #include "cli/commands.h"
 #include "data/tokenizer.h"
 #include "engine/backend.h"
+#include "engine/backend_factory.h"
 #include "engine/checkpoint.h"
 #include "engine/error.h"
 #include "engine/sampler.h"
@@ -17,14 +23,14 @@
 namespace mhar::cli {
 
 void register_sample(CLI::App& app) {
-  auto* cmd = app.add_subcommand("sample", "Generate text from a checkpoint (runs on the CPU)");
+  auto* cmd = app.add_subcommand("sample", "Generate text from a checkpoint");
   cmd->footer(
       "Prefills the prompt in one chunk, then decodes token by token with a KV cache (cost\n"
       "linear in length) until <|endoftext|>, --max-tokens or the model's context length.\n"
       "The continuation goes to stdout as it is generated, a summary line to stderr.\n"
-      "Sampling runs on the CPU backend (fp32) for now, whatever the machine: the CUDA\n"
-      "backend does not implement incremental decoding yet.");
-  static std::string checkpoint, prompt, tokenizer_name;
+      "Runs on --device (default: the checkpoint's train.device): cpu decodes in fp32,\n"
+      "cuda in bf16, so a seed's text on the GPU can differ from its text on the CPU.");
+  static std::string checkpoint, prompt, tokenizer_name, device;
   static SamplingOptions opt = [] {
     SamplingOptions o;
     o.temperature = 0.8;
@@ -46,6 +52,10 @@ void register_sample(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--tokenizer", tokenizer_name,
                   "gpt2, qwen3 or a tokenizer.json path (default: the checkpoint's data.tokenizer)");
+  cmd->add_option("--device", device,
+                  "cpu, cuda or auto (CUDA when a GPU is present); default: the checkpoint's "
+                  "train.device")
+      ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
   cmd->callback([] {
     validate_sampling_options(opt);
     CheckpointInfo ckpt = open_checkpoint(checkpoint);
@@ -78,7 +88,16 @@ void register_sample(CLI::App& app) {
     if (int(ids.size()) > ctx)
       fail("--prompt is ", ids.size(), " tokens, more than the model's context_length of ", ctx);
 
-    auto backend = make_cpu_backend(DType::F32);
+    const std::string dev = device.empty() ? cfg.train.device : device;
+    std::unique_ptr<Backend> backend = [&] {
+      try {
+        return make_backend(dev);
+      } catch (const Error& e) {
+        if (!device.empty()) throw;
+        fail(e.what(), "\n  (device \"", dev, "\" is the checkpoint's train.device; pass "
+             "--device cpu|cuda|auto to choose another)");
+      }
+    }();
     Model model(cfg.model, cfg.residual, *backend, 1, int(ids.size()));
     load_model_weights(ckpt, model);
     model.enable_kv_cache(ctx);
@@ -100,10 +119,11 @@ void register_sample(CLI::App& app) {
                                                             : "--max-tokens reached";
     std::fprintf(stderr,
                  "[sample] %s (step %lld, %s): %zu prompt + %zu new tokens in %.2f s "
-                 "(%.1f tokens/s, CPU), stopped: %s\n",
+                 "(%.1f tokens/s, %s), stopped: %s\n",
                  ckpt.dir.c_str(), static_cast<long long>(ckpt.step),
                  residual_mode_name(cfg.residual.mode), ids.size(), g.tokens.size(), secs,
-                 secs > 0 ? double(ids.size() + g.tokens.size()) / secs : 0.0, why);
+                 secs > 0 ? double(ids.size() + g.tokens.size()) / secs : 0.0,
+                 backend->name().c_str(), why);
   });
 }
 

@@ -1,11 +1,15 @@
 // sampler.h: text generation with a model in decode mode (Model::enable_kv_cache).
 // The prompt is prefilled in one chunk, then each new token is one forward_cached() of
 // length 1, so a token costs the layer loop on one row plus attention over the cached
-// positions: generation is linear in length, not quadratic.
+// positions: generation is linear in length, not quadratic. It runs on the model's
+// backend, any that implements Backend::rope_at and attention_cached (CPU and CUDA); only
+// the last row of logits comes back to the host.
 // Conventions: temperature 0 is greedy (argmax, lowest id on ties); top_k 0 keeps the
 // whole vocabulary; the random stream is splitmix64 seeded by `seed`, so a seed gives the
-// same text on every machine; ids >= vocab_limit (the padding rows of an embedding
-// larger than the tokenizer) are never sampled.
+// same text for the same logits on every machine (the CUDA backend's bf16 logits differ
+// from the CPU's fp32 ones by rounding, which can reorder nearly tied tokens); ids >=
+// vocab_limit (the padding rows of an embedding larger than the tokenizer) are never
+// sampled.
 #pragma once
 #include <cstdint>
 #include <functional>
