@@ -11,16 +11,17 @@
 // between synchronisations. Prints ONE JSON line on stdout (logs go to stderr):
 //   tokens_per_s      micro_batch * seq_len / median step time
 //   ms_per_step       median (also _min and _max)
-//   peak_mem_bytes    CUDA: device memory in use (cudaMemGetInfo total - free) after the
-//                     timed steps minus the same reading taken after the CUDA context was
-//                     created and before the backend allocated anything: every arena
-//                     (parameters, gradients, activations, optimizer state), the cuBLAS
-//                     workspace, the attention scratch and any library allocations; the
-//                     context itself is excluded. The engine allocates everything before
-//                     the first step (the attention scratch at the first backward), so
-//                     this reading after the steps is the peak. (PyTorch's number in
-//                     tools/reference/bench_step.py is torch.cuda.max_memory_allocated.)
-//                     CPU: the sum of the arenas (peak_mem_method says which).
+//   peak_mem_bytes    CUDA: the most device memory the backend held from cudaMalloc at
+//                     any time (Backend::peak_bytes_in_use): every arena (parameters,
+//                     gradients, activations, optimizer state), the cuBLAS workspace and
+//                     the attention scratch; the CUDA context and cuBLAS's own handles
+//                     are not counted. This is what PyTorch's number in
+//                     tools/reference/bench_step.py counts too
+//                     (torch.cuda.max_memory_allocated: tensors, its cuBLAS workspace
+//                     included, no context). Counted by the process itself, it is not
+//                     disturbed by other processes on the GPU (cudaMemGetInfo was, in the
+//                     first benchmark runs). CPU: the sum of the arenas. peak_mem_method
+//                     says which.
 //   mfu               tokens_per_s * flops_per_token / 989e12 (H100/H200 SXM dense bf16
 //                     datasheet peak; cuBLAS reaches ~790e12 on these machines, so 0.80 is
 //                     the practical ceiling). Reported for CPU runs too, against the same
@@ -107,10 +108,6 @@ void run_bench(const BenchOptions& o) {
   const auto& t = cfg.train;
   const int B = t.micro_batch, T = t.seq_len;
 
-  const bool want_cuda =
-      o.device == "cuda" || (o.device == "auto" && cuda::device_count() > 0);
-  long long mem_before = -1;
-  if (want_cuda && cuda::device_count() > 0) mem_before = cuda::device_memory_in_use(0);
   auto backend = make_backend(o.device);
   const bool on_gpu = backend->name().rfind("cuda", 0) == 0;
 
@@ -158,13 +155,9 @@ void run_bench(const BenchOptions& o) {
                              size_t(model.all_gradients().bytes()) + optimizer.state_bytes();
   long long peak = (long long)arena_bytes;
   std::string method = "arenas";
-  if (on_gpu && mem_before >= 0) {
-    cuda::device_synchronize(0);
-    const long long after = cuda::device_memory_in_use(0);
-    if (after >= 0) {
-      peak = after - mem_before;
-      method = "cudaMemGetInfo";
-    }
+  if (backend->peak_bytes_in_use() >= 0) {
+    peak = (long long)backend->peak_bytes_in_use();
+    method = "backend allocations";
   }
   std::vector<double> sorted = times;
   std::sort(sorted.begin(), sorted.end());

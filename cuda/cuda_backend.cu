@@ -6,7 +6,9 @@
 // - allocate() is cudaMalloc, zero-filled and synchronous (not on the hot path).
 // - upload/download convert on the host between float64 and the tensor's dtype (BF16
 //   rounds to nearest even; NaN stays NaN) through a host staging vector.
+#include <algorithm>
 #include <cstring>
+#include <unordered_map>
 #include <vector>
 
 #include "cuda/common.cuh"
@@ -45,8 +47,10 @@ class CudaBackend final : public Backend {
     // 32 MiB: cuBLASLt's recommendation for Hopper is at least 32 MiB for the best kernels.
     mm_.workspace_bytes = size_t(32) << 20;
     CUDA_CHECK(cudaMalloc(&mm_.workspace, mm_.workspace_bytes));
+    count(mm_.workspace, mm_.workspace_bytes);
     CUBLAS_CHECK(cublasSetWorkspace(mm_.blas, mm_.workspace, mm_.workspace_bytes));
     CUDA_CHECK(cudaMalloc(&scratch_, sizeof(double)));
+    count(scratch_, sizeof(double));
   }
   ~CudaBackend() override {
     cudaSetDevice(device_);
@@ -75,6 +79,7 @@ class CudaBackend final : public Backend {
       fail("CUDA: cannot allocate ", bytes, " bytes on device ", device_, " (", free_b,
            " free of ", total_b, "): ", cudaGetErrorString(err));
     }
+    count(p, bytes);
     CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream_));
     CUDA_CHECK(cudaStreamSynchronize(stream_));
     return p;
@@ -82,8 +87,11 @@ class CudaBackend final : public Backend {
   void release(void* p) override {
     if (!p) return;
     CUDA_CHECK(cudaStreamSynchronize(stream_));
+    uncount(p);
     CUDA_CHECK(cudaFree(p));
   }
+  int64_t bytes_in_use() const override { return in_use_; }
+  int64_t peak_bytes_in_use() const override { return peak_; }
   void zero(Tensor t) override {
     if (t.bytes()) CUDA_CHECK(cudaMemsetAsync(t.data, 0, t.bytes(), stream_));
   }
@@ -188,9 +196,13 @@ class CudaBackend final : public Backend {
     const size_t need = size_t(q.dim(0) * q.dim(1) * q.dim(2));
     if (need > attn_ws_floats_) {
       CUDA_CHECK(cudaStreamSynchronize(stream_));
-      if (attn_ws_) CUDA_CHECK(cudaFree(attn_ws_));
+      if (attn_ws_) {
+        uncount(attn_ws_);
+        CUDA_CHECK(cudaFree(attn_ws_));
+      }
       attn_ws_ = nullptr;
       CUDA_CHECK(cudaMalloc(&attn_ws_, need * sizeof(float)));
+      count(attn_ws_, need * sizeof(float));
       attn_ws_floats_ = need;
     }
     cuda::attention_backward(stream_, dq, dk, dv, dout, q, k, v, out, lse, attn_ws_,
@@ -208,18 +220,21 @@ class CudaBackend final : public Backend {
                      bool compute_grad) override {
     cuda::cross_entropy(stream_, losses, logits, targets, grad_scale, compute_grad);
   }
-  void routing_source_stats(Tensor inv_rms, Tensor v, double eps) override {
-    cuda::routing_source_stats(stream_, inv_rms, v, eps);
+  void routing_source_logits(Tensor weights, Tensor inv_rms, Tensor v, const RoutingParams& p,
+                             int source, int heads, double eps) override {
+    cuda::routing_source_logits(stream_, weights, inv_rms, v, p, source, heads, eps);
   }
-  void routing_forward(Tensor x, Tensor weights, Tensor history, Tensor inv_rms, Tensor query,
-                       Tensor gain, int n_src, int heads) override {
-    cuda::routing_forward(stream_, x, weights, history, inv_rms, query, gain, n_src, heads);
+  void routing_mix(Tensor x, Tensor weights, Tensor history, int site, int heads) override {
+    cuda::routing_mix(stream_, x, weights, history, site, heads);
   }
-  void routing_backward(Tensor dhistory, Tensor dquery, Tensor dgain, Tensor dx, Tensor history,
-                        Tensor inv_rms, Tensor weights, Tensor query, Tensor gain, int n_src,
-                        int heads) override {
-    cuda::routing_backward(stream_, dhistory, dquery, dgain, dx, history, inv_rms, weights,
-                           query, gain, n_src, heads);
+  void routing_source_backward(Tensor dv, Tensor weights, Tensor ubar, Tensor gsum,
+                               Tensor site_dx, Tensor x, Tensor v, Tensor inv_rms,
+                               const RoutingParams& p, int source, int heads) override {
+    cuda::routing_source_backward(stream_, dv, weights, ubar, gsum, site_dx, x, v, inv_rms, p,
+                                  source, heads);
+  }
+  void routing_param_grads(const RoutingParams& p, Tensor gsum) override {
+    cuda::routing_param_grads(stream_, p, gsum);
   }
   double sum_squares(Tensor t) override { return cuda::sum_squares(stream_, t, scratch_); }
   void adamw(Tensor param, Tensor master, Tensor grad, Tensor m, Tensor v,
@@ -228,6 +243,18 @@ class CudaBackend final : public Backend {
   }
 
  private:
+  // Every cudaMalloc of this backend, for bytes_in_use / peak_bytes_in_use.
+  void count(void* p, size_t bytes) {
+    sizes_[p] = bytes;
+    in_use_ += int64_t(bytes);
+    peak_ = std::max(peak_, in_use_);
+  }
+  void uncount(void* p) {
+    auto it = sizes_.find(p);
+    if (it == sizes_.end()) return;
+    in_use_ -= int64_t(it->second);
+    sizes_.erase(it);
+  }
   void put(Tensor dst, const void* host) {
     if (!dst.bytes()) return;
     CUDA_CHECK(cudaMemcpyAsync(dst.data, host, dst.bytes(), cudaMemcpyHostToDevice, stream_));
@@ -240,6 +267,8 @@ class CudaBackend final : public Backend {
   double* scratch_ = nullptr;
   float* attn_ws_ = nullptr;
   size_t attn_ws_floats_ = 0;
+  std::unordered_map<void*, size_t> sizes_;
+  int64_t in_use_ = 0, peak_ = 0;
 };
 
 }  // namespace

@@ -53,12 +53,13 @@ void cross_entropy(cudaStream_t s, Tensor losses, Tensor logits, Tensor targets,
                    double grad_scale, bool compute_grad);
 
 // routing.cu
-void routing_source_stats(cudaStream_t s, Tensor inv_rms, Tensor v, double eps);
-void routing_forward(cudaStream_t s, Tensor x, Tensor weights, Tensor history, Tensor inv_rms,
-                     Tensor query, Tensor gain, int n_src, int heads);
-void routing_backward(cudaStream_t s, Tensor dhistory, Tensor dquery, Tensor dgain, Tensor dx,
-                      Tensor history, Tensor inv_rms, Tensor weights, Tensor query, Tensor gain,
-                      int n_src, int heads);
+void routing_source_logits(cudaStream_t s, Tensor weights, Tensor inv_rms, Tensor v,
+                           const RoutingParams& params, int source, int heads, double eps);
+void routing_mix(cudaStream_t s, Tensor x, Tensor weights, Tensor history, int site, int heads);
+void routing_source_backward(cudaStream_t s, Tensor dv, Tensor weights, Tensor ubar,
+                             Tensor gsum, Tensor site_dx, Tensor x, Tensor v, Tensor inv_rms,
+                             const RoutingParams& params, int source, int heads);
+void routing_param_grads(cudaStream_t s, const RoutingParams& params, Tensor gsum);
 
 // reductions.cu. sum_squares accumulates into *scratch (one device double) and returns the
 // host value (synchronises the stream).

@@ -1,367 +1,648 @@
-// routing.cu: depth routing (DESIGN.md section 2) for one site, any number of heads H
-// dividing d. Layouts: history and dhistory [S, N, d] (slot i = source v_i; slots >= n_src
-// are never touched), inv_rms [S, N] (F32), query and gain [d] (BF16 or F32), weights
-// [N, H, n_src] (F32), x and dx [N, d]. Head h owns features [h*d/H, (h+1)*d/H).
+// routing.cu: depth routing (DESIGN.md sections 2-3) split by source, as in backend.h:
+//   routing_source_logits    one read of a new source: its inv_rms and its logits for
+//                            every later site (the queries are parameters)
+//   routing_mix              one site: softmax over its sources, weighted sum
+//   routing_source_backward  one source's whole gradient from the input gradients of
+//                            every later site (source-stationary: no read-modify-write of
+//                            an accumulator per (site, source) pair), plus its share of
+//                            the query/gain gradients
+//   routing_param_grads      dquery/dgain of every site from the slabs of gsum
+// Storage: history, x, dx, dv BF16; query/gain BF16 (the backend's parameters); weights,
+// inv_rms, ubar F32; gsum, dquery, dgain F32. Every sum is fp32.
 //
-// - routing_source_stats: inv_rms[n] = 1/sqrt(mean_c v[n,c]^2 + eps), overwritten. One warp
-//   per token.
-// - routing_forward: one pass over the sources per token with an online softmax per head,
-//   fp32 logits and statistics:
-//     s[n,i,h] = inv_rms[i,n] * sum_{c in h} q[c] g[c] v_i[n,c]
-//     weights[n,h,i] = softmax_i s (overwritten);  x[n,c] = sum_i weights v_i[n,c] (overwritten)
-//   The raw logits are parked in `weights` during the pass and normalised at the end.
-// - routing_backward (+= into dhistory[0..n_src), dquery, dgain), with a = weights,
-//   r_i = inv_rms[i,n], u_{i,h} = sum_{c in h} dx[c] v_i[c]:
-//     ds_{i,h} = a_{i,h} (u_{i,h} - sum_k a_{k,h} u_{k,h})          (softmax)
-//     value path: dv_i[c] += a_{i,head(c)} dx[c]
-//     key path:   dv_i[c] += r_i q[c] g[c] ds_{i,head(c)} - v_i[c] r_i^2 / d * t_i,
-//                 t_i = sum_h ds_{i,h} s_{i,h}   (through inv_rms: dr_i/dv_i[c] = -r_i^3 v_i[c]/d)
-//     dq[c] += sum_{n,i} ds_{i,head(c)} g[c] v_i[c] r_i;  dg[c] += sum_{n,i} ds q[c] v_i[c] r_i
-//   Pass 1 over the sources forms u and s (per-head block sums), pass 2 writes dhistory.
-//   dq/dg are summed in registers over a block's tokens and added with one fp32 atomic
-//   per feature per block.
-// Block layout (forward and backward): one token per block iteration; thread t owns
-// features t + k*blockDim for k < kmax (at most kMaxPerThread). Per-head sums are a warp
-// reduction plus one shared atomic when every warp lies inside one head (head size a
-// multiple of 32), else one shared atomic per feature.
-// Correctness-first: the multi-site tiling of DESIGN.md section 3 is a later issue.
+// Token kernels (logits, mix, source backward) run one warp per token. The row of d
+// features is read in 16-byte chunks of 8 bf16: lane l owns chunks l, l+32, ... (NT =
+// ceil(d/256) per lane), so each load instruction of a warp reads 512 contiguous bytes.
+// Needs d % 8 == 0 (16-byte rows) and d <= 256 * kMaxNT.
+// Per-head sums (head h owns features [h*dh, (h+1)*dh)): when dh % 8 == 0 every chunk
+// lies in one head (ALIGNED) and a segmented warp scan adds the chunks of each head,
+// with a fix-up across a lane's chunk rows for heads that span rows; otherwise every
+// feature is added into a per-warp shared array of H sums (any H dividing d, slower).
+//
+// The key gradient G_k[c] = sum_n ds_k[head(c), n] r[n] v[n, c] of one source against all
+// later sites is a small matrix product; key_grad_kernel computes it with one thread per
+// feature, KT sites at a time, over a slab of tokens, and adds it into its own slab of
+// gsum (no atomics: one launch owns each element; the model zeroes gsum per step).
+#include <type_traits>
+
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
 
 namespace mhar::cuda {
 namespace {
 
-// Each thread keeps about six fp32 registers per owned feature; 8 features at up to 512
-// threads (d <= 4096) stays within the register file at one block per SM.
-constexpr int kMaxPerThread = 8;
-constexpr int kMaxThreads = 512;
+constexpr int kMaxNT = 8;           // d <= 2048
+constexpr int kMaxSites = 256;      // per-site pointer tables travel as kernel parameters
+constexpr int kWarpsPerBlock = 4;  // small blocks: ~130-200 registers per thread
+constexpr int kKeyGradSites = 16;   // KT: sites per pass of key_grad_kernel
+constexpr int kKeyGradThreads = 128;
 
-struct Layout {
-  int threads, kmax;
+struct SiteParams {
+  const bf16* q[kMaxSites];
+  const bf16* g[kMaxSites];
 };
-Layout layout_for(int64_t d) {
-  int64_t threads = ceil_div(d, 32) * 32;
-  if (threads > 256) threads = 256;
-  if (ceil_div(d, threads) > kMaxPerThread) threads = ceil_div(ceil_div(d, kMaxPerThread), 32) * 32;
-  if (threads > kMaxThreads)
-    fail("CUDA routing: d = ", d, " too large (at most ", kMaxThreads * kMaxPerThread, ")");
-  return {int(threads), int(ceil_div(d, threads))};
+struct SiteGrads {
+  float* dq[kMaxSites];
+  float* dg[kMaxSites];
+};
+
+struct Geometry {  // of one launch, uniform over the grid
+  int64_t N;
+  int d, H, dh, S;
+  int nchunks;  // d / 8
+};
+
+__device__ __forceinline__ int64_t pair_index(int i, int k, int S) {
+  return int64_t(i) * S - int64_t(i) * (i - 1) / 2 + (k - i);
 }
 
-// Adds this thread's value for head h into sums[h]. warp_uniform: the whole warp is
-// active and inside head h.
-__device__ __forceinline__ void head_add(float* sums, int h, float v, bool active,
-                                         bool warp_uniform) {
-  if (warp_uniform) {
-    v = warp_sum(v);
-    if ((threadIdx.x & 31) == 0) atomicAdd(sums + h, v);
-  } else if (active) {
-    atomicAdd(sums + h, v);
-  }
-}
+// ---------------------------------------------------------------- row chunks
+template <int NT>
+struct Row {  // one token's row, as this lane's chunks (bf16x8 each)
+  uint4 raw[NT];
+};
 
-// ---------------------------------------------------------------- source statistics
-template <class T>
-__global__ void source_stats_kernel(float* inv_rms, const T* v, int64_t N, int64_t d, float eps) {
+template <int NT>
+__device__ __forceinline__ void load_row(Row<NT>& r, const bf16* row, int nchunks) {
   const int lane = threadIdx.x & 31;
-  const int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (n >= N) return;
-  const T* row = v + n * d;
-  float ss = 0.f;
-  for (int64_t c = lane; c < d; c += 32) {
-    const float x = load(row[c]);
-    ss += x * x;
-  }
-  ss = warp_sum(ss);
-  if (lane == 0) inv_rms[n] = rsqrtf(ss / float(d) + eps);
-}
-
-// ---------------------------------------------------------------- forward
-template <class T, class W>
-__global__ void __launch_bounds__(kMaxThreads) routing_forward_kernel(T* x, float* weights, const T* hist, const float* inv_rms,
-                                       const W* query, const W* gain, int64_t N, int d,
-                                       int n_src, int H, int kmax) {
-  extern __shared__ float smem[];
-  float* logit_buf = smem;        // [3][H]: per-source head sums, triple-buffered
-  float* head_m = smem + 3 * H;   // [H] final running max
-  float* head_l = head_m + H;     // [H] final running sum
-  const int dh = d / H;
-  const bool uniform_heads = dh % 32 == 0;
-
-  float qg[kMaxPerThread];
-  int head[kMaxPerThread];
+  const uint4* p = reinterpret_cast<const uint4*>(row);
 #pragma unroll
-  for (int k = 0; k < kMaxPerThread; ++k) {
-    const int c = threadIdx.x + k * blockDim.x;
-    const bool active = k < kmax && c < d;
-    qg[k] = active ? load(query[c]) * load(gain[c]) : 0.f;
-    head[k] = active ? c / dh : 0;
-  }
-
-  for (int64_t n = blockIdx.x; n < N; n += gridDim.x) {
-    float acc[kMaxPerThread], m[kMaxPerThread], l[kMaxPerThread];
-#pragma unroll
-    for (int k = 0; k < kMaxPerThread; ++k) {
-      acc[k] = 0.f;
-      m[k] = -INFINITY;
-      l[k] = 0.f;
-    }
-    __syncthreads();  // previous token's reads of logit_buf / head_m / head_l are done
-    for (int t = threadIdx.x; t < 2 * H; t += blockDim.x) logit_buf[t] = 0.f;
-    __syncthreads();
-    for (int i = 0; i < n_src; ++i) {
-      float* cur = logit_buf + (i % 3) * H;
-      // The buffer source i+1 will use was last read for source i-2, before the barrier
-      // of source i-1 that every thread has passed.
-      float* next = logit_buf + ((i + 1) % 3) * H;
-      for (int t = threadIdx.x; t < H; t += blockDim.x) next[t] = 0.f;
-      const T* v = hist + (int64_t(i) * N + n) * d;
-      float val[kMaxPerThread];
-#pragma unroll
-      for (int k = 0; k < kMaxPerThread; ++k) {
-        const int c = threadIdx.x + k * blockDim.x;
-        const bool active = k < kmax && c < d;
-        val[k] = active ? load(v[c]) : 0.f;
-        if (k < kmax) {
-          const bool warp_in_range = (c - (threadIdx.x & 31)) < d;  // d % 32 == 0 if uniform
-          if (!uniform_heads || warp_in_range)
-            head_add(cur, head[k], qg[k] * val[k], active, uniform_heads);
-        }
-      }
-      __syncthreads();
-      const float r = inv_rms[int64_t(i) * N + n];
-#pragma unroll
-      for (int k = 0; k < kMaxPerThread; ++k) {
-        const int c = threadIdx.x + k * blockDim.x;
-        if (k < kmax && c < d) {
-          const float s = cur[head[k]] * r;
-          const float m_new = fmaxf(m[k], s);
-          const float alpha = __expf(m[k] - m_new);
-          const float p = __expf(s - m_new);
-          acc[k] = acc[k] * alpha + p * val[k];
-          l[k] = l[k] * alpha + p;
-          m[k] = m_new;
-        }
-      }
-      for (int h = threadIdx.x; h < H; h += blockDim.x)
-        weights[(n * H + h) * n_src + i] = cur[h] * r;  // raw logit, normalised below
-    }
-#pragma unroll
-    for (int k = 0; k < kMaxPerThread; ++k) {
-      const int c = threadIdx.x + k * blockDim.x;
-      if (k < kmax && c < d) {
-        x[n * d + c] = store<T>(acc[k] / l[k]);
-        if (c % dh == 0) {
-          head_m[head[k]] = m[k];
-          head_l[head[k]] = l[k];
-        }
-      }
-    }
-    __syncthreads();  // head_m/head_l and the raw logits in `weights` are visible
-    for (int t = threadIdx.x; t < H * n_src; t += blockDim.x) {
-      const int h = t / n_src;
-      float* w = weights + n * H * n_src + t;
-      *w = __expf(*w - head_m[h]) / head_l[h];
-    }
+  for (int t = 0; t < NT; ++t) {
+    const int ch = lane + 32 * t;
+    r.raw[t] = ch < nchunks ? p[ch] : make_uint4(0, 0, 0, 0);
   }
 }
 
-// ---------------------------------------------------------------- backward
-template <class T, class DH, class W>
-__global__ void __launch_bounds__(kMaxThreads) routing_backward_kernel(DH* dhist, float* dquery, float* dgain, const T* dx,
-                                        const T* hist, const float* inv_rms,
-                                        const float* weights, const W* query, const W* gain,
-                                        int64_t N, int d, int n_src, int H, int kmax) {
-  extern __shared__ float smem[];
-  float* u_sum = smem;                      // [n_src][H]  sum_{c in h} dx v_i
-  float* s_raw = u_sum + n_src * H;         // [n_src][H]  sum_{c in h} q g v_i (no r_i)
-  float* ds = s_raw + n_src * H;            // [n_src][H]
-  float* t_src = ds + n_src * H;            // [n_src]     sum_h ds s
-  const int dh = d / H;
-  const bool uniform_heads = dh % 32 == 0;
-  const float inv_d = 1.f / float(d);
+__device__ __forceinline__ float elem(const uint4& raw, int e) {
+  const uint32_t w = e < 2 ? raw.x : e < 4 ? raw.y : e < 6 ? raw.z : raw.w;
+  const uint32_t bits = (e & 1) ? (w & 0xffff0000u) : (w << 16);
+  return __uint_as_float(bits);
+}
 
-  float q[kMaxPerThread], g[kMaxPerThread], dq_acc[kMaxPerThread], dg_acc[kMaxPerThread];
-  int head[kMaxPerThread];
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&b);
+}
+
+template <int NT>
+__device__ __forceinline__ void store_row(bf16* row, const float (&f)[NT][8], int nchunks) {
+  const int lane = threadIdx.x & 31;
+  uint4* p = reinterpret_cast<uint4*>(row);
 #pragma unroll
-  for (int k = 0; k < kMaxPerThread; ++k) {
-    const int c = threadIdx.x + k * blockDim.x;
-    const bool active = k < kmax && c < d;
-    q[k] = active ? load(query[c]) : 0.f;
-    g[k] = active ? load(gain[c]) : 0.f;
-    head[k] = active ? c / dh : 0;
-    dq_acc[k] = dg_acc[k] = 0.f;
+  for (int t = 0; t < NT; ++t) {
+    const int ch = lane + 32 * t;
+    if (ch < nchunks)
+      p[ch] = make_uint4(pack2(f[t][0], f[t][1]), pack2(f[t][2], f[t][3]),
+                         pack2(f[t][4], f[t][5]), pack2(f[t][6], f[t][7]));
   }
+}
 
-  for (int64_t n = blockIdx.x; n < N; n += gridDim.x) {
-    __syncthreads();  // previous token done with the shared arrays
-    for (int t = threadIdx.x; t < 2 * n_src * H; t += blockDim.x) smem[t] = 0.f;
-    float dxv[kMaxPerThread];
+// ---------------------------------------------------------------- per-head sums
+// tot[t][e] = sum of val over the head of feature 8*(lane + 32t) + e, for every valid
+// feature (val and tot may be the same array). `scratch` is this warp's H floats of
+// shared memory (unaligned path only).
+template <int NT, bool ALIGNED>
+__device__ __forceinline__ void head_totals(const float (&val)[NT][8], float (&tot)[NT][8],
+                                            const Geometry& g, float* scratch) {
+  const int lane = threadIdx.x & 31;
+  if constexpr (ALIGNED) {
+    const int cph = g.dh / 8;  // chunks per head
+    constexpr int kNone = 1 << 30;
+    auto head_of = [&](int ch) { return ch < g.nchunks ? ch / cph : kNone; };
+    float row_tot[NT], row_last[NT];
 #pragma unroll
-    for (int k = 0; k < kMaxPerThread; ++k) {
-      const int c = threadIdx.x + k * blockDim.x;
-      dxv[k] = (k < kmax && c < d) ? load(dx[n * d + c]) : 0.f;
+    for (int t = 0; t < NT; ++t) {
+      const int ch = lane + 32 * t;
+      const int h = head_of(ch);
+      float x = 0.f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) x += val[t][e];
+      // Inclusive scan within runs of lanes of the same head (heads are contiguous).
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const float y = __shfl_up_sync(0xffffffffu, x, off);
+        if (lane >= off && head_of(ch - off) == h) x += y;
+      }
+      const int seg_end = h == kNone ? 31 : min((h + 1) * cph - 1 - 32 * t, 31);
+      row_tot[t] = __shfl_sync(0xffffffffu, x, seg_end);
+      row_last[t] = __shfl_sync(0xffffffffu, x, 31);
     }
-    __syncthreads();
-    // Pass 1: per-head sums u and s for every source.
-    for (int i = 0; i < n_src; ++i) {
-      const T* v = hist + (int64_t(i) * N + n) * d;
 #pragma unroll
-      for (int k = 0; k < kMaxPerThread; ++k) {
-        const int c = threadIdx.x + k * blockDim.x;
-        const bool active = k < kmax && c < d;
-        if (k < kmax) {
-          const float val = active ? load(v[c]) : 0.f;
-          const bool warp_in_range = (c - (threadIdx.x & 31)) < d;
-          if (!uniform_heads || warp_in_range) {
-            head_add(u_sum + i * H, head[k], dxv[k] * val, active, uniform_heads);
-            head_add(s_raw + i * H, head[k], q[k] * g[k] * val, active, uniform_heads);
+    for (int t = 0; t < NT; ++t) {
+      const int h = head_of(lane + 32 * t);
+      float total = row_tot[t];
+      // A head that spans rows: its part in an earlier row ends at lane 31, its part in a
+      // later row starts at lane 0.
+#pragma unroll
+      for (int u = 0; u < NT; ++u) {
+        const float first = __shfl_sync(0xffffffffu, row_tot[u], 0);
+        if (u < t && head_of(31 + 32 * u) == h) total += row_last[u];
+        if (u > t && head_of(32 * u) == h) total += first;
+      }
+#pragma unroll
+      for (int e = 0; e < 8; ++e) tot[t][e] = total;
+    }
+  } else {
+    for (int h = lane; h < g.H; h += 32) scratch[h] = 0.f;
+    __syncwarp();
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      const int ch = lane + 32 * t;
+      if (ch < g.nchunks)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) atomicAdd(scratch + (8 * ch + e) / g.dh, val[t][e]);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      const int ch = lane + 32 * t;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) tot[t][e] = ch < g.nchunks ? scratch[(8 * ch + e) / g.dh] : 0.f;
+    }
+    __syncwarp();  // the next call zeroes scratch
+  }
+}
+
+// Calls f(t, e, h) for every valid feature that is the first of its head h: the lane that
+// writes a per-head value.
+template <int NT, bool ALIGNED, class F>
+__device__ __forceinline__ void for_head_leaders(const Geometry& g, F&& f) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const int ch = lane + 32 * t;
+    if (ch >= g.nchunks) continue;
+    if constexpr (ALIGNED) {
+      if ((8 * ch) % g.dh == 0) f(t, 0, 8 * ch / g.dh);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        if ((8 * ch + e) % g.dh == 0) f(t, e, (8 * ch + e) / g.dh);
+    }
+  }
+}
+
+// out[t][e] = base[head(feature) * N] (a per-head value of this token; base already
+// points at element [h = 0][n]). Invalid chunks get 0.
+template <int NT, bool ALIGNED>
+__device__ __forceinline__ void load_per_head(float (&out)[NT][8], const float* base,
+                                              const Geometry& g) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const int ch = lane + 32 * t;
+    if constexpr (ALIGNED) {
+      const float v = ch < g.nchunks ? base[int64_t(8 * ch / g.dh) * g.N] : 0.f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) out[t][e] = v;
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        out[t][e] = ch < g.nchunks ? base[int64_t((8 * ch + e) / g.dh) * g.N] : 0.f;
+    }
+  }
+}
+
+template <int NT>
+__device__ __forceinline__ void load_qg(float (&qg)[NT][8], const bf16* q, const bf16* gn,
+                                        int nchunks) {
+  Row<NT> rq, rg;
+  load_row(rq, q, nchunks);
+  load_row(rg, gn, nchunks);
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) qg[t][e] = elem(rq.raw[t], e) * elem(rg.raw[t], e);
+}
+
+// ---------------------------------------------------------------- source logits
+template <int NT, bool ALIGNED>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock)
+    source_logits_kernel(float* __restrict__ weights, float* __restrict__ inv_rms,
+                         const bf16* __restrict__ v, const SiteParams sp, const Geometry g,
+                         int source, float eps) {
+  extern __shared__ float smem[];
+  float* scratch = smem + (threadIdx.x >> 5) * g.H;
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
+  float* w_src = weights + pair_index(source, source, g.S) * g.H * g.N;
+  for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); n < g.N;
+       n += warps) {
+    Row<NT> rv;
+    load_row(rv, v + n * g.d, g.nchunks);
+    float ss = 0.f;
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) ss += elem(rv.raw[t], e) * elem(rv.raw[t], e);
+    const float r = rsqrtf(warp_sum(ss) / float(g.d) + eps);
+    if (lane == 0) inv_rms[n] = r;
+    for (int k = source; k < g.S; ++k) {
+      float prod[NT][8], tot[NT][8];
+      load_qg(prod, sp.q[k], sp.g[k], g.nchunks);
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) prod[t][e] *= elem(rv.raw[t], e);
+      head_totals<NT, ALIGNED>(prod, tot, g, scratch);
+      float* w = w_src + int64_t(k - source) * g.H * g.N + n;
+      for_head_leaders<NT, ALIGNED>(g, [&](int t, int e, int h) { w[int64_t(h) * g.N] = r * tot[t][e]; });
+    }
+  }
+}
+
+// ---------------------------------------------------------------- mix (one site)
+template <int NT, bool ALIGNED>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock)
+    mix_kernel(bf16* __restrict__ x, float* __restrict__ weights, const bf16* __restrict__ hist,
+               const Geometry g, int site) {
+  extern __shared__ float smem[];
+  float* m_sh = smem + (threadIdx.x >> 5) * 2 * g.H;  // per head: max, 1/sum
+  float* linv_sh = m_sh + g.H;
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
+  for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); n < g.N;
+       n += warps) {
+    auto wptr = [&](int i) { return weights + pair_index(i, site, g.S) * g.H * g.N + n; };
+    for (int h = lane; h < g.H; h += 32) {
+      float m = -INFINITY;
+      for (int i = 0; i <= site; ++i) m = fmaxf(m, wptr(i)[int64_t(h) * g.N]);
+      float l = 0.f;
+      for (int i = 0; i <= site; ++i) l += __expf(wptr(i)[int64_t(h) * g.N] - m);
+      m_sh[h] = m;
+      linv_sh[h] = 1.f / l;
+    }
+    __syncwarp();
+    float acc[NT][8];
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[t][e] = 0.f;
+    Row<NT> cur, nxt;
+    load_row(cur, hist + n * g.d, g.nchunks);
+    for (int i = 0; i <= site; ++i) {
+      if (i < site) load_row(nxt, hist + (int64_t(i + 1) * g.N + n) * g.d, g.nchunks);
+      float* w = wptr(i);
+      float a[NT][8];
+      if (g.H <= 32) {  // lane h normalises head h's weight, the others read it by shuffle
+        float a_h = 0.f;
+        if (lane < g.H) {
+          a_h = __expf(w[int64_t(lane) * g.N] - m_sh[lane]) * linv_sh[lane];
+          w[int64_t(lane) * g.N] = a_h;
+        }
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+          const int ch = min(lane + 32 * t, g.nchunks - 1);
+          if constexpr (ALIGNED) {
+            const float v = __shfl_sync(0xffffffffu, a_h, 8 * ch / g.dh);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) a[t][e] = v;
+          } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) a[t][e] = __shfl_sync(0xffffffffu, a_h, (8 * ch + e) / g.dh);
           }
         }
-      }
-    }
-    __syncthreads();
-    // Softmax backward per head, then t_i per source.
-    for (int h = threadIdx.x; h < H; h += blockDim.x) {
-      const float* a = weights + (n * H + h) * n_src;
-      float mean_u = 0.f;
-      for (int i = 0; i < n_src; ++i) mean_u += a[i] * u_sum[i * H + h];
-      for (int i = 0; i < n_src; ++i) ds[i * H + h] = a[i] * (u_sum[i * H + h] - mean_u);
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < n_src; i += blockDim.x) {
-      const float r = inv_rms[int64_t(i) * N + n];
-      float t = 0.f;
-      for (int h = 0; h < H; ++h) t += ds[i * H + h] * s_raw[i * H + h];
-      t_src[i] = t * r;
-    }
-    __syncthreads();
-    // Pass 2: dhistory, and the query/gain partial sums.
-    for (int i = 0; i < n_src; ++i) {
-      const float r = inv_rms[int64_t(i) * N + n];
-      const float radial = r * r * inv_d * t_src[i];
-      const T* v = hist + (int64_t(i) * N + n) * d;
-      DH* dv = dhist + (int64_t(i) * N + n) * d;
-      const float* a_n = weights + n * H * n_src + i;
+      } else {
+        load_per_head<NT, ALIGNED>(a, w, g);  // raw logits
 #pragma unroll
-      for (int k = 0; k < kMaxPerThread; ++k) {
-        const int c = threadIdx.x + k * blockDim.x;
-        if (k < kmax && c < d) {
-          const float val = load(v[c]);
-          const float dsih = ds[i * H + head[k]];
-          const float a = a_n[head[k] * n_src];
-          const float grad = a * dxv[k] + r * q[k] * g[k] * dsih - val * radial;
-          dv[c] = store<DH>(load(dv[c]) + grad);
-          dq_acc[k] += dsih * g[k] * val * r;
-          dg_acc[k] += dsih * q[k] * val * r;
+        for (int t = 0; t < NT; ++t) {
+          const int ch = min(lane + 32 * t, g.nchunks - 1);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            const int h = (8 * ch + e) / g.dh;
+            a[t][e] = __expf(a[t][e] - m_sh[h]) * linv_sh[h];
+          }
         }
+        __syncwarp();  // every lane has read the raw logits
+        for (int h = lane; h < g.H; h += 32)
+          w[int64_t(h) * g.N] = __expf(w[int64_t(h) * g.N] - m_sh[h]) * linv_sh[h];
       }
-    }
-  }
 #pragma unroll
-  for (int k = 0; k < kMaxPerThread; ++k) {
-    const int c = threadIdx.x + k * blockDim.x;
-    if (k < kmax && c < d) {
-      atomicAdd(dquery + c, dq_acc[k]);
-      atomicAdd(dgain + c, dg_acc[k]);
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[t][e] += a[t][e] * elem(cur.raw[t], e);
+      if (i < site) cur = nxt;
     }
+    store_row(x + n * g.d, acc, g.nchunks);
+    __syncwarp();  // m_sh/linv_sh are rewritten for the next token
   }
 }
 
-struct SiteShape {
-  int64_t S, N, d;
-};
+// ---------------------------------------------------------------- source backward
+template <int NT, bool ALIGNED>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock)
+    source_backward_kernel(bf16* __restrict__ dv, float* __restrict__ weights,
+                           float* __restrict__ ubar, const bf16* __restrict__ site_dx,
+                           const bf16* __restrict__ x, const bf16* __restrict__ v,
+                           const float* __restrict__ inv_rms, const SiteParams sp,
+                           const Geometry g, int source) {
+  extern __shared__ float smem[];
+  float* scratch = smem + (threadIdx.x >> 5) * g.H;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
+  float* w_src = weights + pair_index(source, source, g.S) * g.H * g.N;
+  for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); n < g.N;
+       n += warps) {
+    const float r = inv_rms[n];
+    Row<NT> rv, rdx, nxt;
+    load_row(rv, v + n * g.d, g.nchunks);
+    load_row(rdx, site_dx + (int64_t(source) * g.N + n) * g.d, g.nchunks);
+    float ubar_own[NT][8];  // ubar of site `source`, from its input and input gradient
+    {
+      Row<NT> rx;
+      load_row(rx, x + n * g.d, g.nchunks);
+      float prod[NT][8];
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) prod[t][e] = elem(rdx.raw[t], e) * elem(rx.raw[t], e);
+      head_totals<NT, ALIGNED>(prod, ubar_own, g, scratch);
+      float* u = ubar + int64_t(source) * g.H * g.N + n;
+      for_head_leaders<NT, ALIGNED>(g, [&](int t, int e, int h) { u[int64_t(h) * g.N] = ubar_own[t][e]; });
+    }
+    float acc[NT][8];
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[t][e] = 0.f;
+    float radial = 0.f;  // this lane's part of sum_k sum_c ds_k q_k g_k v
+    for (int k = source; k < g.S; ++k) {
+      if (k + 1 < g.S) load_row(nxt, site_dx + (int64_t(k + 1) * g.N + n) * g.d, g.nchunks);
+      float* w = w_src + int64_t(k - source) * g.H * g.N + n;
+      float u[NT][8], a[NT][8], ub[NT][8], qg[NT][8];
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) u[t][e] = elem(rdx.raw[t], e) * elem(rv.raw[t], e);
+      head_totals<NT, ALIGNED>(u, u, g, scratch);
+      load_per_head<NT, ALIGNED>(a, w, g);
+      if (k == source) {
+#pragma unroll
+        for (int t = 0; t < NT; ++t)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) ub[t][e] = ubar_own[t][e];
+      } else {
+        load_per_head<NT, ALIGNED>(ub, ubar + int64_t(k) * g.H * g.N + n, g);
+      }
+      load_qg(qg, sp.q[k], sp.g[k], g.nchunks);
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const float ds = a[t][e] * (u[t][e] - ub[t][e]);
+          const float vv = elem(rv.raw[t], e);
+          acc[t][e] += a[t][e] * elem(rdx.raw[t], e) + r * qg[t][e] * ds;
+          radial += ds * qg[t][e] * vv;
+          u[t][e] = ds;  // kept for the write below
+        }
+      __syncwarp();  // every lane has read a_k before the leaders overwrite it
+      for_head_leaders<NT, ALIGNED>(g, [&](int t, int e, int h) { w[int64_t(h) * g.N] = u[t][e] * r; });
+      if (k + 1 < g.S) rdx = nxt;
+    }
+    const float scale = r * r * r / float(g.d) * warp_sum(radial);
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[t][e] -= scale * elem(rv.raw[t], e);
+    store_row(dv + n * g.d, acc, g.nchunks);
+  }
+}
 
-SiteShape check_site(const char* what, const Tensor& x, const Tensor& weights,
-                     const Tensor& history, const Tensor& inv_rms, const Tensor& query,
-                     const Tensor& gain, int n_src, int heads) {
-  MHAR_CHECK(history.ndim == 3, what, ": history must be [S, N, d], got ", history.shape_str());
-  const SiteShape sh{history.dim(0), history.dim(1), history.dim(2)};
-  MHAR_CHECK(n_src >= 1 && n_src <= sh.S, what, ": n_src ", n_src, " outside [1, ", sh.S, "]");
-  MHAR_CHECK(heads >= 1 && sh.d % heads == 0, what, ": heads ", heads, " must divide d ", sh.d);
-  check_numel(x, sh.N * sh.d, what, "x/dx");
-  check_numel(weights, sh.N * heads * n_src, what, "weights");
-  check_dtype(weights, DType::F32, what, "weights");
-  check_numel(inv_rms, sh.S * sh.N, what, "inv_rms");
-  check_dtype(inv_rms, DType::F32, what, "inv_rms");
-  check_numel(query, sh.d, what, "query");
-  check_numel(gain, sh.d, what, "gain");
-  MHAR_CHECK(query.dtype == gain.dtype, what, ": query and gain dtypes differ");
-  MHAR_CHECK(sh.d < (int64_t(1) << 31), what, ": d too large");
-  return sh;
+// ---------------------------------------------------------------- key gradient
+// gsum[slab][k][c] += sum over the slab's tokens n of dsr_k[head(c), n] * v[n, c], k >= source.
+template <int KT>
+__global__ void __launch_bounds__(kKeyGradThreads)
+    key_grad_kernel(float* __restrict__ gsum, const float* __restrict__ weights,
+                    const bf16* __restrict__ v, const Geometry g, int source, int64_t slab_rows) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= g.d) return;
+  const int64_t n0 = int64_t(blockIdx.y) * slab_rows;
+  const int64_t n1 = min(g.N, n0 + slab_rows);
+  const int h = c / g.dh;
+  const float* w_src = weights + pair_index(source, source, g.S) * g.H * g.N + int64_t(h) * g.N;
+  const bool vec4 = g.N % 4 == 0;  // slab_rows is a multiple of 4, so n0 is too
+  for (int k0 = source; k0 < g.S; k0 += KT) {
+    float acc[KT];
+#pragma unroll
+    for (int kk = 0; kk < KT; ++kk) acc[kk] = 0.f;
+    const int kn = min(KT, g.S - k0);
+    int64_t n = n0;
+    if (vec4)
+      for (; n + 4 <= n1; n += 4) {
+        const float v0 = load(v[n * g.d + c]), v1 = load(v[(n + 1) * g.d + c]);
+        const float v2 = load(v[(n + 2) * g.d + c]), v3 = load(v[(n + 3) * g.d + c]);
+#pragma unroll
+        for (int kk = 0; kk < KT; ++kk)
+          if (kk < kn) {
+            const float4 w = *reinterpret_cast<const float4*>(
+                w_src + int64_t(k0 + kk - source) * g.H * g.N + n);
+            acc[kk] += w.x * v0 + w.y * v1 + w.z * v2 + w.w * v3;
+          }
+      }
+    for (; n < n1; ++n) {
+      const float vv = load(v[n * g.d + c]);
+#pragma unroll
+      for (int kk = 0; kk < KT; ++kk)
+        if (kk < kn) acc[kk] += w_src[int64_t(k0 + kk - source) * g.H * g.N + n] * vv;
+    }
+#pragma unroll
+    for (int kk = 0; kk < KT; ++kk)
+      if (kk < kn) gsum[(int64_t(blockIdx.y) * g.S + k0 + kk) * g.d + c] += acc[kk];
+  }
+}
+
+__global__ void param_grads_kernel(const SiteGrads sg, const SiteParams sp,
+                                   const float* __restrict__ gsum, int S, int d, int slabs) {
+  for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < int64_t(S) * d;
+       e += int64_t(gridDim.x) * blockDim.x) {
+    const int k = int(e / d), c = int(e % d);
+    float G = 0.f;
+    for (int r = 0; r < slabs; ++r) G += gsum[(int64_t(r) * S + k) * d + c];
+    sg.dq[k][c] += load(sp.g[k][c]) * G;
+    sg.dg[k][c] += load(sp.q[k][c]) * G;
+  }
+}
+
+// ---------------------------------------------------------------- host side
+Geometry geometry(const char* what, int64_t N, int64_t d, int heads, int S) {
+  MHAR_CHECK(heads >= 1 && d % heads == 0, "CUDA ", what, ": heads ", heads, " must divide d ", d);
+  if (d % 8 != 0 || d > 256 * kMaxNT)
+    fail("CUDA ", what, ": d_model = ", d, " unsupported (the CUDA routing reads rows in "
+         "16-byte chunks: d must be a multiple of 8 and at most ", 256 * kMaxNT, ")");
+  if (S > kMaxSites)
+    fail("CUDA ", what, ": ", S, " routing sites, at most ", kMaxSites,
+         " supported (2 * n_layers + 1 <= ", kMaxSites, ")");
+  Geometry g;
+  g.N = N;
+  g.d = int(d);
+  g.H = heads;
+  g.dh = int(d / heads);
+  g.S = S;
+  g.nchunks = int(d / 8);
+  return g;
+}
+
+SiteParams site_params(const char* what, const RoutingParams& p, int64_t d) {
+  MHAR_CHECK(p.query.size() == p.gain.size(), "CUDA ", what, ": ", p.query.size(),
+             " queries but ", p.gain.size(), " gains");
+  SiteParams sp{};
+  for (int k = 0; k < p.sites(); ++k) {
+    const Tensor& q = p.query[size_t(k)];
+    const Tensor& gn = p.gain[size_t(k)];
+    check_dtype(q, DType::BF16, what, "query");
+    check_dtype(gn, DType::BF16, what, "gain");
+    check_numel(q, d, what, "query");
+    check_numel(gn, d, what, "gain");
+    sp.q[k] = static_cast<const bf16*>(q.data);
+    sp.g[k] = static_cast<const bf16*>(gn.data);
+  }
+  return sp;
+}
+
+void check_weights(const char* what, const Tensor& w, const Geometry& g) {
+  check_dtype(w, DType::F32, what, "weights");
+  check_numel(w, routing_pairs(g.S) * g.H * g.N, what, "weights");
+}
+
+int token_blocks(int64_t N) { return grid_stride_blocks(N * 32, 32 * kWarpsPerBlock); }
+
+// Calls f.template operator()<NT, ALIGNED>() for the geometry's row width and head size.
+template <class F>
+void dispatch_rows(const Geometry& g, F&& f) {
+  const int nt = int(ceil_div(g.d, 256));
+  const bool aligned = g.dh % 8 == 0;
+  auto with = [&](auto nt_tag) {
+    constexpr int NT = decltype(nt_tag)::value;
+    if (aligned) f(std::integral_constant<int, NT>{}, std::true_type{});
+    else f(std::integral_constant<int, NT>{}, std::false_type{});
+  };
+  switch (nt) {
+    case 1: with(std::integral_constant<int, 1>{}); break;
+    case 2: with(std::integral_constant<int, 2>{}); break;
+    case 3: with(std::integral_constant<int, 3>{}); break;
+    case 4: with(std::integral_constant<int, 4>{}); break;
+    case 5: with(std::integral_constant<int, 5>{}); break;
+    case 6: with(std::integral_constant<int, 6>{}); break;
+    default: with(std::integral_constant<int, 8>{}); break;  // 7 and 8 chunk rows
+  }
+}
+
+// Dynamic shared memory beyond the default 48 KiB needs an opt-in per kernel.
+template <class K>
+void allow_smem(K kernel, size_t bytes) {
+  if (bytes > 48 * 1024)
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
 }
 
 }  // namespace
 
-void routing_source_stats(cudaStream_t s, Tensor inv_rms, Tensor v, double eps) {
-  check_dtype(inv_rms, DType::F32, "routing_source_stats", "inv_rms");
+void routing_source_logits(cudaStream_t s, Tensor weights, Tensor inv_rms, Tensor v,
+                           const RoutingParams& params, int source, int heads, double eps) {
+  const char* what = "routing_source_logits";
   const int64_t N = inv_rms.numel();
-  MHAR_CHECK(N > 0 && v.numel() % N == 0, "routing_source_stats: v ", v.shape_str(),
-             " for inv_rms ", inv_rms.shape_str());
-  const int64_t d = v.numel() / N;
-  dispatch_float(v.dtype, "routing_source_stats", [&](auto tag) {
-    using T = decltype(tag);
-    source_stats_kernel<T><<<ceil_div(N, 8), 256, 0, s>>>(inv_rms.ptr<float>(),
-                                                          static_cast<const T*>(v.data), N, d,
-                                                          float(eps));
+  MHAR_CHECK(N > 0 && v.numel() % N == 0, what, ": v ", v.shape_str(), " for inv_rms ",
+             inv_rms.shape_str());
+  const Geometry g = geometry(what, N, v.numel() / N, heads, params.sites());
+  MHAR_CHECK(source >= 0 && source < g.S, what, ": source ", source, " of ", g.S);
+  check_weights(what, weights, g);
+  check_dtype(inv_rms, DType::F32, what, "inv_rms");
+  check_dtype(v, DType::BF16, what, "v");
+  const SiteParams sp = site_params(what, params, g.d);
+  const size_t smem = sizeof(float) * kWarpsPerBlock * heads;
+  dispatch_rows(g, [&](auto nt, auto al) {
+    auto kernel = source_logits_kernel<decltype(nt)::value, decltype(al)::value>;
+    allow_smem(kernel, smem);
+    kernel<<<token_blocks(N), 32 * kWarpsPerBlock, smem, s>>>(
+        weights.ptr<float>(), inv_rms.ptr<float>(), static_cast<const bf16*>(v.data), sp, g,
+        source, float(eps));
     CUDA_CHECK_LAUNCH();
   });
 }
 
-void routing_forward(cudaStream_t s, Tensor x, Tensor weights, Tensor history, Tensor inv_rms,
-                     Tensor query, Tensor gain, int n_src, int heads) {
-  const SiteShape sh =
-      check_site("routing_forward", x, weights, history, inv_rms, query, gain, n_src, heads);
-  check_dtype(x, history.dtype, "routing_forward", "x");
-  if (sh.N == 0) return;
-  const Layout lay = layout_for(sh.d);
-  const size_t smem = sizeof(float) * 5 * heads;
-  const int blocks = int(sh.N < 1048576 ? sh.N : 1048576);
-  dispatch_float(history.dtype, "routing_forward", [&](auto th) {
-    dispatch_float(query.dtype, "routing_forward", [&](auto tw) {
-      using T = decltype(th);
-      using W = decltype(tw);
-      routing_forward_kernel<T, W><<<blocks, lay.threads, smem, s>>>(
-          static_cast<T*>(x.data), weights.ptr<float>(), static_cast<const T*>(history.data),
-          inv_rms.ptr<float>(), static_cast<const W*>(query.data),
-          static_cast<const W*>(gain.data), sh.N, int(sh.d), n_src, heads, lay.kmax);
-      CUDA_CHECK_LAUNCH();
-    });
+void routing_mix(cudaStream_t s, Tensor x, Tensor weights, Tensor history, int site, int heads) {
+  const char* what = "routing_mix";
+  MHAR_CHECK(history.ndim == 3, what, ": history must be [S, N, d], got ", history.shape_str());
+  const Geometry g = geometry(what, history.dim(1), history.dim(2), heads, int(history.dim(0)));
+  MHAR_CHECK(site >= 0 && site < g.S, what, ": site ", site, " of ", g.S);
+  check_weights(what, weights, g);
+  check_dtype(history, DType::BF16, what, "history");
+  check_dtype(x, DType::BF16, what, "x");
+  check_numel(x, g.N * g.d, what, "x");
+  if (g.N == 0) return;
+  const size_t smem = sizeof(float) * kWarpsPerBlock * 2 * heads;
+  dispatch_rows(g, [&](auto nt, auto al) {
+    auto kernel = mix_kernel<decltype(nt)::value, decltype(al)::value>;
+    allow_smem(kernel, smem);
+    kernel<<<token_blocks(g.N), 32 * kWarpsPerBlock, smem, s>>>(
+        static_cast<bf16*>(x.data), weights.ptr<float>(),
+        static_cast<const bf16*>(history.data), g, site);
+    CUDA_CHECK_LAUNCH();
   });
 }
 
-void routing_backward(cudaStream_t s, Tensor dhistory, Tensor dquery, Tensor dgain, Tensor dx,
-                      Tensor history, Tensor inv_rms, Tensor weights, Tensor query, Tensor gain,
-                      int n_src, int heads) {
-  const SiteShape sh =
-      check_site("routing_backward", dx, weights, history, inv_rms, query, gain, n_src, heads);
-  MHAR_CHECK(dhistory.numel() >= int64_t(n_src) * sh.N * sh.d, "routing_backward: dhistory ",
-             dhistory.shape_str(), " smaller than n_src sources");
-  check_dtype(dx, history.dtype, "routing_backward", "dx");
-  check_numel(dquery, sh.d, "routing_backward", "dquery");
-  check_numel(dgain, sh.d, "routing_backward", "dgain");
-  check_dtype(dquery, DType::F32, "routing_backward", "dquery");
-  check_dtype(dgain, DType::F32, "routing_backward", "dgain");
-  if (sh.N == 0) return;
-  const Layout lay = layout_for(sh.d);
-  const size_t smem = sizeof(float) * (3 * size_t(n_src) * heads + n_src);
-  MHAR_CHECK(smem <= 48 * 1024, "routing_backward: n_src * heads too large");
-  const int blocks = grid_stride_blocks(sh.N * lay.threads, lay.threads);
-  dispatch_float(history.dtype, "routing_backward", [&](auto th) {
-    dispatch_float(dhistory.dtype, "routing_backward", [&](auto td) {
-      dispatch_float(query.dtype, "routing_backward", [&](auto tw) {
-        using T = decltype(th);
-        using DH = decltype(td);
-        using W = decltype(tw);
-        routing_backward_kernel<T, DH, W><<<blocks, lay.threads, smem, s>>>(
-            static_cast<DH*>(dhistory.data), dquery.ptr<float>(), dgain.ptr<float>(),
-            static_cast<const T*>(dx.data), static_cast<const T*>(history.data),
-            inv_rms.ptr<float>(), weights.ptr<float>(), static_cast<const W*>(query.data),
-            static_cast<const W*>(gain.data), sh.N, int(sh.d), n_src, heads, lay.kmax);
-        CUDA_CHECK_LAUNCH();
-      });
-    });
+void routing_source_backward(cudaStream_t s, Tensor dv, Tensor weights, Tensor ubar,
+                             Tensor gsum, Tensor site_dx, Tensor x, Tensor v, Tensor inv_rms,
+                             const RoutingParams& params, int source, int heads) {
+  const char* what = "routing_source_backward";
+  const int64_t N = inv_rms.numel();
+  MHAR_CHECK(N > 0 && v.numel() % N == 0, what, ": v ", v.shape_str(), " for inv_rms ",
+             inv_rms.shape_str());
+  const Geometry g = geometry(what, N, v.numel() / N, heads, params.sites());
+  MHAR_CHECK(source >= 0 && source < g.S, what, ": source ", source, " of ", g.S);
+  check_weights(what, weights, g);
+  check_dtype(inv_rms, DType::F32, what, "inv_rms");
+  check_dtype(ubar, DType::F32, what, "ubar");
+  check_numel(ubar, int64_t(g.S) * heads * N, what, "ubar");
+  check_dtype(gsum, DType::F32, what, "gsum");
+  MHAR_CHECK(gsum.ndim == 3 && gsum.dim(1) == g.S && gsum.dim(2) == g.d, "CUDA ", what,
+             ": gsum must be [C, ", g.S, ", ", g.d, "], got ", gsum.shape_str());
+  for (const Tensor* t : {&dv, &site_dx, &x, &v}) check_dtype(*t, DType::BF16, what, "dv/site_dx/x/v");
+  check_numel(site_dx, int64_t(g.S) * N * g.d, what, "site_dx");
+  check_numel(x, N * g.d, what, "x");
+  check_numel(dv, N * g.d, what, "dv");
+  const SiteParams sp = site_params(what, params, g.d);
+  const size_t smem = sizeof(float) * kWarpsPerBlock * heads;
+  dispatch_rows(g, [&](auto nt, auto al) {
+    auto kernel = source_backward_kernel<decltype(nt)::value, decltype(al)::value>;
+    allow_smem(kernel, smem);
+    kernel<<<token_blocks(N), 32 * kWarpsPerBlock, smem, s>>>(
+        static_cast<bf16*>(dv.data), weights.ptr<float>(), ubar.ptr<float>(),
+        static_cast<const bf16*>(site_dx.data), static_cast<const bf16*>(x.data),
+        static_cast<const bf16*>(v.data), inv_rms.ptr<float>(), sp, g, source);
+    CUDA_CHECK_LAUNCH();
   });
+  const int64_t slabs = gsum.dim(0);
+  const int64_t slab_rows = ceil_div(ceil_div(N, slabs), 4) * 4;
+  const dim3 grid(unsigned(ceil_div(g.d, kKeyGradThreads)), unsigned(ceil_div(N, slab_rows)));
+  key_grad_kernel<kKeyGradSites><<<grid, kKeyGradThreads, 0, s>>>(
+      gsum.ptr<float>(), weights.ptr<float>(), static_cast<const bf16*>(v.data), g, source,
+      slab_rows);
+  CUDA_CHECK_LAUNCH();
+}
+
+void routing_param_grads(cudaStream_t s, const RoutingParams& params, Tensor gsum) {
+  const char* what = "routing_param_grads";
+  const int S = params.sites();
+  MHAR_CHECK(gsum.ndim == 3 && gsum.dim(1) == S, "CUDA ", what, ": gsum ", gsum.shape_str(),
+             " for ", S, " sites");
+  check_dtype(gsum, DType::F32, what, "gsum");
+  const int64_t d = gsum.dim(2);
+  if (S > kMaxSites) fail("CUDA ", what, ": ", S, " sites, at most ", kMaxSites);
+  MHAR_CHECK(int(params.dquery.size()) == S && int(params.dgain.size()) == S, "CUDA ", what,
+             ": needs dquery and dgain of every site");
+  const SiteParams sp = site_params(what, params, d);
+  SiteGrads sg{};
+  for (int k = 0; k < S; ++k) {
+    check_dtype(params.dquery[size_t(k)], DType::F32, what, "dquery");
+    check_dtype(params.dgain[size_t(k)], DType::F32, what, "dgain");
+    check_numel(params.dquery[size_t(k)], d, what, "dquery");
+    check_numel(params.dgain[size_t(k)], d, what, "dgain");
+    sg.dq[k] = params.dquery[size_t(k)].ptr<float>();
+    sg.dg[k] = params.dgain[size_t(k)].ptr<float>();
+  }
+  const int threads = 256;
+  param_grads_kernel<<<grid_stride_blocks(int64_t(S) * d, threads), threads, 0, s>>>(
+      sg, sp, gsum.ptr<float>(), S, int(d), int(gsum.dim(0)));
+  CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace mhar::cuda

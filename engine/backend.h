@@ -16,10 +16,24 @@
 #include <cstddef>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "engine/tensor.h"
 
 namespace mhar {
+
+// The routing parameters of every site (one entry per site), and their gradients.
+struct RoutingParams {
+  std::vector<Tensor> query, gain;    // [d], act dtype
+  std::vector<Tensor> dquery, dgain;  // [d], grad dtype (backward only)
+  int sites() const { return int(query.size()); }
+};
+
+// Index of pair (source i, site k >= i) among the S(S+1)/2 pairs, source-major.
+inline int64_t routing_pair(int source, int site, int S) {
+  return int64_t(source) * S - int64_t(source) * (source - 1) / 2 + (site - source);
+}
+inline int64_t routing_pairs(int S) { return int64_t(S) * (S + 1) / 2; }
 
 class Backend {
  public:
@@ -40,6 +54,10 @@ class Backend {
   virtual void download(double* host, Tensor src) = 0;
   virtual void upload_tokens(Tensor dst, const int32_t* host) = 0;
   virtual void synchronize() {}
+  // Bytes this backend has taken from its device's allocator: now, and the most at any
+  // time so far (arenas, library workspaces, scratch). -1 when the backend does not count.
+  virtual int64_t bytes_in_use() const { return -1; }
+  virtual int64_t peak_bytes_in_use() const { return -1; }
 
   // ---- embedding: out[n] = table[tokens[n]];  dtable[tokens[n]] += dout[n]
   virtual void embedding_forward(Tensor out, Tensor tokens, Tensor table) = 0;
@@ -98,21 +116,46 @@ class Backend {
   virtual void cross_entropy(Tensor losses, Tensor logits, Tensor targets, double grad_scale,
                              bool compute_grad) = 0;
 
-  // ---- depth routing (DESIGN.md section 2).
-  // inv_rms [N] of one source v [N, d]: 1/sqrt(mean_c v[n,c]^2 + eps); computed once when
-  // the source is written, shared by every later site.
-  virtual void routing_source_stats(Tensor inv_rms, Tensor v, double eps) = 0;
-  // Site reading sources 0..n_src-1 of history [S, N, d] (slots >= n_src are never read):
-  //   s[n,i,h] = sum_{c in head h} query[c] * gain[c] * history[i,n,c] * inv_rms[i,n]
-  //   weights[n,h,i] = softmax_i s[n,i,h];  x[n,c] = sum_i weights[n,head(c),i] history[i,n,c]
-  // inv_rms [S, N]; query, gain [d]; weights [N, heads, n_src] (saved).
-  virtual void routing_forward(Tensor x, Tensor weights, Tensor history, Tensor inv_rms,
-                               Tensor query, Tensor gain, int n_src, int heads) = 0;
-  // dhistory[i] += for i < n_src (value and key paths, through inv_rms too); dquery,
-  // dgain +=.
-  virtual void routing_backward(Tensor dhistory, Tensor dquery, Tensor dgain, Tensor dx,
-                                Tensor history, Tensor inv_rms, Tensor weights, Tensor query,
-                                Tensor gain, int n_src, int heads) = 0;
+  // ---- depth routing (DESIGN.md sections 2 and 3), split by source rather than by site.
+  // S = number of sources = number of sites; pair (i, k) is source i read by site k >= i.
+  // Per-pair statistics live in one tensor `weights` [S(S+1)/2, H, N] (stat dtype), pair
+  // (i, k) at routing_pair(i, k, S): the pairs of one source are contiguous. Each pair
+  // holds first the raw logit, then (after routing_mix of site k) the softmax weight, then
+  // (after routing_source_backward of source i) the logit gradient times inv_rms.
+  // `params` gives every site's query and gain [d] (act dtype) and, for the backward,
+  // their gradients (grad dtype, +=).
+  //
+  // Source i, as soon as its history slot v [N, d] is written:
+  //   inv_rms[n] = 1/sqrt(mean_c v[n,c]^2 + eps)                                (overwritten)
+  //   weights[pair(i,k), h, n] = inv_rms[n] * sum_{c in h} q_k[c] g_k[c] v[n,c]  for k >= i
+  // The queries are parameters, so a source's logits for every later site are known at
+  // once: one read of v, instead of one per site.
+  virtual void routing_source_logits(Tensor weights, Tensor inv_rms, Tensor v,
+                                     const RoutingParams& params, int source, int heads,
+                                     double eps) = 0;
+  // Site j: softmax over the sources i <= j in place (weights[pair(i,j)] becomes a_i,
+  // saved), then x[n,c] = sum_{i<=j} a_i[head(c), n] * history[i, n, c] (overwritten).
+  // history is [S, N, d]; slots > j are never read.
+  virtual void routing_mix(Tensor x, Tensor weights, Tensor history, int site, int heads) = 0;
+  // Source i's gradient, source-stationary: once the input gradient of every site k >= i
+  // exists in site_dx [S, N, d]. With a_k = weights[pair(i,k)], r = inv_rms (of source i),
+  // u_k = sum_{c in h} dx_k[c] v[c] and ubar_k = sum_{c in h} dx_k[c] x_k[c] (= sum_i' a_i' u_i'):
+  //   ds_k[h] = a_k[h] (u_k[h] - ubar_k[h])                          (softmax backward)
+  //   dv[c] = sum_{k>=i} ( a_k[head(c)] dx_k[c] + r q_k[c] g_k[c] ds_k[head(c)] )
+  //           - v[c] r^3 / d * sum_{k>=i} sum_{c'} ds_k[head(c')] q_k[c'] g_k[c'] v[c']
+  //   (the last term is the gradient through inv_rms)                 (dv overwritten)
+  //   weights[pair(i,k), h, n] := ds_k[h] * r                          (for the key grads)
+  //   gsum += contributions to G_k[c] = sum_n ds_k[head(c)] r v[c]     (see below)
+  // ubar [S, H, N] (stat dtype): row i is computed here from dx_i and x (site i's input)
+  // and written; rows k > i were written by the later sources' calls.
+  // gsum [C, S, d] (grad dtype) is scratch, zeroed before the first source: the backend
+  // spreads token rows over the C slabs as it likes; only the sum over slabs is defined.
+  virtual void routing_source_backward(Tensor dv, Tensor weights, Tensor ubar, Tensor gsum,
+                                       Tensor site_dx, Tensor x, Tensor v, Tensor inv_rms,
+                                       const RoutingParams& params, int source, int heads) = 0;
+  // After source 0's backward: with G_k = sum over slabs of gsum[:, k, :],
+  //   dquery_k += g_k * G_k,  dgain_k += q_k * G_k   for every site k.
+  virtual void routing_param_grads(const RoutingParams& params, Tensor gsum) = 0;
 
   // ---- optimizer support
   // Sum of squares of every element (fp64 result, host-synchronising): the global

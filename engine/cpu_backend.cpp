@@ -173,36 +173,74 @@ class CpuBackend final : public Backend {
                        grad_scale, compute_grad);
   }
 
-  void routing_source_stats(Tensor inv_rms, Tensor v, double eps) override {
-    const int64_t N = inv_rms.numel(), d = v.numel() / N;
-    MHAR_CHECK(v.numel() == N * d, "routing stats shapes");
-    cpu::routing_source_stats(inv_rms.ptr<T>(), v.ptr<T>(), N, d, eps);
+  // Per-site parameter pointers for cpu::routing_*; a site's entries must exist and be [d].
+  std::vector<cpu::RoutingSite<T>> routing_sites(const RoutingParams& p, int64_t d) {
+    std::vector<cpu::RoutingSite<T>> sites;
+    MHAR_CHECK(p.query.size() == p.gain.size(), "routing params: ", p.query.size(),
+               " queries but ", p.gain.size(), " gains");
+    for (int k = 0; k < p.sites(); ++k) {
+      MHAR_CHECK(p.query[size_t(k)].numel() == d && p.gain[size_t(k)].numel() == d,
+                 "routing params of site ", k, " must be [", d, "]");
+      sites.push_back({p.query[size_t(k)].ptr<T>(), p.gain[size_t(k)].ptr<T>()});
+    }
+    return sites;
   }
-  void check_routing(Tensor x, Tensor weights, Tensor history, Tensor inv_rms, Tensor query,
-                     Tensor gain, int n_src, int heads) {
-    const int64_t S = history.dim(0), N = history.dim(1), d = history.dim(2);
-    MHAR_CHECK(n_src >= 1 && n_src <= S, "n_src ", n_src, " of ", S);
-    MHAR_CHECK(heads >= 1 && d % heads == 0, "routing heads ", heads, " for d ", d);
+  void check_weights(Tensor weights, int S, int64_t N, int heads, int64_t d) {
+    MHAR_CHECK(heads >= 1 && d % heads == 0, "routing heads ", heads, " must divide d ", d);
+    expect_shape(weights, {routing_pairs(S), heads, N}, "routing weights");
+  }
+  void routing_source_logits(Tensor weights, Tensor inv_rms, Tensor v, const RoutingParams& p,
+                             int source, int heads, double eps) override {
+    const int S = p.sites();
+    const int64_t N = inv_rms.numel(), d = N ? v.numel() / N : 0;
+    MHAR_CHECK(v.numel() == N * d && source >= 0 && source < S, "routing_source_logits: v ",
+               v.shape_str(), " inv_rms ", inv_rms.shape_str(), " source ", source, " of ", S);
+    check_weights(weights, S, N, heads, d);
+    cpu::routing_source_logits(weights.ptr<T>(), inv_rms.ptr<T>(), v.ptr<T>(),
+                               routing_sites(p, d), N, d, S, source, heads, eps);
+  }
+  void routing_mix(Tensor x, Tensor weights, Tensor history, int site, int heads) override {
+    const int S = int(history.dim(0));
+    const int64_t N = history.dim(1), d = history.dim(2);
+    MHAR_CHECK(site >= 0 && site < S, "routing_mix: site ", site, " of ", S);
+    check_weights(weights, S, N, heads, d);
     expect_shape(x, {N, d}, "routing x");
-    expect_shape(weights, {N, heads, n_src}, "routing weights");
-    expect_shape(inv_rms, {S, N}, "routing inv_rms");
-    MHAR_CHECK(query.numel() == d && gain.numel() == d, "routing query/gain");
+    cpu::routing_mix(x.ptr<T>(), weights.ptr<T>(), history.ptr<T>(), N, d, S, site, heads);
   }
-  void routing_forward(Tensor x, Tensor weights, Tensor history, Tensor inv_rms, Tensor query,
-                       Tensor gain, int n_src, int heads) override {
-    check_routing(x, weights, history, inv_rms, query, gain, n_src, heads);
-    cpu::routing_forward(x.ptr<T>(), weights.ptr<T>(), history.ptr<T>(), inv_rms.ptr<T>(),
-                         query.ptr<T>(), gain.ptr<T>(), history.dim(1), history.dim(2), n_src, heads);
+  void routing_source_backward(Tensor dv, Tensor weights, Tensor ubar, Tensor gsum,
+                               Tensor site_dx, Tensor x, Tensor v, Tensor inv_rms,
+                               const RoutingParams& p, int source, int heads) override {
+    const int S = p.sites();
+    const int64_t N = inv_rms.numel(), d = N ? v.numel() / N : 0;
+    MHAR_CHECK(source >= 0 && source < S, "routing_source_backward: source ", source, " of ", S);
+    check_weights(weights, S, N, heads, d);
+    expect_shape(site_dx, {S, N, d}, "routing site_dx");
+    expect_shape(ubar, {S, heads, N}, "routing ubar");
+    MHAR_CHECK(gsum.ndim == 3 && gsum.dim(1) == S && gsum.dim(2) == d,
+               "routing gsum must be [C, ", S, ", ", d, "], got ", gsum.shape_str());
+    MHAR_CHECK(v.numel() == N * d && x.numel() == N * d && dv.numel() == N * d,
+               "routing_source_backward: v/x/dv must be [", N, ", ", d, "]");
+    cpu::routing_source_backward(dv.ptr<T>(), weights.ptr<T>(), ubar.ptr<T>(), gsum.ptr<T>(),
+                                 site_dx.ptr<T>(), x.ptr<T>(), v.ptr<T>(), inv_rms.ptr<T>(),
+                                 routing_sites(p, d), N, d, S, source, heads);
   }
-  void routing_backward(Tensor dhistory, Tensor dquery, Tensor dgain, Tensor dx, Tensor history,
-                        Tensor inv_rms, Tensor weights, Tensor query, Tensor gain, int n_src,
-                        int heads) override {
-    check_routing(dx, weights, history, inv_rms, query, gain, n_src, heads);
-    MHAR_CHECK(dhistory.numel() == history.numel() && dquery.numel() == query.numel() &&
-                   dgain.numel() == gain.numel(), "routing backward shapes");
-    cpu::routing_backward(dhistory.ptr<T>(), dquery.ptr<T>(), dgain.ptr<T>(), dx.ptr<T>(),
-                          history.ptr<T>(), inv_rms.ptr<T>(), weights.ptr<T>(), query.ptr<T>(),
-                          gain.ptr<T>(), history.dim(1), history.dim(2), n_src, heads);
+  void routing_param_grads(const RoutingParams& p, Tensor gsum) override {
+    const int S = p.sites();
+    const int64_t C = gsum.dim(0), d = gsum.dim(2);
+    MHAR_CHECK(gsum.ndim == 3 && gsum.dim(1) == S, "routing gsum ", gsum.shape_str());
+    MHAR_CHECK(int(p.dquery.size()) == S && int(p.dgain.size()) == S,
+               "routing_param_grads needs dquery and dgain of every site");
+    const auto sites = routing_sites(p, d);
+    for (int k = 0; k < S; ++k) {
+      T* dq = p.dquery[size_t(k)].ptr<T>();
+      T* dg = p.dgain[size_t(k)].ptr<T>();
+      for (int64_t c = 0; c < d; ++c) {
+        double G = 0;
+        for (int64_t r = 0; r < C; ++r) G += double(gsum.ptr<T>()[(r * S + k) * d + c]);
+        dq[c] += T(double(sites[size_t(k)].g[c]) * G);
+        dg[c] += T(double(sites[size_t(k)].q[c]) * G);
+      }
+    }
   }
 
   double sum_squares(Tensor t) override { return cpu::sum_squares(t.ptr<T>(), t.numel()); }

@@ -8,6 +8,14 @@
 // The backward runs the same E = 4L + 2 events in reverse: event e at 2E - 1 - e.
 // A buffer saved by event e for its backward lives [e, 2E-1-e]; a backward scratch lives
 // only at its event, so scratch of different layers shares memory.
+//
+// Routed modes (DESIGN.md section 3): site j's forward first computes source j's logits
+// for every later site (the queries are parameters), then mixes sources 0..j. The backward
+// is source-stationary: site j's backward event builds the whole gradient of source j
+// from the input gradients of sites j..2L, so those stay alive until the end of the
+// backward (one [S, N, d] buffer, the size the per-site history gradient had) and each
+// source's gradient is written once, in fp32 registers, instead of being accumulated in
+// bf16 by every later site.
 #include "engine/model.h"
 
 #include <cmath>
@@ -52,9 +60,14 @@ struct Model::SublayerActs {
 
 struct Model::StepBuffers {
   int tokens = -1, targets = -1, history = -1, inv_rms = -1, losses = -1;
-  int dhistory = -1;  // routed modes: gradients of every source [S, N, d]
+  // Routed modes: per-pair logits/weights [S(S+1)/2, H, N] (backend.h), the input
+  // gradients of every site [S, N, d] (all alive until source 0's gradient: the backward
+  // is source-stationary), ubar [S, H, N], the key-gradient scratch [C, S, d], and one
+  // short-lived gradient per source.
+  int route_w = -1, site_dx_all = -1, ubar = -1, gsum = -1;
+  std::vector<int> source_dx;
   int dresid = -1;    // standard mode: running sum_{k >= j} dx_k, the gradient of v_j
-  std::vector<int> site_x, site_w, site_dx;
+  std::vector<int> site_x, site_dx;  // site_dx: standard mode only
   int xfn = -1, rstd_f = -1, logits = -1, d_xfn = -1;
 };
 
@@ -121,6 +134,12 @@ void Model::plan_parameters() {
     params_[i].value = param_arena_->tensor(int(i));
     params_[i].grad = grad_arena_->tensor(int(i));
   }
+  for (size_t j = 0; j < route_query_.size(); ++j) {
+    route_params_.query.push_back(p(route_query_[j]));
+    route_params_.gain.push_back(p(route_gain_[j]));
+    route_params_.dquery.push_back(g(route_query_[j]));
+    route_params_.dgain.push_back(g(route_gain_[j]));
+  }
 }
 
 void Model::plan_activations() {
@@ -144,17 +163,25 @@ void Model::plan_activations() {
   s.losses = P.add("losses", st, {N}, 0, last);
   if (res_.routed()) {
     s.inv_rms = P.add("routing.inv_rms", st, {S, N}, 0, last);
-    s.dhistory = P.add("history.grad", at, {S, N, d}, tb(head_ev), last);
+    s.route_w = P.add("routing.weights", st, {routing_pairs(S), H, N}, 0, last);
+    s.site_dx_all = P.add("sites.x.grad", at, {S, N, d}, tb(head_ev), last);
+    s.ubar = P.add("routing.ubar", st, {S, H, N}, tb(head_ev), last);
+    s.gsum = P.add("routing.key_grad", be_.grad_dtype(), {kRoutingKeyGradSlabs, S, d},
+                   tb(head_ev), last);
+    for (int i = 0; i < S; ++i)  // read by the sublayer that wrote v_i (i = 0: embedding)
+      s.source_dx.push_back(P.add("source." + std::to_string(i) + ".grad", at, {N, d},
+                                  tb(site_ev(i)), i == 0 ? last : tb(sub_ev(i - 1))));
   } else {
     s.dresid = P.add("residual.grad", at, {N, d}, tb(head_ev), last);
   }
   for (int j = 0; j < S; ++j) {
     const std::string name = "site." + std::to_string(j);
     const int consumer = j < 2 * L ? sub_ev(j) : head_ev;  // the event that reads x_j
-    s.site_x.push_back(P.add(name + ".x", at, {N, d}, site_ev(j), tb(consumer)));
-    s.site_dx.push_back(P.add(name + ".x.grad", at, {N, d}, tb(consumer), tb(site_ev(j))));
-    if (res_.routed())
-      s.site_w.push_back(P.add(name + ".weights", st, {N, H, j + 1}, site_ev(j), tb(site_ev(j))));
+    // Routed: the source backward of slot j reads x_j too, one event after the consumer's.
+    s.site_x.push_back(P.add(name + ".x", at, {N, d}, site_ev(j),
+                             res_.routed() ? tb(site_ev(j)) : tb(consumer)));
+    if (!res_.routed())
+      s.site_dx.push_back(P.add(name + ".x.grad", at, {N, d}, tb(consumer), tb(site_ev(j))));
   }
   for (int j = 0; j < 2 * L; ++j) {
     const int e = sub_ev(j), b = tb(e);
@@ -252,9 +279,19 @@ void Model::zero_grads() { be_.zero(all_gradients()); }
 
 Tensor Model::logits() const { return act(step_->logits); }
 Tensor Model::site_input(int site) const { return act(step_->site_x.at(site)); }
-Tensor Model::routing_weights(int site) const {
+std::vector<double> Model::routing_weights(int site) const {
   MHAR_CHECK(res_.routed(), "routing weights exist only in routed modes");
-  return act(step_->site_w.at(site));
+  const int S = cfg_.n_sources(), H = res_.heads;
+  MHAR_CHECK(site >= 0 && site < S, "routing site ", site, " of ", S);
+  const Tensor all = act(step_->route_w);
+  std::vector<double> pair(size_t(H) * size_t(N_)), out(size_t(N_) * H * (site + 1));
+  for (int i = 0; i <= site; ++i) {
+    be_.download(pair.data(), all[routing_pair(i, site, S)]);
+    for (int64_t n = 0; n < N_; ++n)
+      for (int h = 0; h < H; ++h)
+        out[(size_t(n) * H + h) * (site + 1) + i] = pair[size_t(h) * N_ + n];
+  }
+  return out;
 }
 Tensor Model::history() const { return act(step_->history); }
 
@@ -366,11 +403,11 @@ void Model::site_forward(int j) {
     else be_.add(x, act(s.site_x[j - 1]), hist[j]);
     return;
   }
-  // Source j was written just before this site: its RMS statistics are computed once
-  // here and shared by every later site.
-  be_.routing_source_stats(act(s.inv_rms)[j], hist[j], cfg_.rms_eps);
-  be_.routing_forward(x, act(s.site_w[j]), hist, act(s.inv_rms), p(route_query_[j]),
-                      p(route_gain_[j]), j + 1, res_.heads);
+  // Source j was written just before this site: its RMS and its logits for every later
+  // site are computed once, here.
+  be_.routing_source_logits(act(s.route_w), act(s.inv_rms)[j], hist[j], route_params_, j,
+                            res_.heads, cfg_.rms_eps);
+  be_.routing_mix(x, act(s.route_w), hist, j, res_.heads);
 }
 
 void Model::attention_forward(int l) {
@@ -421,24 +458,28 @@ void Model::mlp_forward(int l) {
 // ---------------------------------------------------------------- backward
 
 Tensor Model::source_grad(int source) {
-  // Routed: slot `source` of the history gradient, complete once every site >= source
-  // has run its backward. Standard: the running sum of site gradients, which at this
-  // point is exactly sum_{k >= source} dx_k.
-  return res_.routed() ? act(step_->dhistory)[source] : act(step_->dresid);
+  // Routed: written by the source's backward (site_backward(source)) from the input
+  // gradients of every site >= source. Standard: the running sum of site gradients,
+  // which at this point is exactly sum_{k >= source} dx_k.
+  return res_.routed() ? act(step_->source_dx[source]) : act(step_->dresid);
+}
+
+Tensor Model::site_grad(int site) {
+  return res_.routed() ? act(step_->site_dx_all)[site] : act(step_->site_dx[site]);
 }
 
 void Model::backward() {
   MHAR_CHECK(loss_scale_ != 0, "backward() after a forward without a loss scale");
   const StepBuffers& s = *step_;
   const int last_site = 2 * cfg_.n_layers;
-  if (res_.routed()) be_.zero(act(s.dhistory));
+  if (res_.routed()) be_.zero(act(s.gsum));
   else be_.zero(act(s.dresid));
   // Head: the logits buffer now holds d(loss)/d(logits).
   Tensor head_w = lm_head_ >= 0 ? p(lm_head_) : p(embed_);
   Tensor head_g = lm_head_ >= 0 ? g(lm_head_) : g(embed_);
   be_.matmul(act(s.d_xfn), act(s.logits), head_w, false, false, false);
   be_.matmul(head_g, act(s.logits), act(s.xfn), true, false, true);
-  be_.rmsnorm_backward(act(s.site_dx[last_site]), g(final_norm_), act(s.d_xfn),
+  be_.rmsnorm_backward(site_grad(last_site), g(final_norm_), act(s.d_xfn),
                        site_input(last_site), p(final_norm_), act(s.rstd_f), false);
   for (int j = last_site; j >= 0; --j) {
     if (j < last_site) {
@@ -447,20 +488,21 @@ void Model::backward() {
     }
     site_backward(j);
   }
+  if (res_.routed()) be_.routing_param_grads(route_params_, act(s.gsum));
   be_.embedding_backward(g(embed_), source_grad(0), act(s.tokens));
   loss_scale_ = 0;  // the logits buffer no longer holds a gradient we may reuse
 }
 
 void Model::site_backward(int j) {
   const StepBuffers& s = *step_;
-  Tensor dx = act(s.site_dx[j]);
   if (!res_.routed()) {
-    be_.add_inplace(act(s.dresid), dx);
+    be_.add_inplace(act(s.dresid), site_grad(j));
     return;
   }
-  be_.routing_backward(act(s.dhistory), g(route_query_[j]), g(route_gain_[j]), dx, history(),
-                       act(s.inv_rms), act(s.site_w[j]), p(route_query_[j]), p(route_gain_[j]),
-                       j + 1, res_.heads);
+  // Every site >= j has its input gradient now: gather them into source j's gradient.
+  be_.routing_source_backward(act(s.source_dx[j]), act(s.route_w), act(s.ubar), act(s.gsum),
+                              act(s.site_dx_all), site_input(j), history()[j],
+                              act(s.inv_rms)[j], route_params_, j, res_.heads);
 }
 
 void Model::attention_backward(int l) {
@@ -488,7 +530,7 @@ void Model::attention_backward(int l) {
   be_.matmul(g(lp.wq), act(A.dq_pre), act(A.xn), true, false, true);
   be_.matmul(g(lp.wk), act(A.dk_pre), act(A.xn), true, false, true);
   be_.matmul(g(lp.wv), act(A.dv), act(A.xn), true, false, true);
-  be_.rmsnorm_backward(act(step_->site_dx[j]), g(lp.attn_norm), act(A.d_xn), site_input(j),
+  be_.rmsnorm_backward(site_grad(j), g(lp.attn_norm), act(A.d_xn), site_input(j),
                        p(lp.attn_norm), act(A.rstd), false);
 }
 
@@ -504,7 +546,7 @@ void Model::mlp_backward(int l) {
   be_.matmul(act(A.d_xn), act(A.d_up), p(lp.w_up), false, false, true);
   be_.matmul(g(lp.w_gate), act(A.d_gate), act(A.xn), true, false, true);
   be_.matmul(g(lp.w_up), act(A.d_up), act(A.xn), true, false, true);
-  be_.rmsnorm_backward(act(step_->site_dx[j]), g(lp.mlp_norm), act(A.d_xn), site_input(j),
+  be_.rmsnorm_backward(site_grad(j), g(lp.mlp_norm), act(A.d_xn), site_input(j),
                        p(lp.mlp_norm), act(A.rstd), false);
 }
 

@@ -80,7 +80,9 @@ class Model {
   // Views for tests, reports and sampling (valid after forward).
   Tensor logits() const;                  // [N, V]
   Tensor site_input(int site) const;      // x_j [N, d]
-  Tensor routing_weights(int site) const; // [N, H, site+1] (routed modes only)
+  // Softmax weights of site `site` after a forward, downloaded as [N, H, site+1] (routed
+  // modes only; the backward reuses their memory).
+  std::vector<double> routing_weights(int site) const;
   Tensor history() const;                 // [S, N, d]
 
   const MemoryPlan& parameter_plan() const { return *param_plan_; }
@@ -101,6 +103,7 @@ class Model {
   Tensor g(int id) const { return params_[id].grad; }
   Tensor act(int id) const;
   Tensor source_grad(int source);  // gradient of v_source, complete when read
+  Tensor site_grad(int site);      // gradient of x_site
   void site_forward(int site);
   void site_backward(int site);
   void attention_forward(int layer);
@@ -119,6 +122,10 @@ class Model {
   int embed_ = -1, final_norm_ = -1, lm_head_ = -1;
   std::vector<LayerParams> layers_;
   std::vector<int> route_query_, route_gain_;
+  RoutingParams route_params_;  // views of route_query_/route_gain_ and their gradients
+  // Slabs of the routing key-gradient scratch (Backend::routing_source_backward): enough
+  // token slabs for the CUDA reduction to fill the GPU without atomics.
+  static constexpr int kRoutingKeyGradSlabs = 64;
 
   std::unique_ptr<MemoryPlan> param_plan_, grad_plan_, act_plan_;
   std::unique_ptr<Arena> param_arena_, grad_arena_, act_arena_;

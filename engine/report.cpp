@@ -709,11 +709,9 @@ void RoutingAccumulator::add(Model& model) {
   std::vector<double> w;
   int64_t N = 0;
   for (int j = 0; j < sites; ++j) {
-    Tensor t = model.routing_weights(j);  // [N, H, j+1]
-    N = t.dim(0);
-    w.resize(size_t(t.numel()));
-    model.backend().download(w.data(), t);
+    w = model.routing_weights(j);  // [N, H, j+1]
     const size_t row = size_t(H) * size_t(j + 1);
+    N = int64_t(w.size() / row);
     std::vector<double>& s = sums_[size_t(j)];
     for (int64_t n = 0; n < N; ++n)
       for (size_t k = 0; k < row; ++k) s[k] += w[size_t(n) * row + k];

@@ -88,28 +88,66 @@ TEST_F(OpTiming, DISABLED_ModelShapes) {
            time_ms([&] { gpu->attention_backward(dq, dk, dv, dout, q, k, v, out, lse); }, 3),
            2.5 * fwd_flop, 0);
   }
-  for (int n_src : {9, 49}) {
-    const int H = 8;
-    Buffer hist = random_gpu(DType::BF16, {n_src, N, d});
-    Buffer inv_rms(*gpu, DType::F32, {n_src, N});
-    for (int i = 0; i < n_src; ++i) gpu->routing_source_stats(inv_rms.t()[i], hist.t()[i], 1e-6);
-    Buffer query = random_gpu(DType::BF16, {d}, 0.05), gain = random_gpu(DType::BF16, {d});
-    Buffer x(*gpu, DType::BF16, {N, d}), weights(*gpu, DType::F32, {N, H, n_src});
-    Buffer dx = random_gpu(DType::BF16, {N, d});
-    Buffer dhist(*gpu, DType::BF16, {n_src, N, d});
-    Buffer dquery(*gpu, DType::F32, {d}), dgain(*gpu, DType::F32, {d});
-    const double src_bytes = 2.0 * n_src * N * d;
-    const std::string tag = "N16384 d2048 H8 n_src" + std::to_string(n_src);
-    report("routing_forward " + tag,
-           time_ms([&] { gpu->routing_forward(x, weights, hist, inv_rms, query, gain, n_src, H); }),
-           0, src_bytes + 2.0 * N * d);
-    // Backward reads the sources twice and dhistory once, writes dhistory once.
-    report("routing_backward " + tag,
+  // Depth routing of a whole step at the 350M and 1B shapes (N = 16384 tokens): every
+  // source's logits and every site's mix (forward), every source's backward and the
+  // query/gain gradients (backward). Bytes counted: rows of N x d bf16 read or written
+  // by the token kernels (forward: S + S(S+1)/2 + S; backward: S(S+1)/2 site gradients,
+  // v twice, x, dv); the fp32 per-pair statistics are not counted.
+  struct Shape {
+    const char* name;
+    int64_t d;
+    int S, H;
+  };
+  for (const Shape sh : {Shape{"350M", 1024, 49, 8}, Shape{"1B", 1280, 73, 8}}) {
+    const int64_t d = sh.d, P = routing_pairs(sh.S);
+    const int S = sh.S, H = sh.H;
+    Buffer hist = random_gpu(DType::BF16, {S, N, d});
+    Buffer site_dx = random_gpu(DType::BF16, {S, N, d});
+    Buffer xs(*gpu, DType::BF16, {S, N, d}), inv_rms(*gpu, DType::F32, {S, N});
+    Buffer weights(*gpu, DType::F32, {P, H, N}), ubar(*gpu, DType::F32, {S, H, N});
+    Buffer gsum(*gpu, DType::F32, {64, S, d}), dv(*gpu, DType::BF16, {N, d});
+    std::vector<Buffer> params;
+    RoutingParams rp;
+    for (int k = 0; k < S; ++k) {
+      params.push_back(random_gpu(DType::BF16, {d}, 0.05));
+      rp.query.push_back(params.back());
+      params.push_back(random_gpu(DType::BF16, {d}, 1.0));
+      rp.gain.push_back(params.back());
+      params.emplace_back(*gpu, DType::F32, std::initializer_list<int64_t>{d});
+      rp.dquery.push_back(params.back());
+      params.emplace_back(*gpu, DType::F32, std::initializer_list<int64_t>{d});
+      rp.dgain.push_back(params.back());
+    }
+    const double row = 2.0 * N * d;
+    const std::string tag = std::string(sh.name) + " N16384 d" + std::to_string(d) + " S" +
+                            std::to_string(S) + " H" + std::to_string(H);
+    auto forward = [&] {
+      for (int i = 0; i < S; ++i) {
+        gpu->routing_source_logits(weights, inv_rms.t()[i], hist.t()[i], rp, i, H, 1e-6);
+        gpu->routing_mix(xs.t()[i], weights, hist, i, H);
+      }
+    };
+    report("routing forward, whole step " + tag, time_ms(forward, 3), 0,
+           row * (double(P) + 2.0 * S));
+    forward();
+    auto backward = [&] {
+      gpu->zero(gsum);
+      for (int i = S - 1; i >= 0; --i)
+        gpu->routing_source_backward(dv, weights, ubar, gsum, site_dx, xs.t()[i], hist.t()[i],
+                                     inv_rms.t()[i], rp, i, H);
+      gpu->routing_param_grads(rp, gsum);
+    };
+    report("routing backward, whole step " + tag, time_ms(backward, 3), 0,
+           row * (double(P) + 4.0 * S));
+    report("routing_mix last site " + tag,
+           time_ms([&] { gpu->routing_mix(xs.t()[S - 1], weights, hist, S - 1, H); }), 0,
+           row * (S + 1));
+    report("routing_source_backward source 0 " + tag,
            time_ms([&] {
-             gpu->routing_backward(dhist, dquery, dgain, dx, hist, inv_rms, weights, query, gain,
-                                   n_src, H);
+             gpu->routing_source_backward(dv, weights, ubar, gsum, site_dx, xs.t()[0],
+                                          hist.t()[0], inv_rms.t()[0], rp, 0, H);
            }),
-           0, 4 * src_bytes + 2.0 * N * d);
+           0, row * (S + 4.0));
   }
   {
     const int64_t rows = 2048, V = 151936;

@@ -1,7 +1,10 @@
-// routing_cudatest.cpp: CUDA depth routing (source statistics, forward, backward) against
-// the CPU reference for H = 1, 2, 4, 8 (and 16), n_src = 1..9, head sizes that are and
-// are not multiples of 32 (the two per-head reduction paths), and d above 256 (several
-// features per thread).
+// routing_cudatest.cpp: CUDA depth routing against the CPU reference, op by op, through a
+// whole step's worth of calls: the logits of every source, the mix of every site, the
+// backward of every source (last to first), then the query/gain gradients. Shapes cover
+// H = 1..16 and H > 32, head sizes that are and are not multiples of 8 (the segmented-scan
+// and the shared-memory head sums), heads that span a lane's chunk rows (d 640, 1280),
+// d up to 2048 (8 chunks per lane), token counts that are and are not multiples of 4 (the
+// key-gradient kernel's vector path), and 1..9 sources.
 #include <gtest/gtest.h>
 
 #include "tests/cuda_test_util.h"
@@ -11,12 +14,11 @@ namespace {
 
 class RoutingParity : public CudaParity {
  protected:
-  // S = n_src + 2 slots, so the slots a site must not read exist and hold data.
-  void check(int64_t N, int64_t d, int n_src, int H) {
-    const std::string tag = "N" + std::to_string(N) + " d" + std::to_string(d) + " n_src" +
-                            std::to_string(n_src) + " H" + std::to_string(H);
-    const int64_t S = n_src + 2;
+  void check(int64_t N, int64_t d, int S, int H) {
+    const std::string tag = "N" + std::to_string(N) + " d" + std::to_string(d) + " S" +
+                            std::to_string(S) + " H" + std::to_string(H);
     const double eps = 1e-6;
+    const int64_t P = routing_pairs(S);
     // Sources of different scales (like real sublayer outputs), so the RMS matters.
     Pair history = pair(DType::BF16, {S, N, d});
     {
@@ -27,76 +29,122 @@ class RoutingParity : public CudaParity {
       }
       history.set(h);
     }
-    Pair inv_rms = pair(DType::F32, {S, N});
-    inv_rms.g.poison();
-    for (int64_t i = 0; i < S; ++i) {
-      cpu->routing_source_stats(inv_rms.c.t()[i], history.c.t()[i], eps);
-      gpu->routing_source_stats(inv_rms.g.t()[i], history.g.t()[i], eps);
-    }
-    expect_close("routing_source_stats inv_rms " + tag, inv_rms.g, inv_rms.c, kTolF32Output);
-    inv_rms.g.set(inv_rms.c.get());  // identical statistics for what follows
-
     // Logits s = r * sum_{c in h} q g v have std about |q| |g| sqrt(d/H): scale q so that
     // the softmax is neither uniform nor one-hot.
     const double q_std = 1.5 / std::sqrt(double(d / H));
-    Pair query = random_pair(DType::BF16, {d}, q_std);
-    Pair gain = random_pair(DType::BF16, {d}, 0.3, 1.0);
-    Pair x = pair(DType::BF16, {N, d});
-    Pair weights = pair(DType::F32, {N, H, n_src});
-    x.g.poison();
-    weights.g.poison();
-    cpu->routing_forward(x.c, weights.c, history.c, inv_rms.c, query.c, gain.c, n_src, H);
-    gpu->routing_forward(x.g, weights.g, history.g, inv_rms.g, query.g, gain.g, n_src, H);
-    expect_close("routing_forward x " + tag, x.g, x.c, kTolBf16Output);
-    expect_close("routing_forward weights " + tag, weights.g, weights.c, kTolF32Output);
-
-    weights.g.set(weights.c.get());
-    Pair dx = random_pair(DType::BF16, {N, d});
-    // += output: starts non-zero but small, so the op's own contribution dominates the
-    // result and its bf16 rounding (2^-9 of the result) stays within kTolBf16Output of
-    // the contribution, which is what is compared.
-    Pair dhistory = random_pair(DType::BF16, {S, N, d}, 0.05);
-    Pair dquery = random_pair(DType::F32, {d}, 0.1);
-    Pair dgain = random_pair(DType::F32, {d}, 0.1);
-    const std::vector<double> dhistory_before = dhistory.g.get();
-    cpu->routing_backward(dhistory.c, dquery.c, dgain.c, dx.c, history.c, inv_rms.c,
-                          weights.c, query.c, gain.c, n_src, H);
-    gpu->routing_backward(dhistory.g, dquery.g, dgain.g, dx.g, history.g, inv_rms.g,
-                          weights.g, query.g, gain.g, n_src, H);
-    const std::vector<double> got = dhistory.g.get(), ref = dhistory.c.get();
-    const size_t read = size_t(n_src) * size_t(N * d);
-    std::vector<double> got_delta(read), ref_delta(read);
-    for (size_t e = 0; e < read; ++e) {
-      got_delta[e] = got[e] - dhistory_before[e];
-      ref_delta[e] = ref[e] - dhistory_before[e];
+    std::vector<Pair> query, gain, dquery, dgain;
+    RoutingParams pc, pg;
+    for (int k = 0; k < S; ++k) {
+      query.push_back(random_pair(DType::BF16, {d}, q_std));
+      gain.push_back(random_pair(DType::BF16, {d}, 0.3, 1.0));
+      dquery.push_back(random_pair(DType::F32, {d}, 0.1));  // += outputs start non-zero
+      dgain.push_back(random_pair(DType::F32, {d}, 0.1));
     }
-    expect_close("routing_backward dhistory " + tag, got_delta, ref_delta, kTolBf16Output);
-    // Slots >= n_src are untouched (exactly).
-    std::vector<double> got_tail(got.begin() + long(read), got.end());
-    std::vector<double> before_tail(dhistory_before.begin() + long(read), dhistory_before.end());
-    EXPECT_EQ(got_tail, before_tail) << "routing_backward wrote slots >= n_src " << tag;
-    expect_close("routing_backward dquery " + tag, dquery.g, dquery.c, kTolF32Output);
-    expect_close("routing_backward dgain " + tag, dgain.g, dgain.c, kTolF32Output);
+    for (int k = 0; k < S; ++k) {
+      pc.query.push_back(query[k].c), pc.gain.push_back(gain[k].c);
+      pg.query.push_back(query[k].g), pg.gain.push_back(gain[k].g);
+      pc.dquery.push_back(dquery[k].c), pc.dgain.push_back(dgain[k].c);
+      pg.dquery.push_back(dquery[k].g), pg.dgain.push_back(dgain[k].g);
+    }
+
+    // ---- logits of every source
+    Pair inv_rms = pair(DType::F32, {S, N});
+    Pair weights = pair(DType::F32, {P, H, N});
+    inv_rms.g.poison();
+    weights.g.poison();
+    for (int i = 0; i < S; ++i) {
+      cpu->routing_source_logits(weights.c, inv_rms.c.t()[i], history.c.t()[i], pc, i, H, eps);
+      gpu->routing_source_logits(weights.g, inv_rms.g.t()[i], history.g.t()[i], pg, i, H, eps);
+    }
+    expect_close("routing_source_logits inv_rms " + tag, inv_rms.g, inv_rms.c, kTolF32Output);
+    expect_close("routing_source_logits logits " + tag, weights.g, weights.c, kTolF32Output);
+    inv_rms.g.set(inv_rms.c.get());  // identical inputs for what follows
+    const std::vector<double> raw_logits = weights.c.get();
+    weights.g.set(raw_logits);
+
+    // ---- mix of every site
+    Pair xs = pair(DType::BF16, {S, N, d});
+    xs.g.poison();
+    for (int j = 0; j < S; ++j) {
+      cpu->routing_mix(xs.c.t()[j], weights.c, history.c, j, H);
+      gpu->routing_mix(xs.g.t()[j], weights.g, history.g, j, H);
+    }
+    expect_close("routing_mix x " + tag, xs.g, xs.c, kTolBf16Output);
+    expect_close("routing_mix weights " + tag, weights.g, weights.c, kTolF32Output);
+    {  // A site never reads a later source: poison the slots after site j on the GPU.
+      const int j = S / 2;
+      const std::vector<double> normalised = weights.g.get(), clean = history.c.get();
+      std::vector<double> poisoned = clean;
+      for (size_t e = size_t(j + 1) * size_t(N * d); e < poisoned.size(); ++e)
+        poisoned[e] = std::nan("");
+      Pair x_clean = pair(DType::BF16, {N, d}), x_poisoned = pair(DType::BF16, {N, d});
+      for (auto* run : {&x_clean, &x_poisoned}) {
+        weights.g.set(raw_logits);  // the mix normalises in place: start from the logits
+        history.g.set(run == &x_clean ? clean : poisoned);
+        gpu->routing_mix(run->g, weights.g, history.g, j, H);
+      }
+      history.g.set(clean);
+      weights.g.set(normalised);
+      EXPECT_EQ(x_poisoned.g.get(), x_clean.g.get())
+          << "routing_mix read a source after site " << j << " " << tag;
+    }
+    weights.g.set(weights.c.get());
+    xs.c.set(xs.g.get());  // the GPU's bf16 site inputs on both sides
+
+    // ---- backward of every source, last to first
+    Pair site_dx = random_pair(DType::BF16, {S, N, d});
+    Pair ubar = pair(DType::F32, {S, H, N});
+    Pair gsum = pair(DType::F32, {8, S, d});
+    Pair dv = pair(DType::BF16, {S, N, d});
+    ubar.g.poison();  // rows are written source by source; reading one early gives NaN
+    dv.g.poison();
+    gsum.set(std::vector<double>(size_t(8 * S * d), 0.0));
+    for (int i = S - 1; i >= 0; --i) {
+      cpu->routing_source_backward(dv.c.t()[i], weights.c, ubar.c, gsum.c, site_dx.c,
+                                   xs.c.t()[i], history.c.t()[i], inv_rms.c.t()[i], pc, i, H);
+      gpu->routing_source_backward(dv.g.t()[i], weights.g, ubar.g, gsum.g, site_dx.g,
+                                   xs.g.t()[i], history.g.t()[i], inv_rms.g.t()[i], pg, i, H);
+    }
+    expect_close("routing_source_backward dv " + tag, dv.g, dv.c, kTolBf16Output);
+    expect_close("routing_source_backward ubar " + tag, ubar.g, ubar.c, kTolF32Output);
+    expect_close("routing_source_backward ds*r " + tag, weights.g, weights.c, kTolF32Output);
+
+    // ---- query and gain gradients
+    cpu->routing_param_grads(pc, gsum.c);
+    gpu->routing_param_grads(pg, gsum.g);
+    std::vector<double> dq_c, dq_g, dg_c, dg_g;
+    for (int k = 0; k < S; ++k) {
+      for (double v : dquery[k].c.get()) dq_c.push_back(v);
+      for (double v : dquery[k].g.get()) dq_g.push_back(v);
+      for (double v : dgain[k].c.get()) dg_c.push_back(v);
+      for (double v : dgain[k].g.get()) dg_g.push_back(v);
+    }
+    expect_close("routing_param_grads dquery " + tag, dq_g, dq_c, kTolF32Output);
+    expect_close("routing_param_grads dgain " + tag, dg_g, dg_c, kTolF32Output);
   }
 };
 
-TEST_F(RoutingParity, HeadsAndSourceCountsSmallWidth) {
-  // d = 96: heads of 96, 48, 24, 12 features (none a multiple of 32: per-feature atomics).
-  for (int n_src = 1; n_src <= 9; ++n_src)
-    for (int H : {1, 2, 4, 8}) check(37, 96, n_src, H);
+TEST_F(RoutingParity, SmallWidthEverySourceCount) {
+  // d = 96: heads of 96, 48, 24 (segmented scan) and 12 (shared-memory head sums).
+  for (int S = 1; S <= 9; ++S)
+    for (int H : {1, 2, 4, 8}) check(37, 96, S, H);
 }
 
-TEST_F(RoutingParity, HeadsAndSourceCountsWarpAlignedHeads) {
-  // d = 256: heads of 256, 128, 64, 32 features (warp-reduction path).
-  for (int n_src : {1, 2, 3, 5, 9})
-    for (int H : {1, 2, 4, 8}) check(29, 256, n_src, H);
+TEST_F(RoutingParity, HeadsSpanningChunkRows) {
+  // d = 640: 3 chunk rows per lane, heads of 80 features span rows for H = 8.
+  for (int S : {1, 4, 9})
+    for (int H : {1, 2, 4, 8}) check(32, 640, S, H);
 }
 
-TEST_F(RoutingParity, WideModelSeveralFeaturesPerThread) {
-  // d = 640: 3 features per thread; H = 8 gives heads of 80 (not warp aligned).
-  for (int n_src : {1, 4, 9})
-    for (int H : {1, 2, 4, 8}) check(21, 640, n_src, H);
-  check(16, 2048, 9, 16);  // 1B-like width, 16 heads of 128
+TEST_F(RoutingParity, ModelWidths) {
+  check(21, 1280, 9, 8);   // the 1B config: 5 chunk rows, heads of 160
+  check(16, 2048, 5, 16);  // 8 chunk rows, heads of 128
+  check(24, 1024, 7, 8);   // the 350M config
+}
+
+TEST_F(RoutingParity, ManyHeads) {
+  check(13, 512, 5, 64);  // H > 32: per-head softmax statistics in shared memory
+  check(12, 96, 4, 48);   // H > 32 and heads of 2 features
 }
 
 }  // namespace

@@ -3,7 +3,8 @@
 // - zero queries make every site the uniform mean of its sources;
 // - mhar whose heads all see the same query slice, gain slice and source slices has
 //   identical per-head logits, and then equals attnres with query q/H;
-// - a site never reads a future source (forward or backward), checked by poisoning.
+// - a site never reads a future source, and a source's gradient never reads the sites
+//   before it, checked by poisoning.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -50,7 +51,7 @@ TEST(RoutingIdentity, ZeroQueriesGiveTheUniformMeanOfSources) {
     const size_t slot = hist.size() / size_t(c.model.n_sources());
     for (int j = 0; j < c.model.n_sites(); ++j) {
       auto x = download(*be, m.site_input(j));
-      auto w = download(*be, m.routing_weights(j));
+      auto w = m.routing_weights(j);
       for (double a : w) EXPECT_NEAR(a, 1.0 / (j + 1), 1e-15);
       for (size_t e = 0; e < slot; ++e) {
         double mean = 0;
@@ -61,26 +62,43 @@ TEST(RoutingIdentity, ZeroQueriesGiveTheUniformMeanOfSources) {
   }
 }
 
-// Op-level fixture: history [S, N, d] and per-site parameters on the fp64 backend.
+// Op-level fixture: S sources/sites, history [S, N, d], one query and gain per site, on the
+// fp64 backend.
 struct RoutingOp {
   std::unique_ptr<Backend> be = make_cpu_backend(DType::F64);
   int S, N, d;
-  std::vector<double> hist, inv_rms, query, gain;
-  RoutingOp(int S_, int N_, int d_) : S(S_), N(N_), d(d_) {}
+  std::vector<double> hist, inv_rms, weights;
+  std::vector<std::vector<double>> query, gain;  // per site
+  RoutingOp(int S_, int N_, int d_) : S(S_), N(N_), d(d_) {
+    query.assign(size_t(S), std::vector<double>(size_t(d)));
+    gain = query;
+  }
   Tensor t(std::vector<double>& v, std::initializer_list<int64_t> shape) {
     return Tensor(v.data(), DType::F64, shape);
   }
-  void stats() {
-    inv_rms.assign(size_t(S) * N, 0);
-    for (int i = 0; i < S; ++i)
-      be->routing_source_stats(t(inv_rms, {S, N})[i], t(hist, {S, N, d})[i], 1e-6);
+  RoutingParams params() {
+    RoutingParams p;
+    for (int k = 0; k < S; ++k) {
+      p.query.push_back(t(query[size_t(k)], {d}));
+      p.gain.push_back(t(gain[size_t(k)], {d}));
+    }
+    return p;
   }
-  std::vector<double> forward(int n_src, int heads, std::vector<double>* weights = nullptr) {
-    std::vector<double> x(size_t(N) * d, 0), w(size_t(N) * heads * n_src, 0);
-    be->routing_forward(t(x, {N, d}), t(w, {N, heads, n_src}), t(hist, {S, N, d}),
-                        t(inv_rms, {S, N}), t(query, {d}), t(gain, {d}), n_src, heads);
-    if (weights) *weights = w;
+  // Logits of sources 0..last, then site `site`'s mix; returns x [N, d].
+  std::vector<double> forward(int site, int heads, int last_source) {
+    inv_rms.assign(size_t(S) * N, 0);
+    weights.assign(size_t(routing_pairs(S)) * heads * N, 0);
+    const RoutingParams p = params();
+    for (int i = 0; i <= last_source; ++i)
+      be->routing_source_logits(t(weights, {routing_pairs(S), heads, N}), t(inv_rms, {S, N})[i],
+                                t(hist, {S, N, d})[i], p, i, heads, 1e-6);
+    std::vector<double> x(size_t(N) * d, 0);
+    be->routing_mix(t(x, {N, d}), t(weights, {routing_pairs(S), heads, N}), t(hist, {S, N, d}),
+                    site, heads);
     return x;
+  }
+  double weight(int i, int site, int h, int n, int heads) const {
+    return weights[(size_t(routing_pair(i, site, S)) * heads + h) * N + n];
   }
 };
 
@@ -99,59 +117,104 @@ TEST(RoutingIdentity, SameSliceInEveryHeadEqualsAttnResWithQueryOverH) {
     }
   std::vector<double> qs(hs), gs(hs);
   for (int c = 0; c < hs; ++c) qs[c] = nd(rng), gs[c] = 1 + 0.3 * nd(rng);
-  op.query.resize(d);
-  op.gain.resize(d);
-  for (int c = 0; c < d; ++c) op.query[c] = qs[c % hs], op.gain[c] = gs[c % hs];
-  op.stats();
-  std::vector<double> w_mhar, w_attn;
-  auto x_mhar = op.forward(S, H, &w_mhar);
-  for (double& q : op.query) q /= H;  // attnres sums the logit over all H slices
-  auto x_attn = op.forward(S, 1, &w_attn);
+  for (int k = 0; k < S; ++k)
+    for (int c = 0; c < d; ++c) op.query[k][c] = qs[c % hs], op.gain[k][c] = gs[c % hs];
+  const int site = S - 1;
+  auto x_mhar = op.forward(site, H, site);
+  std::vector<double> w_mhar = op.weights;
+  for (auto& q : op.query)
+    for (double& x : q) x /= H;  // attnres sums the logit over all H slices
+  auto x_attn = op.forward(site, 1, site);
   for (size_t e = 0; e < x_mhar.size(); ++e) EXPECT_NEAR(x_mhar[e], x_attn[e], 1e-13);
   for (int n = 0; n < N; ++n)
     for (int h = 0; h < H; ++h)
       for (int i = 0; i < S; ++i)
-        EXPECT_NEAR(w_mhar[(size_t(n) * H + h) * S + i], w_attn[size_t(n) * S + i], 1e-14);
+        EXPECT_NEAR(w_mhar[(size_t(routing_pair(i, site, S)) * H + h) * N + n],
+                    op.weight(i, site, 0, n, 1), 1e-14);
   // And the weights are far from uniform, so the identity is not the trivial one.
   double spread = 0;
-  for (int i = 0; i < S; ++i) spread = std::max(spread, std::fabs(w_attn[i] - 1.0 / S));
+  for (int i = 0; i < S; ++i) spread = std::max(spread, std::fabs(op.weight(i, site, 0, 0, 1) - 1.0 / S));
   EXPECT_GT(spread, 0.05);
 }
 
 TEST(RoutingIdentity, SiteNeverReadsAFutureSource) {
   const int S = 7, N = 6, d = 8;
+  const double nan = std::numeric_limits<double>::quiet_NaN();
   for (int heads : {1, 2, 4})
-    for (int n_src = 1; n_src < S; ++n_src) {
+    for (int site = 0; site < S - 1; ++site) {
       RoutingOp op(S, N, d);
-      std::mt19937_64 rng(n_src * 10 + heads);
+      std::mt19937_64 rng(site * 10 + heads);
       std::normal_distribution<double> nd;
       op.hist.resize(size_t(S) * N * d);
       for (double& x : op.hist) x = nd(rng);
-      op.query.resize(d), op.gain.resize(d);
-      for (int c = 0; c < d; ++c) op.query[c] = nd(rng), op.gain[c] = 1 + 0.2 * nd(rng);
-      op.stats();
-      std::vector<double> w_clean;
-      auto clean = op.forward(n_src, heads, &w_clean);
-      // Poison every future slot and its statistics with NaN.
-      const double nan = std::numeric_limits<double>::quiet_NaN();
-      for (size_t e = size_t(n_src) * N * d; e < op.hist.size(); ++e) op.hist[e] = nan;
-      for (size_t e = size_t(n_src) * N; e < op.inv_rms.size(); ++e) op.inv_rms[e] = nan;
-      std::vector<double> w;
-      auto poisoned = op.forward(n_src, heads, &w);
-      EXPECT_EQ(clean, poisoned) << "n_src " << n_src;
-      // Backward: gradients land only in slots < n_src; future slots keep their values.
-      std::vector<double> dx(size_t(N) * d), dh(op.hist.size(), 0.0), dq(d, 0), dg(d, 0);
-      for (double& x : dx) x = nd(rng);
-      for (size_t e = size_t(n_src) * N * d; e < dh.size(); ++e) dh[e] = 42.0;
-      op.be->routing_backward(op.t(dh, {S, N, d}), op.t(dq, {d}), op.t(dg, {d}),
-                              op.t(dx, {N, d}), op.t(op.hist, {S, N, d}),
-                              op.t(op.inv_rms, {S, N}), op.t(w, {N, heads, n_src}),
-                              op.t(op.query, {d}), op.t(op.gain, {d}), n_src, heads);
-      for (size_t e = 0; e < dh.size(); ++e) {
-        if (e >= size_t(n_src) * N * d) EXPECT_EQ(dh[e], 42.0);
-        else EXPECT_TRUE(std::isfinite(dh[e]));
+      for (int k = 0; k < S; ++k)
+        for (int c = 0; c < d; ++c) op.query[k][c] = nd(rng), op.gain[k][c] = 1 + 0.2 * nd(rng);
+      auto clean = op.forward(site, heads, S - 1);
+      // Poison every future slot; the site's own logits come from sources <= site only.
+      for (size_t e = size_t(site + 1) * N * d; e < op.hist.size(); ++e) op.hist[e] = nan;
+      auto poisoned = op.forward(site, heads, site);
+      EXPECT_EQ(clean, poisoned) << "site " << site << " heads " << heads;
+    }
+}
+
+TEST(RoutingIdentity, SourceGradientReadsOnlyLaterSites) {
+  const int S = 6, N = 5, d = 8;
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  for (int heads : {1, 2, 4})
+    for (int source = 0; source < S; ++source) {
+      RoutingOp op(S, N, d);
+      std::mt19937_64 rng(source * 10 + heads + 100);
+      std::normal_distribution<double> nd;
+      op.hist.resize(size_t(S) * N * d);
+      for (double& x : op.hist) x = nd(rng);
+      for (int k = 0; k < S; ++k)
+        for (int c = 0; c < d; ++c) op.query[k][c] = nd(rng), op.gain[k][c] = 1 + 0.2 * nd(rng);
+      // The forward of every site on one set of logits: x of every site, softmax weights.
+      op.weights.assign(size_t(routing_pairs(S)) * heads * N, 0);
+      op.inv_rms.assign(size_t(S) * N, 0);
+      RoutingParams p = op.params();
+      std::vector<double> x(size_t(S) * N * d);
+      for (int i = 0; i < S; ++i) {
+        op.be->routing_source_logits(op.t(op.weights, {routing_pairs(S), heads, N}),
+                                     op.t(op.inv_rms, {S, N})[i], op.t(op.hist, {S, N, d})[i],
+                                     p, i, heads, 1e-6);
+        op.be->routing_mix(op.t(x, {S, N, d})[i], op.t(op.weights, {routing_pairs(S), heads, N}),
+                           op.t(op.hist, {S, N, d}), i, heads);
       }
-      for (int c = 0; c < d; ++c) EXPECT_TRUE(std::isfinite(dq[c]) && std::isfinite(dg[c]));
+      std::vector<double> dx(size_t(S) * N * d), ubar(size_t(S) * heads * N);
+      for (double& e : dx) e = nd(rng);
+      // ubar of sites > source, as their own source backward would have left it.
+      for (int k = source + 1; k < S; ++k)
+        for (int h = 0; h < heads; ++h)
+          for (int n = 0; n < N; ++n) {
+            double acc = 0;
+            for (int c = h * d / heads; c < (h + 1) * d / heads; ++c)
+              acc += dx[(size_t(k) * N + n) * d + c] * x[(size_t(k) * N + n) * d + c];
+            ubar[(size_t(k) * heads + h) * N + n] = acc;
+          }
+      auto run = [&](std::vector<double> dxs, std::vector<double> ub, std::vector<double> w) {
+        std::vector<double> dv(size_t(N) * d, 0), gsum(size_t(S) * d, 0);
+        op.be->routing_source_backward(
+            op.t(dv, {N, d}), op.t(w, {routing_pairs(S), heads, N}), op.t(ub, {S, heads, N}),
+            op.t(gsum, {1, S, d}), op.t(dxs, {S, N, d}), op.t(x, {S, N, d})[source],
+            op.t(op.hist, {S, N, d})[source], op.t(op.inv_rms, {S, N})[source], p, source,
+            heads);
+        dv.insert(dv.end(), gsum.begin(), gsum.end());
+        return dv;
+      };
+      const auto clean = run(dx, ubar, op.weights);
+      for (double e : clean) EXPECT_TRUE(std::isfinite(e));
+      // Poison the input gradients, ubar rows and weight pairs of the sites before it, and
+      // the pairs of other sources.
+      auto dx_p = dx, ub_p = ubar, w_p = op.weights;
+      for (size_t e = 0; e < size_t(source) * N * d; ++e) dx_p[e] = nan;
+      for (size_t e = 0; e < size_t(source) * heads * N; ++e) ub_p[e] = nan;
+      for (int i = 0; i < S; ++i)
+        for (int k = i; k < S; ++k)
+          if (i != source)
+            for (int e = 0; e < heads * N; ++e)
+              w_p[size_t(routing_pair(i, k, S)) * heads * N + e] = nan;
+      EXPECT_EQ(clean, run(dx_p, ub_p, w_p)) << "source " << source << " heads " << heads;
     }
 }
 

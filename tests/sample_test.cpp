@@ -254,16 +254,20 @@ class CountingBackend final : public Backend {
   void cross_entropy(Tensor l, Tensor lg, Tensor t, double s, bool g) override {
     in_.cross_entropy(l, lg, t, s, g);
   }
-  void routing_source_stats(Tensor r, Tensor v, double eps) override {
-    in_.routing_source_stats(r, v, eps);
+  void routing_source_logits(Tensor w, Tensor r, Tensor v, const RoutingParams& p, int i,
+                             int heads, double eps) override {
+    in_.routing_source_logits(w, r, v, p, i, heads, eps);
   }
-  void routing_forward(Tensor x, Tensor w, Tensor h, Tensor r, Tensor q, Tensor g, int n,
-                       int heads) override {
-    in_.routing_forward(x, w, h, r, q, g, n, heads);
+  void routing_mix(Tensor x, Tensor w, Tensor h, int site, int heads) override {
+    in_.routing_mix(x, w, h, site, heads);
   }
-  void routing_backward(Tensor dh, Tensor dq, Tensor dg, Tensor dx, Tensor h, Tensor r, Tensor w,
-                        Tensor q, Tensor g, int n, int heads) override {
-    in_.routing_backward(dh, dq, dg, dx, h, r, w, q, g, n, heads);
+  void routing_source_backward(Tensor dv, Tensor w, Tensor ub, Tensor gs, Tensor dx, Tensor x,
+                               Tensor v, Tensor r, const RoutingParams& p, int i,
+                               int heads) override {
+    in_.routing_source_backward(dv, w, ub, gs, dx, x, v, r, p, i, heads);
+  }
+  void routing_param_grads(const RoutingParams& p, Tensor gs) override {
+    in_.routing_param_grads(p, gs);
   }
   double sum_squares(Tensor t) override { return in_.sum_squares(t); }
   void adamw(Tensor p, Tensor m, Tensor g, Tensor a, Tensor b, const AdamW& hp) override {

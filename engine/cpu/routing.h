@@ -1,124 +1,136 @@
-// routing.h: CPU reference depth routing (DESIGN.md section 2), one site at a time.
-// Layouts: history [S, N, d] (slot i = source v_i), inv_rms [S, N], query and gain [d],
-// weights [N, H, n_src]. Head h owns features [h*d/H, (h+1)*d/H). Only slots < n_src are
-// read, so a site never sees a future source.
-//
-// Forward, per token n and head h:
-//   s_i = inv_rms_i * sum_{c in h} q[c] g[c] v_i[c];  a = softmax_i(s);  x[c] = sum_i a_i v_i[c]
-// Backward, with u_i = sum_{c in h} dx[c] v_i[c] and ds_i = a_i (u_i - sum_k a_k u_k):
-//   value path:  dv_i[c] += a_i dx[c]
-//   query/gain:  dq[c] += ds_i g[c] v_i[c] r_i;   dg[c] += ds_i q[c] v_i[c] r_i
-//   key path:    with w_i[c] = ds_{i,head(c)} q[c] g[c] (all heads) and r_i = inv_rms_i,
-//                dv_i[c] += r_i w_i[c] - r_i^3 v_i[c] (sum_c' w_i[c'] v_i[c']) / d
-//                (the second term is the gradient through the RMS over the full d).
+// routing.h: CPU reference depth routing (DESIGN.md sections 2-3), organised by source
+// as in backend.h: the logits of a source for every later site when it is written, one
+// softmax-and-mix per site, one gradient per source that gathers every later site.
+// Layouts: history and site_dx [S, N, d] (slot i = source v_i), inv_rms [N] (one source),
+// q/g: one [d] vector per site, weights [S(S+1)/2, H, N] with pair (i, k) at
+// routing_pair(i, k, S), ubar [S, H, N], gsum [C, S, d] (only slab 0 is used here).
+// Head h owns features [h*d/H, (h+1)*d/H). A site never reads a source after it.
+// Sums run in double whatever T is, so the fp32 reference rounds once per output.
 #pragma once
-#include "engine/cpu/parallel.h"
 #include <cmath>
 #include <cstdint>
 #include <vector>
 
-#include <omp.h>
+#include "engine/backend.h"
+#include "engine/cpu/parallel.h"
 
 namespace mhar::cpu {
 
+// Views of one source's rows and the per-site parameters, fixed for a call.
 template <class T>
-void routing_source_stats(T* inv_rms, const T* v, int64_t N, int64_t d, double eps) {
-#pragma omp parallel for if (worth_parallel(N * d))
+struct RoutingSite {
+  const T* q;
+  const T* g;
+};
+
+template <class T>
+void routing_source_logits(T* weights, T* inv_rms, const T* v, const std::vector<RoutingSite<T>>& sites,
+                           int64_t N, int64_t d, int S, int source, int H, double eps) {
+  const int64_t hs = d / H;
+#pragma omp parallel for if (worth_parallel(N * d * (S - source)))
   for (int64_t n = 0; n < N; ++n) {
+    const T* row = v + n * d;
     double ss = 0;
-    for (int64_t c = 0; c < d; ++c) ss += double(v[n * d + c]) * v[n * d + c];
-    inv_rms[n] = T(1.0 / std::sqrt(ss / double(d) + eps));
+    for (int64_t c = 0; c < d; ++c) ss += double(row[c]) * row[c];
+    const double r = 1.0 / std::sqrt(ss / double(d) + eps);
+    inv_rms[n] = T(r);
+    for (int k = source; k < S; ++k) {
+      const RoutingSite<T>& st = sites[size_t(k)];
+      T* w = weights + routing_pair(source, k, S) * H * N;
+      for (int h = 0; h < H; ++h) {
+        double dot = 0;
+        for (int64_t c = h * hs; c < (h + 1) * hs; ++c) dot += double(st.q[c]) * st.g[c] * row[c];
+        w[h * N + n] = T(double(T(r)) * dot);
+      }
+    }
   }
 }
 
 template <class T>
-void routing_forward(T* x, T* weights, const T* history, const T* inv_rms, const T* query,
-                     const T* gain, int64_t N, int64_t d, int n_src, int H) {
+void routing_mix(T* x, T* weights, const T* history, int64_t N, int64_t d, int S, int site,
+                 int H) {
   const int64_t hs = d / H;
-#pragma omp parallel if (worth_parallel(N * d * n_src))
+#pragma omp parallel if (worth_parallel(N * d * (site + 1)))
   {
-    std::vector<double> s(n_src);
+    std::vector<double> a(size_t(site) + 1);
 #pragma omp for
     for (int64_t n = 0; n < N; ++n)
       for (int h = 0; h < H; ++h) {
+        auto slot = [&](int i) -> T& { return weights[(routing_pair(i, site, S) * H + h) * N + n]; };
         double mx = -INFINITY;
-        for (int i = 0; i < n_src; ++i) {
-          const T* v = history + (int64_t(i) * N + n) * d + h * hs;
-          double dot = 0;
-          for (int64_t c = 0; c < hs; ++c) dot += double(query[h * hs + c]) * gain[h * hs + c] * v[c];
-          s[i] = dot * inv_rms[int64_t(i) * N + n];
-          mx = s[i] > mx ? s[i] : mx;
-        }
+        for (int i = 0; i <= site; ++i) mx = std::max(mx, double(slot(i)));
         double sum = 0;
-        for (int i = 0; i < n_src; ++i) sum += (s[i] = std::exp(s[i] - mx));
-        T* w = weights + (n * H + h) * n_src;
-        for (int i = 0; i < n_src; ++i) w[i] = T(s[i] / sum);
-        T* xo = x + n * d + h * hs;
-        for (int64_t c = 0; c < hs; ++c) {
+        for (int i = 0; i <= site; ++i) sum += (a[size_t(i)] = std::exp(double(slot(i)) - mx));
+        for (int i = 0; i <= site; ++i) slot(i) = T(a[size_t(i)] / sum);
+        for (int64_t c = h * hs; c < (h + 1) * hs; ++c) {
           double acc = 0;
-          for (int i = 0; i < n_src; ++i) acc += double(w[i]) * history[(int64_t(i) * N + n) * d + h * hs + c];
-          xo[c] = T(acc);
+          for (int i = 0; i <= site; ++i) acc += double(slot(i)) * history[(int64_t(i) * N + n) * d + c];
+          x[n * d + c] = T(acc);
         }
       }
   }
 }
 
 template <class T>
-void routing_backward(T* dhistory, T* dquery, T* dgain, const T* dx, const T* history,
-                      const T* inv_rms, const T* weights, const T* query, const T* gain,
-                      int64_t N, int64_t d, int n_src, int H) {
+void routing_source_backward(T* dv, T* weights, T* ubar, T* gsum, const T* site_dx, const T* x,
+                             const T* v, const T* inv_rms,
+                             const std::vector<RoutingSite<T>>& sites, int64_t N, int64_t d,
+                             int S, int source, int H) {
   const int64_t hs = d / H;
-  const int threads = omp_get_max_threads();
-  // Per-thread partial sums for the site's query and gain: tokens run in parallel.
-  std::vector<T> dq_part(size_t(threads) * d, T(0)), dg_part(size_t(threads) * d, T(0));
-#pragma omp parallel if (worth_parallel(N * d * n_src))
+  const int i = source;
+  // ubar of site i from its own input and input gradient.
+#pragma omp parallel for if (worth_parallel(N * d))
+  for (int64_t n = 0; n < N; ++n)
+    for (int h = 0; h < H; ++h) {
+      double acc = 0;
+      for (int64_t c = h * hs; c < (h + 1) * hs; ++c)
+        acc += double(site_dx[(int64_t(i) * N + n) * d + c]) * x[n * d + c];
+      ubar[(int64_t(i) * H + h) * N + n] = T(acc);
+    }
+  // dsr[k][h][n] kept apart until every token is done: gsum needs the rounded values
+  // exactly as stored, and the parallel loop below owns tokens, not features.
+#pragma omp parallel if (worth_parallel(N * d * (S - i)))
   {
-    T* dq = dq_part.data() + size_t(omp_get_thread_num()) * d;
-    T* dg = dg_part.data() + size_t(omp_get_thread_num()) * d;
-    std::vector<T> ds(size_t(n_src) * H);  // [i, h]
-    std::vector<double> u(n_src);
+    std::vector<double> acc(static_cast<size_t>(d)), ds(static_cast<size_t>(H));
 #pragma omp for
     for (int64_t n = 0; n < N; ++n) {
-      const T* g_n = dx + n * d;
-      for (int h = 0; h < H; ++h) {
-        const T* a = weights + (n * H + h) * n_src;
-        double mean_u = 0;
-        for (int i = 0; i < n_src; ++i) {
-          const T* v = history + (int64_t(i) * N + n) * d + h * hs;
-          double acc = 0;
-          for (int64_t c = 0; c < hs; ++c) acc += double(g_n[h * hs + c]) * v[c];
-          u[i] = acc;
-          mean_u += double(a[i]) * acc;
-        }
-        for (int i = 0; i < n_src; ++i) ds[size_t(i) * H + h] = T(double(a[i]) * (u[i] - mean_u));
-      }
-      for (int i = 0; i < n_src; ++i) {
-        const T* v = history + (int64_t(i) * N + n) * d;
-        T* dv = dhistory + (int64_t(i) * N + n) * d;
-        const T r = inv_rms[int64_t(i) * N + n];
-        double wv = 0;  // sum_c w_i[c] v_i[c]
-        for (int64_t c = 0; c < d; ++c) {
-          const int h = int(c / hs);
-          const T dsih = ds[size_t(i) * H + h];
-          wv += double(dsih) * query[c] * gain[c] * v[c];
-          dq[c] += dsih * gain[c] * v[c] * r;
-          dg[c] += dsih * query[c] * v[c] * r;
-        }
-        const T radial = T(double(r) * r * r * wv / double(d));
-        for (int64_t c = 0; c < d; ++c) {
-          const int h = int(c / hs);
-          const T a_ih = weights[(n * H + h) * n_src + i];
-          const T w = ds[size_t(i) * H + h] * query[c] * gain[c];
-          dv[c] += a_ih * g_n[c] + r * w - radial * v[c];
+      const T* vn = v + n * d;
+      const double r = inv_rms[n];
+      std::fill(acc.begin(), acc.end(), 0.0);
+      double radial = 0;  // sum_k sum_c ds_k q_k g_k v
+      for (int k = i; k < S; ++k) {
+        const T* dx = site_dx + (int64_t(k) * N + n) * d;
+        const RoutingSite<T>& st = sites[size_t(k)];
+        T* w = weights + routing_pair(i, k, S) * H * N;
+        for (int h = 0; h < H; ++h) {
+          double u = 0;
+          for (int64_t c = h * hs; c < (h + 1) * hs; ++c) u += double(dx[c]) * vn[c];
+          const double a = w[h * N + n];
+          ds[size_t(h)] = a * (u - double(ubar[(int64_t(k) * H + h) * N + n]));
+          for (int64_t c = h * hs; c < (h + 1) * hs; ++c) {
+            const double qg = double(st.q[c]) * st.g[c];
+            acc[size_t(c)] += a * dx[c] + r * qg * ds[size_t(h)];
+            radial += ds[size_t(h)] * qg * vn[c];
+          }
+          w[h * N + n] = T(ds[size_t(h)] * r);
         }
       }
+      const double scale = r * r * r / double(d) * radial;
+      for (int64_t c = 0; c < d; ++c) dv[n * d + c] = T(acc[size_t(c)] - scale * vn[c]);
     }
   }
-  for (int t = 0; t < threads; ++t)
+  // G_k[c] += sum_n dsr_k[head(c), n] v[n, c], into slab 0.
+#pragma omp parallel for if (worth_parallel(N * d * (S - i)))
+  for (int k = i; k < S; ++k) {
+    const T* w = weights + routing_pair(i, k, S) * H * N;
+    T* G = gsum + int64_t(k) * d;
     for (int64_t c = 0; c < d; ++c) {
-      dquery[c] += dq_part[size_t(t) * d + c];
-      dgain[c] += dg_part[size_t(t) * d + c];
+      const T* wh = w + (c / hs) * N;
+      double acc = 0;
+      for (int64_t n = 0; n < N; ++n) acc += double(wh[n]) * v[n * d + c];
+      G[c] += T(acc);
     }
+  }
 }
 
 }  // namespace mhar::cpu
