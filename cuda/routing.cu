@@ -98,49 +98,89 @@ __device__ __forceinline__ void store_row(bf16* row, const float (&f)[NT][8], in
 }
 
 // ---------------------------------------------------------------- per-head sums
-// tot[t][e] = sum of val over the head of feature 8*(lane + 32t) + e, for every valid
-// feature (val and tot may be the same array). `scratch` is this warp's H floats of
-// shared memory (unaligned path only).
+// Where this lane's chunks sit among the heads, computed once per thread: integer
+// division by the runtime head size costs ~20 instructions, so it stays out of the token
+// loops. Used by the ALIGNED path (every chunk inside one head).
+template <int NT>
+struct LaneHeads {
+  int head[NT];            // head of the chunk in row t; -1 when the chunk is past d
+  int seg_end[NT];         // last lane of this head's run of lanes in row t
+  uint32_t scan[NT];       // bit b: lane - 2^b holds the same head (segmented scan step b)
+  uint32_t from_prev[NT];  // bit u < t: the head's run in row u ends at lane 31
+  uint32_t from_next[NT];  // bit u > t: the head's run in row u starts at lane 0
+  uint32_t leader;         // bit t: the chunk in row t is its head's first
+};
+
+template <int NT>
+__device__ __forceinline__ LaneHeads<NT> lane_heads(const Geometry& g) {
+  const int lane = threadIdx.x & 31;
+  const int cph = max(g.dh / 8, 1);  // chunks per head (ALIGNED)
+  auto head_of = [&](int ch) { return ch >= 0 && ch < g.nchunks ? ch / cph : -1; };
+  LaneHeads<NT> L;
+  L.leader = 0;
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const int ch = lane + 32 * t, h = head_of(ch);
+    L.head[t] = h;
+    L.seg_end[t] = h < 0 ? 31 : min((h + 1) * cph - 1 - 32 * t, 31);
+    L.scan[t] = L.from_prev[t] = L.from_next[t] = 0;
+    if (h < 0) continue;
+    for (int b = 0; b < 5; ++b)
+      if (lane >= (1 << b) && head_of(ch - (1 << b)) == h) L.scan[t] |= 1u << b;
+    for (int u = 0; u < NT; ++u) {
+      if (u < t && head_of(31 + 32 * u) == h) L.from_prev[t] |= 1u << u;
+      if (u > t && head_of(32 * u) == h) L.from_next[t] |= 1u << u;
+    }
+    if (ch % cph == 0) L.leader |= 1u << t;
+  }
+  return L;
+}
+
+// tot = sum of val over the head of feature 8*(lane + 32t) + e, for every valid feature
+// (per chunk when ALIGNED, per feature otherwise). ALIGNED: the chunks' sums go through a
+// segmented inclusive scan per row (heads are runs of lanes), then heads that span rows
+// add their parts from the neighbouring rows. Otherwise every feature is added into
+// `scratch` (this warp's H floats of shared memory).
+// Per-head values of this lane's features: one per chunk when ALIGNED, else one per
+// feature (hv() reads either).
+template <bool ALIGNED> constexpr int kHeadVals = ALIGNED ? 1 : 8;
+template <bool ALIGNED, int NT>
+__device__ __forceinline__ float hv(const float (&a)[NT][kHeadVals<ALIGNED>], int t, int e) {
+  return a[t][ALIGNED ? 0 : e];
+}
+
 template <int NT, bool ALIGNED>
-__device__ __forceinline__ void head_totals(const float (&val)[NT][8], float (&tot)[NT][8],
-                                            const Geometry& g, float* scratch) {
+__device__ __forceinline__ void head_totals(const float (&val)[NT][8],
+                                            float (&tot)[NT][kHeadVals<ALIGNED>],
+                                            const Geometry& g, const LaneHeads<NT>& L,
+                                            float* scratch) {
   const int lane = threadIdx.x & 31;
   if constexpr (ALIGNED) {
-    const int cph = g.dh / 8;  // chunks per head
-    constexpr int kNone = 1 << 30;
-    auto head_of = [&](int ch) { return ch < g.nchunks ? ch / cph : kNone; };
-    float row_tot[NT], row_last[NT];
+    float row_tot[NT], row_last[NT], row_first[NT];
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
-      const int ch = lane + 32 * t;
-      const int h = head_of(ch);
       float x = 0.f;
 #pragma unroll
       for (int e = 0; e < 8; ++e) x += val[t][e];
-      // Inclusive scan within runs of lanes of the same head (heads are contiguous).
 #pragma unroll
-      for (int off = 1; off < 32; off <<= 1) {
-        const float y = __shfl_up_sync(0xffffffffu, x, off);
-        if (lane >= off && head_of(ch - off) == h) x += y;
+      for (int b = 0; b < 5; ++b) {
+        const float y = __shfl_up_sync(0xffffffffu, x, 1 << b);
+        if (L.scan[t] & (1u << b)) x += y;
       }
-      const int seg_end = h == kNone ? 31 : min((h + 1) * cph - 1 - 32 * t, 31);
-      row_tot[t] = __shfl_sync(0xffffffffu, x, seg_end);
+      row_tot[t] = __shfl_sync(0xffffffffu, x, L.seg_end[t]);
       row_last[t] = __shfl_sync(0xffffffffu, x, 31);
     }
 #pragma unroll
+    for (int u = 0; u < NT; ++u) row_first[u] = __shfl_sync(0xffffffffu, row_tot[u], 0);
+#pragma unroll
     for (int t = 0; t < NT; ++t) {
-      const int h = head_of(lane + 32 * t);
       float total = row_tot[t];
-      // A head that spans rows: its part in an earlier row ends at lane 31, its part in a
-      // later row starts at lane 0.
 #pragma unroll
       for (int u = 0; u < NT; ++u) {
-        const float first = __shfl_sync(0xffffffffu, row_tot[u], 0);
-        if (u < t && head_of(31 + 32 * u) == h) total += row_last[u];
-        if (u > t && head_of(32 * u) == h) total += first;
+        if (L.from_prev[t] & (1u << u)) total += row_last[u];
+        if (L.from_next[t] & (1u << u)) total += row_first[u];
       }
-#pragma unroll
-      for (int e = 0; e < 8; ++e) tot[t][e] = total;
+      tot[t][0] = total;
     }
   } else {
     for (int h = lane; h < g.H; h += 32) scratch[h] = 0.f;
@@ -166,15 +206,16 @@ __device__ __forceinline__ void head_totals(const float (&val)[NT][8], float (&t
 // Calls f(t, e, h) for every valid feature that is the first of its head h: the lane that
 // writes a per-head value.
 template <int NT, bool ALIGNED, class F>
-__device__ __forceinline__ void for_head_leaders(const Geometry& g, F&& f) {
+__device__ __forceinline__ void for_head_leaders(const Geometry& g, const LaneHeads<NT>& L,
+                                                 F&& f) {
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
-    const int ch = lane + 32 * t;
-    if (ch >= g.nchunks) continue;
     if constexpr (ALIGNED) {
-      if ((8 * ch) % g.dh == 0) f(t, 0, 8 * ch / g.dh);
+      if (L.leader & (1u << t)) f(t, 0, L.head[t]);
     } else {
+      const int ch = lane + 32 * t;
+      if (ch >= g.nchunks) continue;
 #pragma unroll
       for (int e = 0; e < 8; ++e)
         if ((8 * ch + e) % g.dh == 0) f(t, e, (8 * ch + e) / g.dh);
@@ -182,20 +223,19 @@ __device__ __forceinline__ void for_head_leaders(const Geometry& g, F&& f) {
   }
 }
 
-// out[t][e] = base[head(feature) * N] (a per-head value of this token; base already
+// out = base[head(feature) * N] (a per-head value of this token; base already
 // points at element [h = 0][n]). Invalid chunks get 0.
 template <int NT, bool ALIGNED>
-__device__ __forceinline__ void load_per_head(float (&out)[NT][8], const float* base,
-                                              const Geometry& g) {
+__device__ __forceinline__ void load_per_head(float (&out)[NT][kHeadVals<ALIGNED>],
+                                              const float* base,
+                                              const Geometry& g, const LaneHeads<NT>& L) {
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
-    const int ch = lane + 32 * t;
     if constexpr (ALIGNED) {
-      const float v = ch < g.nchunks ? base[int64_t(8 * ch / g.dh) * g.N] : 0.f;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) out[t][e] = v;
+      out[t][0] = L.head[t] >= 0 ? base[int64_t(L.head[t]) * g.N] : 0.f;
     } else {
+      const int ch = lane + 32 * t;
 #pragma unroll
       for (int e = 0; e < 8; ++e)
         out[t][e] = ch < g.nchunks ? base[int64_t((8 * ch + e) / g.dh) * g.N] : 0.f;
@@ -224,6 +264,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
   extern __shared__ float smem[];
   float* scratch = smem + (threadIdx.x >> 5) * g.H;
   const int lane = threadIdx.x & 31;
+  const LaneHeads<NT> L = lane_heads<NT>(g);
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
   float* w_src = weights + pair_index(source, source, g.S) * g.H * g.N;
   for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); n < g.N;
@@ -238,15 +279,17 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
     const float r = rsqrtf(warp_sum(ss) / float(g.d) + eps);
     if (lane == 0) inv_rms[n] = r;
     for (int k = source; k < g.S; ++k) {
-      float prod[NT][8], tot[NT][8];
+      float prod[NT][8], tot[NT][kHeadVals<ALIGNED>];
       load_qg(prod, sp.q[k], sp.g[k], g.nchunks);
 #pragma unroll
       for (int t = 0; t < NT; ++t)
 #pragma unroll
         for (int e = 0; e < 8; ++e) prod[t][e] *= elem(rv.raw[t], e);
-      head_totals<NT, ALIGNED>(prod, tot, g, scratch);
+      head_totals<NT, ALIGNED>(prod, tot, g, L, scratch);
       float* w = w_src + int64_t(k - source) * g.H * g.N + n;
-      for_head_leaders<NT, ALIGNED>(g, [&](int t, int e, int h) { w[int64_t(h) * g.N] = r * tot[t][e]; });
+      for_head_leaders<NT, ALIGNED>(g, L, [&](int t, int e, int h) {
+        w[int64_t(h) * g.N] = r * hv<ALIGNED>(tot, t, e);
+      });
     }
   }
 }
@@ -260,19 +303,28 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
   float* m_sh = smem + (threadIdx.x >> 5) * 2 * g.H;  // per head: max, 1/sum
   float* linv_sh = m_sh + g.H;
   const int lane = threadIdx.x & 31;
+  const LaneHeads<NT> L = lane_heads<NT>(g);
+  const bool lane_heads_fit = g.H <= 32;  // lane h owns head h's weights
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
   for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); n < g.N;
        n += warps) {
     auto wptr = [&](int i) { return weights + pair_index(i, site, g.S) * g.H * g.N + n; };
-    for (int h = lane; h < g.H; h += 32) {
+    // Softmax statistics per head, the lanes spread over the sources (independent loads).
+    for (int h = 0; h < g.H; ++h) {
       float m = -INFINITY;
-      for (int i = 0; i <= site; ++i) m = fmaxf(m, wptr(i)[int64_t(h) * g.N]);
+      for (int i = lane; i <= site; i += 32) m = fmaxf(m, wptr(i)[int64_t(h) * g.N]);
+      m = warp_max(m);
       float l = 0.f;
-      for (int i = 0; i <= site; ++i) l += __expf(wptr(i)[int64_t(h) * g.N] - m);
-      m_sh[h] = m;
-      linv_sh[h] = 1.f / l;
+      for (int i = lane; i <= site; i += 32) l += __expf(wptr(i)[int64_t(h) * g.N] - m);
+      l = warp_sum(l);
+      if (lane == 0) {
+        m_sh[h] = m;
+        linv_sh[h] = 1.f / l;
+      }
     }
     __syncwarp();
+    const float m_own = lane_heads_fit && lane < g.H ? m_sh[lane] : 0.f;
+    const float linv_own = lane_heads_fit && lane < g.H ? linv_sh[lane] : 0.f;
     float acc[NT][8];
 #pragma unroll
     for (int t = 0; t < NT; ++t)
@@ -280,36 +332,40 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
       for (int e = 0; e < 8; ++e) acc[t][e] = 0.f;
     Row<NT> cur, nxt;
     load_row(cur, hist + n * g.d, g.nchunks);
+    float s_cur = lane_heads_fit && lane < g.H ? wptr(0)[int64_t(lane) * g.N] : 0.f, s_nxt = 0.f;
     for (int i = 0; i <= site; ++i) {
-      if (i < site) load_row(nxt, hist + (int64_t(i + 1) * g.N + n) * g.d, g.nchunks);
+      if (i < site) {  // prefetch the next source's row and logit
+        load_row(nxt, hist + (int64_t(i + 1) * g.N + n) * g.d, g.nchunks);
+        if (lane_heads_fit && lane < g.H) s_nxt = wptr(i + 1)[int64_t(lane) * g.N];
+      }
       float* w = wptr(i);
-      float a[NT][8];
-      if (g.H <= 32) {  // lane h normalises head h's weight, the others read it by shuffle
+      float a[NT][kHeadVals<ALIGNED>];
+      if (lane_heads_fit) {
         float a_h = 0.f;
         if (lane < g.H) {
-          a_h = __expf(w[int64_t(lane) * g.N] - m_sh[lane]) * linv_sh[lane];
+          a_h = __expf(s_cur - m_own) * linv_own;
           w[int64_t(lane) * g.N] = a_h;
         }
+        if constexpr (ALIGNED) {
 #pragma unroll
-        for (int t = 0; t < NT; ++t) {
-          const int ch = min(lane + 32 * t, g.nchunks - 1);
-          if constexpr (ALIGNED) {
-            const float v = __shfl_sync(0xffffffffu, a_h, 8 * ch / g.dh);
+          for (int t = 0; t < NT; ++t) a[t][0] = __shfl_sync(0xffffffffu, a_h, max(L.head[t], 0));
+        } else {
 #pragma unroll
-            for (int e = 0; e < 8; ++e) a[t][e] = v;
-          } else {
+          for (int t = 0; t < NT; ++t) {
+            const int ch = min(lane + 32 * t, g.nchunks - 1);
 #pragma unroll
-            for (int e = 0; e < 8; ++e) a[t][e] = __shfl_sync(0xffffffffu, a_h, (8 * ch + e) / g.dh);
+            for (int e = 0; e < kHeadVals<ALIGNED>; ++e)
+              a[t][e] = __shfl_sync(0xffffffffu, a_h, (8 * ch + e) / g.dh);
           }
         }
       } else {
-        load_per_head<NT, ALIGNED>(a, w, g);  // raw logits
+        load_per_head<NT, ALIGNED>(a, w, g, L);  // raw logits
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
           const int ch = min(lane + 32 * t, g.nchunks - 1);
 #pragma unroll
-          for (int e = 0; e < 8; ++e) {
-            const int h = (8 * ch + e) / g.dh;
+          for (int e = 0; e < kHeadVals<ALIGNED>; ++e) {
+            const int h = ALIGNED ? max(L.head[t], 0) : (8 * ch + e) / g.dh;
             a[t][e] = __expf(a[t][e] - m_sh[h]) * linv_sh[h];
           }
         }
@@ -320,8 +376,11 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
 #pragma unroll
       for (int t = 0; t < NT; ++t)
 #pragma unroll
-        for (int e = 0; e < 8; ++e) acc[t][e] += a[t][e] * elem(cur.raw[t], e);
-      if (i < site) cur = nxt;
+        for (int e = 0; e < 8; ++e) acc[t][e] += hv<ALIGNED>(a, t, e) * elem(cur.raw[t], e);
+      if (i < site) {
+        cur = nxt;
+        s_cur = s_nxt;
+      }
     }
     store_row(x + n * g.d, acc, g.nchunks);
     __syncwarp();  // m_sh/linv_sh are rewritten for the next token
@@ -338,16 +397,18 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
                            const Geometry g, int source) {
   extern __shared__ float smem[];
   float* scratch = smem + (threadIdx.x >> 5) * g.H;
+  const LaneHeads<NT> L = lane_heads<NT>(g);
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
   float* w_src = weights + pair_index(source, source, g.S) * g.H * g.N;
   for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); n < g.N;
        n += warps) {
     const float r = inv_rms[n];
+    constexpr int W = kHeadVals<ALIGNED>;
     Row<NT> rv, rdx, nxt;
     load_row(rv, v + n * g.d, g.nchunks);
     load_row(rdx, site_dx + (int64_t(source) * g.N + n) * g.d, g.nchunks);
-    float ubar_own[NT][8];  // ubar of site `source`, from its input and input gradient
-    {
+    float ub[NT][W], a[NT][W];  // the current site's ubar and weight per head
+    {  // ubar of site `source`, from its input and input gradient
       Row<NT> rx;
       load_row(rx, x + n * g.d, g.nchunks);
       float prod[NT][8];
@@ -355,10 +416,13 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
       for (int t = 0; t < NT; ++t)
 #pragma unroll
         for (int e = 0; e < 8; ++e) prod[t][e] = elem(rdx.raw[t], e) * elem(rx.raw[t], e);
-      head_totals<NT, ALIGNED>(prod, ubar_own, g, scratch);
+      head_totals<NT, ALIGNED>(prod, ub, g, L, scratch);
       float* u = ubar + int64_t(source) * g.H * g.N + n;
-      for_head_leaders<NT, ALIGNED>(g, [&](int t, int e, int h) { u[int64_t(h) * g.N] = ubar_own[t][e]; });
+      for_head_leaders<NT, ALIGNED>(g, L, [&](int t, int e, int h) {
+        u[int64_t(h) * g.N] = hv<ALIGNED>(ub, t, e);
+      });
     }
+    load_per_head<NT, ALIGNED>(a, w_src + n, g, L);
     float acc[NT][8];
 #pragma unroll
     for (int t = 0; t < NT; ++t)
@@ -366,37 +430,50 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
       for (int e = 0; e < 8; ++e) acc[t][e] = 0.f;
     float radial = 0.f;  // this lane's part of sum_k sum_c ds_k q_k g_k v
     for (int k = source; k < g.S; ++k) {
-      if (k + 1 < g.S) load_row(nxt, site_dx + (int64_t(k + 1) * g.N + n) * g.d, g.nchunks);
       float* w = w_src + int64_t(k - source) * g.H * g.N + n;
-      float u[NT][8], a[NT][8], ub[NT][8], qg[NT][8];
+      float a_nxt[NT][W], ub_nxt[NT][W];
+      // Prefetch the next site's input gradient (and, ALIGNED, its weight and ubar: the
+      // per-feature copies of the unaligned path would not fit in registers).
+      if (k + 1 < g.S) {
+        load_row(nxt, site_dx + (int64_t(k + 1) * g.N + n) * g.d, g.nchunks);
+        if constexpr (ALIGNED) {
+          load_per_head<NT, ALIGNED>(a_nxt, w + int64_t(g.H) * g.N, g, L);
+          load_per_head<NT, ALIGNED>(ub_nxt, ubar + int64_t(k + 1) * g.H * g.N + n, g, L);
+        }
+      }
+      float prod[NT][8], u[NT][W], ds[NT][W], qg[NT][8];
 #pragma unroll
       for (int t = 0; t < NT; ++t)
 #pragma unroll
-        for (int e = 0; e < 8; ++e) u[t][e] = elem(rdx.raw[t], e) * elem(rv.raw[t], e);
-      head_totals<NT, ALIGNED>(u, u, g, scratch);
-      load_per_head<NT, ALIGNED>(a, w, g);
-      if (k == source) {
+        for (int e = 0; e < 8; ++e) prod[t][e] = elem(rdx.raw[t], e) * elem(rv.raw[t], e);
+      head_totals<NT, ALIGNED>(prod, u, g, L, scratch);
 #pragma unroll
-        for (int t = 0; t < NT; ++t)
+      for (int t = 0; t < NT; ++t)
 #pragma unroll
-          for (int e = 0; e < 8; ++e) ub[t][e] = ubar_own[t][e];
-      } else {
-        load_per_head<NT, ALIGNED>(ub, ubar + int64_t(k) * g.H * g.N + n, g);
-      }
+        for (int e = 0; e < W; ++e) ds[t][e] = a[t][e] * (u[t][e] - ub[t][e]);
       load_qg(qg, sp.q[k], sp.g[k], g.nchunks);
 #pragma unroll
       for (int t = 0; t < NT; ++t)
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
-          const float ds = a[t][e] * (u[t][e] - ub[t][e]);
-          const float vv = elem(rv.raw[t], e);
-          acc[t][e] += a[t][e] * elem(rdx.raw[t], e) + r * qg[t][e] * ds;
-          radial += ds * qg[t][e] * vv;
-          u[t][e] = ds;  // kept for the write below
+          const float dse = hv<ALIGNED>(ds, t, e);
+          acc[t][e] += hv<ALIGNED>(a, t, e) * elem(rdx.raw[t], e) + r * qg[t][e] * dse;
+          radial += dse * qg[t][e] * elem(rv.raw[t], e);
         }
       __syncwarp();  // every lane has read a_k before the leaders overwrite it
-      for_head_leaders<NT, ALIGNED>(g, [&](int t, int e, int h) { w[int64_t(h) * g.N] = u[t][e] * r; });
-      if (k + 1 < g.S) rdx = nxt;
+      for_head_leaders<NT, ALIGNED>(g, L, [&](int t, int e, int h) {
+        w[int64_t(h) * g.N] = hv<ALIGNED>(ds, t, e) * r;
+      });
+      if (k + 1 < g.S) {
+        rdx = nxt;
+        if constexpr (ALIGNED) {
+#pragma unroll
+          for (int t = 0; t < NT; ++t) a[t][0] = a_nxt[t][0], ub[t][0] = ub_nxt[t][0];
+        } else {
+          load_per_head<NT, ALIGNED>(a, w + int64_t(g.H) * g.N, g, L);
+          load_per_head<NT, ALIGNED>(ub, ubar + int64_t(k + 1) * g.H * g.N + n, g, L);
+        }
+      }
     }
     const float scale = r * r * r / float(g.d) * warp_sum(radial);
 #pragma unroll

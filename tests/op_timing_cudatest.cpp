@@ -121,15 +121,18 @@ TEST_F(OpTiming, DISABLED_ModelShapes) {
     const double row = 2.0 * N * d;
     const std::string tag = std::string(sh.name) + " N16384 d" + std::to_string(d) + " S" +
                             std::to_string(S) + " H" + std::to_string(H);
-    auto forward = [&] {
-      for (int i = 0; i < S; ++i) {
+    auto logits = [&] {
+      for (int i = 0; i < S; ++i)
         gpu->routing_source_logits(weights, inv_rms.t()[i], hist.t()[i], rp, i, H, 1e-6);
-        gpu->routing_mix(xs.t()[i], weights, hist, i, H);
-      }
     };
-    report("routing forward, whole step " + tag, time_ms(forward, 3), 0,
-           row * (double(P) + 2.0 * S));
-    forward();
+    auto mixes = [&] {
+      for (int i = 0; i < S; ++i) gpu->routing_mix(xs.t()[i], weights, hist, i, H);
+    };
+    report("routing_source_logits, all sources " + tag, time_ms(logits, 2), 0, row * S);
+    report("routing_mix, all sites " + tag, time_ms([&] { logits(); mixes(); }, 2) -
+               time_ms(logits, 2), 0, row * (double(P) + S));
+    logits();
+    mixes();
     auto backward = [&] {
       gpu->zero(gsum);
       for (int i = S - 1; i >= 0; --i)
@@ -137,8 +140,8 @@ TEST_F(OpTiming, DISABLED_ModelShapes) {
                                      inv_rms.t()[i], rp, i, H);
       gpu->routing_param_grads(rp, gsum);
     };
-    report("routing backward, whole step " + tag, time_ms(backward, 3), 0,
-           row * (double(P) + 4.0 * S));
+    report("routing backward (source_backward + param_grads), whole step " + tag,
+           time_ms(backward, 2), 0, row * (double(P) + 4.0 * S));
     report("routing_mix last site " + tag,
            time_ms([&] { gpu->routing_mix(xs.t()[S - 1], weights, hist, S - 1, H); }), 0,
            row * (S + 1));

@@ -112,7 +112,7 @@ rc=$?
 echo "tests ran in $(( $(date +%s) - start )) s, exit $rc (at $(elapsed))"
 
 echo "== op timings (model-sized shapes)"
-timeout 60 "$BUILD_DIR/mhar_cuda_tests" --gtest_also_run_disabled_tests --gtest_filter='OpTiming.*' \
+timeout 150 "$BUILD_DIR/mhar_cuda_tests" --gtest_also_run_disabled_tests --gtest_filter='OpTiming.*' \
   >"$LOG_DIR/op_timing.log" 2>&1 || echo "op timing run failed (exit $?)"
 touch "$tests_done"
 grep -E "^TIMING|FAILED|Failure|exception" "$LOG_DIR/op_timing.log" || true
