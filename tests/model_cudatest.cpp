@@ -16,6 +16,14 @@
 //   query/gain gradients are sums over tokens of products of two perturbed factors), so
 //   kTolGrad = 2e-2. This is a whole-model bound, not an op bound: the per-op parity
 //   tests hold each kernel to 2^-8 (tests/cuda_test_util.h).
+// - The same derivation per tensor, with the effect of one rounding measured instead of
+//   assumed: the CPU fp32 model is run twice more with every weight perturbed by one
+//   bf16 rounding's worth of relative noise (perturb_parameters), and s_t is the RMS
+//   relative change of gradient t. For most tensors s_t is about the 1.1e-3 assumed
+//   above; a gradient that is a cancelling sum (routing query/gain gradients of sites
+//   whose sources are nearly collinear) shows a larger s_t, and bf16 rounding moves it
+//   by that much more. Bound: max(kTolGrad, 2.5 * sqrt(50) * s_t), the factors of the
+//   derivation above. The GPU result plays no part in it.
 // - The loss is the mean over N tokens of logsumexp(logits) - logit[target]; each term
 //   moves by at most about the logits' error (~1e-2 relative of logits of magnitude
 //   ~|logit| << ln V), and the mean of N independent errors is smaller again, so
@@ -29,6 +37,7 @@
 // of the loss on these batches is about that size; a broken backward does not converge).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <memory>
@@ -48,6 +57,7 @@ namespace mhar::test {
 namespace {
 
 constexpr double kTolGrad = 2e-2;
+constexpr double kRoundingsFactor = 2.5 * 7.0710678118654755;  // 2.5 * sqrt(50), as above
 constexpr double kTolLoss = 2e-3;
 constexpr double kZeroGradNorm = 1e-5;
 
@@ -143,6 +153,23 @@ TEST_P(ModelParity, LossAndEveryGradient) {
   const double loss_c = mcpu.forward(x.data(), y.data(), 1.0);
   mcpu.backward();
 
+  // Sensitivity of every gradient to one bf16 rounding of the weights (two draws).
+  std::vector<double> sens(mcpu.parameters().size(), 0.0);
+  for (int draw = 0; draw < 2; ++draw) {
+    Model mp(cfg.model, cfg.residual, *cpu, B, T);
+    copy_weights(mcpu, mp);
+    perturb_parameters(mp, 1000 + draw);
+    mp.zero_grads();
+    mp.forward(x.data(), y.data(), 1.0);
+    mp.backward();
+    for (size_t i = 0; i < sens.size(); ++i) {
+      const auto ref = get(*cpu, mcpu.parameters()[i].grad);
+      if (norm(ref) == 0) continue;
+      const double e = rel_err(get(*cpu, mp.parameters()[i].grad), ref);
+      sens[i] += e * e / 2;
+    }
+  }
+
   const double loss_err = std::fabs(loss_g - loss_c) / std::fabs(loss_c);
   std::printf("MODEL_PARITY %-8s %-48s rel_err %.3e  (gpu %.6f cpu %.6f)  tol %.1e\n", mc.mode,
               "loss", loss_err, loss_g, loss_c, kTolLoss);
@@ -163,9 +190,10 @@ TEST_P(ModelParity, LossAndEveryGradient) {
       continue;
     }
     const double e = rel_err(got, ref);
-    std::printf("MODEL_PARITY %-8s %-48s rel_err %.3e  |ref| %.3e  tol %.1e\n", mc.mode,
-                pg.name.c_str(), e, ref_norm, kTolGrad);
-    EXPECT_LT(e, kTolGrad) << mc.mode << " gradient of " << pg.name;
+    const double s = std::sqrt(sens[i]), tol = std::max(kTolGrad, kRoundingsFactor * s);
+    std::printf("MODEL_PARITY %-8s %-48s rel_err %.3e  |ref| %.3e  one-rounding %.2e  tol %.1e\n",
+                mc.mode, pg.name.c_str(), e, ref_norm, s, tol);
+    EXPECT_LT(e, tol) << mc.mode << " gradient of " << pg.name;
     if (e > worst) worst = e, worst_name = pg.name;
   }
   std::printf("MODEL_PARITY %-8s worst gradient %s rel_err %.3e over %zu tensors\n", mc.mode,

@@ -73,6 +73,19 @@ inline std::vector<int32_t> markov_tokens(size_t n, uint64_t seed) {
   return t;
 }
 
+// One more bf16 rounding's worth of noise, to measure how sensitive a result is to it:
+// every parameter multiplied by (1 + u), u uniform in [-2^-9, 2^-9] (the relative error
+// of rounding to bf16), drawn from `seed`.
+inline void perturb_parameters(Model& m, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> u(-0x1p-9, 0x1p-9);
+  for (auto& p : m.parameters()) {
+    auto v = download(m.backend(), p.value);
+    for (double& x : v) x *= 1.0 + u(rng);
+    m.backend().upload(p.value, v.data());
+  }
+}
+
 // ||a - b|| / ||b|| (0 when both are zero).
 inline double rel_error(const std::vector<double>& a, const std::vector<double>& b) {
   double num = 0, den = 0;
