@@ -202,8 +202,9 @@ notes = []
 for j in jobs:
     if j["state"] != "done":
         notes.append(f"- {j['kind']} {j['size']} {j['mode']}: {j['state']} {j.get('error', '')}".rstrip())
-peak_note = ("Peak memory: ours = device memory in use (cudaMemGetInfo) after the timed steps minus "
-             "before the backend was created; PyTorch = torch.cuda.max_memory_allocated.")
+peak_note = ("Peak memory: ours = the most device memory the backend held from cudaMalloc "
+             "(arenas, cuBLAS workspace, attention scratch); PyTorch = "
+             "torch.cuda.max_memory_allocated. Neither counts the CUDA context.")
 text = table + "\n\n" + peak_note + ("\n\n" + "\n".join(notes) if notes else "") + "\n"
 print("\n" + text)
 with open(os.path.join(log_dir, "bench_table.md"), "w") as f:
