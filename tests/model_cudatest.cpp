@@ -16,14 +16,16 @@
 //   query/gain gradients are sums over tokens of products of two perturbed factors), so
 //   kTolGrad = 2e-2. This is a whole-model bound, not an op bound: the per-op parity
 //   tests hold each kernel to 2^-8 (tests/cuda_test_util.h).
-// - The same derivation per tensor, with the effect of one rounding measured instead of
-//   assumed: the CPU fp32 model is run twice more with every weight perturbed by one
-//   bf16 rounding's worth of relative noise (perturb_parameters), and s_t is the RMS
-//   relative change of gradient t. For most tensors s_t is about the 1.1e-3 assumed
-//   above; a gradient that is a cancelling sum (routing query/gain gradients of sites
-//   whose sources are nearly collinear) shows a larger s_t, and bf16 rounding moves it
-//   by that much more. Bound: max(kTolGrad, 2.5 * sqrt(50) * s_t), the factors of the
-//   derivation above. The GPU result plays no part in it.
+// - Per tensor, the size of that noise measured on the CPU instead of assumed: the CPU
+//   fp32 model runs 4 more times with every weight perturbed by one bf16 rounding's worth
+//   of relative noise (perturb_parameters), which moves every activation downstream by
+//   about what bf16 storage does, and s_t is the RMS relative change of gradient t: the
+//   expected deviation of a bf16 engine on that tensor. Well-conditioned gradients show
+//   s_t ~ 4-6e-3 (so the 2e-2 above holds); gradients that are cancelling sums over
+//   tokens (routing query/gain of sites whose sources are nearly collinear) show 1-2e-2,
+//   and any bf16 engine deviates that much more there. Bound: max(kTolGrad, 4 s_t), a
+//   4-sigma bound on a deviation of that size. Measured on the H200 (2026-11-29): GPU
+//   deviation / s_t = 1.00-2.63 over every tensor of the three modes.
 // - The loss is the mean over N tokens of logsumexp(logits) - logit[target]; each term
 //   moves by at most about the logits' error (~1e-2 relative of logits of magnitude
 //   ~|logit| << ln V), and the mean of N independent errors is smaller again, so
@@ -57,7 +59,8 @@ namespace mhar::test {
 namespace {
 
 constexpr double kTolGrad = 2e-2;
-constexpr double kRoundingsFactor = 2.5 * 7.0710678118654755;  // 2.5 * sqrt(50), as above
+constexpr double kSigmas = 4;  // bound = kSigmas x the measured bf16 noise (header)
+constexpr int kNoiseDraws = 4;
 constexpr double kTolLoss = 2e-3;
 constexpr double kZeroGradNorm = 1e-5;
 
@@ -153,9 +156,9 @@ TEST_P(ModelParity, LossAndEveryGradient) {
   const double loss_c = mcpu.forward(x.data(), y.data(), 1.0);
   mcpu.backward();
 
-  // Sensitivity of every gradient to one bf16 rounding of the weights (two draws).
+  // Sensitivity of every gradient to one bf16 rounding of the weights.
   std::vector<double> sens(mcpu.parameters().size(), 0.0);
-  for (int draw = 0; draw < 2; ++draw) {
+  for (int draw = 0; draw < kNoiseDraws; ++draw) {
     Model mp(cfg.model, cfg.residual, *cpu, B, T);
     copy_weights(mcpu, mp);
     perturb_parameters(mp, 1000 + draw);
@@ -166,7 +169,7 @@ TEST_P(ModelParity, LossAndEveryGradient) {
       const auto ref = get(*cpu, mcpu.parameters()[i].grad);
       if (norm(ref) == 0) continue;
       const double e = rel_err(get(*cpu, mp.parameters()[i].grad), ref);
-      sens[i] += e * e / 2;
+      sens[i] += e * e / kNoiseDraws;
     }
   }
 
@@ -190,8 +193,8 @@ TEST_P(ModelParity, LossAndEveryGradient) {
       continue;
     }
     const double e = rel_err(got, ref);
-    const double s = std::sqrt(sens[i]), tol = std::max(kTolGrad, kRoundingsFactor * s);
-    std::printf("MODEL_PARITY %-8s %-48s rel_err %.3e  |ref| %.3e  one-rounding %.2e  tol %.1e\n",
+    const double s = std::sqrt(sens[i]), tol = std::max(kTolGrad, kSigmas * s);
+    std::printf("MODEL_PARITY %-8s %-48s rel_err %.3e  |ref| %.3e  bf16 noise %.2e  tol %.1e\n",
                 mc.mode, pg.name.c_str(), e, ref_norm, s, tol);
     EXPECT_LT(e, tol) << mc.mode << " gradient of " << pg.name;
     if (e > worst) worst = e, worst_name = pg.name;
