@@ -580,6 +580,20 @@ void check_weights(const char* what, const Tensor& w, const Geometry& g) {
   check_numel(w, routing_pairs(g.S) * g.H * g.N, what, "weights");
 }
 
+// The checks shared by the two per-source ops: v [N, d] one source, inv_rms [N].
+Geometry source_geometry(const char* what, const Tensor& weights, const Tensor& inv_rms,
+                         const Tensor& v, const RoutingParams& params, int source, int heads) {
+  const int64_t N = inv_rms.numel();
+  MHAR_CHECK(N > 0 && v.numel() % N == 0, "CUDA ", what, ": v ", v.shape_str(),
+             " for inv_rms ", inv_rms.shape_str());
+  const Geometry g = geometry(what, N, v.numel() / N, heads, params.sites());
+  MHAR_CHECK(source >= 0 && source < g.S, "CUDA ", what, ": source ", source, " of ", g.S);
+  check_weights(what, weights, g);
+  check_dtype(inv_rms, DType::F32, what, "inv_rms");
+  check_dtype(v, DType::BF16, what, "v");
+  return g;
+}
+
 int token_blocks(int64_t N) { return grid_stride_blocks(N * 32, 32 * kWarpsPerBlock); }
 
 // Calls f.template operator()<NT, ALIGNED>() for the geometry's row width and head size.
@@ -615,14 +629,8 @@ void allow_smem(K kernel, size_t bytes) {
 void routing_source_logits(cudaStream_t s, Tensor weights, Tensor inv_rms, Tensor v,
                            const RoutingParams& params, int source, int heads, double eps) {
   const char* what = "routing_source_logits";
-  const int64_t N = inv_rms.numel();
-  MHAR_CHECK(N > 0 && v.numel() % N == 0, what, ": v ", v.shape_str(), " for inv_rms ",
-             inv_rms.shape_str());
-  const Geometry g = geometry(what, N, v.numel() / N, heads, params.sites());
-  MHAR_CHECK(source >= 0 && source < g.S, what, ": source ", source, " of ", g.S);
-  check_weights(what, weights, g);
-  check_dtype(inv_rms, DType::F32, what, "inv_rms");
-  check_dtype(v, DType::BF16, what, "v");
+  const Geometry g = source_geometry(what, weights, inv_rms, v, params, source, heads);
+  const int64_t N = g.N;
   const SiteParams sp = site_params(what, params, g.d);
   const size_t smem = sizeof(float) * kWarpsPerBlock * heads;
   dispatch_rows(g, [&](auto nt, auto al) {
@@ -660,19 +668,14 @@ void routing_source_backward(cudaStream_t s, Tensor dv, Tensor weights, Tensor u
                              Tensor gsum, Tensor site_dx, Tensor x, Tensor v, Tensor inv_rms,
                              const RoutingParams& params, int source, int heads) {
   const char* what = "routing_source_backward";
-  const int64_t N = inv_rms.numel();
-  MHAR_CHECK(N > 0 && v.numel() % N == 0, what, ": v ", v.shape_str(), " for inv_rms ",
-             inv_rms.shape_str());
-  const Geometry g = geometry(what, N, v.numel() / N, heads, params.sites());
-  MHAR_CHECK(source >= 0 && source < g.S, what, ": source ", source, " of ", g.S);
-  check_weights(what, weights, g);
-  check_dtype(inv_rms, DType::F32, what, "inv_rms");
+  const Geometry g = source_geometry(what, weights, inv_rms, v, params, source, heads);
+  const int64_t N = g.N;
   check_dtype(ubar, DType::F32, what, "ubar");
   check_numel(ubar, int64_t(g.S) * heads * N, what, "ubar");
   check_dtype(gsum, DType::F32, what, "gsum");
   MHAR_CHECK(gsum.ndim == 3 && gsum.dim(1) == g.S && gsum.dim(2) == g.d, "CUDA ", what,
              ": gsum must be [C, ", g.S, ", ", g.d, "], got ", gsum.shape_str());
-  for (const Tensor* t : {&dv, &site_dx, &x, &v}) check_dtype(*t, DType::BF16, what, "dv/site_dx/x/v");
+  for (const Tensor* t : {&dv, &site_dx, &x}) check_dtype(*t, DType::BF16, what, "dv/site_dx/x");
   check_numel(site_dx, int64_t(g.S) * N * g.d, what, "site_dx");
   check_numel(x, N * g.d, what, "x");
   check_numel(dv, N * g.d, what, "dv");

@@ -53,6 +53,7 @@
 #include "engine/config.h"
 #include "engine/model.h"
 #include "engine/optimizer.h"
+#include "tests/model_pair_util.h"
 #include "tests/model_test_util.h"
 
 namespace mhar::test {
@@ -76,60 +77,6 @@ Config tiny_gpu_config(const std::string& mode, int heads, int vocab = 256) {
   return config_from_json(j, "model_cudatest");
 }
 
-std::vector<double> get(Backend& be, const Tensor& t) {
-  std::vector<double> v(static_cast<size_t>(t.numel()));
-  be.download(v.data(), t);
-  return v;
-}
-
-double norm(const std::vector<double>& v) {
-  double s = 0;
-  for (double x : v) s += x * x;
-  return std::sqrt(s);
-}
-
-double rel_err(const std::vector<double>& got, const std::vector<double>& ref) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    if (!std::isfinite(got[i])) return INFINITY;
-    num += (got[i] - ref[i]) * (got[i] - ref[i]);
-    den += ref[i] * ref[i];
-  }
-  return std::sqrt(num) / std::max(std::sqrt(den), 1e-300);
-}
-
-// DESIGN.md init on the GPU, then norm weights and routing gains 1 +- 0.1 and routing
-// queries ~0.1 (zero queries would leave the routing's key path unexercised); the GPU's
-// bf16 values are then copied to the CPU model, so both start from identical weights.
-void same_weights(Model& gpu, Model& cpu, uint64_t seed) {
-  gpu.init_weights(seed);
-  std::mt19937_64 rng(seed ^ 0x5eedULL);
-  std::normal_distribution<double> nd(0.0, 1.0);
-  for (auto& p : gpu.parameters()) {
-    if (p.value.ndim != 1) continue;
-    std::vector<double> v(static_cast<size_t>(p.value.numel()));
-    const bool query = p.name.find(".query") != std::string::npos;
-    for (double& x : v) x = query ? 0.1 * nd(rng) : 1.0 + 0.1 * nd(rng);
-    gpu.backend().upload(p.value, v.data());
-  }
-  for (size_t i = 0; i < gpu.parameters().size(); ++i) {
-    const auto host = get(gpu.backend(), gpu.parameters()[i].value);
-    ASSERT_EQ(cpu.parameters()[i].name, gpu.parameters()[i].name);
-    cpu.backend().upload(cpu.parameters()[i].value, host.data());
-  }
-}
-
-void random_batch(int n, int vocab, uint64_t seed, std::vector<int32_t>& x,
-                  std::vector<int32_t>& y) {
-  std::mt19937_64 rng(seed);
-  x.resize(n);
-  y.resize(n);
-  for (int i = 0; i < n; ++i) {
-    x[i] = int32_t(rng() % uint64_t(vocab));
-    y[i] = int32_t(rng() % uint64_t(vocab));
-  }
-}
-
 struct ModeCase {
   const char* mode;
   int heads;
@@ -145,9 +92,9 @@ TEST_P(ModelParity, LossAndEveryGradient) {
   auto cpu = make_cpu_backend(DType::F32);
   auto gpu = make_cuda_backend(0);
   Model mg(cfg.model, cfg.residual, *gpu, B, T), mcpu(cfg.model, cfg.residual, *cpu, B, T);
-  same_weights(mg, mcpu, 42);
+  same_weights(mg, mcpu, 42, 0.1);
   std::vector<int32_t> x, y;
-  random_batch(B * T, cfg.model.vocab_size, 7, x, y);
+  random_tokens(B * T, cfg.model.vocab_size, 7, x, y);
 
   mg.zero_grads();
   mcpu.zero_grads();
@@ -166,9 +113,9 @@ TEST_P(ModelParity, LossAndEveryGradient) {
     mp.forward(x.data(), y.data(), 1.0);
     mp.backward();
     for (size_t i = 0; i < sens.size(); ++i) {
-      const auto ref = get(*cpu, mcpu.parameters()[i].grad);
+      const auto ref = download(*cpu, mcpu.parameters()[i].grad);
       if (norm(ref) == 0) continue;
-      const double e = rel_err(get(*cpu, mp.parameters()[i].grad), ref);
+      const double e = rel_err(download(*cpu, mp.parameters()[i].grad), ref);
       sens[i] += e * e / kNoiseDraws;
     }
   }
@@ -183,7 +130,7 @@ TEST_P(ModelParity, LossAndEveryGradient) {
   std::string worst_name;
   for (size_t i = 0; i < mg.parameters().size(); ++i) {
     const Parameter& pg = mg.parameters()[i];
-    const auto got = get(*gpu, pg.grad), ref = get(*cpu, mcpu.parameters()[i].grad);
+    const auto got = download(*gpu, pg.grad), ref = download(*cpu, mcpu.parameters()[i].grad);
     const double ref_norm = norm(ref);
     if (ref_norm == 0) {
       const double n = norm(got);
@@ -229,7 +176,7 @@ TEST_P(GpuTraining, ReachesTheCpuLoss) {
   auto cpu = make_cpu_backend(DType::F32);
   auto gpu = make_cuda_backend(0);
   Model mg(cfg.model, cfg.residual, *gpu, B, T), mcpu(cfg.model, cfg.residual, *cpu, B, T);
-  same_weights(mg, mcpu, 3);
+  same_weights(mg, mcpu, 3, 0.1);
   AdamWOptimizer og(mg, cfg.train), oc(mcpu, cfg.train);
   og.sync_master_from_params();
   oc.sync_master_from_params();

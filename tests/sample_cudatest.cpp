@@ -44,6 +44,7 @@
 #include "engine/config.h"
 #include "engine/model.h"
 #include "engine/sampler.h"
+#include "tests/model_pair_util.h"
 #include "tests/model_test_util.h"
 
 namespace mhar::test {
@@ -66,51 +67,6 @@ Config tiny_decode_config(const std::string& mode, int heads, int vocab) {
   return config_from_json(j, "sample_cudatest");
 }
 
-std::vector<double> get(Backend& be, const Tensor& t) {
-  std::vector<double> v(static_cast<size_t>(t.numel()));
-  be.download(v.data(), t);
-  return v;
-}
-
-double norm(const std::vector<double>& v) {
-  double s = 0;
-  for (double x : v) s += x * x;
-  return std::sqrt(s);
-}
-
-double rel_err(const std::vector<double>& got, const std::vector<double>& ref) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    if (!std::isfinite(got[i])) return INFINITY;
-    num += (got[i] - ref[i]) * (got[i] - ref[i]);
-    den += ref[i] * ref[i];
-  }
-  return std::sqrt(num) / std::max(std::sqrt(den), 1e-300);
-}
-
-// DESIGN.md init on the GPU, then norm weights and routing gains 1 +- 0.1 and routing
-// queries ~0.3 (zero queries would make every site a uniform mean and leave the
-// routing's key path unexercised); the GPU's bf16 values are then copied to the CPU
-// model, so both start from identical weights.
-void same_weights(Model& gpu, Model& cpu, uint64_t seed) {
-  gpu.init_weights(seed);
-  std::mt19937_64 rng(seed ^ 0x5eedULL);
-  std::normal_distribution<double> nd(0.0, 1.0);
-  for (auto& p : gpu.parameters()) {
-    if (p.value.ndim != 1) continue;
-    std::vector<double> v(static_cast<size_t>(p.value.numel()));
-    const bool query = p.name.find(".query") != std::string::npos;
-    for (double& x : v) x = query ? 0.3 * nd(rng) : 1.0 + 0.1 * nd(rng);
-    gpu.backend().upload(p.value, v.data());
-  }
-  ASSERT_EQ(cpu.parameters().size(), gpu.parameters().size());
-  for (size_t i = 0; i < gpu.parameters().size(); ++i) {
-    ASSERT_EQ(cpu.parameters()[i].name, gpu.parameters()[i].name);
-    const auto host = get(gpu.backend(), gpu.parameters()[i].value);
-    cpu.backend().upload(cpu.parameters()[i].value, host.data());
-  }
-}
-
 std::vector<int32_t> random_tokens(int n, int vocab, uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::vector<int32_t> t(static_cast<size_t>(n));
@@ -128,7 +84,7 @@ std::vector<std::vector<double>> cached_logits(Model& m, const std::vector<int32
   size_t at = 0;
   for (int c : chunks) {
     m.forward_cached(tokens.data() + at, c);
-    const auto all = get(m.backend(), m.logits());
+    const auto all = download(m.backend(), m.logits());
     EXPECT_EQ(all.size(), size_t(c) * V);
     for (int r = 0; r < c; ++r)
       rows.emplace_back(all.begin() + size_t(r) * V, all.begin() + size_t(r + 1) * V);
@@ -178,7 +134,7 @@ TEST_P(CudaDecode, CachedLogitsMatchTheCpuAtEveryPosition) {
   auto cpu = make_cpu_backend(DType::F32);
   auto gpu = make_cuda_backend(0);
   Model mg(cfg.model, cfg.residual, *gpu, 1, prefill), mcpu(cfg.model, cfg.residual, *cpu, 1, prefill);
-  same_weights(mg, mcpu, 17);
+  same_weights(mg, mcpu, 17, 0.3);
   mg.enable_kv_cache(ctx);
   mcpu.enable_kv_cache(ctx);
   std::vector<int> chunks = {prefill, 3};
@@ -212,7 +168,7 @@ TEST_P(CudaDecode, GreedyTokensMatchTheCpuWhereTheChoiceIsClear) {
   auto gpu = make_cuda_backend(0);
   // Built for the prompt's length, as `mhar sample` builds its model.
   Model mg(cfg.model, cfg.residual, *gpu, 1, prompt_len), mcpu(cfg.model, cfg.residual, *cpu, 1, prompt_len);
-  same_weights(mg, mcpu, 23);
+  same_weights(mg, mcpu, 23, 0.3);
   mg.enable_kv_cache(ctx);
   mcpu.enable_kv_cache(ctx);
   const auto prompt = random_tokens(prompt_len, V, 9);
