@@ -33,7 +33,7 @@ namespace {
 
 constexpr int kMaxNT = 8;           // d <= 2048
 constexpr int kMaxSites = 256;      // per-site pointer tables travel as kernel parameters
-constexpr int kWarpsPerBlock = 4;  // small blocks: ~130-200 registers per thread
+constexpr int kWarpsPerBlock = 4;   // small blocks: ~130-255 registers per thread
 constexpr int kKeyGradSites = 16;   // KT: sites per pass of key_grad_kernel
 constexpr int kKeyGradThreads = 128;
 
