@@ -26,22 +26,4 @@ std::string describe_device(int i) {
   return buf;
 }
 
-long long device_memory_in_use(int i) {
-  if (cudaSetDevice(i) != cudaSuccess) {
-    cudaGetLastError();
-    return -1;
-  }
-  size_t free_b = 0, total_b = 0;
-  if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) {
-    cudaGetLastError();
-    return -1;
-  }
-  return static_cast<long long>(total_b - free_b);
-}
-
-void device_synchronize(int i) {
-  CUDA_CHECK(cudaSetDevice(i));
-  CUDA_CHECK(cudaDeviceSynchronize());
-}
-
 }  // namespace mhar::cuda

@@ -8,10 +8,5 @@ namespace mhar::cuda {
 bool built_with_cuda();              // false in a -DMHAR_WITH_CUDA=OFF build
 int device_count();                  // 0 when no driver or no device
 std::string describe_device(int i);  // "NVIDIA H200 (sm_90, 132 SMs, 139.8 GiB)"
-// Device memory in use on device i (cudaMemGetInfo: total - free), every process and the
-// CUDA context included; creates the context on first use. -1 when it cannot be read.
-long long device_memory_in_use(int i);
-// Waits for all work on device i.
-void device_synchronize(int i);
 
 }  // namespace mhar::cuda

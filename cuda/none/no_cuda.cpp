@@ -14,8 +14,6 @@ int device_count() { return 0; }
 std::string describe_device(int i) {
   fail("CUDA device ", i, ": this mhar was built without CUDA (-DMHAR_WITH_CUDA=OFF)");
 }
-long long device_memory_in_use(int) { return -1; }
-void device_synchronize(int) {}
 
 }  // namespace cuda
 
