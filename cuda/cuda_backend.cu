@@ -90,7 +90,6 @@ class CudaBackend final : public Backend {
     uncount(p);
     CUDA_CHECK(cudaFree(p));
   }
-  int64_t bytes_in_use() const override { return in_use_; }
   int64_t peak_bytes_in_use() const override { return peak_; }
   void zero(Tensor t) override {
     if (t.bytes()) CUDA_CHECK(cudaMemsetAsync(t.data, 0, t.bytes(), stream_));
@@ -243,7 +242,7 @@ class CudaBackend final : public Backend {
   }
 
  private:
-  // Every cudaMalloc of this backend, for bytes_in_use / peak_bytes_in_use.
+  // Every cudaMalloc of this backend, for peak_bytes_in_use.
   void count(void* p, size_t bytes) {
     sizes_[p] = bytes;
     in_use_ += int64_t(bytes);

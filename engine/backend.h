@@ -54,9 +54,8 @@ class Backend {
   virtual void download(double* host, Tensor src) = 0;
   virtual void upload_tokens(Tensor dst, const int32_t* host) = 0;
   virtual void synchronize() {}
-  // Bytes this backend has taken from its device's allocator: now, and the most at any
-  // time so far (arenas, library workspaces, scratch). -1 when the backend does not count.
-  virtual int64_t bytes_in_use() const { return -1; }
+  // The most bytes this backend has held from its device's allocator at any time so far
+  // (arenas, library workspaces, scratch). -1 when the backend does not count.
   virtual int64_t peak_bytes_in_use() const { return -1; }
 
   // ---- embedding: out[n] = table[tokens[n]];  dtable[tokens[n]] += dout[n]
