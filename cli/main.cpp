@@ -1,5 +1,8 @@
 // main.cpp: the `mhar` command. Global flags (--version, --log-level), the list of
 // subcommands, and the one place where errors turn into messages and exit codes.
+// Logs go to stderr: stdout carries only a command's result (sampled text, eval's and
+// bench's JSON line), so it can be piped or compared whatever the log level.
+#include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
 #include <CLI/CLI.hpp>
@@ -29,6 +32,7 @@ int main(int argc, char** argv) {
   mhar::cli::register_bench_command(app);
 
   app.parse_complete_callback([&] {
+    spdlog::set_default_logger(spdlog::stderr_color_mt("mhar"));
     spdlog::set_level(spdlog::level::from_str(log_level));
     spdlog::set_pattern("[%H:%M:%S] %^%l%$ %v");
   });
