@@ -78,23 +78,24 @@ void routing_source_backward(T* dv, T* weights, T* ubar, T* gsum, const T* site_
                              int S, int source, int H) {
   const int64_t hs = d / H;
   const int i = source;
-  // ubar of site i from its own input and input gradient: stored for the sources before
-  // i, used unrounded below (site 0 has one source: u == ubar there, so its query and
-  // gain get exactly zero gradient, as in exact arithmetic).
-  auto own_ubar = [&](int64_t n, int h) {
-    double acc = 0;
-    for (int64_t c = h * hs; c < (h + 1) * hs; ++c)
-      acc += double(site_dx[(int64_t(i) * N + n) * d + c]) * x[n * d + c];
-    return acc;
-  };
+  // ubar of site i from its own input and input gradient: stored (rounded to T) for the
+  // sources before i, used unrounded below (site 0 has one source: u == ubar there, so
+  // its query and gain get exactly zero gradient, as in exact arithmetic).
+  std::vector<double> own_ubar(static_cast<size_t>(N * H));
 #pragma omp parallel for if (worth_parallel(N * d))
   for (int64_t n = 0; n < N; ++n)
-    for (int h = 0; h < H; ++h) ubar[(int64_t(i) * H + h) * N + n] = T(own_ubar(n, h));
+    for (int h = 0; h < H; ++h) {
+      double acc = 0;
+      for (int64_t c = h * hs; c < (h + 1) * hs; ++c)
+        acc += double(site_dx[(int64_t(i) * N + n) * d + c]) * x[n * d + c];
+      own_ubar[size_t(n * H + h)] = acc;
+      ubar[(int64_t(i) * H + h) * N + n] = T(acc);
+    }
   // dsr[k][h][n] kept apart until every token is done: gsum needs the rounded values
   // exactly as stored, and the parallel loop below owns tokens, not features.
 #pragma omp parallel if (worth_parallel(N * d * (S - i)))
   {
-    std::vector<double> acc(static_cast<size_t>(d)), ds(static_cast<size_t>(H));
+    std::vector<double> acc(static_cast<size_t>(d));
 #pragma omp for
     for (int64_t n = 0; n < N; ++n) {
       const T* vn = v + n * d;
@@ -109,14 +110,15 @@ void routing_source_backward(T* dv, T* weights, T* ubar, T* gsum, const T* site_
           double u = 0;
           for (int64_t c = h * hs; c < (h + 1) * hs; ++c) u += double(dx[c]) * vn[c];
           const double a = w[h * N + n];
-          const double ub = k == i ? own_ubar(n, h) : double(ubar[(int64_t(k) * H + h) * N + n]);
-          ds[size_t(h)] = a * (u - ub);
+          const double ub = k == i ? own_ubar[size_t(n * H + h)]
+                                   : double(ubar[(int64_t(k) * H + h) * N + n]);
+          const double ds = a * (u - ub);
           for (int64_t c = h * hs; c < (h + 1) * hs; ++c) {
             const double qg = double(st.q[c]) * st.g[c];
-            acc[size_t(c)] += a * dx[c] + r * qg * ds[size_t(h)];
-            radial += ds[size_t(h)] * qg * vn[c];
+            acc[size_t(c)] += a * dx[c] + r * qg * ds;
+            radial += ds * qg * vn[c];
           }
-          w[h * N + n] = T(ds[size_t(h)] * r);
+          w[h * N + n] = T(ds * r);
         }
       }
       const double scale = r * r * r / double(d) * radial;
