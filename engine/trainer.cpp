@@ -236,14 +236,13 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
         fail("stopping: ", consecutive_bad, " consecutive steps with non-finite loss or gradients "
              "(train.max_bad_steps = ", t.max_bad_steps, "); the last good checkpoint is ",
              result.last_checkpoint.empty() ? std::string("none yet") : result.last_checkpoint);
-      ++step;  // the batch is consumed; the data position moves on
     } else {
       consecutive_bad = 0;
       optimizer.step(lr, clip_factor(grad_norm, t.grad_clip), step + 1);
       backend->synchronize();
-      ++step;
       tokens_seen += micro_tokens * accum;
     }
+    ++step;  // a skipped step's batch is consumed too: the data position moves on
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const double elapsed =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
