@@ -1,0 +1,73 @@
+// file_io.h: every file the engine reads or writes goes through here.
+//
+// Reading: only regular files are opened (a FIFO, a device such as /dev/zero, a
+// directory or a symlink to one is refused with a message, never read or waited on), and
+// the size is capped by the caller, so a hostile path can neither hang nor exhaust memory.
+//
+// Writing: a file is published whole or not at all. `write_file_atomic` (and
+// `CheckedFile` + `publish`) write into a temporary name beside the target, check every
+// write(2), fsync the data, rename over the target and fsync the directory. A failure at
+// any point (a full disk, an I/O error) removes the temporary file and leaves the old
+// target untouched. Nothing is ever rewritten in place with truncation.
+//
+// Simulated full disk (documented in the README): with MHAR_SIMULATE_DISK_FULL_AFTER_BYTES=N
+// in the environment, writes through this module fail with "No space left on device" once
+// the process has written N bytes through it. Tests use it where no real small filesystem
+// can be mounted.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+namespace mhar {
+
+// Throws mhar::Error unless `path` exists and is a regular file (after following
+// symlinks). `what` says what the file was meant to be ("config file", "shard", ...).
+void require_regular_file(const std::string& path, const char* what);
+
+// Reads a whole regular file. Refuses non-regular files (see above) and files larger than
+// `max_bytes`, naming the path, the size and the limit.
+std::string read_regular_file(const std::string& path, const char* what,
+                              uint64_t max_bytes = uint64_t(1) << 30);
+
+// FNV-1a 64-bit, the checksum recorded for checkpoint files and state.json.
+constexpr uint64_t kFnv1aOffset = 1469598103934665603ULL;
+uint64_t fnv1a64(uint64_t h, const void* data, size_t n);
+std::string hex64(uint64_t v);
+
+// A file written through write(2) with every byte counted, hashed (FNV-1a) and checked.
+// close() fsyncs. The destructor of an unclosed file closes the descriptor and removes
+// the file: a CheckedFile that did not reach close() leaves nothing behind.
+class CheckedFile {
+ public:
+  explicit CheckedFile(const std::string& path);
+  ~CheckedFile();
+  CheckedFile(const CheckedFile&) = delete;
+  CheckedFile& operator=(const CheckedFile&) = delete;
+  void write(const void* data, size_t n);
+  void write(const std::string& s) { write(s.data(), s.size()); }
+  void close();  // fsync + close; throws on failure
+  uint64_t bytes() const { return bytes_; }
+  uint64_t hash() const { return hash_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+  uint64_t bytes_ = 0, hash_ = kFnv1aOffset;
+};
+
+// Writes `contents` to `path` atomically (temporary file in the same directory, checked
+// writes, fsync, rename, directory fsync). On failure the old `path` is untouched and no
+// temporary file remains; the error names `path` and the cause.
+void write_file_atomic(const std::string& path, const std::string& contents);
+
+// The name write_file_atomic uses beside `path` for its temporary file; unique per
+// process, hidden, and recognisable so stale ones from killed writers can be found.
+std::string temp_path_for(const std::string& path);
+
+// fsync of a directory, so that renames and creations inside it are durable.
+void fsync_dir(const std::string& dir);
+
+}  // namespace mhar
