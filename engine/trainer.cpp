@@ -228,12 +228,14 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
                B, T, accum, micro_tokens * accum, t.steps);
   spdlog::debug("memory:\n{}", model.memory_report());
 
-  auto checkpoint = [&](long long at_step, double elapsed_total) {
+  long long checkpointed_step = step;  // nothing to lose before the first step
+  auto checkpoint = [&](long long at_step, double elapsed_total, nlohmann::json loader_state = nullptr) {
     CheckpointWrite w;
     w.run_dir = opt.run_dir;
     w.step = at_step;
     w.config = &cfg;
-    w.loader = train_data.state();
+    w.loader = loader_state.is_null() ? train_data.state() : std::move(loader_state);
+    checkpointed_step = at_step;
     w.trainer = {{"tokens_seen", tokens_seen}, {"total_bad_steps", total_bad},
                  {"consecutive_bad_steps", consecutive_bad}, {"elapsed_s", elapsed_total}};
     w.keep = cfg.checkpoint.keep;
@@ -266,12 +268,36 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
   const long long nan_from = nan_env ? std::atoll(nan_env) : -1;
   const auto run_start = std::chrono::steady_clock::now();
   const long long first_step = step;
+  // A data error (a shard changed on disk, a read error) stops the run, but first the
+  // last completed step is checkpointed, at the data position where that step ended,
+  // so no finished step is lost; the error then propagates (exit 1).
+  auto checkpoint_then_rethrow = [&](nlohmann::json loader_state) {
+    if (step > checkpointed_step) {
+      spdlog::error("data error after step {}: checkpointing that step before stopping", step);
+      try {
+        checkpoint(step, elapsed_before + std::chrono::duration<double>(std::chrono::steady_clock::now() -
+                                                                        run_start).count(),
+                   std::move(loader_state));
+      } catch (const std::exception& e) {
+        spdlog::error("that checkpoint failed too: {}", e.what());
+      }
+    }
+    throw;
+  };
   while (step < t.steps) {
     const auto t0 = std::chrono::steady_clock::now();
     model.zero_grads();
     double loss = 0;
+    const uint64_t data_epoch = train_data.epoch(), data_step = train_data.step();
     for (long long a = 0; a < accum; ++a) {
-      train_data.next_batch(x.data(), y.data());
+      try {
+        train_data.next_batch(x.data(), y.data());
+      } catch (const Error&) {
+        nlohmann::json at_step_start = train_data.state();  // before this step's micro-batches
+        at_step_start["epoch"] = data_epoch;
+        at_step_start["step"] = data_step;
+        checkpoint_then_rethrow(std::move(at_step_start));
+      }
       loss += model.forward(x.data(), y.data(), 1.0 / double(accum)) / double(accum);
       model.backward();
     }
@@ -321,7 +347,13 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
     // of bad steps the newest checkpoint stays the last good one (and `keep` does not
     // rotate good checkpoints out in favour of copies of the same weights).
     const bool stop = g_stop_signals > 0 || (opt.stop_after_steps >= 0 && step - first_step >= opt.stop_after_steps);
-    if ((good && step % t.eval_every == 0) || step == t.steps) run_eval(step);
+    if ((good && step % t.eval_every == 0) || step == t.steps) {
+      try {
+        run_eval(step);
+      } catch (const Error&) {
+        checkpoint_then_rethrow(nullptr);  // the step is complete: the loader's own position
+      }
+    }
     if (stop) {
       spdlog::info("stop requested: checkpointing at step {} and exiting", step);
       checkpoint(step, elapsed_before + elapsed);
