@@ -39,6 +39,12 @@ void register_eval(CLI::App& app) {
     Model model(cfg.model, cfg.residual, *backend, B, T);
     load_model_weights(ckpt, model);
     EvalResult r = evaluate(model, loader, batches);
+    // The weights were checked finite on load; a non-finite loss means they overflow on
+    // this data. That is a failed evaluation, never a result line.
+    if (!std::isfinite(r.loss))
+      fail(ckpt.dir, " (step ", ckpt.step, "): the loss over ", r.tokens, " tokens of ", glob, " is ",
+           std::isnan(r.loss) ? "nan" : r.loss > 0 ? "inf" : "-inf",
+           ": the model's outputs are not finite on this data, so there is no loss to report");
     nlohmann::json out = {{"loss", r.loss}, {"ppl", std::exp(r.loss)}, {"tokens", r.tokens},
                           {"batches", r.batches}, {"checkpoint", ckpt.dir}, {"step", ckpt.step}};
     std::printf("%s\n", out.dump().c_str());

@@ -8,12 +8,15 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <set>
 
+#include "engine/checkpoint_state.h"
 #include "engine/error.h"
 #include "engine/file_io.h"
 #include "engine/optimizer.h"
@@ -26,7 +29,6 @@ namespace mhar {
 
 namespace {
 
-constexpr const char* kFormat = "mhar-checkpoint-1";
 
 // The record state.json keeps of a written file.
 nlohmann::json file_record(const CheckedFile& f) {
@@ -64,51 +66,53 @@ std::vector<int64_t> shape_of(const Tensor& t) {
   return std::vector<int64_t>(t.shape.begin(), t.shape.begin() + t.ndim);
 }
 
-uint64_t file_fnv1a(const fs::path& p, uint64_t* size) {
-  std::ifstream in(p, std::ios::binary);
-  std::vector<char> buf(1 << 20);
-  uint64_t h = kFnv1aOffset, total = 0;
-  while (in) {
-    in.read(buf.data(), std::streamsize(buf.size()));
-    h = fnv1a64(h, buf.data(), size_t(in.gcount()));
-    total += uint64_t(in.gcount());
-  }
-  *size = total;
-  return h;
+// The first non-finite value of `v` (an index), or -1.
+int64_t first_nonfinite(const std::vector<double>& v) {
+  for (size_t i = 0; i < v.size(); ++i)
+    if (!std::isfinite(v[i])) return int64_t(i);
+  return -1;
 }
 
-CheckpointInfo validate_checkpoint_dir(const fs::path& dir) {
-  const fs::path state_path = dir / "state.json";
-  if (!fs::exists(state_path))
-    fail(dir.string(), ": not a checkpoint (no state.json; an interrupted write leaves none)");
-  std::ifstream in(state_path);
-  nlohmann::json st = nlohmann::json::parse(in, nullptr, false);
-  if (st.is_discarded() || !st.is_object()) fail(state_path.string(), ": not valid JSON (damaged checkpoint)");
-  if (st.value("format", "") != kFormat)
-    fail(state_path.string(), ": format ", st.value("format", std::string("<missing>")),
-         " is not ", kFormat);
-  if (!st.contains("files") || !st["files"].is_object() || !st["files"].contains("model.safetensors"))
-    fail(state_path.string(), ": lists no model.safetensors (damaged checkpoint)");
-  for (auto it = st["files"].begin(); it != st["files"].end(); ++it) {
-    const fs::path f = dir / it.key();
-    if (!fs::exists(f)) fail(dir.string(), ": ", it.key(), " is missing (incomplete checkpoint)");
-    uint64_t size = 0;
-    const uint64_t h = file_fnv1a(f, &size);
-    const uint64_t want_size = it.value().value("bytes", uint64_t(0));
-    if (size != want_size)
-      fail(f.string(), ": ", size, " bytes but state.json records ", want_size, " (truncated or damaged)");
-    if (hex64(h) != it.value().value("fnv1a64", std::string()))
-      fail(f.string(), ": checksum ", hex64(h), " does not match state.json (",
-           it.value().value("fnv1a64", std::string()), "): the file is damaged");
-  }
-  CheckpointInfo info;
-  info.dir = dir.string();
-  info.step = st.value("step", int64_t(-1));
-  if (info.step < 0) fail(state_path.string(), ": missing step");
-  info.config = config_from_json(st.at("config"), state_path.string() + " (config)");
-  info.state = st;
-  return info;
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
 }
+
+// A checkpoint tensor must be F32 of exactly `want` shape with finite values (and, for
+// second moments, non-negative ones: AdamW takes their square root).
+void check_tensor(const SafetensorsFile& f, const std::string& name, const std::vector<int64_t>& want,
+                  bool non_negative) {
+  if (!f.has(name)) fail(f.path(), ": has no tensor ", name, " (checkpoint of another model?)");
+  const auto& e = f.entry(name);
+  if (e.dtype != "F32")
+    fail(f.path(), ": tensor ", name, " is ", e.dtype, "; checkpoints hold F32 tensors");
+  if (e.shape != want)
+    fail(f.path(), ": tensor ", name, " has shape ", shape_text(e.shape), " but the model needs ",
+         shape_text(want), " (checkpoint of another model, or a damaged header)");
+  const std::vector<double> v = f.to_f64(name);
+  const int64_t bad = first_nonfinite(v);
+  if (bad >= 0)
+    fail(f.path(), ": tensor ", name, " holds ",
+         std::isnan(v[size_t(bad)]) ? "nan" : v[size_t(bad)] > 0 ? "inf" : "-inf", " at flat index ", bad,
+         " (the first non-finite value): a checkpoint must hold finite values; use an earlier "
+         "checkpoint of this run");
+  if (non_negative)
+    for (size_t i = 0; i < v.size(); ++i)
+      if (v[i] < 0)
+        fail(f.path(), ": tensor ", name, " holds ", v[i], " at flat index ", i,
+             ": a second moment (exp_avg_sq) is never negative");
+}
+
+// Refuses a tensor of `f` that is not in `expected`, naming the first one.
+void refuse_extra_tensors(const SafetensorsFile& f, const std::set<std::string>& expected) {
+  for (const auto& name : f.names())
+    if (!expected.count(name))
+      fail(f.path(), ": holds tensor ", name, ", which this model does not have (", f.names().size(),
+           " tensors in the file, ", expected.size(), " expected): checkpoint of another model?");
+}
+
+CheckpointInfo validate_checkpoint_dir(const fs::path& dir) { return read_checkpoint_dir(dir.string()); }
 
 }  // namespace
 
@@ -130,11 +134,29 @@ std::vector<std::string> list_checkpoints(const std::string& run_dir) {
 }
 
 CheckpointInfo open_checkpoint(const std::string& path, bool newest_valid) {
-  if (!fs::exists(path)) fail(path, ": no such checkpoint or run directory");
-  if (fs::exists(fs::path(path) / "state.json")) return validate_checkpoint_dir(path);
-  auto all = list_checkpoints(path);
+  std::error_code ec;
+  const fs::file_status status = fs::status(path, ec);
+  if (!fs::exists(status))
+    fail(path, ": no such checkpoint or run directory", ec && ec != std::errc::no_such_file_or_directory
+                                                            ? " (" + ec.message() + ")" : std::string());
+  if (!fs::is_directory(status))
+    fail(path, ": is not a directory; give a checkpoint directory (RUN_DIR/checkpoints/step_NNNNNNNN) "
+         "or a run directory (then its newest checkpoint)");
+  // A directory with a state.json entry (of whatever kind: the reader refuses a FIFO or a
+  // directory there with a message) is a checkpoint; any other is a run directory.
+  if (fs::exists(fs::symlink_status(fs::path(path) / "state.json", ec))) return validate_checkpoint_dir(path);
+  std::vector<std::string> all;
+  try {
+    all = list_checkpoints(path);
+  } catch (const fs::filesystem_error& e) {
+    fail(path, ": cannot list its checkpoints (", e.code().message(), ")");
+  }
+  if (all.empty() && (fs::exists(fs::path(path) / "model.safetensors", ec) ||
+                      fs::path(path).filename().string().rfind("step_", 0) == 0))
+    fail(path, ": not a checkpoint (no state.json; an interrupted write leaves none)");
   if (all.empty())
-    fail(path, ": holds no checkpoints (expected ", path, "/checkpoints/step_NNNNNNNN/)");
+    fail(path, ": holds no checkpoints (expected ", path, "/checkpoints/step_NNNNNNNN/, or a "
+         "checkpoint directory with a state.json)");
   for (auto it = all.rbegin(); it != all.rend(); ++it) {
     try {
       return validate_checkpoint_dir(*it);
@@ -160,36 +182,42 @@ void check_same_model(const Config& ours, const Config& theirs, const std::strin
 void load_model_weights(const CheckpointInfo& ckpt, Model& model, AdamWOptimizer* opt) {
   SafetensorsFile f = SafetensorsFile::load((fs::path(ckpt.dir) / "model.safetensors").string());
   auto& params = model.parameters();
+  std::set<std::string> expected;
+  for (const Parameter& p : params) expected.insert(p.name);
+  refuse_extra_tensors(f, expected);
+  // Every tensor is checked before any is uploaded, so a refused file leaves the model as
+  // it was; values are converted per tensor (twice) to keep the peak memory at one tensor.
+  for (const Parameter& p : params) check_tensor(f, p.name, shape_of(p.value), false);
   for (size_t i = 0; i < params.size(); ++i) {
-    const Parameter& p = params[i];
-    if (!f.has(p.name)) fail(f.path(), ": has no tensor ", p.name, " (checkpoint of another model?)");
-    const auto& e = f.entry(p.name);
-    if (e.shape != shape_of(p.value)) {
-      std::string want, got;
-      for (auto s : shape_of(p.value)) want += std::to_string(s) + " ";
-      for (auto s : e.shape) got += std::to_string(s) + " ";
-      fail(f.path(), ": tensor ", p.name, " has shape [ ", got, "] but the model needs [ ", want, "]");
-    }
-    auto w = f.to_f64(p.name);
-    model.backend().upload(p.value, w.data());
+    const std::vector<double> w = f.to_f64(params[i].name);
+    model.backend().upload(params[i].value, w.data());
     if (opt && opt->has_master()) model.backend().upload(opt->master(i), w.data());
   }
 }
 
 void load_optimizer_moments(const CheckpointInfo& ckpt, Model& model, AdamWOptimizer& opt, int rank) {
-  const fs::path file = fs::path(ckpt.dir) / ("optimizer.rank" + std::to_string(rank) + ".safetensors");
-  if (!fs::exists(file)) fail(file.string(), ": missing (checkpoint written with fewer ranks?)");
+  const std::string name = "optimizer.rank" + std::to_string(rank) + ".safetensors";
+  const fs::path file = fs::path(ckpt.dir) / name;
+  // Only files listed in state.json had their size and checksum verified on open.
+  const auto files = ckpt.state.find("files");
+  if (files == ckpt.state.end() || !files->is_object() || !files->contains(name))
+    fail(ckpt.dir, ": state.json lists no ", name, " (checkpoint written with fewer ranks, or damaged)");
   SafetensorsFile f = SafetensorsFile::load(file.string());
   Backend& be = model.backend();
   auto& params = model.parameters();
+  std::set<std::string> expected;
+  for (const Parameter& p : params) {
+    expected.insert(p.name + ".exp_avg");
+    expected.insert(p.name + ".exp_avg_sq");
+  }
+  refuse_extra_tensors(f, expected);
+  for (const Parameter& p : params) {
+    check_tensor(f, p.name + ".exp_avg", {p.value.numel()}, false);
+    check_tensor(f, p.name + ".exp_avg_sq", {p.value.numel()}, true);
+  }
   for (size_t i = 0; i < params.size(); ++i) {
-    for (const char* kind : {".exp_avg", ".exp_avg_sq"}) {
-      const std::string name = params[i].name + kind;
-      if (!f.has(name) || f.numel(name) != params[i].value.numel())
-        fail(file.string(), ": tensor ", name, " missing or of the wrong size");
-      auto v = f.to_f64(name);
-      be.upload(std::string(kind) == ".exp_avg" ? opt.exp_avg(i) : opt.exp_avg_sq(i), v.data());
-    }
+    be.upload(opt.exp_avg(i), f.to_f64(params[i].name + ".exp_avg").data());
+    be.upload(opt.exp_avg_sq(i), f.to_f64(params[i].name + ".exp_avg_sq").data());
   }
 }
 
@@ -239,8 +267,9 @@ std::string save_checkpoint(const CheckpointWrite& w, Model& model, AdamWOptimiz
       f.close();
       files["optimizer.rank0.safetensors"] = file_record(f);
     }
-    nlohmann::json st = {{"format", kFormat},   {"step", w.step},       {"config", w.config->to_json()},
+    nlohmann::json st = {{"format", kCheckpointFormat}, {"step", w.step}, {"config", w.config->to_json()},
                          {"loader", w.loader},  {"trainer", w.trainer}, {"files", files}};
+    st[kStateChecksumField] = state_checksum(st);  // state.json's own (engine/checkpoint_state.h)
     const std::string text = st.dump(2) + "\n";
     CheckedFile f((tmp / "state.json").string());
     f.write(text.data(), text.size());

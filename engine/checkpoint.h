@@ -5,10 +5,14 @@
 //   optimizer.rank<R>.safetensors  AdamW moments of rank R ("<name>.exp_avg",
 //                                ".exp_avg_sq"), fp32
 //   state.json                   {"format", "step", "config", "loader", "trainer",
-//                                 "files": {name: {"bytes", "fnv1a64"}}}
+//                                 "files": {name: {"bytes", "fnv1a64"}},
+//                                 "state_fnv1a64": its own checksum}
 // A checkpoint is written into a hidden temporary directory and renamed into place only
 // when every file is complete and flushed, so a crash (or a full disk) never leaves a
-// directory that looks whole. Opening verifies every file's size and checksum.
+// directory that looks whole. Opening validates state.json field by field and against its
+// own checksum, and every file's size and checksum (engine/checkpoint_state.h); loading
+// the weights enforces the safetensors layout rule (engine/safetensors.h), the model's
+// dtype and exact shapes, no extra tensors, and finite values.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -24,11 +28,21 @@ namespace mhar {
 
 class AdamWOptimizer;
 
+// The trainer's counters from state.json, validated.
+struct CheckpointTrainerState {
+  int64_t tokens_seen = 0;
+  int64_t total_bad_steps = 0;
+  int64_t consecutive_bad_steps = 0;  // the streak of skipped steps the run stopped in
+  double elapsed_s = 0;
+};
+
 struct CheckpointInfo {
   std::string dir;
   int64_t step = 0;
   Config config;
-  nlohmann::json state;  // the whole state.json
+  nlohmann::json loader;           // the data position (DataLoader::restore), validated
+  CheckpointTrainerState trainer;  // validated
+  nlohmann::json state;            // the whole state.json (use the typed fields above)
 };
 
 // Checkpoint directories under RUN_DIR/checkpoints, oldest first (not validated).
@@ -40,12 +54,15 @@ std::vector<std::string> list_checkpoints(const std::string& run_dir);
 // directory, the file and the problem.
 CheckpointInfo open_checkpoint(const std::string& path, bool newest_valid = false);
 
-// Loads the fp32 master weights into `model`; every tensor must exist with the model's
-// shape, else the error names the first mismatch. With `opt`, its fp32 master copy (bf16
-// models) gets the same weights from the one read, so a resume continues from the exact
-// fp32 values.
+// Loads the fp32 master weights into `model`: the file must hold exactly the model's
+// tensors, each F32 with the model's exact shape and every value finite, else the error
+// names the first extra, missing or mismatched tensor (and the first non-finite index).
+// With `opt`, its fp32 master copy (bf16 models) gets the same weights from the one read,
+// so a resume continues from the exact fp32 values.
 void load_model_weights(const CheckpointInfo& ckpt, Model& model, AdamWOptimizer* opt = nullptr);
-// Loads rank `rank`'s AdamW moments.
+// Loads rank `rank`'s AdamW moments: the file must be listed (so checksummed) in
+// state.json and hold exactly "<name>.exp_avg" and "<name>.exp_avg_sq" per parameter, F32
+// of shape [numel], finite, and exp_avg_sq >= 0.
 void load_optimizer_moments(const CheckpointInfo& ckpt, Model& model, AdamWOptimizer& opt, int rank);
 // Throws if the model sections differ, naming the first differing field.
 void check_same_model(const Config& ours, const Config& theirs, const std::string& theirs_where);

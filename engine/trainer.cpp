@@ -156,6 +156,19 @@ EvalResult evaluate(Model& model, data::DataLoader& loader, long long max_batche
   return r;
 }
 
+// A run ends (or stops) reported as a success only when its last validation loss is
+// finite: NaN or Inf there means the weights it ends with do not work, whatever the
+// training losses said (a skipped step never reaches the weights, so the evaluation is
+// where such a model shows). Its checkpoint stays for inspection.
+static void refuse_nonfinite_val_loss(const TrainResult& r, long long eval_step) {
+  if (eval_step >= 0 && !std::isfinite(r.last_val_loss))
+    fail("the run ", r.interrupted ? "stopped" : "ended", " at step ", r.step, " with validation loss ",
+         std::isnan(r.last_val_loss) ? "nan" : r.last_val_loss > 0 ? "inf" : "-inf", " (evaluated at step ",
+         eval_step, "): the model's outputs are not finite, so this is not a usable result (its checkpoint: ",
+         r.last_checkpoint.empty() ? "none" : r.last_checkpoint, "). Lower train.lr or check the data, and "
+         "train again");
+}
+
 TrainResult train(Config cfg, const TrainOptions& opt) {
   MHAR_CHECK(!opt.run_dir.empty(), "run_dir");
   g_stop_signals = 0;
@@ -207,15 +220,15 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
   if (opt.resume) {
     load_model_weights(resume_from, model, &optimizer);
     load_optimizer_moments(resume_from, model, optimizer, 0);
-    train_data.restore(resume_from.state.at("loader"));
-    const auto& ts = resume_from.state.at("trainer");
+    // The values open_checkpoint validated (engine/checkpoint_state.h), not raw JSON.
+    train_data.restore(resume_from.loader);
     step = resume_from.step;
-    tokens_seen = ts.value("tokens_seen", 0LL);
-    total_bad = ts.value("total_bad_steps", 0LL);
+    tokens_seen = resume_from.trainer.tokens_seen;
+    total_bad = resume_from.trainer.total_bad_steps;
     // A run stopped during a streak of skipped steps keeps counting it toward
-    // train.max_bad_steps (absent in checkpoints written before this field: 0).
-    consecutive_bad = ts.value("consecutive_bad_steps", 0LL);
-    elapsed_before = ts.value("elapsed_s", 0.0);
+    // train.max_bad_steps.
+    consecutive_bad = resume_from.trainer.consecutive_bad_steps;
+    elapsed_before = resume_from.trainer.elapsed_s;
     result.last_checkpoint = resume_from.dir;
   } else {
     model.init_weights(t.seed);
@@ -243,7 +256,9 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
     result.last_checkpoint = save_checkpoint(w, model, optimizer);
     spdlog::info("checkpoint: {}", result.last_checkpoint);
   };
+  long long last_eval_step = -1;
   auto run_eval = [&](long long at_step) {
+    last_eval_step = at_step;
     RoutingAccumulator routing;
     EvalResult ev = evaluate(model, val_data, t.eval_batches, &routing);
     metrics.append({{"kind", "eval"}, {"step", at_step}, {"val_loss", ev.loss},
@@ -358,12 +373,14 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
       spdlog::info("stop requested: checkpointing at step {} and exiting", step);
       checkpoint(step, elapsed_before + elapsed);
       result.interrupted = true;
+      refuse_nonfinite_val_loss(result, last_eval_step);
       return result;
     }
     if ((good && cfg.checkpoint.every > 0 && step % cfg.checkpoint.every == 0) || step == t.steps)
       checkpoint(step, elapsed_before + elapsed);
   }
   result.step = step;
+  refuse_nonfinite_val_loss(result, last_eval_step);
   return result;
 }
 
