@@ -1,5 +1,5 @@
-// checkpoint.cpp: atomic checkpoint writing, validation on open, and loading (see
-// checkpoint.h for the layout).
+// checkpoint.cpp: atomic checkpoint writing, clean-up after killed writers, validation on
+// open, and loading (see checkpoint.h for the layout).
 #include "engine/checkpoint.h"
 
 #include <fcntl.h>
@@ -15,7 +15,9 @@
 #include <fstream>
 
 #include "engine/error.h"
+#include "engine/file_io.h"
 #include "engine/optimizer.h"
+#include "engine/run_lock.h"
 #include "engine/safetensors.h"
 
 namespace fs = std::filesystem;
@@ -25,74 +27,15 @@ namespace mhar {
 namespace {
 
 constexpr const char* kFormat = "mhar-checkpoint-1";
-constexpr uint64_t kFnvOffset = 1469598103934665603ULL, kFnvPrime = 1099511628211ULL;
 
-uint64_t fnv1a(uint64_t h, const void* data, size_t n) {
-  const auto* p = static_cast<const uint8_t*>(data);
-  for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * kFnvPrime;
-  return h;
+// The record state.json keeps of a written file.
+nlohmann::json file_record(const CheckedFile& f) {
+  return {{"bytes", f.bytes()}, {"fnv1a64", hex64(f.hash())}};
 }
 
-std::string hex64(uint64_t v) {
-  char buf[17];
-  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
-  return buf;
-}
-
-// Bytes written into the checkpoint being saved, for the simulated full disk: with
-// MHAR_SIMULATE_DISK_FULL_AFTER_BYTES=N every checkpoint write fails with ENOSPC after N
-// bytes. Tests use it to prove that a failed write leaves earlier checkpoints intact.
-uint64_t g_checkpoint_bytes_written = 0;
-
-// A file written through write(2) with every byte counted, hashed and checked; fsync'd
-// on close so the rename that publishes the checkpoint happens after the data is durable.
-class CheckedFile {
- public:
-  explicit CheckedFile(const std::string& path) : path_(path) {
-    fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (fd_ < 0) fail(path, ": cannot create (", std::strerror(errno), ")");
-  }
-  ~CheckedFile() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  void write(const void* data, size_t n) {
-    const char* limit_env = std::getenv("MHAR_SIMULATE_DISK_FULL_AFTER_BYTES");
-    const auto* p = static_cast<const char*>(data);
-    hash_ = fnv1a(hash_, data, n);
-    while (n) {
-      size_t chunk = std::min<size_t>(n, 1 << 24);
-      if (limit_env && g_checkpoint_bytes_written + chunk > std::strtoull(limit_env, nullptr, 10))
-        fail(path_, ": write failed (No space left on device) [simulated by MHAR_SIMULATE_DISK_FULL_AFTER_BYTES]");
-      ssize_t w = ::write(fd_, p, chunk);
-      if (w < 0) {
-        if (errno == EINTR) continue;
-        fail(path_, ": write failed (", std::strerror(errno), ")");
-      }
-      p += w;
-      n -= size_t(w);
-      bytes_ += uint64_t(w);
-      g_checkpoint_bytes_written += uint64_t(w);
-    }
-  }
-  void close() {
-    if (::fsync(fd_) != 0) fail(path_, ": fsync failed (", std::strerror(errno), ")");
-    if (::close(fd_) != 0) fail(path_, ": close failed (", std::strerror(errno), ")");
-    fd_ = -1;
-  }
-  nlohmann::json record() const { return {{"bytes", bytes_}, {"fnv1a64", hex64(hash_)}}; }
-
- private:
-  std::string path_;
-  int fd_ = -1;
-  uint64_t bytes_ = 0, hash_ = kFnvOffset;
-};
-
-void fsync_dir(const fs::path& dir) {
-  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
-  if (fd >= 0) {
-    ::fsync(fd);
-    ::close(fd);
-  }
+void rename_or_fail(const fs::path& from, const fs::path& to) {
+  if (::rename(from.c_str(), to.c_str()) != 0)
+    fail(to.string(), ": cannot rename ", from.string(), " into place (", std::strerror(errno), ")");
 }
 
 std::string step_dir_name(int64_t step) {
@@ -124,10 +67,10 @@ std::vector<int64_t> shape_of(const Tensor& t) {
 uint64_t file_fnv1a(const fs::path& p, uint64_t* size) {
   std::ifstream in(p, std::ios::binary);
   std::vector<char> buf(1 << 20);
-  uint64_t h = kFnvOffset, total = 0;
+  uint64_t h = kFnv1aOffset, total = 0;
   while (in) {
     in.read(buf.data(), std::streamsize(buf.size()));
-    h = fnv1a(h, buf.data(), size_t(in.gcount()));
+    h = fnv1a64(h, buf.data(), size_t(in.gcount()));
     total += uint64_t(in.gcount());
   }
   *size = total;
@@ -252,13 +195,15 @@ void load_optimizer_moments(const CheckpointInfo& ckpt, Model& model, AdamWOptim
 
 std::string save_checkpoint(const CheckpointWrite& w, Model& model, AdamWOptimizer& opt) {
   const fs::path root = fs::path(w.run_dir) / "checkpoints";
-  fs::create_directories(root);
+  std::error_code ec;
+  fs::create_directories(root, ec);
+  if (ec) fail(root.string(), ": cannot create the checkpoints directory (", ec.message(), ")");
   const std::string name = step_dir_name(w.step);
   const fs::path tmp = root / (".tmp-" + name + "-" + std::to_string(::getpid()));
   const fs::path final_dir = root / name;
-  fs::remove_all(tmp);
-  fs::create_directories(tmp);
-  g_checkpoint_bytes_written = 0;
+  fs::remove_all(tmp, ec);
+  if (!fs::create_directory(tmp, ec) && ec)
+    fail(tmp.string(), ": cannot create the checkpoint's temporary directory (", ec.message(), ")");
   Backend& be = model.backend();
   auto& params = model.parameters();
   nlohmann::json files = nlohmann::json::object();
@@ -275,7 +220,7 @@ std::string save_checkpoint(const CheckpointWrite& w, Model& model, AdamWOptimiz
       CheckedFile f((tmp / "model.safetensors").string());
       write_f32_tensors(f, names, shapes, data, {{"format", "mhar"}, {"step", std::to_string(w.step)}});
       f.close();
-      files["model.safetensors"] = f.record();
+      files["model.safetensors"] = file_record(f);
     }
     {  // AdamW moments of this rank
       std::vector<std::string> names;
@@ -292,7 +237,7 @@ std::string save_checkpoint(const CheckpointWrite& w, Model& model, AdamWOptimiz
       CheckedFile f((tmp / "optimizer.rank0.safetensors").string());
       write_f32_tensors(f, names, shapes, data, {});
       f.close();
-      files["optimizer.rank0.safetensors"] = f.record();
+      files["optimizer.rank0.safetensors"] = file_record(f);
     }
     nlohmann::json st = {{"format", kFormat},   {"step", w.step},       {"config", w.config->to_json()},
                          {"loader", w.loader},  {"trainer", w.trainer}, {"files", files}};
@@ -300,28 +245,87 @@ std::string save_checkpoint(const CheckpointWrite& w, Model& model, AdamWOptimiz
     CheckedFile f((tmp / "state.json").string());
     f.write(text.data(), text.size());
     f.close();
-    fsync_dir(tmp);
+    fsync_dir(tmp.string());
   } catch (...) {
-    std::error_code ec;
     fs::remove_all(tmp, ec);  // never leave a half-written directory behind
     throw;
   }
-  // Publish: a same-step checkpoint (re-saved after an interrupt) is replaced only once
-  // the new one is complete.
+  // Publish. A same-step checkpoint (re-saved after an interrupt) is set aside as .old-,
+  // the new one renamed in, and the old one removed; a kill between the two renames
+  // leaves the whole old one as .old-, which the next start renames back
+  // (recover_checkpoint_writes).
   if (fs::exists(final_dir)) {
     const fs::path old = root / (".old-" + name + "-" + std::to_string(::getpid()));
-    fs::rename(final_dir, old);
-    fs::rename(tmp, final_dir);
-    fs::remove_all(old);
+    rename_or_fail(final_dir, old);
+    try {
+      rename_or_fail(tmp, final_dir);
+    } catch (const Error&) {
+      fs::rename(old, final_dir, ec);
+      fs::remove_all(tmp, ec);
+      throw;
+    }
+    fs::remove_all(old, ec);
   } else {
-    fs::rename(tmp, final_dir);
+    try {
+      rename_or_fail(tmp, final_dir);
+    } catch (const Error&) {
+      fs::remove_all(tmp, ec);
+      throw;
+    }
   }
-  fsync_dir(root);
+  fsync_dir(root.string());
   if (w.keep > 0) {
     auto all = list_checkpoints(w.run_dir);
-    for (size_t i = 0; i + size_t(w.keep) < all.size(); ++i) fs::remove_all(all[i]);
+    for (size_t i = 0; i + size_t(w.keep) < all.size(); ++i) {
+      fs::remove_all(all[i], ec);
+      if (ec) spdlog::warn("{}: could not remove this old checkpoint (checkpoint.keep = {}): {}", all[i], w.keep, ec.message());
+    }
   }
   return final_dir.string();
+}
+
+void recover_checkpoint_writes(const std::string& run_dir) {
+  const fs::path root = fs::path(run_dir) / "checkpoints";
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) return;
+  std::vector<fs::path> leftovers;
+  for (fs::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) leftovers.push_back(it->path());
+  if (ec) fail(root.string(), ": cannot list (", ec.message(), ")");
+  std::sort(leftovers.begin(), leftovers.end());
+  for (const fs::path& p : leftovers) {
+    // .tmp-step_NNNNNNNN-PID or .old-step_NNNNNNNN-PID, nothing else.
+    const std::string file = p.filename().string();
+    long long step = 0, pid = 0;
+    char kind[4] = {0}, tail = 0;
+    if (std::sscanf(file.c_str(), ".%3[a-z]-step_%lld-%lld%c", kind, &step, &pid, &tail) != 3) continue;
+    const std::string k = kind;
+    if (k != "tmp" && k != "old") continue;
+    if (!fs::is_directory(fs::symlink_status(p, ec))) continue;
+    // The run lock proves that no trainer is writing this run's checkpoints now, so the
+    // writer of this directory is gone whatever process its pid names today (pids are
+    // reused: in a container the trainer often gets the same pid every time).
+    const std::string whose =
+        "of pid " + std::to_string(pid) +
+        (pid == ::getpid() ? ", an earlier process with this process's pid"
+         : process_alive(pid) ? ", a running process that does not hold this run's lock (a reused pid)"
+                              : ", which is no longer running");
+    const fs::path step_dir = root / step_dir_name(step);
+    if (k == "old" && !fs::exists(fs::symlink_status(step_dir, ec))) {
+      // Set aside while step `step` was re-saved, and the replacement never arrived: it is
+      // the only whole copy of that step.
+      fs::rename(p, step_dir, ec);
+      if (ec) fail(p.string(), ": cannot rename it back to ", step_dir.string(), " (", ec.message(), ")");
+      spdlog::warn("{}: put back as {} (a checkpoint set aside by an interrupted re-save {})", p.string(),
+                   step_dir.string(), whose);
+      continue;
+    }
+    fs::remove_all(p, ec);
+    if (ec) fail(p.string(), ": cannot remove this leftover of an interrupted checkpoint write (", ec.message(), ")");
+    spdlog::warn("removed {} ({} checkpoint write {})", p.string(),
+                 k == "tmp" ? "the partial output of an interrupted" : "the replaced copy left by an interrupted",
+                 whose);
+  }
+  fsync_dir(root.string());
 }
 
 }  // namespace mhar

@@ -61,4 +61,11 @@ struct CheckpointWrite {
 // Writes atomically (see above) and prunes old checkpoints. Returns the directory.
 std::string save_checkpoint(const CheckpointWrite& w, Model& model, AdamWOptimizer& opt);
 
+// Called at the start of a run, under the run lock (engine/run_lock.h), so that no live
+// writer can own what it finds: cleans up after checkpoint writers that were killed.
+// Every RUN_DIR/checkpoints/.tmp-step_N-PID (a partial checkpoint) is removed; an
+// .old-step_N-PID (a whole checkpoint set aside while step N was re-saved) is removed
+// when step_N exists, else renamed back to step_N, being its only copy. Logs each action.
+void recover_checkpoint_writes(const std::string& run_dir);
+
 }  // namespace mhar

@@ -3,6 +3,7 @@
 #include "engine/trainer.h"
 
 #include <spdlog/spdlog.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -11,14 +12,18 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 
 #include "data/loader.h"
 #include "engine/backend_factory.h"
 #include "engine/checkpoint.h"
 #include "engine/error.h"
+#include "engine/file_io.h"
+#include "engine/json_io.h"
 #include "engine/metrics.h"
 #include "engine/optimizer.h"
 #include "engine/report.h"
+#include "engine/run_lock.h"
 
 namespace fs = std::filesystem;
 
@@ -48,28 +53,72 @@ std::string join_path(const std::string& base, const std::string& p) {
   return (fs::path(base) / p).lexically_normal().string();
 }
 
-// The run directory must be new, or hold this very run (then only with --resume).
+// Temporary files of the atomic writes (engine/file_io.h) of config.json and
+// metrics.jsonl, which only a lock holder writes, are a killed writer's and go (so do the
+// names older versions used). report.html is also written by `mhar report`, which takes
+// no lock, so its temporary files go only when their pid is gone.
+void remove_stale_temp_files(const std::string& run_dir) {
+  const std::string pid_now = std::to_string(::getpid());
+  std::error_code ec;
+  for (fs::directory_iterator it(run_dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    bool stale = name == "config.json.tmp" || name == "metrics.jsonl.tmp";  // older versions' names
+    for (const char* file : {"config.json", "metrics.jsonl", "report.html"}) {
+      std::string stem = fs::path(temp_path_for(file)).filename().string();  // .F.tmp-<our pid>
+      stem.resize(stem.size() - pid_now.size());
+      if (std::string(file) == "report.html" && name.rfind(".report.html.tmp.", 0) == 0)
+        stem = ".report.html.tmp.";  // older versions' name
+      const std::string pid = name.rfind(stem, 0) == 0 ? name.substr(stem.size()) : "";
+      if (pid.empty() || pid.size() > 9 || pid.find_first_not_of("0123456789") != std::string::npos) continue;
+      stale = std::string(file) != "report.html" || pid == pid_now || !process_alive(std::atoll(pid.c_str()));
+      break;
+    }
+    std::error_code rm;
+    if (stale && it->is_regular_file(rm) && fs::remove(it->path(), rm))
+      spdlog::warn("removed {} (the temporary file of an interrupted write)", it->path().string());
+  }
+}
+
+// Takes RUN_DIR's lock (creating RUN_DIR for a new run), before anything in it is read
+// for resuming or written, and held until the run ends (engine/run_lock.h). Under it no
+// other writer can be alive, so what killed writers left is cleaned up here.
+std::unique_ptr<RunLock> take_run_dir(const TrainOptions& opt) {
+  std::error_code ec;
+  if (!opt.resume) {
+    fs::create_directories(opt.run_dir, ec);
+    if (ec) fail(opt.run_dir, ": cannot create the run directory (", ec.message(), ")");
+  }
+  auto lock = std::make_unique<RunLock>(opt.run_dir);
+  recover_checkpoint_writes(opt.run_dir);
+  remove_stale_temp_files(opt.run_dir);
+  return lock;
+}
+
+// The run directory must be new, or hold this very run (then only with --resume). A
+// start that failed (a full disk) leaves at most config.json and an empty or partial
+// metrics.jsonl, and no checkpoint: running the same command again starts over.
 void prepare_run_dir(const Config& cfg, const TrainOptions& opt) {
   const fs::path cfg_path = fs::path(opt.run_dir) / "config.json";
   if (opt.resume) return;
-  if (fs::exists(cfg_path)) {
-    std::ifstream in(cfg_path);
-    auto j = nlohmann::json::parse(in, nullptr, false);
-    if (j.is_discarded() || j != cfg.to_json())
+  if (fs::exists(fs::symlink_status(cfg_path))) {
+    nlohmann::json j;
+    bool readable = true;
+    try {
+      j = parse_json_strict(read_regular_file(cfg_path.string(), "run config", 64 << 20), cfg_path.string());
+    } catch (const Error&) {
+      readable = false;
+    }
+    if (!readable)
+      fail(opt.run_dir, " already holds a run whose config.json cannot be read (empty or damaged); "
+           "choose a new --run-dir, or delete that directory");
+    if (j != cfg.to_json())
       fail(opt.run_dir, " already holds a different run (its config.json differs from this "
            "config); choose a new --run-dir, or delete that directory");
     if (!list_checkpoints(opt.run_dir).empty())
       fail(opt.run_dir, " already holds checkpoints of this run; continue it with --resume ",
            opt.run_dir, " or choose a new --run-dir");
   }
-  fs::create_directories(opt.run_dir);
-  const std::string tmp = cfg_path.string() + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << cfg.to_json().dump(2) << "\n";
-    if (!out) fail(cfg_path.string(), ": cannot write (disk full?)");
-  }
-  fs::rename(tmp, cfg_path);
+  write_file_atomic(cfg_path.string(), cfg.to_json().dump(2) + "\n");
 }
 
 }  // namespace
@@ -112,10 +161,12 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
   g_stop_signals = 0;
   TrainResult result;
   CheckpointInfo resume_from;
+  std::unique_ptr<RunLock> lock;  // held for the whole run
   if (opt.resume) {
     const std::string path = (fs::path(opt.run_dir) / "config.json").string();
     if (!fs::exists(path))
       fail("--resume ", opt.run_dir, ": no config.json there, so it is not a run directory");
+    lock = take_run_dir(opt);
     resume_from = open_checkpoint(opt.run_dir, opt.resume_latest_valid);
     {  // the run directory's config must describe the checkpoint's model
       std::ifstream in(path);
@@ -132,6 +183,7 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
   cfg.validate();
   if (cfg.data.train.empty()) fail(cfg.source, ": data.train is empty; give a shard glob");
   if (cfg.data.val.empty()) fail(cfg.source, ": data.val is empty; give a shard glob");
+  if (!opt.resume) lock = take_run_dir(opt);
   prepare_run_dir(cfg, opt);
 
   const auto& t = cfg.train;
@@ -176,15 +228,18 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
                B, T, accum, micro_tokens * accum, t.steps);
   spdlog::debug("memory:\n{}", model.memory_report());
 
-  auto checkpoint = [&](long long at_step, double elapsed_total) {
+  long long checkpointed_step = step;  // nothing to lose before the first step
+  auto checkpoint = [&](long long at_step, double elapsed_total, nlohmann::json loader_state = nullptr) {
     CheckpointWrite w;
     w.run_dir = opt.run_dir;
     w.step = at_step;
     w.config = &cfg;
-    w.loader = train_data.state();
+    w.loader = loader_state.is_null() ? train_data.state() : std::move(loader_state);
+    checkpointed_step = at_step;
     w.trainer = {{"tokens_seen", tokens_seen}, {"total_bad_steps", total_bad},
                  {"consecutive_bad_steps", consecutive_bad}, {"elapsed_s", elapsed_total}};
     w.keep = cfg.checkpoint.keep;
+    metrics.sync();  // the metrics reach at least as far as the checkpoint a resume starts from
     result.last_checkpoint = save_checkpoint(w, model, optimizer);
     spdlog::info("checkpoint: {}", result.last_checkpoint);
   };
@@ -213,12 +268,36 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
   const long long nan_from = nan_env ? std::atoll(nan_env) : -1;
   const auto run_start = std::chrono::steady_clock::now();
   const long long first_step = step;
+  // A data error (a shard changed on disk, a read error) stops the run, but first the
+  // last completed step is checkpointed, at the data position where that step ended,
+  // so no finished step is lost; the error then propagates (exit 1).
+  auto checkpoint_then_rethrow = [&](nlohmann::json loader_state) {
+    if (step > checkpointed_step) {
+      spdlog::error("data error after step {}: checkpointing that step before stopping", step);
+      try {
+        checkpoint(step, elapsed_before + std::chrono::duration<double>(std::chrono::steady_clock::now() -
+                                                                        run_start).count(),
+                   std::move(loader_state));
+      } catch (const std::exception& e) {
+        spdlog::error("that checkpoint failed too: {}", e.what());
+      }
+    }
+    throw;
+  };
   while (step < t.steps) {
     const auto t0 = std::chrono::steady_clock::now();
     model.zero_grads();
     double loss = 0;
+    const uint64_t data_epoch = train_data.epoch(), data_step = train_data.step();
     for (long long a = 0; a < accum; ++a) {
-      train_data.next_batch(x.data(), y.data());
+      try {
+        train_data.next_batch(x.data(), y.data());
+      } catch (const Error&) {
+        nlohmann::json at_step_start = train_data.state();  // before this step's micro-batches
+        at_step_start["epoch"] = data_epoch;
+        at_step_start["step"] = data_step;
+        checkpoint_then_rethrow(std::move(at_step_start));
+      }
       loss += model.forward(x.data(), y.data(), 1.0 / double(accum)) / double(accum);
       model.backward();
     }
@@ -268,7 +347,13 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
     // of bad steps the newest checkpoint stays the last good one (and `keep` does not
     // rotate good checkpoints out in favour of copies of the same weights).
     const bool stop = g_stop_signals > 0 || (opt.stop_after_steps >= 0 && step - first_step >= opt.stop_after_steps);
-    if ((good && step % t.eval_every == 0) || step == t.steps) run_eval(step);
+    if ((good && step % t.eval_every == 0) || step == t.steps) {
+      try {
+        run_eval(step);
+      } catch (const Error&) {
+        checkpoint_then_rethrow(nullptr);  // the step is complete: the loader's own position
+      }
+    }
     if (stop) {
       spdlog::info("stop requested: checkpointing at step {} and exiting", step);
       checkpoint(step, elapsed_before + elapsed);
