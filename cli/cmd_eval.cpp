@@ -5,6 +5,7 @@
 #include <cstdio>
 
 #include "cli/commands.h"
+#include "cli/eval_task_command.h"
 #include "data/loader.h"
 #include "engine/backend_factory.h"
 #include "engine/checkpoint.h"
@@ -19,13 +20,26 @@ void register_eval(CLI::App& app) {
   static int batch_size = 0, seq_len = 0;
   cmd->add_option("--checkpoint", checkpoint, "Checkpoint directory, or a run directory (its newest)")
       ->required();
-  cmd->add_option("--data", glob, "Shard glob, e.g. 'data/val_*.bin'")->required();
+  cmd->add_option("--data", glob, "Shard glob, e.g. 'data/val_*.bin' (not with --task)");
   cmd->add_option("--batches", batches, "Evaluate at most this many batches (default: all)");
   cmd->add_option("--batch-size", batch_size, "Windows per batch (default: the checkpoint's train.micro_batch)");
   cmd->add_option("--seq-len", seq_len, "Tokens per window (default: the checkpoint's train.seq_len)");
   cmd->add_option("--device", device, "cpu, cuda or auto")->check(CLI::IsMember({"cpu", "cuda", "auto"}))
       ->capture_default_str();
+  static std::string task, task_file, tokenizer_name;
+  cmd->add_option("--task", task, "Zero-shot task scored as lm-evaluation-harness does: lambada, hellaswag or wikitext")
+      ->check(CLI::IsMember({"lambada", "hellaswag", "wikitext"}));
+  cmd->add_option("task_file", task_file, "The task's file (LAMBADA jsonl, HellaSwag jsonl, WikiText raw), with --task");
+  cmd->add_option("--tokenizer", tokenizer_name, "With --task: gpt2, qwen3 or a tokenizer.json (default: the checkpoint's data.tokenizer)");
   cmd->callback([] {
+    if (!task.empty()) {  // data/eval_tasks.h
+      if (!glob.empty()) fail("--task scores a task file; --data is for token shards: give one of them");
+      if (task_file.empty()) fail("--task ", task, " needs the task's file as an argument");
+      evaltask::run_task_command(task, task_file, checkpoint, tokenizer_name, device, batch_size, seq_len);
+      return;
+    }
+    if (!task_file.empty()) fail("the file argument '", task_file, "' is for --task lambada|hellaswag|wikitext");
+    if (glob.empty()) fail("eval needs --data GLOB (token shards) or --task NAME FILE");
     CheckpointInfo ckpt = open_checkpoint(checkpoint);
     const Config& cfg = ckpt.config;
     const int B = batch_size > 0 ? batch_size : cfg.train.micro_batch;

@@ -13,5 +13,6 @@ void register_data(CLI::App& app);
 void register_sample(CLI::App& app);
 void register_report(CLI::App& app);
 void register_bench_command(CLI::App& app);  // `mhar bench` (cmd_bench.cpp)
+void register_probe(CLI::App& app);          // `mhar probe` (cmd_probe.cpp)
 
 }  // namespace mhar::cli
