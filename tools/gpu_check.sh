@@ -9,6 +9,9 @@
 #   BUILD_DIR       build directory (default build-gpu)
 #   GTEST_FILTER    passed through to the test binary (default: every test)
 #   JOBS            build parallelism (default: nproc)
+#   OP_TIMING=0     skip the op timings
+#   CHECKS="..."    then run tools/gpu_extra_checks.sh with these stages (eval probe
+#                   export nccl: end-to-end checks against PyTorch/transformers, NCCL)
 #   BENCH=1         also run tools/bench_compare.sh; it starts first, so the PyTorch jobs
 #                   compile while this script builds and tests, and our runs wait for
 #                   the tests to finish. BENCH_DEADLINE (s, default 420) bounds it.
@@ -112,11 +115,20 @@ timeout 180 "$BUILD_DIR/mhar_cuda_tests" --gtest_filter="${GTEST_FILTER:-*}" >"$
 rc=$?
 echo "tests ran in $(( $(date +%s) - start )) s, exit $rc (at $(elapsed))"
 
-echo "== op timings (model-sized shapes)"
-timeout 150 "$BUILD_DIR/mhar_cuda_tests" --gtest_also_run_disabled_tests --gtest_filter='OpTiming.*' \
-  >"$LOG_DIR/op_timing.log" 2>&1 || echo "op timing run failed (exit $?)"
+if [ "${OP_TIMING:-1}" != 0 ]; then
+  echo "== op timings (model-sized shapes)"
+  timeout 150 "$BUILD_DIR/mhar_cuda_tests" --gtest_also_run_disabled_tests --gtest_filter='OpTiming.*' \
+    >"$LOG_DIR/op_timing.log" 2>&1 || echo "op timing run failed (exit $?)"
+  grep -E "^TIMING|FAILED|Failure|exception" "$LOG_DIR/op_timing.log" || true
+fi
 touch "$tests_done"
-grep -E "^TIMING|FAILED|Failure|exception" "$LOG_DIR/op_timing.log" || true
+
+extra_rc=0
+if [ -n "${CHECKS:-}" ]; then
+  echo "== extra checks: $CHECKS (at $(elapsed))"
+  BUILD_DIR="$BUILD_DIR" CHECKS="$CHECKS" bash tools/gpu_extra_checks.sh
+  extra_rc=$?
+fi
 
 if [ -n "$bench_pid" ]; then
   echo "== waiting for bench_compare.sh (at $(elapsed))"
@@ -129,4 +141,5 @@ grep -E "^MODEL_PARITY .*worst|^TRAIN .*mean" "$LOG_DIR/cuda_tests.log" || true
 grep -E "^PARITY" "$LOG_DIR/cuda_tests.log" | sort -k7 -g -r | head -8 || true
 grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[  FAILED  \]|tests? ran|Failure" "$LOG_DIR/cuda_tests.log" | tail -30
 [ -e "$LOG_DIR/bench_table.md" ] && cat "$LOG_DIR/bench_table.md"
+[ "$rc" = 0 ] && rc=$extra_rc
 exit "$rc"
