@@ -9,6 +9,7 @@
 #include "data/loader.h"
 #include "engine/backend_factory.h"
 #include "engine/checkpoint.h"
+#include "engine/config.h"
 #include "engine/trainer.h"
 
 namespace mhar::cli {
@@ -18,12 +19,17 @@ void register_eval(CLI::App& app) {
   static std::string checkpoint, glob, device = "auto";
   static long long batches = 0;
   static int batch_size = 0, seq_len = 0;
+  // 0 = the default for each; the upper ends are the config's caps (engine/config.cpp),
+  // and the batch is checked against the step-size cap once the model is known.
   cmd->add_option("--checkpoint", checkpoint, "Checkpoint directory, or a run directory (its newest)")
       ->required();
   cmd->add_option("--data", glob, "Shard glob, e.g. 'data/val_*.bin' (not with --task)");
-  cmd->add_option("--batches", batches, "Evaluate at most this many batches (default: all)");
-  cmd->add_option("--batch-size", batch_size, "Windows per batch (default: the checkpoint's train.micro_batch)");
-  cmd->add_option("--seq-len", seq_len, "Tokens per window (default: the checkpoint's train.seq_len)");
+  add_number(cmd, "--batches", batches, 0LL, 1LL << 40,
+             "Evaluate at most this many batches (default 0: all)");
+  add_number(cmd, "--batch-size", batch_size, 0, 65536,
+             "Windows per batch (default 0: the checkpoint's train.micro_batch)");
+  add_number(cmd, "--seq-len", seq_len, 0, 1 << 20,
+             "Tokens per window (default 0: the checkpoint's train.seq_len)");
   cmd->add_option("--device", device, "cpu, cuda or auto")->check(CLI::IsMember({"cpu", "cuda", "auto"}))
       ->capture_default_str();
   static std::string task, task_file, tokenizer_name;
@@ -32,6 +38,7 @@ void register_eval(CLI::App& app) {
   cmd->add_option("task_file", task_file, "The task's file (LAMBADA jsonl, HellaSwag jsonl, WikiText raw), with --task");
   cmd->add_option("--tokenizer", tokenizer_name, "With --task: gpt2, qwen3 or a tokenizer.json (default: the checkpoint's data.tokenizer)");
   cmd->callback([] {
+    require_directory("--checkpoint", checkpoint, "checkpoint directory or run directory");
     if (!task.empty()) {  // data/eval_tasks.h
       if (!glob.empty()) fail("--task scores a task file; --data is for token shards: give one of them");
       if (task_file.empty()) fail("--task ", task, " needs the task's file as an argument");
@@ -40,12 +47,15 @@ void register_eval(CLI::App& app) {
     }
     if (!task_file.empty()) fail("the file argument '", task_file, "' is for --task lambada|hellaswag|wikitext");
     if (glob.empty()) fail("eval needs --data GLOB (token shards) or --task NAME FILE");
+    check_shard_pattern("--data", glob, "val_*.bin");
     CheckpointInfo ckpt = open_checkpoint(checkpoint);
     const Config& cfg = ckpt.config;
     const int B = batch_size > 0 ? batch_size : cfg.train.micro_batch;
     const int T = seq_len > 0 ? seq_len : cfg.train.seq_len;
     if (T > cfg.model.context_length)
       fail("--seq-len ", T, " exceeds the model's context_length ", cfg.model.context_length);
+    check_footprint(cfg.model, cfg.residual, B, T, "eval with --batch-size " + std::to_string(B) +
+                                                      " and --seq-len " + std::to_string(T));
     data::DataLoader loader(glob, B, T, 0, 0, 1, cfg.model.vocab_size, data::LoaderMode::Sequential);
     if (loader.num_batches() == 0)
       fail(glob, ": ", loader.total_tokens(), " tokens are fewer than one batch of ", B, " x ", T + 1);
