@@ -6,7 +6,6 @@
 // - numbers: CLI11 2.1 turns "-1" into 2^64-1 for an unsigned option and takes "" as 0,
 //   so numeric options are registered through add_number(), which reads the whole text
 //   strictly and checks the option's range, naming the option, the text and the range;
-// - thread counts: check_thread_count() (for the data commands' --threads);
 // - paths: a checkpoint argument that is not a directory, and a shard "glob" that is a
 //   directory, get a message saying what the path is and what was expected.
 #pragma once
@@ -26,6 +25,7 @@
 #include <type_traits>
 
 #include "engine/error.h"
+#include "engine/file_io.h"
 
 namespace mhar::cli {
 
@@ -120,18 +120,6 @@ CLI::Option* add_number(CLI::App* cmd, const std::string& name, T& target, T lo,
   return o;
 }
 
-// ---------------------------------------------------------------- threads
-
-// Thread counts: 0 means "all cores"; above kMaxThreads a typing slip (100000) would ask
-// the system for more threads than it will create, and each thread also holds its own
-// working memory. The cap lies far above the core count of any machine this runs on.
-constexpr int kMaxThreads = 1024;
-inline int check_thread_count(const std::string& option, long long n) {
-  if (n < 0 || n > kMaxThreads)
-    fail(option, " = ", n, " is out of range; valid: 0 (all cores) to ", kMaxThreads);
-  return int(n);
-}
-
 // ---------------------------------------------------------------- paths
 
 namespace detail {
@@ -158,7 +146,7 @@ inline void require_directory(const std::string& option, const std::string& path
     fail(option, " ", path, ": cannot open (", std::strerror(err), "); give a ", noun);
   }
   if (!S_ISDIR(st.st_mode))
-    fail(option, " ", path, " is ", detail::kind_of(st.st_mode), ", not a ", noun);
+    fail(option, " ", path, " is ", file_type_name(st.st_mode), ", not a ", noun);
 }
 
 // A shard pattern without wildcards names one file: say what it is when it is a
@@ -178,7 +166,7 @@ inline void check_shard_pattern(const std::string& what, const std::string& patt
     fail(what, " = ", pattern, " is a directory, not a shard file or glob; give the shards in it, "
          "e.g. \"", (std::filesystem::path(pattern) / example_name).string(), "\"");
   if (!S_ISREG(st.st_mode))
-    fail(what, " = ", pattern, " is ", detail::kind_of(st.st_mode), ", not a shard file");
+    fail(what, " = ", pattern, " is ", file_type_name(st.st_mode), ", not a shard file");
 }
 
 }  // namespace mhar::cli
