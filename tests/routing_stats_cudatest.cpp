@@ -18,7 +18,7 @@ namespace {
 TEST(RoutingStatsParity, EverySiteOfSeveralShapes) {
   if (::mhar::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
   auto cpu = make_cpu_backend(DType::F32);
-  auto gpu = cuda::make_cuda_backend(0);
+  auto gpu = make_cuda_backend(0);
   struct Shape { int S, H; int64_t N; };
   for (const Shape sh : {Shape{3, 1, 7}, Shape{5, 2, 300}, Shape{9, 4, 1000}, Shape{25, 8, 4099}}) {
     const int64_t P = routing_pairs(sh.S);
