@@ -13,5 +13,7 @@ void register_data(CLI::App& app);
 void register_sample(CLI::App& app);
 void register_report(CLI::App& app);
 void register_bench_command(CLI::App& app);  // `mhar bench` (cmd_bench.cpp)
+void register_export(CLI::App& app);         // `mhar export` (cmd_export.cpp)
+void register_import(CLI::App& app);         // `mhar import` (cmd_import.cpp)
 
 }  // namespace mhar::cli
