@@ -35,7 +35,6 @@ import array
 import copy
 import glob
 import json
-import math
 import os
 import shutil
 import struct
@@ -214,10 +213,11 @@ def build_corpus(work):
     for name in names:
         try:
             mod = importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - a module missing on this Python is skipped
+            members = [v for _, v in sorted(inspect.getmembers(mod), key=lambda kv: kv[0])]
+        except Exception:  # noqa: BLE001 - a module missing or odd on this Python is skipped
             continue
         seen = set()
-        for obj in [mod] + [v for _, v in sorted(inspect.getmembers(mod), key=lambda kv: kv[0])]:
+        for obj in [mod] + members:
             doc = inspect.getdoc(obj) if (inspect.ismodule(obj) or inspect.isclass(obj) or
                                           inspect.isfunction(obj) or inspect.isbuiltin(obj)) else None
             if doc and len(doc) >= 200 and doc not in seen:
@@ -529,7 +529,8 @@ def check_tokenizer(r):
     from transformers import AutoTokenizer
     mode, exp = r["mode"], r["fp32"]
     eot = json.load(open(os.path.join(exp, "config.json"))).get("eos_token_id")
-    hf_tok = AutoTokenizer.from_pretrained(exp)
+    # As lm_eval loads it: trust_remote_code for a routed export (its config.json needs it).
+    hf_tok = AutoTokenizer.from_pretrained(exp, trust_remote_code=mode != "standard")
     mismatches, total = [], 0
     for p in r["heldout"]:
         text = open(p, encoding="utf-8", newline="").read()
@@ -728,10 +729,17 @@ def check_import(work, trained_tokenizer):
                 bad += [] if torch.equal(x["lm_head.weight"], x["model.embed_tokens.weight"]) else ["lm_head.weight"]
             record(f"import {tag}", "export(import(x)) == x, bit for bit (fp32)", not bad and not extra,
                    f"{len(names_x)} tensors", note=(f"differ: {bad[:5]} " if bad else "") + (f"extra: {extra}" if extra else ""))
-            cx, cy = json.load(open(os.path.join(src, "config.json"))), json.load(open(os.path.join(back, "config.json")))
+            # As transformers reads them (a key left out of a file means its default).
+            from transformers import AutoConfig
+            cx, cy = AutoConfig.from_pretrained(src), AutoConfig.from_pretrained(back)
             keys = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                    "num_key_value_heads", "head_dim", "tie_word_embeddings", "rms_norm_eps"]
-            diffs = {k: (cx.get(k), cy.get(k)) for k in keys if cx.get(k) != cy.get(k)}
+                    "num_key_value_heads", "head_dim", "tie_word_embeddings", "rms_norm_eps", "rope_theta"]
+
+            def value(c, k):
+                if k == "rope_theta" and isinstance(getattr(c, "rope_parameters", None), dict):
+                    return c.rope_parameters.get("rope_theta")
+                return getattr(c, k, None)
+            diffs = {k: (value(cx, k), value(cy, k)) for k in keys if value(cx, k) != value(cy, k)}
             record(f"import {tag}", "re-exported config.json agrees", not diffs, f"{len(keys)} fields", note=str(diffs) if diffs else "")
 
 
