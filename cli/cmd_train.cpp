@@ -1,5 +1,6 @@
 // cmd_train.cpp: `mhar train CONFIG.json [--set k=v ...] [--run-dir DIR] [--device D]`
-// and `mhar train --resume RUN_DIR [--resume-latest-valid]`.
+// and `mhar train --resume RUN_DIR [--resume-latest-valid]`; `--init-from CHECKPOINT`
+// starts the new run from a checkpoint's weights (e.g. an `mhar import`).
 #include <spdlog/spdlog.h>
 
 #include <filesystem>
@@ -15,7 +16,7 @@ void register_train(CLI::App& app) {
       "train",
       "Train a model from a run config. Ctrl-C (SIGINT) or SIGTERM finishes the current step, "
       "writes a checkpoint and exits 0; a second signal exits at once.");
-  static std::string config_path, run_dir, resume_dir, device;
+  static std::string config_path, run_dir, resume_dir, device, init_from;
   static std::vector<std::string> overrides;
   static bool latest_valid = false;
   static long long steps = -1;
@@ -29,6 +30,9 @@ void register_train(CLI::App& app) {
   cmd->add_option("--device", device, "cpu, cuda or auto (default: train.device)")
       ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
   add_number(cmd, "--steps", steps, 1LL, 1000000000LL, "Override train.steps")->default_str("");
+  cmd->add_option("--init-from", init_from,
+                  "Start the new run from this checkpoint's weights (a checkpoint or run directory)\n"
+                  "with a fresh optimizer; the model sections of the configs must agree");
   cmd->callback([] {
     TrainOptions opt;
     opt.device = device;
@@ -44,6 +48,8 @@ void register_train(CLI::App& app) {
         fail("--resume continues a run with the config it was started with; drop CONFIG and --set");
       require_directory("--resume", resume_dir, "run directory (written by `mhar train`)");
       if (steps > 0) fail("--steps cannot change a resumed run; it continues to its train.steps");
+      if (!init_from.empty())
+        fail("--init-from starts a new run and --resume continues one; give one of them");
       opt.resume = true;
       opt.resume_latest_valid = latest_valid;
       opt.run_dir = resume_dir;
@@ -59,6 +65,7 @@ void register_train(CLI::App& app) {
         check_shard_pattern(cfg.source + ": data.train", resolved.data.train, "train_*.bin");
         check_shard_pattern(cfg.source + ": data.val", resolved.data.val, "val_*.bin");
       }
+      opt.init_from = init_from;
       opt.run_dir = run_dir.empty()
                         ? "runs/" + std::filesystem::path(config_path).stem().string()
                         : run_dir;

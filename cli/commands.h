@@ -37,6 +37,8 @@ void register_sample(CLI::App& app);
 void register_report(CLI::App& app);
 void register_bench_command(CLI::App& app);  // `mhar bench` (cmd_bench.cpp)
 void register_probe(CLI::App& app);          // `mhar probe` (cmd_probe.cpp)
+void register_export(CLI::App& app);         // `mhar export` (cmd_export.cpp)
+void register_import(CLI::App& app);         // `mhar import` (cmd_import.cpp)
 
 // ---------------------------------------------------------------- numbers
 
@@ -121,18 +123,6 @@ CLI::Option* add_number(CLI::App* cmd, const std::string& name, T& target, T lo,
 }
 
 // ---------------------------------------------------------------- paths
-
-namespace detail {
-inline const char* kind_of(mode_t m) {
-  if (S_ISREG(m)) return "a regular file";
-  if (S_ISDIR(m)) return "a directory";
-  if (S_ISFIFO(m)) return "a FIFO (named pipe)";
-  if (S_ISCHR(m)) return "a character device";
-  if (S_ISBLK(m)) return "a block device";
-  if (S_ISSOCK(m)) return "a socket";
-  return "not a file or directory";
-}
-}  // namespace detail
 
 // `path` must be an existing directory: a checkpoint or run directory. `noun` names what
 // was expected ("run directory"), for the message.

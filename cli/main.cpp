@@ -37,6 +37,8 @@ int main(int argc, char** argv) {
   mhar::cli::register_report(app);
   mhar::cli::register_bench_command(app);
   mhar::cli::register_probe(app);
+  mhar::cli::register_export(app);
+  mhar::cli::register_import(app);
 
   app.parse_complete_callback([&] {
     spdlog::set_default_logger(spdlog::stderr_color_mt("mhar"));

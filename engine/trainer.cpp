@@ -230,6 +230,17 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
     consecutive_bad = resume_from.trainer.consecutive_bad_steps;
     elapsed_before = resume_from.trainer.elapsed_s;
     result.last_checkpoint = resume_from.dir;
+  } else if (!opt.init_from.empty()) {
+    // A new run from another checkpoint's weights, with a fresh optimizer. The models must
+    // be the same; context_length (a bound on seq_len) and init_std (unused when loading)
+    // may differ.
+    const CheckpointInfo init = open_checkpoint(opt.init_from);
+    Config theirs = init.config;
+    theirs.model.context_length = cfg.model.context_length;
+    theirs.model.init_std = cfg.model.init_std;
+    check_same_model(cfg, theirs, init.dir);
+    load_model_weights(init, model, &optimizer);
+    spdlog::info("initial weights from {} (step {}); fresh optimizer", init.dir, init.step);
   } else {
     model.init_weights(t.seed);
     optimizer.sync_master_from_params();
