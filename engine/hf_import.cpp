@@ -382,8 +382,8 @@ HfImportResult write_hf_import(const HfImportPlan& plan, const Config& cfg,
   w.trainer = {{"tokens_seen", 0},
                {"total_bad_steps", 0},
                {"consecutive_bad_steps", 0},
-               {"elapsed_s", 0.0},
-               {"imported_from", fs::absolute(plan.hf_dir).lexically_normal().string()}};
+               {"elapsed_s", 0.0}};  // state.json's trainer fields are validated strictly:
+                                     // counters only (engine/checkpoint_state.cpp)
   w.keep = 0;
   const std::string written = save_checkpoint(w, model, opt);
   out.publish();

@@ -105,7 +105,7 @@ fi
 
 if has export; then
   if [ -e tools/hf/check_export.sh ]; then
-    if MHAR="$MHAR" bash tools/hf/check_export.sh >"$LOG_DIR/extra_export.log" 2>&1; then
+    if MHAR_BIN="$MHAR" bash tools/hf/check_export.sh >"$LOG_DIR/extra_export.log" 2>&1; then
       say "export ok"; tail -30 "$LOG_DIR/extra_export.log"
     else
       say "export FAILED"; tail -40 "$LOG_DIR/extra_export.log"; status=1
