@@ -209,6 +209,14 @@ CheckpointInfo read_checkpoint_dir(const std::string& dir_arg) {
   {  // the data position: typed and ranged here, matched against the shards by the loader
     const std::string where = state_path + ": loader";
     const json& l = object_member(st, "loader", state_path);
+    // An empty loader object is "no data position": a step-0 checkpoint written by
+    // `mhar import` without data (eval, sample and train --init-from need none).
+    if (l.empty() && info.step != 0)
+      fail(where, " is empty, but only a step-0 checkpoint (an import) may lack a data position");
+  }
+  if (!st.at("loader").empty()) {
+    const std::string where = state_path + ": loader";
+    const json& l = st.at("loader");
     refuse_unknown_fields(l, where, {"mode", "epoch", "step", "seed", "B", "T", "world_size", "shards",
                                      "tokens", "fingerprint"});
     const std::string mode = json_to_string(json_member(l, "mode", where), where + ".mode");

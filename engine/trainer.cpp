@@ -221,6 +221,9 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
     load_model_weights(resume_from, model, &optimizer);
     load_optimizer_moments(resume_from, model, optimizer, 0);
     // The values open_checkpoint validated (engine/checkpoint_state.h), not raw JSON.
+    if (resume_from.loader.empty())
+      fail(resume_from.dir, " holds no data position (an import made without --set data.train/"
+           "data.val): start a new run from it with `mhar train CONFIG --init-from ", opt.run_dir, "`");
     train_data.restore(resume_from.loader);
     step = resume_from.step;
     tokens_seen = resume_from.trainer.tokens_seen;
