@@ -37,6 +37,8 @@ void register_probe(CLI::App& app) {
     const int T = seq_len > 0 ? seq_len : cfg.train.seq_len;
     if (T > cfg.model.context_length)
       fail("--seq-len ", T, " exceeds the model's context_length ", cfg.model.context_length);
+    check_footprint(cfg.model, cfg.residual, B, T, "probe with --batch-size " + std::to_string(B) +
+                                                       " and --seq-len " + std::to_string(T));
     data::DataLoader loader(glob, B, T, 0, 0, 1, cfg.model.vocab_size, data::LoaderMode::Sequential);
     if (loader.num_batches() == 0)
       fail(glob, ": ", loader.total_tokens(), " tokens are fewer than one batch of ", B, " x ", T + 1);
