@@ -10,6 +10,7 @@
 #include <map>
 
 #include "cli/commands.h"
+#include "engine/communicator.h"
 #include "engine/error.h"
 
 int main(int argc, char** argv) {
@@ -36,16 +37,23 @@ int main(int argc, char** argv) {
     spdlog::set_level(spdlog::level::from_str(log_level));
     spdlog::set_pattern("[%H:%M:%S] %^%l%$ %v");
   });
+  // Under mpirun an error on one rank ends the whole job (dist::abort_job): the other
+  // ranks would otherwise wait for it in their next collective.
+  const auto rank_tag = [] {
+    const auto& d = mhar::dist::info();
+    return d.world_size > 1 ? "rank " + std::to_string(d.rank) + ": " : std::string();
+  };
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   } catch (const mhar::Error& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
+    std::fprintf(stderr, "error: %s%s\n", rank_tag().c_str(), e.what());
+    mhar::dist::abort_job(1);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "internal error: %s\n", e.what());
-    return 2;
+    std::fprintf(stderr, "internal error: %s%s\n", rank_tag().c_str(), e.what());
+    mhar::dist::abort_job(2);
   }
+  mhar::dist::finalize();
   return 0;
 }

@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "engine/checkpoint_shards.h"
 #include "engine/error.h"
 #include "engine/optimizer.h"
 #include "engine/safetensors.h"
@@ -109,12 +110,6 @@ void write_f32_tensors(CheckedFile& file, const std::vector<std::string>& names,
   std::vector<TensorToWrite> t;
   for (size_t i = 0; i < names.size(); ++i) t.push_back({names[i], "F32", shapes[i], data[i].data()});
   write_safetensors_to([&](const void* p, size_t n) { file.write(p, n); }, t, meta);
-}
-
-std::vector<float> to_f32(Backend& be, const Tensor& t) {
-  std::vector<double> d(size_t(t.numel()));
-  be.download(d.data(), t);
-  return std::vector<float>(d.begin(), d.end());
 }
 
 std::vector<int64_t> shape_of(const Tensor& t) {
@@ -229,97 +224,119 @@ void load_model_weights(const CheckpointInfo& ckpt, Model& model, AdamWOptimizer
     }
     auto w = f.to_f64(p.name);
     model.backend().upload(p.value, w.data());
-    if (opt && opt->has_master()) model.backend().upload(opt->master(i), w.data());
+    if (opt && opt->has_master())
+      for (const ShardSegment& s : opt->segments())
+        if (size_t(s.param) == i) model.backend().upload(opt->weights(s), w.data() + s.begin);
   }
 }
 
-void load_optimizer_moments(const CheckpointInfo& ckpt, Model& model, AdamWOptimizer& opt, int rank) {
-  const fs::path file = fs::path(ckpt.dir) / ("optimizer.rank" + std::to_string(rank) + ".safetensors");
-  if (!fs::exists(file)) fail(file.string(), ": missing (checkpoint written with fewer ranks?)");
-  SafetensorsFile f = SafetensorsFile::load(file.string());
-  Backend& be = model.backend();
-  auto& params = model.parameters();
-  for (size_t i = 0; i < params.size(); ++i) {
-    for (const char* kind : {".exp_avg", ".exp_avg_sq"}) {
-      const std::string name = params[i].name + kind;
-      if (!f.has(name) || f.numel(name) != params[i].value.numel())
-        fail(file.string(), ": tensor ", name, " missing or of the wrong size");
-      auto v = f.to_f64(name);
-      be.upload(std::string(kind) == ".exp_avg" ? opt.exp_avg(i) : opt.exp_avg_sq(i), v.data());
-    }
-  }
+int checkpoint_world_size(const CheckpointInfo& ckpt) {
+  const auto it = ckpt.state.find("world_size");
+  if (it == ckpt.state.end()) return 1;  // written before data parallelism
+  if (!it->is_number_integer() || it->get<long long>() < 1 || it->get<long long>() > 1000000)
+    fail(ckpt.dir, "/state.json: world_size = ", it->dump(), " is not a positive rank count");
+  return int(it->get<long long>());
+}
+
+void load_optimizer_moments(const CheckpointInfo& ckpt, Model& model, AdamWOptimizer& opt) {
+  load_optimizer_shard(ckpt.dir, checkpoint_world_size(ckpt), model, opt);
 }
 
 std::string save_checkpoint(const CheckpointWrite& w, Model& model, AdamWOptimizer& opt) {
-  const fs::path root = fs::path(w.run_dir) / "checkpoints";
-  fs::create_directories(root);
+  std::unique_ptr<Communicator> single;
+  Communicator* comm = w.comm;
+  if (!comm) {
+    single = make_single_communicator();
+    comm = single.get();
+  }
+  const bool root = comm->rank() == 0;
+  const fs::path root_dir = fs::path(w.run_dir) / "checkpoints";
   const std::string name = step_dir_name(w.step);
-  const fs::path tmp = root / (".tmp-" + name + "-" + std::to_string(::getpid()));
-  const fs::path final_dir = root / name;
-  fs::remove_all(tmp);
-  fs::create_directories(tmp);
+  const fs::path final_dir = root_dir / name;
+  // The fp32 weights come from every rank's shard (collective, before any file).
+  const std::vector<std::vector<float>> weights = gather_fp32_weights(model, opt, *comm);
+  // Rank 0 makes the temporary directory; its name reaches the others with the go-ahead.
+  std::string tmp_name;
+  if (root) {
+    tmp_name = (root_dir / (".tmp-" + name + "-" + std::to_string(::getpid()))).string();
+    try {
+      fs::create_directories(root_dir);
+      fs::remove_all(tmp_name);
+      fs::create_directories(tmp_name);
+    } catch (const std::exception& e) {
+      tmp_name = std::string("!") + e.what();
+    }
+  }
+  tmp_name = comm->broadcast_string(tmp_name);
+  if (!tmp_name.empty() && tmp_name[0] == '!')
+    fail(root_dir.string(), ": cannot create the checkpoint's temporary directory: ", tmp_name.substr(1));
+  const fs::path tmp = tmp_name;
   g_checkpoint_bytes_written = 0;
-  Backend& be = model.backend();
-  auto& params = model.parameters();
-  nlohmann::json files = nlohmann::json::object();
+  // Every rank writes its optimizer shard and reports {"file": record} or {"error": msg}.
+  nlohmann::json report;
   try {
-    {  // fp32 master weights under Hugging Face names
-      std::vector<std::string> names;
-      std::vector<std::vector<int64_t>> shapes;
-      std::vector<std::vector<float>> data;
-      for (size_t i = 0; i < params.size(); ++i) {
-        names.push_back(params[i].name);
-        shapes.push_back(shape_of(params[i].value));
-        data.push_back(to_f32(be, opt.weights(i)));
-      }
-      CheckedFile f((tmp / "model.safetensors").string());
-      write_f32_tensors(f, names, shapes, data, {{"format", "mhar"}, {"step", std::to_string(w.step)}});
-      f.close();
-      files["model.safetensors"] = f.record();
-    }
-    {  // AdamW moments of this rank
-      std::vector<std::string> names;
-      std::vector<std::vector<int64_t>> shapes;
-      std::vector<std::vector<float>> data;
-      for (size_t i = 0; i < params.size(); ++i) {
-        names.push_back(params[i].name + ".exp_avg");
-        shapes.push_back({params[i].value.numel()});
-        data.push_back(to_f32(be, opt.exp_avg(i)));
-        names.push_back(params[i].name + ".exp_avg_sq");
-        shapes.push_back({params[i].value.numel()});
-        data.push_back(to_f32(be, opt.exp_avg_sq(i)));
-      }
-      CheckedFile f((tmp / "optimizer.rank0.safetensors").string());
-      write_f32_tensors(f, names, shapes, data, {});
-      f.close();
-      files["optimizer.rank0.safetensors"] = f.record();
-    }
-    nlohmann::json st = {{"format", kFormat},   {"step", w.step},       {"config", w.config->to_json()},
-                         {"loader", w.loader},  {"trainer", w.trainer}, {"files", files}};
-    const std::string text = st.dump(2) + "\n";
-    CheckedFile f((tmp / "state.json").string());
-    f.write(text.data(), text.size());
-    f.close();
-    fsync_dir(tmp);
-  } catch (...) {
-    std::error_code ec;
-    fs::remove_all(tmp, ec);  // never leave a half-written directory behind
-    throw;
+    report = {{"file", write_optimizer_shard(tmp.string(), model, opt)}};
+  } catch (const std::exception& e) {
+    report = {{"error", e.what()}};
   }
-  // Publish: a same-step checkpoint (re-saved after an interrupt) is replaced only once
-  // the new one is complete.
-  if (fs::exists(final_dir)) {
-    const fs::path old = root / (".old-" + name + "-" + std::to_string(::getpid()));
-    fs::rename(final_dir, old);
-    fs::rename(tmp, final_dir);
-    fs::remove_all(old);
-  } else {
-    fs::rename(tmp, final_dir);
+  const std::vector<std::string> reports = comm->gather_strings(report.dump());
+  std::string outcome;  // rank 0: "" when published, else the error
+  if (root) {
+    auto& params = model.parameters();
+    nlohmann::json files = nlohmann::json::object();
+    try {
+      for (int r = 0; r < comm->world_size(); ++r) {
+        const nlohmann::json rep = nlohmann::json::parse(reports[size_t(r)]);
+        if (rep.contains("error")) fail("rank ", r, ": ", rep["error"].get<std::string>());
+        files[optimizer_shard_file(r)] = rep["file"];
+      }
+      {  // fp32 master weights under Hugging Face names
+        std::vector<std::string> names;
+        std::vector<std::vector<int64_t>> shapes;
+        for (size_t i = 0; i < params.size(); ++i) {
+          names.push_back(params[i].name);
+          shapes.push_back(shape_of(params[i].value));
+        }
+        CheckedFile f((tmp / "model.safetensors").string());
+        write_f32_tensors(f, names, shapes, weights, {{"format", "mhar"}, {"step", std::to_string(w.step)}});
+        f.close();
+        files["model.safetensors"] = f.record();
+      }
+      nlohmann::json st = {{"format", kFormat},   {"step", w.step},
+                           {"world_size", comm->world_size()},
+                           {"config", w.config->to_json()},
+                           {"loader", w.loader},  {"trainer", w.trainer}, {"files", files}};
+      const std::string text = st.dump(2) + "\n";
+      CheckedFile f((tmp / "state.json").string());
+      f.write(text.data(), text.size());
+      f.close();
+      fsync_dir(tmp);
+      // Publish: a same-step checkpoint (re-saved after an interrupt) is replaced only once
+      // the new one is complete.
+      if (fs::exists(final_dir)) {
+        const fs::path old = root_dir / (".old-" + name + "-" + std::to_string(::getpid()));
+        fs::rename(final_dir, old);
+        fs::rename(tmp, final_dir);
+        fs::remove_all(old);
+      } else {
+        fs::rename(tmp, final_dir);
+      }
+      fsync_dir(root_dir);
+      if (w.keep > 0) {
+        auto all = list_checkpoints(w.run_dir);
+        for (size_t i = 0; i + size_t(w.keep) < all.size(); ++i) fs::remove_all(all[i]);
+      }
+    } catch (const std::exception& e) {
+      outcome = e.what();
+      if (outcome.empty()) outcome = "unknown error";
+      std::error_code ec;
+      fs::remove_all(tmp, ec);  // never leave a half-written directory behind
+    }
   }
-  fsync_dir(root);
-  if (w.keep > 0) {
-    auto all = list_checkpoints(w.run_dir);
-    for (size_t i = 0; i + size_t(w.keep) < all.size(); ++i) fs::remove_all(all[i]);
+  outcome = comm->broadcast_string(outcome);
+  if (!outcome.empty()) {
+    if (root) fail(outcome);
+    fail("checkpoint of step ", w.step, " failed on rank 0: ", outcome);
   }
   return final_dir.string();
 }

@@ -2,13 +2,16 @@
 //
 // Layout: RUN_DIR/checkpoints/step_00001000/
 //   model.safetensors            fp32 master weights, Hugging Face Qwen3 names
-//   optimizer.rank<R>.safetensors  AdamW moments of rank R ("<name>.exp_avg",
-//                                ".exp_avg_sq"), fp32
-//   state.json                   {"format", "step", "config", "loader", "trainer",
-//                                 "files": {name: {"bytes", "fnv1a64"}}}
+//   optimizer.rank<R>.safetensors  AdamW moments of rank R's shard ("<name>.exp_avg",
+//                                ".exp_avg_sq"), fp32 (checkpoint_shards.h)
+//   state.json                   {"format", "step", "world_size", "config", "loader",
+//                                 "trainer", "files": {name: {"bytes", "fnv1a64"}}}
 // A checkpoint is written into a hidden temporary directory and renamed into place only
 // when every file is complete and flushed, so a crash (or a full disk) never leaves a
 // directory that looks whole. Opening verifies every file's size and checksum.
+// Under data parallelism every rank writes its optimizer shard into the temporary
+// directory; rank 0 gathers the fp32 weights, writes model.safetensors, and writes
+// state.json and renames the directory only once every rank has reported its file.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -17,6 +20,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "engine/communicator.h"
 #include "engine/config.h"
 #include "engine/model.h"
 
@@ -42,11 +46,14 @@ CheckpointInfo open_checkpoint(const std::string& path, bool newest_valid = fals
 
 // Loads the fp32 master weights into `model`; every tensor must exist with the model's
 // shape, else the error names the first mismatch. With `opt`, its fp32 master copy (bf16
-// models) gets the same weights from the one read, so a resume continues from the exact
-// fp32 values.
+// models; this rank's shard) gets the same weights from the one read, so a resume
+// continues from the exact fp32 values.
 void load_model_weights(const CheckpointInfo& ckpt, Model& model, AdamWOptimizer* opt = nullptr);
-// Loads rank `rank`'s AdamW moments.
-void load_optimizer_moments(const CheckpointInfo& ckpt, Model& model, AdamWOptimizer& opt, int rank);
+// Number of ranks that wrote the checkpoint (1 for checkpoints without "world_size").
+int checkpoint_world_size(const CheckpointInfo& ckpt);
+// Loads the AdamW moments of `opt`'s shard, re-sharding when the checkpoint was written
+// by another number of ranks.
+void load_optimizer_moments(const CheckpointInfo& ckpt, Model& model, AdamWOptimizer& opt);
 // Throws if the model sections differ, naming the first differing field.
 void check_same_model(const Config& ours, const Config& theirs, const std::string& theirs_where);
 
@@ -57,8 +64,10 @@ struct CheckpointWrite {
   nlohmann::json loader;   // data position
   nlohmann::json trainer;  // counters the trainer needs to resume (tokens, bad steps, ...)
   int keep = 0;            // keep the newest K checkpoints (0 = all)
+  Communicator* comm = nullptr;  // the ranks that write it together (null: this process)
 };
-// Writes atomically (see above) and prunes old checkpoints. Returns the directory.
+// Writes atomically (see above) and prunes old checkpoints. Returns the directory (on
+// every rank). Collective: every rank calls it.
 std::string save_checkpoint(const CheckpointWrite& w, Model& model, AdamWOptimizer& opt);
 
 }  // namespace mhar
