@@ -74,8 +74,8 @@ Result run(const std::string& cmd) {
   return r;
 }
 
-std::string mhar_cmd(int ranks, const std::string& args) {
-  const std::string bin = std::string(MHAR_BINARY) + " --log-level warn " + args;
+std::string mhar_cmd(int ranks, const std::string& args, const char* log_level = "warn") {
+  const std::string bin = std::string(MHAR_BINARY) + " --log-level " + log_level + " " + args;
   if (ranks == 0) return bin;  // no mpirun at all
   return std::string(kMpirun) + " -np " + std::to_string(ranks) + " " + bin;
 }
@@ -223,7 +223,7 @@ TEST_F(DistTest, ResumeOnAnotherNumberOfRanksContinuesTheRun) {
   ASSERT_EQ(run(mhar_cmd(2, "train " + cfg.string() + " --run-dir " + two.string())).rc, 0);
   fs::copy(two, two_to_one, fs::copy_options::recursive);
   keep_only_checkpoint(two_to_one, 4);
-  Result r = run(mhar_cmd(0, "--log-level info train --resume " + two_to_one.string()));
+  Result r = run(mhar_cmd(0, "train --resume " + two_to_one.string(), "info"));
   ASSERT_EQ(r.rc, 0) << r.out;
   EXPECT_NE(r.out.find("re-sharded"), std::string::npos) << r.out;
   // 1 process -> 2 ranks.
@@ -273,6 +273,20 @@ std::vector<int> rank_pids(int mpirun_pid, int ranks, double timeout_s) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   return {};
+}
+
+// True once `pid` has exited (gone, or a zombie waiting to be reaped) within `timeout_s`.
+bool process_gone(int pid, double timeout_s) {
+  const auto t0 = std::chrono::steady_clock::now();
+  do {
+    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+    std::string line;
+    if (!std::getline(stat, line)) return true;
+    const size_t close = line.rfind(')');
+    if (close != std::string::npos && close + 2 < line.size() && line[close + 2] == 'Z') return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  } while (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < timeout_s);
+  return false;
 }
 
 // mpirun started in the background with its output in a file; the test signals it or
@@ -372,7 +386,8 @@ TEST_F(DistTest, KilledRankEndsTheJobWithAnErrorNamingIt) {
   EXPECT_NE(out.find("rank 1"), std::string::npos) << out;
   // Rank 0 is gone too (mpirun or its watchdog ended it), and the checkpoints on disk are
   // whole: the newest one validates.
-  EXPECT_NE(::kill(pids[0], 0), 0) << "rank 0 still runs";
+  EXPECT_TRUE(process_gone(pids[0], 10)) << "rank 0 still runs";
+  std::printf("%s", out.c_str());
   const Result v = run(mhar_cmd(0, "eval --checkpoint " + run_dir.string() + " --data '" +
                                       (dir / "data/val_*.bin").string() + "' --device cpu"));
   std::printf("[ dist ] killed rank 1: job ended after %.1f s, exit %d; newest checkpoint "
