@@ -162,8 +162,8 @@ bool launched_by_mpi() {
   return false;
 }
 
-const DistInfo& init() {
-  if (g_initialised || !launched_by_mpi()) return g_info;
+const DistInfo& init(bool singleton) {
+  if (g_initialised || !(singleton || launched_by_mpi())) return g_info;
   int provided = 0;
   // The watchdog and the data loader's thread never call MPI.
   int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided);

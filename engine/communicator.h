@@ -67,8 +67,9 @@ struct DistInfo {
 namespace dist {
 // Initialises MPI when the process was started by an MPI launcher (idempotent); returns
 // the process group. Ranks other than 0 then log warnings and errors only, tagged with
-// their rank.
-const DistInfo& init();
+// their rank. `singleton`: initialise MPI also without a launcher (one rank; tests of
+// the NCCL communicator).
+const DistInfo& init(bool singleton = false);
 const DistInfo& info();  // init() must have run (else: one process)
 bool launched_by_mpi();  // from the environment, without initialising anything
 // Clean end (MPI_Finalize) after success; abort the whole job (MPI_Abort) after an error,
