@@ -4,11 +4,14 @@
 # tests (every op, the whole model, GPU training) and the op timings
 # (tests/op_timing_cudatest.cpp), optionally the benchmark table against PyTorch
 # (tools/bench_compare.sh), and prints a short summary last. Logs go to $OUT (when set,
-# e.g. by the device tool) or $BUILD_DIR/logs; at most 7 files, so they all come back.
+# e.g. by the device tool) or $BUILD_DIR/logs; at most 8 files, so they all come back.
 # Also builds (and skips the GPU tests) on a machine without a GPU.
 #   BUILD_DIR       build directory (default build-gpu)
 #   GTEST_FILTER    passed through to the test binary (default: every test)
 #   JOBS            build parallelism (default: nproc)
+#   DP=1            also run tools/dp_check.sh (data parallelism through mpirun and NCCL:
+#                   training against the single-process step, bench overhead at 350M/1B;
+#                   NP=N ranks, default 1)
 #   BENCH=1         also run tools/bench_compare.sh; it starts first, so the PyTorch jobs
 #                   compile while this script builds and tests, and our runs wait for
 #                   the tests to finish. BENCH_DEADLINE (s, default 420) bounds it.
@@ -31,6 +34,12 @@ LOG_DIR="${OUT:-$BUILD_DIR/logs}"
 JOBS="${JOBS:-$(nproc)}"
 mkdir -p "$LOG_DIR" "$BUILD_DIR"
 export PATH="/usr/local/cuda/bin:$PATH"
+# MPI (required by the build: data parallelism): images often keep Open MPI outside PATH.
+if ! command -v mpicxx >/dev/null; then
+  for d in /usr/local/mpi/bin /opt/hpcx/ompi/bin /opt/openmpi/bin; do
+    [ -x "$d/mpicxx" ] && export PATH="$d:$PATH" && break
+  done
+fi
 t_start=$(date +%s)
 elapsed() { echo "$(( $(date +%s) - t_start )) s"; }
 
@@ -41,6 +50,8 @@ elapsed() { echo "$(( $(date +%s) - t_start )) s"; }
   nvcc --version | tail -2
   cmake --version | head -1
   python3 -c 'import torch; print("torch", torch.__version__)' 2>/dev/null || echo "no torch"
+  echo "mpi: $(command -v mpicxx || echo 'no mpicxx') $(mpirun --version 2>/dev/null | head -1)"
+  echo "NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-<unset>}"
 } 2>&1 | tee "$LOG_DIR/env.log"
 
 echo "== configure"
@@ -117,6 +128,12 @@ timeout 150 "$BUILD_DIR/mhar_cuda_tests" --gtest_also_run_disabled_tests --gtest
 touch "$tests_done"
 grep -E "^TIMING|FAILED|Failure|exception" "$LOG_DIR/op_timing.log" || true
 
+if [ "${DP:-0}" = 1 ] && [ -x "$BUILD_DIR/mhar" ]; then
+  echo "== data parallelism (tools/dp_check.sh, NP=${NP:-1}) (at $(elapsed))"
+  BUILD_DIR="$BUILD_DIR" tools/dp_check.sh >"$LOG_DIR/dp_check.log" 2>&1
+  grep -E "^DP_" "$LOG_DIR/dp_check.log" || tail -20 "$LOG_DIR/dp_check.log"
+fi
+
 if [ -n "$bench_pid" ]; then
   echo "== waiting for bench_compare.sh (at $(elapsed))"
   wait "$bench_pid"
@@ -124,7 +141,8 @@ if [ -n "$bench_pid" ]; then
 fi
 
 echo "== summary (at $(elapsed))"
-grep -E "^MODEL_PARITY .*worst|^TRAIN .*mean" "$LOG_DIR/cuda_tests.log" || true
+grep -E "^MODEL_PARITY .*worst|^TRAIN .*mean|^NCCL_1RANK" "$LOG_DIR/cuda_tests.log" || true
+[ -e "$LOG_DIR/dp_check.log" ] && grep -E "^DP_" "$LOG_DIR/dp_check.log"
 grep -E "^PARITY" "$LOG_DIR/cuda_tests.log" | sort -k7 -g -r | head -8 || true
 grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[  FAILED  \]|tests? ran|Failure" "$LOG_DIR/cuda_tests.log" | tail -30
 [ -e "$LOG_DIR/bench_table.md" ] && cat "$LOG_DIR/bench_table.md"
