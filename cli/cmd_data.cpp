@@ -4,7 +4,9 @@
 // The work itself lives in data/; this file parses options and prints summaries.
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -18,12 +20,43 @@
 #include "data/shard.h"
 #include "data/tokenizer.h"
 #include "engine/error.h"
+#include "engine/file_io.h"
+#include "engine/json_io.h"
 
 namespace mhar::cli {
 namespace {
 
 namespace fs = std::filesystem;
 using data::Tokenizer;
+
+// Every --threads of these commands: 0 (all cores) or 1..kMaxThreads (data/tokenizer.h
+// says why the bound); checked before any thread starts.
+void check_threads(int n, const char* command) {
+  if (n < 0 || n > data::kMaxThreads)
+    fail(command, ": --threads ", n, " is out of range; valid: 0 (all cores) or 1 to ", data::kMaxThreads,
+         " (more threads than cores only costs memory; the output is the same for any count)");
+}
+
+// An output folder: refused when the path is a file, created (with its parents) otherwise.
+void make_output_folder(const std::string& dir, const char* command) {
+  std::error_code ec;
+  const auto st = fs::status(dir, ec);
+  if (st.type() != fs::file_type::not_found && st.type() != fs::file_type::directory)
+    fail(command, ": --out ", dir, " exists and is not a folder; give a folder for the output");
+  fs::create_directories(dir, ec);
+  if (ec) fail(command, ": --out ", dir, ": cannot create the folder (", ec.message(), ")");
+}
+
+// An output file: refused when the path is a folder or its folder does not exist.
+void check_output_file(const std::string& path, const char* command) {
+  std::error_code ec;
+  if (fs::is_directory(path, ec))
+    fail(command, ": --out ", path, " is a folder; give the path of the file to write (e.g. ",
+         (fs::path(path) / "tokenizer.json").string(), ")");
+  const fs::path parent = fs::path(path).parent_path();
+  if (!parent.empty() && !fs::is_directory(parent, ec))
+    fail(command, ": --out ", path, ": the folder ", parent.string(), " does not exist (or is not a folder)");
+}
 
 void register_prepare(CLI::App& data) {
   auto opt = std::make_shared<data::PrepareOptions>();
@@ -42,8 +75,16 @@ void register_prepare(CLI::App& data) {
   cmd->add_option("--shard-tokens", opt->shard_tokens, "Tokens per shard")->capture_default_str();
   cmd->add_option("--threads", opt->threads, "Encoding threads (0: all cores)")->capture_default_str();
   auto* quiet = cmd->add_flag("--no-progress", "No progress bar");
-  cmd->callback([opt, quiet] {
+  cmd->callback([opt, quiet, vd, vf] {
     opt->progress = quiet->count() == 0;
+    // Given values are checked here: prepare() reads a negative or NaN value as "not
+    // given", which would silently hold out the default 1% instead.
+    if (vd->count() && opt->val_docs < 0)
+      fail("data prepare: --val-docs ", vd->results().front(), " is negative; give a number of documents >= 0");
+    if (vf->count() && !(std::isfinite(opt->val_fraction) && opt->val_fraction >= 0 && opt->val_fraction <= 1))
+      fail("data prepare: --val-fraction ", vf->results().front(), " is not a number within 0..1");
+    check_threads(opt->threads, "data prepare");
+    make_output_folder(opt->out_dir, "data prepare");
     const data::PrepareSummary s = data::prepare(*opt);
     const uint64_t tokens = s.train_tokens + s.val_tokens;
     const uint64_t separators = s.documents;
@@ -72,15 +113,19 @@ void register_inspect(CLI::App& data) {
   cmd->add_option("--offset", *offset, "First token of the excerpt")->capture_default_str();
   cmd->add_option("--count", *count, "Tokens in the excerpt")->capture_default_str();
   cmd->callback([=] {
-    data::MappedShard shard(*path);
+    const data::ShardReader shard(*path);
     const auto& info = shard.info();
     std::string tok_name = *tokenizer;
     const fs::path meta = fs::path(*path).parent_path() / "prepare.json";
-    if (tok_name.empty() && fs::exists(meta)) {
-      std::ifstream in(meta);
+    std::error_code ec;
+    if (tok_name.empty() && fs::exists(fs::symlink_status(meta, ec))) {
+      // A damaged prepare.json is an error, not a silent fallback to gpt2, which would
+      // print another tokenizer's garbage for the shard.
       try {
-        tok_name = nlohmann::json::parse(in).value("tokenizer_file", "");
-      } catch (const nlohmann::json::exception&) {
+        const auto j = read_json_file(meta.string(), "prepare.json");
+        tok_name = json_to_string(json_member(j, "tokenizer_file", meta.string()), meta.string() + ": tokenizer_file");
+      } catch (const Error& e) {
+        fail(e.what(), "; give --tokenizer to decode the shard without it");
       }
     }
     if (tok_name.empty()) tok_name = "gpt2";
@@ -89,27 +134,33 @@ void register_inspect(CLI::App& data) {
     std::printf("header    magic %d, version %d (%s tokens), %llu tokens\n", info.magic, info.version,
                 info.token_bytes == 2 ? "uint16" : "uint32", (unsigned long long)info.tokens);
     uint64_t max_id = 0, eots = 0;
-    const int32_t eot = tok.token_id("<|endoftext|>").value_or(-1);
-    for (uint64_t i = 0; i < info.tokens; ++i) {
-      const int32_t id = shard.at(i);
-      max_id = std::max<uint64_t>(max_id, static_cast<uint64_t>(id));
-      eots += id == eot;
+    const int64_t eot = tok.token_id("<|endoftext|>").value_or(-1);
+    std::vector<int32_t> chunk(static_cast<size_t>(std::min<uint64_t>(info.tokens, 1u << 20)));
+    for (uint64_t start = 0; start < info.tokens; start += chunk.size()) {
+      const size_t n = static_cast<size_t>(std::min<uint64_t>(chunk.size(), info.tokens - start));
+      shard.copy(start, n, chunk.data());
+      for (size_t i = 0; i < n; ++i) {
+        const uint64_t id = static_cast<uint32_t>(chunk[i]);  // uint32 shards: ids up to 2^32-1
+        max_id = std::max(max_id, id);
+        eots += static_cast<int64_t>(id) == eot;
+      }
     }
     std::printf("tokens    max id %llu, %llu <|endoftext|> (documents)\n", (unsigned long long)max_id,
                 (unsigned long long)eots);
     std::printf("decoding  with %s\n", tok.describe().c_str());
-    if (max_id >= static_cast<uint64_t>(tok.vocab_size()))
+    if (info.tokens > 0 && max_id >= static_cast<uint64_t>(tok.vocab_size()))
       std::printf("warning   ids go beyond this tokenizer's vocabulary (%d)\n", tok.vocab_size());
     if (*offset >= info.tokens) return;
     const size_t n = static_cast<size_t>(std::min<uint64_t>(*count, info.tokens - *offset));
     std::vector<int32_t> ids(n);
     shard.copy(*offset, n, ids.data());
     std::string ids_text;
-    for (size_t i = 0; i < n && i < 32; ++i) ids_text += (i ? " " : "") + std::to_string(ids[i]);
+    for (size_t i = 0; i < n && i < 32; ++i)
+      ids_text += (i ? " " : "") + std::to_string(static_cast<uint32_t>(ids[i]));
     std::printf("ids       [%llu..%llu) %s%s\n", (unsigned long long)*offset, (unsigned long long)(*offset + n),
                 ids_text.c_str(), n > 32 ? " ..." : "");
     std::string text;
-    for (int32_t id : ids) text += id < tok.vocab_size() ? tok.token_bytes(id) : "<?>";
+    for (int32_t id : ids) text += id >= 0 && id < tok.vocab_size() ? tok.token_bytes(id) : "<?>";
     std::printf("text      %s\n", text.c_str());
   });
 }
@@ -129,6 +180,8 @@ void register_train_tokenizer(CLI::App& data) {
       ->capture_default_str();
   cmd->add_option("--threads", opt->threads, "Counting threads (0: all cores)")->capture_default_str();
   cmd->callback([opt] {
+    check_threads(opt->threads, "data train-tokenizer");
+    check_output_file(opt->out, "data train-tokenizer");
     const auto s = data::train_tokenizer(*opt);
     std::printf("read        %llu documents, %.1f MB, %llu distinct pieces (%.1f s)\n",
                 (unsigned long long)s.documents, s.text_bytes / 1e6, (unsigned long long)s.unique_pieces,
@@ -152,13 +205,7 @@ void register_encode(CLI::App& data) {
   cmd->callback([=] {
     const Tokenizer tok = Tokenizer::load(*tokenizer);
     std::string input = *text;
-    if (!file->empty()) {
-      std::ifstream in(*file, std::ios::binary);
-      if (!in) fail(*file, ": cannot open");
-      std::ostringstream ss;
-      ss << in.rdbuf();
-      input = ss.str();
-    }
+    if (!file->empty()) input = read_regular_file(*file, "text file");
     const auto ids = special->count() ? tok.encode_with_special(input) : tok.encode(input);
     std::string out;
     for (size_t i = 0; i < ids.size(); ++i) out += (i ? " " : "") + std::to_string(ids[i]);
@@ -180,6 +227,7 @@ void register_bench(CLI::App& data) {
   cmd->add_option("--max-bytes", *max_bytes, "Use at most this many bytes of text (0: all)")->capture_default_str();
   cmd->add_option("--repeat", *repeat, "Runs per thread count (the best is reported)")->capture_default_str();
   cmd->callback([=] {
+    for (int t : *threads) check_threads(t, "data bench-tokenizer");
     const Tokenizer first = Tokenizer::load(*tokenizer);
     data::DocumentReader reader(*inputs);
     std::vector<std::string> docs;

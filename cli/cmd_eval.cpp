@@ -57,6 +57,12 @@ void register_eval(CLI::App& app) {
     r.tokens = (long long)sums[1];
     r.batches = (long long)sums[2];
     r.loss = d.world_size > 1 ? sums[0] / sums[1] : r.loss;
+    // The weights were checked finite on load; a non-finite loss means they overflow on
+    // this data. That is a failed evaluation, never a result line.
+    if (!std::isfinite(r.loss))
+      fail(ckpt.dir, " (step ", ckpt.step, "): the loss over ", r.tokens, " tokens of ", glob, " is ",
+           std::isnan(r.loss) ? "nan" : r.loss > 0 ? "inf" : "-inf",
+           ": the model's outputs are not finite on this data, so there is no loss to report");
     nlohmann::json out = {{"loss", r.loss}, {"ppl", std::exp(r.loss)}, {"tokens", r.tokens},
                           {"batches", r.batches}, {"checkpoint", ckpt.dir}, {"step", ckpt.step}};
     std::printf("%s\n", out.dump().c_str());

@@ -16,6 +16,7 @@
 #include "data/corpus.h"
 #include "data/tokenizer.h"
 #include "engine/error.h"
+#include "engine/file_io.h"
 
 namespace mhar::data {
 namespace {
@@ -235,14 +236,8 @@ TrainTokenizerSummary train_tokenizer(const TrainTokenizerOptions& opt) {
                 {"byte_fallback", false},
                 {"vocab", vocab},
                 {"merges", merge_list}};
-  const std::string tmp = opt.out + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary);
-    if (!out) fail(opt.out, ": cannot write (", tmp, ")");
-    out << j.dump(1, ' ', false, nlohmann::ordered_json::error_handler_t::strict) << "\n";
-    if (!out) fail(opt.out, ": write failed");
-  }
-  std::filesystem::rename(tmp, opt.out);
+  // Atomic (engine/file_io.h): an existing tokenizer.json stays whole if this fails.
+  write_file_atomic(opt.out, j.dump(1, ' ', false, nlohmann::ordered_json::error_handler_t::strict) + "\n");
   sum.vocab_size = eot + 1;
   sum.merges = static_cast<int>(merges.size());
   sum.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -4,6 +4,9 @@
 // any other file is one document (its bytes, unchanged); a folder is read recursively
 // in sorted path order, taking its .jsonl and .txt files. Documents come out in input
 // order, which makes everything downstream independent of thread counts.
+// Nothing is skipped without a word: a sub-folder that cannot be read, or a .jsonl/.txt
+// entry that is not a regular file (a FIFO, a dangling symlink), is an error naming it.
+// jsonl lines are parsed strictly (engine/json_io.h).
 #pragma once
 #include <cstdint>
 #include <fstream>
@@ -19,7 +22,7 @@ struct Document {
 };
 
 // Expands inputs (files, folders) into the ordered list of files to read; fails on a
-// path that does not exist or a folder with nothing readable in it.
+// path that does not exist, a folder that cannot be read, or one with no documents.
 std::vector<std::string> corpus_files(const std::vector<std::string>& inputs);
 
 class DocumentReader {

@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "engine/error.h"
+#include "engine/file_io.h"
 
 namespace mhar::data {
 namespace {
@@ -52,7 +53,14 @@ bool has_glob_chars(const std::string& s) { return s.find_first_of("*?[") != std
 
 std::vector<std::string> expand_glob(const std::string& pattern) {
   if (!has_glob_chars(pattern)) {
-    if (!std::filesystem::is_regular_file(pattern)) fail("shard ", pattern, ": no such file");
+    std::error_code ec;
+    const auto st = std::filesystem::status(pattern, ec);
+    if (st.type() == std::filesystem::file_type::not_found) fail("shard ", pattern, ": no such file");
+    if (st.type() == std::filesystem::file_type::directory)
+      fail("shard ", pattern, ": is a directory, but a shard must be a file; give a shard file or a glob of them (",
+           (std::filesystem::path(pattern) / "train_*.bin").string(), " or ",
+           (std::filesystem::path(pattern) / "val_*.bin").string(), " as `mhar data prepare` names them)");
+    require_regular_file(pattern, "shard");
     return {pattern};
   }
   glob_t g;
@@ -96,6 +104,7 @@ DataLoader::~DataLoader() { stop_worker(); }
 
 void DataLoader::init(std::vector<std::string> paths, int vocab_size) {
   paths_ = std::move(paths);
+  vocab_size_ = vocab_size;
   for (const auto& p : paths_) {
     shards_.emplace_back(p);
     if (vocab_size > 0) shards_.back().check_ids(vocab_size);
@@ -137,12 +146,13 @@ uint64_t DataLoader::window_of_shard(uint64_t epoch, uint64_t shard, uint64_t k)
   return permute(k, shard_windows_[shard], key_of(seed_, epoch, 0x77696e64ull + (shard << 20)));
 }
 
-void DataLoader::copy_stream(uint64_t start, size_t count, int32_t* out) const {
+void DataLoader::copy_stream(uint64_t start, size_t count, int32_t* out, std::vector<Piece>& pieces) const {
   size_t s = std::upper_bound(stream_start_.begin(), stream_start_.end(), start) - stream_start_.begin() - 1;
   while (count > 0) {
     const uint64_t local = start - stream_start_[s];
     const size_t n = static_cast<size_t>(std::min<uint64_t>(count, shards_[s].size() - local));
-    shards_[s].copy(local, n, out);
+    const uint32_t worst = shards_[s].copy_unchecked(local, n, out);
+    pieces.push_back({static_cast<uint32_t>(s), local, n, out, worst});
     out += n;
     count -= n;
     start += n;
@@ -150,11 +160,40 @@ void DataLoader::copy_stream(uint64_t start, size_t count, int32_t* out) const {
   }
 }
 
+// After all of a batch's reads and before the batch is handed out: each shard read from
+// is still the file validated at open (one fstat per shard, not per window), and every
+// id is inside the vocabulary. The ids were all checked at open; this second look costs
+// one comparison per token and keeps an id outside the embedding from ever reaching the
+// model, even after a change to a shard that its size and mtime did not show.
+void DataLoader::verify(const std::vector<Piece>& pieces) const {
+  // A batch's windows go through the shards in order, so each shard's pieces are adjacent.
+  uint32_t last = UINT32_MAX;
+  for (const Piece& p : pieces) {
+    if (p.shard != last) shards_[p.shard].check_unchanged();
+    last = p.shard;
+  }
+  if (vocab_size_ <= 0) return;
+  for (const Piece& p : pieces) {
+    if (p.max_id < static_cast<uint32_t>(vocab_size_)) continue;
+    const size_t bad = first_id_outside(p.out, p.count, vocab_size_);
+    if (bad < p.count) {
+      const ShardInfo& info = shards_[p.shard].info();
+      const int64_t id = info.token_bytes == 4 ? int64_t(uint32_t(p.out[bad])) : int64_t(p.out[bad]);
+      fail("shard ", info.path, " changed on disk while it was being read: token ", p.start + bad, " now has id ", id,
+           ", outside the vocabulary (0..", vocab_size_ - 1, ") it was checked against when opened");
+    }
+  }
+}
+
 void DataLoader::fill(Position pos, int32_t* windows) const {
   const size_t W = static_cast<size_t>(T_) + 1;
+  thread_local std::vector<Piece> pieces;
+  pieces.clear();
   if (mode_ == LoaderMode::Sequential) {
     const uint64_t batch = pos.step * world_ + rank_;
-    for (int b = 0; b < B_; ++b) copy_stream((batch * B_ + b) * static_cast<uint64_t>(T_), W, windows + b * W);
+    for (int b = 0; b < B_; ++b)
+      copy_stream((batch * B_ + b) * static_cast<uint64_t>(T_), W, windows + b * W, pieces);
+    verify(pieces);
     return;
   }
   const std::vector<uint32_t> order = shard_order(pos.epoch);
@@ -168,8 +207,10 @@ void DataLoader::fill(Position pos, int32_t* windows) const {
     while (before + shard_windows_[order[slot]] <= g) before += shard_windows_[order[slot++]];
     const uint32_t shard = order[slot];
     const uint64_t k = window_of_shard(pos.epoch, shard, g - before);
-    shards_[shard].copy(k * static_cast<uint64_t>(T_), W, windows + b * W);
+    const uint32_t worst = shards_[shard].copy_unchecked(k * static_cast<uint64_t>(T_), W, windows + b * W);
+    pieces.push_back({shard, k * static_cast<uint64_t>(T_), W, windows + b * W, worst});
   }
+  verify(pieces);
 }
 
 void DataLoader::start_worker() {

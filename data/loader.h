@@ -13,6 +13,10 @@
 // Every batch is a pure function of (seed, position), so state()/restore() (a few
 // numbers) resume exactly; a background thread computes the next batches ahead so a
 // training step never waits on the disk.
+// A shard changed on disk while the loader reads it (truncated or rewritten in place)
+// makes next_batch() throw an mhar::Error naming the shard, after the batches read
+// before the change and never with data read after it (ShardReader); the trainer then
+// checkpoints its last completed step before it stops.
 #pragma once
 #include <nlohmann/json.hpp>
 
@@ -31,7 +35,7 @@
 namespace mhar::data {
 
 // Expands a glob (or plain path) to the sorted list of matching files; fails naming
-// the pattern if nothing matches.
+// the pattern if nothing matches, or the path if it is a folder or another non-file.
 std::vector<std::string> expand_glob(const std::string& pattern);
 
 enum class LoaderMode { Shuffled, Sequential };
@@ -73,7 +77,15 @@ class DataLoader {
   };
   void init(std::vector<std::string> paths, int vocab_size);
   void fill(Position pos, int32_t* windows) const;  // B*(T+1) tokens
-  void copy_stream(uint64_t start, size_t count, int32_t* out) const;
+  struct Piece {  // tokens [start, start + count) of one shard, read into out
+    uint32_t shard;
+    uint64_t start;
+    size_t count;
+    int32_t* out;
+    uint32_t max_id;  // the largest id read (as stored)
+  };
+  void copy_stream(uint64_t start, size_t count, int32_t* out, std::vector<Piece>& pieces) const;
+  void verify(const std::vector<Piece>& pieces) const;
   uint64_t window_of_shard(uint64_t epoch, uint64_t shard, uint64_t k) const;
   std::vector<uint32_t> shard_order(uint64_t epoch) const;
   std::string fingerprint() const;
@@ -82,10 +94,11 @@ class DataLoader {
   void worker_loop(Position from);
 
   std::vector<std::string> paths_;
-  std::vector<MappedShard> shards_;
+  std::vector<ShardReader> shards_;
   std::vector<uint64_t> shard_windows_;  // shuffled: windows per shard
   std::vector<uint64_t> stream_start_;   // sequential: first stream token of each shard
   int B_, T_, rank_, world_;
+  int vocab_size_ = 0;  // > 0: every batch's ids are checked against it
   uint64_t seed_;
   LoaderMode mode_;
   int prefetch_;

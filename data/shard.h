@@ -3,8 +3,9 @@
 // count, the rest zero), then the tokens: magic 20240520 / version 1 = uint16 tokens,
 // magic 20240801 / version 7 = uint32 tokens (for vocabularies above 65536 ids).
 // Writes go to "<path>.tmp.<pid>" and are renamed into place, so a shard that exists
-// is always whole. Readers validate everything against the file size and name the
-// file and the problem in every error.
+// is always whole. Readers validate everything against the file size, name the file
+// and the problem in every error, and never trust a shard to stay as it was validated
+// (see ShardReader).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -43,31 +44,46 @@ ShardInfo read_shard_header(const std::string& path);
 // Reads a whole shard; if vocab_size > 0, fails on the first id >= vocab_size.
 std::vector<int32_t> read_shard(const std::string& path, int vocab_size = 0);
 
-// A read-only memory map of a validated shard.
-class MappedShard {
+// A validated shard held open for reading. Only a regular file is opened (a FIFO or a
+// device is refused at once, never waited on). Tokens are read with pread(2), not
+// through a memory map: a mapped shard that another process truncates or rewrites in
+// place kills the reader with SIGBUS, while pread simply returns what is there. After
+// every read the file's size and modification time are compared with those validated
+// at open, and a change fails with an mhar::Error ("shard X changed on disk while it
+// was being read (size A -> B bytes)") before the bytes read are handed out. A shard
+// replaced by rename (the way write_shard publishes) is no change for a reader: its
+// descriptor keeps the old, whole file.
+class ShardReader {
  public:
-  explicit MappedShard(const std::string& path);
-  ~MappedShard();
-  MappedShard(const MappedShard&) = delete;
-  MappedShard& operator=(const MappedShard&) = delete;
-  MappedShard(MappedShard&& other) noexcept;
+  explicit ShardReader(const std::string& path);
+  ~ShardReader();
+  ShardReader(const ShardReader&) = delete;
+  ShardReader& operator=(const ShardReader&) = delete;
+  ShardReader(ShardReader&& other) noexcept;
 
   const ShardInfo& info() const { return info_; }
   uint64_t size() const { return info_.tokens; }
-  int32_t at(uint64_t i) const {
-    return info_.token_bytes == 2 ? static_cast<int32_t>(static_cast<const uint16_t*>(tokens_)[i])
-                                  : static_cast<int32_t>(static_cast<const uint32_t*>(tokens_)[i]);
-  }
-  // Copies tokens [start, start + count) as int32.
+  // Copies tokens [start, start + count) as int32. Thread-safe (pread has no file
+  // position); fails if the shard changed on disk since it was opened.
   void copy(uint64_t start, size_t count, int32_t* out) const;
+  // The same without the check, returning the largest id copied (as stored, unsigned):
+  // a caller reading many windows calls check_unchanged() once after the last read and
+  // before it uses any of them (one fstat per batch, not per window).
+  uint32_t copy_unchecked(uint64_t start, size_t count, int32_t* out) const;
   // Fails (naming file and position) on the first id outside [0, vocab_size).
   void check_ids(int vocab_size) const;
+  // Fails if the file no longer has the size and modification time it was opened with.
+  void check_unchanged() const;
 
  private:
+  void read_raw(uint64_t start, size_t count, void* out) const;  // stored width, no check
+
   ShardInfo info_;
-  void* map_ = nullptr;
-  size_t map_bytes_ = 0;
-  const void* tokens_ = nullptr;
+  int fd_ = -1;
+  int64_t mtime_sec_ = 0, mtime_nsec_ = 0;
 };
+
+// The index of the first id in ids[0, n) outside [0, vocab_size), or n if none.
+size_t first_id_outside(const int32_t* ids, size_t n, int vocab_size);
 
 }  // namespace mhar::data

@@ -20,6 +20,7 @@
 
 #include "data/unicode.h"
 #include "engine/error.h"
+#include "engine/json_io.h"
 
 namespace mhar::data {
 
@@ -219,6 +220,19 @@ std::array<char32_t, 256> byte_to_char_table() {
   return t;
 }
 
+// How byte b is spelled in a vocabulary (UTF-8 of its printable stand-in).
+std::string spell_of_byte(const std::array<char32_t, 256>& table, int b) {
+  const char32_t c = table[b];
+  std::string s;
+  if (c < 0x80) {
+    s.push_back(static_cast<char>(c));
+  } else {  // the stand-ins are below U+0800: two bytes
+    s.push_back(static_cast<char>(0xC0 | (c >> 6)));
+    s.push_back(static_cast<char>(0x80 | (c & 0x3F)));
+  }
+  return s;
+}
+
 uint64_t hash_bytes(std::string_view s) {
   uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a, then a final mix
   for (unsigned char c : s) h = (h ^ c) * 0x100000001b3ull;
@@ -358,7 +372,10 @@ struct TokenizerModel {
   int max_digits = 1;
   bool add_prefix_space = false;
   bool nfc = false;
-  std::vector<std::string> token_bytes;  // id -> bytes
+  // id -> token bytes through a slot table (4 bytes per id; -1 for an unused id), so
+  // a sparse id range costs little.
+  std::vector<int32_t> slot_of_id;
+  std::vector<std::string> token_strings;
   std::unordered_map<std::string, int32_t> id_of_bytes;
   std::array<int32_t, 256> byte_token{};  // single-byte token of each byte
   PairTable merges;
@@ -490,44 +507,72 @@ class Encoder {
   std::vector<int32_t> merged_;
 };
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail("tokenizer: cannot open ", path);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+// Reading tokenizer.json. Every field is read through a typed, range-checked accessor,
+// so a malformed file is refused with the file, the field and its value named, before
+// anything is allocated from a value in it (an id of -5 or 2e9 must never index or size
+// a table).
+using json = nlohmann::json;
+
+// Ids are bounded so that the id -> token table (4 bytes per id up to the largest) stays
+// under 64 MiB whatever a file says: 2^24 is 64 times the largest vocabularies in use
+// (Gemma's 262,144), and below the 2^31 a uint32 token shard can hold.
+constexpr int64_t kMaxTokenIds = int64_t(1) << 24;
+
+// A member that is absent or null reads as the default.
+const json* optional_member(const json& obj, const char* key) {
+  auto it = obj.find(key);
+  return it == obj.end() || it->is_null() ? nullptr : &*it;
 }
+std::string opt_string(const json& obj, const char* key, const std::string& def, const std::string& where) {
+  const json* v = optional_member(obj, key);
+  return v ? json_to_string(*v, where + "." + key) : def;
+}
+bool opt_bool(const json& obj, const char* key, bool def, const std::string& where) {
+  const json* v = optional_member(obj, key);
+  return v ? json_to_bool(*v, where + "." + key) : def;
+}
+void require_object(const json& v, const std::string& where) {
+  if (!v.is_object()) fail(where, " = ", json_excerpt(v), " has type ", v.type_name(), "; expected an object");
+}
+void require_array(const json& v, const std::string& where) {
+  if (!v.is_array()) fail(where, " = ", json_excerpt(v), " has type ", v.type_name(), "; expected an array");
+}
+std::string quoted(const std::string& s) { return json_excerpt(json(s), 60); }
 
-std::string json_type(const nlohmann::json& j) { return j.is_null() ? "null" : j.dump(); }
-
-// Reads the pre_tokenizer section; returns a description of what is unsupported.
-void read_pre_tokenizer(const nlohmann::json& pt, TokenizerModel& m, const std::string& origin) {
+void read_pre_tokenizer(const json* pt, TokenizerModel& m, const std::string& origin) {
+  const std::string where = origin + ": pre_tokenizer";
   auto unsupported = [&](const std::string& what) {
-    fail(origin, ": unsupported pre_tokenizer (", what, "): ", pt.dump().substr(0, 300),
-         "; supported: ByteLevel with use_regex (GPT-2), or Sequence[Split(Qwen or cl100k "
-         "regex, Isolated), ByteLevel without regex]");
+    fail(origin, ": unsupported pre_tokenizer (", what, "): ", pt ? json_excerpt(*pt, 200) : std::string("null"),
+         "; supported: ByteLevel with use_regex (GPT-2), or Sequence[Split(Qwen or cl100k regex, "
+         "Isolated), ByteLevel without regex]");
   };
-  if (pt.is_null()) unsupported("none");
-  const std::string type = pt.value("type", "");
+  if (!pt) unsupported("none");
+  require_object(*pt, where);
+  const std::string type = opt_string(*pt, "type", "", where);
   if (type == "ByteLevel") {
-    if (!pt.value("use_regex", true)) unsupported("ByteLevel without a regex split");
+    if (!opt_bool(*pt, "use_regex", true, where)) unsupported("ByteLevel without a regex split");
     m.rule = Rule::Gpt2;
-    m.add_prefix_space = pt.value("add_prefix_space", false);
+    m.add_prefix_space = opt_bool(*pt, "add_prefix_space", false, where);
     return;
   }
-  if (type != "Sequence") unsupported("type " + type);
-  const auto& list = pt.at("pretokenizers");
+  if (type != "Sequence") unsupported("type " + quoted(type));
+  const json& list = json_member(*pt, "pretokenizers", where);
+  require_array(list, where + ".pretokenizers");
   if (list.size() != 2) unsupported("a sequence of " + std::to_string(list.size()));
-  const auto& split = list[0];
-  const auto& byte_level = list[1];
-  if (split.value("type", "") != "Split" || byte_level.value("type", "") != "ByteLevel")
+  const json& split = list[0];
+  const json& byte_level = list[1];
+  const std::string split_where = where + ".pretokenizers[0]", bl_where = where + ".pretokenizers[1]";
+  require_object(split, split_where);
+  require_object(byte_level, bl_where);
+  if (opt_string(split, "type", "", split_where) != "Split" || opt_string(byte_level, "type", "", bl_where) != "ByteLevel")
     unsupported("not Split then ByteLevel");
-  if (byte_level.value("use_regex", true)) unsupported("ByteLevel after Split also splits");
-  m.add_prefix_space = byte_level.value("add_prefix_space", false);
-  if (split.value("behavior", "") != "Isolated" || split.value("invert", false))
+  if (opt_bool(byte_level, "use_regex", true, bl_where)) unsupported("ByteLevel after Split also splits");
+  m.add_prefix_space = opt_bool(byte_level, "add_prefix_space", false, bl_where);
+  if (opt_string(split, "behavior", "", split_where) != "Isolated" || opt_bool(split, "invert", false, split_where))
     unsupported("Split behavior must be Isolated, not inverted");
-  const auto& pattern = split.at("pattern");
-  const std::string regex = pattern.contains("Regex") ? pattern["Regex"].get<std::string>() : "";
+  const json& pattern = json_member(split, "pattern", split_where);
+  require_object(pattern, split_where + ".pattern");
+  const std::string regex = opt_string(pattern, "Regex", "", split_where + ".pattern");
   if (regex == kGpt2Pattern) {
     m.rule = Rule::Gpt2;
   } else if (regex == kQwenPattern) {
@@ -537,20 +582,19 @@ void read_pre_tokenizer(const nlohmann::json& pt, TokenizerModel& m, const std::
     m.rule = Rule::Qwen;
     m.max_digits = 3;
   } else {
-    unsupported("split pattern " + pattern.dump());
+    unsupported("split pattern " + json_excerpt(pattern, 120));
   }
 }
 
 std::string spell_to_bytes(const std::string& spelled, const std::unordered_map<char32_t, int>& char_to_byte,
-                           const std::string& origin) {
+                           const std::string& where) {
   std::string bytes;
   for (size_t i = 0; i < spelled.size();) {
     const DecodedChar d = decode_utf8(spelled, i);
     auto it = char_to_byte.find(d.code);
     if (it == char_to_byte.end())
-      fail(origin, ": vocabulary token \"", spelled,
-           "\" has a character outside the byte-level alphabet; only byte-level BPE "
-           "vocabularies are supported");
+      fail(where, ": token ", quoted(spelled),
+           " has a character outside the byte-level alphabet; only byte-level BPE vocabularies are supported");
     bytes.push_back(static_cast<char>(it->second));
     i += d.length;
   }
@@ -564,111 +608,172 @@ std::string spell_to_bytes(const std::string& spelled, const std::unordered_map<
 Tokenizer Tokenizer::from_json(const nlohmann::json& j, const std::string& origin) {
   auto m = std::make_shared<TokenizerModel>();
   m->origin = origin;
-  try {
-    const auto& model = j.at("model");
-    if (model.value("type", "BPE") != "BPE")
-      fail(origin, ": model type ", model.value("type", ""), " is not supported; only BPE is");
-    for (const char* key : {"dropout", "unk_token"})
-      if (model.contains(key) && !model[key].is_null())
-        fail(origin, ": model.", key, " = ", model[key].dump(), " is not supported (must be null)");
-    for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"})
-      if (model.contains(key) && !model[key].is_null() && model[key] != "")
-        fail(origin, ": model.", key, " = ", model[key].dump(), " is not supported (must be empty)");
-    if (model.value("byte_fallback", false)) fail(origin, ": model.byte_fallback = true is not supported");
-    if (model.value("ignore_merges", false)) fail(origin, ": model.ignore_merges = true is not supported");
+  const std::string at = origin + ": ";
+  if (!j.is_object()) fail(origin, ": expected a tokenizer.json object at the top level, got ", j.type_name());
 
-    const auto& normalizer = j.contains("normalizer") ? j["normalizer"] : nlohmann::json();
-    if (!normalizer.is_null()) {
-      if (normalizer.value("type", "") != "NFC")
-        fail(origin, ": normalizer ", json_type(normalizer), " is not supported (null or NFC)");
-      m->nfc = true;
-    }
-    read_pre_tokenizer(j.contains("pre_tokenizer") ? j["pre_tokenizer"] : nlohmann::json(), *m, origin);
+  const json& model = json_member(j, "model", origin);
+  require_object(model, at + "model");
+  const std::string model_where = at + "model";
+  const std::string type = opt_string(model, "type", "BPE", model_where);
+  if (type != "BPE") fail(at, "model.type = ", quoted(type), " is not supported; only BPE is");
+  for (const char* key : {"dropout", "unk_token"})
+    if (const json* v = optional_member(model, key))
+      fail(at, "model.", key, " = ", json_excerpt(*v), " is not supported (must be null)");
+  for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"})
+    if (!opt_string(model, key, "", model_where).empty())
+      fail(at, "model.", key, " = ", json_excerpt(model[key]), " is not supported (must be empty)");
+  for (const char* key : {"byte_fallback", "ignore_merges"})
+    if (opt_bool(model, key, false, model_where)) fail(at, "model.", key, " = true is not supported");
 
-    const auto table = byte_to_char_table();
-    std::unordered_map<char32_t, int> char_to_byte;
-    for (int b = 0; b < 256; ++b) char_to_byte[table[b]] = b;
-
-    const auto& vocab = model.at("vocab");
-    int32_t max_id = -1;
-    for (auto it = vocab.begin(); it != vocab.end(); ++it) max_id = std::max(max_id, it.value().get<int32_t>());
-    std::vector<AddedToken> added;
-    if (j.contains("added_tokens")) {
-      for (const auto& a : j["added_tokens"]) {
-        for (const char* flag : {"single_word", "lstrip", "rstrip"})
-          if (a.value(flag, false))
-            fail(origin, ": added token ", a.value("content", ""), " sets ", flag, " = true, which is not supported");
-        added.push_back({a.at("content").get<std::string>(), a.at("id").get<int32_t>(), a.value("special", false)});
-        max_id = std::max(max_id, added.back().id);
-      }
-    }
-    if (max_id < 0) fail(origin, ": empty vocabulary");
-    m->token_bytes.assign(static_cast<size_t>(max_id) + 1, std::string());
-    std::vector<bool> present(m->token_bytes.size(), false);
-    std::unordered_map<std::string, int32_t> id_of_spelling;
-    id_of_spelling.reserve(vocab.size());
-    for (auto it = vocab.begin(); it != vocab.end(); ++it) {
-      const int32_t id = it.value().get<int32_t>();
-      if (id < 0) fail(origin, ": vocabulary id ", id, " of \"", it.key(), "\" is negative");
-      if (present[id]) fail(origin, ": vocabulary id ", id, " is used twice");
-      present[id] = true;
-      m->token_bytes[id] = spell_to_bytes(it.key(), char_to_byte, origin);
-      id_of_spelling.emplace(it.key(), id);
-      m->id_of_bytes.emplace(m->token_bytes[id], id);
-    }
-    for (int b = 0; b < 256; ++b) {
-      auto it = m->id_of_bytes.find(std::string(1, static_cast<char>(b)));
-      if (it == m->id_of_bytes.end())
-        fail(origin, ": the vocabulary lacks the single-byte token for byte ", b,
-             "; byte-level BPE needs all 256");
-      m->byte_token[b] = it->second;
-    }
-    for (const AddedToken& a : added) {
-      if (!present[a.id]) {
-        m->token_bytes[a.id] = a.content;
-        present[a.id] = true;
-      }
-      m->id_of_bytes[a.content] = a.id;
-      if (a.content == "<|endoftext|>") m->eot = a.id;
-    }
-    if (m->eot < 0) {
-      auto it = m->id_of_bytes.find("<|endoftext|>");
-      if (it != m->id_of_bytes.end()) m->eot = it->second;
-    }
-    m->added = added;
-    std::stable_sort(m->added.begin(), m->added.end(),
-                     [](const AddedToken& a, const AddedToken& b) { return a.content.size() > b.content.size(); });
-
-    const auto& merges = model.at("merges");
-    m->merges.reserve(merges.size());
-    uint32_t rank = 0;
-    for (const auto& merge : merges) {
-      std::string left, right;
-      if (merge.is_string()) {
-        const std::string s = merge.get<std::string>();
-        const size_t space = s.find(' ');
-        if (space == std::string::npos || s.find(' ', space + 1) != std::string::npos)
-          fail(origin, ": merge ", rank, " \"", s, "\" is not two tokens separated by one space");
-        left = s.substr(0, space);
-        right = s.substr(space + 1);
-      } else {
-        if (!merge.is_array() || merge.size() != 2) fail(origin, ": merge ", rank, " is not a pair: ", merge.dump());
-        left = merge[0].get<std::string>();
-        right = merge[1].get<std::string>();
-      }
-      auto l = id_of_spelling.find(left), r = id_of_spelling.find(right), lr = id_of_spelling.find(left + right);
-      if (l == id_of_spelling.end() || r == id_of_spelling.end() || lr == id_of_spelling.end())
-        fail(origin, ": merge ", rank, " (", left, " ", right, ") uses or makes a token missing from the vocabulary");
-      m->merges.insert(l->second, r->second, rank, lr->second);  // a repeated pair keeps its first rank
-      ++rank;
-    }
-    m->merge_count = rank;
-  } catch (const nlohmann::json::exception& e) {
-    fail(origin, ": not a valid tokenizer.json: ", e.what());
+  if (const json* normalizer = optional_member(j, "normalizer")) {
+    require_object(*normalizer, at + "normalizer");
+    if (opt_string(*normalizer, "type", "", at + "normalizer") != "NFC")
+      fail(at, "normalizer = ", json_excerpt(*normalizer), " is not supported (null or NFC)");
+    m->nfc = true;
   }
+  read_pre_tokenizer(optional_member(j, "pre_tokenizer"), *m, origin);
+
+  const auto table = byte_to_char_table();
+  std::unordered_map<char32_t, int> char_to_byte;
+  for (int b = 0; b < 256; ++b) char_to_byte[table[b]] = b;
+
+  // The vocabulary: spelled token -> id.
+  const json& vocab = json_member(model, "vocab", model_where);
+  require_object(vocab, at + "model.vocab");
+  if (vocab.empty()) fail(at, "model.vocab is empty");
+  struct Entry {
+    std::string bytes;
+    int32_t id;
+    std::string field;  // names it in messages
+  };
+  std::vector<Entry> entries;
+  entries.reserve(vocab.size());
+  std::unordered_map<std::string, int32_t> id_of_spelling;
+  id_of_spelling.reserve(vocab.size());
+  int64_t max_id = -1;
+  for (auto it = vocab.begin(); it != vocab.end(); ++it) {
+    const std::string field = "model.vocab[" + quoted(it.key()) + "]";
+    if (it.key().empty()) fail(at, field, ": an empty token is not allowed (every token is at least one byte)");
+    const int32_t id = static_cast<int32_t>(json_to_int(it.value(), at + field, 0, kMaxTokenIds - 1));
+    entries.push_back({spell_to_bytes(it.key(), char_to_byte, at + field), id, field});
+    id_of_spelling.emplace(it.key(), id);
+    max_id = std::max<int64_t>(max_id, id);
+  }
+  const size_t vocab_entries = entries.size();
+
+  // Added tokens: raw text, matched in encode_with_special.
+  std::vector<AddedToken> added;
+  if (const json* list = optional_member(j, "added_tokens")) {
+    require_array(*list, at + "added_tokens");
+    for (size_t i = 0; i < list->size(); ++i) {
+      const json& a = (*list)[i];
+      const std::string field = "added_tokens[" + std::to_string(i) + "]";
+      require_object(a, at + field);
+      const std::string content = json_to_string(json_member(a, "content", at + field), at + field + ".content");
+      if (content.empty())
+        fail(at, field, ".content = \"\": an added token must have non-empty content (an empty one matches "
+             "everywhere)");
+      const int32_t id =
+          static_cast<int32_t>(json_to_int(json_member(a, "id", at + field), at + field + ".id", 0, kMaxTokenIds - 1));
+      for (const char* flag : {"single_word", "lstrip", "rstrip"})
+        if (opt_bool(a, flag, false, at + field))
+          fail(at, field, ".", flag, " = true (token ", quoted(content), ") is not supported");
+      opt_bool(a, "normalized", false, at + field);  // type-checked; mhar matches added tokens on raw text
+      added.push_back({content, id, opt_bool(a, "special", false, at + field)});
+      entries.push_back({content, id, field + " (content " + quoted(content) + ")"});
+      max_id = std::max<int64_t>(max_id, id);
+    }
+  }
+
+  // Every id belongs to one token: a vocabulary entry, an added token, or both when the
+  // added token is the vocabulary's own entry (GPT-2's <|endoftext|>). Ids may leave
+  // holes (they decode to nothing), as Hugging Face allows.
+  m->slot_of_id.assign(static_cast<size_t>(max_id) + 1, -1);
+  std::unordered_map<std::string, size_t> entry_of_bytes;
+  entry_of_bytes.reserve(entries.size());
+  for (size_t k = 0; k < entries.size(); ++k) {
+    const Entry& e = entries[k];
+    int32_t& slot = m->slot_of_id[static_cast<size_t>(e.id)];
+    const bool is_added = k >= vocab_entries;
+    if (slot >= 0) {
+      const Entry& first = entries[static_cast<size_t>(slot)];
+      const bool same_token = is_added && static_cast<size_t>(slot) < vocab_entries && first.bytes == e.bytes;
+      if (!same_token)
+        fail(at, e.field, " has id ", e.id, ", already the id of ", first.field,
+             "; each id belongs to one token (an added token may only repeat its own vocabulary entry)");
+      continue;
+    }
+    auto [it, fresh] = entry_of_bytes.emplace(e.bytes, k);
+    if (!fresh)
+      fail(at, e.field, " has id ", e.id, ", but the same text is ", entries[it->second].field, " with id ",
+           entries[it->second].id, "; a token's text may have only one id");
+    slot = static_cast<int32_t>(k);
+  }
+  // Compact the strings: slot_of_id points into token_strings.
+  m->token_strings.reserve(entry_of_bytes.size());
+  for (auto& slot : m->slot_of_id) {
+    if (slot < 0) continue;
+    Entry& e = entries[static_cast<size_t>(slot)];
+    slot = static_cast<int32_t>(m->token_strings.size());
+    m->id_of_bytes.emplace(e.bytes, e.id);
+    m->token_strings.push_back(std::move(e.bytes));
+  }
+  for (int b = 0; b < 256; ++b) {
+    auto it = m->id_of_bytes.find(std::string(1, static_cast<char>(b)));
+    if (it == m->id_of_bytes.end())
+      fail(at, "model.vocab lacks the single-byte token for byte ", b, " (spelled ",
+           quoted(spell_of_byte(table, b)), "); byte-level BPE needs all 256");
+    m->byte_token[b] = it->second;
+  }
+  for (const AddedToken& a : added)
+    if (a.content == "<|endoftext|>") m->eot = a.id;
+  if (m->eot < 0) {
+    auto it = m->id_of_bytes.find("<|endoftext|>");
+    if (it != m->id_of_bytes.end()) m->eot = it->second;
+  }
+  m->added = std::move(added);
+  std::stable_sort(m->added.begin(), m->added.end(),
+                   [](const AddedToken& a, const AddedToken& b) { return a.content.size() > b.content.size(); });
+
+  const json& merges = json_member(model, "merges", model_where);
+  require_array(merges, at + "model.merges");
+  m->merges.reserve(merges.size());
+  uint32_t rank = 0;
+  for (const auto& merge : merges) {
+    const std::string field = at + "model.merges[" + std::to_string(rank) + "]";
+    std::string left, right;
+    if (merge.is_string()) {
+      const std::string& s = merge.get_ref<const std::string&>();
+      const size_t space = s.find(' ');
+      if (space == std::string::npos || s.find(' ', space + 1) != std::string::npos || space == 0 ||
+          space + 1 == s.size())
+        fail(field, " = ", quoted(s), " is not two tokens separated by one space");
+      left = s.substr(0, space);
+      right = s.substr(space + 1);
+    } else {
+      if (!merge.is_array() || merge.size() != 2)
+        fail(field, " = ", json_excerpt(merge), " is neither \"left right\" nor a pair [\"left\", \"right\"]");
+      left = json_to_string(merge[0], field + "[0]");
+      right = json_to_string(merge[1], field + "[1]");
+    }
+    auto l = id_of_spelling.find(left), r = id_of_spelling.find(right), lr = id_of_spelling.find(left + right);
+    if (l == id_of_spelling.end() || r == id_of_spelling.end() || lr == id_of_spelling.end()) {
+      const std::string& missing = l == id_of_spelling.end() ? left : r == id_of_spelling.end() ? right : left + right;
+      fail(field, " = (", quoted(left), ", ", quoted(right), ") ",
+           lr == id_of_spelling.end() && missing == left + right ? "makes" : "uses", " the token ", quoted(missing),
+           ", which model.vocab lacks");
+    }
+    m->merges.insert(l->second, r->second, rank, lr->second);  // a repeated pair keeps its first rank
+    ++rank;
+  }
+  m->merge_count = rank;
   Tokenizer t;
   t.model_ = std::move(m);
   return t;
+}
+
+Tokenizer Tokenizer::from_text(const std::string& text, const std::string& origin) {
+  return from_json(parse_json_strict(text, origin), origin);
 }
 
 namespace {
@@ -684,7 +789,8 @@ std::string assets_dir() {
   namespace fs = std::filesystem;
   std::vector<std::string> tried;
   if (const char* env = std::getenv("MHAR_ASSETS"); env && *env) {
-    if (!fs::is_directory(env)) fail("MHAR_ASSETS=", env, " is not a directory");
+    std::error_code ec;
+    if (!fs::is_directory(env, ec)) fail("MHAR_ASSETS=", env, " is not a directory");
     return env;
   }
   auto search_up = [&](fs::path dir) -> std::string {
@@ -716,22 +822,18 @@ std::string assets_dir() {
 Tokenizer Tokenizer::load(const std::string& name_or_path) {
   namespace fs = std::filesystem;
   std::string path = name_or_path;
+  std::error_code ec;
   if (name_or_path == "gpt2" || name_or_path == "qwen3") {
     path = assets_dir() + "/tokenizers/" + name_or_path + "/tokenizer.json";
-    if (!fs::exists(path))
+    if (!fs::exists(path, ec))
       fail("tokenizer ", name_or_path, ": ", path, " does not exist; run tools/fetch_assets.sh --tokenizers-only");
-  } else if (fs::is_directory(path)) {
+  } else if (fs::is_directory(path, ec)) {
     path += "/tokenizer.json";
-  }
-  if (!fs::exists(path))
+  } else if (!fs::exists(fs::symlink_status(path, ec))) {
     fail("tokenizer ", name_or_path, ": no such file; give gpt2, qwen3, or a path to a tokenizer.json");
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(read_file(path));
-  } catch (const nlohmann::json::parse_error& e) {
-    fail(path, ": not valid JSON: ", e.what());
   }
-  return from_json(j, path);
+  // Tokenizer files are a few MB (Qwen3's is 11 MB); 256 MB is far above any real one.
+  return from_json(read_json_file(path, "tokenizer.json", {}, uint64_t(256) << 20), path);
 }
 
 // ---------------------------------------------------------------- encoding
@@ -773,7 +875,9 @@ template <class Text>
 std::vector<std::vector<int32_t>> encode_many(const TokenizerModel& model, const std::vector<Text>& texts,
                                               int threads) {
   std::vector<std::vector<int32_t>> out(texts.size());
-  if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (threads < 0 || threads > kMaxThreads)
+    fail("encoding threads = ", threads, " is out of range; valid: 0 (all cores) or 1 to ", kMaxThreads);
+  if (threads == 0) threads = static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, unsigned(kMaxThreads)));
   threads = static_cast<int>(std::min<size_t>(threads, std::max<size_t>(1, texts.size())));
   std::atomic<size_t> next{0};
   auto work = [&] {
@@ -813,13 +917,15 @@ std::string Tokenizer::decode(const int32_t* ids, size_t count) const {
 std::string Tokenizer::decode(const std::vector<int32_t>& ids) const { return decode(ids.data(), ids.size()); }
 
 const std::string& Tokenizer::token_bytes(int32_t id) const {
-  if (id < 0 || static_cast<size_t>(id) >= model_->token_bytes.size())
+  static const std::string kUnused;
+  if (id < 0 || static_cast<size_t>(id) >= model_->slot_of_id.size())
     fail("token id ", id, " is outside the vocabulary of ", model_->origin, " (valid: 0..",
-         model_->token_bytes.size() - 1, ")");
-  return model_->token_bytes[id];
+         model_->slot_of_id.size() - 1, ")");
+  const int32_t slot = model_->slot_of_id[static_cast<size_t>(id)];
+  return slot < 0 ? kUnused : model_->token_strings[static_cast<size_t>(slot)];
 }
 
-int Tokenizer::vocab_size() const { return static_cast<int>(model_->token_bytes.size()); }
+int Tokenizer::vocab_size() const { return static_cast<int>(model_->slot_of_id.size()); }
 
 int32_t Tokenizer::eot_id() const {
   if (model_->eot < 0) fail(model_->origin, ": the tokenizer has no <|endoftext|> token");

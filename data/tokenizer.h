@@ -19,6 +19,14 @@
 
 namespace mhar::data {
 
+// The most threads any data command (encode_batch, prepare, train-tokenizer,
+// bench-tokenizer) starts. Encoding and pair counting are CPU-bound with a memo or count
+// table per thread, so threads beyond the cores add memory and no speed; 256 is above
+// the hardware threads of the largest single machines (2 sockets x 64 cores x 2), and a
+// fixed bound (not a multiple of this machine's cores) keeps a command line valid on
+// every machine, which matters because every output is identical for any thread count.
+inline constexpr int kMaxThreads = 256;
+
 struct TokenizerModel;  // the loaded vocabulary, merges and rules (tokenizer.cpp)
 
 class Tokenizer {
@@ -28,13 +36,21 @@ class Tokenizer {
   // the executable, else the source tree's), or a path to a tokenizer.json (or to a
   // folder holding one).
   static Tokenizer load(const std::string& name_or_path);
-  // From an already-parsed tokenizer.json; `origin` names it in error messages.
+  // From an already-parsed tokenizer.json; `origin` names it in error messages. Every
+  // field is validated (types, ids in [0, 2^24), each id and each token text used once,
+  // no empty token, merges of vocabulary tokens, a supported model); anything else is
+  // refused with an mhar::Error naming origin, the field (e.g. added_tokens[3].id) and
+  // its value.
   static Tokenizer from_json(const nlohmann::json& json, const std::string& origin);
+  // From the text of a tokenizer.json, parsed strictly (engine/json_io.h: depth limit,
+  // duplicate keys refused).
+  static Tokenizer from_text(const std::string& text, const std::string& origin);
 
   std::vector<int32_t> encode(std::string_view text) const;
   std::vector<int32_t> encode_with_special(std::string_view text) const;
-  // Plain-text encoding of many documents on `threads` threads (0: all cores). The
-  // result is identical to calling encode() on each, whatever the thread count.
+  // Plain-text encoding of many documents on `threads` threads (0: all cores; at most
+  // kMaxThreads). The result is identical to calling encode() on each, whatever the
+  // thread count.
   std::vector<std::vector<int32_t>> encode_batch(const std::vector<std::string>& texts,
                                                  int threads = 0) const;
   std::vector<std::vector<int32_t>> encode_batch(const std::vector<std::string_view>& texts,
@@ -44,7 +60,7 @@ class Tokenizer {
   std::string decode(const int32_t* ids, size_t count) const;
   const std::string& token_bytes(int32_t id) const;  // the bytes one id decodes to
 
-  int vocab_size() const;  // largest id + 1
+  int vocab_size() const;  // largest id + 1 (an unused id below it decodes to nothing)
   int32_t eot_id() const;  // <|endoftext|>; fails if the tokenizer has none
   std::optional<int32_t> token_id(std::string_view content) const;
   const std::string& origin() const;  // the file it was loaded from

@@ -1,6 +1,7 @@
-// checkpoint_shards.h: the ZeRO-1 parts of a checkpoint (issue 16): each rank's AdamW
-// moments in its own file, the fp32 weights gathered from the shards for rank 0's
-// model.safetensors, and loading a shard from a checkpoint written by any number of ranks.
+// checkpoint_shards.h: the ZeRO-1 parts of a checkpoint write (issue 16): each rank's
+// AdamW moments in its own file, and the fp32 weights gathered from the shards for rank
+// 0's model.safetensors. Loading a shard (from a checkpoint written by any number of
+// ranks) is load_optimizer_moments in checkpoint.h, beside the other checked loads.
 //
 // optimizer.rank<R>.safetensors holds, for every parameter that rank R's shard touches,
 // "<name>.exp_avg" and "<name>.exp_avg_sq" (F32, 1-D: the shard's elements of the
@@ -34,11 +35,5 @@ nlohmann::json write_optimizer_shard(const std::string& dir, const Model& model,
 // parameters when they are the master). Other ranks get an empty vector. Collective.
 std::vector<std::vector<float>> gather_fp32_weights(const Model& model, const AdamWOptimizer& opt,
                                                     Communicator& comm);
-
-// Loads this rank's shard of the moments from checkpoint directory `dir`, written by
-// `ckpt_world_size` ranks. Fails, naming the file and tensor, when a file is missing or
-// damaged or an element of the shard is in none of them.
-void load_optimizer_shard(const std::string& dir, int ckpt_world_size, const Model& model,
-                          AdamWOptimizer& opt);
 
 }  // namespace mhar

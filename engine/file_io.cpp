@@ -6,12 +6,12 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <mutex>
 
 #include "engine/error.h"
 
@@ -23,8 +23,11 @@ namespace {
 
 constexpr uint64_t kFnvPrime = 1099511628211ULL;
 
-// Bytes written through CheckedFile by this process, for the simulated full disk.
-std::atomic<uint64_t> g_bytes_written{0};
+// Bytes written through this module since the simulated-disk value was last seen to
+// change (see file_io.h), and that value.
+std::mutex g_sim_mutex;
+uint64_t g_bytes_written = 0;
+std::string g_sim_value;
 
 const char* kind_of(mode_t m) {
   if (S_ISDIR(m)) return "a directory";
@@ -45,6 +48,35 @@ uint64_t simulated_disk_limit() {
   if (errno || *end || env[0] == '-')
     fail("MHAR_SIMULATE_DISK_FULL_AFTER_BYTES=", env, ": expected a byte count (a whole number >= 0)");
   return v;
+}
+
+// write(2) of all `n` bytes to `fd`, each chunk checked and counted against the simulated
+// full disk. Throws naming `path`; bytes written before a failure stay in the file (the
+// caller decides what to do with them).
+void write_all_checked(int fd, const std::string& path, const void* data, size_t n) {
+  const auto* p = static_cast<const char*>(data);
+  while (n) {
+    const size_t chunk = std::min<size_t>(n, size_t(1) << 24);
+    {
+      std::lock_guard<std::mutex> lock(g_sim_mutex);
+      const char* env = std::getenv("MHAR_SIMULATE_DISK_FULL_AFTER_BYTES");
+      const std::string value = env ? env : "";
+      if (value != g_sim_value) g_sim_value = value, g_bytes_written = 0;
+      const uint64_t limit = simulated_disk_limit();
+      if (limit != UINT64_MAX && g_bytes_written + chunk > limit)
+        fail(path, ": write failed (No space left on device) [simulated by MHAR_SIMULATE_DISK_FULL_AFTER_BYTES]");
+    }
+    const ssize_t w = ::write(fd, p, chunk);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      fail(path, ": write failed (", std::strerror(errno), ")");
+    }
+    if (w == 0) fail(path, ": write failed (wrote nothing)");
+    p += w;
+    n -= size_t(w);
+    std::lock_guard<std::mutex> lock(g_sim_mutex);
+    g_bytes_written += uint64_t(w);
+  }
 }
 
 }  // namespace
@@ -115,23 +147,9 @@ CheckedFile::~CheckedFile() {
 
 void CheckedFile::write(const void* data, size_t n) {
   MHAR_CHECK(fd_ >= 0, path_, " written after close");
-  const uint64_t limit = simulated_disk_limit();
-  const auto* p = static_cast<const char*>(data);
   hash_ = fnv1a64(hash_, data, n);
-  while (n) {
-    const size_t chunk = std::min<size_t>(n, size_t(1) << 24);
-    if (limit != UINT64_MAX && g_bytes_written + chunk > limit)
-      fail(path_, ": write failed (No space left on device) [simulated by MHAR_SIMULATE_DISK_FULL_AFTER_BYTES]");
-    const ssize_t w = ::write(fd_, p, chunk);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      fail(path_, ": write failed (", std::strerror(errno), ")");
-    }
-    p += w;
-    n -= size_t(w);
-    bytes_ += uint64_t(w);
-    g_bytes_written += uint64_t(w);
-  }
+  write_all_checked(fd_, path_, data, n);
+  bytes_ += n;
 }
 
 void CheckedFile::close() {
@@ -151,20 +169,55 @@ std::string temp_path_for(const std::string& path) {
       .string();
 }
 
-void write_file_atomic(const std::string& path, const std::string& contents) {
-  const std::string tmp = temp_path_for(path);
-  {
-    CheckedFile f(tmp);  // removes tmp if anything below throws
-    f.write(contents);
-    f.close();
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+void publish(CheckedFile& f, const std::string& target) {
+  if (f.is_open()) f.close();  // on failure the destructor removes the temporary file
+  if (::rename(f.path().c_str(), target.c_str()) != 0) {
     const int e = errno;
-    ::unlink(tmp.c_str());
-    fail(path, ": cannot replace (", std::strerror(e), ")");
+    ::unlink(f.path().c_str());
+    fail(target, ": cannot replace (", std::strerror(e), ")");
   }
-  const fs::path dir = fs::path(path).parent_path();
+  const fs::path dir = fs::path(target).parent_path();
   fsync_dir(dir.empty() ? "." : dir.string());
+}
+
+void write_file_atomic(const std::string& path, const std::string& contents) {
+  CheckedFile f(temp_path_for(path));  // removes the temporary file if anything below throws
+  f.write(contents);
+  publish(f, path);
+}
+
+AppendFile::AppendFile(const std::string& path) : path_(path) {
+  // O_NONBLOCK: a FIFO put in the file's place must not block the open.
+  fd_ = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC | O_NONBLOCK);
+  if (fd_ < 0) fail(path, ": cannot open for appending (", std::strerror(errno), ")");
+  struct stat st {};
+  if (::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd_);
+    fd_ = -1;
+    fail(path, ": is ", kind_of(st.st_mode), ", but it must be a regular file");
+  }
+}
+
+AppendFile::~AppendFile() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void AppendFile::append(const std::string& record) {
+  struct stat st {};
+  if (::fstat(fd_, &st) != 0) fail(path_, ": cannot stat (", std::strerror(errno), ")");
+  try {
+    write_all_checked(fd_, path_, record.data(), record.size());
+  } catch (const Error& e) {
+    // Cut a partly written record off again: the file keeps exactly the whole records.
+    if (::ftruncate(fd_, st.st_size) != 0)
+      fail(e.what(), "; cutting the partial record off failed too (", std::strerror(errno),
+           "): the last line of ", path_, " is incomplete");
+    throw;
+  }
+}
+
+void AppendFile::sync() {
+  if (::fdatasync(fd_) != 0) fail(path_, ": fsync failed (", std::strerror(errno), ")");
 }
 
 void fsync_dir(const std::string& dir) {

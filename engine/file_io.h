@@ -10,10 +10,14 @@
 // any point (a full disk, an I/O error) removes the temporary file and leaves the old
 // target untouched. Nothing is ever rewritten in place with truncation.
 //
+// Appending (metrics.jsonl): `AppendFile` adds whole records with checked writes; a record
+// that cannot be written whole is cut off again, so the file never loses what it had.
+//
 // Simulated full disk (documented in the README): with MHAR_SIMULATE_DISK_FULL_AFTER_BYTES=N
 // in the environment, writes through this module fail with "No space left on device" once
-// the process has written N bytes through it. Tests use it where no real small filesystem
-// can be mounted.
+// the process has written N bytes through it (counted from the first write that sees this
+// value; a changed or removed value starts the count again, so a test can set it in
+// process between runs). Tests use it where no real small filesystem can be mounted.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -48,6 +52,7 @@ class CheckedFile {
   void write(const void* data, size_t n);
   void write(const std::string& s) { write(s.data(), s.size()); }
   void close();  // fsync + close; throws on failure
+  bool is_open() const { return fd_ >= 0; }
   uint64_t bytes() const { return bytes_; }
   uint64_t hash() const { return hash_; }
   const std::string& path() const { return path_; }
@@ -56,6 +61,31 @@ class CheckedFile {
   std::string path_;
   int fd_ = -1;
   uint64_t bytes_ = 0, hash_ = kFnv1aOffset;
+};
+
+// Publishes `f` (written under a temporary name, e.g. temp_path_for(target)): closes it
+// if still open (fsync), renames it over `target` and fsyncs the directory. On failure the
+// temporary file is removed and `target` is untouched; the error names `target`.
+void publish(CheckedFile& f, const std::string& target);
+
+// An existing regular file extended by whole records (O_APPEND; one writer at a time, which
+// the run lock guarantees for metrics.jsonl). Every write is checked and counted for the
+// simulated full disk; a record that fails part-way (ENOSPC, EIO) is truncated off again
+// and the error names the file and the cause, so the file holds exactly the records that
+// were appended whole.
+class AppendFile {
+ public:
+  explicit AppendFile(const std::string& path);
+  ~AppendFile();
+  AppendFile(const AppendFile&) = delete;
+  AppendFile& operator=(const AppendFile&) = delete;
+  void append(const std::string& record);
+  void sync();  // fdatasync: every record appended so far is durable; throws on failure
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  int fd_ = -1;
 };
 
 // Writes `contents` to `path` atomically (temporary file in the same directory, checked

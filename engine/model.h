@@ -1,4 +1,4 @@
-// model.h: the model of DESIGN.md sections 1-2 and its one layer loop.
+// model.h: the model of DESIGN.md sections 1-2 and its one layer loop (section 4).
 //
 // The Model owns three allocations (parameters, gradients, activations; see
 // allocator.h) and runs forward and backward through a Backend. Its layer loop treats

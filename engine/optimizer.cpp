@@ -93,6 +93,15 @@ Tensor AdamWOptimizer::weights(const ShardSegment& s) const {
   return has_master() ? state_slice(*master_arena_, DType::F32, s) : param_slice(s);
 }
 
+const ShardSegment& AdamWOptimizer::whole_segment(size_t param) const {
+  for (const ShardSegment& s : segments_)
+    if (size_t(s.param) == param && s.begin == 0 &&
+        s.count == model_.parameters()[param].value.numel())
+      return s;
+  fail("parameter ", model_.parameters().at(param).name, " is not whole in rank ", rank_, "'s shard of ",
+       world_, " (per-parameter optimizer state exists with one rank only)");
+}
+
 void AdamWOptimizer::sync_master_from_params() {
   if (!has_master()) return;
   Backend& be = model_.backend();

@@ -60,6 +60,11 @@ class AdamWOptimizer {
   // The fp32 weights the optimizer updates: the master copy, or (no master) the
   // parameter itself.
   Tensor weights(const ShardSegment& s) const;
+  // The state of parameter `i` as a whole, where this rank's shard holds all of it (every
+  // parameter with one rank): for tests and tools that look at one parameter.
+  Tensor exp_avg(size_t i) const { return exp_avg(whole_segment(i)); }
+  Tensor exp_avg_sq(size_t i) const { return exp_avg_sq(whole_segment(i)); }
+  Tensor weights(size_t i) const { return weights(whole_segment(i)); }
   // Element range [begin, end) of bucket b that this rank owns, in the flat layout.
   int64_t shard_begin(int bucket) const;
   int64_t shard_end(int bucket) const;
@@ -69,6 +74,7 @@ class AdamWOptimizer {
 
  private:
   Tensor state_slice(const Arena& a, DType t, const ShardSegment& s) const;
+  const ShardSegment& whole_segment(size_t param) const;
 
   Model& model_;
   TrainConfig cfg_;

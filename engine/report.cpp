@@ -20,6 +20,7 @@
 #include <sstream>
 
 #include "engine/error.h"
+#include "engine/file_io.h"
 
 namespace mhar {
 
@@ -672,26 +673,7 @@ std::string render_run_report(const std::string& run_dir) {
 }
 
 void write_run_report(const std::string& run_dir) {
-  const std::string html = render_run_report(run_dir);
-  const fs::path final_path = fs::path(run_dir) / "report.html";
-  const fs::path tmp = fs::path(run_dir) / (".report.html.tmp." + std::to_string(::getpid()));
-  std::FILE* f = std::fopen(tmp.c_str(), "wb");
-  if (!f) fail(tmp.string(), ": cannot create the report: ", std::strerror(errno));
-  const bool written = std::fwrite(html.data(), 1, html.size(), f) == html.size() &&
-                       std::fflush(f) == 0 && ::fsync(::fileno(f)) == 0;
-  const int err = errno;
-  if (std::fclose(f) != 0 || !written) {
-    std::error_code ec;
-    fs::remove(tmp, ec);
-    fail(tmp.string(), ": writing the report failed: ", std::strerror(written ? errno : err));
-  }
-  std::error_code ec;
-  fs::rename(tmp, final_path, ec);
-  if (ec) {
-    std::error_code ignored;
-    fs::remove(tmp, ignored);
-    fail(final_path.string(), ": cannot put the report in place: ", ec.message());
-  }
+  write_file_atomic((fs::path(run_dir) / "report.html").string(), render_run_report(run_dir));
 }
 
 // ---------------------------------------------------------------- routing averages

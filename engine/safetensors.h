@@ -1,9 +1,19 @@
 // safetensors.h: reading and writing the safetensors format (the Hugging Face tensor
 // file: 8-byte little-endian header length, a JSON header mapping names to dtype, shape
 // and data_offsets, then the raw little-endian data). Used for checkpoints, exports and
-// test fixtures. Reading validates everything (header bounds, offsets, sizes, dtypes)
-// and names the file and tensor in every error: a damaged file is refused, never read
-// past its end.
+// test fixtures.
+//
+// Reading treats the file as hostile and enforces the format's whole rule before any
+// tensor is read: only a regular file is opened (engine/file_io.h: a FIFO or /dev/zero is
+// refused, never waited on); the header is strict JSON (engine/json_io.h: duplicate
+// tensor names, deep nesting and bad UTF-8 refused) of at most 100 MiB starting with '{';
+// every entry has exactly dtype (a known one), shape (non-negative dimensions whose
+// product times the element size does not overflow) and data_offsets [begin, end) with
+// end - begin equal to that size; and the layout rule: sorted by offset, the tensors'
+// byte ranges cover the data section exactly (the first starts at 0, each starts where
+// the previous one ends, the last ends at the end of the file), so no two overlap and no
+// byte is a gap or trailing junk. `__metadata__`, if present, is a string-to-string map.
+// Every error names the file, the tensor or field, the bad value and the rule.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -17,7 +27,11 @@ namespace mhar {
 
 class SafetensorsFile {
  public:
+  // Reads and validates `path` (see above); throws mhar::Error.
   static SafetensorsFile load(const std::string& path);
+  // Validates the bytes of a whole safetensors file already in memory; `source` names
+  // them in errors.
+  static SafetensorsFile parse(std::string bytes, const std::string& source);
 
   struct Entry {
     std::string dtype;  // "F32", "F64", "BF16", "F16", "I32", "I64", ...
@@ -28,7 +42,7 @@ class SafetensorsFile {
   const std::string& path() const { return path_; }
   bool has(const std::string& name) const { return entries_.count(name) != 0; }
   const Entry& entry(const std::string& name) const;
-  std::vector<std::string> names() const;
+  std::vector<std::string> names() const;  // sorted by name
   int64_t numel(const std::string& name) const;
   const nlohmann::json& metadata() const { return metadata_; }  // "__metadata__" or {}
 
@@ -40,7 +54,8 @@ class SafetensorsFile {
   std::string path_;
   std::map<std::string, Entry> entries_;
   nlohmann::json metadata_ = nlohmann::json::object();
-  std::vector<uint8_t> data_;
+  std::string bytes_;      // the whole file
+  size_t data_start_ = 0;  // where the data section begins in bytes_
 };
 
 struct TensorToWrite {

@@ -11,6 +11,8 @@
 // good one; periodic evaluations and checkpoints follow good steps only.
 // Resuming restores weights, optimizer moments, step and data position, so the resumed
 // run's losses are bit-identical to an uninterrupted run's.
+// The run holds RUN_DIR's lock (engine/run_lock.h) from before it reads or writes
+// anything there until it returns; a second trainer on the directory is refused.
 #pragma once
 #include <string>
 

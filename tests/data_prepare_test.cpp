@@ -1,7 +1,15 @@
 // data_prepare_test.cpp: `mhar data prepare` end to end through the real binary:
 // documents become <|endoftext|>-separated tokens, whole documents are held out for
 // validation, shards are cut at exactly --shard-tokens, output is byte-identical for
-// any thread count, and `mhar data inspect` reads the result.
+// any thread count, and `mhar data inspect` reads the result. Bad options and paths
+// (thread counts, validation sizes, FIFOs, folders where files belong, an unreadable
+// sub-folder, a broken tokenizer) exit 1 with a message naming them, in under 5 s.
+#include <grp.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
 #include <cstdio>
 
 #include "data/corpus.h"
@@ -140,4 +148,135 @@ TEST(DataPrepare, ClearErrors) {
   out = run("data inspect " + (dir / "bad.jsonl"), &status);
   EXPECT_EQ(status, 1);
   EXPECT_NE(out.find("bad.jsonl"), std::string::npos) << out;
+}
+
+namespace {
+
+// run() with its wall time.
+std::string timed_run(const std::string& args, int* status, double* seconds) {
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string out = run(args, status);
+  *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return out;
+}
+
+// Exit code 1, the message, in under 5 seconds.
+void expect_refused(const std::string& args, std::initializer_list<std::string> parts) {
+  int status = 0;
+  double seconds = 0;
+  const std::string out = timed_run(args, &status, &seconds);
+  EXPECT_EQ(status, 1) << args << "\n" << out;
+  EXPECT_LT(seconds, 5.0) << args;
+  for (const auto& p : parts) EXPECT_NE(out.find(p), std::string::npos) << "'" << p << "' missing:\n" << out;
+  EXPECT_EQ(out.find("internal error"), std::string::npos) << out;
+}
+
+}  // namespace
+
+TEST(DataPrepare, OutOfRangeOptionsAreRefused) {
+  TempDir dir;
+  make_corpus(dir);
+  const std::string prep = "data prepare --tokenizer " + trained_tokenizer() + " --input " + (dir / "corpus") +
+                           " --no-progress --out " + (dir / "o");
+  const std::string range = "is out of range; valid: 0 (all cores) or 1 to 256";
+  expect_refused(prep + " --threads 100000", {"data prepare: --threads 100000 " + range});
+  expect_refused(prep + " --threads -3", {"--threads -3 " + range});
+  expect_refused("data train-tokenizer --vocab 300 --input " + (dir / "corpus") + " --out " + (dir / "t.json") +
+                     " --threads 100000",
+                 {"data train-tokenizer: --threads 100000 " + range});
+  expect_refused("data bench-tokenizer --tokenizer " + trained_tokenizer() + " --input " + (dir / "corpus") +
+                     " --threads 1 100000",
+                 {"data bench-tokenizer: --threads 100000 " + range});
+  // Given values that prepare() would read as "not given" (and silently hold out 1%).
+  expect_refused(prep + " --val-docs -5", {"--val-docs -5 is negative"});
+  for (const char* f : {"nan", "inf", "-0.5", "1.5"})
+    expect_refused(prep + " --val-fraction " + f, {std::string("--val-fraction ") + f + " is not a number within 0..1"});
+  EXPECT_FALSE(std::filesystem::exists(dir / "o/prepare.json"));
+}
+
+TEST(DataPrepare, PathsOfTheWrongKindAreNamed) {
+  TempDir dir;
+  make_corpus(dir);
+  ASSERT_EQ(::mkfifo((dir / "fifo").c_str(), 0644), 0);
+  write_bytes(dir / "file", "x");
+  const std::string tok = " --tokenizer " + trained_tokenizer();
+  // --out at an existing file, or a folder where a file is written.
+  expect_refused("data prepare" + tok + " --input " + (dir / "corpus") + " --no-progress --out " + (dir / "file"),
+                 {"--out " + (dir / "file") + " exists and is not a folder"});
+  expect_refused("data train-tokenizer --vocab 300 --input " + (dir / "corpus") + " --out " + (dir / "corpus"),
+                 {"--out " + (dir / "corpus") + " is a folder"});
+  // A FIFO given as input, shard, or text: refused at once, never waited on.
+  expect_refused("data prepare" + tok + " --input " + (dir / "fifo") + " --no-progress --out " + (dir / "o"),
+                 {(dir / "fifo") + ": is a FIFO"});
+  expect_refused("data inspect " + (dir / "fifo"), {(dir / "fifo") + ": is a FIFO"});
+  expect_refused("data encode" + tok + " --file " + (dir / "fifo"), {(dir / "fifo") + ": is a FIFO"});
+  expect_refused("data encode --tokenizer " + (dir / "fifo"), {(dir / "fifo") + ": is a FIFO"});
+  // A folder where a file is expected.
+  expect_refused("data inspect " + (dir / "corpus"), {(dir / "corpus") + ": is a directory, but a shard must be"});
+  expect_refused("data encode" + tok + " --file " + (dir / "corpus"), {(dir / "corpus") + ": is a directory"});
+  expect_refused("data encode --text hi --tokenizer " + (dir / "corpus"), {(dir / "corpus/tokenizer.json")});
+  // A damaged prepare.json beside a shard is an error, not a silent decode with gpt2.
+  int status = 0;
+  run("data prepare" + tok + " --input " + (dir / "corpus") + " --val-docs 1 --no-progress --out " + (dir / "s"),
+      &status);
+  ASSERT_EQ(status, 0);
+  write_bytes(dir / "s/prepare.json", "");
+  expect_refused("data inspect " + (dir / "s/train_000000.bin"), {"prepare.json", "give --tokenizer"});
+  run("data inspect " + (dir / "s/train_000000.bin") + tok, &status);
+  EXPECT_EQ(status, 0);
+}
+
+TEST(DataPrepare, ABadTokenizerFileIsRefusedNotLoopedOn) {
+  TempDir dir;
+  auto j = nlohmann::json::parse(read_bytes(trained_tokenizer()));
+  j["added_tokens"][0]["content"] = "";  // made `encode --special` loop with memory growing
+  write_bytes(dir / "empty.json", j.dump());
+  expect_refused("data encode --special --text hello --tokenizer " + (dir / "empty.json"),
+                 {(dir / "empty.json") + ": added_tokens[0].content"});
+  j = nlohmann::json::parse(read_bytes(trained_tokenizer()));
+  j["added_tokens"][0]["id"] = -5;  // was "double free or corruption"
+  write_bytes(dir / "neg.json", j.dump());
+  expect_refused("data encode --text hello --tokenizer " + (dir / "neg.json"),
+                 {(dir / "neg.json") + ": added_tokens[0].id = -5 is out of range"});
+}
+
+// A corpus folder with a sub-folder that cannot be read: `prepare` must not make shards of
+// the rest without a word. Root reads any folder, so as root the command runs as nobody.
+TEST(DataPrepare, AnUnreadableSubFolderIsAnError) {
+  TempDir dir;
+  make_corpus(dir);
+  std::filesystem::create_directories(dir / "corpus/locked");
+  write_bytes(dir / "corpus/locked/c.jsonl", "{\"text\": \"held back\"}\n");
+  ::chmod((dir / "corpus/locked").c_str(), 0);
+  ::chmod(dir.str().c_str(), 0777);  // the output folder is made by whoever runs it
+  const std::string in = dir / "corpus", out_dir = dir / "o", tok = trained_tokenizer();
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::dup2(fds[1], 1);
+    ::dup2(fds[1], 2);
+    ::close(fds[0]);
+    if (::geteuid() == 0 && (::setgroups(0, nullptr) != 0 || ::setgid(65534) != 0 || ::setuid(65534) != 0)) {
+      std::perror("cannot become nobody");
+      ::_exit(99);
+    }
+    ::execl(MHAR_BINARY, MHAR_BINARY, "data", "prepare", "--tokenizer", tok.c_str(), "--input", in.c_str(),
+            "--no-progress", "--out", out_dir.c_str(), static_cast<char*>(nullptr));
+    ::_exit(98);
+  }
+  ::close(fds[1]);
+  std::string out;
+  char buf[4096];
+  for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) out.append(buf, static_cast<size_t>(n));
+  ::close(fds[0]);
+  int wstatus = 0;
+  ::waitpid(pid, &wstatus, 0);
+  ::chmod((dir / "corpus/locked").c_str(), 0755);
+  ASSERT_TRUE(WIFEXITED(wstatus)) << out;
+  EXPECT_EQ(WEXITSTATUS(wstatus), 1) << out;
+  EXPECT_NE(out.find((dir / "corpus/locked") + ": cannot read the folder (Permission denied)"), std::string::npos)
+      << out;
+  EXPECT_FALSE(std::filesystem::exists(dir / "o/train_000000.bin")) << "no shards of a partial corpus";
 }

@@ -121,7 +121,8 @@ TEST(Shard, CorruptFilesGiveClearErrors) {
   write_bytes(dir / "bad.bin", good);
   EXPECT_EQ(error_of([&] { md::read_shard(dir / "bad.bin", 1000); }), "");
   std::filesystem::create_directory(dir / "folder.bin");
-  EXPECT_NE(error_of([&] { md::read_shard(dir / "folder.bin"); }).find("not a regular file"), std::string::npos);
+  EXPECT_NE(error_of([&] { md::read_shard(dir / "folder.bin"); }).find("is a directory, but a shard must be a regular file"),
+            std::string::npos);
   EXPECT_NE(error_of([&] { md::read_shard(dir / "missing.bin"); }).find("cannot open"), std::string::npos);
 }
 

@@ -24,9 +24,10 @@
 # with, in the repo root:
 #   mkdir -p .icu && echo /.icu/ >> .git/info/exclude && cd .icu &&
 #   apt-get download libicu-dev libicu72 && for f in *.deb; do dpkg-deb -x $f root; done &&
-#   L=usr/lib/x86_64-linux-gnu && tar -C root -cJf icu72.tar.xz \
+#   (cd root && L=usr/lib/x86_64-linux-gnu && tar -cJf ../icu72.tar.xz \
 #     --transform 's,^usr/lib/x86_64-linux-gnu,lib,;s,^usr/include,include,' \
-#     usr/include/unicode $L/libicuuc.so* $L/libicudata.so* && rm -rf root *.deb
+#     usr/include/unicode $L/libicuuc.so* $L/libicudata.so*) && rm -rf root *.deb
+# (the tar runs inside root/ so that the library globs expand there)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR="${BUILD_DIR:-build-gpu}"
