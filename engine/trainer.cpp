@@ -394,6 +394,9 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
       spdlog::info("eval step {}: val loss {:.4f} (ppl {:.2f}) over {} tokens", at_step, ev.loss,
                    std::exp(ev.loss), ev.tokens);
       val_loss = ev.loss;
+      // The other ranks are waiting for this already: a long wait now is a dead or hung
+      // rank, which the watchdog's bound catches.
+      watchdog::set_phase("sharing the validation loss", at_step, true);
     } else {
       // Wait for rank 0's evaluation here, not inside the next step's collectives (which
       // the watchdog bounds).
@@ -461,8 +464,9 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
       ++consecutive_bad, ++total_bad;
       log_metrics({{"kind", "skip"}, {"step", step + 1},
                    {"reason", !std::isfinite(loss) ? "non-finite loss" : "non-finite gradients"}});
-      spdlog::warn("step {}: non-finite {} — update skipped ({} in a row)", step + 1,
-                   std::isfinite(loss) ? "gradients" : "loss", consecutive_bad);
+      if (root)  // every rank sees the same reduced loss and norm: one warning is enough
+        spdlog::warn("step {}: non-finite {} — update skipped ({} in a row)", step + 1,
+                     std::isfinite(loss) ? "gradients" : "loss", consecutive_bad);
       if (consecutive_bad > t.max_bad_steps)
         fail("stopping: ", consecutive_bad, " consecutive steps with non-finite loss or gradients "
              "(train.max_bad_steps = ", t.max_bad_steps, "); the last good checkpoint is ",
