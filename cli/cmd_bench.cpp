@@ -277,8 +277,9 @@ void register_bench_command(CLI::App& app) {
       "tokens and print one JSON line: tokens/s, ms per step (median), peak device memory, MFU.");
   static BenchOptions o;
   cmd->add_option("config", o.config_path, "Run config (JSON)")->required();
-  cmd->add_option("--steps", o.steps, "Timed steps (the median is reported)")->capture_default_str();
-  cmd->add_option("--warmup", o.warmup, "Untimed steps first")->capture_default_str();
+  // Step counts only cost time; the caps catch typing slips.
+  add_number(cmd, "--steps", o.steps, 1, 1000000, "Timed steps (the median is reported)");
+  add_number(cmd, "--warmup", o.warmup, 0, 1000000, "Untimed steps first");
   cmd->add_option("--set", o.overrides, "Override a config field, e.g. --set train.micro_batch=4");
   cmd->add_flag("--baseline,!--no-baseline", o.baseline,
                 "Under mpirun: time every rank alone first (one-GPU baseline of the scaling "

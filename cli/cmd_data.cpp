@@ -16,6 +16,7 @@
 #include "cli/commands.h"
 #include "data/bpe_trainer.h"
 #include "data/corpus.h"
+#include "data/eval_sets.h"
 #include "data/prepare.h"
 #include "data/shard.h"
 #include "data/tokenizer.h"
@@ -270,6 +271,27 @@ void register_bench(CLI::App& data) {
   });
 }
 
+// data/eval_sets.h
+void register_make_eval(CLI::App& data) {
+  auto opt = std::make_shared<data::MakeEvalOptions>();
+  auto* cmd = data.add_subcommand(
+      "make-eval",
+      "Write LAMBADA-, HellaSwag- and WikiText-format files (for `mhar eval --task`) from the documents "
+      "that `data prepare` held out, without any passage that shares a 13-word run with training text");
+  cmd->add_option("--shards", opt->shards_dir, "The folder `data prepare` wrote (its prepare.json)")->required();
+  cmd->add_option("--out", opt->out_dir, "Output folder")->required();
+  cmd->add_option("--items", opt->max_items, "At most this many items per task")->capture_default_str();
+  cmd->add_option("--seed", opt->seed, "Seed of the HellaSwag answer positions")->capture_default_str();
+  cmd->callback([opt] {
+    const data::MakeEvalSummary s = data::make_eval_sets(*opt);
+    std::printf("held-out documents %lld; dropped %lld candidates sharing a 13-gram with training text\n",
+                (long long)s.held_out_documents, (long long)s.dropped_contaminated);
+    std::printf("lambada    %lld passages    %s\n", (long long)s.lambada, s.lambada_path.c_str());
+    std::printf("hellaswag  %lld items       %s\n", (long long)s.hellaswag, s.hellaswag_path.c_str());
+    std::printf("wikitext   %lld paragraphs  %s\n", (long long)s.wikitext_paragraphs, s.wikitext_path.c_str());
+  });
+}
+
 }  // namespace
 
 void register_data(CLI::App& app) {
@@ -280,6 +302,7 @@ void register_data(CLI::App& app) {
   register_train_tokenizer(*data);
   register_encode(*data);
   register_bench(*data);
+  register_make_eval(*data);
 }
 
 }  // namespace mhar::cli

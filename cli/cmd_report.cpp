@@ -23,10 +23,10 @@ void register_report(CLI::App& app) {
   cmd->add_option("run_dir", run_dir, "Run directory (written by `mhar train`)")->required();
   cmd->callback([] {
     namespace fs = std::filesystem;
-    if (!fs::is_directory(run_dir))
-      fail(run_dir, ": no such run directory");
-    if (!fs::exists(fs::path(run_dir) / "metrics.jsonl") &&
-        !fs::exists(fs::path(run_dir) / "config.json"))
+    require_directory("RUN_DIR", run_dir, "run directory (written by `mhar train`)");
+    std::error_code ec;
+    if (!fs::exists(fs::path(run_dir) / "metrics.jsonl", ec) &&
+        !fs::exists(fs::path(run_dir) / "config.json", ec))
       fail(run_dir, ": holds neither metrics.jsonl nor config.json; is it a run directory "
                     "written by `mhar train`?");
     write_run_report(run_dir);

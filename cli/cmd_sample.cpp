@@ -43,13 +43,14 @@ void register_sample(CLI::App& app) {
   cmd->add_option("--prompt", prompt,
                   "Text to continue; special tokens such as <|endoftext|> are recognised. Empty:\n"
                   "start from <|endoftext|> (an unconditional sample)");
-  cmd->add_option("--max-tokens", opt.max_tokens, "New tokens at most")->capture_default_str();
-  cmd->add_option("--temperature", opt.temperature, "Softmax temperature; 0 = greedy")
-      ->capture_default_str();
-  cmd->add_option("--top-k", opt.top_k, "Sample among the K most likely tokens; 0 = all")
-      ->capture_default_str();
-  cmd->add_option("--seed", opt.seed, "Random seed: the same seed gives the same text")
-      ->capture_default_str();
+  // Ranges: max_tokens and top_k are counts of tokens (a vocabulary has at most 2^24);
+  // a temperature is a plausibility bound (at 1000 sampling is all but uniform).
+  add_number(cmd, "--max-tokens", opt.max_tokens, 0, 1 << 24,
+             "New tokens at most (generation also stops at the model's context length)");
+  add_number(cmd, "--temperature", opt.temperature, 0.0, 1000.0, "Softmax temperature; 0 = greedy");
+  add_number(cmd, "--top-k", opt.top_k, 0, 1 << 24, "Sample among the K most likely tokens; 0 = all");
+  add_number(cmd, "--seed", opt.seed, uint64_t(0), UINT64_MAX,
+             "Random seed (0 to 2^64-1): the same seed gives the same text");
   cmd->add_option("--tokenizer", tokenizer_name,
                   "gpt2, qwen3 or a tokenizer.json path (default: the checkpoint's data.tokenizer)");
   cmd->add_option("--device", device,
@@ -58,6 +59,7 @@ void register_sample(CLI::App& app) {
       ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
   cmd->callback([] {
     validate_sampling_options(opt);
+    require_directory("--checkpoint", checkpoint, "checkpoint directory or run directory");
     CheckpointInfo ckpt = open_checkpoint(checkpoint);
     const Config& cfg = ckpt.config;
     const std::string tok_name = tokenizer_name.empty() ? cfg.data.tokenizer : tokenizer_name;

@@ -1,5 +1,8 @@
 // main.cpp: the `mhar` command. Global flags (--version, --log-level), the list of
-// subcommands, and the one place where errors turn into messages and exit codes.
+// subcommands, and the one place where errors turn into messages and exit codes: bad
+// input of any kind (a usage error, mhar::Error, a file-system error, memory exhausted)
+// exits 1 with a message naming what was wrong; only a bug in the engine is an
+// "internal error" (exit 2).
 // Logs go to stderr: stdout carries only a command's result (sampled text, eval's and
 // bench's JSON line), so it can be piped or compared whatever the log level.
 #include <spdlog/sinks/stdout_color_sinks.h>
@@ -7,7 +10,10 @@
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <filesystem>
 #include <map>
+#include <new>
+#include <string>
 
 #include "cli/commands.h"
 #include "engine/communicator.h"
@@ -31,6 +37,9 @@ int main(int argc, char** argv) {
   mhar::cli::register_sample(app);
   mhar::cli::register_report(app);
   mhar::cli::register_bench_command(app);
+  mhar::cli::register_probe(app);
+  mhar::cli::register_export(app);
+  mhar::cli::register_import(app);
 
   app.parse_complete_callback([&] {
     spdlog::set_default_logger(spdlog::stderr_color_mt("mhar"));
@@ -46,9 +55,29 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    // --help and --version end parsing with exit code 0; every usage error exits 1.
+    return app.exit(e) == 0 ? 0 : 1;
   } catch (const mhar::Error& e) {
     std::fprintf(stderr, "error: %s%s\n", rank_tag().c_str(), e.what());
+    mhar::dist::abort_job(1);
+  } catch (const std::filesystem::filesystem_error& e) {
+    // A path the user gave that is not what it should be (a file where a directory is
+    // needed, a symlink loop, no permission). Callers check the cases they know; this
+    // names the path and the system's reason for the rest.
+    std::string paths = e.path1().string();
+    if (!e.path2().empty()) paths += " -> " + e.path2().string();
+    std::string what = e.what();
+    const std::string prefix = "filesystem error: ";
+    if (what.rfind(prefix, 0) == 0) what = what.substr(prefix.size());
+    const auto bracket = what.find(" [");
+    if (bracket != std::string::npos) what = what.substr(0, bracket);
+    std::fprintf(stderr, "error: %s%s: %s\n", rank_tag().c_str(), paths.empty() ? "(no path)" : paths.c_str(),
+                 what.c_str());
+    mhar::dist::abort_job(1);
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr,
+                 "error: out of memory; the model, batch or input is larger than this machine "
+                 "can hold\n");
     mhar::dist::abort_job(1);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "internal error: %s%s\n", rank_tag().c_str(), e.what());

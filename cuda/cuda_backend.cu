@@ -235,6 +235,9 @@ class CudaBackend final : public Backend {
   void routing_param_grads(const RoutingParams& p, Tensor gsum) override {
     cuda::routing_param_grads(stream_, p, gsum);
   }
+  void routing_stats(Tensor stats, Tensor weights, int site, int heads) override {
+    cuda::routing_stats(stream_, stats, weights, site, heads);
+  }
   double sum_squares(Tensor t) override { return cuda::sum_squares(stream_, t, scratch_); }
   void adamw(Tensor param, Tensor master, Tensor grad, Tensor m, Tensor v,
              const AdamW& hp) override {

@@ -60,6 +60,8 @@ void routing_source_backward(cudaStream_t s, Tensor dv, Tensor weights, Tensor u
                              Tensor gsum, Tensor site_dx, Tensor x, Tensor v, Tensor inv_rms,
                              const RoutingParams& params, int source, int heads);
 void routing_param_grads(cudaStream_t s, const RoutingParams& params, Tensor gsum);
+// routing_stats.cu (the routing probe's device reduction)
+void routing_stats(cudaStream_t s, Tensor stats, Tensor weights, int site, int heads);
 
 // reductions.cu. sum_squares accumulates into *scratch (one device double) and returns the
 // host value (synchronises the stream).

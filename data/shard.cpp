@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "engine/error.h"
+#include "engine/file_io.h"
 
 namespace mhar::data {
 namespace {
@@ -116,15 +117,6 @@ ShardInfo parse_header(const std::string& path, const int32_t* header, uint64_t 
   return info;
 }
 
-const char* kind_of(mode_t m) {
-  if (S_ISDIR(m)) return "a directory";
-  if (S_ISFIFO(m)) return "a FIFO (named pipe)";
-  if (S_ISCHR(m)) return "a character device";
-  if (S_ISBLK(m)) return "a block device";
-  if (S_ISSOCK(m)) return "a socket";
-  return "not a regular file";
-}
-
 struct stat stat_of(int fd, const std::string& path) {
   struct stat st {};
   if (::fstat(fd, &st) != 0) fail(path, ": stat failed: ", std::strerror(errno));
@@ -162,7 +154,7 @@ int open_shard(const std::string& path) {
     const int err = errno;
     ::close(fd);
     if (!S_ISREG(st.st_mode) && st.st_mode != 0)
-      fail(path, ": is ", kind_of(st.st_mode), ", but a shard must be a regular file");
+      fail(path, ": is ", file_type_name(st.st_mode), ", but a shard must be a regular file");
     fail(path, ": stat failed: ", std::strerror(err));
   }
   return fd;

@@ -156,6 +156,16 @@ class Backend {
   //   dquery_k += g_k * G_k,  dgain_k += q_k * G_k   for every site k.
   virtual void routing_param_grads(const RoutingParams& params, Tensor gsum) = 0;
 
+  // ---- routing probe (engine/probe.h). After routing_mix of `site` (the pairs
+  // (i, site) of `weights` hold a_i[h, n]), accumulates over the N tokens into `stats`
+  // (F64, [H*(site+1) + H + 1], this backend's memory; "+="):
+  //   stats[h*(site+1) + i] += sum_n a_i[h, n]
+  //   stats[H*(site+1) + h] += sum_n -sum_i a_i[h, n] ln a_i[h, n]
+  //   stats[H*(site+2)]     += sum_n mean_{h<g} JS(a[h, :, n], a[g, :, n])   (0 when H = 1)
+  // with JS in nats. The default downloads the site's pairs and reduces on the host;
+  // a device backend overrides it so that only the small stats leave the device.
+  virtual void routing_stats(Tensor stats, Tensor weights, int site, int heads);
+
   // ---- optimizer support
   // Sum of squares of every element (fp64 result, host-synchronising): the global
   // gradient norm is sqrt(sum_squares(all gradients)), one call over the gradient arena.

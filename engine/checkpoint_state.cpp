@@ -207,9 +207,21 @@ CheckpointInfo read_checkpoint_dir(const std::string& dir_arg) {
       fail(where, ".elapsed_s = ", json_excerpt(t["elapsed_s"]), " is negative; valid: >= 0 seconds");
   }
 
+  // The ranks that wrote it (data parallelism, DESIGN.md section 7; absent: one process).
+  info.world_size = 1;
+  if (st.contains("world_size"))
+    info.world_size = int(json_to_int(st["world_size"], state_path + ": world_size", 1, 1 << 20));
   {  // the data position: typed and ranged here, matched against the shards by the loader
     const std::string where = state_path + ": loader";
     const json& l = object_member(st, "loader", state_path);
+    // An empty loader object is "no data position": a step-0 checkpoint written by
+    // `mhar import` without data (eval, sample and train --init-from need none).
+    if (l.empty() && info.step != 0)
+      fail(where, " is empty, but only a step-0 checkpoint (an import) may lack a data position");
+  }
+  if (!st.at("loader").empty()) {
+    const std::string where = state_path + ": loader";
+    const json& l = st.at("loader");
     refuse_unknown_fields(l, where, {"mode", "epoch", "step", "seed", "B", "T", "world_size", "shards",
                                      "tokens", "fingerprint"});
     const std::string mode = json_to_string(json_member(l, "mode", where), where + ".mode");
@@ -227,19 +239,16 @@ CheckpointInfo read_checkpoint_dir(const std::string& dir_arg) {
     if (T != int64_t(tc.seq_len))
       fail(where, ".T = ", T, " but the checkpoint's config has train.seq_len = ", tc.seq_len);
     const int64_t world = json_to_int(json_member(l, "world_size", where), where + ".world_size", 1, 1 << 20);
+    // The loader's position counts steps of world_size x B windows: the ranks that wrote
+    // the checkpoint wrote it.
+    if (world != info.world_size)
+      fail(where, ".world_size = ", world, " but the checkpoint's world_size = ", info.world_size,
+           " (the data position is written by the ranks that write the checkpoint)");
     const uint64_t shards = json_to_uint(json_member(l, "shards", where), where + ".shards", 1, UINT32_MAX);
     const uint64_t tokens = json_to_uint(json_member(l, "tokens", where), where + ".tokens", 1, INT64_MAX);
     const json& fp = json_member(l, "fingerprint", where);
     if (!is_hex64(fp))
       fail(where, ".fingerprint = ", json_excerpt(fp), " is not 16 lowercase hex digits");
-    // The ranks that wrote it (data parallelism; absent: one process). The loader's
-    // position counts steps of world_size x B windows, so the two must agree.
-    info.world_size = 1;
-    if (st.contains("world_size"))
-      info.world_size = int(json_to_int(st["world_size"], state_path + ": world_size", 1, 1 << 20));
-    if (world != info.world_size)
-      fail(where, ".world_size = ", world, " but the checkpoint's world_size = ", info.world_size,
-           " (the data position was written by the same ranks)");
     info.loader = {{"mode", mode},   {"epoch", epoch},      {"step", lstep},
                    {"seed", seed},   {"B", B},              {"T", T},
                    {"world_size", world}, {"shards", shards}, {"tokens", tokens},

@@ -1,14 +1,20 @@
-// config.cpp: JSON <-> Config. visit_fields() per section names each field once; the
-// FieldReader and FieldWriter visitors turn that list into parsing (with type checks and
-// unknown-key detection) and printing. validate() holds the cross-field rules.
+// config.cpp: JSON <-> Config. visit_fields() per section names each field once, with
+// its valid range and the reason for it; the FieldReader, FieldWriter and RangeChecker
+// visitors turn that list into parsing (type and range checks on the JSON value before
+// narrowing, unknown-key detection), printing and validation. validate() adds the
+// cross-field rules and the size caps (check_footprint).
 #include "engine/config.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <set>
+#include <sstream>
 
 #include "engine/error.h"
+#include "engine/json_io.h"
 
 namespace mhar {
 
@@ -25,44 +31,94 @@ const char* residual_mode_name(ResidualMode m) {
 
 namespace {
 
+// The valid range of an integer field, inclusive, and why it is bounded there.
+struct IntRange {
+  long long lo, hi;
+  const char* why;
+};
+// The valid range of a real field; each end open or closed; and why.
+struct RealRange {
+  double lo, hi;
+  bool lo_open, hi_open;
+  const char* why;
+};
+constexpr bool kOpen = true, kClosed = false;
+constexpr long long kIntMax = 2147483647;  // counts that only cost time stop at int's range
+
+// Caps on sizes lie far above any model one device can train (the largest open models
+// have ~126 layers, d_model 16384, d_ff 53248, 128 heads, 256k vocabularies, 128k
+// contexts). They exist so that a typing slip gets a message before anything is planned:
+// the memory planner's cost grows with the tensor count (about 30 per layer), and at
+// n_layers = 1024 it plans in well under a second.
 template <class V> void visit_fields(ModelConfig& c, V& v) {
-  v("vocab_size", c.vocab_size);
-  v("d_model", c.d_model);
-  v("n_layers", c.n_layers);
-  v("n_heads", c.n_heads);
-  v("n_kv_heads", c.n_kv_heads);
-  v("head_dim", c.head_dim);
-  v("d_ff", c.d_ff);
-  v("context_length", c.context_length);
-  v("rope_theta", c.rope_theta);
-  v("rms_eps", c.rms_eps);
+  v("vocab_size", c.vocab_size,
+    IntRange{1, 1 << 24, "token ids must stay exact in fp32 (2^24); real vocabularies are <= 262144"});
+  v("d_model", c.d_model, IntRange{1, 65536, "a size cap; real models use <= 16384"});
+  v("n_layers", c.n_layers,
+    IntRange{1, 1024, "a size cap; real models use <= 126, and planning stays under a second"});
+  v("n_heads", c.n_heads, IntRange{1, 1024, "a size cap; real models use <= 128"});
+  v("n_kv_heads", c.n_kv_heads, IntRange{1, 1024, "a size cap; real models use <= 128"});
+  v("head_dim", c.head_dim, IntRange{2, 1024, "RoPE needs pairs; real models use 64 to 256"});
+  v("d_ff", c.d_ff, IntRange{1, 262144, "a size cap; real models use <= 53248"});
+  v("context_length", c.context_length,
+    IntRange{1, 1 << 20, "a size cap (1M positions); real models use <= 131072"});
+  v("rope_theta", c.rope_theta,
+    RealRange{1, 1e12, kClosed, kClosed,
+              "below 1 the rotation speeds up with the dimension index, the reverse of RoPE; "
+              "real models use 1e4 to 1e7"});
+  v("rms_eps", c.rms_eps,
+    RealRange{1e-30, 1, kClosed, kOpen,
+              "it guards the division by the RMS, so it must survive rounding to fp32 "
+              "(whose normal range starts at 1.2e-38); at 1 or more it swamps unit-scale "
+              "activations; real models use 1e-6 or 1e-5"});
   v("tie_embeddings", c.tie_embeddings);
-  v("init_std", c.init_std);
+  v("init_std", c.init_std,
+    RealRange{0, 10, kOpen, kClosed,
+              "0 would make every weight equal and symmetric; the upper end is a plausibility "
+              "bound far above real use (~0.02)"});
 }
 template <class V> void visit_fields(ResidualConfig& c, V& v) {
   v("mode", c.mode);
-  v("heads", c.heads);
+  v("heads", c.heads,
+    IntRange{0, 1024, "0 picks the default (n_kv_heads for mhar, 1 for attnres); it must "
+                      "divide d_model"});
 }
 template <class V> void visit_fields(TrainConfig& c, V& v) {
-  v("micro_batch", c.micro_batch);
-  v("seq_len", c.seq_len);
-  v("batch_tokens", c.batch_tokens);
-  v("steps", c.steps);
-  v("lr", c.lr);
-  v("min_lr_ratio", c.min_lr_ratio);
-  v("warmup_steps", c.warmup_steps);
+  v("micro_batch", c.micro_batch, IntRange{1, 65536, "a size cap; one step holds micro_batch x seq_len tokens"});
+  v("seq_len", c.seq_len, IntRange{1, 1 << 20, "at most model.context_length"});
+  v("batch_tokens", c.batch_tokens,
+    IntRange{0, 1LL << 40, "0 = one micro-batch; real runs use <= 2^24 tokens a step"});
+  v("steps", c.steps, IntRange{1, 1000000000, "a count cap (10^9 optimizer steps)"});
+  v("lr", c.lr,
+    RealRange{0, 10, kOpen, kClosed,
+              "AdamW moves each weight by about lr a step, so this is a plausibility bound "
+              "far above real use (1e-4 to 1e-2)"});
+  v("min_lr_ratio", c.min_lr_ratio,
+    RealRange{0, 1, kClosed, kClosed, "the final learning rate as a share of train.lr"});
+  v("warmup_steps", c.warmup_steps, IntRange{0, 1000000000, "at most train.steps"});
   v("schedule", c.schedule);
-  v("decay_fraction", c.decay_fraction);
-  v("weight_decay", c.weight_decay);
-  v("beta1", c.beta1);
-  v("beta2", c.beta2);
-  v("adam_eps", c.adam_eps);
-  v("grad_clip", c.grad_clip);
-  v("seed", c.seed);
-  v("eval_every", c.eval_every);
-  v("eval_batches", c.eval_batches);
-  v("log_every", c.log_every);
-  v("max_bad_steps", c.max_bad_steps);
+  v("decay_fraction", c.decay_fraction,
+    RealRange{0, 1, kClosed, kClosed, "a share of the steps after warm-up"});
+  v("weight_decay", c.weight_decay,
+    RealRange{0, 10, kClosed, kClosed,
+              "a plausibility bound far above real use (0 to 0.1); see also lr x weight_decay"});
+  v("beta1", c.beta1,
+    RealRange{0, 1, kClosed, kOpen, "a moving-average factor; at 1 the moment never updates"});
+  v("beta2", c.beta2,
+    RealRange{0, 1, kClosed, kOpen, "a moving-average factor; at 1 the bias correction divides by 0"});
+  v("adam_eps", c.adam_eps,
+    RealRange{1e-30, 1, kClosed, kOpen,
+              "it guards the division by sqrt(v), so it must survive rounding to fp32; "
+              "at 1 or more it dwarfs the gradients; real runs use 1e-8"});
+  v("grad_clip", c.grad_clip,
+    RealRange{0, 1e6, kClosed, kClosed,
+              "0 disables clipping; the upper end is a plausibility bound (real runs clip at ~1)"});
+  v("seed", c.seed);  // any 64-bit value
+  v("eval_every", c.eval_every, IntRange{1, kIntMax, "steps between evaluations"});
+  v("eval_batches", c.eval_batches, IntRange{1, kIntMax, "batches per evaluation"});
+  v("log_every", c.log_every, IntRange{1, kIntMax, "steps between log lines"});
+  v("max_bad_steps", c.max_bad_steps,
+    IntRange{1, kIntMax, "consecutive non-finite steps before the run stops"});
   v("device", c.device);
 }
 template <class V> void visit_fields(DataConfig& c, V& v) {
@@ -71,8 +127,8 @@ template <class V> void visit_fields(DataConfig& c, V& v) {
   v("tokenizer", c.tokenizer);
 }
 template <class V> void visit_fields(CheckpointConfig& c, V& v) {
-  v("every", c.every);
-  v("keep", c.keep);
+  v("every", c.every, IntRange{0, kIntMax, "steps between checkpoints; 0 = only at the end"});
+  v("keep", c.keep, IntRange{0, kIntMax, "newest checkpoints kept; 0 = all"});
 }
 
 template <class V> void visit_sections(Config& c, V& v) {
@@ -83,69 +139,103 @@ template <class V> void visit_sections(Config& c, V& v) {
   v.section("checkpoint", c.checkpoint);
 }
 
-std::string type_name(const json& j) { return j.type_name(); }
+// A key for a message: a hostile file's key may be megabytes long.
+std::string clip(const std::string& key) {
+  return key.size() > 80 ? key.substr(0, 80) + "..." : key;
+}
 
-// Reads one section's fields from JSON, with the section path for messages.
+std::string field_path(const std::string& source, const std::string& section,
+                       const std::string& key) {
+  return source + ": " + section + "." + key;
+}
+
+std::string describe(const IntRange& r) {
+  return std::to_string(r.lo) + " to " + std::to_string(r.hi) + " (" + r.why + ")";
+}
+// A bound as written in the field list: whole numbers without ".0", others in the
+// shortest text that reads back as the same double (json's dump).
+std::string bound_text(double v) {
+  if (v == std::floor(v) && std::fabs(v) < 1e15) return std::to_string((long long)v);
+  return json(v).dump();
+}
+std::string describe(const RealRange& r) {
+  return std::string(r.lo_open ? "(" : "[") + bound_text(r.lo) + ", " + bound_text(r.hi) +
+         (r.hi_open ? ")" : "]") + " (" + r.why + ")";
+}
+bool in_range(double v, const RealRange& r) {
+  return (r.lo_open ? v > r.lo : v >= r.lo) && (r.hi_open ? v < r.hi : v <= r.hi);
+}
+
+// Reads one section's fields from JSON, with the section path for messages. Every number
+// is range-checked on the JSON value itself (json_io's getters), before it is narrowed to
+// its field's type, so the message shows the value the user wrote.
 struct FieldReader {
   const json* obj = nullptr;
   std::string path;    // "model"
   std::string source;  // file name
   std::vector<std::string> known;
 
-  [[noreturn]] void bad_type(const std::string& key, const json& val, const char* want) {
-    fail(source, ": ", path, ".", key, " = ", val.dump(), " has type ", type_name(val),
-         "; expected ", want);
-  }
+  std::string where(const std::string& key) const { return field_path(source, path, key); }
   const json* find(const std::string& key) {
     known.push_back(key);
     auto it = obj->find(key);
     return it == obj->end() ? nullptr : &*it;
   }
   template <class Int>
-  void read_integer(const std::string& key, Int& out) {
+  void read_int(const std::string& key, Int& out, const IntRange& r) {
     const json* val = find(key);
     if (!val) return;
-    if (val->is_number_integer() || val->is_number_unsigned()) {
-      if (val->is_number_integer() && val->template get<long long>() < 0 &&
-          std::is_unsigned<Int>::value)
-        fail(source, ": ", path, ".", key, " = ", val->dump(), " must be >= 0");
-      out = val->template get<Int>();
+    try {
+      out = static_cast<Int>(json_to_int(*val, where(key), r.lo, r.hi));
+    } catch (const Error& e) {
+      fail(e.what(), " (", r.why, ")");
+    }
+  }
+  void operator()(const std::string& key, int& out, const IntRange& r) { read_int(key, out, r); }
+  void operator()(const std::string& key, long long& out, const IntRange& r) { read_int(key, out, r); }
+  void operator()(const std::string& key, unsigned long long& out) {
+    const json* val = find(key);
+    if (!val) return;
+    // A non-negative integer built in code ({"seed", 5}) is signed, one parsed from text
+    // unsigned; both are valid.
+    if (val->is_number_integer() && !val->is_number_unsigned() && val->get<int64_t>() >= 0) {
+      out = uint64_t(val->get<int64_t>());
       return;
     }
-    if (val->is_number_float()) {
-      double d = val->get<double>();
-      if (std::floor(d) == d && std::fabs(d) < 9e15) { out = static_cast<Int>(d); return; }
-    }
-    bad_type(key, *val, "an integer");
+    // Whole numbers beyond 2^64-1 reach here as doubles (the JSON reader's fallback).
+    if (val->is_number_float() && std::floor(val->get<double>()) == val->get<double>() &&
+        std::fabs(val->get<double>()) >= 0x1p64)
+      fail(where(key), " = ", json_excerpt(*val), " is out of range; valid: 0 to ", UINT64_MAX);
+    out = json_to_uint(*val, where(key), 0, UINT64_MAX);
   }
-  void operator()(const std::string& key, int& out) { read_integer(key, out); }
-  void operator()(const std::string& key, long long& out) { read_integer(key, out); }
-  void operator()(const std::string& key, unsigned long long& out) { read_integer(key, out); }
-  void operator()(const std::string& key, double& out) {
+  void operator()(const std::string& key, double& out, const RealRange& r) {
     const json* val = find(key);
     if (!val) return;
-    if (!val->is_number()) bad_type(key, *val, "a number");
-    out = val->get<double>();
+    const double d = json_to_finite(*val, where(key));
+    if (!in_range(d, r))
+      fail(where(key), " = ", json_excerpt(*val), " is out of range; valid: ", describe(r));
+    out = d;
   }
   void operator()(const std::string& key, bool& out) {
     const json* val = find(key);
     if (!val) return;
-    if (!val->is_boolean()) bad_type(key, *val, "true or false");
-    out = val->get<bool>();
+    out = json_to_bool(*val, where(key));
   }
   void operator()(const std::string& key, std::string& out) {
     const json* val = find(key);
     if (!val) return;
-    if (!val->is_string()) bad_type(key, *val, "a string");
-    out = val->get<std::string>();
+    out = json_to_string(*val, where(key));
   }
   void operator()(const std::string& key, ResidualMode& out) {
     const json* val = find(key);
     if (!val) return;
-    std::string s = val->is_string() ? val->get<std::string>() : val->dump();
-    for (ResidualMode m : {ResidualMode::Standard, ResidualMode::AttnRes, ResidualMode::Mhar})
-      if (s == residual_mode_name(m)) { out = m; return; }
-    fail(source, ": ", path, ".", key, " = ", val->dump(),
+    if (val->is_string())
+      for (ResidualMode m : {ResidualMode::Standard, ResidualMode::AttnRes, ResidualMode::Mhar})
+        if (val->get_ref<const std::string&>() == residual_mode_name(m)) {
+          out = m;
+          return;
+        }
+    fail(where(key), " = ", json_excerpt(*val),
          " is not a residual mode; valid: \"standard\", \"attnres\", \"mhar\"");
   }
   void reject_unknown() {
@@ -154,7 +244,7 @@ struct FieldReader {
       if (ok.count(it.key())) continue;
       std::string valid;
       for (const auto& k : known) valid += (valid.empty() ? "" : ", ") + k;
-      fail(source, ": unknown key ", path, ".", it.key(), " (valid keys of ", path, ": ", valid,
+      fail(source, ": unknown key ", path, ".", clip(it.key()), " (valid keys of ", path, ": ", valid,
            ")");
     }
   }
@@ -167,16 +257,51 @@ struct ConfigReader {
     auto it = root.find(name);
     if (it == root.end()) return;  // every field has a default
     if (!it->is_object())
-      fail(source, ": ", name, " = ", it->dump(), " must be an object of ", name, " fields");
+      fail(source, ": ", name, " = ", json_excerpt(*it), " must be an object of ", name, " fields");
     FieldReader r{&*it, name, source, {}};
     visit_fields(s, r);
     r.reject_unknown();
   }
 };
 
+// The same bounds for a Config built or changed in code (and re-validated after
+// --device or a resume), with the same messages as the reader's.
+struct RangeChecker {
+  std::string path, source;
+  void operator()(const std::string& key, const int& v, const IntRange& r) { check(key, v, r); }
+  void operator()(const std::string& key, const long long& v, const IntRange& r) { check(key, v, r); }
+  void operator()(const std::string& key, const double& v, const RealRange& r) {
+    if (!in_range(v, r))
+      fail(field_path(source, path, key), " = ", json(v).dump(), " is out of range; valid: ",
+           describe(r));
+  }
+  void operator()(const std::string& key, const std::string& v) {
+    // Strings end up in paths, file names and messages.
+    if (v.find('\0') != std::string::npos)
+      fail(field_path(source, path, key), " contains a NUL byte");
+    if (v.size() > 4096)
+      fail(field_path(source, path, key), " is ", v.size(), " bytes long; at most 4096 (PATH_MAX)");
+  }
+  template <class T> void operator()(const std::string&, const T&) {}
+  void check(const std::string& key, long long v, const IntRange& r) {
+    if (v < r.lo || v > r.hi)
+      fail(field_path(source, path, key), " = ", v, " is out of range; valid: ", describe(r));
+  }
+};
+
+struct ConfigChecker {
+  std::string source;
+  template <class Section> void section(const std::string& name, Section& s) {
+    RangeChecker c{name, source};
+    visit_fields(s, c);
+  }
+};
+
 struct FieldWriter {
   json* obj;
   template <class T> void operator()(const std::string& key, const T& v) { (*obj)[key] = v; }
+  template <class T, class Range>
+  void operator()(const std::string& key, const T& v, const Range&) { (*obj)[key] = v; }
   void operator()(const std::string& key, const ResidualMode& m) {
     (*obj)[key] = residual_mode_name(m);
   }
@@ -201,22 +326,11 @@ json Config::to_json() const {
 }
 
 void Config::validate() const {
+  ConfigChecker ranges{source};
+  visit_sections(const_cast<Config&>(*this), ranges);
+
   const auto& m = model;
   auto where = [&](const std::string& field) { return source + ": " + field; };
-  auto positive = [&](const char* field, double v) {
-    if (!(v > 0)) fail(where(field), " = ", v, " must be > 0");
-  };
-  positive("model.vocab_size", m.vocab_size);
-  positive("model.d_model", m.d_model);
-  positive("model.n_layers", m.n_layers);
-  positive("model.n_heads", m.n_heads);
-  positive("model.n_kv_heads", m.n_kv_heads);
-  positive("model.head_dim", m.head_dim);
-  positive("model.d_ff", m.d_ff);
-  positive("model.context_length", m.context_length);
-  positive("model.rope_theta", m.rope_theta);
-  positive("model.rms_eps", m.rms_eps);
-  positive("model.init_std", m.init_std);
   if (m.head_dim % 2)
     fail(where("model.head_dim"), " = ", m.head_dim, " must be even (RoPE pairs i with i + head_dim/2)");
   if (m.n_heads % m.n_kv_heads)
@@ -242,41 +356,83 @@ void Config::validate() const {
   }
 
   const auto& t = train;
-  positive("train.micro_batch", t.micro_batch);
-  positive("train.seq_len", t.seq_len);
-  positive("train.steps", t.steps);
-  positive("train.lr", t.lr);
   if (t.seq_len > m.context_length)
     fail(where("train.seq_len"), " = ", t.seq_len, " exceeds model.context_length = ",
          m.context_length);
   const long long micro_tokens = 1LL * t.micro_batch * t.seq_len;
-  if (t.batch_tokens < 0 || (t.batch_tokens > 0 && t.batch_tokens % micro_tokens))
+  if (t.batch_tokens > 0 && t.batch_tokens % micro_tokens)
     fail(where("train.batch_tokens"), " = ", t.batch_tokens,
          " must be 0 or a multiple of train.micro_batch * train.seq_len = ", micro_tokens);
-  if (t.min_lr_ratio < 0 || t.min_lr_ratio > 1)
-    fail(where("train.min_lr_ratio"), " = ", t.min_lr_ratio, " must be in [0, 1]");
-  if (t.warmup_steps < 0 || t.warmup_steps > t.steps)
+  if (t.warmup_steps > t.steps)
     fail(where("train.warmup_steps"), " = ", t.warmup_steps, " must be in [0, train.steps = ",
          t.steps, "]");
   if (t.schedule != "cosine" && t.schedule != "wsd")
-    fail(where("train.schedule"), " = \"", t.schedule, "\" is not a schedule; valid: \"cosine\", \"wsd\"");
-  if (t.decay_fraction < 0 || t.decay_fraction > 1)
-    fail(where("train.decay_fraction"), " = ", t.decay_fraction, " must be in [0, 1]");
-  if (t.weight_decay < 0) fail(where("train.weight_decay"), " = ", t.weight_decay, " must be >= 0");
-  if (t.beta1 < 0 || t.beta1 >= 1) fail(where("train.beta1"), " = ", t.beta1, " must be in [0, 1)");
-  if (t.beta2 < 0 || t.beta2 >= 1) fail(where("train.beta2"), " = ", t.beta2, " must be in [0, 1)");
-  positive("train.adam_eps", t.adam_eps);
-  if (t.grad_clip < 0) fail(where("train.grad_clip"), " = ", t.grad_clip, " must be >= 0 (0 disables)");
-  positive("train.eval_every", t.eval_every);
-  positive("train.eval_batches", t.eval_batches);
-  positive("train.log_every", t.log_every);
-  positive("train.max_bad_steps", t.max_bad_steps);
+    fail(where("train.schedule"), " = ", json_excerpt(t.schedule),
+         " is not a schedule; valid: \"cosine\", \"wsd\"");
+  // Decoupled weight decay multiplies every weight by (1 - lr * weight_decay) each step.
+  if (t.lr * t.weight_decay >= 1)
+    fail(where("train.weight_decay"), " = ", json(t.weight_decay).dump(), " with train.lr = ",
+         json(t.lr).dump(), ": their product must be < 1 (AdamW multiplies every weight by "
+         "1 - lr x weight_decay a step, so at 1 or more the decay alone zeroes or flips them)");
   if (t.device != "auto" && t.device != "cpu" && t.device != "cuda")
-    fail(where("train.device"), " = \"", t.device, "\" is not a device; valid: \"auto\", \"cpu\", \"cuda\"");
+    fail(where("train.device"), " = ", json_excerpt(t.device),
+         " is not a device; valid: \"auto\", \"cpu\", \"cuda\"");
   if (data.tokenizer.empty())
     fail(where("data.tokenizer"), " is empty; valid: \"gpt2\", \"qwen3\" or a tokenizer.json path");
-  if (checkpoint.every < 0) fail(where("checkpoint.every"), " = ", checkpoint.every, " must be >= 0");
-  if (checkpoint.keep < 0) fail(where("checkpoint.keep"), " = ", checkpoint.keep, " must be >= 0");
+  check_footprint(m, residual, t.micro_batch, t.seq_len, source);
+}
+
+StepFootprint estimate_footprint(const ModelConfig& m, const ResidualConfig& r, int64_t batch,
+                                 int64_t seq_len) {
+  // In doubles: the point is to refuse sizes whose byte counts overflow 64-bit integers.
+  const double d = m.d_model, L = m.n_layers, V = m.vocab_size, F = m.d_ff, hd = m.head_dim;
+  const double qd = double(m.n_heads) * hd, kvd = double(m.n_kv_heads) * hd;
+  const double S = 2 * L + 1, H = r.routed() ? std::max(1, r.heads) : 0;
+  const double N = double(batch) * double(seq_len);
+  StepFootprint f;
+  const double per_layer = 2 * d + 2 * hd + 2 * d * qd + 2 * d * kvd + 3 * d * F;
+  f.parameters = V * d * (m.tie_embeddings ? 1 : 2) + L * per_layer + d + (r.routed() ? 2 * S * d : 0);
+  f.parameter_bytes = 16 * f.parameters;  // value, gradient, two AdamW moments
+  // Values per token kept from the forward pass for the backward one (model.cpp's plan).
+  double per_token = S * d /* history */ + S * d /* site inputs */ + V + 2 * d /* head */;
+  per_token += L * (d + 1 + 3 * qd + 3 * kvd + 2 * m.n_heads + m.n_kv_heads);  // attention
+  per_token += L * (d + 1 + 3 * F);                                            // MLP
+  if (r.routed()) per_token += S * (S + 1) / 2 * H + S * d + S * H + S;       // routing
+  f.activation_bytes = 4 * N * per_token;
+  f.kv_cache_bytes = 4 * 2 * L * double(m.context_length) * kvd;
+  return f;
+}
+
+void check_footprint(const ModelConfig& m, const ResidualConfig& r, int64_t batch, int64_t seq_len,
+                     const std::string& where) {
+  const StepFootprint f = estimate_footprint(m, r, batch, seq_len);
+  auto gib = [](double b) {
+    std::ostringstream os;
+    os.precision(3);
+    os << b / double(1 << 30) << " GiB";
+    return os.str();
+  };
+  auto count = [](double n) {
+    std::ostringstream os;
+    os.precision(3);
+    os << n;
+    return os.str();
+  };
+  if (f.parameters > kMaxParameters)
+    fail(where, ": the model has about ", count(f.parameters), " parameters, more than the cap of ",
+         count(kMaxParameters),
+         " (far above what one device can train); reduce model.n_layers, d_model, d_ff or "
+         "vocab_size");
+  if (f.parameter_bytes + f.activation_bytes > kMaxStepBytes)
+    fail(where, ": one training step needs about ", gib(f.parameter_bytes + f.activation_bytes),
+         " (", gib(f.parameter_bytes), " for parameters, gradients and optimizer state, ",
+         gib(f.activation_bytes), " for the activations of ", batch, " x ", seq_len,
+         " tokens), more than the cap of ", gib(kMaxStepBytes),
+         "; reduce train.micro_batch, train.seq_len or the model's size");
+  if (f.kv_cache_bytes > kMaxStepBytes)
+    fail(where, ": a decoding cache over model.context_length = ", m.context_length,
+         " positions needs about ", gib(f.kv_cache_bytes), ", more than the cap of ",
+         gib(kMaxStepBytes), "; reduce model.context_length, n_layers or n_kv_heads");
 }
 
 Config config_from_json(const json& j, const std::string& source) {
@@ -286,7 +442,7 @@ Config config_from_json(const json& j, const std::string& source) {
   std::set<std::string> sections = {"model", "residual", "train", "data", "checkpoint"};
   for (auto it = j.begin(); it != j.end(); ++it)
     if (!sections.count(it.key()))
-      fail(source, ": unknown section ", it.key(),
+      fail(source, ": unknown section ", clip(it.key()),
            " (valid sections: model, residual, train, data, checkpoint)");
   ConfigReader r{j, source};
   visit_sections(c, r);
@@ -300,28 +456,87 @@ Config config_from_json(const json& j, const std::string& source) {
   return c;
 }
 
+namespace {
+
+// Whether `v` is spelled as a JSON number (RFC 8259's grammar), so that an out-of-range
+// one (1e400) is reported as a number rather than taken as a word.
+bool looks_like_json_number(const std::string& v) {
+  size_t i = 0;
+  auto digits = [&] {
+    const size_t s = i;
+    while (i < v.size() && v[i] >= '0' && v[i] <= '9') ++i;
+    return i > s;
+  };
+  if (i < v.size() && v[i] == '-') ++i;
+  if (!digits()) return false;
+  if (i < v.size() && v[i] == '.') {
+    ++i;
+    if (!digits()) return false;
+  }
+  if (i < v.size() && (v[i] == 'e' || v[i] == 'E')) {
+    ++i;
+    if (i < v.size() && (v[i] == '+' || v[i] == '-')) ++i;
+    if (!digits()) return false;
+  }
+  return i == v.size();
+}
+
+// A bare word as a JSON string literal, so that parse_json_strict checks its UTF-8.
+std::string quote(const std::string& v) {
+  std::string out = "\"";
+  for (const char c : v) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\u%04x", unsigned(static_cast<unsigned char>(c)));
+      out += buf;
+    } else {
+      out += c;
+    }
+  }
+  return out + "\"";
+}
+
+}  // namespace
+
 void apply_override(json& j, const std::string& assignment, const std::string& source) {
   auto eq = assignment.find('=');
+  const std::string shown = json_excerpt(assignment.substr(0, 160), 120);  // quoted, valid UTF-8
   if (eq == std::string::npos || eq == 0)
-    fail("--set ", assignment, ": expected KEY=VALUE, for example model.n_layers=4");
+    fail("--set ", shown, ": expected KEY=VALUE, for example model.n_layers=4");
   std::string key = assignment.substr(0, eq), value = assignment.substr(eq + 1);
   auto dot = key.find('.');
-  if (dot == std::string::npos)
-    fail("--set ", assignment, ": KEY must be SECTION.FIELD, for example train.lr=3e-4");
+  if (dot == std::string::npos || dot == 0 || dot + 1 == key.size())
+    fail("--set ", shown, ": KEY must be SECTION.FIELD, for example train.lr=3e-4");
   std::string section = key.substr(0, dot), field = key.substr(dot + 1);
-  json parsed = json::parse(value, nullptr, /*allow_exceptions=*/false);
-  if (parsed.is_discarded()) parsed = value;  // bare words are strings: residual.mode=mhar
+  parse_json_strict(quote(key), "--set " + shown + ": the key");  // refuses invalid UTF-8
+  const std::string what = "--set " + clip(key);
+  // JSON-looking values are parsed strictly (numbers, objects, arrays, quoted strings,
+  // literals), so 1e400, nesting or a duplicate key is refused with the JSON reader's
+  // reason; any other text is a bare word: residual.mode=mhar, data.train=x/*.bin.
+  json parsed;
+  if (looks_like_json_number(value) && !std::isfinite(std::strtod(value.c_str(), nullptr)))
+    fail(what, "=", value.size() > 40 ? value.substr(0, 40) + "..." : value,
+         ": the number is out of the range of a double (magnitude at most "
+         "about 1.8e308)");
+  const char c0 = value.empty() ? '\0' : value[0];
+  if (looks_like_json_number(value) || c0 == '{' || c0 == '[' || c0 == '"' || value == "true" ||
+      value == "false" || value == "null")
+    parsed = parse_json_strict(value, what);
+  else
+    parsed = parse_json_strict(quote(value), what);
   if (!j.is_object()) fail(source, ": a config must be a JSON object");
   if (!j.contains(section)) j[section] = json::object();
-  if (!j[section].is_object()) fail(source, ": ", section, " must be an object");
-  j[section][field] = parsed;  // an unknown field is rejected by the parser, with its path
+  if (!j[section].is_object()) fail(source, ": ", json_excerpt(section), " must be an object");
+  j[section][field] = std::move(parsed);  // an unknown field is rejected by the parser, with its path
 }
 
 Config load_config(const std::string& path, const std::vector<std::string>& overrides) {
-  std::ifstream in(path);
-  if (!in) fail(path, ": cannot open config file");
-  json j = json::parse(in, nullptr, /*allow_exceptions=*/false, /*ignore_comments=*/true);
-  if (j.is_discarded()) fail(path, ": not valid JSON");
+  JsonLimits limits;
+  limits.allow_comments = true;
+  json j = read_json_file(path, "config file", limits, uint64_t(16) << 20);
   for (const auto& o : overrides) apply_override(j, o, path);
   Config c = config_from_json(j, path);
   c.config_dir = std::filesystem::absolute(path).parent_path().string();

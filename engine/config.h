@@ -1,9 +1,12 @@
 // config.h: the typed run configuration (model, residual, train, data, checkpoint) and
-// its JSON form. Every section lists its fields once, in a visit_fields() function that
-// serves both parsing and printing, so the two can never drift apart. Parsing rejects
-// unknown keys and validates every field with an error naming the file, the field path,
-// the bad value and what would be valid.
+// its JSON form. Every section lists its fields once, in a visit_fields() function
+// (config.cpp) that serves parsing, printing and validation, so they can never drift
+// apart; each numeric field carries its valid range there, with the reason for the bound.
+// Parsing (parse_json_strict: depth limit, duplicate keys refused) rejects unknown keys
+// and range-checks every number before it is narrowed to its field's type, with an error
+// naming the file, the field path, the user's own value and what would be valid.
 #pragma once
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -88,10 +91,32 @@ struct Config {
   void validate() const;
 };
 
+// Size caps that hold before any memory is planned: the model and one training step are
+// estimated from the config alone (4 bytes a value, as the fp32 CPU backend and the GPU
+// backend's fp32 master weights and moments use) and refused above these limits, far
+// above what one device can hold today (an H200 has 141 GB), so that an absurd config
+// gets a message instead of an allocation failure or a planner running for hours.
+constexpr double kMaxParameters = 1e11;                 // 100 billion
+constexpr double kMaxStepBytes = double(uint64_t(1) << 40);  // 1 TiB
+struct StepFootprint {
+  double parameters = 0;      // every parameter (a tied embedding counted once)
+  double parameter_bytes = 0; // parameters, gradients, AdamW moments: 16 bytes each
+  double activation_bytes = 0;  // the saved activations of one micro-batch
+  double kv_cache_bytes = 0;    // `sample`'s cache over the whole context
+};
+StepFootprint estimate_footprint(const ModelConfig& m, const ResidualConfig& r, int64_t batch,
+                                 int64_t seq_len);
+// Throws mhar::Error naming `where` when the model or one step of batch x seq_len tokens
+// exceeds the caps above.
+void check_footprint(const ModelConfig& m, const ResidualConfig& r, int64_t batch, int64_t seq_len,
+                     const std::string& where);
+
 // Parses and validates. `source` names the origin in error messages.
 Config config_from_json(const nlohmann::json& j, const std::string& source = "<memory>");
-// Reads a file, applies `overrides` ("model.n_layers=4"; values parsed as JSON when they
-// are valid JSON, else taken as strings), then parses and validates.
+// Reads a file (a regular file only, comments allowed), applies `overrides`
+// ("model.n_layers=4"; a value that looks like JSON (a number, true/false/null, or one
+// starting with { [ or ") is parsed strictly as JSON, anything else is a string), then
+// parses and validates.
 Config load_config(const std::string& path, const std::vector<std::string>& overrides = {});
 // Applies one "a.b.c=value" override to a JSON document (creating no new sections).
 void apply_override(nlohmann::json& j, const std::string& assignment, const std::string& source);

@@ -48,11 +48,21 @@ class CpuBackend final : public Backend {
     MHAR_CHECK(dst.dtype == src.dtype && dst.numel() == src.numel(), "copy mismatch");
     std::memmove(dst.data, src.data, src.bytes());
   }
+  // F64 tensors are accepted whatever T is: small fp64 buffers such as the routing
+  // probe's sums (Backend::routing_stats) live in any backend's memory.
   void upload(Tensor dst, const double* host) override {
+    if (dst.dtype == DType::F64) {
+      std::memcpy(dst.data, host, dst.bytes());
+      return;
+    }
     T* p = dst.ptr<T>();
     for (int64_t i = 0; i < dst.numel(); ++i) p[i] = T(host[i]);
   }
   void download(double* host, Tensor src) override {
+    if (src.dtype == DType::F64) {
+      std::memcpy(host, src.data, src.bytes());
+      return;
+    }
     const T* p = src.ptr<T>();
     for (int64_t i = 0; i < src.numel(); ++i) host[i] = double(p[i]);
   }
@@ -223,6 +233,15 @@ class CpuBackend final : public Backend {
     cpu::routing_source_backward(dv.ptr<T>(), weights.ptr<T>(), ubar.ptr<T>(), gsum.ptr<T>(),
                                  site_dx.ptr<T>(), x.ptr<T>(), v.ptr<T>(), inv_rms.ptr<T>(),
                                  routing_sites(p, d), N, d, S, source, heads);
+  }
+  void routing_stats(Tensor stats, Tensor weights, int site, int heads) override {
+    const int64_t P = weights.dim(0), N = weights.dim(2);
+    const int S = int(std::lround((std::sqrt(8.0 * double(P) + 1.0) - 1.0) / 2.0));
+    MHAR_CHECK(routing_pairs(S) == P && weights.dim(1) == heads && site < S, "routing_stats shapes");
+    MHAR_CHECK(stats.numel() == int64_t(heads) * (site + 2) + 1, "routing_stats buffer of ", stats.numel());
+    const T* w = weights.ptr<T>();
+    cpu::routing_stats(stats.ptr<double>(), [&](int i) { return w + routing_pair(i, site, S) * heads * N; },
+                       site, heads, N);
   }
   void routing_param_grads(const RoutingParams& p, Tensor gsum) override {
     const int S = p.sites();

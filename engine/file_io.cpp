@@ -29,15 +29,6 @@ std::mutex g_sim_mutex;
 uint64_t g_bytes_written = 0;
 std::string g_sim_value;
 
-const char* kind_of(mode_t m) {
-  if (S_ISDIR(m)) return "a directory";
-  if (S_ISFIFO(m)) return "a FIFO (named pipe)";
-  if (S_ISCHR(m)) return "a character device";
-  if (S_ISBLK(m)) return "a block device";
-  if (S_ISSOCK(m)) return "a socket";
-  return "not a regular file";
-}
-
 // The simulated-disk limit, or UINT64_MAX when unset. A malformed value is a usage error.
 uint64_t simulated_disk_limit() {
   const char* env = std::getenv("MHAR_SIMULATE_DISK_FULL_AFTER_BYTES");
@@ -81,12 +72,22 @@ void write_all_checked(int fd, const std::string& path, const void* data, size_t
 
 }  // namespace
 
+const char* file_type_name(mode_t m) {
+  if (S_ISREG(m)) return "a regular file";
+  if (S_ISDIR(m)) return "a directory";
+  if (S_ISFIFO(m)) return "a FIFO (named pipe)";
+  if (S_ISCHR(m)) return "a character device";
+  if (S_ISBLK(m)) return "a block device";
+  if (S_ISSOCK(m)) return "a socket";
+  return "neither a file nor a directory";
+}
+
 void require_regular_file(const std::string& path, const char* what) {
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0)
     fail(path, ": cannot open ", what, " (", std::strerror(errno), ")");
   if (!S_ISREG(st.st_mode))
-    fail(path, ": is ", kind_of(st.st_mode), ", but a ", what, " must be a regular file");
+    fail(path, ": is ", file_type_name(st.st_mode), ", but a ", what, " must be a regular file");
 }
 
 std::string read_regular_file(const std::string& path, const char* what, uint64_t max_bytes) {
@@ -96,7 +97,7 @@ std::string read_regular_file(const std::string& path, const char* what, uint64_
   struct stat st {};
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     ::close(fd);
-    fail(path, ": is ", kind_of(st.st_mode), ", but a ", what, " must be a regular file");
+    fail(path, ": is ", file_type_name(st.st_mode), ", but a ", what, " must be a regular file");
   }
   if (uint64_t(st.st_size) > max_bytes) {
     ::close(fd);
@@ -194,7 +195,7 @@ AppendFile::AppendFile(const std::string& path) : path_(path) {
   if (::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode)) {
     ::close(fd_);
     fd_ = -1;
-    fail(path, ": is ", kind_of(st.st_mode), ", but it must be a regular file");
+    fail(path, ": is ", file_type_name(st.st_mode), ", but it must be a regular file");
   }
 }
 

@@ -19,12 +19,17 @@
 // value; a changed or removed value starts the count again, so a test can set it in
 // process between runs). Tests use it where no real small filesystem can be mounted.
 #pragma once
+#include <sys/types.h>
+
 #include <cstdint>
 #include <string>
 
 #include <nlohmann/json.hpp>
 
 namespace mhar {
+
+// What a stat mode is, for messages: "a directory", "a FIFO (named pipe)", ...
+const char* file_type_name(mode_t mode);
 
 // Throws mhar::Error unless `path` exists and is a regular file (after following
 // symlinks). `what` says what the file was meant to be ("config file", "shard", ...).

@@ -152,7 +152,11 @@ int64_t json_to_int(const json& v, const std::string& where, int64_t lo, int64_t
   }
   if (v.is_number_float()) {
     const double d = v.get<double>();
-    if (std::isfinite(d) && d == std::floor(d) && d >= double(lo) && d <= double(hi)) return int64_t(d);
+    // d < 2^63 first: double(INT64_MAX) rounds up to 2^63, whose conversion would overflow.
+    if (std::isfinite(d) && d == std::floor(d) && d >= -0x1p63 && d < 0x1p63) {
+      const int64_t i = int64_t(d);
+      if (i >= lo && i <= hi) return i;
+    }
     fail(where, " = ", json_excerpt(v), " is not a whole number in range; valid: ", lo, " to ", hi);
   }
   bad_type(v, where, "an integer");
@@ -164,8 +168,12 @@ uint64_t json_to_uint(const json& v, const std::string& where, uint64_t lo, uint
     if (u < lo || u > hi) fail(where, " = ", u, " is out of range; valid: ", lo, " to ", hi);
     return u;
   }
-  if (v.is_number_integer())  // negative (non-negative integers parse as unsigned)
-    fail(where, " = ", v.get<int64_t>(), " is out of range; valid: ", lo, " to ", hi);
+  if (v.is_number_integer()) {  // parsed JSON stores non-negative integers as unsigned;
+    const int64_t i = v.get<int64_t>();  // a value built in code may hold them signed
+    if (i < 0 || uint64_t(i) < lo || uint64_t(i) > hi)
+      fail(where, " = ", i, " is out of range; valid: ", lo, " to ", hi);
+    return uint64_t(i);
+  }
   if (v.is_number_float())
     fail(where, " = ", json_excerpt(v), " is not a whole number; valid: ", lo, " to ", hi);
   bad_type(v, where, "a non-negative integer");

@@ -348,6 +348,11 @@ std::vector<double> Model::routing_weights(int site) const {
   }
   return out;
 }
+void Model::routing_stats(int site, Tensor stats) {
+  MHAR_CHECK(res_.routed(), "routing statistics exist only in routed modes");
+  MHAR_CHECK(site >= 0 && site < cfg_.n_sources(), "routing site ", site);
+  be_.routing_stats(stats, act(step_->route_w), site, res_.heads);
+}
 Tensor Model::history() const { return act(step_->history); }
 
 std::string Model::memory_report() const {

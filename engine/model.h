@@ -116,6 +116,9 @@ class Model {
   // Softmax weights of site `site` after a forward, downloaded as [N, H, site+1] (routed
   // modes only; the backward reuses their memory).
   std::vector<double> routing_weights(int site) const;
+  // Backend::routing_stats of site `site` after a forward (routed modes only): adds the
+  // site's weight, entropy and head-divergence sums into `stats` without downloading.
+  void routing_stats(int site, Tensor stats);
   Tensor history() const;                 // [S, N, d]
 
   const MemoryPlan& parameter_plan() const { return *param_plan_; }

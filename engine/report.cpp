@@ -718,6 +718,15 @@ nlohmann::json RoutingAccumulator::lines(int64_t step) const {
   return out;
 }
 
+std::string routing_heatmap_html(int site, const std::vector<std::vector<double>>& weights, int n_layers) {
+  RoutingSite rs;
+  rs.heads = int(weights.size());
+  rs.weights = weights;
+  return heatmap(site, rs, n_layers);
+}
+const char* report_css() { return kStyle; }
+std::string html_escape(const std::string& s) { return escape(s); }
+
 nlohmann::json routing_summary(Model& model, int64_t step) {
   RoutingAccumulator acc;
   acc.add(model);

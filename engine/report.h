@@ -50,6 +50,13 @@ class RoutingAccumulator {
   std::vector<std::vector<double>> sums_;  // per site: [H * (site+1)], summed over tokens
 };
 
+// Pieces of the report that other pages reuse (the routing probe, engine/probe.h):
+// the SVG heatmap of one site's weights [head][source] (viridis, scaled to the largest
+// weight; sources named emb, a0, m0, ...), the page's CSS, and HTML escaping.
+std::string routing_heatmap_html(int site, const std::vector<std::vector<double>>& weights, int n_layers);
+const char* report_css();
+std::string html_escape(const std::string& s);
+
 // The routing lines of the model's last forward alone (one batch).
 nlohmann::json routing_summary(Model& model, int64_t step);
 

@@ -328,6 +328,9 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
       spdlog::info("the checkpoint was written by {} rank(s), this run has {}: optimizer state "
                    "re-sharded, data position kept in windows", ckpt_world, W);
     // The values open_checkpoint validated (engine/checkpoint_state.h), not raw JSON.
+    if (resume_from.loader.empty())
+      fail(resume_from.dir, " holds no data position (an import made without --set data.train/"
+           "data.val): start a new run from it with `mhar train CONFIG --init-from ", opt.run_dir, "`");
     train_data.restore(convert_loader_state(resume_from.loader, ckpt_world, W, train_data));
     step = resume_from.step;
     tokens_seen = resume_from.trainer.tokens_seen;
@@ -337,6 +340,17 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
     consecutive_bad = resume_from.trainer.consecutive_bad_steps;
     elapsed_before = resume_from.trainer.elapsed_s;
     result.last_checkpoint = resume_from.dir;
+  } else if (!opt.init_from.empty()) {
+    // A new run from another checkpoint's weights, with a fresh optimizer. The models must
+    // be the same; context_length (a bound on seq_len) and init_std (unused when loading)
+    // may differ.
+    const CheckpointInfo init = open_checkpoint(opt.init_from);
+    Config theirs = init.config;
+    theirs.model.context_length = cfg.model.context_length;
+    theirs.model.init_std = cfg.model.init_std;
+    check_same_model(cfg, theirs, init.dir);
+    load_model_weights(init, model, &optimizer);
+    spdlog::info("initial weights from {} (step {}); fresh optimizer", init.dir, init.step);
   } else {
     model.init_weights(t.seed);
     optimizer.sync_master_from_params();

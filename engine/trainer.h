@@ -28,6 +28,8 @@ struct TrainOptions {
   std::string run_dir;              // required
   bool resume = false;              // continue the run in run_dir from its newest checkpoint
   bool resume_latest_valid = false; // ...or from the newest checkpoint that validates
+  std::string init_from;            // a new run starting from this checkpoint's weights
+                                    // (fresh optimizer, step 0; e.g. an `mhar import`)
   std::string device;               // overrides train.device when not empty
   long long stop_after_steps = -1;  // stop as if interrupted after this many steps (tests)
   bool quiet = false;               // no progress lines (tests)

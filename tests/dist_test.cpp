@@ -28,6 +28,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -244,32 +245,29 @@ TEST_F(DistTest, ResumeOnAnotherNumberOfRanksContinuesTheRun) {
               max_rel_diff(a2, a, 4), max_rel_diff(b2, b, 4));
 }
 
-// The process ids of the ranks of a running mpirun (its children running mhar), by rank.
-std::vector<int> rank_pids(int mpirun_pid, int ranks, double timeout_s) {
+// The process ids of the ranks of a running job, by rank: the processes whose command
+// line names the job's unique run directory and whose environment holds Open MPI's rank.
+std::vector<int> rank_pids(const fs::path& run_dir, int ranks, double timeout_s) {
   const auto t0 = std::chrono::steady_clock::now();
+  const std::string marker = run_dir.string();
   std::vector<int> pids(size_t(ranks), 0);
   while (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < timeout_s) {
-    int found = 0;
     for (const auto& e : fs::directory_iterator("/proc")) {
       const std::string name = e.path().filename().string();
       if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-      std::ifstream stat(e.path() / "stat");
-      std::string line;
-      std::getline(stat, line);
-      const size_t close = line.rfind(')');
-      if (close == std::string::npos) continue;
-      int ppid = 0;
-      char state = 0;
-      if (std::sscanf(line.c_str() + close + 2, "%c %d", &state, &ppid) != 2 || ppid != mpirun_pid) continue;
+      std::ifstream cmd(e.path() / "cmdline", std::ios::binary);
+      const std::string cmdline((std::istreambuf_iterator<char>(cmd)), {});
+      if (cmdline.find(marker) == std::string::npos || cmdline.find("mpirun") != std::string::npos)
+        continue;
       std::ifstream env(e.path() / "environ", std::ios::binary);
       const std::string all((std::istreambuf_iterator<char>(env)), {});
-      const std::string key = std::string("OMPI_COMM_WORLD_RANK=");
+      const std::string key = "OMPI_COMM_WORLD_RANK=";
       const size_t at = all.find(key);
       if (at == std::string::npos) continue;
       const int r = std::atoi(all.c_str() + at + key.size());
-      if (r >= 0 && r < ranks && !pids[size_t(r)]) pids[size_t(r)] = std::stoi(name), ++found;
+      if (r >= 0 && r < ranks) pids[size_t(r)] = std::stoi(name);
     }
-    if (found == ranks) return pids;
+    if (std::count(pids.begin(), pids.end(), 0) == 0) return pids;
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   return {};
@@ -294,16 +292,33 @@ bool process_gone(int pid, double timeout_s) {
 struct Job {
   pid_t pid = -1;
   fs::path log;
+  bool done = false;
+  Job() = default;
+  Job(const Job&) = delete;
+  Job& operator=(const Job&) = delete;
+  Job(Job&& o) noexcept : pid(o.pid), log(o.log), done(o.done) { o.pid = -1; }
+  // A job a failed assertion left running is killed with its ranks (its process group).
+  ~Job() {
+    if (pid > 0 && !done) {
+      ::kill(-pid, SIGKILL);
+      int status = 0;
+      waitpid(pid, &status, 0);
+    }
+  }
   int wait(double timeout_s, double* seconds) {
     const auto t0 = std::chrono::steady_clock::now();
     for (;;) {
       int status = 0;
       const pid_t w = waitpid(pid, &status, WNOHANG);
       *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      if (w == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      if (w == pid) {
+        done = true;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      }
       if (*seconds > timeout_s) {
-        ::kill(pid, SIGKILL);
+        ::kill(-pid, SIGKILL);
         waitpid(pid, &status, 0);
+        done = true;
         return -1;
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -313,9 +328,11 @@ struct Job {
 
 Job start_job(const std::string& args, const fs::path& log, const std::string& env = "") {
   Job j;
+  std::fflush(nullptr);
   j.log = log;
   j.pid = fork();
   if (j.pid == 0) {
+    setpgid(0, 0);  // mpirun and its ranks in a group of their own (see ~Job)
     const std::string cmd = "exec env OMP_NUM_THREADS=1 " + env + " " + mhar_cmd(2, args) +
                             " >" + log.string() + " 2>&1";
     execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
@@ -344,7 +361,7 @@ TEST_F(DistTest, SigtermToOneRankStopsEveryRankWithOneCheckpoint) {
     const fs::path cfg = config(to_mpirun ? "cfg_usr1" : "cfg_term", "standard", 100000, 64, 0);
     const fs::path run_dir = dir / (to_mpirun ? "usr1" : "term");
     Job job = start_job("train " + cfg.string() + " --run-dir " + run_dir.string(), dir / "job.log");
-    const auto pids = rank_pids(job.pid, 2, 60);
+    const auto pids = rank_pids(run_dir, 2, 60);
     ASSERT_EQ(pids.size(), 2u) << read_file(job.log);
     ASSERT_TRUE(wait_for_steps(run_dir, 3, 60)) << read_file(job.log);
     // Rank 1 alone is told to stop (or mpirun, which forwards SIGUSR1 to every rank).
@@ -373,7 +390,7 @@ TEST_F(DistTest, KilledRankEndsTheJobWithAnErrorNamingIt) {
   const fs::path cfg = config("cfg", "standard", 100000, 64, 5);
   const fs::path run_dir = dir / "run";
   Job job = start_job("train " + cfg.string() + " --run-dir " + run_dir.string(), dir / "job.log");
-  const auto pids = rank_pids(job.pid, 2, 60);
+  const auto pids = rank_pids(run_dir, 2, 60);
   ASSERT_EQ(pids.size(), 2u) << read_file(job.log);
   ASSERT_TRUE(wait_for_steps(run_dir, 7, 60)) << read_file(job.log);
   ::kill(pids[1], SIGKILL);
@@ -400,7 +417,7 @@ TEST_F(DistTest, StoppedRankEndsTheJobAfterTheStepTimeout) {
   const fs::path run_dir = dir / "run";
   Job job = start_job("train " + cfg.string() + " --run-dir " + run_dir.string(), dir / "job.log",
                       "MHAR_STEP_TIMEOUT_S=5");
-  const auto pids = rank_pids(job.pid, 2, 60);
+  const auto pids = rank_pids(run_dir, 2, 60);
   ASSERT_EQ(pids.size(), 2u) << read_file(job.log);
   ASSERT_TRUE(wait_for_steps(run_dir, 3, 60)) << read_file(job.log);
   ::kill(pids[1], SIGSTOP);  // hangs: alive, never reaches the next collective

@@ -7,6 +7,7 @@
 //   installed by tools/setup.sh; when it is absent the test fails if $CI or
 //   $MHAR_REQUIRE_BROWSER is set and otherwise skips with a loud banner.
 // - RoutingAccumulator averages Model::routing_weights over tokens and batches.
+// - The routing probe's page (engine/probe.h) renders in Chromium the same way.
 #include <dlfcn.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -21,6 +22,7 @@
 #include <set>
 #include <sstream>
 
+#include "engine/probe.h"
 #include "engine/report.h"
 #include "tests/model_test_util.h"
 
@@ -254,22 +256,24 @@ TEST(RunReport, EmptyOrMissingInputs) {
   fs::remove_all(dir);
 }
 
-TEST(RunReport, ChromiumScreenshotIsNotBlank) {
+// Renders `html` in headless Chromium at 1280 px wide and counts what the screenshot
+// shows: a blank or failed render has a handful of colours at most. Skips (or fails
+// under $CI / $MHAR_REQUIRE_BROWSER) when no Chromium is installed.
+void expect_rendered_page(const fs::path& html, const fs::path& dir, const char* test_name,
+                          size_t min_colours, double min_non_white, int min_height) {
   const std::string chromium = find_chromium();
   if (chromium.empty()) {
     const bool required = std::getenv("CI") || std::getenv("MHAR_REQUIRE_BROWSER");
     std::fprintf(stderr,
                  "\n############################################################\n"
-                 "# RunReport.ChromiumScreenshotIsNotBlank: NO CHROMIUM FOUND. #\n"
-                 "# The report was NOT rendered in a browser. Install it with  #\n"
+                 "# %s: NO CHROMIUM FOUND.\n"
+                 "# The page was NOT rendered in a browser. Install it with    #\n"
                  "# tools/setup.sh (Debian package `chromium`) or point        #\n"
                  "# $MHAR_CHROMIUM at a Chromium/Chrome binary.                #\n"
-                 "############################################################\n\n");
+                 "############################################################\n\n", test_name);
     if (required) FAIL() << "chromium is required here ($CI or $MHAR_REQUIRE_BROWSER is set)";
     GTEST_SKIP() << "chromium not installed (see the banner above)";
   }
-  const fs::path dir = make_synthetic_run("browser", ResidualMode::Mhar);
-  write_run_report(dir.string());
   const fs::path shot = dir / "shot.png", profile = dir / "chromium-profile", log = dir / "chromium.log";
   // A fresh profile and every background service off: nothing touches the network.
   const std::string cmd =
@@ -279,14 +283,14 @@ TEST(RunReport, ChromiumScreenshotIsNotBlank) {
       " --disable-extensions --disable-default-apps --no-first-run --no-default-browser-check"
       " --hide-scrollbars --user-data-dir=" + profile.string() +
       " --window-size=1280,1800 --screenshot=" + shot.string() + " file://" +
-      fs::absolute(dir / "report.html").string() + " >" + log.string() + " 2>&1";
+      fs::absolute(html).string() + " >" + log.string() + " 2>&1";
   const int rc = std::system(cmd.c_str());
   ASSERT_EQ(rc, 0) << cmd << "\n" << read_file(log);
   ASSERT_TRUE(fs::exists(shot)) << read_file(log);
   Image img;
   ASSERT_NO_THROW(img = decode_png(read_file(shot)));
   ASSERT_EQ(img.width, 1280);
-  ASSERT_GT(img.height, 1000);
+  ASSERT_GT(img.height, min_height);
   std::set<uint32_t> colours;
   size_t non_white = 0;
   const size_t pixels = size_t(img.width) * img.height;
@@ -295,13 +299,38 @@ TEST(RunReport, ChromiumScreenshotIsNotBlank) {
     colours.insert(uint32_t(r) << 16 | g << 8 | b);
     if (r < 245 || g < 245 || b < 245) ++non_white;
   }
-  std::fprintf(stderr, "[ report ] screenshot %dx%d: %zu distinct colours, %.1f%% non-white\n",
+  std::fprintf(stderr, "[ %s ] screenshot %dx%d: %zu distinct colours, %.1f%% non-white\n", test_name,
                img.width, img.height, colours.size(), 100.0 * double(non_white) / double(pixels));
+  EXPECT_GE(colours.size(), min_colours);
+  EXPECT_GE(double(non_white) / double(pixels), min_non_white);
+}
+
+TEST(RunReport, ChromiumScreenshotIsNotBlank) {
+  const fs::path dir = make_synthetic_run("browser", ResidualMode::Mhar);
+  write_run_report(dir.string());
   // The page background is grey-blue, the charts white with coloured curves, the
-  // heatmaps viridis: a blank or failed render has a handful of colours at most.
-  EXPECT_GE(colours.size(), 200u);
-  EXPECT_GE(double(non_white) / double(pixels), 0.2);
-  if (!HasFailure()) fs::remove_all(dir);  // the screenshot stays when the check failed
+  // heatmaps viridis.
+  expect_rendered_page(dir / "report.html", dir, "report", 200, 0.2, 1000);
+  if (!HasFailure() && !IsSkipped()) fs::remove_all(dir);  // the screenshot stays when the check failed
+}
+
+// The routing probe's page (engine/probe.h) reuses the report's heatmaps and style.
+TEST(ProbePage, ChromiumScreenshotIsNotBlank) {
+  const fs::path dir = fresh_dir("probe_browser");
+  Config cfg = tiny_config(ResidualMode::Mhar, 4);
+  cfg.model.n_layers = 4;
+  auto be = make_cpu_backend(DType::F64);
+  Model m(cfg.model, cfg.residual, *be, 2, 6);
+  randomize_weights(m, 8);
+  RoutingProbe probe;
+  std::vector<int32_t> tok, tgt;
+  random_tokens(12, cfg.model.vocab_size, 4, tok, tgt);
+  m.forward(tok.data(), tgt.data(), 0.0);
+  probe.add(m);
+  std::ofstream(dir / "probe.html") << render_probe_html(probe.to_json(), "tiny");
+  // Nine viridis heatmaps of four heads and a table: a few hundred colours.
+  expect_rendered_page(dir / "probe.html", dir, "probe", 100, 0.1, 600);
+  if (!HasFailure() && !IsSkipped()) fs::remove_all(dir);
 }
 
 TEST(RoutingSummary, AveragesWeightsOverTokensAndBatches) {

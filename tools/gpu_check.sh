@@ -4,14 +4,14 @@
 # tests (every op, the whole model, GPU training) and the op timings
 # (tests/op_timing_cudatest.cpp), optionally the benchmark table against PyTorch
 # (tools/bench_compare.sh), and prints a short summary last. Logs go to $OUT (when set,
-# e.g. by the device tool) or $BUILD_DIR/logs; at most 8 files, so they all come back.
+# e.g. by the device tool) or $BUILD_DIR/logs; at most 7 files, so they all come back.
 # Also builds (and skips the GPU tests) on a machine without a GPU.
 #   BUILD_DIR       build directory (default build-gpu)
 #   GTEST_FILTER    passed through to the test binary (default: every test)
 #   JOBS            build parallelism (default: nproc)
-#   DP=1            also run tools/dp_check.sh (data parallelism through mpirun and NCCL:
-#                   training against the single-process step, bench overhead at 350M/1B;
-#                   NP=N ranks, default 1)
+#   OP_TIMING=0     skip the op timings
+#   CHECKS="..."    then run tools/gpu_extra_checks.sh with these stages (eval probe
+#                   export nccl: end-to-end checks against PyTorch/transformers, NCCL)
 #   BENCH=1         also run tools/bench_compare.sh; it starts first, so the PyTorch jobs
 #                   compile while this script builds and tests, and our runs wait for
 #                   the tests to finish. BENCH_DEADLINE (s, default 420) bounds it.
@@ -123,16 +123,19 @@ timeout 180 "$BUILD_DIR/mhar_cuda_tests" --gtest_filter="${GTEST_FILTER:-*}" >"$
 rc=$?
 echo "tests ran in $(( $(date +%s) - start )) s, exit $rc (at $(elapsed))"
 
-echo "== op timings (model-sized shapes)"
-timeout 150 "$BUILD_DIR/mhar_cuda_tests" --gtest_also_run_disabled_tests --gtest_filter='OpTiming.*' \
-  >"$LOG_DIR/op_timing.log" 2>&1 || echo "op timing run failed (exit $?)"
+if [ "${OP_TIMING:-1}" != 0 ]; then
+  echo "== op timings (model-sized shapes)"
+  timeout 150 "$BUILD_DIR/mhar_cuda_tests" --gtest_also_run_disabled_tests --gtest_filter='OpTiming.*' \
+    >"$LOG_DIR/op_timing.log" 2>&1 || echo "op timing run failed (exit $?)"
+  grep -E "^TIMING|FAILED|Failure|exception" "$LOG_DIR/op_timing.log" || true
+fi
 touch "$tests_done"
-grep -E "^TIMING|FAILED|Failure|exception" "$LOG_DIR/op_timing.log" || true
 
-if [ "${DP:-0}" = 1 ] && [ -x "$BUILD_DIR/mhar" ]; then
-  echo "== data parallelism (tools/dp_check.sh, NP=${NP:-1}) (at $(elapsed))"
-  BUILD_DIR="$BUILD_DIR" tools/dp_check.sh >"$LOG_DIR/dp_check.log" 2>&1
-  grep -E "^DP_" "$LOG_DIR/dp_check.log" || tail -20 "$LOG_DIR/dp_check.log"
+extra_rc=0
+if [ -n "${CHECKS:-}" ]; then
+  echo "== extra checks: $CHECKS (at $(elapsed))"
+  BUILD_DIR="$BUILD_DIR" CHECKS="$CHECKS" bash tools/gpu_extra_checks.sh
+  extra_rc=$?
 fi
 
 if [ -n "$bench_pid" ]; then
@@ -143,8 +146,8 @@ fi
 
 echo "== summary (at $(elapsed))"
 grep -E "^MODEL_PARITY .*worst|^TRAIN .*mean|^NCCL_1RANK" "$LOG_DIR/cuda_tests.log" || true
-[ -e "$LOG_DIR/dp_check.log" ] && grep -E "^DP_" "$LOG_DIR/dp_check.log"
 grep -E "^PARITY" "$LOG_DIR/cuda_tests.log" | sort -k7 -g -r | head -8 || true
 grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[  FAILED  \]|tests? ran|Failure" "$LOG_DIR/cuda_tests.log" | tail -30
 [ -e "$LOG_DIR/bench_table.md" ] && cat "$LOG_DIR/bench_table.md"
+[ "$rc" = 0 ] && rc=$extra_rc
 exit "$rc"

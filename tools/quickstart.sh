@@ -3,8 +3,9 @@
 # dependencies, builds `mhar`, fetches the tokenizers and the English corpus, trains a
 # small BPE tokenizer and token shards from the Gutenberg books, trains
 # configs/quickstart.json (an MHAR model; the GPU when there is one, else the CPU), and
-# prints the validation loss and a sample. Every step is idempotent except training,
-# which starts a new run directory each time.
+# prints the validation loss, zero-shot task scores on the held-out book (`mhar data
+# make-eval`, then `mhar eval --task`) and a sample. Every step is idempotent except
+# training, which starts a new run directory each time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 START=$(date +%s)
@@ -58,6 +59,12 @@ $MHAR eval --checkpoint "$RUN" --data "$SHARDS/val_*.bin"
 FIRST=$(grep '"kind":"eval"' "$RUN/metrics.jsonl" | head -1 | sed 's/.*"val_loss":\([0-9.]*\).*/\1/')
 LAST=$(grep '"kind":"eval"' "$RUN/metrics.jsonl" | tail -1 | sed 's/.*"val_loss":\([0-9.]*\).*/\1/')
 echo "validation loss: $FIRST at step 0 -> $LAST at the end"
+
+stamp "zero-shot tasks on the held-out book (LAMBADA, HellaSwag and WikiText formats)"
+$MHAR data make-eval --shards "$SHARDS" --out "$RUN/eval-sets" --items 200
+for TASK in lambada:lambada.jsonl hellaswag:hellaswag.jsonl wikitext:wikitext.raw; do
+  $MHAR eval --checkpoint "$RUN" --task "${TASK%%:*}" "$RUN/eval-sets/${TASK#*:}"
+done
 
 stamp "sampling"
 $MHAR sample --checkpoint "$RUN" --prompt "It was a dark and stormy night" --max-tokens 80 \

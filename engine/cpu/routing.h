@@ -139,4 +139,47 @@ void routing_source_backward(T* dv, T* weights, T* ubar, T* gsum, const T* site_
   }
 }
 
+// ---- routing probe statistics (Backend::routing_stats; engine/probe.h).
+inline double entropy_nats(const double* p, int n) {
+  double h = 0;
+  for (int i = 0; i < n; ++i)
+    if (p[i] > 0) h -= p[i] * std::log(p[i]);
+  return h;
+}
+
+// JS(p, q) = (KL(p||m) + KL(q||m)) / 2, m = (p + q) / 2, natural log.
+inline double js_divergence(const double* p, const double* q, int n) {
+  double js = 0;
+  for (int i = 0; i < n; ++i) {
+    const double m = 0.5 * (p[i] + q[i]);
+    if (p[i] > 0) js += 0.5 * p[i] * std::log(p[i] / m);
+    if (q[i] > 0) js += 0.5 * q[i] * std::log(q[i] / m);
+  }
+  return js < 0 ? 0 : js;  // rounding can leave -1e-17 for equal distributions
+}
+
+// stats [H*(site+1) + H + 1] += the sums of backend.h's routing_stats over N tokens;
+// pair(i) points at the [H, N] weights of source i at the site.
+template <class PairFn>
+void routing_stats(double* stats, PairFn pair_of, int site, int H, int64_t N) {
+  const int src = site + 1;
+  std::vector<double> d(size_t(H) * size_t(src));  // one token: [h][i]
+  for (int64_t n = 0; n < N; ++n) {
+    for (int i = 0; i < src; ++i) {
+      const auto* pair = pair_of(i);
+      for (int h = 0; h < H; ++h) d[size_t(h) * src + i] = double(pair[int64_t(h) * N + n]);
+    }
+    for (int h = 0; h < H; ++h) {
+      for (int i = 0; i < src; ++i) stats[size_t(h) * src + i] += d[size_t(h) * src + i];
+      stats[size_t(H) * src + h] += entropy_nats(d.data() + size_t(h) * src, src);
+    }
+    if (H > 1) {
+      double js = 0;
+      for (int h = 0; h < H; ++h)
+        for (int g = h + 1; g < H; ++g) js += js_divergence(d.data() + size_t(h) * src, d.data() + size_t(g) * src, src);
+      stats[size_t(H) * (src + 1)] += js / (0.5 * H * (H - 1));
+    }
+  }
+}
+
 }  // namespace mhar::cpu

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# dp_check.sh: data parallelism on the GPU machine (issue 16), after tools/gpu_check.sh has
-# built `mhar` (gpu_check.sh runs it with DP=1). On one GPU, through mpirun -np 1 (the NCCL
+# check_nccl.sh: data parallelism on the GPU machine (issue 16), after tools/gpu_check.sh
+# has built `mhar` (CHECKS="nccl" there runs it through tools/gpu_extra_checks.sh; alone:
+# MHAR=build-gpu/mhar bash tools/dp/check_nccl.sh). On one GPU, through mpirun -np 1 (the NCCL
 # communicator, bucketed reduce-scatter on its stream during the backward, sharded AdamW,
 # all-gather), against the same work without mpirun (the single-process step):
 # 1. training: a small model on synthetic shards, twice without mpirun (the run-to-run
@@ -12,14 +13,14 @@
 #    comm_overhead = NCCL ms / baseline ms - 1 must stay below 2%.
 # Also works with more GPUs: NP=2 (or more) runs the training comparison and the bench
 # on NP ranks (the scaling efficiency is then tokens/s per GPU over one GPU alone).
-# Prints DP_* summary lines, and everything the runs log, on stdout (gpu_check.sh keeps
-# it in $OUT/dp_check.log).
+# Prints DP_* summary lines (last), and everything the runs log, on stdout; exit 1 when a
+# check fails.
 #   MHAR   the binary (default $BUILD_DIR/mhar, BUILD_DIR default build-gpu)
 #   NP     ranks (default 1)
 #   SIZES  bench sizes (default "350m 1b"; empty: no bench), MODE (default mhar)
 #   DEVICE cuda (default; cpu for a dry run of this script), STEPS training steps (60)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 BUILD_DIR="${BUILD_DIR:-build-gpu}"
 MHAR="${MHAR:-$BUILD_DIR/mhar}"
 NP="${NP:-1}"

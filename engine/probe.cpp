@@ -1,0 +1,121 @@
+// probe.cpp: the routing probe's statistics and its page (see probe.h).
+#include "engine/probe.h"
+
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+
+#include "engine/cpu/routing.h"
+#include "engine/error.h"
+#include "engine/report.h"
+
+namespace mhar {
+
+double entropy_nats(const double* p, int n) { return cpu::entropy_nats(p, n); }
+double js_divergence(const double* p, const double* q, int n) { return cpu::js_divergence(p, q, n); }
+
+// The host reduction of Backend::routing_stats (the default; see backend.h): downloads
+// the site's pairs and the sums, reduces, uploads the sums.
+void Backend::routing_stats(Tensor stats, Tensor weights, int site, int heads) {
+  const int64_t P = weights.dim(0), N = weights.dim(2);
+  const int S = int(std::lround((std::sqrt(8.0 * double(P) + 1.0) - 1.0) / 2.0));
+  MHAR_CHECK(routing_pairs(S) == P && weights.dim(1) == heads && site < S, "routing_stats shapes");
+  const size_t pair_size = size_t(heads) * size_t(N);
+  std::vector<double> a(size_t(site + 1) * pair_size), st(size_t(stats.numel()));
+  for (int i = 0; i <= site; ++i) download(a.data() + size_t(i) * pair_size, weights[routing_pair(i, site, S)]);
+  download(st.data(), stats);
+  cpu::routing_stats(st.data(), [&](int i) { return a.data() + size_t(i) * pair_size; }, site, heads, N);
+  upload(stats, st.data());
+}
+
+RoutingProbe::~RoutingProbe() {
+  if (buffer_) be_->release(buffer_);
+}
+
+void RoutingProbe::add(Model& model) {
+  if (!model.residual().routed())
+    fail("probe: the model's residual mode is standard: it has no routing to probe (train attnres or mhar)");
+  const int S = model.config().n_sites(), H = model.residual().heads;
+  if (!buffer_) {
+    be_ = &model.backend();
+    heads_ = H;
+    n_layers_ = model.config().n_layers;
+    offset_.assign(1, 0);
+    for (int j = 0; j < S; ++j) offset_.push_back(offset_.back() + int64_t(H) * (j + 2) + 1);
+    buffer_ = be_->allocate(size_t(offset_.back()) * sizeof(double));  // zero-filled
+  }
+  MHAR_CHECK(be_ == &model.backend() && heads_ == H && int(offset_.size()) == S + 1, "routing probe fed two models");
+  for (int j = 0; j < S; ++j)
+    model.routing_stats(j, Tensor(static_cast<double*>(buffer_) + offset_[j], DType::F64, {offset_[j + 1] - offset_[j]}));
+  tokens_ += int64_t(model.batch()) * model.seq_len();
+}
+
+nlohmann::json RoutingProbe::to_json() const {
+  nlohmann::json sites = nlohmann::json::array();
+  std::vector<double> all(offset_.empty() ? 0 : size_t(offset_.back()));
+  if (buffer_) be_->download(all.data(), Tensor(buffer_, DType::F64, {offset_.back()}));
+  const double T = double(tokens_);
+  for (size_t j = 0; j + 1 < offset_.size() && tokens_ > 0; ++j) {
+    const double* s = all.data() + offset_[j];
+    const int src = int(j) + 1;
+    std::vector<std::vector<double>> mean(static_cast<size_t>(heads_), std::vector<double>(static_cast<size_t>(src)));
+    nlohmann::json entropy = nlohmann::json::array(), token_entropy = nlohmann::json::array();
+    for (int h = 0; h < heads_; ++h) {
+      for (int i = 0; i < src; ++i) mean[size_t(h)][size_t(i)] = s[size_t(h) * src + i] / T;
+      entropy.push_back(entropy_nats(mean[size_t(h)].data(), src));
+      token_entropy.push_back(s[size_t(heads_) * src + h] / T);
+    }
+    nlohmann::json js = nullptr, token_js = nullptr;
+    if (heads_ > 1) {
+      double sum = 0;
+      for (int h = 0; h < heads_; ++h)
+        for (int g = h + 1; g < heads_; ++g) sum += js_divergence(mean[size_t(h)].data(), mean[size_t(g)].data(), src);
+      js = sum / (0.5 * heads_ * (heads_ - 1));
+      token_js = s[size_t(heads_) * (src + 1)] / T;
+    }
+    std::string name = j == 2 * size_t(n_layers_) ? "final norm"
+                                                  : (j % 2 == 0 ? "attention " : "MLP ") + std::to_string(j / 2);
+    sites.push_back({{"site", int(j)}, {"name", name}, {"sources", src}, {"mean_weights", mean},
+                     {"entropy", entropy}, {"token_entropy", token_entropy}, {"js", js}, {"token_js", token_js}});
+  }
+  return {{"tokens", tokens_}, {"heads", heads_}, {"n_layers", n_layers_}, {"entropy_unit", "nats"},
+          {"sites", sites}};
+}
+
+namespace {
+std::string f4(double v) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.4f", v);
+  return b;
+}
+std::string f4(const nlohmann::json& v) { return v.is_number() ? f4(v.get<double>()) : "&ndash;"; }
+}  // namespace
+
+std::string render_probe_html(const nlohmann::json& probe, const std::string& title) {
+  const int n_layers = probe.value("n_layers", 0);
+  std::ostringstream o;
+  o << "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>mhar routing probe: "
+    << html_escape(title) << "</title><style>" << report_css() << "</style></head><body>\n<h1>mhar routing probe: "
+    << html_escape(title) << "</h1><div class=\"muted\">" << probe.value("tokens", int64_t(0)) << " tokens, "
+    << probe.value("heads", 0) << " routing head(s) per site; entropies and Jensen-Shannon divergences in nats "
+    << "(ln 2 = 0.6931 is the largest divergence)</div>\n<h2>Head disagreement and entropy by site</h2>"
+    << "<table id=\"summary\"><tr><th>site</th><th>input of</th><th>sources</th><th>JS between heads (mean maps)</th>"
+    << "<th>JS between heads (per token)</th><th>entropy per head (mean map)</th><th>entropy per head (per token)</th></tr>";
+  for (const auto& s : probe["sites"]) {
+    std::string ent, tent;
+    for (size_t h = 0; h < s["entropy"].size(); ++h) {
+      ent += (h ? " " : "") + f4(s["entropy"][h]);
+      tent += (h ? " " : "") + f4(s["token_entropy"][h]);
+    }
+    o << "<tr><td>" << s["site"].get<int>() << "</td><td>" << html_escape(s["name"].get<std::string>()) << "</td><td>"
+      << s["sources"].get<int>() << "</td><td>" << f4(s["js"]) << "</td><td>" << f4(s["token_js"]) << "</td><td>" << ent
+      << "</td><td>" << tent << "</td></tr>";
+  }
+  o << "</table>\n<h2>Depth maps: mean routing weight of each source, per head</h2><div class=\"heatmaps\">";
+  for (const auto& s : probe["sites"])
+    o << routing_heatmap_html(s["site"].get<int>(), s["mean_weights"].get<std::vector<std::vector<double>>>(), n_layers);
+  o << "</div>\n</body></html>\n";
+  return o.str();
+}
+
+}  // namespace mhar
