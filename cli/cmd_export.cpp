@@ -46,16 +46,7 @@ void register_export(CLI::App& app) {
     const Config& cfg = ckpt.config;
     require_exportable(cfg.residual, ckpt.dir);
 
-    const std::string tok_name = tokenizer_name.empty() ? cfg.data.tokenizer : tokenizer_name;
-    const data::Tokenizer tok = [&] {
-      try {
-        return data::Tokenizer::load(tok_name);
-      } catch (const Error& e) {
-        fail(e.what(), "\n  (the tokenizer named by ",
-             tokenizer_name.empty() ? "the checkpoint's data.tokenizer" : "--tokenizer",
-             "; pass --tokenizer gpt2|qwen3|PATH to choose another)");
-      }
-    }();
+    const data::Tokenizer tok = load_run_tokenizer(cfg, tokenizer_name);
     if (tok.vocab_size() > cfg.model.vocab_size)
       fail("tokenizer ", tok.origin(), " has ", tok.vocab_size(), " tokens but the checkpoint's model.vocab_size is ",
            cfg.model.vocab_size, ": it is not the tokenizer this model was trained with (see --tokenizer)");

@@ -62,16 +62,7 @@ void register_sample(CLI::App& app) {
     require_directory("--checkpoint", checkpoint, "checkpoint directory or run directory");
     CheckpointInfo ckpt = open_checkpoint(checkpoint);
     const Config& cfg = ckpt.config;
-    const std::string tok_name = tokenizer_name.empty() ? cfg.data.tokenizer : tokenizer_name;
-    data::Tokenizer tokenizer = [&] {
-      try {
-        return data::Tokenizer::load(tok_name);
-      } catch (const Error& e) {
-        fail(e.what(), "\n  (the tokenizer named by ",
-             tokenizer_name.empty() ? "the checkpoint's data.tokenizer" : "--tokenizer",
-             "; pass --tokenizer gpt2|qwen3|PATH to choose another)");
-      }
-    }();
+    data::Tokenizer tokenizer = load_run_tokenizer(cfg, tokenizer_name);
     const int V = cfg.model.vocab_size;
     if (tokenizer.vocab_size() > V)
       fail("tokenizer ", tokenizer.origin(), " has ", tokenizer.vocab_size(),

@@ -24,8 +24,13 @@
 #include <string>
 #include <type_traits>
 
+#include "engine/config.h"
 #include "engine/error.h"
 #include "engine/file_io.h"
+
+namespace mhar::data {
+class Tokenizer;
+}
 
 namespace mhar::cli {
 
@@ -39,6 +44,10 @@ void register_bench_command(CLI::App& app);  // `mhar bench` (cmd_bench.cpp)
 void register_probe(CLI::App& app);          // `mhar probe` (cmd_probe.cpp)
 void register_export(CLI::App& app);         // `mhar export` (cmd_export.cpp)
 void register_import(CLI::App& app);         // `mhar import` (cmd_import.cpp)
+
+// The checkpoint's data.tokenizer, or the one `tokenizer_option` (--tokenizer) names
+// when given (run_tokenizer.cpp).
+data::Tokenizer load_run_tokenizer(const Config& cfg, const std::string& tokenizer_option);
 
 // ---------------------------------------------------------------- numbers
 

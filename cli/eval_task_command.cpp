@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdio>
 
+#include "cli/commands.h"
 #include "data/eval_tasks.h"
 #include "data/tokenizer.h"
 #include "engine/backend_factory.h"
@@ -24,16 +25,7 @@ void run_task_command(const std::string& task_name_arg, const std::string& file,
   if (max_len > cfg.model.context_length)
     fail("--seq-len ", max_len, " exceeds the model's context_length ", cfg.model.context_length);
   const int B = batch_size > 0 ? batch_size : cfg.train.micro_batch;
-  const std::string tok_name = tokenizer_name.empty() ? cfg.data.tokenizer : tokenizer_name;
-  data::Tokenizer tok = [&] {
-    try {
-      return data::Tokenizer::load(tok_name);
-    } catch (const Error& e) {
-      fail(e.what(), "\n  (the tokenizer named by ",
-           tokenizer_name.empty() ? "the checkpoint's data.tokenizer" : "--tokenizer",
-           "; pass --tokenizer gpt2|qwen3|PATH to choose another)");
-    }
-  }();
+  data::Tokenizer tok = cli::load_run_tokenizer(cfg, tokenizer_name);
   TaskData data = load_task(task, file, tok, max_len);
   const int T = longest_input(data, max_len);
   auto backend = make_backend(device);

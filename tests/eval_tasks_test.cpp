@@ -355,7 +355,9 @@ TEST(EvalTaskCli, TrainedCheckpointScoresEqualThePerRequestReference) {
       if (ref.contains(key))
         EXPECT_NEAR(std::log(got.at(key).get<double>()), std::log(ref[key].get<double>()), 1e-4) << key;
     for (const char* key : {"acc", "acc_norm", "docs"})
-      if (ref.contains(key)) EXPECT_EQ(got.at(key), ref[key]) << key;
+      if (ref.contains(key)) {
+        EXPECT_EQ(got.at(key), ref[key]) << key;
+      }
     EXPECT_EQ(got.at("step").get<int64_t>(), 20);
   }
   // Usage errors exit 1 with a message.
