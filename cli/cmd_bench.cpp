@@ -4,12 +4,24 @@
 // Builds the model of the config with random weights (DESIGN.md's scales; see
 // fast_random_init; no data needed), the
 // AdamW optimizer, and one fixed batch of uniform random tokens and targets
-// (train.micro_batch x train.seq_len, seed train.seed). Runs --warmup untimed steps, then
-// --steps timed full training steps, each: zero gradients, forward (loss), backward,
-// global gradient norm (a host-synchronising reduction), AdamW with clipping at
-// train.grad_clip, then a device synchronisation; each step is timed on the host clock
-// between synchronisations. Prints ONE JSON line on stdout (logs go to stderr):
-//   tokens_per_s      micro_batch * seq_len / median step time
+// (train.micro_batch x train.seq_len, seed train.seed + rank). Runs --warmup untimed
+// steps, then --steps timed full training steps (TrainStep, the step `mhar train` runs,
+// one micro-batch per rank), each: zero gradients, forward (loss), backward, gradient
+// reduce-scatter, global gradient norm (a host-synchronising reduction), AdamW with
+// clipping at train.grad_clip on this rank's shard, all-gather of the parameters, then a
+// device synchronisation; each step is timed on the host clock between
+// synchronisations. Under `mpirun -np N` every rank runs it on its own GPU; before that,
+// unless --no-baseline, every rank times the same steps alone (single-process step, no
+// communication) on a fresh backend. Prints ONE JSON line on stdout (rank 0; logs go to
+// stderr):
+//   tokens_per_s      per rank (GPU): micro_batch * seq_len / median step time
+//   tokens_per_s_total  tokens_per_s * ranks
+//   ranks, communicator  world size and "single" / "mpi" / "nccl"
+//   baseline_ms_per_step, baseline_tokens_per_s  (under mpirun) the rank alone
+//   scaling_efficiency  baseline_ms_per_step / ms_per_step: tokens/s per GPU at N ranks
+//                     over one GPU with the same micro-batch (at -np 1: the communicator
+//                     path's cost, also as comm_overhead = ms / baseline ms - 1)
+//   peak_mem_bytes_per_rank  each rank's peak (below); peak_mem_bytes is the largest
 //   ms_per_step       median (also _min and _max)
 //   peak_mem_bytes    CUDA: the most device memory the backend held from cudaMalloc at
 //                     any time (Backend::peak_bytes_in_use): every arena (parameters,
@@ -41,6 +53,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <functional>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -48,10 +62,12 @@
 #include "cli/commands.h"
 #include "cuda/device.h"
 #include "engine/backend_factory.h"
+#include "engine/communicator.h"
 #include "engine/config.h"
 #include "engine/error.h"
 #include "engine/model.h"
 #include "engine/optimizer.h"
+#include "engine/train_step.h"
 
 namespace mhar::cli {
 
@@ -99,7 +115,72 @@ struct BenchOptions {
   std::string config_path, device = "auto";
   std::vector<std::string> overrides;
   int steps = 10, warmup = 3;
+  bool baseline = true;
 };
+
+// Timed steps of one configuration: a fresh backend (so its peak memory is this
+// phase's own), the model padded for `comm`'s ranks, the sharded optimizer, TrainStep.
+struct PhaseResult {
+  std::vector<double> times;  // seconds per timed step
+  double loss = 0;
+  long long steps = 0;
+  int64_t peak = 0;  // backend allocations, or the arenas when the backend does not count
+  std::string peak_method;
+  size_t arena_bytes = 0;
+  int64_t params = 0, embed_params = 0;
+  std::string backend_name;
+};
+
+PhaseResult run_phase(const Config& cfg, const BenchOptions& o, int local_rank,
+                      const std::function<std::unique_ptr<Communicator>(Backend&)>& make_comm) {
+  const auto& t = cfg.train;
+  const int B = t.micro_batch, T = t.seq_len;
+  auto backend = make_backend(o.device, local_rank);
+  auto comm = make_comm(*backend);
+  Model model(cfg.model, cfg.residual, *backend, B, T, comm->world_size());
+  fast_random_init(model, t.seed);
+  AdamWOptimizer optimizer(model, t, comm->rank());  // copies its shard into the fp32 master
+  TrainStep step(model, optimizer, *comm, t, 1);
+
+  std::vector<int32_t> x(size_t(B) * T), y(size_t(B) * T);
+  std::mt19937_64 rng(t.seed + uint64_t(comm->rank()));
+  for (size_t i = 0; i < x.size(); ++i) {
+    x[i] = int32_t(rng() % uint64_t(cfg.model.vocab_size));
+    y[i] = int32_t(rng() % uint64_t(cfg.model.vocab_size));
+  }
+  const auto batch = [&](int32_t* xs, int32_t* ys) {
+    std::copy(x.begin(), x.end(), xs);
+    std::copy(y.begin(), y.end(), ys);
+  };
+  PhaseResult r;
+  for (const auto& p : model.parameters())
+    if (p.name == "model.embed_tokens.weight" || p.name == "lm_head.weight")
+      r.embed_params += p.value.numel();
+  r.params = model.num_parameters();
+  r.backend_name = backend->name();
+  for (int i = 0; i < o.warmup; ++i) r.loss = step.run(r.steps++, batch).loss;
+  for (int i = 0; i < o.steps; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    r.loss = step.run(r.steps++, batch).loss;  // ends with a device synchronisation
+    r.times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  if (!std::isfinite(r.loss)) fail("bench: the loss is ", r.loss, " after ", r.steps, " steps");
+  r.arena_bytes = model.parameter_plan().total_bytes() + model.activation_plan().total_bytes() +
+                  size_t(model.all_gradients().bytes()) + optimizer.state_bytes();
+  r.peak = (int64_t)r.arena_bytes;
+  r.peak_method = "arenas";
+  if (backend->peak_bytes_in_use() >= 0) {
+    r.peak = backend->peak_bytes_in_use();
+    r.peak_method = "backend allocations";
+  }
+  return r;
+}
+
+double median_of(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
 
 void run_bench(const BenchOptions& o) {
   if (o.steps < 1) fail("--steps must be at least 1, got ", o.steps);
@@ -107,89 +188,82 @@ void run_bench(const BenchOptions& o) {
   Config cfg = load_config(o.config_path, o.overrides);
   const auto& t = cfg.train;
   const int B = t.micro_batch, T = t.seq_len;
+  const DistInfo& dist_info = dist::init();
+  const int W = dist_info.world_size;
+  const bool root = dist_info.rank == 0;
 
-  auto backend = make_backend(o.device);
-  const bool on_gpu = backend->name().rfind("cuda", 0) == 0;
-
-  Model model(cfg.model, cfg.residual, *backend, B, T);
-  fast_random_init(model, t.seed);
-  AdamWOptimizer optimizer(model, t);  // copies the weights into its fp32 master copy
-
-  std::vector<int32_t> x(size_t(B) * T), y(size_t(B) * T);
-  std::mt19937_64 rng(t.seed);
-  for (size_t i = 0; i < x.size(); ++i) {
-    x[i] = int32_t(rng() % uint64_t(cfg.model.vocab_size));
-    y[i] = int32_t(rng() % uint64_t(cfg.model.vocab_size));
+  spdlog::info("bench: {} ({} H={}), {} x {} tokens per rank, {} rank(s), {} warmup + {} timed "
+               "steps", cfg.source, residual_mode_name(cfg.residual.mode), cfg.residual.heads,
+               B, T, W, o.warmup, o.steps);
+  // Under mpirun: first every rank alone (the single-process step, no communication:
+  // the one-GPU baseline of the scaling efficiency, and at one rank the reference the
+  // communicator's overhead is measured against), then the data-parallel step.
+  std::optional<PhaseResult> base;
+  if (dist_info.mpi && o.baseline) {
+    base = run_phase(cfg, o, dist_info.local_rank, [](Backend&) { return make_single_communicator(); });
+    make_host_communicator()->barrier();  // the phases start together on every rank
   }
-  int64_t embed_params = 0;
-  for (const auto& p : model.parameters())
-    if (p.name == "model.embed_tokens.weight" || p.name == "lm_head.weight")
-      embed_params += p.value.numel();
-
-  spdlog::info("bench: {} ({} H={}), {} parameters, {} x {} tokens, backend {}, {} warmup + {} "
-               "timed steps", cfg.source, residual_mode_name(cfg.residual.mode),
-               cfg.residual.heads, model.num_parameters(), B, T, backend->name(), o.warmup,
-               o.steps);
-
-  double loss = 0;
-  long long step_no = 0;
-  auto step = [&] {
-    model.zero_grads();
-    loss = model.forward(x.data(), y.data(), 1.0);
-    model.backward();
-    const double grad_norm = std::sqrt(backend->sum_squares(model.all_gradients()));
-    optimizer.step(t.lr, clip_factor(grad_norm, t.grad_clip), ++step_no);
-    backend->synchronize();
-  };
-  for (int i = 0; i < o.warmup; ++i) step();
-  std::vector<double> times;
-  for (int i = 0; i < o.steps; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    step();
-    times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  std::string comm_name;
+  const PhaseResult r = run_phase(cfg, o, dist_info.local_rank, [&](Backend& be) {
+    auto c = make_communicator(be);
+    comm_name = c->name();
+    return c;
+  });
+  // Per-rank peaks (and step times) on rank 0.
+  std::vector<std::string> rank_reports;
+  {
+    const nlohmann::json mine = {{"peak", r.peak}, {"ms", median_of(r.times) * 1e3}};
+    rank_reports = make_host_communicator()->gather_strings(mine.dump());
   }
-  if (!std::isfinite(loss)) fail("bench: the loss is ", loss, " after ", step_no, " steps");
+  if (!root) return;
+  std::vector<long long> peaks;
+  for (const auto& s : rank_reports) peaks.push_back(nlohmann::json::parse(s).at("peak").get<long long>());
+  const long long peak = *std::max_element(peaks.begin(), peaks.end());
 
-  const size_t arena_bytes = model.parameter_plan().total_bytes() +
-                             model.activation_plan().total_bytes() +
-                             size_t(model.all_gradients().bytes()) + optimizer.state_bytes();
-  long long peak = (long long)arena_bytes;
-  std::string method = "arenas";
-  if (backend->peak_bytes_in_use() >= 0) {
-    peak = (long long)backend->peak_bytes_in_use();
-    method = "backend allocations";
-  }
-  std::vector<double> sorted = times;
+  std::vector<double> sorted = r.times;
   std::sort(sorted.begin(), sorted.end());
-  const size_t n = sorted.size();
-  const double median = n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
-  const double tokens_per_s = double(B) * T / median;
+  const double median = median_of(r.times);
+  const double tokens_per_s = double(B) * T / median;  // per rank
   const double fpt = flops_per_token(cfg.model, T);
+  const bool on_gpu = r.backend_name.rfind("cuda", 0) == 0;
 
   nlohmann::json j = {
       {"tool", "mhar bench"},
       {"config", cfg.source},
       {"mode", residual_mode_name(cfg.residual.mode)},
       {"heads", cfg.residual.heads},
-      {"device", on_gpu ? cuda::describe_device(0) : std::string("cpu")},
-      {"backend", backend->name()},
-      {"params", model.num_parameters()},
-      {"params_nonembedding", model.num_parameters() - embed_params},
+      {"device", on_gpu ? cuda::describe_device(dist_info.local_rank) : std::string("cpu")},
+      {"backend", r.backend_name},
+      {"ranks", W},
+      {"communicator", comm_name},
+      {"params", r.params},
+      {"params_nonembedding", r.params - r.embed_params},
       {"micro_batch", B},
       {"seq_len", T},
       {"steps_timed", o.steps},
       {"warmup", o.warmup},
       {"tokens_per_s", std::round(tokens_per_s * 10) / 10},
+      {"tokens_per_s_total", std::round(tokens_per_s * W * 10) / 10},
       {"ms_per_step", median * 1e3},
       {"ms_per_step_min", sorted.front() * 1e3},
       {"ms_per_step_max", sorted.back() * 1e3},
       {"peak_mem_bytes", peak},
-      {"peak_mem_method", method},
-      {"arena_bytes", (long long)arena_bytes},
+      {"peak_mem_bytes_per_rank", peaks},
+      {"peak_mem_method", r.peak_method},
+      {"arena_bytes", (long long)r.arena_bytes},
       {"flops_per_token", fpt},
       {"mfu", tokens_per_s * fpt / kPeakBf16Flops},
-      {"loss", loss},
+      {"loss", r.loss},
   };
+  if (base) {
+    // The same micro-batch on one device without any communication.
+    const double base_median = median_of(base->times);
+    j["baseline_ms_per_step"] = base_median * 1e3;
+    j["baseline_tokens_per_s"] = std::round(double(B) * T / base_median * 10) / 10;
+    j["baseline_peak_mem_bytes"] = base->peak;
+    j["scaling_efficiency"] = base_median / median;
+    j["comm_overhead"] = median / base_median - 1;
+  }
   std::printf("%s\n", j.dump().c_str());
   std::fflush(stdout);
 }
@@ -207,6 +281,9 @@ void register_bench_command(CLI::App& app) {
   add_number(cmd, "--steps", o.steps, 1, 1000000, "Timed steps (the median is reported)");
   add_number(cmd, "--warmup", o.warmup, 0, 1000000, "Untimed steps first");
   cmd->add_option("--set", o.overrides, "Override a config field, e.g. --set train.micro_batch=4");
+  cmd->add_flag("--baseline,!--no-baseline", o.baseline,
+                "Under mpirun: time every rank alone first (one-GPU baseline of the scaling "
+                "efficiency and of the communicator's overhead)");
   cmd->add_option("--device", o.device, "cuda, cpu or auto (CUDA when a GPU is present)")
       ->check(CLI::IsMember({"cpu", "cuda", "auto"}))
       ->capture_default_str();

@@ -1,6 +1,8 @@
 // cmd_eval.cpp: `mhar eval --checkpoint DIR --data GLOB [--batches N]` prints one JSON
 // line {"loss", "ppl", "tokens", ...}: the mean cross-entropy over every predicted token of
 // back-to-back windows read in shard-name order, the same number the trainer logs.
+// Under `mpirun -np N` rank r evaluates batches r, r+N, ... (of --batches in all) and the
+// sums meet on rank 0, which prints the line.
 // --logits-out FILE also writes those windows' inputs, targets and logits as safetensors
 // (for comparing the engine's forward with another implementation, tools/hf/).
 #include <cmath>
@@ -11,6 +13,7 @@
 #include "data/loader.h"
 #include "engine/backend_factory.h"
 #include "engine/checkpoint.h"
+#include "engine/communicator.h"
 #include "engine/config.h"
 #include "engine/file_io.h"
 #include "engine/safetensors.h"
@@ -64,13 +67,28 @@ void register_eval(CLI::App& app) {
       fail("--seq-len ", T, " exceeds the model's context_length ", cfg.model.context_length);
     check_footprint(cfg.model, cfg.residual, B, T, "eval with --batch-size " + std::to_string(B) +
                                                       " and --seq-len " + std::to_string(T));
-    data::DataLoader loader(glob, B, T, 0, 0, 1, cfg.model.vocab_size, data::LoaderMode::Sequential);
+    const DistInfo& d = dist::init();
+    data::DataLoader loader(glob, B, T, 0, d.rank, d.world_size, cfg.model.vocab_size,
+                            data::LoaderMode::Sequential);
     if (loader.num_batches() == 0)
-      fail(glob, ": ", loader.total_tokens(), " tokens are fewer than one batch of ", B, " x ", T + 1);
-    auto backend = make_backend(device);
+      fail(glob, ": ", loader.total_tokens(), " tokens are fewer than one batch of ", B, " x ",
+           T + 1, d.world_size > 1 ? " per rank" : "");
+    auto backend = make_backend(device, d.local_rank);
     Model model(cfg.model, cfg.residual, *backend, B, T);
     load_model_weights(ckpt, model);
-    EvalResult r = evaluate(model, loader, batches);
+    // This rank's share of --batches (all of its batches when --batches is not given).
+    const long long mine = batches > 0 ? batches / d.world_size + (d.rank < batches % d.world_size) : 0;
+    EvalResult r;
+    if (batches <= 0 || mine > 0) r = evaluate(model, loader, mine);
+    double sums[3] = {r.loss * double(r.tokens), double(r.tokens), double(r.batches)};
+    if (d.world_size > 1) {
+      auto comm = make_communicator(*backend);
+      comm->all_reduce_sum(sums, 3);
+    }
+    if (d.rank != 0) return;
+    r.tokens = (long long)sums[1];
+    r.batches = (long long)sums[2];
+    r.loss = d.world_size > 1 ? sums[0] / sums[1] : r.loss;
     // The weights were checked finite on load; a non-finite loss means they overflow on
     // this data. That is a failed evaluation, never a result line.
     if (!std::isfinite(r.loss))

@@ -16,6 +16,7 @@
 #include <string>
 
 #include "cli/commands.h"
+#include "engine/communicator.h"
 #include "engine/error.h"
 
 int main(int argc, char** argv) {
@@ -45,14 +46,20 @@ int main(int argc, char** argv) {
     spdlog::set_level(spdlog::level::from_str(log_level));
     spdlog::set_pattern("[%H:%M:%S] %^%l%$ %v");
   });
+  // Under mpirun an error on one rank ends the whole job (dist::abort_job): the other
+  // ranks would otherwise wait for it in their next collective.
+  const auto rank_tag = [] {
+    const auto& d = mhar::dist::info();
+    return d.world_size > 1 ? "rank " + std::to_string(d.rank) + ": " : std::string();
+  };
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     // --help and --version end parsing with exit code 0; every usage error exits 1.
     return app.exit(e) == 0 ? 0 : 1;
   } catch (const mhar::Error& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
+    std::fprintf(stderr, "error: %s%s\n", rank_tag().c_str(), e.what());
+    mhar::dist::abort_job(1);
   } catch (const std::filesystem::filesystem_error& e) {
     // A path the user gave that is not what it should be (a file where a directory is
     // needed, a symlink loop, no permission). Callers check the cases they know; this
@@ -64,17 +71,18 @@ int main(int argc, char** argv) {
     if (what.rfind(prefix, 0) == 0) what = what.substr(prefix.size());
     const auto bracket = what.find(" [");
     if (bracket != std::string::npos) what = what.substr(0, bracket);
-    std::fprintf(stderr, "error: %s: %s\n", paths.empty() ? "(no path)" : paths.c_str(),
+    std::fprintf(stderr, "error: %s%s: %s\n", rank_tag().c_str(), paths.empty() ? "(no path)" : paths.c_str(),
                  what.c_str());
-    return 1;
+    mhar::dist::abort_job(1);
   } catch (const std::bad_alloc&) {
     std::fprintf(stderr,
                  "error: out of memory; the model, batch or input is larger than this machine "
                  "can hold\n");
-    return 1;
+    mhar::dist::abort_job(1);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "internal error: %s\n", e.what());
-    return 2;
+    std::fprintf(stderr, "internal error: %s%s\n", rank_tag().c_str(), e.what());
+    mhar::dist::abort_job(2);
   }
+  mhar::dist::finalize();
   return 0;
 }

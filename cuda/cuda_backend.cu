@@ -265,6 +265,13 @@ class CudaBackend final : public Backend {
 
   int device_;
   cudaStream_t stream_ = nullptr;
+
+ public:
+  // For the NCCL communicator, which orders its stream against this one.
+  cudaStream_t stream() const { return stream_; }
+  int device() const { return device_; }
+
+ private:
   cuda::MatmulContext mm_;
   double* scratch_ = nullptr;
   float* attn_ws_ = nullptr;
@@ -280,6 +287,17 @@ std::unique_ptr<Backend> make_cuda_backend(int device) {
 }
 
 namespace cuda {
+void* backend_stream(Backend& backend) {
+  auto* b = dynamic_cast<CudaBackend*>(&backend);
+  if (!b) fail(backend.name(), " is not the CUDA backend (NCCL needs its stream)");
+  return b->stream();
+}
+int backend_device(Backend& backend) {
+  auto* b = dynamic_cast<CudaBackend*>(&backend);
+  if (!b) fail(backend.name(), " is not the CUDA backend (NCCL needs its device)");
+  return b->device();
+}
+
 int grid_stride_blocks(int64_t work_items, int threads) {
   static int sms = [] {
     int dev = 0, n = 0;

@@ -12,4 +12,11 @@ namespace mhar {
 // Fails (mhar::Error) when `device` does not exist.
 std::unique_ptr<Backend> make_cuda_backend(int device = 0);
 
+namespace cuda {
+// The CUDA backend's stream (a cudaStream_t) and device, for the NCCL communicator;
+// fail for any other backend.
+void* backend_stream(Backend& backend);
+int backend_device(Backend& backend);
+}  // namespace cuda
+
 }  // namespace mhar

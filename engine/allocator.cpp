@@ -31,6 +31,16 @@ int MemoryPlan::add(const std::string& name, DType dtype, std::initializer_list<
   return int(buffers_.size()) - 1;
 }
 
+int MemoryPlan::add_padded(const std::string& name, DType dtype,
+                           std::initializer_list<int64_t> shape, int64_t padded_numel) {
+  const int id = add(name, dtype, shape);
+  Buffer& b = buffers_[size_t(id)];
+  MHAR_CHECK(padded_numel >= 0 && size_t(padded_numel) * dtype_size(dtype) >= b.bytes, name,
+             " padded to ", padded_numel, " elements, fewer than its shape holds");
+  b.bytes = size_t(padded_numel) * dtype_size(dtype);
+  return id;
+}
+
 namespace {
 
 // A union of byte ranges [lo, hi), kept merged (touching or overlapping ranges become

@@ -36,6 +36,11 @@ class MemoryPlan {
   // Returns the buffer's id. Lifetimes are inclusive; an unset lifetime is the whole step.
   int add(const std::string& name, DType dtype, std::initializer_list<int64_t> shape,
           int first = 0, int last = kForever);
+  // A whole-step buffer that occupies `padded_numel` elements (>= the shape's element
+  // count) of `dtype`: the model's parameter and gradient layouts use it to give every
+  // tensor the same element offset in both allocations (sharded optimizer, optimizer.h).
+  int add_padded(const std::string& name, DType dtype, std::initializer_list<int64_t> shape,
+                 int64_t padded_numel);
   // Assigns offsets (greedy: largest first, lowest offset that fits among placed
   // buffers with overlapping lifetimes). Call once, after every add. Placed buffers are
   // indexed by lifetime, so a 1024-layer model's ~32k activations plan in a fraction of

@@ -27,19 +27,28 @@ std::unique_ptr<Backend> make_cpu_backend_checked() {
 
 }  // namespace
 
-std::unique_ptr<Backend> make_backend(const std::string& device) {
+std::unique_ptr<Backend> make_backend(const std::string& device, int local_rank) {
   if (device == "cpu") return make_cpu_backend_checked();
   if (device == "cuda" || device == "auto") {
     const int n = cuda::device_count();
     if (n > 0) {
-      spdlog::info("device: {}", cuda::describe_device(0));
-      return make_cuda_backend(0);
+      if (local_rank >= n)
+        fail("local rank ", local_rank, " has no GPU of its own: this node has ", n,
+             " GPU(s); start at most ", n, " ranks per node (one per GPU)");
+      spdlog::info("device: {}", cuda::describe_device(local_rank));
+      return make_cuda_backend(local_rank);
     }
     if (device == "cuda" && !cuda::built_with_cuda()) return make_cuda_backend(0);  // says how to get it
     if (device == "cuda") fail("--device cuda: no CUDA device is present (use --device cpu)");
     return make_cpu_backend_checked();
   }
   fail("device \"", device, "\" is not a device; valid: auto, cpu, cuda");
+}
+
+std::unique_ptr<Communicator> make_communicator(Backend& backend) {
+  if (!dist::info().mpi) return make_single_communicator();
+  if (backend.name().rfind("cuda", 0) == 0) return make_nccl_communicator(backend);
+  return make_mpi_communicator(backend);
 }
 
 }  // namespace mhar

@@ -14,11 +14,14 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <set>
 
+#include "engine/checkpoint_shards.h"
 #include "engine/checkpoint_state.h"
 #include "engine/error.h"
 #include "engine/file_io.h"
+#include "engine/json_io.h"
 #include "engine/optimizer.h"
 #include "engine/run_lock.h"
 #include "engine/safetensors.h"
@@ -54,12 +57,6 @@ void write_f32_tensors(CheckedFile& file, const std::vector<std::string>& names,
   std::vector<TensorToWrite> t;
   for (size_t i = 0; i < names.size(); ++i) t.push_back({names[i], "F32", shapes[i], data[i].data()});
   write_safetensors_to([&](const void* p, size_t n) { file.write(p, n); }, t, meta);
-}
-
-std::vector<float> to_f32(Backend& be, const Tensor& t) {
-  std::vector<double> d(size_t(t.numel()));
-  be.download(d.data(), t);
-  return std::vector<float>(d.begin(), d.end());
 }
 
 std::vector<int64_t> shape_of(const Tensor& t) {
@@ -191,124 +188,229 @@ void load_model_weights(const CheckpointInfo& ckpt, Model& model, AdamWOptimizer
   for (size_t i = 0; i < params.size(); ++i) {
     const std::vector<double> w = f.to_f64(params[i].name);
     model.backend().upload(params[i].value, w.data());
-    if (opt && opt->has_master()) model.backend().upload(opt->master(i), w.data());
+    if (opt && opt->has_master())  // this rank's shard of the master copy
+      for (const ShardSegment& s : opt->segments())
+        if (size_t(s.param) == i) model.backend().upload(opt->weights(s), w.data() + s.begin);
   }
 }
 
-void load_optimizer_moments(const CheckpointInfo& ckpt, Model& model, AdamWOptimizer& opt, int rank) {
-  const std::string name = "optimizer.rank" + std::to_string(rank) + ".safetensors";
-  const fs::path file = fs::path(ckpt.dir) / name;
-  // Only files listed in state.json had their size and checksum verified on open.
-  const auto files = ckpt.state.find("files");
-  if (files == ckpt.state.end() || !files->is_object() || !files->contains(name))
-    fail(ckpt.dir, ": state.json lists no ", name, " (checkpoint written with fewer ranks, or damaged)");
-  SafetensorsFile f = SafetensorsFile::load(file.string());
+int checkpoint_world_size(const CheckpointInfo& ckpt) { return ckpt.world_size; }
+
+void load_optimizer_moments(const CheckpointInfo& ckpt, Model& model, AdamWOptimizer& opt) {
+  const int ckpt_world = checkpoint_world_size(ckpt);
   Backend& be = model.backend();
-  auto& params = model.parameters();
-  std::set<std::string> expected;
-  for (const Parameter& p : params) {
-    expected.insert(p.name + ".exp_avg");
-    expected.insert(p.name + ".exp_avg_sq");
+  const auto& params = model.parameters();
+  // The same world size: this rank's own file holds exactly its shard. Another: every
+  // file is read, and each element of this rank's shard taken from the one that holds it.
+  std::vector<int> ranks;
+  if (ckpt_world == opt.world_size()) ranks.push_back(opt.rank());
+  else for (int r = 0; r < ckpt_world; ++r) ranks.push_back(r);
+  if (ckpt_world != opt.world_size() && opt.rank() == 0)
+    spdlog::info("re-sharding the optimizer state: the checkpoint was written by {} rank(s), this run has {}",
+                 ckpt_world, opt.world_size());
+  std::map<std::string, int> param_index;
+  for (size_t i = 0; i < params.size(); ++i) param_index[params[i].name] = int(i);
+  const auto& segs = opt.segments();
+  std::vector<std::vector<double>> m(segs.size()), v(segs.size());
+  std::vector<int64_t> covered(segs.size(), 0);
+  for (size_t k = 0; k < segs.size(); ++k) {
+    m[k].assign(size_t(segs[k].count), 0.0);
+    v[k].assign(size_t(segs[k].count), 0.0);
   }
-  refuse_extra_tensors(f, expected);
-  for (const Parameter& p : params) {
-    check_tensor(f, p.name + ".exp_avg", {p.value.numel()}, false);
-    check_tensor(f, p.name + ".exp_avg_sq", {p.value.numel()}, true);
+  for (int r : ranks) {
+    const std::string name = optimizer_shard_file(r);
+    // Only files listed in state.json had their size and checksum verified on open.
+    const auto files = ckpt.state.find("files");
+    if (files == ckpt.state.end() || !files->is_object() || !files->contains(name))
+      fail(ckpt.dir, ": state.json lists no ", name, " (it records ", ckpt_world,
+           " rank(s); damaged checkpoint)");
+    const SafetensorsFile f = SafetensorsFile::load((fs::path(ckpt.dir) / name).string());
+    const nlohmann::json& meta = f.metadata();
+    // Which elements of which parameter this file holds: "range.<name>" = "<first>
+    // <count>" (a file without it, written by one process, holds whole parameters).
+    std::map<int, std::pair<int64_t, int64_t>> held;
+    std::set<std::string> expected;
+    for (const auto& tensor : f.names()) {
+      const bool sq = tensor.size() > 11 && tensor.compare(tensor.size() - 11, 11, ".exp_avg_sq") == 0;
+      const bool avg = !sq && tensor.size() > 8 && tensor.compare(tensor.size() - 8, 8, ".exp_avg") == 0;
+      const std::string pname = tensor.substr(0, tensor.size() - (sq ? 11 : avg ? 8 : 0));
+      const auto it = param_index.find(pname);
+      if ((!sq && !avg) || it == param_index.end())
+        fail(f.path(), ": holds tensor ", tensor, ", which is not an AdamW moment of this model's "
+             "parameters (checkpoint of another model?)");
+      const Parameter& p = params[size_t(it->second)];
+      int64_t first = 0, count = p.value.numel();
+      const std::string key = "range." + pname;
+      if (meta.is_object() && meta.contains(key)) {
+        long long a0 = -1, n0 = -1;
+        char tail = 0;
+        const bool ok = meta[key].is_string() &&
+                        std::sscanf(meta[key].get<std::string>().c_str(), "%lld %lld%c", &a0, &n0, &tail) == 2 &&
+                        a0 >= 0 && n0 > 0 && a0 <= count && n0 <= count - a0;
+        if (!ok)
+          fail(f.path(), ": metadata ", key, " = ", json_excerpt(meta[key]), " is not \"<first> <count>\" "
+               "within the parameter's ", p.value.numel(), " elements");
+        first = a0;
+        count = n0;
+      }
+      held[it->second] = {first, count};
+      expected.insert(pname + ".exp_avg");
+      expected.insert(pname + ".exp_avg_sq");
+    }
+    refuse_extra_tensors(f, expected);
+    for (const auto& [i, range] : held) {
+      const Parameter& p = params[size_t(i)];
+      check_tensor(f, p.name + ".exp_avg", {range.second}, false);
+      check_tensor(f, p.name + ".exp_avg_sq", {range.second}, true);
+    }
+    for (size_t k = 0; k < segs.size(); ++k) {
+      const ShardSegment& s = segs[k];
+      const auto h = held.find(s.param);
+      if (h == held.end()) continue;
+      const int64_t first = h->second.first, count = h->second.second;
+      const int64_t a0 = std::max(first, s.begin), e0 = std::min(first + count, s.begin + s.count);
+      if (a0 >= e0) continue;
+      const std::string& pname = params[size_t(s.param)].name;
+      const std::vector<double> fm = f.to_f64(pname + ".exp_avg"), fv = f.to_f64(pname + ".exp_avg_sq");
+      std::copy(fm.begin() + (a0 - first), fm.begin() + (e0 - first), m[k].begin() + (a0 - s.begin));
+      std::copy(fv.begin() + (a0 - first), fv.begin() + (e0 - first), v[k].begin() + (a0 - s.begin));
+      covered[k] += e0 - a0;
+    }
   }
-  for (size_t i = 0; i < params.size(); ++i) {
-    be.upload(opt.exp_avg(i), f.to_f64(params[i].name + ".exp_avg").data());
-    be.upload(opt.exp_avg_sq(i), f.to_f64(params[i].name + ".exp_avg_sq").data());
+  // Every element of the shard exactly once, then uploaded (a refused checkpoint leaves
+  // the optimizer as it was).
+  for (size_t k = 0; k < segs.size(); ++k)
+    if (covered[k] != segs[k].count)
+      fail(ckpt.dir, ": the optimizer files hold ", covered[k], " of the ", segs[k].count, " elements [",
+           segs[k].begin, ", ", segs[k].begin + segs[k].count, ") of ", params[size_t(segs[k].param)].name,
+           " that rank ", opt.rank(), " of ", opt.world_size(), " needs (ranges missing or overlapping: "
+           "damaged checkpoint)");
+  for (size_t k = 0; k < segs.size(); ++k) {
+    be.upload(opt.exp_avg(segs[k]), m[k].data());
+    be.upload(opt.exp_avg_sq(segs[k]), v[k].data());
   }
 }
 
 std::string save_checkpoint(const CheckpointWrite& w, Model& model, AdamWOptimizer& opt) {
+  std::unique_ptr<Communicator> single;
+  Communicator* comm = w.comm;
+  if (!comm) {
+    single = make_single_communicator();
+    comm = single.get();
+  }
+  const bool is_root = comm->rank() == 0;
   const fs::path root = fs::path(w.run_dir) / "checkpoints";
-  std::error_code ec;
-  fs::create_directories(root, ec);
-  if (ec) fail(root.string(), ": cannot create the checkpoints directory (", ec.message(), ")");
   const std::string name = step_dir_name(w.step);
-  const fs::path tmp = root / (".tmp-" + name + "-" + std::to_string(::getpid()));
   const fs::path final_dir = root / name;
-  fs::remove_all(tmp, ec);
-  if (!fs::create_directory(tmp, ec) && ec)
-    fail(tmp.string(), ": cannot create the checkpoint's temporary directory (", ec.message(), ")");
-  Backend& be = model.backend();
-  auto& params = model.parameters();
-  nlohmann::json files = nlohmann::json::object();
+  std::error_code ec;
+  // The fp32 weights come from every rank's shard (collective, before any file).
+  const std::vector<std::vector<float>> weights = gather_fp32_weights(model, opt, *comm);
+  // Rank 0 makes the temporary directory (named with its pid, the pattern
+  // recover_checkpoint_writes knows); its name reaches the others with the go-ahead.
+  std::string tmp_name;
+  if (is_root) {
+    const fs::path tmp = root / (".tmp-" + name + "-" + std::to_string(::getpid()));
+    fs::create_directories(root, ec);
+    if (ec) {
+      tmp_name = "!" + root.string() + ": cannot create the checkpoints directory (" + ec.message() + ")";
+    } else {
+      fs::remove_all(tmp, ec);
+      if (!fs::create_directory(tmp, ec) && ec)
+        tmp_name = "!" + tmp.string() + ": cannot create the checkpoint's temporary directory (" +
+                   ec.message() + ")";
+      else
+        tmp_name = tmp.string();
+    }
+  }
+  tmp_name = comm->broadcast_string(tmp_name);
+  if (!tmp_name.empty() && tmp_name[0] == '!') fail(tmp_name.substr(1));
+  const fs::path tmp = tmp_name;
+  // Every rank writes its optimizer shard and reports {"file": record} or {"error": msg}.
+  nlohmann::json report;
   try {
-    {  // fp32 master weights under Hugging Face names
-      std::vector<std::string> names;
-      std::vector<std::vector<int64_t>> shapes;
-      std::vector<std::vector<float>> data;
-      for (size_t i = 0; i < params.size(); ++i) {
-        names.push_back(params[i].name);
-        shapes.push_back(shape_of(params[i].value));
-        data.push_back(to_f32(be, opt.weights(i)));
-      }
-      CheckedFile f((tmp / "model.safetensors").string());
-      write_f32_tensors(f, names, shapes, data, {{"format", "mhar"}, {"step", std::to_string(w.step)}});
-      f.close();
-      files["model.safetensors"] = file_record(f);
-    }
-    {  // AdamW moments of this rank
-      std::vector<std::string> names;
-      std::vector<std::vector<int64_t>> shapes;
-      std::vector<std::vector<float>> data;
-      for (size_t i = 0; i < params.size(); ++i) {
-        names.push_back(params[i].name + ".exp_avg");
-        shapes.push_back({params[i].value.numel()});
-        data.push_back(to_f32(be, opt.exp_avg(i)));
-        names.push_back(params[i].name + ".exp_avg_sq");
-        shapes.push_back({params[i].value.numel()});
-        data.push_back(to_f32(be, opt.exp_avg_sq(i)));
-      }
-      CheckedFile f((tmp / "optimizer.rank0.safetensors").string());
-      write_f32_tensors(f, names, shapes, data, {});
-      f.close();
-      files["optimizer.rank0.safetensors"] = file_record(f);
-    }
-    nlohmann::json st = {{"format", kCheckpointFormat}, {"step", w.step}, {"config", w.config->to_json()},
-                         {"loader", w.loader},  {"trainer", w.trainer}, {"files", files}};
-    st[kStateChecksumField] = state_checksum(st);  // state.json's own (engine/checkpoint_state.h)
-    const std::string text = st.dump(2) + "\n";
-    CheckedFile f((tmp / "state.json").string());
-    f.write(text.data(), text.size());
-    f.close();
-    fsync_dir(tmp.string());
-  } catch (...) {
-    fs::remove_all(tmp, ec);  // never leave a half-written directory behind
-    throw;
+    report = {{"file", write_optimizer_shard(tmp.string(), model, opt)}};
+  } catch (const std::exception& e) {
+    report = {{"error", e.what()}};
   }
-  // Publish. A same-step checkpoint (re-saved after an interrupt) is set aside as .old-,
-  // the new one renamed in, and the old one removed; a kill between the two renames
-  // leaves the whole old one as .old-, which the next start renames back
-  // (recover_checkpoint_writes).
-  if (fs::exists(final_dir)) {
-    const fs::path old = root / (".old-" + name + "-" + std::to_string(::getpid()));
-    rename_or_fail(final_dir, old);
+  const std::vector<std::string> reports = comm->gather_strings(report.dump());
+  std::string outcome;  // rank 0: empty when published, else the error
+  if (is_root) {
+    auto& params = model.parameters();
+    nlohmann::json files = nlohmann::json::object();
     try {
-      rename_or_fail(tmp, final_dir);
-    } catch (const Error&) {
-      fs::rename(old, final_dir, ec);
-      fs::remove_all(tmp, ec);
-      throw;
+      for (int r = 0; r < comm->world_size(); ++r) {
+        const nlohmann::json rep = nlohmann::json::parse(reports[size_t(r)]);
+        if (rep.contains("error"))
+          fail(comm->world_size() > 1 ? "rank " + std::to_string(r) + ": " : std::string(),
+               rep["error"].get<std::string>());
+        files[optimizer_shard_file(r)] = rep["file"];
+      }
+      {  // fp32 master weights under Hugging Face names
+        std::vector<std::string> names;
+        std::vector<std::vector<int64_t>> shapes;
+        for (size_t i = 0; i < params.size(); ++i) {
+          names.push_back(params[i].name);
+          shapes.push_back(shape_of(params[i].value));
+        }
+        CheckedFile f((tmp / "model.safetensors").string());
+        write_f32_tensors(f, names, shapes, weights, {{"format", "mhar"}, {"step", std::to_string(w.step)}});
+        f.close();
+        files["model.safetensors"] = file_record(f);
+      }
+      // state.json last: it lists every rank's file, so the checkpoint is whole only once
+      // all of them are in.
+      nlohmann::json st = {{"format", kCheckpointFormat}, {"step", w.step},
+                           {"world_size", comm->world_size()},
+                           {"config", w.config->to_json()},
+                           {"loader", w.loader},  {"trainer", w.trainer}, {"files", files}};
+      st[kStateChecksumField] = state_checksum(st);  // state.json's own (engine/checkpoint_state.h)
+      const std::string text = st.dump(2) + "\n";
+      CheckedFile f((tmp / "state.json").string());
+      f.write(text.data(), text.size());
+      f.close();
+      fsync_dir(tmp.string());
+    } catch (const std::exception& e) {
+      outcome = e.what();
+      if (outcome.empty()) outcome = "unknown error";
+      fs::remove_all(tmp, ec);  // never leave a half-written directory behind
     }
-    fs::remove_all(old, ec);
-  } else {
-    try {
-      rename_or_fail(tmp, final_dir);
-    } catch (const Error&) {
-      fs::remove_all(tmp, ec);
-      throw;
+    if (outcome.empty()) {
+      // Publish. A same-step checkpoint (re-saved after an interrupt) is set aside as
+      // .old-, the new one renamed in, and the old one removed; a kill between the two
+      // renames leaves the whole old one as .old-, which the next start renames back
+      // (recover_checkpoint_writes).
+      try {
+        if (fs::exists(final_dir)) {
+          const fs::path old = root / (".old-" + name + "-" + std::to_string(::getpid()));
+          rename_or_fail(final_dir, old);
+          try {
+            rename_or_fail(tmp, final_dir);
+          } catch (const Error&) {
+            fs::rename(old, final_dir, ec);
+            throw;
+          }
+          fs::remove_all(old, ec);
+        } else {
+          rename_or_fail(tmp, final_dir);
+        }
+        fsync_dir(root.string());
+      } catch (const std::exception& e) {
+        outcome = e.what();
+        fs::remove_all(tmp, ec);
+      }
+    }
+    if (outcome.empty() && w.keep > 0) {
+      auto all = list_checkpoints(w.run_dir);
+      for (size_t i = 0; i + size_t(w.keep) < all.size(); ++i) {
+        fs::remove_all(all[i], ec);
+        if (ec) spdlog::warn("{}: could not remove this old checkpoint (checkpoint.keep = {}): {}", all[i], w.keep, ec.message());
+      }
     }
   }
-  fsync_dir(root.string());
-  if (w.keep > 0) {
-    auto all = list_checkpoints(w.run_dir);
-    for (size_t i = 0; i + size_t(w.keep) < all.size(); ++i) {
-      fs::remove_all(all[i], ec);
-      if (ec) spdlog::warn("{}: could not remove this old checkpoint (checkpoint.keep = {}): {}", all[i], w.keep, ec.message());
-    }
+  outcome = comm->broadcast_string(outcome);
+  if (!outcome.empty()) {
+    if (is_root) fail(outcome);
+    fail("checkpoint of step ", w.step, " failed on rank 0: ", outcome);
   }
   return final_dir.string();
 }

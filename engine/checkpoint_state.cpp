@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <initializer_list>
@@ -161,8 +162,8 @@ CheckpointInfo read_checkpoint_dir(const std::string& dir_arg) {
   if (actual != recorded.get<std::string>())
     fail(state_path, ": checksum ", actual, " does not match its recorded ", kStateChecksumField,
          " ", recorded.get<std::string>(), ": state.json was changed or damaged after it was written");
-  refuse_unknown_fields(st, state_path,
-                        {"format", "step", "config", "loader", "trainer", "files", kStateChecksumField});
+  refuse_unknown_fields(st, state_path, {"format", "step", "world_size", "config", "loader", "trainer",
+                                         "files", kStateChecksumField});
 
   CheckpointInfo info;
   info.dir = dir.string();
@@ -206,6 +207,10 @@ CheckpointInfo read_checkpoint_dir(const std::string& dir_arg) {
       fail(where, ".elapsed_s = ", json_excerpt(t["elapsed_s"]), " is negative; valid: >= 0 seconds");
   }
 
+  // The ranks that wrote it (data parallelism, DESIGN.md section 7; absent: one process).
+  info.world_size = 1;
+  if (st.contains("world_size"))
+    info.world_size = int(json_to_int(st["world_size"], state_path + ": world_size", 1, 1 << 20));
   {  // the data position: typed and ranged here, matched against the shards by the loader
     const std::string where = state_path + ": loader";
     const json& l = object_member(st, "loader", state_path);
@@ -234,6 +239,11 @@ CheckpointInfo read_checkpoint_dir(const std::string& dir_arg) {
     if (T != int64_t(tc.seq_len))
       fail(where, ".T = ", T, " but the checkpoint's config has train.seq_len = ", tc.seq_len);
     const int64_t world = json_to_int(json_member(l, "world_size", where), where + ".world_size", 1, 1 << 20);
+    // The loader's position counts steps of world_size x B windows: the ranks that wrote
+    // the checkpoint wrote it.
+    if (world != info.world_size)
+      fail(where, ".world_size = ", world, " but the checkpoint's world_size = ", info.world_size,
+           " (the data position is written by the ranks that write the checkpoint)");
     const uint64_t shards = json_to_uint(json_member(l, "shards", where), where + ".shards", 1, UINT32_MAX);
     const uint64_t tokens = json_to_uint(json_member(l, "tokens", where), where + ".tokens", 1, INT64_MAX);
     const json& fp = json_member(l, "fingerprint", where);
@@ -250,6 +260,19 @@ CheckpointInfo read_checkpoint_dir(const std::string& dir_arg) {
     const json& files = object_member(st, "files", state_path);
     if (!files.contains("model.safetensors"))
       fail(where, ": lists no model.safetensors (damaged checkpoint)");
+    // One optimizer shard per rank that wrote it, no more.
+    for (int r = 0; r < info.world_size; ++r)
+      if (!files.contains("optimizer.rank" + std::to_string(r) + ".safetensors"))
+        fail(where, ": lists no optimizer.rank", r, ".safetensors, but world_size = ", info.world_size,
+             " ranks wrote this checkpoint (damaged checkpoint)");
+    for (auto it = files.begin(); it != files.end(); ++it) {
+      long long r = -1;
+      char tail = 0;
+      if (std::sscanf(it.key().c_str(), "optimizer.rank%lld.safetensor%c", &r, &tail) == 2 &&
+          (r < 0 || r >= info.world_size))
+        fail(where, ": lists ", it.key(), ", but world_size = ", info.world_size,
+             " (valid: optimizer.rank0 to optimizer.rank", info.world_size - 1, ")");
+    }
     for (auto it = files.begin(); it != files.end(); ++it) {
       check_plain_file_name(it.key(), where);
       const std::string fw = where + ".\"" + it.key() + "\"";

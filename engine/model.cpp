@@ -79,10 +79,11 @@ struct Model::KvCache {
 };
 
 Model::Model(const ModelConfig& model, const ResidualConfig& residual, Backend& backend,
-             int batch, int seq_len)
+             int batch, int seq_len, int grad_shards)
     : cfg_(model), res_(residual), be_(backend), B_(batch), T_(seq_len),
-      N_(int64_t(batch) * seq_len) {
+      N_(int64_t(batch) * seq_len), grad_shards_(grad_shards) {
   MHAR_CHECK(batch > 0 && seq_len > 0, "batch ", batch, " seq_len ", seq_len);
+  MHAR_CHECK(grad_shards >= 1, "grad_shards ", grad_shards);
   if (res_.routed())
     MHAR_CHECK(res_.heads >= 1 && cfg_.d_model % res_.heads == 0, "routing heads ", res_.heads);
   plan_parameters();
@@ -96,15 +97,50 @@ void Model::plan_parameters() {
   const DType pt = be_.act_dtype(), gt = be_.grad_dtype();
   param_plan_ = std::make_unique<MemoryPlan>("parameters");
   grad_plan_ = std::make_unique<MemoryPlan>("gradients");
+  // Both allocations get the same layout in elements (buckets of parameters, each
+  // parameter padded to kParamAlign elements, each bucket to grad_shards * kParamAlign),
+  // so one element range names the same weights, gradients and optimizer state.
+  auto round_up = [](int64_t x, int64_t a) { return (x + a - 1) / a * a; };
+  int64_t elems = 0;
+  std::vector<int> plan_ids;
   auto add = [&](const std::string& name, std::initializer_list<int64_t> shape, bool decay) {
-    param_plan_->add(name, pt, shape);
-    grad_plan_->add(name, gt, shape);
-    params_.push_back({name, Tensor(), Tensor(), decay});
+    int64_t n = 1;
+    for (int64_t s : shape) n *= s;
+    const int64_t padded = round_up(n, kParamAlign);
+    const int id = param_plan_->add_padded(name, pt, shape, padded);
+    MHAR_CHECK(grad_plan_->add_padded(name, gt, shape, padded) == id, "plan ids");
+    plan_ids.push_back(id);
+    Parameter prm{name, Tensor(), Tensor(), decay};
+    prm.offset = elems;
+    prm.bucket = int(buckets_.size()) - 1;
+    params_.push_back(prm);
+    elems += padded;
     return int(params_.size()) - 1;
   };
+  auto open_bucket = [&](const std::string& name) {
+    GradBucket b;
+    b.name = name;
+    b.first_param = int(params_.size());
+    b.offset = elems;
+    buckets_.push_back(b);
+  };
+  auto close_bucket = [&] {
+    GradBucket& b = buckets_.back();
+    b.end_param = int(params_.size());
+    const int64_t used = elems - b.offset, total = round_up(used, kParamAlign * grad_shards_);
+    if (total > used) {
+      param_plan_->add(b.name + ".padding", pt, {total - used});
+      grad_plan_->add(b.name + ".padding", gt, {total - used});
+    }
+    b.numel = total;
+    elems = b.offset + total;
+  };
+  open_bucket("embedding");
   embed_ = add("model.embed_tokens.weight", {V, d}, true);
+  close_bucket();
   for (int l = 0; l < cfg_.n_layers; ++l) {
     const std::string pre = "model.layers." + std::to_string(l) + ".";
+    open_bucket("layer." + std::to_string(l));
     LayerParams lp;
     lp.attn_norm = add(pre + "input_layernorm.weight", {d}, false);
     lp.wq = add(pre + "self_attn.q_proj.weight", {cfg_.q_dim(), d}, true);
@@ -118,22 +154,36 @@ void Model::plan_parameters() {
     lp.w_up = add(pre + "mlp.up_proj.weight", {F, d}, true);
     lp.w_down = add(pre + "mlp.down_proj.weight", {d, F}, true);
     layers_.push_back(lp);
+    close_bucket();
   }
+  open_bucket("head");
   final_norm_ = add("model.norm.weight", {d}, false);
   if (!cfg_.tie_embeddings) lm_head_ = add("lm_head.weight", {V, d}, true);
-  if (res_.routed())
+  close_bucket();
+  if (res_.routed()) {
+    open_bucket("routing");
     for (int j = 0; j < cfg_.n_sites(); ++j) {
       route_query_.push_back(add("model.routing." + std::to_string(j) + ".query", {d}, false));
       route_gain_.push_back(add("model.routing." + std::to_string(j) + ".gain", {d}, false));
     }
+    close_bucket();
+  }
   param_plan_->plan();
   grad_plan_->plan();
   param_arena_ = std::make_unique<Arena>(be_, *param_plan_);
   grad_arena_ = std::make_unique<Arena>(be_, *grad_plan_);
   for (size_t i = 0; i < params_.size(); ++i) {
-    params_[i].value = param_arena_->tensor(int(i));
-    params_[i].grad = grad_arena_->tensor(int(i));
+    params_[i].value = param_arena_->tensor(plan_ids[i]);
+    params_[i].grad = grad_arena_->tensor(plan_ids[i]);
+    MHAR_CHECK(param_plan_->buffers()[size_t(plan_ids[i])].offset ==
+                       size_t(params_[i].offset) * dtype_size(pt) &&
+                   grad_plan_->buffers()[size_t(plan_ids[i])].offset ==
+                       size_t(params_[i].offset) * dtype_size(gt),
+               "parameter layout of ", params_[i].name);
   }
+  MHAR_CHECK(param_plan_->total_bytes() == size_t(elems) * dtype_size(pt) &&
+                 grad_plan_->total_bytes() == size_t(elems) * dtype_size(gt),
+             "parameter allocation size");
   for (size_t j = 0; j < route_query_.size(); ++j) {
     route_params_.query.push_back(p(route_query_[j]));
     route_params_.gain.push_back(p(route_gain_[j]));
@@ -244,6 +294,11 @@ Tensor Model::all_gradients() const {
   Tensor t(grad_arena_->base(), be_.grad_dtype(),
            {int64_t(grad_plan_->total_bytes() / dtype_size(be_.grad_dtype()))});
   return t;  // alignment padding between tensors is zero and stays zero
+}
+
+Tensor Model::all_parameters_flat() const {
+  return Tensor(param_arena_->base(), be_.act_dtype(),
+                {int64_t(param_plan_->total_bytes() / dtype_size(be_.act_dtype()))});
 }
 
 void Model::init_weights(uint64_t seed) {
@@ -473,10 +528,15 @@ Tensor Model::site_grad(int site) {
   return res_.routed() ? act(step_->site_dx_all)[site] : act(step_->site_dx[site]);
 }
 
-void Model::backward() {
+void Model::backward(const BucketHook& bucket_done) {
   MHAR_CHECK(loss_scale_ != 0, "backward() after a forward without a loss scale");
   const StepBuffers& s = *step_;
   const int last_site = 2 * cfg_.n_layers;
+  auto done = [&](int bucket) {
+    if (bucket_done) bucket_done(bucket);
+  };
+  // Bucket indices follow plan_parameters(): embedding, layers, head, routing.
+  const int head_bucket = 1 + cfg_.n_layers, routing_bucket = 2 + cfg_.n_layers;
   if (res_.routed()) be_.zero(act(s.gsum));
   else be_.zero(act(s.dresid));
   // Head: the logits buffer now holds d(loss)/d(logits).
@@ -486,15 +546,24 @@ void Model::backward() {
   be_.matmul(head_g, act(s.logits), act(s.xfn), true, false, true);
   be_.rmsnorm_backward(site_grad(last_site), g(final_norm_), act(s.d_xfn),
                        site_input(last_site), p(final_norm_), act(s.rstd_f), false);
+  done(head_bucket);  // final norm, and the LM head unless it is the (tied) embedding
   for (int j = last_site; j >= 0; --j) {
     if (j < last_site) {
-      if (j % 2 == 0) attention_backward(j / 2);
-      else mlp_backward(j / 2);
+      if (j % 2 == 0) {
+        attention_backward(j / 2);
+        done(1 + j / 2);  // the layer's last weight gradient (its input norm) is written
+      } else {
+        mlp_backward(j / 2);
+      }
     }
     site_backward(j);
   }
-  if (res_.routed()) be_.routing_param_grads(route_params_, act(s.gsum));
+  if (res_.routed()) {
+    be_.routing_param_grads(route_params_, act(s.gsum));
+    done(routing_bucket);
+  }
   be_.embedding_backward(g(embed_), source_grad(0), act(s.tokens));
+  done(0);
   loss_scale_ = 0;  // the logits buffer no longer holds a gradient we may reuse
 }
 

@@ -16,6 +16,7 @@
 // Parameter names are Hugging Face Qwen3's (DESIGN.md section 6).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -31,12 +32,33 @@ struct Parameter {
   Tensor value;  // act_dtype
   Tensor grad;   // grad_dtype
   bool decay;    // AdamW weight decay applies (matrices only)
+  int64_t offset = 0;  // element offset in the parameter and gradient allocations
+  int bucket = 0;      // index into Model::buckets()
+};
+
+// A group of parameters whose gradients become complete at one point of the backward
+// (one layer, the head, the routing parameters, the embedding): the unit of the gradient
+// reduce-scatter. Its parameters are contiguous in both allocations, each at an offset
+// that is a multiple of Model::kParamAlign elements, and `numel` (padding included) is a
+// multiple of grad_shards() * kParamAlign, so rank r of W owns the elements
+// [offset + r * numel / W, offset + (r + 1) * numel / W) of the bucket. The padding is
+// zero in both allocations.
+struct GradBucket {
+  std::string name;
+  int first_param = 0, end_param = 0;  // parameters [first_param, end_param)
+  int64_t offset = 0, numel = 0;       // elements, in both allocations
 };
 
 class Model {
  public:
+  // Every parameter starts at a multiple of this many elements in both allocations (256
+  // bytes of bf16: the alignment cuBLAS and the vector loads want).
+  static constexpr int64_t kParamAlign = 128;
+
+  // `grad_shards`: the number of ranks the gradient buckets are padded for (1 without
+  // data parallelism).
   Model(const ModelConfig& model, const ResidualConfig& residual, Backend& backend, int batch,
-        int seq_len);
+        int seq_len, int grad_shards = 1);
   ~Model();
 
   const ModelConfig& config() const { return cfg_; }
@@ -46,10 +68,16 @@ class Model {
   int seq_len() const { return T_; }
 
   std::vector<Parameter>& parameters() { return params_; }
+  const std::vector<Parameter>& parameters() const { return params_; }
   const Parameter& parameter(const std::string& name) const;  // throws for unknown names
   int64_t num_parameters() const;
   // The whole gradient allocation as one flat tensor (for the global norm).
   Tensor all_gradients() const;
+  // The same layout as flat tensors of each dtype, for views across parameters (buckets,
+  // shards): element e of parameter i is element parameters()[i].offset + e of these.
+  Tensor all_parameters_flat() const;
+  const std::vector<GradBucket>& buckets() const { return buckets_; }
+  int grad_shards() const { return grad_shards_; }
 
   // DESIGN.md init: normal(0, init_std), output projections scaled by 1/sqrt(2L), norm
   // weights 1, routing queries 0 and gains 1. Deterministic in `seed` on every backend.
@@ -61,7 +89,12 @@ class Model {
   // of loss_scale * mean loss, ready for backward(); with 0 the logits stay readable.
   double forward(const int32_t* tokens, const int32_t* targets, double loss_scale);
   // Accumulates (+=) parameter gradients of loss_scale * mean loss of the last forward.
-  void backward();
+  // `bucket_done(b)`, when given, is called as soon as the gradients of bucket b are
+  // complete (the rest of the backward is still to be enqueued): data parallelism starts
+  // the bucket's reduce-scatter there, overlapped with the rest of the backward. Every
+  // bucket is reported exactly once, in the same order on every call.
+  using BucketHook = std::function<void(int bucket)>;
+  void backward(const BucketHook& bucket_done = nullptr);
 
   // ---- Decode mode (incremental forward for sampling; backends that implement
   // Backend::rope_at and Backend::attention_cached).
@@ -119,6 +152,8 @@ class Model {
   Backend& be_;
   int B_, T_;
   int64_t N_;
+  int grad_shards_ = 1;
+  std::vector<GradBucket> buckets_;
   double loss_scale_ = 0;
 
   std::vector<Parameter> params_;

@@ -1,62 +1,134 @@
-// optimizer.cpp: AdamW state allocation, the update loop and the schedule.
+// optimizer.cpp: AdamW state of this rank's shard, the update loop and the schedule.
 #include "engine/optimizer.h"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
 namespace mhar {
 
-AdamWOptimizer::AdamWOptimizer(Model& model, const TrainConfig& train)
-    : model_(model), cfg_(train) {
+namespace {
+Tensor flat_slice(Tensor flat, int64_t begin, int64_t count) {
+  return Tensor(static_cast<char*>(flat.data) + size_t(begin) * dtype_size(flat.dtype), flat.dtype,
+                {count});
+}
+}  // namespace
+
+AdamWOptimizer::AdamWOptimizer(Model& model, const TrainConfig& train, int rank)
+    : model_(model), cfg_(train), rank_(rank), world_(model.grad_shards()) {
+  MHAR_CHECK(rank >= 0 && rank < world_, "rank ", rank, " of ", world_);
   Backend& be = model.backend();
-  const DType moment_dtype = be.act_dtype() == DType::F64 ? DType::F64 : DType::F32;
+  moment_dtype_ = be.act_dtype() == DType::F64 ? DType::F64 : DType::F32;
+  segments_ = shard_segments(model, rank);
+  for (size_t b = 0; b < model.buckets().size(); ++b) {
+    const int64_t lo = shard_begin(int(b)), hi = shard_end(int(b));
+    if (!grad_runs_.empty() && grad_runs_.back().second == lo) grad_runs_.back().second = hi;
+    else grad_runs_.push_back({lo, hi});
+    state_numel_ += hi - lo;
+  }
   m_plan_ = std::make_unique<MemoryPlan>("optimizer.exp_avg");
   v_plan_ = std::make_unique<MemoryPlan>("optimizer.exp_avg_sq");
-  const bool need_master = be.act_dtype() != DType::F32 && be.act_dtype() != DType::F64;
-  if (need_master) master_plan_ = std::make_unique<MemoryPlan>("optimizer.master");
-  for (const auto& p : model.parameters()) {
-    std::initializer_list<int64_t> flat = {p.value.numel()};
-    m_plan_->add(p.name, moment_dtype, flat);
-    v_plan_->add(p.name, moment_dtype, flat);
-    if (need_master) master_plan_->add(p.name, DType::F32, flat);
-  }
+  m_plan_->add("exp_avg", moment_dtype_, {state_numel_});
+  v_plan_->add("exp_avg_sq", moment_dtype_, {state_numel_});
   m_plan_->plan();
   v_plan_->plan();
   m_arena_ = std::make_unique<Arena>(be, *m_plan_);
   v_arena_ = std::make_unique<Arena>(be, *v_plan_);
+  const bool need_master = be.act_dtype() != DType::F32 && be.act_dtype() != DType::F64;
   if (need_master) {
+    master_plan_ = std::make_unique<MemoryPlan>("optimizer.master");
+    master_plan_->add("master", DType::F32, {state_numel_});
     master_plan_->plan();
     master_arena_ = std::make_unique<Arena>(be, *master_plan_);
     sync_master_from_params();
   }
 }
 
-Tensor AdamWOptimizer::weights(size_t i) const {
-  return has_master() ? master(i) : model_.parameters()[i].value;
+std::vector<ShardSegment> AdamWOptimizer::shard_segments(const Model& model, int rank) {
+  // The shard: slice `rank` of every bucket, stored bucket after bucket (padding
+  // included, so a state offset is a fixed shift of the flat offset within a bucket).
+  std::vector<ShardSegment> out;
+  const int W = model.grad_shards();
+  const auto& params = model.parameters();
+  int64_t state = 0;
+  for (const GradBucket& bk : model.buckets()) {
+    const int64_t lo = bk.offset + bk.numel / W * rank, hi = lo + bk.numel / W;
+    for (int i = bk.first_param; i < bk.end_param; ++i) {
+      const int64_t p0 = params[size_t(i)].offset, p1 = p0 + params[size_t(i)].value.numel();
+      const int64_t a = std::max(p0, lo), e = std::min(p1, hi);
+      if (a < e) out.push_back({i, a - p0, e - a, state + (a - lo)});
+    }
+    state += hi - lo;
+  }
+  return out;
+}
+
+int64_t AdamWOptimizer::shard_begin(int bucket) const {
+  const GradBucket& b = model_.buckets()[size_t(bucket)];
+  return b.offset + b.numel / world_ * rank_;
+}
+int64_t AdamWOptimizer::shard_end(int bucket) const {
+  const GradBucket& b = model_.buckets()[size_t(bucket)];
+  return b.offset + b.numel / world_ * (rank_ + 1);
+}
+
+Tensor AdamWOptimizer::param_slice(const ShardSegment& s) const {
+  return flat_slice(model_.all_parameters_flat(),
+                    model_.parameters()[size_t(s.param)].offset + s.begin, s.count);
+}
+Tensor AdamWOptimizer::grad_slice(const ShardSegment& s) const {
+  return flat_slice(model_.all_gradients(), model_.parameters()[size_t(s.param)].offset + s.begin,
+                    s.count);
+}
+Tensor AdamWOptimizer::state_slice(const Arena& a, DType t, const ShardSegment& s) const {
+  return flat_slice(Tensor(a.base(), t, {state_numel_}), s.state_offset, s.count);
+}
+Tensor AdamWOptimizer::exp_avg(const ShardSegment& s) const {
+  return state_slice(*m_arena_, moment_dtype_, s);
+}
+Tensor AdamWOptimizer::exp_avg_sq(const ShardSegment& s) const {
+  return state_slice(*v_arena_, moment_dtype_, s);
+}
+Tensor AdamWOptimizer::weights(const ShardSegment& s) const {
+  return has_master() ? state_slice(*master_arena_, DType::F32, s) : param_slice(s);
+}
+
+const ShardSegment& AdamWOptimizer::whole_segment(size_t param) const {
+  for (const ShardSegment& s : segments_)
+    if (size_t(s.param) == param && s.begin == 0 &&
+        s.count == model_.parameters()[param].value.numel())
+      return s;
+  fail("parameter ", model_.parameters().at(param).name, " is not whole in rank ", rank_, "'s shard of ",
+       world_, " (per-parameter optimizer state exists with one rank only)");
 }
 
 void AdamWOptimizer::sync_master_from_params() {
   if (!has_master()) return;
   Backend& be = model_.backend();
   std::vector<double> host;
-  for (size_t i = 0; i < model_.parameters().size(); ++i) {
-    const Tensor& p = model_.parameters()[i].value;
-    host.resize(size_t(p.numel()));
-    be.download(host.data(), p);
-    be.upload(master(i), host.data());
+  for (const ShardSegment& s : segments_) {
+    host.resize(size_t(s.count));
+    be.download(host.data(), param_slice(s));
+    be.upload(weights(s), host.data());
   }
 }
 
 void AdamWOptimizer::step(double lr, double grad_scale, long long step) {
   Backend& be = model_.backend();
-  auto& params = model_.parameters();
-  for (size_t i = 0; i < params.size(); ++i) {
+  const auto& params = model_.parameters();
+  for (const ShardSegment& s : segments_) {
     Backend::AdamW hp{lr, cfg_.beta1, cfg_.beta2, cfg_.adam_eps,
-                      params[i].decay ? cfg_.weight_decay : 0.0, grad_scale, step};
-    Tensor flat_param = params[i].value.view({params[i].value.numel()});
-    Tensor flat_grad = params[i].grad.view({params[i].grad.numel()});
-    be.adamw(flat_param, master(i), flat_grad, exp_avg(i), exp_avg_sq(i), hp);
+                      params[size_t(s.param)].decay ? cfg_.weight_decay : 0.0, grad_scale, step};
+    be.adamw(param_slice(s), has_master() ? weights(s) : Tensor(), grad_slice(s), exp_avg(s),
+             exp_avg_sq(s), hp);
   }
+}
+
+double AdamWOptimizer::shard_sum_squares() const {
+  Backend& be = model_.backend();
+  double sum = 0;
+  for (const auto& [lo, hi] : grad_runs_) sum += be.sum_squares(flat_slice(model_.all_gradients(), lo, hi - lo));
+  return sum;
 }
 
 size_t AdamWOptimizer::state_bytes() const {

@@ -12,11 +12,13 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
 
 #include "data/loader.h"
 #include "engine/backend_factory.h"
 #include "engine/checkpoint.h"
+#include "engine/communicator.h"
 #include "engine/error.h"
 #include "engine/file_io.h"
 #include "engine/json_io.h"
@@ -24,6 +26,8 @@
 #include "engine/optimizer.h"
 #include "engine/report.h"
 #include "engine/run_lock.h"
+#include "engine/train_step.h"
+#include "engine/watchdog.h"
 
 namespace fs = std::filesystem;
 
@@ -126,6 +130,8 @@ void prepare_run_dir(const Config& cfg, const TrainOptions& opt) {
 void install_stop_signal_handlers() {
   std::signal(SIGINT, on_stop_signal);
   std::signal(SIGTERM, on_stop_signal);
+  // mpirun forwards SIGUSR1 to every rank (it turns SIGINT/SIGTERM into a job abort).
+  std::signal(SIGUSR1, on_stop_signal);
 }
 
 void resolve_data_paths(Config& cfg) {
@@ -169,24 +175,104 @@ static void refuse_nonfinite_val_loss(const TrainResult& r, long long eval_step)
          "train again");
 }
 
+namespace {
+
+// The checkpoint to resume from: rank 0 takes the run directory's lock, chooses and
+// validates the checkpoint; the other ranks take what rank 0 validated instead of reading
+// and hashing every file again.
+CheckpointInfo open_resume_checkpoint(const TrainOptions& opt, Communicator& comm,
+                                      std::unique_ptr<RunLock>* lock,
+                                      const std::function<std::unique_ptr<RunLock>()>& take_lock) {
+  std::string chosen;
+  CheckpointInfo info;
+  if (comm.rank() == 0) {
+    std::string error;
+    try {
+      const std::string path = (fs::path(opt.run_dir) / "config.json").string();
+      if (!fs::exists(path))
+        fail("--resume ", opt.run_dir, ": no config.json there, so it is not a run directory");
+      *lock = take_lock();
+      info = open_checkpoint(opt.run_dir, opt.resume_latest_valid);
+      {  // the run directory's config must describe the checkpoint's model
+        std::ifstream in(path);
+        auto j = nlohmann::json::parse(in, nullptr, false);
+        if (j.is_discarded()) fail(path, ": not valid JSON");
+        check_same_model(config_from_json(j, path), info.config, info.dir);
+      }
+      chosen = nlohmann::json{{"dir", info.dir},
+                              {"state", info.state},
+                              {"loader", info.loader},
+                              {"world_size", info.world_size},
+                              {"trainer", {{"tokens_seen", info.trainer.tokens_seen},
+                                           {"total_bad_steps", info.trainer.total_bad_steps},
+                                           {"consecutive_bad_steps", info.trainer.consecutive_bad_steps},
+                                           {"elapsed_s", info.trainer.elapsed_s}}}}
+                   .dump();
+    } catch (const Error& e) {
+      error = e.what();
+    }
+    // The other ranks learn of a refusal too, instead of waiting for a checkpoint.
+    if (!error.empty()) {
+      comm.broadcast_string("!" + error);
+      fail(error);
+    }
+  }
+  chosen = comm.broadcast_string(chosen);
+  if (comm.rank() != 0) {
+    if (!chosen.empty() && chosen[0] == '!') fail("rank 0 could not resume: ", chosen.substr(1));
+    const nlohmann::json j = nlohmann::json::parse(chosen);
+    info.dir = j.at("dir").get<std::string>();
+    info.state = j.at("state");
+    info.loader = j.at("loader");
+    info.world_size = j.at("world_size").get<int>();
+    const auto& tr = j.at("trainer");
+    info.trainer.tokens_seen = tr.at("tokens_seen").get<int64_t>();
+    info.trainer.total_bad_steps = tr.at("total_bad_steps").get<int64_t>();
+    info.trainer.consecutive_bad_steps = tr.at("consecutive_bad_steps").get<int64_t>();
+    info.trainer.elapsed_s = tr.at("elapsed_s").get<double>();
+    info.step = info.state.at("step").get<int64_t>();
+    info.config = config_from_json(info.state.at("config"), info.dir + "/state.json (config)");
+  }
+  return info;
+}
+
+// The loader position of a checkpoint written by `from` ranks, for `to` ranks: a loader
+// step covers world_size x micro_batch windows and the global batch is the same, so the
+// position in windows is kept. Past the new epoch's last full step (the tail that does
+// not fill a step depends on the world size) the next epoch starts.
+nlohmann::json convert_loader_state(nlohmann::json st, int from, int to,
+                                    const data::DataLoader& loader) {
+  if (from == to) return st;
+  const uint64_t windows = st.at("step").get<uint64_t>() * uint64_t(from);
+  if (windows % uint64_t(to) != 0)
+    fail("the checkpoint's data position (loader step ", st.at("step").dump(), " of ", from,
+         " ranks) does not fall on a step of ", to, " ranks");
+  st["world_size"] = to;
+  st["step"] = windows / uint64_t(to);
+  if (st["step"].get<uint64_t>() >= loader.num_batches()) {
+    st["step"] = 0;
+    st["epoch"] = st.at("epoch").get<uint64_t>() + 1;
+  }
+  return st;
+}
+
+}  // namespace
+
 TrainResult train(Config cfg, const TrainOptions& opt) {
   MHAR_CHECK(!opt.run_dir.empty(), "run_dir");
   g_stop_signals = 0;
+  // Data parallelism (DESIGN.md section 7): one process per device under mpirun; without
+  // it, one rank of one.
+  const DistInfo& dist_info = dist::init();
+  const int rank = dist_info.rank, W = dist_info.world_size;
+  const bool root = rank == 0;
+  // Host agreement before the backend exists (the resume choice, the run directory).
+  std::unique_ptr<Communicator> host_comm = make_host_communicator();
   TrainResult result;
   CheckpointInfo resume_from;
-  std::unique_ptr<RunLock> lock;  // held for the whole run
+  std::unique_ptr<RunLock> lock;  // held for the whole run, by rank 0
   if (opt.resume) {
-    const std::string path = (fs::path(opt.run_dir) / "config.json").string();
-    if (!fs::exists(path))
-      fail("--resume ", opt.run_dir, ": no config.json there, so it is not a run directory");
-    lock = take_run_dir(opt);
-    resume_from = open_checkpoint(opt.run_dir, opt.resume_latest_valid);
-    {  // the run directory's config must describe the checkpoint's model
-      std::ifstream in(path);
-      auto j = nlohmann::json::parse(in, nullptr, false);
-      if (j.is_discarded()) fail(path, ": not valid JSON");
-      check_same_model(config_from_json(j, path), resume_from.config, resume_from.dir);
-    }
+    resume_from = open_resume_checkpoint(opt, *host_comm, &lock, [&] { return take_run_dir(opt); });
     cfg = resume_from.config;  // the run continues with the config it was started with
     spdlog::info("resuming {} from {} (step {})", opt.run_dir, resume_from.dir, resume_from.step);
   } else {
@@ -196,35 +282,56 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
   cfg.validate();
   if (cfg.data.train.empty()) fail(cfg.source, ": data.train is empty; give a shard glob");
   if (cfg.data.val.empty()) fail(cfg.source, ": data.val is empty; give a shard glob");
-  if (!opt.resume) lock = take_run_dir(opt);
-  prepare_run_dir(cfg, opt);
-
   const auto& t = cfg.train;
   const int B = t.micro_batch, T = t.seq_len;
   const long long micro_tokens = (long long)B * T;
-  const long long accum = t.batch_tokens > 0 ? t.batch_tokens / micro_tokens : 1;
+  const long long accum = TrainStep::micro_batches_per_rank(t.batch_tokens, micro_tokens, W);
+  if (root) {  // the run directory is rank 0's; the others wait until it is ready
+    std::string error;
+    try {
+      if (!opt.resume) lock = take_run_dir(opt);
+      prepare_run_dir(cfg, opt);
+    } catch (const Error& e) {
+      error = e.what();
+    }
+    host_comm->broadcast_string(error);
+    if (!error.empty()) fail(error);
+  } else {
+    const std::string error = host_comm->broadcast_string("");
+    if (!error.empty()) fail("rank 0 could not prepare the run directory: ", error);
+  }
 
-  data::DataLoader train_data(cfg.data.train, B, T, t.seed, 0, 1, cfg.model.vocab_size,
+  data::DataLoader train_data(cfg.data.train, B, T, t.seed, rank, W, cfg.model.vocab_size,
                               data::LoaderMode::Shuffled);
-  data::DataLoader val_data(cfg.data.val, B, T, t.seed, 0, 1, cfg.model.vocab_size,
-                            data::LoaderMode::Sequential);
-  if (val_data.num_batches() == 0)
-    fail(cfg.data.val, ": validation shards hold ", val_data.total_tokens(),
-         " tokens, fewer than one batch of ", B, " x ", T + 1);
+  // Only rank 0 evaluates, over the whole validation set as one process would.
+  std::unique_ptr<data::DataLoader> val_data;
+  if (root) {
+    val_data = std::make_unique<data::DataLoader>(cfg.data.val, B, T, t.seed, 0, 1, cfg.model.vocab_size,
+                                                  data::LoaderMode::Sequential);
+    if (val_data->num_batches() == 0)
+      fail(cfg.data.val, ": validation shards hold ", val_data->total_tokens(),
+           " tokens, fewer than one batch of ", B, " x ", T + 1);
+  }
 
-  auto backend = make_backend(t.device);
-  Model model(cfg.model, cfg.residual, *backend, B, T);
-  AdamWOptimizer optimizer(model, t);
+  auto backend = make_backend(t.device, dist_info.local_rank);
+  auto comm = make_communicator(*backend);
+  Model model(cfg.model, cfg.residual, *backend, B, T, W);
+  AdamWOptimizer optimizer(model, t, rank);
+  TrainStep train_step(model, optimizer, *comm, t, accum);
   long long step = 0, tokens_seen = 0, consecutive_bad = 0, total_bad = 0;
   double elapsed_before = 0;
   if (opt.resume) {
     load_model_weights(resume_from, model, &optimizer);
-    load_optimizer_moments(resume_from, model, optimizer, 0);
+    load_optimizer_moments(resume_from, model, optimizer);
+    const int ckpt_world = checkpoint_world_size(resume_from);
+    if (ckpt_world != W)
+      spdlog::info("the checkpoint was written by {} rank(s), this run has {}: optimizer state "
+                   "re-sharded, data position kept in windows", ckpt_world, W);
     // The values open_checkpoint validated (engine/checkpoint_state.h), not raw JSON.
     if (resume_from.loader.empty())
       fail(resume_from.dir, " holds no data position (an import made without --set data.train/"
            "data.val): start a new run from it with `mhar train CONFIG --init-from ", opt.run_dir, "`");
-    train_data.restore(resume_from.loader);
+    train_data.restore(convert_loader_state(resume_from.loader, ckpt_world, W, train_data));
     step = resume_from.step;
     tokens_seen = resume_from.trainer.tokens_seen;
     total_bad = resume_from.trainer.total_bad_steps;
@@ -248,15 +355,26 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
     model.init_weights(t.seed);
     optimizer.sync_master_from_params();
   }
-  MetricsLog metrics((fs::path(opt.run_dir) / "metrics.jsonl").string(), opt.resume ? step : -1);
+  // Metrics are rank 0's.
+  std::unique_ptr<MetricsLog> metrics;
+  if (root)
+    metrics = std::make_unique<MetricsLog>((fs::path(opt.run_dir) / "metrics.jsonl").string(),
+                                           opt.resume ? step : -1);
+  auto log_metrics = [&](const nlohmann::json& line) {
+    if (metrics) metrics->append(line);
+  };
   spdlog::info("model: {} parameters, residual {} (H={}), backend {}", model.num_parameters(),
                residual_mode_name(cfg.residual.mode), cfg.residual.heads, backend->name());
-  spdlog::info("batch: {} x {} tokens x {} micro-batches = {} tokens per step; {} steps",
-               B, T, accum, micro_tokens * accum, t.steps);
+  spdlog::info("batch: {} x {} tokens x {} micro-batches x {} rank(s) = {} tokens per step; {} steps",
+               B, T, accum, W, micro_tokens * accum * W, t.steps);
+  if (comm->name() != "single")
+    spdlog::info("data parallel: {} rank(s) over {}, ZeRO-1 (optimizer state {} per rank)", W,
+                 comm->name(), format_bytes(optimizer.state_bytes()));
   spdlog::debug("memory:\n{}", model.memory_report());
 
   long long checkpointed_step = step;  // nothing to lose before the first step
   auto checkpoint = [&](long long at_step, double elapsed_total, nlohmann::json loader_state = nullptr) {
+    watchdog::set_phase("checkpoint", at_step, false);
     CheckpointWrite w;
     w.run_dir = opt.run_dir;
     w.step = at_step;
@@ -266,31 +384,45 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
     w.trainer = {{"tokens_seen", tokens_seen}, {"total_bad_steps", total_bad},
                  {"consecutive_bad_steps", consecutive_bad}, {"elapsed_s", elapsed_total}};
     w.keep = cfg.checkpoint.keep;
-    metrics.sync();  // the metrics reach at least as far as the checkpoint a resume starts from
+    w.comm = comm.get();
+    if (metrics) metrics->sync();  // the metrics reach at least as far as the checkpoint a resume starts from
     result.last_checkpoint = save_checkpoint(w, model, optimizer);
     spdlog::info("checkpoint: {}", result.last_checkpoint);
   };
   long long last_eval_step = -1;
   auto run_eval = [&](long long at_step) {
     last_eval_step = at_step;
-    RoutingAccumulator routing;
-    EvalResult ev = evaluate(model, val_data, t.eval_batches, &routing);
-    metrics.append({{"kind", "eval"}, {"step", at_step}, {"val_loss", ev.loss},
-                    {"val_ppl", std::exp(ev.loss)}, {"tokens", ev.tokens}});
-    for (const auto& line : routing.lines(at_step)) metrics.append(line);
-    try {  // the report is a diagnostic: it never stops a run
-      write_run_report(opt.run_dir);
-    } catch (const std::exception& e) {
-      spdlog::warn("report not written: {}", e.what());
+    double val_loss = 0;  // rank 0's, then every rank's (the sum below)
+    if (root) {
+      watchdog::set_phase("evaluation", at_step, false);
+      RoutingAccumulator routing;
+      EvalResult ev = evaluate(model, *val_data, t.eval_batches, &routing);
+      log_metrics({{"kind", "eval"}, {"step", at_step}, {"val_loss", ev.loss},
+                   {"val_ppl", std::exp(ev.loss)}, {"tokens", ev.tokens}});
+      for (const auto& line : routing.lines(at_step)) log_metrics(line);
+      try {  // the report is a diagnostic: it never stops a run
+        write_run_report(opt.run_dir);
+      } catch (const std::exception& e) {
+        spdlog::warn("report not written: {}", e.what());
+      }
+      spdlog::info("eval step {}: val loss {:.4f} (ppl {:.2f}) over {} tokens", at_step, ev.loss,
+                   std::exp(ev.loss), ev.tokens);
+      val_loss = ev.loss;
+      // The other ranks are waiting for this already: a long wait now is a dead or hung
+      // rank, which the watchdog's bound catches.
+      watchdog::set_phase("sharing the validation loss", at_step, true);
+    } else {
+      // Wait for rank 0's evaluation here, not inside the next step's collectives (which
+      // the watchdog bounds).
+      watchdog::set_phase("waiting for rank 0's evaluation", at_step, false);
     }
-    spdlog::info("eval step {}: val loss {:.4f} (ppl {:.2f}) over {} tokens", at_step, ev.loss,
-                 std::exp(ev.loss), ev.tokens);
-    if (result.first_val_loss < 0) result.first_val_loss = ev.loss;
-    result.last_val_loss = ev.loss;
+    // Every rank learns the validation loss (a NaN ends the run on every rank alike).
+    comm->all_reduce_sum(&val_loss, 1);
+    if (result.first_val_loss < 0) result.first_val_loss = val_loss;
+    result.last_val_loss = val_loss;
   };
 
   if (step == 0) run_eval(0);
-  std::vector<int32_t> x(static_cast<size_t>(micro_tokens)), y(static_cast<size_t>(micro_tokens));
   // Fault injection for tests: from this step on the loss reads as NaN, as after a
   // divergence, to prove the skip-and-stop path and that checkpoints stay intact.
   const char* nan_env = std::getenv("MHAR_SIMULATE_NONFINITE_FROM_STEP");
@@ -300,8 +432,10 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
   // A data error (a shard changed on disk, a read error) stops the run, but first the
   // last completed step is checkpointed, at the data position where that step ended,
   // so no finished step is lost; the error then propagates (exit 1).
+  // Under data parallelism the other ranks are inside the step's collectives, so there is
+  // no collective checkpoint to write: the error ends the job (the last checkpoint stays).
   auto checkpoint_then_rethrow = [&](nlohmann::json loader_state) {
-    if (step > checkpointed_step) {
+    if (W == 1 && step > checkpointed_step) {
       spdlog::error("data error after step {}: checkpointing that step before stopping", step);
       try {
         checkpoint(step, elapsed_before + std::chrono::duration<double>(std::chrono::steady_clock::now() -
@@ -313,42 +447,47 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
     }
     throw;
   };
+  // One micro-batch of this rank; a data error checkpoints the last completed step first,
+  // at the data position where that step ended.
+  uint64_t data_epoch = 0, data_step = 0;  // the loader's position when this step began
+  const auto next_batch = [&](int32_t* x, int32_t* y) {
+    try {
+      train_data.next_batch(x, y);
+    } catch (const Error&) {
+      nlohmann::json at_step_start = train_data.state();  // before this step's micro-batches
+      at_step_start["epoch"] = data_epoch;
+      at_step_start["step"] = data_step;
+      checkpoint_then_rethrow(std::move(at_step_start));
+    }
+  };
   while (step < t.steps) {
     const auto t0 = std::chrono::steady_clock::now();
-    model.zero_grads();
-    double loss = 0;
-    const uint64_t data_epoch = train_data.epoch(), data_step = train_data.step();
-    for (long long a = 0; a < accum; ++a) {
-      try {
-        train_data.next_batch(x.data(), y.data());
-      } catch (const Error&) {
-        nlohmann::json at_step_start = train_data.state();  // before this step's micro-batches
-        at_step_start["epoch"] = data_epoch;
-        at_step_start["step"] = data_step;
-        checkpoint_then_rethrow(std::move(at_step_start));
-      }
-      loss += model.forward(x.data(), y.data(), 1.0 / double(accum)) / double(accum);
-      model.backward();
-    }
-    if (nan_from >= 0 && step + 1 >= nan_from) loss = NAN;
-    const double grad_norm = std::sqrt(backend->sum_squares(model.all_gradients()));
-    const double lr = learning_rate(t, step);
-    const bool good = std::isfinite(loss) && std::isfinite(grad_norm);
+    data_epoch = train_data.epoch(), data_step = train_data.step();
+    // The stop request of any rank (a signal, or the tests' step budget) is read after
+    // the backward and agreed on in the step's all-reduce, so every rank finishes this
+    // step and stops after it.
+    const auto want_stop = [&] {
+      return g_stop_signals > 0 ||
+             (opt.stop_after_steps >= 0 && step + 1 - first_step >= opt.stop_after_steps);
+    };
+    const StepResult r =
+        train_step.run(step, next_batch, want_stop, nan_from >= 0 && step + 1 >= nan_from);
+    const double loss = r.loss, grad_norm = r.grad_norm, lr = r.lr;
+    const bool good = r.good;
     if (!good) {
       ++consecutive_bad, ++total_bad;
-      metrics.append({{"kind", "skip"}, {"step", step + 1},
-                      {"reason", !std::isfinite(loss) ? "non-finite loss" : "non-finite gradients"}});
-      spdlog::warn("step {}: non-finite {} — update skipped ({} in a row)", step + 1,
-                   std::isfinite(loss) ? "gradients" : "loss", consecutive_bad);
+      log_metrics({{"kind", "skip"}, {"step", step + 1},
+                   {"reason", !std::isfinite(loss) ? "non-finite loss" : "non-finite gradients"}});
+      if (root)  // every rank sees the same reduced loss and norm: one warning is enough
+        spdlog::warn("step {}: non-finite {} — update skipped ({} in a row)", step + 1,
+                     std::isfinite(loss) ? "gradients" : "loss", consecutive_bad);
       if (consecutive_bad > t.max_bad_steps)
         fail("stopping: ", consecutive_bad, " consecutive steps with non-finite loss or gradients "
              "(train.max_bad_steps = ", t.max_bad_steps, "); the last good checkpoint is ",
              result.last_checkpoint.empty() ? std::string("none yet") : result.last_checkpoint);
     } else {
       consecutive_bad = 0;
-      optimizer.step(lr, clip_factor(grad_norm, t.grad_clip), step + 1);
-      backend->synchronize();
-      tokens_seen += micro_tokens * accum;
+      tokens_seen += micro_tokens * accum * W;
     }
     ++step;  // a skipped step's batch is consumed too: the data position moves on
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -356,10 +495,10 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
     result.step = step;
     if (good) {
-      const double tok_s = double(micro_tokens * accum) / dt;
-      metrics.append({{"kind", "train"}, {"step", step}, {"loss", loss}, {"lr", lr},
-                      {"grad_norm", grad_norm}, {"tokens_per_s", tok_s}, {"tokens", tokens_seen},
-                      {"elapsed_s", elapsed_before + elapsed}});
+      const double tok_s = double(micro_tokens * accum * W) / dt;
+      log_metrics({{"kind", "train"}, {"step", step}, {"loss", loss}, {"lr", lr},
+                   {"grad_norm", grad_norm}, {"tokens_per_s", tok_s}, {"tokens", tokens_seen},
+                   {"elapsed_s", elapsed_before + elapsed}});
       result.last_loss = loss;
       if (!opt.quiet && (step % t.log_every == 0 || step == t.steps)) {
         const double eta = elapsed / double(step - first_step) * double(t.steps - step);
@@ -375,7 +514,7 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
     // periodic evaluations and checkpoints are for good steps only, so during a streak
     // of bad steps the newest checkpoint stays the last good one (and `keep` does not
     // rotate good checkpoints out in favour of copies of the same weights).
-    const bool stop = g_stop_signals > 0 || (opt.stop_after_steps >= 0 && step - first_step >= opt.stop_after_steps);
+    const bool stop = r.stop;
     if ((good && step % t.eval_every == 0) || step == t.steps) {
       try {
         run_eval(step);

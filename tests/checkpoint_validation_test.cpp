@@ -90,7 +90,7 @@ class CheckpointValidation : public ::testing::Test {
       Model m(info.config.model, info.config.residual, *be, 2, 16);
       AdamWOptimizer opt(m, info.config.train);
       load_model_weights(info, m, &opt);
-      load_optimizer_moments(info, m, opt, 0);
+      load_optimizer_moments(info, m, opt);
       return "";
     } catch (const Error& e) {
       return e.what();

@@ -52,7 +52,9 @@
 #include "engine/backend.h"
 #include "engine/config.h"
 #include "engine/model.h"
+#include "engine/communicator.h"
 #include "engine/optimizer.h"
+#include "engine/train_step.h"
 #include "tests/model_pair_util.h"
 #include "tests/model_test_util.h"
 
@@ -180,16 +182,16 @@ TEST_P(GpuTraining, ReachesTheCpuLoss) {
   AdamWOptimizer og(mg, cfg.train), oc(mcpu, cfg.train);
   og.sync_master_from_params();
   oc.sync_master_from_params();
+  auto single = make_single_communicator();
+  TrainStep step_g(mg, og, *single, cfg.train, 1), step_c(mcpu, oc, *single, cfg.train, 1);
 
-  auto run_step = [&](Model& m, AdamWOptimizer& opt, Backend& be, int step,
-                      const std::vector<int32_t>& x, const std::vector<int32_t>& y) {
-    m.zero_grads();
-    const double loss = m.forward(x.data(), y.data(), 1.0);
-    m.backward();
-    const double gn = std::sqrt(be.sum_squares(m.all_gradients()));
-    opt.step(learning_rate(cfg.train, step), clip_factor(gn, cfg.train.grad_clip), step + 1);
-    be.synchronize();
-    return loss;
+  // The training step `mhar train` runs (engine/train_step.h), one micro-batch.
+  auto run_step = [&](TrainStep& ts, int step, const std::vector<int32_t>& x,
+                      const std::vector<int32_t>& y) {
+    return ts.run(step, [&](int32_t* xs, int32_t* ys) {
+      std::copy(x.begin(), x.end(), xs);
+      std::copy(y.begin(), y.end(), ys);
+    }).loss;
   };
   double tail_g = 0, tail_c = 0, first_g = 0, first_c = 0;
   std::vector<int32_t> x(size_t(B) * T), y(size_t(B) * T);
@@ -200,8 +202,8 @@ TEST_P(GpuTraining, ReachesTheCpuLoss) {
         x[size_t(b) * T + t] = corpus[at];
         y[size_t(b) * T + t] = corpus[at + 1];
       }
-    const double lg = run_step(mg, og, *gpu, s, x, y);
-    const double lc = run_step(mcpu, oc, *cpu, s, x, y);
+    const double lg = run_step(step_g, s, x, y);
+    const double lc = run_step(step_c, s, x, y);
     if (s == 0) first_g = lg, first_c = lc;
     if (s >= steps - 10) tail_g += lg / 10, tail_c += lc / 10;
     if (s % 10 == 0 || s == steps - 1)

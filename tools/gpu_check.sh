@@ -35,6 +35,12 @@ LOG_DIR="${OUT:-$BUILD_DIR/logs}"
 JOBS="${JOBS:-$(nproc)}"
 mkdir -p "$LOG_DIR" "$BUILD_DIR"
 export PATH="/usr/local/cuda/bin:$PATH"
+# MPI (required by the build: data parallelism): images often keep Open MPI outside PATH.
+if ! command -v mpicxx >/dev/null; then
+  for d in /usr/local/mpi/bin /opt/hpcx/ompi/bin /opt/openmpi/bin; do
+    [ -x "$d/mpicxx" ] && export PATH="$d:$PATH" && break
+  done
+fi
 t_start=$(date +%s)
 elapsed() { echo "$(( $(date +%s) - t_start )) s"; }
 
@@ -45,6 +51,8 @@ elapsed() { echo "$(( $(date +%s) - t_start )) s"; }
   nvcc --version | tail -2
   cmake --version | head -1
   python3 -c 'import torch; print("torch", torch.__version__)' 2>/dev/null || echo "no torch"
+  echo "mpi: $(command -v mpicxx || echo 'no mpicxx') $(mpirun --version 2>/dev/null | head -1)"
+  echo "NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-<unset>}"
 } 2>&1 | tee "$LOG_DIR/env.log"
 
 echo "== configure"
@@ -137,7 +145,7 @@ if [ -n "$bench_pid" ]; then
 fi
 
 echo "== summary (at $(elapsed))"
-grep -E "^MODEL_PARITY .*worst|^TRAIN .*mean" "$LOG_DIR/cuda_tests.log" || true
+grep -E "^MODEL_PARITY .*worst|^TRAIN .*mean|^NCCL_1RANK" "$LOG_DIR/cuda_tests.log" || true
 grep -E "^PARITY" "$LOG_DIR/cuda_tests.log" | sort -k7 -g -r | head -8 || true
 grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[  FAILED  \]|tests? ran|Failure" "$LOG_DIR/cuda_tests.log" | tail -30
 [ -e "$LOG_DIR/bench_table.md" ] && cat "$LOG_DIR/bench_table.md"

@@ -14,7 +14,8 @@
 #   probe    a 1B mhar checkpoint (configs/1b_mhar.json, one optimizer step of one
 #            micro-batch on the GPU) probed over 20 batches on the GPU; prints the time.
 #   export   tools/hf/check_export.sh (issue 9), when present.
-#   nccl     tools/dp/check_nccl.sh (issue 16), when present.
+#   nccl     tools/dp/check_nccl.sh (issue 16): through mpirun -np 1, training against
+#            the single-process step and the bench's communicator overhead at 350M/1B.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR="${BUILD_DIR:-build-gpu}"

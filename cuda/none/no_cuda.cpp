@@ -3,6 +3,7 @@
 // asking for the CUDA backend explicitly is an error that says how to get it.
 #include "cuda/cuda_backend.h"
 #include "cuda/device.h"
+#include "engine/communicator.h"
 #include "engine/error.h"
 
 namespace mhar {
@@ -16,6 +17,10 @@ std::string describe_device(int i) {
 }
 
 }  // namespace cuda
+
+std::unique_ptr<Communicator> make_nccl_communicator(Backend&) {
+  fail("this mhar was built without CUDA, so without NCCL; use --device cpu (MPI over the CPU)");
+}
 
 std::unique_ptr<Backend> make_cuda_backend(int) {
   fail("this mhar was built without the CUDA backend; reconfigure with -DMHAR_WITH_CUDA=ON "

@@ -1,0 +1,126 @@
+// comm_nccl_cudatest.cpp: the NCCL communicator on one GPU (issue 16). The data-parallel
+// step (TrainStep: bucketed reduce-scatter on the communication stream during the
+// backward, sharded update, all-gather) through NCCL at one rank against the
+// single-process step on the same weights and batches.
+//
+// At one rank the reduce-scatter and the all-gather are identities, so the NCCL path
+// computes exactly what the single-process path computes, and the two differ only as two
+// single-process runs differ from each other: the CUDA embedding and norm backward add
+// with atomics in an unspecified order. The bound is therefore measured, not assumed: a
+// second single-process run gives the run-to-run spread s (max over steps of the relative
+// loss difference), and the NCCL run must stay within max(4 s, 1e-6) of the first (1e-6:
+// the floor when the runs happen to be bitwise equal, far below a wrong reduction, which
+// would double or scramble gradients and move the loss by percents within a few steps).
+// MPI is initialised as a singleton (no mpirun needed); the multi-rank path is the CPU
+// dist_test's and the GPU bench's (tools/gpu_check.sh).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <vector>
+
+#include "cuda/cuda_backend.h"
+#include "cuda/device.h"
+#include "engine/communicator.h"
+#include "engine/config.h"
+#include "engine/model.h"
+#include "engine/optimizer.h"
+#include "engine/train_step.h"
+#include "tests/model_test_util.h"
+
+namespace mhar::test {
+namespace {
+
+Config tiny_config(const std::string& mode, int heads) {
+  nlohmann::json j = {
+      {"model", {{"vocab_size", 32}, {"d_model", 128}, {"n_layers", 2}, {"n_heads", 4},
+                 {"n_kv_heads", 2}, {"head_dim", 64}, {"d_ff", 256}, {"context_length", 128}}},
+      {"residual", {{"mode", mode}, {"heads", heads}}},
+      {"train", {{"micro_batch", 4}, {"seq_len", 64}, {"batch_tokens", 2 * 4 * 64}, {"steps", 20},
+                 {"lr", 3e-3}, {"warmup_steps", 2}, {"grad_clip", 1.0}}}};
+  return config_from_json(j, "comm_nccl_cudatest");
+}
+
+// Losses of 20 steps of 2 micro-batches each through `comm` ("single" or "nccl").
+std::vector<double> train_losses(const Config& cfg, bool nccl) {
+  auto backend = make_cuda_backend(0);
+  std::unique_ptr<Communicator> comm = nccl ? make_nccl_communicator(*backend) : make_single_communicator();
+  const int B = cfg.train.micro_batch, T = cfg.train.seq_len;
+  Model model(cfg.model, cfg.residual, *backend, B, T, comm->world_size());
+  model.init_weights(7);
+  AdamWOptimizer opt(model, cfg.train, comm->rank());
+  TrainStep step(model, opt, *comm, cfg.train, 2);
+  const std::vector<int32_t> corpus = markov_tokens(size_t(cfg.train.steps) * 2 * B * (T + 1) + 1, 11);
+  size_t batch = 0;
+  const auto next = [&](int32_t* x, int32_t* y) {
+    for (int b = 0; b < B; ++b)
+      for (int t = 0; t < T; ++t) {
+        const size_t at = (batch * B + b) * (T + 1) + t;
+        x[b * T + t] = corpus[at];
+        y[b * T + t] = corpus[at + 1];
+      }
+    ++batch;
+  };
+  std::vector<double> out;
+  for (long long s = 0; s < cfg.train.steps; ++s) {
+    const StepResult r = step.run(s, next);
+    EXPECT_TRUE(r.good) << "step " << s + 1;
+    out.push_back(r.loss);
+  }
+  return out;
+}
+
+double max_rel(const std::vector<double>& a, const std::vector<double>& b) {
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i) m = std::max(m, std::fabs(a[i] - b[i]) / std::fabs(b[i]));
+  return m;
+}
+
+TEST(NcclCommunicator, OneRankTrainingMatchesTheSingleProcessStep) {
+  if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  const DistInfo& d = dist::init(/*singleton=*/true);
+  if (d.world_size != 1) GTEST_SKIP() << "this test runs on one rank";
+  for (const auto& [mode, heads] : {std::pair<const char*, int>{"standard", 0}, {"mhar", 2}}) {
+    const Config cfg = tiny_config(mode, heads);
+    const auto a = train_losses(cfg, false), b = train_losses(cfg, false), c = train_losses(cfg, true);
+    const double spread = max_rel(b, a), diff = max_rel(c, a), bound = std::max(4 * spread, 1e-6);
+    std::printf("NCCL_1RANK %-8s loss %.4f -> %.4f; single vs single %.2e, nccl vs single %.2e "
+                "(bound %.2e)\n", mode, a.front(), a.back(), spread, diff, bound);
+    EXPECT_LT(a.back(), 0.8 * a.front()) << mode << ": the run did not learn";
+    EXPECT_LE(diff, bound) << mode;
+  }
+}
+
+// The collectives themselves at one rank: in-place identities on both dtypes, ordered
+// against the backend's stream (the data written just before is what comes out).
+TEST(NcclCommunicator, OneRankCollectivesAreInPlaceIdentities) {
+  if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  const DistInfo& d = dist::init(/*singleton=*/true);
+  if (d.world_size != 1) GTEST_SKIP() << "this test runs on one rank";
+  auto backend = make_cuda_backend(0);
+  auto comm = make_nccl_communicator(*backend);
+  EXPECT_EQ(comm->name(), "nccl");
+  for (DType t : {DType::F32, DType::BF16}) {
+    const int64_t n = 4096;
+    void* p = backend->allocate(size_t(n) * dtype_size(t));
+    Tensor x(p, t, {n});
+    std::vector<double> in(static_cast<size_t>(n)), out(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) in[size_t(i)] = double(i % 97) - 48;  // exact in bf16
+    backend->upload(x, in.data());
+    comm->reduce_scatter_sum(x);
+    comm->wait_reduced();
+    comm->all_gather(x);
+    comm->wait_gathered();
+    backend->download(out.data(), x);
+    EXPECT_EQ(in, out) << dtype_name(t);
+    backend->release(p);
+  }
+  double v[2] = {1.5, -2};
+  comm->all_reduce_sum(v, 2);
+  EXPECT_EQ(v[0], 1.5);
+  EXPECT_EQ(v[1], -2);
+}
+
+}  // namespace
+}  // namespace mhar::test
