@@ -13,7 +13,7 @@
 #            within 1e-5 relative.
 #   probe    a 1B mhar checkpoint (configs/1b_mhar.json, one optimizer step of one
 #            micro-batch on the GPU) probed over 20 batches on the GPU; prints the time.
-#   export   tools/hf/check_export.sh (issue 9), when present.
+#   export   tools/hf/check_export.sh (issue 9).
 #   nccl     tools/dp/check_nccl.sh (issue 16): through mpirun -np 1, training against
 #            the single-process step and the bench's communicator overhead at 350M/1B.
 set -uo pipefail
@@ -104,28 +104,16 @@ if has probe; then
   rm -rf "$run"  # 12 GB of checkpoint
 fi
 
-if has export; then
-  if [ -e tools/hf/check_export.sh ]; then
-    if MHAR_BIN="$MHAR" bash tools/hf/check_export.sh >"$LOG_DIR/extra_export.log" 2>&1; then
-      say "export ok"; tail -30 "$LOG_DIR/extra_export.log"
-    else
-      say "export FAILED"; tail -40 "$LOG_DIR/extra_export.log"; status=1
-    fi
+# A stage that is a script of its own: it takes the binary from $MHAR (check_nccl.sh) or
+# $MHAR_BIN (check_export.sh) and exits non-zero on any failure.
+script_stage() {  # NAME SCRIPT LINES_SHOWN_ON_SUCCESS
+  if MHAR="$MHAR" MHAR_BIN="$MHAR" bash "$2" >"$LOG_DIR/extra_$1.log" 2>&1; then
+    say "$1 ok"; tail -"$3" "$LOG_DIR/extra_$1.log"
   else
-    say "export not present (tools/hf/check_export.sh)"
+    say "$1 FAILED"; tail -40 "$LOG_DIR/extra_$1.log"; status=1
   fi
-fi
-
-if has nccl; then
-  if [ -e tools/dp/check_nccl.sh ]; then
-    if MHAR="$MHAR" bash tools/dp/check_nccl.sh >"$LOG_DIR/extra_nccl.log" 2>&1; then
-      say "nccl ok"; tail -20 "$LOG_DIR/extra_nccl.log"
-    else
-      say "nccl FAILED"; tail -40 "$LOG_DIR/extra_nccl.log"; status=1
-    fi
-  else
-    say "nccl not present (tools/dp/check_nccl.sh)"
-  fi
-fi
+}
+has export && script_stage export tools/hf/check_export.sh 30
+has nccl && script_stage nccl tools/dp/check_nccl.sh 20
 for f in "$LOG_DIR"/*.log; do echo "===== $(basename "$f")"; cat "$f"; done >"$OUT_DIR/extra.log" 2>/dev/null
 exit $status
