@@ -91,6 +91,39 @@ std::string f4(double v) {
 std::string f4(const nlohmann::json& v) { return v.is_number() ? f4(v.get<double>()) : "&ndash;"; }
 }  // namespace
 
+nlohmann::json probe_metrics_lines(const nlohmann::json& probe, int64_t step) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const auto& s : probe["sites"])
+    out.push_back({{"kind", "routing"}, {"step", step}, {"site", s["site"]}, {"name", s["name"]},
+                   {"sources", s["sources"]}, {"heads", probe["heads"]}, {"weights", s["mean_weights"]},
+                   {"entropy", s["entropy"]}, {"token_entropy", s["token_entropy"]}, {"js", s["js"]},
+                   {"token_js", s["token_js"]}});
+  return out;
+}
+
+std::string probe_summary_table_html(const nlohmann::json& sites) {
+  std::ostringstream o;
+  o << "<table id=\"summary\"><tr><th>site</th><th>input of</th><th>sources</th><th>JS between heads (mean maps)</th>"
+    << "<th>JS between heads (per token)</th><th>entropy per head (mean map)</th><th>entropy per head (per token)</th></tr>";
+  const auto text = [](const nlohmann::json& v) {
+    return v.is_string() ? html_escape(v.get<std::string>()) : v.is_number() ? v.dump() : std::string("&ndash;");
+  };
+  for (const auto& s : sites) {
+    std::string ent, tent;
+    const nlohmann::json none = nlohmann::json::array();
+    const auto& e = s.contains("entropy") && s["entropy"].is_array() ? s["entropy"] : none;
+    const auto& te = s.contains("token_entropy") && s["token_entropy"].is_array() ? s["token_entropy"] : none;
+    for (size_t h = 0; h < e.size(); ++h) ent += (h ? " " : "") + f4(e[h]);
+    for (size_t h = 0; h < te.size(); ++h) tent += (h ? " " : "") + f4(te[h]);
+    o << "<tr><td>" << text(s.value("site", nlohmann::json())) << "</td><td>" << text(s.value("name", nlohmann::json()))
+      << "</td><td>" << text(s.value("sources", nlohmann::json())) << "</td><td>" << f4(s.value("js", nlohmann::json()))
+      << "</td><td>" << f4(s.value("token_js", nlohmann::json())) << "</td><td>" << ent << "</td><td>" << tent
+      << "</td></tr>";
+  }
+  o << "</table>";
+  return o.str();
+}
+
 std::string render_probe_html(const nlohmann::json& probe, const std::string& title) {
   const int n_layers = probe.value("n_layers", 0);
   std::ostringstream o;
@@ -99,19 +132,8 @@ std::string render_probe_html(const nlohmann::json& probe, const std::string& ti
     << html_escape(title) << "</h1><div class=\"muted\">" << probe.value("tokens", int64_t(0)) << " tokens, "
     << probe.value("heads", 0) << " routing head(s) per site; entropies and Jensen-Shannon divergences in nats "
     << "(ln 2 = 0.6931 is the largest divergence)</div>\n<h2>Head disagreement and entropy by site</h2>"
-    << "<table id=\"summary\"><tr><th>site</th><th>input of</th><th>sources</th><th>JS between heads (mean maps)</th>"
-    << "<th>JS between heads (per token)</th><th>entropy per head (mean map)</th><th>entropy per head (per token)</th></tr>";
-  for (const auto& s : probe["sites"]) {
-    std::string ent, tent;
-    for (size_t h = 0; h < s["entropy"].size(); ++h) {
-      ent += (h ? " " : "") + f4(s["entropy"][h]);
-      tent += (h ? " " : "") + f4(s["token_entropy"][h]);
-    }
-    o << "<tr><td>" << s["site"].get<int>() << "</td><td>" << html_escape(s["name"].get<std::string>()) << "</td><td>"
-      << s["sources"].get<int>() << "</td><td>" << f4(s["js"]) << "</td><td>" << f4(s["token_js"]) << "</td><td>" << ent
-      << "</td><td>" << tent << "</td></tr>";
-  }
-  o << "</table>\n<h2>Depth maps: mean routing weight of each source, per head</h2><div class=\"heatmaps\">";
+    << probe_summary_table_html(probe["sites"])
+    << "\n<h2>Depth maps: mean routing weight of each source, per head</h2><div class=\"heatmaps\">";
   for (const auto& s : probe["sites"])
     o << routing_heatmap_html(s["site"].get<int>(), s["mean_weights"].get<std::vector<std::vector<double>>>(), n_layers);
   o << "</div>\n</body></html>\n";

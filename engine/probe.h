@@ -50,6 +50,15 @@ class RoutingProbe {
   int64_t tokens_ = 0;
 };
 
+// The probe's sites as metrics.jsonl lines, one per site: {"kind":"routing","step",
+// "site","name","sources","heads","weights" (= mean_weights),"entropy","token_entropy",
+// "js","token_js"}: what the trainer logs at each evaluation and the run report draws.
+nlohmann::json probe_metrics_lines(const nlohmann::json& probe, int64_t step);
+
+// The table over sites (JS divergence between heads, entropies per head) of a probe's
+// "sites" array, or of metrics lines in that shape: the probe page's and the run report's.
+std::string probe_summary_table_html(const nlohmann::json& sites);
+
 // A self-contained HTML page of a probe's JSON: one heatmap per site (the run report's,
 // engine/report.h) with its entropies and head disagreement, and a table over sites.
 std::string render_probe_html(const nlohmann::json& probe, const std::string& title);

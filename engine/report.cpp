@@ -21,6 +21,7 @@
 
 #include "engine/error.h"
 #include "engine/file_io.h"
+#include "engine/probe.h"
 
 namespace mhar {
 
@@ -44,6 +45,7 @@ struct EvalRow {
 struct RoutingSite {
   int heads = 0;
   std::vector<std::vector<double>> weights;  // [head][source]
+  json line;  // the whole metrics line: the probe's entropies and divergences, when logged
 };
 
 struct RunData {
@@ -130,6 +132,7 @@ void read_metrics_line(RunData& run, const json& j) {
       for (const json& x : row) r.push_back(x.is_number() ? x.get<double>() : kNaN);
       rs.weights.push_back(std::move(r));
     }
+    rs.line = j;
     if (step < run.routing_step) return;
     if (step > run.routing_step) {
       run.routing.clear();
@@ -619,6 +622,15 @@ std::string render(const RunData& run) {
            "(yellow); hover a cell for its value.</p><div class=\"heatmaps\">";
       for (const auto& [site, rs] : run.routing) o << heatmap(site, rs, n_layers);
       o << "</div>\n";
+      json sites = json::array();  // lines written before the probe's statistics have none
+      for (const auto& [site, rs] : run.routing)
+        if (rs.line.contains("entropy")) sites.push_back(rs.line);
+      if (!sites.empty())
+        o << "<h3>Head disagreement and entropy by site</h3><p class=\"muted\">Over the same tokens: "
+             "the mean pairwise Jensen-Shannon divergence between the heads' depth distributions "
+             "(of the mean maps above, and per token averaged over tokens) and each head's entropy, "
+             "in nats (ln 2 = 0.6931 is the largest divergence; see <code>mhar probe</code>).</p>"
+          << probe_summary_table_html(sites) << "\n";
     }
   }
 
@@ -676,47 +688,7 @@ void write_run_report(const std::string& run_dir) {
   write_file_atomic((fs::path(run_dir) / "report.html").string(), render_run_report(run_dir));
 }
 
-// ---------------------------------------------------------------- routing averages
-
-void RoutingAccumulator::add(Model& model) {
-  if (!model.residual().routed()) return;
-  const int sites = model.config().n_sites();
-  const int H = model.residual().heads;
-  if (sums_.empty()) {
-    heads_ = H;
-    sums_.resize(size_t(sites));
-    for (int j = 0; j < sites; ++j) sums_[size_t(j)].assign(size_t(H) * size_t(j + 1), 0.0);
-  }
-  MHAR_CHECK(heads_ == H && int(sums_.size()) == sites, "routing accumulator fed two models");
-  std::vector<double> w;
-  int64_t N = 0;
-  for (int j = 0; j < sites; ++j) {
-    w = model.routing_weights(j);  // [N, H, j+1]
-    const size_t row = size_t(H) * size_t(j + 1);
-    N = int64_t(w.size() / row);
-    std::vector<double>& s = sums_[size_t(j)];
-    for (int64_t n = 0; n < N; ++n)
-      for (size_t k = 0; k < row; ++k) s[k] += w[size_t(n) * row + k];
-  }
-  tokens_ += N;
-}
-
-nlohmann::json RoutingAccumulator::lines(int64_t step) const {
-  json out = json::array();
-  if (tokens_ == 0) return out;
-  for (size_t j = 0; j < sums_.size(); ++j) {
-    json weights = json::array();
-    for (int h = 0; h < heads_; ++h) {
-      json row = json::array();
-      for (size_t i = 0; i <= j; ++i)
-        row.push_back(sums_[j][size_t(h) * (j + 1) + i] / double(tokens_));
-      weights.push_back(std::move(row));
-    }
-    out.push_back({{"kind", "routing"}, {"step", step}, {"site", int(j)}, {"heads", heads_},
-                   {"weights", std::move(weights)}});
-  }
-  return out;
-}
+// ---------------------------------------------------------------- pieces reused elsewhere
 
 std::string routing_heatmap_html(int site, const std::vector<std::vector<double>>& weights, int n_layers) {
   RoutingSite rs;
@@ -726,11 +698,5 @@ std::string routing_heatmap_html(int site, const std::vector<std::vector<double>
 }
 const char* report_css() { return kStyle; }
 std::string html_escape(const std::string& s) { return escape(s); }
-
-nlohmann::json routing_summary(Model& model, int64_t step) {
-  RoutingAccumulator acc;
-  acc.add(model);
-  return acc.lines(step);
-}
 
 }  // namespace mhar

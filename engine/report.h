@@ -2,13 +2,16 @@
 // SVG and CSS, no scripts, no network, no external fonts) with the train and validation
 // loss curves, learning rate, gradient norm and throughput, and for routed runs
 // (attnres, mhar) a heatmap per routing site of the mean routing weight of every source,
-// per head, at the latest evaluation.
+// per head, at the latest evaluation, and the table of the heads' disagreement and
+// entropies (engine/probe.h) when the lines carry them.
 //
 // Inputs (both written by the trainer): RUN_DIR/config.json (Config::to_json) and
 // RUN_DIR/metrics.jsonl, one JSON object per line:
 //   {"kind":"train","step","loss","lr","grad_norm","tokens_per_s","tokens","elapsed_s"}
 //   {"kind":"eval","step","val_loss","val_ppl","tokens"}
-//   {"kind":"routing","step","site","heads","weights":[[w_0..w_site] per head]}
+//   {"kind":"routing","step","site","heads","weights":[[w_0..w_site] per head],
+//    "name","sources","entropy","token_entropy","js","token_js"} (probe_metrics_lines;
+//    lines of older runs have only the first five fields)
 //   {"kind":"skip","step","reason"}
 // Reading is forgiving, because the report is a diagnostic written while the run goes:
 // unknown kinds and missing fields are ignored, a truncated last line (a write in
@@ -33,31 +36,11 @@ void write_run_report(const std::string& run_dir);
 // The HTML that write_run_report() writes (for tests and for printing).
 std::string render_run_report(const std::string& run_dir);
 
-// Mean routing weight of every (site, head, source) over all tokens of the forwards it
-// is given (e.g. every validation batch of one evaluation), from
-// Model::routing_weights(site) [N, H, site+1].
-class RoutingAccumulator {
- public:
-  void add(Model& model);  // after a forward; does nothing for a standard model
-  bool empty() const { return tokens_ == 0; }
-  // One {"kind":"routing",...} object per site, as a JSON array (empty when nothing was
-  // added): the lines to append to metrics.jsonl.
-  nlohmann::json lines(int64_t step) const;
-
- private:
-  int heads_ = 0;
-  int64_t tokens_ = 0;
-  std::vector<std::vector<double>> sums_;  // per site: [H * (site+1)], summed over tokens
-};
-
 // Pieces of the report that other pages reuse (the routing probe, engine/probe.h):
 // the SVG heatmap of one site's weights [head][source] (viridis, scaled to the largest
 // weight; sources named emb, a0, m0, ...), the page's CSS, and HTML escaping.
 std::string routing_heatmap_html(int site, const std::vector<std::vector<double>>& weights, int n_layers);
 const char* report_css();
 std::string html_escape(const std::string& s);
-
-// The routing lines of the model's last forward alone (one batch).
-nlohmann::json routing_summary(Model& model, int64_t step);
 
 }  // namespace mhar

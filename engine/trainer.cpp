@@ -24,6 +24,7 @@
 #include "engine/json_io.h"
 #include "engine/metrics.h"
 #include "engine/optimizer.h"
+#include "engine/probe.h"
 #include "engine/report.h"
 #include "engine/run_lock.h"
 #include "engine/train_step.h"
@@ -143,7 +144,7 @@ void resolve_data_paths(Config& cfg) {
 }
 
 EvalResult evaluate(Model& model, data::DataLoader& loader, long long max_batches,
-                    RoutingAccumulator* routing) {
+                    RoutingProbe* routing) {
   loader.reset();
   const int B = model.batch(), T = model.seq_len();
   long long n = (long long)loader.num_batches();
@@ -154,7 +155,7 @@ EvalResult evaluate(Model& model, data::DataLoader& loader, long long max_batche
   for (long long b = 0; b < n; ++b) {
     loader.next_batch(x.data(), y.data());
     sum += model.forward(x.data(), y.data(), 0.0) * double(B) * T;  // equal-size batches
-    if (routing) routing->add(model);
+    if (routing && model.residual().routed()) routing->add(model);
     r.tokens += (long long)B * T;
   }
   r.batches = n;
@@ -395,11 +396,12 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
     double val_loss = 0;  // rank 0's, then every rank's (the sum below)
     if (root) {
       watchdog::set_phase("evaluation", at_step, false);
-      RoutingAccumulator routing;
+      RoutingProbe routing;  // reduced on the device: one small download per evaluation
       EvalResult ev = evaluate(model, *val_data, t.eval_batches, &routing);
       log_metrics({{"kind", "eval"}, {"step", at_step}, {"val_loss", ev.loss},
                    {"val_ppl", std::exp(ev.loss)}, {"tokens", ev.tokens}});
-      for (const auto& line : routing.lines(at_step)) log_metrics(line);
+      if (routing.tokens() > 0)
+        for (const auto& line : probe_metrics_lines(routing.to_json(), at_step)) log_metrics(line);
       try {  // the report is a diagnostic: it never stops a run
         write_run_report(opt.run_dir);
       } catch (const std::exception& e) {

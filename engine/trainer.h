@@ -22,7 +22,7 @@
 namespace mhar {
 
 namespace data { class DataLoader; }
-class RoutingAccumulator;
+class RoutingProbe;
 
 struct TrainOptions {
   std::string run_dir;              // required
@@ -52,10 +52,11 @@ struct EvalResult {
   long long batches = 0;
 };
 // Mean cross-entropy over every predicted token of the first `max_batches` batches (all
-// when <= 0) of a sequential loader, read from its first batch. With `routing`, every
-// batch's routing weights are accumulated into it (for the report).
+// when <= 0) of a sequential loader, read from its first batch. With `routing` and a
+// routed model, every batch's routing statistics are reduced into it on the device (for
+// the report).
 EvalResult evaluate(Model& model, data::DataLoader& loader, long long max_batches,
-                    RoutingAccumulator* routing = nullptr);
+                    RoutingProbe* routing = nullptr);
 
 // Makes relative data globs and a tokenizer.json path absolute against the config
 // file's directory (the names "gpt2" and "qwen3" stay as they are).

@@ -6,7 +6,8 @@
 //   be blank: many distinct colours and a good share of non-white pixels. Chromium is
 //   installed by tools/setup.sh; when it is absent the test fails if $CI or
 //   $MHAR_REQUIRE_BROWSER is set and otherwise skips with a loud banner.
-// - RoutingAccumulator averages Model::routing_weights over tokens and batches.
+// - The trainer's routing lines (a RoutingProbe's, probe_metrics_lines) hold the mean
+//   routing weights over tokens and batches and render with the probe's statistics.
 // - The routing probe's page (engine/probe.h) renders in Chromium the same way.
 #include <dlfcn.h>
 #include <gtest/gtest.h>
@@ -333,19 +334,23 @@ TEST(ProbePage, ChromiumScreenshotIsNotBlank) {
   if (!HasFailure() && !IsSkipped()) fs::remove_all(dir);
 }
 
-TEST(RoutingSummary, AveragesWeightsOverTokensAndBatches) {
+// What the trainer logs at an evaluation (a RoutingProbe over the validation batches,
+// probe_metrics_lines) carries the mean routing weights over every token of every batch
+// and the probe's statistics, and the run report draws both: the heatmaps and the table
+// of head disagreement and entropies.
+TEST(RunReport, TrainerRoutingLinesCarryTheProbeAndRender) {
   Config cfg = tiny_config(ResidualMode::Mhar, 2);
   auto be = make_cpu_backend(DType::F64);
   Model m(cfg.model, cfg.residual, *be, 2, 5);
   randomize_weights(m, 3);
-  RoutingAccumulator acc;
+  RoutingProbe probe;
   std::vector<std::vector<double>> expect(size_t(cfg.model.n_sites()));
   const int batches = 2, N = 10, H = 2;
   for (int b = 0; b < batches; ++b) {
     std::vector<int32_t> tok, tgt;
     random_tokens(N, cfg.model.vocab_size, 10 + b, tok, tgt);
     m.forward(tok.data(), tgt.data(), 0.0);
-    acc.add(m);
+    probe.add(m);
     for (int j = 0; j < cfg.model.n_sites(); ++j) {
       const auto w = m.routing_weights(j);
       auto& e = expect[size_t(j)];
@@ -354,7 +359,7 @@ TEST(RoutingSummary, AveragesWeightsOverTokensAndBatches) {
         for (size_t k = 0; k < e.size(); ++k) e[k] += w[size_t(n) * e.size() + k] / (batches * N);
     }
   }
-  const nlohmann::json lines = acc.lines(300);
+  const nlohmann::json lines = probe_metrics_lines(probe.to_json(), 300);
   ASSERT_EQ(int(lines.size()), cfg.model.n_sites());
   for (int j = 0; j < cfg.model.n_sites(); ++j) {
     const auto& l = lines[size_t(j)];
@@ -362,23 +367,39 @@ TEST(RoutingSummary, AveragesWeightsOverTokensAndBatches) {
     EXPECT_EQ(l["step"], 300);
     EXPECT_EQ(l["site"], j);
     EXPECT_EQ(l["heads"], H);
+    EXPECT_EQ(l["sources"], j + 1);
+    ASSERT_EQ(l["entropy"].size(), size_t(H));
+    ASSERT_TRUE(l["js"].is_number());
     ASSERT_EQ(l["weights"].size(), size_t(H));
     for (int h = 0; h < H; ++h) {
       ASSERT_EQ(l["weights"][size_t(h)].size(), size_t(j + 1));
-      double sum = 0;
-      for (int i = 0; i <= j; ++i) {
-        const double w = l["weights"][size_t(h)][size_t(i)];
-        EXPECT_NEAR(w, expect[size_t(j)][size_t(h) * (j + 1) + i], 1e-12);
-        sum += w;
-      }
-      EXPECT_NEAR(sum, 1.0, 1e-12);  // a mean of distributions is a distribution
+      for (int i = 0; i <= j; ++i)  // sums of 20 doubles in another order
+        EXPECT_NEAR(l["weights"][size_t(h)][size_t(i)].get<double>(), expect[size_t(j)][size_t(h) * (j + 1) + i], 1e-14);
     }
   }
-  // One batch alone, and a standard model (nothing to log).
-  EXPECT_EQ(routing_summary(m, 7).size(), size_t(cfg.model.n_sites()));
-  Config sc = tiny_config(ResidualMode::Standard);
-  Model s(sc.model, sc.residual, *be, 1, 4);
-  EXPECT_TRUE(routing_summary(s, 7).empty());
+  const fs::path dir = fresh_dir("probe_lines");
+  std::ofstream(dir / "config.json") << cfg.to_json().dump(2) << "\n";
+  {
+    std::ofstream out(dir / "metrics.jsonl");
+    out << R"({"kind":"eval","step":300,"val_loss":3.0,"val_ppl":20.1,"tokens":20})" << "\n";
+    for (const auto& l : lines) out << l.dump() << "\n";
+  }
+  const std::string html = render_run_report(dir.string());
+  EXPECT_EQ(count_of(html, "<figure class=\"heatmap\">"), cfg.model.n_sites());
+  EXPECT_NE(html.find("Head disagreement and entropy by site"), std::string::npos);
+  // One table row per site (the header row has <th> cells), each with the site's name and JS.
+  EXPECT_EQ(count_of(html, "<tr><td>"), cfg.model.n_sites());
+  char js[32];
+  std::snprintf(js, sizeof js, "%.4f", lines[size_t(cfg.model.n_sites() - 1)]["js"].get<double>());
+  EXPECT_NE(html.find(std::string("<td>final norm</td><td>") + std::to_string(cfg.model.n_sites()) + "</td><td>" + js),
+            std::string::npos);
+  // Lines of older runs, without the statistics, draw the heatmaps and no table.
+  const fs::path old = make_synthetic_run("old_lines", ResidualMode::Mhar);
+  EXPECT_EQ(count_of(render_run_report(old.string()), "Head disagreement and entropy"), 0);
+  if (!HasFailure()) {
+    fs::remove_all(dir);
+    fs::remove_all(old);
+  }
 }
 
 }  // namespace
