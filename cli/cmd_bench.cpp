@@ -21,6 +21,10 @@
 //   scaling_efficiency  baseline_ms_per_step / ms_per_step: tokens/s per GPU at N ranks
 //                     over one GPU with the same micro-batch (at -np 1: the communicator
 //                     path's cost, also as comm_overhead = ms / baseline ms - 1)
+//   exposed_comm_share  (ms - baseline ms) / ms: the share of the data-parallel step
+//                     spent on communication the computation does not hide
+//   optimizer_state_bytes, baseline_optimizer_state_bytes  fp32 master + AdamW moments
+//                     held by a rank (its ZeRO-1 shard) and by the rank alone
 //   peak_mem_bytes_per_rank  each rank's peak (below); peak_mem_bytes is the largest
 //   ms_per_step       median (also _min and _max)
 //   peak_mem_bytes    CUDA: the most device memory the backend held from cudaMalloc at
@@ -127,6 +131,7 @@ struct PhaseResult {
   int64_t peak = 0;  // backend allocations, or the arenas when the backend does not count
   std::string peak_method;
   size_t arena_bytes = 0;
+  size_t optimizer_state_bytes = 0;  // this rank's fp32 master and moments (its ZeRO-1 shard)
   int64_t params = 0, embed_params = 0;
   std::string backend_name;
 };
@@ -167,6 +172,7 @@ PhaseResult run_phase(const Config& cfg, const BenchOptions& o, int local_rank,
   if (!std::isfinite(r.loss)) fail("bench: the loss is ", r.loss, " after ", r.steps, " steps");
   r.arena_bytes = model.parameter_plan().total_bytes() + model.activation_plan().total_bytes() +
                   size_t(model.all_gradients().bytes()) + optimizer.state_bytes();
+  r.optimizer_state_bytes = optimizer.state_bytes();
   r.peak = (int64_t)r.arena_bytes;
   r.peak_method = "arenas";
   if (backend->peak_bytes_in_use() >= 0) {
@@ -251,6 +257,7 @@ void run_bench(const BenchOptions& o) {
       {"peak_mem_bytes_per_rank", peaks},
       {"peak_mem_method", r.peak_method},
       {"arena_bytes", (long long)r.arena_bytes},
+      {"optimizer_state_bytes", (long long)r.optimizer_state_bytes},
       {"flops_per_token", fpt},
       {"mfu", tokens_per_s * fpt / kPeakBf16Flops},
       {"loss", r.loss},
@@ -261,8 +268,12 @@ void run_bench(const BenchOptions& o) {
     j["baseline_ms_per_step"] = base_median * 1e3;
     j["baseline_tokens_per_s"] = std::round(double(B) * T / base_median * 10) / 10;
     j["baseline_peak_mem_bytes"] = base->peak;
+    j["baseline_optimizer_state_bytes"] = (long long)base->optimizer_state_bytes;
     j["scaling_efficiency"] = base_median / median;
     j["comm_overhead"] = median / base_median - 1;
+    // The step time the communication adds (what the backward and the forward do not
+    // hide), as a share of the data-parallel step.
+    j["exposed_comm_share"] = (median - base_median) / median;
   }
   std::printf("%s\n", j.dump().c_str());
   std::fflush(stdout);
