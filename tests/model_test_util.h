@@ -74,11 +74,14 @@ inline std::vector<int32_t> markov_tokens(size_t n, uint64_t seed) {
 }
 
 // One more bf16 rounding's worth of noise, to measure how sensitive a result is to it:
-// every parameter multiplied by (1 + u), u uniform in [-2^-9, 2^-9] (the relative error
-// of rounding to bf16), drawn from `seed`.
-inline void perturb_parameters(Model& m, uint64_t seed) {
+// every parameter multiplied by (1 + u), u uniform in [-rel, rel], drawn from `seed`.
+// The default 2^-9 is the relative error of rounding to bf16, for weights held in fp32
+// or fp64. Weights already on the bf16 grid need rel = 2^-8: a change of 2^-9 or less
+// never crosses half a bf16 ulp (2^-9 to 2^-8 of the value), so it would round back to
+// the same weights; 2^-8 moves a share of them by one ulp, never more.
+inline void perturb_parameters(Model& m, uint64_t seed, double rel = 0x1p-9) {
   std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<double> u(-0x1p-9, 0x1p-9);
+  std::uniform_real_distribution<double> u(-rel, rel);
   for (auto& p : m.parameters()) {
     auto v = download(m.backend(), p.value);
     for (double& x : v) x *= 1.0 + u(rng);

@@ -11,13 +11,13 @@
 #   match  tools/dp/check_nccl.sh at NP ranks, 20 steps, no bench: the NP-GPU losses
 #          against one GPU accumulating the same global batch, bound derived there.
 #   long   1B mhar from the Qwen3 shards in $SHARDS (train_*.bin, val_*.bin): a 300-step
-#          run on NP GPUs with checkpoints every 100 steps; rank 1 is killed (SIGKILL) once
+#          run on NP GPUs with a checkpoint at step 200; rank 1 is killed (SIGKILL) once
 #          step KILL_AT is logged; the job must end by itself; then the run resumes on one
 #          GPU (no mpirun; the optimizer state is re-sharded) from the step-200 checkpoint
 #          and finishes the 300 steps. Prints both loss curves where they overlap.
 # Logs of every run go to $OUT/scale.log (or $BUILD_DIR/logs/scale.log).
 #   MHAR (default $BUILD_DIR/mhar, BUILD_DIR default build-gpu), NP (default: the GPUs
-#   nvidia-smi lists), SHARDS (default .scale/qwen3), KILL_AT (default 240); for a dry run
+#   nvidia-smi lists), SHARDS (default .scale/qwen3), KILL_AT (default 220); for a dry run
 #   of this script on the CPU: DEVICE=cpu NP=2 SIZES=quickstart MODES=mhar
 #   LONG_CONFIG=<a small config with a Qwen3-sized vocabulary> LONG_MICRO=2 LONG_SEQ=64
 set -uo pipefail
@@ -28,7 +28,7 @@ MHAR="${MHAR:-$REPO/$BUILD_DIR/mhar}"
 NP="${NP:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')}"
 STAGES="${STAGES:-bench match long}"
 SHARDS="${SHARDS:-$REPO/.scale/qwen3}"
-KILL_AT="${KILL_AT:-240}"
+KILL_AT="${KILL_AT:-220}"
 DEVICE="${DEVICE:-cuda}"
 SIZES="${SIZES:-350m 1b}"
 MODES="${MODES:-standard mhar}"
@@ -94,7 +94,7 @@ if has long; then
           --set train.micro_batch=$LONG_MICRO --set train.seq_len=$LONG_SEQ
           --set train.batch_tokens=$((LONG_MICRO * LONG_SEQ * NP)) --set train.steps=300 --set train.device=$DEVICE
           --set train.warmup_steps=30 --set train.eval_every=100 --set train.eval_batches=4
-          --set train.log_every=10 --set checkpoint.every=100 --set checkpoint.keep=3)
+          --set train.log_every=10 --set checkpoint.every=200 --set checkpoint.keep=2)
     echo "== long: 1B mhar, 300 steps on $NP GPU(s), kill rank 1 after step $KILL_AT" >>"$LOG"
     t0=$(date +%s)
     "${MPIRUN[@]}" "$MHAR" --log-level info train "$LONG_CONFIG" --run-dir "$run" "${sets[@]}" \
