@@ -12,26 +12,17 @@
 
 #include <nlohmann/json.hpp>
 
+#include "tests/process_test_util.h"
+
 namespace fs = std::filesystem;
 
 namespace {
 
-struct Result {
-  int rc = -1;
-  std::string out;
-};
+using Result = mhar::test::CommandResult;
 
+// `mhar ARGS`, its stdout alone (the JSON line).
 Result run(const std::string& args) {
-  Result r;
-  const std::string cmd = std::string(MHAR_BINARY) + " --log-level error " + args + " 2>/dev/null";
-  FILE* p = popen(cmd.c_str(), "r");
-  if (!p) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.out.append(buf, n);
-  const int status = pclose(p);
-  r.rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
+  return mhar::test::run_command(std::string(MHAR_BINARY) + " --log-level error " + args + " 2>/dev/null");
 }
 
 class BenchTest : public ::testing::Test {

@@ -15,6 +15,7 @@
 #include "data/corpus.h"
 #include "data/shard.h"
 #include "tests/data_test_util.h"
+#include "tests/process_test_util.h"
 
 using mhar::test::read_bytes;
 using mhar::test::TempDir;
@@ -23,15 +24,11 @@ namespace md = mhar::data;
 
 namespace {
 
+// `mhar ARGS`, stdout and stderr together.
 std::string run(const std::string& args, int* status = nullptr) {
-  const std::string cmd = std::string(MHAR_BINARY) + " " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  std::string out;
-  char buf[4096];
-  while (size_t n = fread(buf, 1, sizeof(buf), p)) out.append(buf, n);
-  const int rc = pclose(p);
-  if (status) *status = WEXITSTATUS(rc);
-  return out;
+  const auto r = mhar::test::run_command(std::string(MHAR_BINARY) + " " + args + " 2>&1");
+  if (status) *status = r.rc;
+  return r.out;
 }
 
 std::string trained_tokenizer() { return mhar::test::fixture_dir() + "/trained_4096.json"; }

@@ -43,9 +43,14 @@
 
 #include "data/shard.h"
 #include "tests/model_test_util.h"
+#include "tests/process_test_util.h"
 
 namespace fs = std::filesystem;
+using mhar::test::CommandResult;
 using mhar::test::markov_tokens;
+using mhar::test::read_file;
+using mhar::test::read_metrics;
+using mhar::test::run_command;
 
 namespace {
 
@@ -55,25 +60,11 @@ namespace {
 const char* kMpirun =
     "env OMPI_MCA_btl_vader_single_copy_mechanism=none mpirun --allow-run-as-root --oversubscribe";
 
-struct Result {
-  int rc = -1;
-  std::string out;  // stdout and stderr
-  double seconds = 0;
-};
+using Result = CommandResult;
 
-Result run(const std::string& cmd) {
-  Result r;
-  const auto t0 = std::chrono::steady_clock::now();
-  FILE* p = popen(("OMP_NUM_THREADS=1 timeout 300 " + cmd + " 2>&1").c_str(), "r");
-  if (!p) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.out.append(buf, n);
-  const int status = pclose(p);
-  r.rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return r;
-}
+// The child's stdout and stderr together; one thread per rank (OMP_NUM_THREADS=1) on a
+// 2-core machine; no job outlives 300 s.
+Result run(const std::string& cmd) { return run_command("OMP_NUM_THREADS=1 timeout 300 " + cmd + " 2>&1"); }
 
 std::string mhar_cmd(int ranks, const std::string& args, const char* log_level = "warn") {
   const std::string bin = std::string(MHAR_BINARY) + " --log-level " + log_level + " " + args;
@@ -117,24 +108,10 @@ class DistTest : public ::testing::Test {
     return p;
   }
 
-  static std::vector<nlohmann::json> metrics(const fs::path& run, const char* kind) {
-    std::vector<nlohmann::json> out;
-    std::ifstream in(run / "metrics.jsonl");
-    std::string line;
-    while (std::getline(in, line)) {
-      auto j = nlohmann::json::parse(line);
-      if (j["kind"] == kind) out.push_back(j);
-    }
-    return out;
-  }
   static std::vector<double> losses(const fs::path& run) {
     std::vector<double> out;
-    for (const auto& j : metrics(run, "train")) out.push_back(j["loss"].get<double>());
+    for (const auto& j : read_metrics(run, "train")) out.push_back(j["loss"].get<double>());
     return out;
-  }
-  static std::string read_file(const fs::path& p) {
-    std::ifstream in(p, std::ios::binary);
-    return std::string(std::istreambuf_iterator<char>(in), {});
   }
   // Keeps only the checkpoint of step `step` (as if the run had stopped there).
   static void keep_only_checkpoint(const fs::path& run, int step) {
@@ -173,7 +150,7 @@ TEST_F(DistTest, TwoRanksMatchOneRankWithAccumulationInEveryMode) {
                 "with accumulation %.2e (bound 1e-6)\n", mode.c_str(), a.front(), a.back(),
                 max_rel_diff(b, a));
     // Only rank 0 writes metrics: one line per step, no duplicates.
-    EXPECT_EQ(metrics(two, "eval").size(), 3u);  // steps 0, 10, 20
+    EXPECT_EQ(read_metrics(two, "eval").size(), 3u);  // steps 0, 10, 20
   }
 }
 
@@ -184,7 +161,7 @@ TEST_F(DistTest, OneRankUnderMpirunIsBitIdenticalToNoMpirun) {
   ASSERT_EQ(r0.rc, 0) << r0.out;
   const Result r1 = run(mhar_cmd(1, "train " + cfg.string() + " --run-dir " + np1.string()));
   ASSERT_EQ(r1.rc, 0) << r1.out;
-  const auto a = metrics(plain, "train"), b = metrics(np1, "train");
+  const auto a = read_metrics(plain, "train"), b = read_metrics(np1, "train");
   ASSERT_EQ(a.size(), 10u);
   ASSERT_EQ(b.size(), 10u);
   for (size_t i = 0; i < a.size(); ++i) {
@@ -379,7 +356,7 @@ TEST_F(DistTest, SigtermToOneRankStopsEveryRankWithOneCheckpoint) {
       EXPECT_TRUE(fs::exists(ck / f)) << f;
     const auto st = nlohmann::json::parse(read_file(ck / "state.json"));
     EXPECT_EQ(st["world_size"], 2);
-    EXPECT_EQ(st["step"].get<size_t>(), metrics(run_dir, "train").size());
+    EXPECT_EQ(st["step"].get<size_t>(), read_metrics(run_dir, "train").size());
     std::printf("[ dist ] %s: every rank stopped at step %zu, exit %d after %.1f s\n",
                 to_mpirun ? "SIGUSR1 to mpirun" : "SIGTERM to rank 1", st["step"].get<size_t>(),
                 rc, seconds);

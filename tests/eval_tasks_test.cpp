@@ -352,8 +352,9 @@ TEST(EvalTaskCli, TrainedCheckpointScoresEqualThePerRequestReference) {
     // The CLI runs in fp32; per-token log-probabilities of this model (|logits| < 30,
     // d_model 32) carry errors of order 1e-6, so the mean log-likelihoods agree to 1e-4.
     for (const char* key : {"perplexity", "word_perplexity", "byte_perplexity"})
-      if (ref.contains(key))
+      if (ref.contains(key)) {
         EXPECT_NEAR(std::log(got.at(key).get<double>()), std::log(ref[key].get<double>()), 1e-4) << key;
+      }
     for (const char* key : {"acc", "acc_norm", "docs"})
       if (ref.contains(key)) {
         EXPECT_EQ(got.at(key), ref[key]) << key;

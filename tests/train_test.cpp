@@ -21,10 +21,14 @@
 #include "engine/error.h"
 #include "engine/trainer.h"
 #include "tests/model_test_util.h"
+#include "tests/process_test_util.h"
 
 namespace fs = std::filesystem;
 using namespace mhar;
 using mhar::test::markov_tokens;
+using mhar::test::read_file;
+using mhar::test::read_metrics;
+using mhar::test::run_command;
 
 namespace {
 
@@ -65,20 +69,6 @@ class TrainTest : public ::testing::Test {
     o.quiet = true;
     return o;
   }
-  static std::vector<nlohmann::json> metrics(const fs::path& run, const char* kind) {
-    std::vector<nlohmann::json> out;
-    std::ifstream in(run / "metrics.jsonl");
-    std::string line;
-    while (std::getline(in, line)) {
-      auto j = nlohmann::json::parse(line);
-      if (j["kind"] == kind) out.push_back(j);
-    }
-    return out;
-  }
-  static std::string read_file(const fs::path& p) {
-    std::ifstream in(p, std::ios::binary);
-    return std::string(std::istreambuf_iterator<char>(in), {});
-  }
 };
 
 TEST_F(TrainTest, LossFallsInEveryMode) {
@@ -110,7 +100,7 @@ TEST_F(TrainTest, ResumeIsBitExactAcrossGradientAccumulation) {
   TrainResult rest = train(Config(), r);
   EXPECT_EQ(rest.step, 12);
 
-  auto a = metrics(dir / "full", "train"), b = metrics(dir / "split", "train");
+  auto a = read_metrics(dir / "full", "train"), b = read_metrics(dir / "split", "train");
   ASSERT_EQ(a.size(), 12u);
   ASSERT_EQ(b.size(), 12u);
   for (size_t i = 0; i < a.size(); ++i) {
@@ -126,12 +116,9 @@ TEST_F(TrainTest, EvalCommandAgreesWithTheTrainer) {
   TrainResult r = train(cfg, options("run"));
   const std::string cmd = std::string(MHAR_BINARY) + " --log-level error eval --device cpu --checkpoint " +
                           r.last_checkpoint + " --data '" + cfg.data.val + "' --batches 8";
-  FILE* p = popen(cmd.c_str(), "r");
-  ASSERT_NE(p, nullptr);
-  char buf[4096] = {0};
-  size_t n = fread(buf, 1, sizeof buf - 1, p);
-  ASSERT_EQ(pclose(p), 0) << buf;
-  auto j = nlohmann::json::parse(std::string(buf, n));
+  const auto out = run_command(cmd);
+  ASSERT_EQ(out.rc, 0) << out.out;
+  auto j = nlohmann::json::parse(out.out);
   EXPECT_EQ(j["loss"].get<double>(), r.last_val_loss);
   EXPECT_EQ(j["tokens"].get<long long>(), 8LL * 4 * 16);
 }
@@ -148,16 +135,16 @@ TEST_F(TrainTest, SigintFinishesTheStepCheckpointsAndExitsZero) {
     _exit(127);
   }
   // Wait for a few steps to have run, then interrupt.
-  for (int i = 0; i < 600 && metrics(run, "train").size() < 3; ++i)
+  for (int i = 0; i < 600 && read_metrics(run, "train").size() < 3; ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  ASSERT_GE(metrics(run, "train").size(), 3u) << "training did not start";
+  ASSERT_GE(read_metrics(run, "train").size(), 3u) << "training did not start";
   kill(pid, SIGINT);
   int status = 0;
   waitpid(pid, &status, 0);
   ASSERT_TRUE(WIFEXITED(status));
   EXPECT_EQ(WEXITSTATUS(status), 0);
   CheckpointInfo ck = open_checkpoint(run);
-  EXPECT_EQ(ck.step, (long long)metrics(run, "train").size());
+  EXPECT_EQ(ck.step, (long long)read_metrics(run, "train").size());
 }
 
 // A Ctrl-C during a streak of skipped (non-finite) steps is honoured at once, not after
@@ -179,9 +166,9 @@ TEST_F(TrainTest, SigintDuringSkippedStepsCheckpointsTheUnchangedWeightsAndExits
     _exit(127);
   }
   unsetenv("MHAR_SIMULATE_NONFINITE_FROM_STEP");
-  for (int i = 0; i < 1200 && metrics(run, "skip").size() < 3; ++i)
+  for (int i = 0; i < 1200 && read_metrics(run, "skip").size() < 3; ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  if (metrics(run, "skip").size() < 3) {
+  if (read_metrics(run, "skip").size() < 3) {
     kill(pid, SIGKILL);
     waitpid(pid, nullptr, 0);
     FAIL() << "the simulated non-finite steps did not start";
@@ -200,7 +187,7 @@ TEST_F(TrainTest, SigintDuringSkippedStepsCheckpointsTheUnchangedWeightsAndExits
   }
   ASSERT_TRUE(WIFEXITED(status));
   EXPECT_EQ(WEXITSTATUS(status), 0);
-  const auto good = metrics(run, "train"), skipped = metrics(run, "skip");
+  const auto good = read_metrics(run, "train"), skipped = read_metrics(run, "skip");
   ASSERT_EQ(good.size(), 3u);
   ASSERT_GE(skipped.size(), 3u);
   CheckpointInfo ck = open_checkpoint(run);
@@ -232,7 +219,7 @@ TEST_F(TrainTest, SigintDuringSkippedStepsCheckpointsTheUnchangedWeightsAndExits
   r.stop_after_steps = 2;
   TrainResult rest = train(Config(), r);
   EXPECT_EQ(rest.step, ck.step + 2);
-  EXPECT_EQ(metrics(run, "train").size(), 5u);
+  EXPECT_EQ(read_metrics(run, "train").size(), 5u);
 }
 
 // A run whose last step is skipped still ends with a checkpoint at that step (and the
@@ -245,10 +232,10 @@ TEST_F(TrainTest, RunEndingOnASkippedStepCheckpointsItsLastStep) {
   unsetenv("MHAR_SIMULATE_NONFINITE_FROM_STEP");
   EXPECT_EQ(r.step, 6);
   EXPECT_FALSE(r.interrupted);
-  EXPECT_EQ(metrics(dir / "run", "skip").size(), 1u);
+  EXPECT_EQ(read_metrics(dir / "run", "skip").size(), 1u);
   EXPECT_EQ(open_checkpoint((dir / "run").string()).step, 6);
-  ASSERT_FALSE(metrics(dir / "run", "eval").empty());
-  EXPECT_EQ(metrics(dir / "run", "eval").back()["step"].get<long long>(), 6);
+  ASSERT_FALSE(read_metrics(dir / "run", "eval").empty());
+  EXPECT_EQ(read_metrics(dir / "run", "eval").back()["step"].get<long long>(), 6);
 }
 
 TEST_F(TrainTest, RunDirOfAnotherRunIsRefused) {
@@ -337,8 +324,8 @@ TEST_F(TrainTest, RepeatedNonFiniteStepsStopTheRunWithTheLastGoodCheckpointIntac
   }
   unsetenv("MHAR_SIMULATE_NONFINITE_FROM_STEP");
   EXPECT_EQ(open_checkpoint((dir / "run").string()).step, 4);
-  EXPECT_EQ(metrics(dir / "run", "skip").size(), 4u);
-  EXPECT_EQ(metrics(dir / "run", "train").size(), 5u);
+  EXPECT_EQ(read_metrics(dir / "run", "skip").size(), 4u);
+  EXPECT_EQ(read_metrics(dir / "run", "train").size(), 5u);
 }
 
 TEST_F(TrainTest, TooLittleDataForOneBatchIsAClearError) {
