@@ -188,27 +188,28 @@ class Fp32Noise final : public Backend {
   }
   // Routing: only the pairs a call writes are rounded (weights holds every pair).
   void routing_source_logits(Tensor weights, Tensor inv_rms, Tensor v, const RoutingParams& p,
-                             int source, int heads, double eps) override {
-    inner_->routing_source_logits(weights, inv_rms, v, p, source, heads, eps);
+                             const RoutingLayout& lay, int source, int heads, double eps) override {
+    inner_->routing_source_logits(weights, inv_rms, v, p, lay, source, heads, eps);
     round_all(inv_rms);
-    for (int k = source; k < p.sites(); ++k) round_all(weights[routing_pair(source, k, p.sites())]);
+    for (int k = source; k <= lay.last_site(source); ++k) round_all(weights[lay.pair(source, k)]);
   }
-  void routing_mix(Tensor x, Tensor weights, Tensor history, int site, int heads) override {
-    inner_->routing_mix(x, weights, history, site, heads);
+  void routing_mix(Tensor x, Tensor weights, Tensor history, const RoutingLayout& lay, int site,
+                   int heads) override {
+    inner_->routing_mix(x, weights, history, lay, site, heads);
     round_all(x);
-    const int S = int(history.dim(0));
-    for (int i = 0; i <= site; ++i) round_all(weights[routing_pair(i, site, S)]);
+    for (int t = 0; t < lay.site_sources(site); ++t)
+      round_all(weights[lay.pair(lay.site_source(site, t), site)]);
   }
   void routing_source_backward(Tensor dv, Tensor weights, Tensor ubar, Tensor gsum,
                                Tensor site_dx, Tensor x, Tensor v, Tensor inv_rms,
-                               const RoutingParams& p, int source, int heads) override {
-    inner_->routing_source_backward(dv, weights, ubar, gsum, site_dx, x, v, inv_rms, p, source,
-                                    heads);
-    const int S = p.sites();
+                               const RoutingParams& p, const RoutingLayout& lay, int source,
+                               int heads) override {
+    inner_->routing_source_backward(dv, weights, ubar, gsum, site_dx, x, v, inv_rms, p, lay,
+                                    source, heads);
     round_all(dv);
-    for (int k = source; k < S; ++k) round_all(weights[routing_pair(source, k, S)]);
+    for (int k = source; k <= lay.last_site(source); ++k) round_all(weights[lay.pair(source, k)]);
     round_all(ubar[source]);
-    round_all(gsum);  // G_k += this source's sum, for every k >= source (zeros stay zero)
+    round_all(gsum);  // G_k += this source's sum, for every site k reading it (zeros stay zero)
   }
   void routing_param_grads(const RoutingParams& p, Tensor gsum) override {
     inner_->routing_param_grads(p, gsum);

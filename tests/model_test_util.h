@@ -37,9 +37,8 @@ inline void randomize_weights(Model& m, uint64_t seed) {
   std::normal_distribution<double> nd(0.0, 1.0);
   for (auto& p : m.parameters()) {
     std::vector<double> v(static_cast<size_t>(p.value.numel()));
-    const bool is_vector = p.value.ndim == 1;
-    const bool is_query = p.name.find(".query") != std::string::npos;
-    for (double& x : v) x = is_query ? 0.5 * nd(rng) : is_vector ? 1.0 + 0.2 * nd(rng) : 0.3 * nd(rng);
+    for (double& x : v)
+      x = p.init == Init::Zero ? 0.5 * nd(rng) : p.init == Init::One ? 1.0 + 0.2 * nd(rng) : 0.3 * nd(rng);
     m.backend().upload(p.value, v.data());
   }
 }

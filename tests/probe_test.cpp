@@ -107,7 +107,7 @@ TEST(RoutingProbe, BackendSumsEqualSumsOfTheDownloadedWeights) {
     m.forward(t.data(), y.data(), 0.0);
     const int H = cfg.residual.heads;
     for (int site = 0; site < cfg.model.n_sites(); ++site) {
-      const int src = site + 1;
+      const int src = m.routing_sources(site);
       const int64_t n_stats = int64_t(H) * (src + 1) + 1;
       // Expected, from the downloaded [N, H, src] weights.
       const std::vector<double> w = m.routing_weights(site);
@@ -132,13 +132,14 @@ TEST(RoutingProbe, BackendSumsEqualSumsOfTheDownloadedWeights) {
         want[size_t(H * (src + 1))] += js / (H * (H - 1) / 2.0);
       }
       // The site's weights in a [P, H, N] tensor of the backend's dtype (other pairs 0).
-      const int S = cfg.model.n_sources();
-      const int64_t P = routing_pairs(S);
+      const RoutingLayout lay = RoutingLayout::full(cfg.model.n_sources());
+      const int64_t P = lay.pairs();
       std::vector<double> all(size_t(P * H * N), 0.0);
       for (int i = 0; i < src; ++i)
         for (int h = 0; h < H; ++h)
           for (int64_t n = 0; n < N; ++n)
-            all[size_t((routing_pair(i, site, S) * H + h) * N + n)] = w[size_t((n * H + h) * src + i)];
+            all[size_t((lay.pair(lay.site_source(site, i), site) * H + h) * N + n)] =
+                w[size_t((n * H + h) * src + i)];
       Tensor weights(be->allocate(all.size() * dtype_size(dt)), dt, {P, H, N});
       be->upload(weights, all.data());
       std::vector<double> start(static_cast<size_t>(n_stats));
@@ -147,8 +148,8 @@ TEST(RoutingProbe, BackendSumsEqualSumsOfTheDownloadedWeights) {
         Tensor stats(be->allocate(size_t(n_stats) * 8), DType::F64, {n_stats});
         be->upload(stats, start.data());
         if (path == 0) m.routing_stats(site, stats);                      // the model's own weights
-        if (path == 1) be->routing_stats(stats, weights, site, H);          // the CPU override
-        if (path == 2) be->Backend::routing_stats(stats, weights, site, H); // the default (host)
+        if (path == 1) be->routing_stats(stats, weights, lay, site, H);          // the CPU override
+        if (path == 2) be->Backend::routing_stats(stats, weights, lay, site, H); // the default (host)
         std::vector<double> got(static_cast<size_t>(n_stats));
         be->download(got.data(), stats);
         for (int64_t k = 0; k < n_stats; ++k)

@@ -43,7 +43,7 @@ TEST(RoutingIdentity, ZeroQueriesGiveTheUniformMeanOfSources) {
     Model m(c.model, c.residual, *be, 2, 5);
     randomize_weights(m, 9);
     for (auto& p : m.parameters())
-      if (p.name.find(".query") != std::string::npos) be->zero(p.value);
+      if (p.init == Init::Zero) be->zero(p.value);
     std::vector<int32_t> tok, tgt;
     random_tokens(10, c.model.vocab_size, 1, tok, tgt);
     m.forward(tok.data(), tgt.data(), 0.0);
@@ -67,9 +67,11 @@ TEST(RoutingIdentity, ZeroQueriesGiveTheUniformMeanOfSources) {
 struct RoutingOp {
   std::unique_ptr<Backend> be = make_cpu_backend(DType::F64);
   int S, N, d;
+  RoutingLayout lay;
   std::vector<double> hist, inv_rms, weights;
   std::vector<std::vector<double>> query, gain;  // per site
-  RoutingOp(int S_, int N_, int d_) : S(S_), N(N_), d(d_) {
+  RoutingOp(int S_, int N_, int d_, int block = 1)
+      : S(S_), N(N_), d(d_), lay(RoutingLayout::blocks(S_, block)) {
     query.assign(size_t(S), std::vector<double>(size_t(d)));
     gain = query;
   }
@@ -87,18 +89,18 @@ struct RoutingOp {
   // Logits of sources 0..last, then site `site`'s mix; returns x [N, d].
   std::vector<double> forward(int site, int heads, int last_source) {
     inv_rms.assign(size_t(S) * N, 0);
-    weights.assign(size_t(routing_pairs(S)) * heads * N, 0);
+    weights.assign(size_t(lay.pairs()) * heads * N, 0);
     const RoutingParams p = params();
     for (int i = 0; i <= last_source; ++i)
-      be->routing_source_logits(t(weights, {routing_pairs(S), heads, N}), t(inv_rms, {S, N})[i],
-                                t(hist, {S, N, d})[i], p, i, heads, 1e-6);
+      be->routing_source_logits(t(weights, {lay.pairs(), heads, N}), t(inv_rms, {S, N})[i],
+                                t(hist, {S, N, d})[i], p, lay, i, heads, 1e-6);
     std::vector<double> x(size_t(N) * d, 0);
-    be->routing_mix(t(x, {N, d}), t(weights, {routing_pairs(S), heads, N}), t(hist, {S, N, d}),
+    be->routing_mix(t(x, {N, d}), t(weights, {lay.pairs(), heads, N}), t(hist, {S, N, d}), lay,
                     site, heads);
     return x;
   }
   double weight(int i, int site, int h, int n, int heads) const {
-    return weights[(size_t(routing_pair(i, site, S)) * heads + h) * N + n];
+    return weights[(size_t(lay.pair(i, site)) * heads + h) * N + n];
   }
 };
 
@@ -129,7 +131,7 @@ TEST(RoutingIdentity, SameSliceInEveryHeadEqualsAttnResWithQueryOverH) {
   for (int n = 0; n < N; ++n)
     for (int h = 0; h < H; ++h)
       for (int i = 0; i < S; ++i)
-        EXPECT_NEAR(w_mhar[(size_t(routing_pair(i, site, S)) * H + h) * N + n],
+        EXPECT_NEAR(w_mhar[(size_t(op.lay.pair(i, site)) * H + h) * N + n],
                     op.weight(i, site, 0, n, 1), 1e-14);
   // And the weights are far from uniform, so the identity is not the trivial one.
   double spread = 0;
@@ -170,16 +172,17 @@ TEST(RoutingIdentity, SourceGradientReadsOnlyLaterSites) {
       for (int k = 0; k < S; ++k)
         for (int c = 0; c < d; ++c) op.query[k][c] = nd(rng), op.gain[k][c] = 1 + 0.2 * nd(rng);
       // The forward of every site on one set of logits: x of every site, softmax weights.
-      op.weights.assign(size_t(routing_pairs(S)) * heads * N, 0);
+      const RoutingLayout& lay = op.lay;
+      op.weights.assign(size_t(lay.pairs()) * heads * N, 0);
       op.inv_rms.assign(size_t(S) * N, 0);
       RoutingParams p = op.params();
       std::vector<double> x(size_t(S) * N * d);
       for (int i = 0; i < S; ++i) {
-        op.be->routing_source_logits(op.t(op.weights, {routing_pairs(S), heads, N}),
+        op.be->routing_source_logits(op.t(op.weights, {lay.pairs(), heads, N}),
                                      op.t(op.inv_rms, {S, N})[i], op.t(op.hist, {S, N, d})[i],
-                                     p, i, heads, 1e-6);
-        op.be->routing_mix(op.t(x, {S, N, d})[i], op.t(op.weights, {routing_pairs(S), heads, N}),
-                           op.t(op.hist, {S, N, d}), i, heads);
+                                     p, lay, i, heads, 1e-6);
+        op.be->routing_mix(op.t(x, {S, N, d})[i], op.t(op.weights, {lay.pairs(), heads, N}),
+                           op.t(op.hist, {S, N, d}), lay, i, heads);
       }
       std::vector<double> dx(size_t(S) * N * d), ubar(size_t(S) * heads * N);
       for (double& e : dx) e = nd(rng);
@@ -195,10 +198,10 @@ TEST(RoutingIdentity, SourceGradientReadsOnlyLaterSites) {
       auto run = [&](std::vector<double> dxs, std::vector<double> ub, std::vector<double> w) {
         std::vector<double> dv(size_t(N) * d, 0), gsum(size_t(S) * d, 0);
         op.be->routing_source_backward(
-            op.t(dv, {N, d}), op.t(w, {routing_pairs(S), heads, N}), op.t(ub, {S, heads, N}),
+            op.t(dv, {N, d}), op.t(w, {lay.pairs(), heads, N}), op.t(ub, {S, heads, N}),
             op.t(gsum, {1, S, d}), op.t(dxs, {S, N, d}), op.t(x, {S, N, d})[source],
-            op.t(op.hist, {S, N, d})[source], op.t(op.inv_rms, {S, N})[source], p, source,
-            heads);
+            op.t(op.hist, {S, N, d})[source], op.t(op.inv_rms, {S, N})[source], p, lay,
+            source, heads);
         dv.insert(dv.end(), gsum.begin(), gsum.end());
         return dv;
       };
@@ -213,7 +216,7 @@ TEST(RoutingIdentity, SourceGradientReadsOnlyLaterSites) {
         for (int k = i; k < S; ++k)
           if (i != source)
             for (int e = 0; e < heads * N; ++e)
-              w_p[size_t(routing_pair(i, k, S)) * heads * N + e] = nan;
+              w_p[size_t(lay.pair(i, k)) * heads * N + e] = nan;
       EXPECT_EQ(clean, run(dx_p, ub_p, w_p)) << "source " << source << " heads " << heads;
     }
 }

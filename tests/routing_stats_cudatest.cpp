@@ -21,7 +21,8 @@ TEST(RoutingStatsParity, EverySiteOfSeveralShapes) {
   auto gpu = make_cuda_backend(0);
   struct Shape { int S, H; int64_t N; };
   for (const Shape sh : {Shape{3, 1, 7}, Shape{5, 2, 300}, Shape{9, 4, 1000}, Shape{25, 8, 4099}}) {
-    const int64_t P = routing_pairs(sh.S);
+    const RoutingLayout lay = RoutingLayout::full(sh.S);
+    const int64_t P = lay.pairs();
     std::mt19937_64 rng(uint64_t(sh.S * 100 + sh.H));
     std::uniform_real_distribution<double> u(0.0, 1.0);
     // Softmax rows per (site, head, token), with some exact zeros (the 0 log 0 case).
@@ -34,7 +35,7 @@ TEST(RoutingStatsParity, EverySiteOfSeveralShapes) {
           for (int i = 0; i <= k; ++i) sum += e[i] = (u(rng) < 0.05 ? 0.0 : std::exp(4 * u(rng)));
           if (sum == 0) e[0] = sum = 1;
           for (int i = 0; i <= k; ++i)
-            w[size_t((routing_pair(i, k, sh.S) * sh.H + h) * sh.N + n)] = double(float(e[i] / sum));
+            w[size_t((lay.pair(i, k) * sh.H + h) * sh.N + n)] = double(float(e[i] / sum));
         }
     Tensor wc(cpu->allocate(w.size() * 4), DType::F32, {P, sh.H, sh.N});
     Tensor wg(gpu->allocate(w.size() * 4), DType::F32, {P, sh.H, sh.N});
@@ -48,8 +49,8 @@ TEST(RoutingStatsParity, EverySiteOfSeveralShapes) {
       Tensor sg(gpu->allocate(start.size() * 8), DType::F64, {n_stats});
       cpu->upload(sc, start.data());
       gpu->upload(sg, start.data());
-      cpu->routing_stats(sc, wc, site, sh.H);
-      gpu->routing_stats(sg, wg, site, sh.H);
+      cpu->routing_stats(sc, wc, lay, site, sh.H);
+      gpu->routing_stats(sg, wg, lay, site, sh.H);
       cpu->download(c.data(), sc);
       gpu->download(g.data(), sg);
       for (int64_t k = 0; k < n_stats; ++k)

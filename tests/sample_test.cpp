@@ -254,17 +254,18 @@ class CountingBackend final : public Backend {
   void cross_entropy(Tensor l, Tensor lg, Tensor t, double s, bool g) override {
     in_.cross_entropy(l, lg, t, s, g);
   }
-  void routing_source_logits(Tensor w, Tensor r, Tensor v, const RoutingParams& p, int i,
-                             int heads, double eps) override {
-    in_.routing_source_logits(w, r, v, p, i, heads, eps);
+  void routing_source_logits(Tensor w, Tensor r, Tensor v, const RoutingParams& p,
+                             const RoutingLayout& lay, int i, int heads, double eps) override {
+    in_.routing_source_logits(w, r, v, p, lay, i, heads, eps);
   }
-  void routing_mix(Tensor x, Tensor w, Tensor h, int site, int heads) override {
-    in_.routing_mix(x, w, h, site, heads);
+  void routing_mix(Tensor x, Tensor w, Tensor h, const RoutingLayout& lay, int site,
+                   int heads) override {
+    in_.routing_mix(x, w, h, lay, site, heads);
   }
   void routing_source_backward(Tensor dv, Tensor w, Tensor ub, Tensor gs, Tensor dx, Tensor x,
-                               Tensor v, Tensor r, const RoutingParams& p, int i,
-                               int heads) override {
-    in_.routing_source_backward(dv, w, ub, gs, dx, x, v, r, p, i, heads);
+                               Tensor v, Tensor r, const RoutingParams& p,
+                               const RoutingLayout& lay, int i, int heads) override {
+    in_.routing_source_backward(dv, w, ub, gs, dx, x, v, r, p, lay, i, heads);
   }
   void routing_param_grads(const RoutingParams& p, Tensor gs) override {
     in_.routing_param_grads(p, gs);

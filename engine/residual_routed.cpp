@@ -1,0 +1,140 @@
+// residual_routed.cpp: the routed residual schemes, `attnres` (H = 1) and `mhar`
+// (H = residual.heads), DESIGN.md sections 2-3. Parameters: a query (init 0) and a gain
+// (init 1) [d] per site, in the gradient bucket "routing".
+//
+// Forward: when site j runs, history slot j has just been written: its RMS and its
+// logits for every later site that reads it are computed once
+// (routing_source_logits; the queries are parameters), then site j's sources are mixed
+// (routing_mix). The backward is source-stationary: site j's backward event builds the
+// whole gradient of slot j from the input gradients of the sites that read it, so every
+// site's input gradient stays alive until the end of the backward (one [S, N, d]
+// buffer) and each slot's gradient is written once.
+#include "engine/model.h"
+#include "engine/residual.h"
+
+namespace mhar {
+
+namespace {
+
+class RoutedScheme final : public ResidualScheme {
+ public:
+  explicit RoutedScheme(const SchemeContext& ctx)
+      : c_(ctx), layout_(RoutingLayout::full(ctx.cfg.n_sites())), H_(ctx.res.heads) {
+    MHAR_CHECK(H_ >= 1 && c_.cfg.d_model % H_ == 0, "routing heads ", H_);
+  }
+
+  const char* bucket() const override { return "routing"; }
+  void add_parameters(const AddParameter& add) override {
+    for (int j = 0; j < layout_.sites; ++j) {
+      query_.push_back(add("model.routing." + std::to_string(j) + ".query", c_.cfg.d_model, Init::Zero));
+      gain_.push_back(add("model.routing." + std::to_string(j) + ".gain", c_.cfg.d_model, Init::One));
+    }
+  }
+  void bind_parameters() override;
+
+  void plan(MemoryPlan& P, const Timeline& t, int64_t N, int history,
+            std::vector<int>& site_x) override;
+  void site_forward(int j) override;
+
+  void begin_backward() override { c_.be.zero(c_.act(gsum_)); }
+  Tensor site_grad(int j) override { return c_.act(site_dx_all_)[j]; }
+  void site_backward(int j) override;
+  Tensor source_grad(int i) override { return c_.act(source_dx_[size_t(i)]); }
+  bool finish_backward() override {
+    c_.be.routing_param_grads(params_, c_.act(gsum_));
+    return true;
+  }
+
+  int site_sources(int j) const override { return layout_.site_sources(j); }
+  std::vector<double> routing_weights(int j) const override;
+  void routing_stats(int j, Tensor stats) override {
+    MHAR_CHECK(j >= 0 && j < layout_.sites, "routing site ", j);
+    c_.be.routing_stats(stats, c_.act(route_w_), layout_, j, H_);
+  }
+
+ private:
+  // Slabs of the routing key-gradient scratch (Backend::routing_source_backward): enough
+  // token slabs for the CUDA reduction to fill the GPU without atomics.
+  static constexpr int kKeyGradSlabs = 64;
+
+  SchemeContext c_;
+  RoutingLayout layout_;
+  int H_;
+  std::vector<int> query_, gain_;  // parameter indices, per site
+  RoutingParams params_;           // their tensors and gradients
+  int history_ = -1, inv_rms_ = -1, route_w_ = -1, site_dx_all_ = -1, ubar_ = -1, gsum_ = -1;
+  std::vector<int> site_x_, source_dx_;
+};
+
+void RoutedScheme::bind_parameters() {
+  params_ = RoutingParams{};
+  for (size_t j = 0; j < query_.size(); ++j) {
+    params_.query.push_back(c_.params[size_t(query_[j])].value);
+    params_.gain.push_back(c_.params[size_t(gain_[j])].value);
+    params_.dquery.push_back(c_.params[size_t(query_[j])].grad);
+    params_.dgain.push_back(c_.params[size_t(gain_[j])].grad);
+  }
+}
+
+void RoutedScheme::plan(MemoryPlan& P, const Timeline& t, int64_t N, int history,
+                        std::vector<int>& site_x) {
+  const int S = layout_.sites, last = t.last();
+  const int64_t d = c_.cfg.d_model;
+  const DType at = c_.be.act_dtype(), st = c_.be.stat_dtype();
+  history_ = history;
+  site_x_.clear();
+  source_dx_.clear();
+  // Per-pair logits/weights (backend.h), the input gradients of every site (all alive
+  // until slot 0's gradient: the backward is source-stationary), ubar, the key-gradient
+  // scratch, and one short-lived gradient per slot.
+  inv_rms_ = P.add("routing.inv_rms", st, {layout_.sources, N}, 0, last);
+  route_w_ = P.add("routing.weights", st, {layout_.pairs(), H_, N}, 0, last);
+  site_dx_all_ = P.add("sites.x.grad", at, {S, N, d}, t.back(t.head()), last);
+  ubar_ = P.add("routing.ubar", st, {S, H_, N}, t.back(t.head()), last);
+  gsum_ = P.add("routing.key_grad", c_.be.grad_dtype(), {kKeyGradSlabs, S, d},
+                t.back(t.head()), last);
+  for (int i = 0; i < layout_.sources; ++i)  // read by the sublayer that wrote slot i (i = 0: embedding)
+    source_dx_.push_back(P.add("source." + std::to_string(i) + ".grad", at, {N, d},
+                               t.back(t.site(i)), i == 0 ? last : t.back(t.sublayer(i - 1))));
+  // A site input lives until its slot's backward, which needs x_j for ubar_j.
+  for (int j = 0; j < S; ++j)
+    site_x_.push_back(P.add("site." + std::to_string(j) + ".x", at, {N, d}, t.site(j),
+                            t.back(t.site(j))));
+  site_x = site_x_;
+}
+
+void RoutedScheme::site_forward(int j) {
+  Tensor hist = c_.act(history_), w = c_.act(route_w_);
+  c_.be.routing_source_logits(w, c_.act(inv_rms_)[j], hist[j], params_, layout_, j, H_,
+                              c_.cfg.rms_eps);
+  c_.be.routing_mix(c_.act(site_x_[size_t(j)]), w, hist, layout_, j, H_);
+}
+
+void RoutedScheme::site_backward(int j) {
+  // Every site that reads slot j has its input gradient now.
+  c_.be.routing_source_backward(c_.act(source_dx_[size_t(j)]), c_.act(route_w_), c_.act(ubar_),
+                                c_.act(gsum_), c_.act(site_dx_all_), c_.act(site_x_[size_t(j)]),
+                                c_.act(history_)[j], c_.act(inv_rms_)[j], params_, layout_, j, H_);
+}
+
+std::vector<double> RoutedScheme::routing_weights(int site) const {
+  MHAR_CHECK(site >= 0 && site < layout_.sites, "routing site ", site, " of ", layout_.sites);
+  const int64_t N = c_.act(route_w_).dim(2);
+  const int src = layout_.site_sources(site);
+  const Tensor all = c_.act(route_w_);
+  std::vector<double> pair(size_t(H_) * size_t(N)), out(size_t(N) * H_ * src);
+  for (int t = 0; t < src; ++t) {
+    c_.be.download(pair.data(), all[layout_.pair(layout_.site_source(site, t), site)]);
+    for (int64_t n = 0; n < N; ++n)
+      for (int h = 0; h < H_; ++h) out[(size_t(n) * H_ + h) * src + t] = pair[size_t(h) * N + n];
+  }
+  return out;
+}
+
+}  // namespace
+
+std::unique_ptr<ResidualScheme> make_routed_scheme(const SchemeContext& ctx) {
+  return std::make_unique<RoutedScheme>(ctx);
+}
+
+}  // namespace mhar
