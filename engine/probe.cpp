@@ -45,7 +45,11 @@ void RoutingProbe::add(Model& model) {
     heads_ = H;
     n_layers_ = model.config().n_layers;
     offset_.assign(1, 0);
-    for (int j = 0; j < S; ++j) offset_.push_back(offset_.back() + int64_t(H) * (j + 2) + 1);
+    sources_.clear();
+    for (int j = 0; j < S; ++j) {
+      sources_.push_back(model.routing_sources(j));
+      offset_.push_back(offset_.back() + int64_t(H) * (sources_.back() + 1) + 1);
+    }
     buffer_ = be_->allocate(size_t(offset_.back()) * sizeof(double));  // zero-filled
   }
   MHAR_CHECK(be_ == &model.backend() && heads_ == H && int(offset_.size()) == S + 1, "routing probe fed two models");
@@ -61,7 +65,7 @@ nlohmann::json RoutingProbe::to_json() const {
   const double T = double(tokens_);
   for (size_t j = 0; j + 1 < offset_.size() && tokens_ > 0; ++j) {
     const double* s = all.data() + offset_[j];
-    const int src = int(j) + 1;
+    const int src = sources_[j];
     std::vector<std::vector<double>> mean(static_cast<size_t>(heads_), std::vector<double>(static_cast<size_t>(src)));
     nlohmann::json entropy = nlohmann::json::array(), token_entropy = nlohmann::json::array();
     for (int h = 0; h < heads_; ++h) {

@@ -685,14 +685,14 @@ void RoutingAccumulator::add(Model& model) {
   if (sums_.empty()) {
     heads_ = H;
     sums_.resize(size_t(sites));
-    for (int j = 0; j < sites; ++j) sums_[size_t(j)].assign(size_t(H) * size_t(j + 1), 0.0);
+    for (int j = 0; j < sites; ++j) sums_[size_t(j)].assign(size_t(H) * size_t(model.routing_sources(j)), 0.0);
   }
   MHAR_CHECK(heads_ == H && int(sums_.size()) == sites, "routing accumulator fed two models");
   std::vector<double> w;
   int64_t N = 0;
   for (int j = 0; j < sites; ++j) {
-    w = model.routing_weights(j);  // [N, H, j+1]
-    const size_t row = size_t(H) * size_t(j + 1);
+    w = model.routing_weights(j);  // [N, H, sources of site j]
+    const size_t row = sums_[size_t(j)].size();
     N = int64_t(w.size() / row);
     std::vector<double>& s = sums_[size_t(j)];
     for (int64_t n = 0; n < N; ++n)
@@ -708,8 +708,9 @@ nlohmann::json RoutingAccumulator::lines(int64_t step) const {
     json weights = json::array();
     for (int h = 0; h < heads_; ++h) {
       json row = json::array();
-      for (size_t i = 0; i <= j; ++i)
-        row.push_back(sums_[j][size_t(h) * (j + 1) + i] / double(tokens_));
+      const size_t src = sums_[j].size() / size_t(heads_);
+      for (size_t i = 0; i < src; ++i)
+        row.push_back(sums_[j][size_t(h) * src + i] / double(tokens_));
       weights.push_back(std::move(row));
     }
     out.push_back({{"kind", "routing"}, {"step", step}, {"site", int(j)}, {"heads", heads_},

@@ -1,14 +1,23 @@
 // residual_routed.cpp: the routed residual schemes, `attnres` (H = 1) and `mhar`
-// (H = residual.heads), DESIGN.md sections 2-3. Parameters: a query (init 0) and a gain
-// (init 1) [d] per site, in the gradient bucket "routing".
+// (H = residual.heads), full or block routing (residual.block_size), DESIGN.md
+// sections 2-3. Parameters: a query (init 0) and a gain (init 1) [d] per site, in the
+// gradient bucket "routing".
 //
-// Forward: when site j runs, history slot j has just been written: its RMS and its
-// logits for every later site that reads it are computed once
-// (routing_source_logits; the queries are parameters), then site j's sources are mixed
-// (routing_mix). The backward is source-stationary: site j's backward event builds the
-// whole gradient of slot j from the input gradients of the sites that read it, so every
-// site's input gradient stays alive until the end of the backward (one [S, N, d]
-// buffer) and each slot's gradient is written once.
+// History slot j is the scheme's source slot j (backend.h's RoutingLayout with block s):
+// v_0 for j = 0; for j >= 1 the sum of the current block's outputs up to v_j, made once
+// as sublayer j-1 finishes (its output GEMM writes v_j into the slot, then the slot
+// before it is added when v_j continues a block), so a block sum is never re-summed.
+// With s = 1 (full routing) slot j is v_j itself and nothing is added.
+//
+// Forward: when site j runs, slot j has just been written: its RMS and its logits for
+// every later site that reads it are computed once (routing_source_logits; the queries
+// are parameters), then site j's sources are mixed (routing_mix). The backward is
+// source-stationary: site j's backward event builds the whole gradient of slot j from
+// the input gradients of the sites that read it, so every site's input gradient stays
+// alive until the end of the backward (one [S, N, d] buffer) and each slot's gradient is
+// written once. A sublayer output v_j is in every slot from j to the end of its block,
+// so its gradient is slot j's plus v_{j+1}'s when v_{j+1} continues the block (added
+// at site j's backward: a running sum from the block's end down).
 #include "engine/model.h"
 #include "engine/residual.h"
 
@@ -19,7 +28,9 @@ namespace {
 class RoutedScheme final : public ResidualScheme {
  public:
   explicit RoutedScheme(const SchemeContext& ctx)
-      : c_(ctx), layout_(RoutingLayout::full(ctx.cfg.n_sites())), H_(ctx.res.heads) {
+      : c_(ctx),
+        layout_(RoutingLayout::blocks(ctx.cfg.n_sites(), ctx.res.routing_block())),
+        H_(ctx.res.heads) {
     MHAR_CHECK(H_ >= 1 && c_.cfg.d_model % H_ == 0, "routing heads ", H_);
   }
 
@@ -35,6 +46,10 @@ class RoutedScheme final : public ResidualScheme {
   void plan(MemoryPlan& P, const Timeline& t, int64_t N, int history,
             std::vector<int>& site_x) override;
   void site_forward(int j) override;
+  void sublayer_done(int j) override {
+    // Slot j+1 holds v_{j+1}; inside a block it becomes the block's sum so far.
+    if (continues_block(j + 1)) c_.be.add_inplace(c_.act(history_)[j + 1], c_.act(history_)[j]);
+  }
 
   void begin_backward() override { c_.be.zero(c_.act(gsum_)); }
   Tensor site_grad(int j) override { return c_.act(site_dx_all_)[j]; }
@@ -53,6 +68,9 @@ class RoutedScheme final : public ResidualScheme {
   }
 
  private:
+  // Whether sublayer output v_i (i >= 1) joins the block of v_{i-1}.
+  bool continues_block(int i) const { return i >= 2 && (i - 1) % layout_.block != 0; }
+
   // Slabs of the routing key-gradient scratch (Backend::routing_source_backward): enough
   // token slabs for the CUDA reduction to fill the GPU without atomics.
   static constexpr int kKeyGradSlabs = 64;
@@ -93,9 +111,14 @@ void RoutedScheme::plan(MemoryPlan& P, const Timeline& t, int64_t N, int history
   ubar_ = P.add("routing.ubar", st, {S, H_, N}, t.back(t.head()), last);
   gsum_ = P.add("routing.key_grad", c_.be.grad_dtype(), {kKeyGradSlabs, S, d},
                 t.back(t.head()), last);
-  for (int i = 0; i < layout_.sources; ++i)  // read by the sublayer that wrote slot i (i = 0: embedding)
+  // Slot i's gradient becomes v_i's, read by the sublayer that wrote v_i (i = 0: the
+  // embedding) and, inside a block, by slot i-1's backward right after it.
+  for (int i = 0; i < layout_.sources; ++i)
     source_dx_.push_back(P.add("source." + std::to_string(i) + ".grad", at, {N, d},
-                               t.back(t.site(i)), i == 0 ? last : t.back(t.sublayer(i - 1))));
+                               t.back(t.site(i)),
+                               i == 0                ? last
+                               : continues_block(i) ? t.back(t.site(i - 1))
+                                                    : t.back(t.sublayer(i - 1))));
   // A site input lives until its slot's backward, which needs x_j for ubar_j.
   for (int j = 0; j < S; ++j)
     site_x_.push_back(P.add("site." + std::to_string(j) + ".x", at, {N, d}, t.site(j),
@@ -115,6 +138,10 @@ void RoutedScheme::site_backward(int j) {
   c_.be.routing_source_backward(c_.act(source_dx_[size_t(j)]), c_.act(route_w_), c_.act(ubar_),
                                 c_.act(gsum_), c_.act(site_dx_all_), c_.act(site_x_[size_t(j)]),
                                 c_.act(history_)[j], c_.act(inv_rms_)[j], params_, layout_, j, H_);
+  // v_j is also in slots j+1 .. (end of its block): their gradients, already summed into
+  // v_{j+1}'s.
+  if (j + 1 < layout_.sources && continues_block(j + 1))
+    c_.be.add_inplace(c_.act(source_dx_[size_t(j)]), c_.act(source_dx_[size_t(j + 1)]));
 }
 
 std::vector<double> RoutedScheme::routing_weights(int site) const {

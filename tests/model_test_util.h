@@ -13,13 +13,14 @@
 namespace mhar::test {
 
 // A config small enough for exhaustive finite differences, with GQA (4 query heads on
-// 2 KV heads) and an uneven head/feature split so indexing mistakes show.
-inline Config tiny_config(ResidualMode mode, int heads = 0, bool tied = true) {
+// 2 KV heads) and an uneven head/feature split so indexing mistakes show. `block_size`:
+// residual.block_size (2 layers: 4 sublayers, so 1..4).
+inline Config tiny_config(ResidualMode mode, int heads = 0, bool tied = true, int block_size = 0) {
   nlohmann::json j = {
       {"model", {{"vocab_size", 23}, {"d_model", 16}, {"n_layers", 2}, {"n_heads", 4},
                  {"n_kv_heads", 2}, {"head_dim", 4}, {"d_ff", 24}, {"context_length", 8},
                  {"rope_theta", 10000.0}, {"tie_embeddings", tied}}},
-      {"residual", {{"mode", residual_mode_name(mode)}, {"heads", heads}}},
+      {"residual", {{"mode", residual_mode_name(mode)}, {"heads", heads}, {"block_size", block_size}}},
       {"train", {{"micro_batch", 2}, {"seq_len", 5}, {"warmup_steps", 0}}}};
   return config_from_json(j, "tiny");
 }
