@@ -5,8 +5,9 @@
 // the depth history as a first-class stage: sources v_0 (embedding), v_{2l+1}
 // (attention of layer l) and v_{2l+2} (MLP of layer l) live in one [S, N, d] buffer;
 // every sublayer writes its output straight into its slot with its last matmul, and
-// routing site j builds the input of sublayer j (site 2L feeds the final norm) from
-// slots 0..j according to the residual mode.
+// site j builds the input of sublayer j (site 2L feeds the final norm) from slots 0..j.
+// What a site does is the residual mode's ResidualScheme (residual.h); with block
+// routing, slot j holds the running sum of v_j's block (residual_routed.cpp).
 //
 // Decode mode (sampling) runs the same loop over a chunk of new tokens with a KV cache:
 // attention appends the chunk's keys and values and attends to every cached position.

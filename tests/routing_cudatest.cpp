@@ -4,7 +4,9 @@
 // H = 1..16 and H > 32, head sizes that are and are not multiples of 8 (the segmented-scan
 // and the shared-memory head sums), heads that span a lane's chunk rows (d 640, 1280),
 // d up to 2048 (8 chunks per lane), token counts that are and are not multiples of 4 (the
-// key-gradient kernel's vector path), and 1..9 sources.
+// key-gradient kernel's vector path), and 1..9 sources; block routing's layouts
+// (partial block sums read by their own site only, closed ones by every later site)
+// from blocks of 2 to one block of all outputs, and the 1B config's 8 blocks of 9.
 #include <gtest/gtest.h>
 
 #include "tests/cuda_test_util.h"
@@ -143,6 +145,15 @@ TEST_F(RoutingParity, ModelWidths) {
   check(21, 1280, 9, 8);   // the 1B config: 5 chunk rows, heads of 160
   check(16, 2048, 5, 16);  // 8 chunk rows, heads of 128
   check(24, 1024, 7, 8);   // the 350M config
+}
+
+TEST_F(RoutingParity, BlockLayouts) {
+  for (int S : {3, 5, 9, 13})
+    for (int block = 2; block < S; ++block)
+      for (int H : {1, 4}) check(37, 96, S, H, block);
+  check(32, 640, 9, 8, 3);    // heads spanning chunk rows
+  check(21, 1280, 73, 8, 9);  // configs/1b_block_mhar.json: 72 sublayers in 8 blocks of 9
+  check(24, 1024, 49, 8, 6);  // configs/350m_block_mhar.json
 }
 
 TEST_F(RoutingParity, ManyHeads) {
