@@ -131,7 +131,8 @@ class Model {
   // Backend::routing_stats of site `site` after a forward (routed modes only): adds the
   // site's weight, entropy and head-divergence sums into `stats` without downloading.
   void routing_stats(int site, Tensor stats);
-  Tensor history() const;                 // [S, N, d]
+  // [S, N, d]: slot j is v_j, or with block routing the running sum of v_j's block.
+  Tensor history() const;
 
   const MemoryPlan& parameter_plan() const { return *param_plan_; }
   const MemoryPlan& activation_plan() const { return *act_plan_; }

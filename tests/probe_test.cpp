@@ -36,9 +36,10 @@ nlohmann::json probe_of(Model& m, const std::vector<std::vector<int32_t>>& batch
 }
 
 TEST(RoutingProbe, AveragesOverBatchesAndKeepsItsInequalities) {
+  for (int block : {0, 2})  // full routing, and blocks of 2 sublayers
   for (ResidualMode mode : {ResidualMode::Mhar, ResidualMode::AttnRes}) {
-    SCOPED_TRACE(residual_mode_name(mode));
-    const Config cfg = tiny_config(mode, mode == ResidualMode::Mhar ? 4 : 0);
+    SCOPED_TRACE(std::string(residual_mode_name(mode)) + " block " + std::to_string(block));
+    const Config cfg = tiny_config(mode, mode == ResidualMode::Mhar ? 4 : 0, true, block);
     auto be = make_cpu_backend(DType::F64);
     Model m(cfg.model, cfg.residual, *be, cfg.train.micro_batch, cfg.train.seq_len);
     randomize_weights(m, 5);
@@ -53,7 +54,7 @@ TEST(RoutingProbe, AveragesOverBatchesAndKeepsItsInequalities) {
     for (size_t j = 0; j < both["sites"].size(); ++j) {
       const nlohmann::json &s = both["sites"][j], &s1 = p1["sites"][j], &s2 = p2["sites"][j];
       const int S = s["sources"].get<int>();
-      ASSERT_EQ(S, int(j) + 1);
+      ASSERT_EQ(S, block ? 1 + int(j) / block + (j % block ? 1 : 0) : int(j) + 1);
       for (int h = 0; h < H; ++h) {
         double sum = 0;
         for (int i = 0; i < S; ++i) {
@@ -97,8 +98,9 @@ TEST(RoutingProbe, AveragesOverBatchesAndKeepsItsInequalities) {
 // (Model::routing_weights), for the CPU backend's override and for the default
 // (host) implementation that other backends inherit.
 TEST(RoutingProbe, BackendSumsEqualSumsOfTheDownloadedWeights) {
+  for (int block : {0, 3})  // full routing, and blocks of 3 (fewer sources than site + 1)
   for (DType dt : {DType::F64, DType::F32}) {
-    const Config cfg = tiny_config(ResidualMode::Mhar, 4);
+    const Config cfg = tiny_config(ResidualMode::Mhar, 4, true, block);
     auto be = make_cpu_backend(dt);
     Model m(cfg.model, cfg.residual, *be, cfg.train.micro_batch, cfg.train.seq_len);
     randomize_weights(m, 9);
@@ -132,7 +134,8 @@ TEST(RoutingProbe, BackendSumsEqualSumsOfTheDownloadedWeights) {
         want[size_t(H * (src + 1))] += js / (H * (H - 1) / 2.0);
       }
       // The site's weights in a [P, H, N] tensor of the backend's dtype (other pairs 0).
-      const RoutingLayout lay = RoutingLayout::full(cfg.model.n_sources());
+      const RoutingLayout lay =
+          RoutingLayout::blocks(cfg.model.n_sources(), cfg.residual.routing_block());
       const int64_t P = lay.pairs();
       std::vector<double> all(size_t(P * H * N), 0.0);
       for (int i = 0; i < src; ++i)

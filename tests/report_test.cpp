@@ -334,7 +334,8 @@ TEST(ProbePage, ChromiumScreenshotIsNotBlank) {
 }
 
 TEST(RoutingSummary, AveragesWeightsOverTokensAndBatches) {
-  Config cfg = tiny_config(ResidualMode::Mhar, 2);
+  for (int block : {0, 3}) {  // full routing: site j mixes j+1 sources; blocks of 3: fewer
+  Config cfg = tiny_config(ResidualMode::Mhar, 2, true, block);
   auto be = make_cpu_backend(DType::F64);
   Model m(cfg.model, cfg.residual, *be, 2, 5);
   randomize_weights(m, 3);
@@ -349,7 +350,7 @@ TEST(RoutingSummary, AveragesWeightsOverTokensAndBatches) {
     for (int j = 0; j < cfg.model.n_sites(); ++j) {
       const auto w = m.routing_weights(j);
       auto& e = expect[size_t(j)];
-      e.resize(size_t(H) * (j + 1), 0.0);
+      e.resize(size_t(H) * size_t(m.routing_sources(j)), 0.0);
       for (int n = 0; n < N; ++n)
         for (size_t k = 0; k < e.size(); ++k) e[k] += w[size_t(n) * e.size() + k] / (batches * N);
     }
@@ -358,22 +359,32 @@ TEST(RoutingSummary, AveragesWeightsOverTokensAndBatches) {
   ASSERT_EQ(int(lines.size()), cfg.model.n_sites());
   for (int j = 0; j < cfg.model.n_sites(); ++j) {
     const auto& l = lines[size_t(j)];
+    const int src = m.routing_sources(j);
+    EXPECT_EQ(src, block ? 1 + j / block + (j % block ? 1 : 0) : j + 1);
     EXPECT_EQ(l["kind"], "routing");
     EXPECT_EQ(l["step"], 300);
     EXPECT_EQ(l["site"], j);
     EXPECT_EQ(l["heads"], H);
     ASSERT_EQ(l["weights"].size(), size_t(H));
     for (int h = 0; h < H; ++h) {
-      ASSERT_EQ(l["weights"][size_t(h)].size(), size_t(j + 1));
+      ASSERT_EQ(l["weights"][size_t(h)].size(), size_t(src));
       double sum = 0;
-      for (int i = 0; i <= j; ++i) {
+      for (int i = 0; i < src; ++i) {
         const double w = l["weights"][size_t(h)][size_t(i)];
-        EXPECT_NEAR(w, expect[size_t(j)][size_t(h) * (j + 1) + i], 1e-12);
+        EXPECT_NEAR(w, expect[size_t(j)][size_t(h) * src + i], 1e-12);
         sum += w;
       }
       EXPECT_NEAR(sum, 1.0, 1e-12);  // a mean of distributions is a distribution
     }
   }
+  }
+  Config cfg = tiny_config(ResidualMode::Mhar, 2);
+  auto be = make_cpu_backend(DType::F64);
+  Model m(cfg.model, cfg.residual, *be, 2, 5);
+  randomize_weights(m, 3);
+  std::vector<int32_t> tok, tgt;
+  random_tokens(10, cfg.model.vocab_size, 10, tok, tgt);
+  m.forward(tok.data(), tgt.data(), 0.0);
   // One batch alone, and a standard model (nothing to log).
   EXPECT_EQ(routing_summary(m, 7).size(), size_t(cfg.model.n_sites()));
   Config sc = tiny_config(ResidualMode::Standard);
