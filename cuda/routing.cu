@@ -7,6 +7,11 @@
 //                            an accumulator per (site, source) pair), plus its share of
 //                            the query/gain gradients
 //   routing_param_grads      dquery/dgain of every site from the slabs of gsum
+// Which slots a site reads is the RoutingLayout (backend.h), passed by value in the
+// launch geometry: a source's sites are a contiguous run [source, last_site(source)] with
+// contiguous pairs, so the per-source kernels only change loop bounds; the mix derives
+// each of its sources' slot and pair (site_source / site_pair) with no division per
+// source. Full routing is block 1: slot i = v_i, read by every site k >= i.
 // Storage: history, x, dx, dv BF16; query/gain BF16 (the backend's parameters); weights,
 // inv_rms, ubar F32; gsum, dquery, dgain F32. Every sum is fp32.
 //
