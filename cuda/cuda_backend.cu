@@ -229,7 +229,8 @@ class CudaBackend final : public Backend {
     cuda::routing_mix(stream_, x, weights, history, layout, site, heads);
   }
   void routing_source_backward(Tensor dv, Tensor weights, Tensor ubar, Tensor gsum,
-                               Tensor site_dx, Tensor x, Tensor v, Tensor inv_rms,
+                               const std::vector<Tensor>& site_dx, Tensor x, Tensor v,
+                               Tensor inv_rms,
                                const RoutingParams& p, const RoutingLayout& layout, int source,
                                int heads) override {
     cuda::routing_source_backward(stream_, dv, weights, ubar, gsum, site_dx, x, v, inv_rms, p,

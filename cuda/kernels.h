@@ -59,7 +59,8 @@ void routing_source_logits(cudaStream_t s, Tensor weights, Tensor inv_rms, Tenso
 void routing_mix(cudaStream_t s, Tensor x, Tensor weights, Tensor history,
                  const RoutingLayout& layout, int site, int heads);
 void routing_source_backward(cudaStream_t s, Tensor dv, Tensor weights, Tensor ubar,
-                             Tensor gsum, Tensor site_dx, Tensor x, Tensor v, Tensor inv_rms,
+                             Tensor gsum, const std::vector<Tensor>& site_dx, Tensor x, Tensor v,
+                             Tensor inv_rms,
                              const RoutingParams& params, const RoutingLayout& layout,
                              int source, int heads);
 void routing_param_grads(cudaStream_t s, const RoutingParams& params, Tensor gsum);

@@ -50,6 +50,9 @@ struct SiteGrads {
   float* dq[kMaxSites];
   float* dg[kMaxSites];
 };
+struct SiteRows {  // the input gradient [N, d] of every site (the model plans each apart)
+  const bf16* dx[kMaxSites];
+};
 
 struct Geometry {  // of one launch, uniform over the grid
   int64_t N;
@@ -397,7 +400,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
 template <int NT, bool ALIGNED>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock)
     source_backward_kernel(bf16* __restrict__ dv, float* __restrict__ weights,
-                           float* __restrict__ ubar, const bf16* __restrict__ site_dx,
+                           float* __restrict__ ubar, const SiteRows site_dx,
                            const bf16* __restrict__ x, const bf16* __restrict__ v,
                            const float* __restrict__ inv_rms, const SiteParams sp,
                            const Geometry g, int source) {
@@ -413,7 +416,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
     constexpr int W = kHeadVals<ALIGNED>;
     Row<NT> rv, rdx, nxt;
     load_row(rv, v + n * g.d, g.nchunks);
-    load_row(rdx, site_dx + (int64_t(source) * g.N + n) * g.d, g.nchunks);
+    load_row(rdx, site_dx.dx[source] + n * g.d, g.nchunks);
     float ub[NT][W], a[NT][W];  // the current site's ubar and weight per head
     {  // ubar of site `source`, from its input and input gradient
       Row<NT> rx;
@@ -442,7 +445,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
       // Prefetch the next site's input gradient (and, ALIGNED, its weight and ubar: the
       // per-feature copies of the unaligned path would not fit in registers).
       if (k + 1 <= last) {
-        load_row(nxt, site_dx + (int64_t(k + 1) * g.N + n) * g.d, g.nchunks);
+        load_row(nxt, site_dx.dx[k + 1] + n * g.d, g.nchunks);
         if constexpr (ALIGNED) {
           load_per_head<NT, ALIGNED>(a_nxt, w + int64_t(g.H) * g.N, g, L);
           load_per_head<NT, ALIGNED>(ub_nxt, ubar + int64_t(k + 1) * g.H * g.N + n, g, L);
@@ -684,7 +687,8 @@ void routing_mix(cudaStream_t s, Tensor x, Tensor weights, Tensor history,
 }
 
 void routing_source_backward(cudaStream_t s, Tensor dv, Tensor weights, Tensor ubar,
-                             Tensor gsum, Tensor site_dx, Tensor x, Tensor v, Tensor inv_rms,
+                             Tensor gsum, const std::vector<Tensor>& site_dx, Tensor x,
+                             Tensor v, Tensor inv_rms,
                              const RoutingParams& params, const RoutingLayout& layout,
                              int source, int heads) {
   const char* what = "routing_source_backward";
@@ -696,8 +700,15 @@ void routing_source_backward(cudaStream_t s, Tensor dv, Tensor weights, Tensor u
   check_dtype(gsum, DType::F32, what, "gsum");
   MHAR_CHECK(gsum.ndim == 3 && gsum.dim(1) == S && gsum.dim(2) == g.d, "CUDA ", what,
              ": gsum must be [C, ", S, ", ", g.d, "], got ", gsum.shape_str());
-  for (const Tensor* t : {&dv, &site_dx, &x}) check_dtype(*t, DType::BF16, what, "dv/site_dx/x");
-  check_numel(site_dx, int64_t(S) * N * g.d, what, "site_dx");
+  for (const Tensor* t : {&dv, &x}) check_dtype(*t, DType::BF16, what, "dv/x");
+  MHAR_CHECK(int(site_dx.size()) == S, "CUDA ", what, ": ", site_dx.size(),
+             " sites' gradients for ", S, " sites");
+  SiteRows rows{};
+  for (int k = source; k <= layout.last_site(source); ++k) {
+    check_dtype(site_dx[size_t(k)], DType::BF16, what, "site_dx");
+    check_numel(site_dx[size_t(k)], N * g.d, what, "site_dx");
+    rows.dx[k] = static_cast<const bf16*>(site_dx[size_t(k)].data);
+  }
   check_numel(x, N * g.d, what, "x");
   check_numel(dv, N * g.d, what, "dv");
   const SiteParams sp = site_params(what, params, g.d);
@@ -707,7 +718,7 @@ void routing_source_backward(cudaStream_t s, Tensor dv, Tensor weights, Tensor u
     allow_smem(kernel, smem);
     kernel<<<token_blocks(N), 32 * kWarpsPerBlock, smem, s>>>(
         static_cast<bf16*>(dv.data), weights.ptr<float>(), ubar.ptr<float>(),
-        static_cast<const bf16*>(site_dx.data), static_cast<const bf16*>(x.data),
+        rows, static_cast<const bf16*>(x.data),
         static_cast<const bf16*>(v.data), inv_rms.ptr<float>(), sp, g, source);
     CUDA_CHECK_LAUNCH();
   });

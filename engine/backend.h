@@ -78,6 +78,14 @@ struct RoutingLayout {
   }
 };
 
+// The per-site rows t[0], t[1], ... of a [sites, N, d] tensor (routing_source_backward's
+// site_dx when one buffer holds them all).
+inline std::vector<Tensor> routing_rows(Tensor t) {
+  std::vector<Tensor> rows;
+  for (int64_t k = 0; k < t.dim(0); ++k) rows.push_back(t[k]);
+  return rows;
+}
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -183,7 +191,9 @@ class Backend {
   virtual void routing_mix(Tensor x, Tensor weights, Tensor history, const RoutingLayout& layout,
                            int site, int heads) = 0;
   // Slot i's gradient, source-stationary: once the input gradient of every site k in
-  // [i, last_site(i)] exists in site_dx [sites, N, d]. With a_k = weights[pair(i,k)],
+  // [i, last_site(i)] exists in site_dx[k] [N, d] (one tensor per site, so that the model
+  // can give each its own lifetime; entries of other sites are not read). With
+  // a_k = weights[pair(i,k)],
   // r = inv_rms (of slot i), u_k = sum_{c in h} dx_k[c] v[c] and
   // ubar_k = sum_{c in h} dx_k[c] x_k[c] (= sum over site k's sources i' of a_i' u_i'):
   //   ds_k[h] = a_k[h] (u_k[h] - ubar_k[h])                          (softmax backward)
@@ -199,9 +209,9 @@ class Backend {
   // gsum [C, sites, d] (grad dtype) is scratch, zeroed before the first slot: the backend
   // spreads token rows over the C slabs as it likes; only the sum over slabs is defined.
   virtual void routing_source_backward(Tensor dv, Tensor weights, Tensor ubar, Tensor gsum,
-                                       Tensor site_dx, Tensor x, Tensor v, Tensor inv_rms,
-                                       const RoutingParams& params, const RoutingLayout& layout,
-                                       int source, int heads) = 0;
+                                       const std::vector<Tensor>& site_dx, Tensor x, Tensor v,
+                                       Tensor inv_rms, const RoutingParams& params,
+                                       const RoutingLayout& layout, int source, int heads) = 0;
   // After slot 0's backward: with G_k = sum over slabs of gsum[:, k, :],
   //   dquery_k += g_k * G_k,  dgain_k += q_k * G_k   for every site k.
   virtual void routing_param_grads(const RoutingParams& params, Tensor gsum) = 0;

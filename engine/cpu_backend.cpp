@@ -228,23 +228,29 @@ class CpuBackend final : public Backend {
     cpu::routing_mix(x.ptr<T>(), weights.ptr<T>(), history.ptr<T>(), N, d, lay, site, heads);
   }
   void routing_source_backward(Tensor dv, Tensor weights, Tensor ubar, Tensor gsum,
-                               Tensor site_dx, Tensor x, Tensor v, Tensor inv_rms,
-                               const RoutingParams& p, const RoutingLayout& lay, int source,
-                               int heads) override {
+                               const std::vector<Tensor>& site_dx, Tensor x, Tensor v,
+                               Tensor inv_rms, const RoutingParams& p, const RoutingLayout& lay,
+                               int source, int heads) override {
     check_layout(lay, p, "routing_source_backward");
     const int S = lay.sites;
     const int64_t N = inv_rms.numel(), d = N ? v.numel() / N : 0;
     MHAR_CHECK(source >= 0 && source < lay.sources, "routing_source_backward: source ", source,
                " of ", lay.sources);
     check_weights(weights, lay, N, heads, d);
-    expect_shape(site_dx, {S, N, d}, "routing site_dx");
+    MHAR_CHECK(int(site_dx.size()) == S, "routing site_dx: ", site_dx.size(), " sites' gradients for ",
+               S, " sites");
+    std::vector<const T*> dx(size_t(S), nullptr);
+    for (int k = source; k <= lay.last_site(source); ++k) {
+      expect_shape(site_dx[size_t(k)], {N, d}, "routing site_dx row");
+      dx[size_t(k)] = site_dx[size_t(k)].ptr<T>();
+    }
     expect_shape(ubar, {S, heads, N}, "routing ubar");
     MHAR_CHECK(gsum.ndim == 3 && gsum.dim(1) == S && gsum.dim(2) == d,
                "routing gsum must be [C, ", S, ", ", d, "], got ", gsum.shape_str());
     MHAR_CHECK(v.numel() == N * d && x.numel() == N * d && dv.numel() == N * d,
                "routing_source_backward: v/x/dv must be [", N, ", ", d, "]");
     cpu::routing_source_backward(dv.ptr<T>(), weights.ptr<T>(), ubar.ptr<T>(), gsum.ptr<T>(),
-                                 site_dx.ptr<T>(), x.ptr<T>(), v.ptr<T>(), inv_rms.ptr<T>(),
+                                 dx, x.ptr<T>(), v.ptr<T>(), inv_rms.ptr<T>(),
                                  routing_sites(p, d), N, d, lay, source, heads);
   }
   void routing_stats(Tensor stats, Tensor weights, const RoutingLayout& lay, int site,

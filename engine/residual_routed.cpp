@@ -14,8 +14,8 @@
 // are parameters), then site j's sources are mixed (routing_mix). The backward is
 // source-stationary: site j's backward event builds the whole gradient of slot j from
 // the input gradients of the sites that read it, so every site's input gradient stays
-// alive until the end of the backward (one [S, N, d] buffer) and each slot's gradient is
-// written once. A sublayer output v_j is in every slot from j to the end of its block,
+// alive until the end of the backward (one [N, d] buffer per site, each planned from
+// its site's backward on) and each slot's gradient is written once. A sublayer output v_j is in every slot from j to the end of its block,
 // so its gradient is slot j's plus v_{j+1}'s when v_{j+1} continues the block (added
 // at site j's backward: a running sum from the block's end down).
 #include "engine/model.h"
@@ -52,7 +52,7 @@ class RoutedScheme final : public ResidualScheme {
   }
 
   void begin_backward() override { c_.be.zero(c_.act(gsum_)); }
-  Tensor site_grad(int j) override { return c_.act(site_dx_all_)[j]; }
+  Tensor site_grad(int j) override { return c_.act(site_dx_[size_t(j)]); }
   void site_backward(int j) override;
   Tensor source_grad(int i) override { return c_.act(source_dx_[size_t(i)]); }
   bool finish_backward() override {
@@ -80,8 +80,8 @@ class RoutedScheme final : public ResidualScheme {
   int H_;
   std::vector<int> query_, gain_;  // parameter indices, per site
   RoutingParams params_;           // their tensors and gradients
-  int history_ = -1, inv_rms_ = -1, route_w_ = -1, site_dx_all_ = -1, ubar_ = -1, gsum_ = -1;
-  std::vector<int> site_x_, source_dx_;
+  int history_ = -1, inv_rms_ = -1, route_w_ = -1, ubar_ = -1, gsum_ = -1;
+  std::vector<int> site_x_, site_dx_, source_dx_;
 };
 
 void RoutedScheme::bind_parameters() {
@@ -101,13 +101,21 @@ void RoutedScheme::plan(MemoryPlan& P, const Timeline& t, int64_t N, int history
   const DType at = c_.be.act_dtype(), st = c_.be.stat_dtype();
   history_ = history;
   site_x_.clear();
+  site_dx_.clear();
   source_dx_.clear();
-  // Per-pair logits/weights (backend.h), the input gradients of every site (all alive
-  // until slot 0's gradient: the backward is source-stationary), ubar, the key-gradient
-  // scratch, and one short-lived gradient per slot.
+  // Per-pair logits/weights (backend.h), ubar, the key-gradient scratch, one short-lived
+  // gradient per slot, and the input gradient of every site: each from the backward of
+  // the site's consumer to the end (slot 0's backward, the last, reads them all: the
+  // backward is source-stationary). Planned one by one, they take the place of the
+  // forward activations the backward frees as it goes, instead of one [S, N, d] buffer
+  // alive from the head's backward, when every forward activation still is.
   inv_rms_ = P.add("routing.inv_rms", st, {layout_.sources, N}, 0, last);
   route_w_ = P.add("routing.weights", st, {layout_.pairs(), H_, N}, 0, last);
-  site_dx_all_ = P.add("sites.x.grad", at, {S, N, d}, t.back(t.head()), last);
+  for (int j = 0; j < S; ++j) {
+    const int consumer = j < 2 * c_.cfg.n_layers ? t.sublayer(j) : t.head();
+    site_dx_.push_back(P.add("site." + std::to_string(j) + ".x.grad", at, {N, d},
+                             t.back(consumer), last));
+  }
   ubar_ = P.add("routing.ubar", st, {S, H_, N}, t.back(t.head()), last);
   gsum_ = P.add("routing.key_grad", c_.be.grad_dtype(), {kKeyGradSlabs, S, d},
                 t.back(t.head()), last);
@@ -135,8 +143,10 @@ void RoutedScheme::site_forward(int j) {
 
 void RoutedScheme::site_backward(int j) {
   // Every site that reads slot j has its input gradient now.
+  std::vector<Tensor> dx;
+  for (int id : site_dx_) dx.push_back(c_.act(id));
   c_.be.routing_source_backward(c_.act(source_dx_[size_t(j)]), c_.act(route_w_), c_.act(ubar_),
-                                c_.act(gsum_), c_.act(site_dx_all_), c_.act(site_x_[size_t(j)]),
+                                c_.act(gsum_), dx, c_.act(site_x_[size_t(j)]),
                                 c_.act(history_)[j], c_.act(inv_rms_)[j], params_, layout_, j, H_);
   // v_j is also in slots j+1 .. (end of its block): their gradients, already summed into
   // v_{j+1}'s.

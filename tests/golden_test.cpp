@@ -202,7 +202,8 @@ class Fp32Noise final : public Backend {
       round_all(weights[lay.pair(lay.site_source(site, t), site)]);
   }
   void routing_source_backward(Tensor dv, Tensor weights, Tensor ubar, Tensor gsum,
-                               Tensor site_dx, Tensor x, Tensor v, Tensor inv_rms,
+                               const std::vector<Tensor>& site_dx, Tensor x, Tensor v,
+                               Tensor inv_rms,
                                const RoutingParams& p, const RoutingLayout& lay, int source,
                                int heads) override {
     inner_->routing_source_backward(dv, weights, ubar, gsum, site_dx, x, v, inv_rms, p, lay,

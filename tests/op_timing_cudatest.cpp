@@ -104,6 +104,7 @@ TEST_F(OpTiming, DISABLED_ModelShapes) {
     const int S = sh.S, H = sh.H;
     Buffer hist = random_gpu(DType::BF16, {S, N, d});
     Buffer site_dx = random_gpu(DType::BF16, {S, N, d});
+    const std::vector<Tensor> dx_rows = routing_rows(site_dx.t());
     Buffer xs(*gpu, DType::BF16, {S, N, d}), inv_rms(*gpu, DType::F32, {S, N});
     Buffer weights(*gpu, DType::F32, {P, H, N}), ubar(*gpu, DType::F32, {S, H, N});
     Buffer gsum(*gpu, DType::F32, {64, S, d}), dv(*gpu, DType::BF16, {N, d});
@@ -139,7 +140,7 @@ TEST_F(OpTiming, DISABLED_ModelShapes) {
     auto backward = [&] {
       gpu->zero(gsum);
       for (int i = S - 1; i >= 0; --i)
-        gpu->routing_source_backward(dv, weights, ubar, gsum, site_dx, xs.t()[i], hist.t()[i],
+        gpu->routing_source_backward(dv, weights, ubar, gsum, dx_rows, xs.t()[i], hist.t()[i],
                                      inv_rms.t()[i], rp, lay, i, H);
       gpu->routing_param_grads(rp, gsum);
     };
@@ -150,7 +151,7 @@ TEST_F(OpTiming, DISABLED_ModelShapes) {
            row * (S + 1));
     report("routing_source_backward source 0 " + tag,
            time_ms([&] {
-             gpu->routing_source_backward(dv, weights, ubar, gsum, site_dx, xs.t()[0],
+             gpu->routing_source_backward(dv, weights, ubar, gsum, dx_rows, xs.t()[0],
                                           hist.t()[0], inv_rms.t()[0], rp, lay, 0, H);
            }),
            0, row * (S + 4.0));

@@ -105,9 +105,11 @@ class RoutingParity : public CudaParity {
     dv.g.poison();
     gsum.set(std::vector<double>(size_t(8 * S * d), 0.0));
     for (int i = S - 1; i >= 0; --i) {
-      cpu->routing_source_backward(dv.c.t()[i], weights.c, ubar.c, gsum.c, site_dx.c,
+      cpu->routing_source_backward(dv.c.t()[i], weights.c, ubar.c, gsum.c,
+                                   routing_rows(site_dx.c.t()),
                                    xs.c.t()[i], history.c.t()[i], inv_rms.c.t()[i], pc, lay, i, H);
-      gpu->routing_source_backward(dv.g.t()[i], weights.g, ubar.g, gsum.g, site_dx.g,
+      gpu->routing_source_backward(dv.g.t()[i], weights.g, ubar.g, gsum.g,
+                                   routing_rows(site_dx.g.t()),
                                    xs.g.t()[i], history.g.t()[i], inv_rms.g.t()[i], pg, lay, i, H);
     }
     expect_close("routing_source_backward dv " + tag, dv.g, dv.c, kTolBf16Output);

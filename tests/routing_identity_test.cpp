@@ -326,7 +326,7 @@ TEST(RoutingIdentity, SourceGradientReadsOnlyLaterSites) {
         std::vector<double> dv(size_t(N) * d, 0), gsum(size_t(S) * d, 0);
         op.be->routing_source_backward(
             op.t(dv, {N, d}), op.t(w, {lay.pairs(), heads, N}), op.t(ub, {S, heads, N}),
-            op.t(gsum, {1, S, d}), op.t(dxs, {S, N, d}), op.t(x, {S, N, d})[source],
+            op.t(gsum, {1, S, d}), routing_rows(op.t(dxs, {S, N, d})), op.t(x, {S, N, d})[source],
             op.t(op.hist, {S, N, d})[source], op.t(op.inv_rms, {S, N})[source], p, lay,
             source, heads);
         dv.insert(dv.end(), gsum.begin(), gsum.end());

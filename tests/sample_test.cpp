@@ -262,7 +262,8 @@ class CountingBackend final : public Backend {
                    int heads) override {
     in_.routing_mix(x, w, h, lay, site, heads);
   }
-  void routing_source_backward(Tensor dv, Tensor w, Tensor ub, Tensor gs, Tensor dx, Tensor x,
+  void routing_source_backward(Tensor dv, Tensor w, Tensor ub, Tensor gs,
+                               const std::vector<Tensor>& dx, Tensor x,
                                Tensor v, Tensor r, const RoutingParams& p,
                                const RoutingLayout& lay, int i, int heads) override {
     in_.routing_source_backward(dv, w, ub, gs, dx, x, v, r, p, lay, i, heads);

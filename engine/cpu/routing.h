@@ -2,7 +2,7 @@
 // as in backend.h: the logits of a source for every later site when it is written, one
 // softmax-and-mix per site, one gradient per source that gathers every later site.
 // Layouts (RoutingLayout `lay` in backend.h says which slots a site reads): history
-// [sources, N, d], site_dx [sites, N, d], inv_rms [N] (one slot), q/g: one [d] vector per
+// [sources, N, d], site_dx: one [N, d] row pointer per site, inv_rms [N] (one slot), q/g: one [d] vector per
 // site, weights [lay.pairs(), H, N] with pair (i, k) at lay.pair(i, k), ubar [sites, H, N],
 // gsum [C, sites, d] (only slab 0 is used here). Head h owns features
 // [h*d/H, (h+1)*d/H). A site never reads a slot after it.
@@ -82,7 +82,8 @@ void routing_mix(T* x, T* weights, const T* history, int64_t N, int64_t d,
 }
 
 template <class T>
-void routing_source_backward(T* dv, T* weights, T* ubar, T* gsum, const T* site_dx, const T* x,
+void routing_source_backward(T* dv, T* weights, T* ubar, T* gsum,
+                             const std::vector<const T*>& site_dx, const T* x,
                              const T* v, const T* inv_rms,
                              const std::vector<RoutingSite<T>>& sites, int64_t N, int64_t d,
                              const RoutingLayout& lay, int source, int H) {
@@ -97,7 +98,7 @@ void routing_source_backward(T* dv, T* weights, T* ubar, T* gsum, const T* site_
     for (int h = 0; h < H; ++h) {
       double acc = 0;
       for (int64_t c = h * hs; c < (h + 1) * hs; ++c)
-        acc += double(site_dx[(int64_t(i) * N + n) * d + c]) * x[n * d + c];
+        acc += double(site_dx[size_t(i)][n * d + c]) * x[n * d + c];
       own_ubar[size_t(n * H + h)] = acc;
       ubar[(int64_t(i) * H + h) * N + n] = T(acc);
     }
@@ -113,7 +114,7 @@ void routing_source_backward(T* dv, T* weights, T* ubar, T* gsum, const T* site_
       std::fill(acc.begin(), acc.end(), 0.0);
       double radial = 0;  // sum_k sum_c ds_k q_k g_k v
       for (int k = i; k <= last; ++k) {
-        const T* dx = site_dx + (int64_t(k) * N + n) * d;
+        const T* dx = site_dx[size_t(k)] + n * d;
         const RoutingSite<T>& st = sites[size_t(k)];
         T* w = weights + lay.pair(i, k) * H * N;
         for (int h = 0; h < H; ++h) {
