@@ -45,6 +45,7 @@ struct ModeCase {
   const char* label;
   ResidualMode mode;
   int heads;
+  int block_size = 0;
 };
 
 void PrintTo(const ModeCase& c, std::ostream* os) { *os << c.label; }
@@ -53,7 +54,7 @@ class CachedDecode : public ::testing::TestWithParam<ModeCase> {};
 
 TEST_P(CachedDecode, LogitsEqualFullForwardAtEveryPosition) {
   const ModeCase& mc = GetParam();
-  Config cfg = tiny_config(mc.mode, mc.heads);
+  Config cfg = tiny_config(mc.mode, mc.heads, true, mc.block_size);
   const int total = cfg.model.context_length;  // 8
   auto be = make_cpu_backend(DType::F64);
   Model full(cfg.model, cfg.residual, *be, 1, total);
@@ -96,7 +97,8 @@ TEST_P(CachedDecode, LogitsEqualFullForwardAtEveryPosition) {
 INSTANTIATE_TEST_SUITE_P(Modes, CachedDecode,
                          ::testing::Values(ModeCase{"standard", ResidualMode::Standard, 0},
                                            ModeCase{"attnres", ResidualMode::AttnRes, 0},
-                                           ModeCase{"mhar", ResidualMode::Mhar, 4}),
+                                           ModeCase{"mhar", ResidualMode::Mhar, 4},
+                                           ModeCase{"mhar_block3", ResidualMode::Mhar, 4, 3}),
                          [](const auto& info) { return std::string(info.param.label); });
 
 TEST(Sampling, GreedyIsDeterministicAndEqualsArgmaxOfFullForwards) {
