@@ -15,9 +15,10 @@
 // source-stationary: site j's backward event builds the whole gradient of slot j from
 // the input gradients of the sites that read it, so every site's input gradient stays
 // alive until the end of the backward (one [N, d] buffer per site, each planned from
-// its site's backward on) and each slot's gradient is written once. A sublayer output v_j is in every slot from j to the end of its block,
-// so its gradient is slot j's plus v_{j+1}'s when v_{j+1} continues the block (added
-// at site j's backward: a running sum from the block's end down).
+// its site's backward on) and each slot's gradient is written once. A sublayer output
+// v_j is in every slot from j to the end of its block, so its gradient is slot j's plus
+// v_{j+1}'s when v_{j+1} continues the block (added at site j's backward: a running sum
+// from the block's end down).
 #include "engine/model.h"
 #include "engine/residual.h"
 
@@ -37,8 +38,9 @@ class RoutedScheme final : public ResidualScheme {
   const char* bucket() const override { return "routing"; }
   void add_parameters(const AddParameter& add) override {
     for (int j = 0; j < layout_.sites; ++j) {
-      query_.push_back(add("model.routing." + std::to_string(j) + ".query", c_.cfg.d_model, Init::Zero));
-      gain_.push_back(add("model.routing." + std::to_string(j) + ".gain", c_.cfg.d_model, Init::One));
+      const std::string pre = "model.routing." + std::to_string(j);
+      query_.push_back(add(pre + ".query", c_.cfg.d_model, Init::Zero));
+      gain_.push_back(add(pre + ".gain", c_.cfg.d_model, Init::One));
     }
   }
   void bind_parameters() override;

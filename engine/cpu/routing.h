@@ -2,10 +2,10 @@
 // as in backend.h: the logits of a source for every later site when it is written, one
 // softmax-and-mix per site, one gradient per source that gathers every later site.
 // Layouts (RoutingLayout `lay` in backend.h says which slots a site reads): history
-// [sources, N, d], site_dx: one [N, d] row pointer per site, inv_rms [N] (one slot), q/g: one [d] vector per
-// site, weights [lay.pairs(), H, N] with pair (i, k) at lay.pair(i, k), ubar [sites, H, N],
-// gsum [C, sites, d] (only slab 0 is used here). Head h owns features
-// [h*d/H, (h+1)*d/H). A site never reads a slot after it.
+// [sources, N, d], site_dx one [N, d] row pointer per site, inv_rms [N] (one slot), q/g
+// one [d] vector per site, weights [lay.pairs(), H, N] with pair (i, k) at lay.pair(i, k),
+// ubar [sites, H, N], gsum [C, sites, d] (only slab 0 is used here). Head h owns
+// features [h*d/H, (h+1)*d/H). A site never reads a slot after it.
 // Sums run in double whatever T is, so the fp32 reference rounds once per output.
 #pragma once
 #include <cmath>
