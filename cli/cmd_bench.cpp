@@ -86,33 +86,18 @@ double flops_per_token(const ModelConfig& m, int seq_len) {
   return 6 * matmul_params + 6 * L * double(seq_len) * qd;
 }
 
-// Random weights with DESIGN.md's scales (matrices std init_std, output projections
-// scaled by 1/sqrt(2L), norm weights and routing gains 1, routing queries 0), drawn
-// uniform with that std from xorshift64* instead of Model::init_weights' Box-Muller
-// normals: the timing does not depend on the values, and the normals cost ~40 s of host
-// time at 1B parameters.
+// Model::init_weights with uniform draws of unit variance from xorshift64* instead of
+// its Box-Muller normals: the same scales, and the timing does not depend on the values,
+// while the normals cost ~40 s of host time at 1B parameters.
 void fast_random_init(Model& model, uint64_t seed) {
-  const auto& m = model.config();
-  const double out_scale = 1.0 / std::sqrt(2.0 * m.n_layers);
   uint64_t s = seed * 0x9E3779B97F4A7C15ULL + 1;
-  std::vector<double> host;
-  for (auto& p : model.parameters()) {
-    host.assign(size_t(p.value.numel()), 0.0);
-    const bool query = p.name.find(".query") != std::string::npos;
-    if (p.value.ndim == 1) {
-      if (!query) std::fill(host.begin(), host.end(), 1.0);
-    } else {
-      const bool out = p.name.find("o_proj") != std::string::npos ||
-                       p.name.find("down_proj") != std::string::npos;
-      const double a = std::sqrt(3.0) * m.init_std * (out ? out_scale : 1.0);  // U(-a, a)
-      for (double& x : host) {
-        s ^= s >> 12, s ^= s << 25, s ^= s >> 27;
-        const double u = double((s * 0x2545F4914F6CDD1DULL) >> 11) * 0x1.0p-53;  // [0, 1)
-        x = a * (2 * u - 1);
-      }
+  model.init_weights([&s](const Parameter&, std::vector<double>& out) {
+    for (double& x : out) {
+      s ^= s >> 12, s ^= s << 25, s ^= s >> 27;
+      const double u = double((s * 0x2545F4914F6CDD1DULL) >> 11) * 0x1.0p-53;  // [0, 1)
+      x = std::sqrt(3.0) * (2 * u - 1);                                      // U(-sqrt 3, sqrt 3)
     }
-    model.backend().upload(p.value, host.data());
-  }
+  });
 }
 
 struct BenchOptions {

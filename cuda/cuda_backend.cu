@@ -220,23 +220,28 @@ class CudaBackend final : public Backend {
     cuda::cross_entropy(stream_, losses, logits, targets, grad_scale, compute_grad);
   }
   void routing_source_logits(Tensor weights, Tensor inv_rms, Tensor v, const RoutingParams& p,
-                             int source, int heads, double eps) override {
-    cuda::routing_source_logits(stream_, weights, inv_rms, v, p, source, heads, eps);
+                             const RoutingLayout& layout, int source, int heads,
+                             double eps) override {
+    cuda::routing_source_logits(stream_, weights, inv_rms, v, p, layout, source, heads, eps);
   }
-  void routing_mix(Tensor x, Tensor weights, Tensor history, int site, int heads) override {
-    cuda::routing_mix(stream_, x, weights, history, site, heads);
+  void routing_mix(Tensor x, Tensor weights, Tensor history, const RoutingLayout& layout,
+                   int site, int heads) override {
+    cuda::routing_mix(stream_, x, weights, history, layout, site, heads);
   }
   void routing_source_backward(Tensor dv, Tensor weights, Tensor ubar, Tensor gsum,
-                               Tensor site_dx, Tensor x, Tensor v, Tensor inv_rms,
-                               const RoutingParams& p, int source, int heads) override {
+                               const std::vector<Tensor>& site_dx, Tensor x, Tensor v,
+                               Tensor inv_rms,
+                               const RoutingParams& p, const RoutingLayout& layout, int source,
+                               int heads) override {
     cuda::routing_source_backward(stream_, dv, weights, ubar, gsum, site_dx, x, v, inv_rms, p,
-                                  source, heads);
+                                  layout, source, heads);
   }
   void routing_param_grads(const RoutingParams& p, Tensor gsum) override {
     cuda::routing_param_grads(stream_, p, gsum);
   }
-  void routing_stats(Tensor stats, Tensor weights, int site, int heads) override {
-    cuda::routing_stats(stream_, stats, weights, site, heads);
+  void routing_stats(Tensor stats, Tensor weights, const RoutingLayout& layout, int site,
+                     int heads) override {
+    cuda::routing_stats(stream_, stats, weights, layout, site, heads);
   }
   double sum_squares(Tensor t) override { return cuda::sum_squares(stream_, t, scratch_); }
   void adamw(Tensor param, Tensor master, Tensor grad, Tensor m, Tensor v,

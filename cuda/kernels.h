@@ -54,14 +54,19 @@ void cross_entropy(cudaStream_t s, Tensor losses, Tensor logits, Tensor targets,
 
 // routing.cu
 void routing_source_logits(cudaStream_t s, Tensor weights, Tensor inv_rms, Tensor v,
-                           const RoutingParams& params, int source, int heads, double eps);
-void routing_mix(cudaStream_t s, Tensor x, Tensor weights, Tensor history, int site, int heads);
+                           const RoutingParams& params, const RoutingLayout& layout, int source,
+                           int heads, double eps);
+void routing_mix(cudaStream_t s, Tensor x, Tensor weights, Tensor history,
+                 const RoutingLayout& layout, int site, int heads);
 void routing_source_backward(cudaStream_t s, Tensor dv, Tensor weights, Tensor ubar,
-                             Tensor gsum, Tensor site_dx, Tensor x, Tensor v, Tensor inv_rms,
-                             const RoutingParams& params, int source, int heads);
+                             Tensor gsum, const std::vector<Tensor>& site_dx, Tensor x, Tensor v,
+                             Tensor inv_rms,
+                             const RoutingParams& params, const RoutingLayout& layout,
+                             int source, int heads);
 void routing_param_grads(cudaStream_t s, const RoutingParams& params, Tensor gsum);
 // routing_stats.cu (the routing probe's device reduction)
-void routing_stats(cudaStream_t s, Tensor stats, Tensor weights, int site, int heads);
+void routing_stats(cudaStream_t s, Tensor stats, Tensor weights, const RoutingLayout& layout,
+                   int site, int heads);
 
 // reductions.cu. sum_squares accumulates into *scratch (one device double) and returns the
 // host value (synchronises the stream).

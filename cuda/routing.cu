@@ -7,6 +7,11 @@
 //                            an accumulator per (site, source) pair), plus its share of
 //                            the query/gain gradients
 //   routing_param_grads      dquery/dgain of every site from the slabs of gsum
+// Which slots a site reads is the RoutingLayout (backend.h), passed by value in the
+// launch geometry: a source's sites are a contiguous run [source, last_site(source)] with
+// contiguous pairs, so the per-source kernels only change loop bounds; the mix derives
+// each of its sources' slot and pair (site_source / site_pair) with no division per
+// source. Full routing is block 1: slot i = v_i, read by every site k >= i.
 // Storage: history, x, dx, dv BF16; query/gain BF16 (the backend's parameters); weights,
 // inv_rms, ubar F32; gsum, dquery, dgain F32. Every sum is fp32.
 //
@@ -45,16 +50,16 @@ struct SiteGrads {
   float* dq[kMaxSites];
   float* dg[kMaxSites];
 };
+struct SiteRows {  // the input gradient [N, d] of every site (the model plans each apart)
+  const bf16* dx[kMaxSites];
+};
 
 struct Geometry {  // of one launch, uniform over the grid
   int64_t N;
-  int d, H, dh, S;
+  int d, H, dh;
   int nchunks;  // d / 8
+  RoutingLayout lay;  // which slots each site reads (backend.h)
 };
-
-__device__ __forceinline__ int64_t pair_index(int i, int k, int S) {
-  return int64_t(i) * S - int64_t(i) * (i - 1) / 2 + (k - i);
-}
 
 // ---------------------------------------------------------------- row chunks
 template <int NT>
@@ -266,7 +271,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
   const int lane = threadIdx.x & 31;
   const LaneHeads<NT> L = lane_heads<NT>(g);
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
-  float* w_src = weights + pair_index(source, source, g.S) * g.H * g.N;
+  float* w_src = weights + g.lay.pair_base(source) * g.H * g.N;
+  const int last = g.lay.last_site(source);
   for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); n < g.N;
        n += warps) {
     Row<NT> rv;
@@ -278,7 +284,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
       for (int e = 0; e < 8; ++e) ss += elem(rv.raw[t], e) * elem(rv.raw[t], e);
     const float r = rsqrtf(warp_sum(ss) / float(g.d) + eps);
     if (lane == 0) inv_rms[n] = r;
-    for (int k = source; k < g.S; ++k) {
+    for (int k = source; k <= last; ++k) {
       float prod[NT][8], tot[NT][kHeadVals<ALIGNED>];
       load_qg(prod, sp.q[k], sp.g[k], g.nchunks);
 #pragma unroll
@@ -306,16 +312,19 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
   const LaneHeads<NT> L = lane_heads<NT>(g);
   const bool lane_heads_fit = g.H <= 32;  // lane h owns head h's weights
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
+  // The site's sources t = 0 .. src-1 (oldest first): slot site_source(site, t).
+  const int src = g.lay.site_sources(site), closed = site / g.lay.block;
+  auto slot = [&](int t) { return t <= closed ? t * g.lay.block : site; };
   for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); n < g.N;
        n += warps) {
-    auto wptr = [&](int i) { return weights + pair_index(i, site, g.S) * g.H * g.N + n; };
+    auto wptr = [&](int t) { return weights + g.lay.site_pair(site, t, closed) * g.H * g.N + n; };
     // Softmax statistics per head, the lanes spread over the sources (independent loads).
     for (int h = 0; h < g.H; ++h) {
       float m = -INFINITY;
-      for (int i = lane; i <= site; i += 32) m = fmaxf(m, wptr(i)[int64_t(h) * g.N]);
+      for (int i = lane; i < src; i += 32) m = fmaxf(m, wptr(i)[int64_t(h) * g.N]);
       m = warp_max(m);
       float l = 0.f;
-      for (int i = lane; i <= site; i += 32) l += __expf(wptr(i)[int64_t(h) * g.N] - m);
+      for (int i = lane; i < src; i += 32) l += __expf(wptr(i)[int64_t(h) * g.N] - m);
       l = warp_sum(l);
       if (lane == 0) {
         m_sh[h] = m;
@@ -331,11 +340,11 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
 #pragma unroll
       for (int e = 0; e < 8; ++e) acc[t][e] = 0.f;
     Row<NT> cur, nxt;
-    load_row(cur, hist + n * g.d, g.nchunks);
+    load_row(cur, hist + (int64_t(slot(0)) * g.N + n) * g.d, g.nchunks);
     float s_cur = lane_heads_fit && lane < g.H ? wptr(0)[int64_t(lane) * g.N] : 0.f, s_nxt = 0.f;
-    for (int i = 0; i <= site; ++i) {
-      if (i < site) {  // prefetch the next source's row and logit
-        load_row(nxt, hist + (int64_t(i + 1) * g.N + n) * g.d, g.nchunks);
+    for (int i = 0; i < src; ++i) {
+      if (i + 1 < src) {  // prefetch the next source's row and logit
+        load_row(nxt, hist + (int64_t(slot(i + 1)) * g.N + n) * g.d, g.nchunks);
         if (lane_heads_fit && lane < g.H) s_nxt = wptr(i + 1)[int64_t(lane) * g.N];
       }
       float* w = wptr(i);
@@ -377,7 +386,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
       for (int t = 0; t < NT; ++t)
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[t][e] += hv<ALIGNED>(a, t, e) * elem(cur.raw[t], e);
-      if (i < site) {
+      if (i + 1 < src) {
         cur = nxt;
         s_cur = s_nxt;
       }
@@ -391,7 +400,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
 template <int NT, bool ALIGNED>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock)
     source_backward_kernel(bf16* __restrict__ dv, float* __restrict__ weights,
-                           float* __restrict__ ubar, const bf16* __restrict__ site_dx,
+                           float* __restrict__ ubar, const SiteRows site_dx,
                            const bf16* __restrict__ x, const bf16* __restrict__ v,
                            const float* __restrict__ inv_rms, const SiteParams sp,
                            const Geometry g, int source) {
@@ -399,14 +408,15 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
   float* scratch = smem + (threadIdx.x >> 5) * g.H;
   const LaneHeads<NT> L = lane_heads<NT>(g);
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
-  float* w_src = weights + pair_index(source, source, g.S) * g.H * g.N;
+  float* w_src = weights + g.lay.pair_base(source) * g.H * g.N;
+  const int last = g.lay.last_site(source);
   for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); n < g.N;
        n += warps) {
     const float r = inv_rms[n];
     constexpr int W = kHeadVals<ALIGNED>;
     Row<NT> rv, rdx, nxt;
     load_row(rv, v + n * g.d, g.nchunks);
-    load_row(rdx, site_dx + (int64_t(source) * g.N + n) * g.d, g.nchunks);
+    load_row(rdx, site_dx.dx[source] + n * g.d, g.nchunks);
     float ub[NT][W], a[NT][W];  // the current site's ubar and weight per head
     {  // ubar of site `source`, from its input and input gradient
       Row<NT> rx;
@@ -429,13 +439,13 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
 #pragma unroll
       for (int e = 0; e < 8; ++e) acc[t][e] = 0.f;
     float radial = 0.f;  // this lane's part of sum_k sum_c ds_k q_k g_k v
-    for (int k = source; k < g.S; ++k) {
+    for (int k = source; k <= last; ++k) {
       float* w = w_src + int64_t(k - source) * g.H * g.N + n;
       float a_nxt[NT][W], ub_nxt[NT][W];
       // Prefetch the next site's input gradient (and, ALIGNED, its weight and ubar: the
       // per-feature copies of the unaligned path would not fit in registers).
-      if (k + 1 < g.S) {
-        load_row(nxt, site_dx + (int64_t(k + 1) * g.N + n) * g.d, g.nchunks);
+      if (k + 1 <= last) {
+        load_row(nxt, site_dx.dx[k + 1] + n * g.d, g.nchunks);
         if constexpr (ALIGNED) {
           load_per_head<NT, ALIGNED>(a_nxt, w + int64_t(g.H) * g.N, g, L);
           load_per_head<NT, ALIGNED>(ub_nxt, ubar + int64_t(k + 1) * g.H * g.N + n, g, L);
@@ -464,7 +474,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
       for_head_leaders<NT, ALIGNED>(g, L, [&](int t, int e, int h) {
         w[int64_t(h) * g.N] = hv<ALIGNED>(ds, t, e) * r;
       });
-      if (k + 1 < g.S) {
+      if (k + 1 <= last) {
         rdx = nxt;
         if constexpr (ALIGNED) {
 #pragma unroll
@@ -485,7 +495,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
 }
 
 // ---------------------------------------------------------------- key gradient
-// gsum[slab][k][c] += sum over the slab's tokens n of dsr_k[head(c), n] * v[n, c], k >= source.
+// gsum[slab][k][c] += sum over the slab's tokens n of dsr_k[head(c), n] * v[n, c], for the
+// sites k = source .. last_site(source).
 template <int KT>
 __global__ void __launch_bounds__(kKeyGradThreads)
     key_grad_kernel(float* __restrict__ gsum, const float* __restrict__ weights,
@@ -495,13 +506,14 @@ __global__ void __launch_bounds__(kKeyGradThreads)
   const int64_t n0 = int64_t(blockIdx.y) * slab_rows;
   const int64_t n1 = min(g.N, n0 + slab_rows);
   const int h = c / g.dh;
-  const float* w_src = weights + pair_index(source, source, g.S) * g.H * g.N + int64_t(h) * g.N;
+  const float* w_src = weights + g.lay.pair_base(source) * g.H * g.N + int64_t(h) * g.N;
   const bool vec4 = g.N % 4 == 0;  // slab_rows is a multiple of 4, so n0 is too
-  for (int k0 = source; k0 < g.S; k0 += KT) {
+  const int last = g.lay.last_site(source);
+  for (int k0 = source; k0 <= last; k0 += KT) {
     float acc[KT];
 #pragma unroll
     for (int kk = 0; kk < KT; ++kk) acc[kk] = 0.f;
-    const int kn = min(KT, g.S - k0);
+    const int kn = min(KT, last + 1 - k0);
     int64_t n = n0;
     if (vec4)
       for (; n + 4 <= n1; n += 4) {
@@ -523,7 +535,7 @@ __global__ void __launch_bounds__(kKeyGradThreads)
     }
 #pragma unroll
     for (int kk = 0; kk < KT; ++kk)
-      if (kk < kn) gsum[(int64_t(blockIdx.y) * g.S + k0 + kk) * g.d + c] += acc[kk];
+      if (kk < kn) gsum[(int64_t(blockIdx.y) * g.lay.sites + k0 + kk) * g.d + c] += acc[kk];
   }
 }
 
@@ -540,20 +552,23 @@ __global__ void param_grads_kernel(const SiteGrads sg, const SiteParams sp,
 }
 
 // ---------------------------------------------------------------- host side
-Geometry geometry(const char* what, int64_t N, int64_t d, int heads, int S) {
+Geometry geometry(const char* what, int64_t N, int64_t d, int heads, const RoutingLayout& lay) {
   MHAR_CHECK(heads >= 1 && d % heads == 0, "CUDA ", what, ": heads ", heads, " must divide d ", d);
   if (d % 8 != 0 || d > 256 * kMaxNT)
     fail("CUDA ", what, ": d_model = ", d, " unsupported (the CUDA routing reads rows in "
          "16-byte chunks: d must be a multiple of 8 and at most ", 256 * kMaxNT, ")");
-  if (S > kMaxSites)
-    fail("CUDA ", what, ": ", S, " routing sites, at most ", kMaxSites,
+  MHAR_CHECK(lay.sources >= 1 && lay.sites >= lay.sources && lay.block >= 1, "CUDA ", what,
+             ": routing layout of ", lay.sources, " sources, ", lay.sites, " sites, block ",
+             lay.block);
+  if (lay.sites > kMaxSites)
+    fail("CUDA ", what, ": ", lay.sites, " routing sites, at most ", kMaxSites,
          " supported (2 * n_layers + 1 <= ", kMaxSites, ")");
   Geometry g;
   g.N = N;
   g.d = int(d);
   g.H = heads;
   g.dh = int(d / heads);
-  g.S = S;
+  g.lay = lay;
   g.nchunks = int(d / 8);
   return g;
 }
@@ -577,17 +592,21 @@ SiteParams site_params(const char* what, const RoutingParams& p, int64_t d) {
 
 void check_weights(const char* what, const Tensor& w, const Geometry& g) {
   check_dtype(w, DType::F32, what, "weights");
-  check_numel(w, routing_pairs(g.S) * g.H * g.N, what, "weights");
+  check_numel(w, g.lay.pairs() * g.H * g.N, what, "weights");
 }
 
 // The checks shared by the two per-source ops: v [N, d] one source, inv_rms [N].
 Geometry source_geometry(const char* what, const Tensor& weights, const Tensor& inv_rms,
-                         const Tensor& v, const RoutingParams& params, int source, int heads) {
+                         const Tensor& v, const RoutingParams& params, const RoutingLayout& lay,
+                         int source, int heads) {
   const int64_t N = inv_rms.numel();
   MHAR_CHECK(N > 0 && v.numel() % N == 0, "CUDA ", what, ": v ", v.shape_str(),
              " for inv_rms ", inv_rms.shape_str());
-  const Geometry g = geometry(what, N, v.numel() / N, heads, params.sites());
-  MHAR_CHECK(source >= 0 && source < g.S, "CUDA ", what, ": source ", source, " of ", g.S);
+  MHAR_CHECK(params.sites() == lay.sites, "CUDA ", what, ": ", params.sites(),
+             " sites' parameters for a layout of ", lay.sites, " sites");
+  const Geometry g = geometry(what, N, v.numel() / N, heads, lay);
+  MHAR_CHECK(source >= 0 && source < lay.sources, "CUDA ", what, ": source ", source, " of ",
+             lay.sources);
   check_weights(what, weights, g);
   check_dtype(inv_rms, DType::F32, what, "inv_rms");
   check_dtype(v, DType::BF16, what, "v");
@@ -627,9 +646,10 @@ void allow_smem(K kernel, size_t bytes) {
 }  // namespace
 
 void routing_source_logits(cudaStream_t s, Tensor weights, Tensor inv_rms, Tensor v,
-                           const RoutingParams& params, int source, int heads, double eps) {
+                           const RoutingParams& params, const RoutingLayout& layout, int source,
+                           int heads, double eps) {
   const char* what = "routing_source_logits";
-  const Geometry g = source_geometry(what, weights, inv_rms, v, params, source, heads);
+  const Geometry g = source_geometry(what, weights, inv_rms, v, params, layout, source, heads);
   const int64_t N = g.N;
   const SiteParams sp = site_params(what, params, g.d);
   const size_t smem = sizeof(float) * kWarpsPerBlock * heads;
@@ -643,11 +663,13 @@ void routing_source_logits(cudaStream_t s, Tensor weights, Tensor inv_rms, Tenso
   });
 }
 
-void routing_mix(cudaStream_t s, Tensor x, Tensor weights, Tensor history, int site, int heads) {
+void routing_mix(cudaStream_t s, Tensor x, Tensor weights, Tensor history,
+                 const RoutingLayout& layout, int site, int heads) {
   const char* what = "routing_mix";
-  MHAR_CHECK(history.ndim == 3, what, ": history must be [S, N, d], got ", history.shape_str());
-  const Geometry g = geometry(what, history.dim(1), history.dim(2), heads, int(history.dim(0)));
-  MHAR_CHECK(site >= 0 && site < g.S, what, ": site ", site, " of ", g.S);
+  MHAR_CHECK(history.ndim == 3 && history.dim(0) == layout.sources, what, ": history must be [",
+             layout.sources, ", N, d], got ", history.shape_str());
+  const Geometry g = geometry(what, history.dim(1), history.dim(2), heads, layout);
+  MHAR_CHECK(site >= 0 && site < layout.sites, what, ": site ", site, " of ", layout.sites);
   check_weights(what, weights, g);
   check_dtype(history, DType::BF16, what, "history");
   check_dtype(x, DType::BF16, what, "x");
@@ -665,18 +687,28 @@ void routing_mix(cudaStream_t s, Tensor x, Tensor weights, Tensor history, int s
 }
 
 void routing_source_backward(cudaStream_t s, Tensor dv, Tensor weights, Tensor ubar,
-                             Tensor gsum, Tensor site_dx, Tensor x, Tensor v, Tensor inv_rms,
-                             const RoutingParams& params, int source, int heads) {
+                             Tensor gsum, const std::vector<Tensor>& site_dx, Tensor x,
+                             Tensor v, Tensor inv_rms,
+                             const RoutingParams& params, const RoutingLayout& layout,
+                             int source, int heads) {
   const char* what = "routing_source_backward";
-  const Geometry g = source_geometry(what, weights, inv_rms, v, params, source, heads);
+  const Geometry g = source_geometry(what, weights, inv_rms, v, params, layout, source, heads);
   const int64_t N = g.N;
+  const int S = layout.sites;
   check_dtype(ubar, DType::F32, what, "ubar");
-  check_numel(ubar, int64_t(g.S) * heads * N, what, "ubar");
+  check_numel(ubar, int64_t(S) * heads * N, what, "ubar");
   check_dtype(gsum, DType::F32, what, "gsum");
-  MHAR_CHECK(gsum.ndim == 3 && gsum.dim(1) == g.S && gsum.dim(2) == g.d, "CUDA ", what,
-             ": gsum must be [C, ", g.S, ", ", g.d, "], got ", gsum.shape_str());
-  for (const Tensor* t : {&dv, &site_dx, &x}) check_dtype(*t, DType::BF16, what, "dv/site_dx/x");
-  check_numel(site_dx, int64_t(g.S) * N * g.d, what, "site_dx");
+  MHAR_CHECK(gsum.ndim == 3 && gsum.dim(1) == S && gsum.dim(2) == g.d, "CUDA ", what,
+             ": gsum must be [C, ", S, ", ", g.d, "], got ", gsum.shape_str());
+  for (const Tensor* t : {&dv, &x}) check_dtype(*t, DType::BF16, what, "dv/x");
+  MHAR_CHECK(int(site_dx.size()) == S, "CUDA ", what, ": ", site_dx.size(),
+             " sites' gradients for ", S, " sites");
+  SiteRows rows{};
+  for (int k = source; k <= layout.last_site(source); ++k) {
+    check_dtype(site_dx[size_t(k)], DType::BF16, what, "site_dx");
+    check_numel(site_dx[size_t(k)], N * g.d, what, "site_dx");
+    rows.dx[k] = static_cast<const bf16*>(site_dx[size_t(k)].data);
+  }
   check_numel(x, N * g.d, what, "x");
   check_numel(dv, N * g.d, what, "dv");
   const SiteParams sp = site_params(what, params, g.d);
@@ -686,7 +718,7 @@ void routing_source_backward(cudaStream_t s, Tensor dv, Tensor weights, Tensor u
     allow_smem(kernel, smem);
     kernel<<<token_blocks(N), 32 * kWarpsPerBlock, smem, s>>>(
         static_cast<bf16*>(dv.data), weights.ptr<float>(), ubar.ptr<float>(),
-        static_cast<const bf16*>(site_dx.data), static_cast<const bf16*>(x.data),
+        rows, static_cast<const bf16*>(x.data),
         static_cast<const bf16*>(v.data), inv_rms.ptr<float>(), sp, g, source);
     CUDA_CHECK_LAUNCH();
   });

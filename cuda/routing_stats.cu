@@ -2,8 +2,8 @@
 // routing probe (engine/probe.h): per site, the sums over tokens of every head's weight
 // of every source, of each head's entropy, and of the mean pairwise Jensen-Shannon
 // divergence between heads, added into a small F64 buffer that stays on the device
-// across batches. Only that buffer (H*(site+2)+1 numbers per site) is ever downloaded,
-// never the [S(S+1)/2, H, N] weights.
+// across batches. Only that buffer (H*(src+1)+1 numbers per site of src sources) is ever
+// downloaded, never the [pairs, H, N] weights.
 // One thread per token reads its site's weights (F32, coalesced across the warp: pair
 // rows are [H, N]) and computes in fp64; warp sums, then one shared-memory atomic per
 // warp and one global atomic per block and statistic. The order of the atomics varies,
@@ -18,20 +18,17 @@ namespace {
 
 constexpr int kStatsThreads = 256;
 
-__device__ __forceinline__ int64_t pair_row(int source, int site, int S) {
-  return int64_t(source) * S - int64_t(source) * (source - 1) / 2 + (site - source);
-}
-
-__global__ void routing_stats_kernel(double* __restrict__ stats, const float* __restrict__ weights, int S,
-                                     int site, int H, int64_t N) {
-  extern __shared__ double acc[];  // [H*(site+2) + 1]
-  const int src = site + 1, n_stats = H * (src + 1) + 1, lane = threadIdx.x & 31;
+__global__ void routing_stats_kernel(double* __restrict__ stats, const float* __restrict__ weights,
+                                     const RoutingLayout lay, int site, int H, int64_t N) {
+  extern __shared__ double acc[];  // [H*(src+1) + 1]
+  const int src = lay.site_sources(site), closed = site / lay.block;
+  const int n_stats = H * (src + 1) + 1, lane = threadIdx.x & 31;
   for (int k = threadIdx.x; k < n_stats; k += blockDim.x) acc[k] = 0;
   __syncthreads();
   const int64_t n = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const bool live = n < N;
   auto a = [&](int i, int h) -> double {
-    return live ? double(weights[(pair_row(i, site, S) * H + h) * N + n]) : 0.0;
+    return live ? double(weights[(lay.site_pair(site, i, closed) * H + h) * N + n]) : 0.0;
   };
   for (int h = 0; h < H; ++h) {
     double ent = 0;
@@ -66,21 +63,23 @@ __global__ void routing_stats_kernel(double* __restrict__ stats, const float* __
 
 }  // namespace
 
-void routing_stats(cudaStream_t s, Tensor stats, Tensor weights, int site, int heads) {
+void routing_stats(cudaStream_t s, Tensor stats, Tensor weights, const RoutingLayout& layout,
+                   int site, int heads) {
   const char* what = "routing_stats";
   check_dtype(weights, DType::F32, what, "weights");
   check_dtype(stats, DType::F64, what, "stats");
   MHAR_CHECK(weights.ndim == 3 && weights.dim(1) == heads, "CUDA ", what, ": weights ", weights.shape_str());
   const int64_t P = weights.dim(0), N = weights.dim(2);
-  const int S = int(std::lround((std::sqrt(8.0 * double(P) + 1.0) - 1.0) / 2.0));
-  MHAR_CHECK(routing_pairs(S) == P && site >= 0 && site < S, "CUDA ", what, ": site ", site, " of ", P, " pairs");
-  MHAR_CHECK(stats.numel() == int64_t(heads) * (site + 2) + 1, "CUDA ", what, ": stats of ", stats.numel());
+  MHAR_CHECK(P == layout.pairs() && site >= 0 && site < layout.sites, "CUDA ", what, ": site ",
+             site, " of ", layout.sites, " with ", P, " pairs");
+  const int src = layout.site_sources(site);
+  MHAR_CHECK(stats.numel() == int64_t(heads) * (src + 1) + 1, "CUDA ", what, ": stats of ", stats.numel());
   if (N == 0) return;
   const size_t smem = sizeof(double) * size_t(stats.numel());
   if (smem > 48 * 1024)
     CUDA_CHECK(cudaFuncSetAttribute(routing_stats_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   routing_stats_kernel<<<unsigned(ceil_div(N, kStatsThreads)), kStatsThreads, smem, s>>>(
-      stats.ptr<double>(), weights.ptr<float>(), S, site, heads, N);
+      stats.ptr<double>(), weights.ptr<float>(), layout, site, heads, N);
   CUDA_CHECK_LAUNCH();
 }
 

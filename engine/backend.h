@@ -29,11 +29,62 @@ struct RoutingParams {
   int sites() const { return int(query.size()); }
 };
 
-// Index of pair (source i, site k >= i) among the S(S+1)/2 pairs, source-major.
-inline int64_t routing_pair(int source, int site, int S) {
-  return int64_t(source) * S - int64_t(source) * (source - 1) / 2 + (site - source);
+#if defined(__CUDACC__)
+#define MHAR_HOST_DEVICE __host__ __device__
+#else
+#define MHAR_HOST_DEVICE
+#endif
+
+// Which source slots every routing site reads (DESIGN.md sections 2-3); the CPU and CUDA
+// ops share these few lines, so the two can never disagree on a pair's slot.
+// Source slots are the rows of the history [sources, N, d]; sites are counted separately
+// (site inputs and their gradients, ubar, gsum and the per-site parameters have `sites`
+// rows). Slot i is written just before site i runs and is read by the run of sites
+// [i, last_site(i)]: with `block` = s, slot 0 holds v_0 and slot i >= 1 the sum of the
+// current block's sublayer outputs up to v_i; a slot that closes its block (i % s == 0)
+// is read by every later site, any other slot (a partial block sum) by its own site only.
+// Site k therefore reads slots 0, s, 2s, ..., floor(k/s) s and, inside a block, k.
+// block = 1 is full routing: every output is its own block, site k reads slots 0..k.
+// Pair (slot i, site k) indexes the per-pair statistics, source-major: the pairs of one
+// slot are contiguous. Both layouts built today have sources == sites.
+struct RoutingLayout {
+  int sources = 0, sites = 0;
+  int block = 1;  // s, sublayer outputs per block
+
+  static RoutingLayout full(int S) { return RoutingLayout{S, S, 1}; }
+  static RoutingLayout blocks(int S, int s) { return RoutingLayout{S, S, s}; }
+
+  MHAR_HOST_DEVICE bool closes_block(int i) const { return i % block == 0; }
+  MHAR_HOST_DEVICE int last_site(int i) const { return closes_block(i) ? sites - 1 : i; }
+  // Pairs of the slots before i: c = ceil(i/s) closed slots m*s (m < c), each read by
+  // sites - m*s sites, and i - c partial slots with one pair each.
+  MHAR_HOST_DEVICE int64_t pair_base(int i) const {
+    const int64_t c = (int64_t(i) + block - 1) / block;
+    return c * sites - int64_t(block) * c * (c - 1) / 2 + (i - c);
+  }
+  MHAR_HOST_DEVICE int64_t pair(int i, int k) const { return pair_base(i) + (k - i); }
+  int64_t pairs() const { return pair_base(sources); }
+  // Sources of site k, and the slot of its t-th source (t < site_sources(k), oldest first).
+  MHAR_HOST_DEVICE int site_sources(int k) const { return k / block + 1 + (k % block ? 1 : 0); }
+  MHAR_HOST_DEVICE int site_source(int k, int t) const { return t <= k / block ? t * block : k; }
+  // pair(site_source(k, t), k) without a division, for loops that hoist closed = k / block.
+  MHAR_HOST_DEVICE int64_t site_pair(int k, int t, int closed) const {
+    const int64_t c = t <= closed ? t : closed + 1;  // closed slots before the source
+    const int i = t <= closed ? t * block : k;
+    return c * sites - int64_t(block) * c * (c - 1) / 2 + (i - c) + (k - i);
+  }
+  bool operator==(const RoutingLayout& o) const {
+    return sources == o.sources && sites == o.sites && block == o.block;
+  }
+};
+
+// The per-site rows t[0], t[1], ... of a [sites, N, d] tensor (routing_source_backward's
+// site_dx when one buffer holds them all).
+inline std::vector<Tensor> routing_rows(Tensor t) {
+  std::vector<Tensor> rows;
+  for (int64_t k = 0; k < t.dim(0); ++k) rows.push_back(t[k]);
+  return rows;
 }
-inline int64_t routing_pairs(int S) { return int64_t(S) * (S + 1) / 2; }
 
 class Backend {
  public:
@@ -116,55 +167,66 @@ class Backend {
                              bool compute_grad) = 0;
 
   // ---- depth routing (DESIGN.md sections 2 and 3), split by source rather than by site.
-  // S = number of sources = number of sites; pair (i, k) is source i read by site k >= i.
-  // Per-pair statistics live in one tensor `weights` [S(S+1)/2, H, N] (stat dtype), pair
-  // (i, k) at routing_pair(i, k, S): the pairs of one source are contiguous. Each pair
-  // holds first the raw logit, then (after routing_mix of site k) the softmax weight, then
-  // (after routing_source_backward of source i) the logit gradient times inv_rms.
-  // `params` gives every site's query and gain [d] (act dtype) and, for the backward,
-  // their gradients (grad dtype, +=).
+  // `layout` (above) says which source slots each site reads; pair (i, k) is slot i read
+  // by site k. Per-pair statistics live in one tensor `weights` [layout.pairs(), H, N]
+  // (stat dtype), pair (i, k) at layout.pair(i, k): the pairs of one slot are contiguous.
+  // Each pair holds first the raw logit, then (after routing_mix of site k) the softmax
+  // weight, then (after routing_source_backward of slot i) the logit gradient times
+  // inv_rms. `params` gives every site's query and gain [d] (act dtype) and, for the
+  // backward, their gradients (grad dtype, +=); it has layout.sites entries.
   //
-  // Source i, as soon as its history slot v [N, d] is written:
+  // Slot i, as soon as its history row v [N, d] is written:
   //   inv_rms[n] = 1/sqrt(mean_c v[n,c]^2 + eps)                                (overwritten)
-  //   weights[pair(i,k), h, n] = inv_rms[n] * sum_{c in h} q_k[c] g_k[c] v[n,c]  for k >= i
-  // The queries are parameters, so a source's logits for every later site are known at
+  //   weights[pair(i,k), h, n] = inv_rms[n] * sum_{c in h} q_k[c] g_k[c] v[n,c]
+  //                                                        for k = i .. last_site(i)
+  // The queries are parameters, so a slot's logits for every later site are known at
   // once: one read of v, instead of one per site.
   virtual void routing_source_logits(Tensor weights, Tensor inv_rms, Tensor v,
-                                     const RoutingParams& params, int source, int heads,
-                                     double eps) = 0;
-  // Site j: softmax over the sources i <= j in place (weights[pair(i,j)] becomes a_i,
-  // saved), then x[n,c] = sum_{i<=j} a_i[head(c), n] * history[i, n, c] (overwritten).
-  // history is [S, N, d]; slots > j are never read.
-  virtual void routing_mix(Tensor x, Tensor weights, Tensor history, int site, int heads) = 0;
-  // Source i's gradient, source-stationary: once the input gradient of every site k >= i
-  // exists in site_dx [S, N, d]. With a_k = weights[pair(i,k)], r = inv_rms (of source i),
-  // u_k = sum_{c in h} dx_k[c] v[c] and ubar_k = sum_{c in h} dx_k[c] x_k[c] (= sum_i' a_i' u_i'):
+                                     const RoutingParams& params, const RoutingLayout& layout,
+                                     int source, int heads, double eps) = 0;
+  // Site j: softmax over its sources (slots i = site_source(j, t)) in place
+  // (weights[pair(i,j)] becomes a_i, saved), then
+  // x[n,c] = sum_i a_i[head(c), n] * history[i, n, c] (overwritten). history is
+  // [layout.sources, N, d]; only the site's own slots are read.
+  virtual void routing_mix(Tensor x, Tensor weights, Tensor history, const RoutingLayout& layout,
+                           int site, int heads) = 0;
+  // Slot i's gradient, source-stationary: once the input gradient of every site k in
+  // [i, last_site(i)] exists in site_dx[k] [N, d] (one tensor per site, so that the model
+  // can give each its own lifetime; entries of other sites are not read). With
+  // a_k = weights[pair(i,k)],
+  // r = inv_rms (of slot i), u_k = sum_{c in h} dx_k[c] v[c] and
+  // ubar_k = sum_{c in h} dx_k[c] x_k[c] (= sum over site k's sources i' of a_i' u_i'):
   //   ds_k[h] = a_k[h] (u_k[h] - ubar_k[h])                          (softmax backward)
-  //   dv[c] = sum_{k>=i} ( a_k[head(c)] dx_k[c] + r q_k[c] g_k[c] ds_k[head(c)] )
-  //           - v[c] r^3 / d * sum_{k>=i} sum_{c'} ds_k[head(c')] q_k[c'] g_k[c'] v[c']
-  //   (the last term is the gradient through inv_rms)                 (dv overwritten)
+  //   dv[c] = sum_k ( a_k[head(c)] dx_k[c] + r q_k[c] g_k[c] ds_k[head(c)] )
+  //           - v[c] r^3 / d * sum_k sum_{c'} ds_k[head(c')] q_k[c'] g_k[c'] v[c']
+  //   (sums over k = i .. last_site(i); the last term is the gradient through inv_rms)
+  //                                                                   (dv overwritten)
   //   weights[pair(i,k), h, n] := ds_k[h] * r                          (for the key grads)
   //   gsum += contributions to G_k[c] = sum_n ds_k[head(c)] r v[c]     (see below)
-  // ubar [S, H, N] (stat dtype): row i is computed here from dx_i and x (site i's input)
-  // and written; rows k > i were written by the later sources' calls.
-  // gsum [C, S, d] (grad dtype) is scratch, zeroed before the first source: the backend
+  // ubar [sites, H, N] (stat dtype): row i is computed here from dx_i and x (site i's
+  // input; slot i is the newest source of site i, so its call comes first in the
+  // backward) and written; rows k > i were written by the later slots' calls.
+  // gsum [C, sites, d] (grad dtype) is scratch, zeroed before the first slot: the backend
   // spreads token rows over the C slabs as it likes; only the sum over slabs is defined.
   virtual void routing_source_backward(Tensor dv, Tensor weights, Tensor ubar, Tensor gsum,
-                                       Tensor site_dx, Tensor x, Tensor v, Tensor inv_rms,
-                                       const RoutingParams& params, int source, int heads) = 0;
-  // After source 0's backward: with G_k = sum over slabs of gsum[:, k, :],
+                                       const std::vector<Tensor>& site_dx, Tensor x, Tensor v,
+                                       Tensor inv_rms, const RoutingParams& params,
+                                       const RoutingLayout& layout, int source, int heads) = 0;
+  // After slot 0's backward: with G_k = sum over slabs of gsum[:, k, :],
   //   dquery_k += g_k * G_k,  dgain_k += q_k * G_k   for every site k.
   virtual void routing_param_grads(const RoutingParams& params, Tensor gsum) = 0;
 
-  // ---- routing probe (engine/probe.h). After routing_mix of `site` (the pairs
-  // (i, site) of `weights` hold a_i[h, n]), accumulates over the N tokens into `stats`
-  // (F64, [H*(site+1) + H + 1], this backend's memory; "+="):
-  //   stats[h*(site+1) + i] += sum_n a_i[h, n]
-  //   stats[H*(site+1) + h] += sum_n -sum_i a_i[h, n] ln a_i[h, n]
-  //   stats[H*(site+2)]     += sum_n mean_{h<g} JS(a[h, :, n], a[g, :, n])   (0 when H = 1)
+  // ---- routing probe (engine/probe.h). After routing_mix of `site` (its pairs hold
+  // a_t[h, n] for its sources t = 0 .. src-1, src = layout.site_sources(site)),
+  // accumulates over the N tokens into `stats` (F64, [H*src + H + 1], this backend's
+  // memory; "+="):
+  //   stats[h*src + t]  += sum_n a_t[h, n]
+  //   stats[H*src + h]  += sum_n -sum_t a_t[h, n] ln a_t[h, n]
+  //   stats[H*(src+1)]  += sum_n mean_{h<g} JS(a[h, :, n], a[g, :, n])   (0 when H = 1)
   // with JS in nats. The default downloads the site's pairs and reduces on the host;
   // a device backend overrides it so that only the small stats leave the device.
-  virtual void routing_stats(Tensor stats, Tensor weights, int site, int heads);
+  virtual void routing_stats(Tensor stats, Tensor weights, const RoutingLayout& layout, int site,
+                             int heads);
 
   // ---- optimizer support
   // Sum of squares of every element (fp64 result, host-synchronising): the global

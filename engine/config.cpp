@@ -82,6 +82,8 @@ template <class V> void visit_fields(ResidualConfig& c, V& v) {
   v("heads", c.heads,
     IntRange{0, 1024, "0 picks the default (n_kv_heads for mhar, 1 for attnres); it must "
                       "divide d_model"});
+  v("block_size", c.block_size,
+    IntRange{0, 2048, "sublayers per routing block; 0 = full routing; at most 2 * n_layers"});
 }
 template <class V> void visit_fields(TrainConfig& c, V& v) {
   v("micro_batch", c.micro_batch, IntRange{1, 65536, "a size cap; one step holds micro_batch x seq_len tokens"});
@@ -337,7 +339,15 @@ void Config::validate() const {
     fail(where("model.n_kv_heads"), " = ", m.n_kv_heads, " does not divide model.n_heads = ",
          m.n_heads, " (grouped-query attention needs a whole number of query heads per KV head)");
 
-  const int H = residual.heads;
+  const int H = residual.heads, s = residual.block_size;
+  if (residual.mode == ResidualMode::Standard && s != 0)
+    fail(where("residual.block_size"), " = ", s,
+         " has no meaning in mode \"standard\" (block routing groups the sources of attnres "
+         "and mhar); leave it 0");
+  if (residual.routed() && s > 2 * m.n_layers)
+    fail(where("residual.block_size"), " = ", s, " is more than the 2 * model.n_layers = ",
+         2 * m.n_layers, " sublayers; valid: 0 (full routing) or 1..", 2 * m.n_layers,
+         " sublayers per block");
   switch (residual.mode) {
     case ResidualMode::Standard:
       if (H != 0 && H != 1)
@@ -397,7 +407,11 @@ StepFootprint estimate_footprint(const ModelConfig& m, const ResidualConfig& r, 
   double per_token = S * d /* history */ + S * d /* site inputs */ + V + 2 * d /* head */;
   per_token += L * (d + 1 + 3 * qd + 3 * kvd + 2 * m.n_heads + m.n_kv_heads);  // attention
   per_token += L * (d + 1 + 3 * F);                                            // MLP
-  if (r.routed()) per_token += S * (S + 1) / 2 * H + S * d + S * H + S;       // routing
+  // Routing: the per-pair statistics (backend.h's RoutingLayout::pairs, in closed form:
+  // c = ceil(S/s) closed slots, S - c partial ones), site input gradients, ubar, inv_rms.
+  const double s = r.routing_block(), c = std::ceil(S / s);
+  const double pairs = c * S - s * c * (c - 1) / 2 + (S - c);
+  if (r.routed()) per_token += pairs * H + S * d + S * H + S;
   f.activation_bytes = 4 * N * per_token;
   f.kv_cache_bytes = 4 * 2 * L * double(m.context_length) * kvd;
   return f;

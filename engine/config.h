@@ -40,7 +40,11 @@ struct ModelConfig {
 struct ResidualConfig {
   ResidualMode mode = ResidualMode::Standard;
   int heads = 0;  // routing heads H; 0 in a file means "n_kv_heads" (mhar) or 1 (attnres)
+  // Block routing (DESIGN.md section 2): sublayer outputs per block, s in 1..2L; 0 is
+  // full routing, which is also what s = 1 computes.
+  int block_size = 0;
   bool routed() const { return mode != ResidualMode::Standard; }
+  int routing_block() const { return block_size > 0 ? block_size : 1; }
 };
 
 struct TrainConfig {

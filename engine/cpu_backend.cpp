@@ -195,53 +195,76 @@ class CpuBackend final : public Backend {
     }
     return sites;
   }
-  void check_weights(Tensor weights, int S, int64_t N, int heads, int64_t d) {
+  void check_layout(const RoutingLayout& lay, const RoutingParams& p, const char* what) {
+    MHAR_CHECK(lay.sources >= 1 && lay.sites >= lay.sources && lay.block >= 1, what,
+               ": routing layout of ", lay.sources, " sources, ", lay.sites, " sites, block ",
+               lay.block);
+    MHAR_CHECK(p.sites() == lay.sites, what, ": ", p.sites(), " sites' parameters for a layout of ",
+               lay.sites, " sites");
+  }
+  void check_weights(Tensor weights, const RoutingLayout& lay, int64_t N, int heads, int64_t d) {
     MHAR_CHECK(heads >= 1 && d % heads == 0, "routing heads ", heads, " must divide d ", d);
-    expect_shape(weights, {routing_pairs(S), heads, N}, "routing weights");
+    expect_shape(weights, {lay.pairs(), heads, N}, "routing weights");
   }
   void routing_source_logits(Tensor weights, Tensor inv_rms, Tensor v, const RoutingParams& p,
-                             int source, int heads, double eps) override {
-    const int S = p.sites();
+                             const RoutingLayout& lay, int source, int heads, double eps) override {
+    check_layout(lay, p, "routing_source_logits");
     const int64_t N = inv_rms.numel(), d = N ? v.numel() / N : 0;
-    MHAR_CHECK(v.numel() == N * d && source >= 0 && source < S, "routing_source_logits: v ",
-               v.shape_str(), " inv_rms ", inv_rms.shape_str(), " source ", source, " of ", S);
-    check_weights(weights, S, N, heads, d);
+    MHAR_CHECK(v.numel() == N * d && source >= 0 && source < lay.sources,
+               "routing_source_logits: v ", v.shape_str(), " inv_rms ", inv_rms.shape_str(),
+               " source ", source, " of ", lay.sources);
+    check_weights(weights, lay, N, heads, d);
     cpu::routing_source_logits(weights.ptr<T>(), inv_rms.ptr<T>(), v.ptr<T>(),
-                               routing_sites(p, d), N, d, S, source, heads, eps);
+                               routing_sites(p, d), N, d, lay, source, heads, eps);
   }
-  void routing_mix(Tensor x, Tensor weights, Tensor history, int site, int heads) override {
-    const int S = int(history.dim(0));
+  void routing_mix(Tensor x, Tensor weights, Tensor history, const RoutingLayout& lay, int site,
+                   int heads) override {
     const int64_t N = history.dim(1), d = history.dim(2);
-    MHAR_CHECK(site >= 0 && site < S, "routing_mix: site ", site, " of ", S);
-    check_weights(weights, S, N, heads, d);
+    MHAR_CHECK(history.ndim == 3 && history.dim(0) == lay.sources, "routing_mix: history ",
+               history.shape_str(), " for ", lay.sources, " sources");
+    MHAR_CHECK(site >= 0 && site < lay.sites, "routing_mix: site ", site, " of ", lay.sites);
+    check_weights(weights, lay, N, heads, d);
     expect_shape(x, {N, d}, "routing x");
-    cpu::routing_mix(x.ptr<T>(), weights.ptr<T>(), history.ptr<T>(), N, d, S, site, heads);
+    cpu::routing_mix(x.ptr<T>(), weights.ptr<T>(), history.ptr<T>(), N, d, lay, site, heads);
   }
   void routing_source_backward(Tensor dv, Tensor weights, Tensor ubar, Tensor gsum,
-                               Tensor site_dx, Tensor x, Tensor v, Tensor inv_rms,
-                               const RoutingParams& p, int source, int heads) override {
-    const int S = p.sites();
+                               const std::vector<Tensor>& site_dx, Tensor x, Tensor v,
+                               Tensor inv_rms, const RoutingParams& p, const RoutingLayout& lay,
+                               int source, int heads) override {
+    check_layout(lay, p, "routing_source_backward");
+    const int S = lay.sites;
     const int64_t N = inv_rms.numel(), d = N ? v.numel() / N : 0;
-    MHAR_CHECK(source >= 0 && source < S, "routing_source_backward: source ", source, " of ", S);
-    check_weights(weights, S, N, heads, d);
-    expect_shape(site_dx, {S, N, d}, "routing site_dx");
+    MHAR_CHECK(source >= 0 && source < lay.sources, "routing_source_backward: source ", source,
+               " of ", lay.sources);
+    check_weights(weights, lay, N, heads, d);
+    MHAR_CHECK(int(site_dx.size()) == S, "routing site_dx: ", site_dx.size(), " sites' gradients for ",
+               S, " sites");
+    std::vector<const T*> dx(size_t(S), nullptr);
+    for (int k = source; k <= lay.last_site(source); ++k) {
+      expect_shape(site_dx[size_t(k)], {N, d}, "routing site_dx row");
+      dx[size_t(k)] = site_dx[size_t(k)].ptr<T>();
+    }
     expect_shape(ubar, {S, heads, N}, "routing ubar");
     MHAR_CHECK(gsum.ndim == 3 && gsum.dim(1) == S && gsum.dim(2) == d,
                "routing gsum must be [C, ", S, ", ", d, "], got ", gsum.shape_str());
     MHAR_CHECK(v.numel() == N * d && x.numel() == N * d && dv.numel() == N * d,
                "routing_source_backward: v/x/dv must be [", N, ", ", d, "]");
     cpu::routing_source_backward(dv.ptr<T>(), weights.ptr<T>(), ubar.ptr<T>(), gsum.ptr<T>(),
-                                 site_dx.ptr<T>(), x.ptr<T>(), v.ptr<T>(), inv_rms.ptr<T>(),
-                                 routing_sites(p, d), N, d, S, source, heads);
+                                 dx, x.ptr<T>(), v.ptr<T>(), inv_rms.ptr<T>(),
+                                 routing_sites(p, d), N, d, lay, source, heads);
   }
-  void routing_stats(Tensor stats, Tensor weights, int site, int heads) override {
-    const int64_t P = weights.dim(0), N = weights.dim(2);
-    const int S = int(std::lround((std::sqrt(8.0 * double(P) + 1.0) - 1.0) / 2.0));
-    MHAR_CHECK(routing_pairs(S) == P && weights.dim(1) == heads && site < S, "routing_stats shapes");
-    MHAR_CHECK(stats.numel() == int64_t(heads) * (site + 2) + 1, "routing_stats buffer of ", stats.numel());
+  void routing_stats(Tensor stats, Tensor weights, const RoutingLayout& lay, int site,
+                     int heads) override {
+    const int64_t N = weights.dim(2);
+    MHAR_CHECK(weights.ndim == 3 && weights.dim(0) == lay.pairs() && weights.dim(1) == heads &&
+                   site >= 0 && site < lay.sites,
+               "routing_stats shapes");
+    const int src = lay.site_sources(site);
+    MHAR_CHECK(stats.numel() == int64_t(heads) * (src + 1) + 1, "routing_stats buffer of ", stats.numel());
     const T* w = weights.ptr<T>();
-    cpu::routing_stats(stats.ptr<double>(), [&](int i) { return w + routing_pair(i, site, S) * heads * N; },
-                       site, heads, N);
+    cpu::routing_stats(stats.ptr<double>(),
+                       [&](int t) { return w + lay.pair(lay.site_source(site, t), site) * heads * N; },
+                       src, heads, N);
   }
   void routing_param_grads(const RoutingParams& p, Tensor gsum) override {
     const int S = p.sites();

@@ -68,6 +68,12 @@ std::vector<HfTensorSpec> hf_tensor_layout(const ModelConfig& m, const ResidualC
 }
 
 void require_exportable(const ResidualConfig& r, const std::string& where) {
+  // modeling_mhar.py routes over every sublayer output; a block model would load and run
+  // with the wrong sources.
+  if (r.routed() && r.routing_block() > 1)
+    fail(where, ": residual.block_size = ", r.block_size,
+         " (block routing) has no Hugging Face export yet (exportable: full routing, "
+         "block_size 0 or 1)");
   switch (r.mode) {
     case ResidualMode::Standard:
     case ResidualMode::AttnRes:

@@ -9,13 +9,9 @@
 // A buffer saved by event e for its backward lives [e, 2E-1-e]; a backward scratch lives
 // only at its event, so scratch of different layers shares memory.
 //
-// Routed modes (DESIGN.md section 3): site j's forward first computes source j's logits
-// for every later site (the queries are parameters), then mixes sources 0..j. The backward
-// is source-stationary: site j's backward event builds the whole gradient of source j
-// from the input gradients of sites j..2L, so those stay alive until the end of the
-// backward (one [S, N, d] buffer, the size the per-site history gradient had) and each
-// source's gradient is written once, in fp32 registers, instead of being accumulated in
-// bf16 by every later site.
+// The residual mode is a ResidualScheme (residual.h): it builds the site inputs, owns
+// their buffers and their gradients and the gradients of the sources; the loop below
+// reads the same for every mode.
 #include "engine/model.h"
 
 #include <cmath>
@@ -59,15 +55,8 @@ struct Model::SublayerActs {
 };
 
 struct Model::StepBuffers {
-  int tokens = -1, targets = -1, history = -1, inv_rms = -1, losses = -1;
-  // Routed modes: per-pair logits/weights [S(S+1)/2, H, N] (backend.h), the input
-  // gradients of every site [S, N, d] (all alive until source 0's gradient: the backward
-  // is source-stationary), ubar [S, H, N], the key-gradient scratch [C, S, d], and one
-  // short-lived gradient per source.
-  int route_w = -1, site_dx_all = -1, ubar = -1, gsum = -1;
-  std::vector<int> source_dx;
-  int dresid = -1;    // standard mode: running sum_{k >= j} dx_k, the gradient of v_j
-  std::vector<int> site_x, site_dx;  // site_dx: standard mode only
+  int tokens = -1, targets = -1, history = -1, losses = -1;
+  std::vector<int> site_x;  // planned by the scheme
   int xfn = -1, rstd_f = -1, logits = -1, d_xfn = -1;
 };
 
@@ -84,8 +73,8 @@ Model::Model(const ModelConfig& model, const ResidualConfig& residual, Backend& 
       N_(int64_t(batch) * seq_len), grad_shards_(grad_shards) {
   MHAR_CHECK(batch > 0 && seq_len > 0, "batch ", batch, " seq_len ", seq_len);
   MHAR_CHECK(grad_shards >= 1, "grad_shards ", grad_shards);
-  if (res_.routed())
-    MHAR_CHECK(res_.heads >= 1 && cfg_.d_model % res_.heads == 0, "routing heads ", res_.heads);
+  scheme_ = make_residual_scheme(
+      SchemeContext{be_, cfg_, res_, [this](int id) { return act(id); }, params_});
   plan_parameters();
   plan_activations();
 }
@@ -103,14 +92,15 @@ void Model::plan_parameters() {
   auto round_up = [](int64_t x, int64_t a) { return (x + a - 1) / a * a; };
   int64_t elems = 0;
   std::vector<int> plan_ids;
-  auto add = [&](const std::string& name, std::initializer_list<int64_t> shape, bool decay) {
+  auto add = [&](const std::string& name, std::initializer_list<int64_t> shape, bool decay,
+                 Init init, double init_std = 0) {
     int64_t n = 1;
     for (int64_t s : shape) n *= s;
     const int64_t padded = round_up(n, kParamAlign);
     const int id = param_plan_->add_padded(name, pt, shape, padded);
     MHAR_CHECK(grad_plan_->add_padded(name, gt, shape, padded) == id, "plan ids");
     plan_ids.push_back(id);
-    Parameter prm{name, Tensor(), Tensor(), decay};
+    Parameter prm{name, Tensor(), Tensor(), decay, init, init_std};
     prm.offset = elems;
     prm.bucket = int(buckets_.size()) - 1;
     params_.push_back(prm);
@@ -135,37 +125,43 @@ void Model::plan_parameters() {
     b.numel = total;
     elems = b.offset + total;
   };
+  // DESIGN.md section 1: matrices normal(0, init_std), the output projections (whose
+  // outputs are sources) scaled by 1/sqrt(2L), norm weights 1.
+  const double std = cfg_.init_std, out_std = std * (1.0 / std::sqrt(2.0 * cfg_.n_layers));
+  auto matrix = [&](const std::string& name, std::initializer_list<int64_t> shape, double s) {
+    return add(name, shape, true, Init::Normal, s);
+  };
+  auto norm = [&](const std::string& name, int64_t n) { return add(name, {n}, false, Init::One); };
   open_bucket("embedding");
-  embed_ = add("model.embed_tokens.weight", {V, d}, true);
+  embed_ = matrix("model.embed_tokens.weight", {V, d}, std);
   close_bucket();
   for (int l = 0; l < cfg_.n_layers; ++l) {
     const std::string pre = "model.layers." + std::to_string(l) + ".";
     open_bucket("layer." + std::to_string(l));
     LayerParams lp;
-    lp.attn_norm = add(pre + "input_layernorm.weight", {d}, false);
-    lp.wq = add(pre + "self_attn.q_proj.weight", {cfg_.q_dim(), d}, true);
-    lp.wk = add(pre + "self_attn.k_proj.weight", {cfg_.kv_dim(), d}, true);
-    lp.wv = add(pre + "self_attn.v_proj.weight", {cfg_.kv_dim(), d}, true);
-    lp.wo = add(pre + "self_attn.o_proj.weight", {d, cfg_.q_dim()}, true);
-    lp.q_norm = add(pre + "self_attn.q_norm.weight", {hd}, false);
-    lp.k_norm = add(pre + "self_attn.k_norm.weight", {hd}, false);
-    lp.mlp_norm = add(pre + "post_attention_layernorm.weight", {d}, false);
-    lp.w_gate = add(pre + "mlp.gate_proj.weight", {F, d}, true);
-    lp.w_up = add(pre + "mlp.up_proj.weight", {F, d}, true);
-    lp.w_down = add(pre + "mlp.down_proj.weight", {d, F}, true);
+    lp.attn_norm = norm(pre + "input_layernorm.weight", d);
+    lp.wq = matrix(pre + "self_attn.q_proj.weight", {cfg_.q_dim(), d}, std);
+    lp.wk = matrix(pre + "self_attn.k_proj.weight", {cfg_.kv_dim(), d}, std);
+    lp.wv = matrix(pre + "self_attn.v_proj.weight", {cfg_.kv_dim(), d}, std);
+    lp.wo = matrix(pre + "self_attn.o_proj.weight", {d, cfg_.q_dim()}, out_std);
+    lp.q_norm = norm(pre + "self_attn.q_norm.weight", hd);
+    lp.k_norm = norm(pre + "self_attn.k_norm.weight", hd);
+    lp.mlp_norm = norm(pre + "post_attention_layernorm.weight", d);
+    lp.w_gate = matrix(pre + "mlp.gate_proj.weight", {F, d}, std);
+    lp.w_up = matrix(pre + "mlp.up_proj.weight", {F, d}, std);
+    lp.w_down = matrix(pre + "mlp.down_proj.weight", {d, F}, out_std);
     layers_.push_back(lp);
     close_bucket();
   }
   open_bucket("head");
-  final_norm_ = add("model.norm.weight", {d}, false);
-  if (!cfg_.tie_embeddings) lm_head_ = add("lm_head.weight", {V, d}, true);
+  final_norm_ = norm("model.norm.weight", d);
+  if (!cfg_.tie_embeddings) lm_head_ = matrix("lm_head.weight", {V, d}, std);
   close_bucket();
-  if (res_.routed()) {
-    open_bucket("routing");
-    for (int j = 0; j < cfg_.n_sites(); ++j) {
-      route_query_.push_back(add("model.routing." + std::to_string(j) + ".query", {d}, false));
-      route_gain_.push_back(add("model.routing." + std::to_string(j) + ".gain", {d}, false));
-    }
+  if (const char* bucket = scheme_->bucket()) {
+    open_bucket(bucket);
+    scheme_->add_parameters([&](const std::string& name, int64_t n, Init init) {
+      return add(name, {n}, false, init);
+    });
     close_bucket();
   }
   param_plan_->plan();
@@ -184,24 +180,19 @@ void Model::plan_parameters() {
   MHAR_CHECK(param_plan_->total_bytes() == size_t(elems) * dtype_size(pt) &&
                  grad_plan_->total_bytes() == size_t(elems) * dtype_size(gt),
              "parameter allocation size");
-  for (size_t j = 0; j < route_query_.size(); ++j) {
-    route_params_.query.push_back(p(route_query_[j]));
-    route_params_.gain.push_back(p(route_gain_[j]));
-    route_params_.dquery.push_back(g(route_query_[j]));
-    route_params_.dgain.push_back(g(route_gain_[j]));
-  }
+  scheme_->bind_parameters();
 }
 
 void Model::plan_activations() {
-  const int L = cfg_.n_layers, S = cfg_.n_sources(), H = res_.heads;
+  const int L = cfg_.n_layers, S = cfg_.n_sources();
   const int64_t N = N_, d = cfg_.d_model, F = cfg_.d_ff, V = cfg_.vocab_size;
   const int64_t qd = cfg_.q_dim(), kvd = cfg_.kv_dim();
   const DType at = be_.act_dtype(), st = be_.stat_dtype();
-  const int E = 4 * L + 2, last = 2 * E - 1;
-  auto tb = [&](int e) { return 2 * E - 1 - e; };
-  auto site_ev = [](int j) { return 2 * j; };
-  auto sub_ev = [](int j) { return 2 * j + 1; };
-  const int head_ev = 4 * L + 1;
+  const Timeline tl{L};
+  const int last = tl.last();
+  auto tb = [&](int e) { return tl.back(e); };
+  auto sub_ev = [&](int j) { return tl.sublayer(j); };
+  const int head_ev = tl.head();
 
   act_plan_ = std::make_unique<MemoryPlan>("activations");
   MemoryPlan& P = *act_plan_;
@@ -211,28 +202,7 @@ void Model::plan_activations() {
   s.targets = P.add("targets", DType::I32, {N}, 0, last);
   s.history = P.add("history", at, {S, N, d}, 0, last);
   s.losses = P.add("losses", st, {N}, 0, last);
-  if (res_.routed()) {
-    s.inv_rms = P.add("routing.inv_rms", st, {S, N}, 0, last);
-    s.route_w = P.add("routing.weights", st, {routing_pairs(S), H, N}, 0, last);
-    s.site_dx_all = P.add("sites.x.grad", at, {S, N, d}, tb(head_ev), last);
-    s.ubar = P.add("routing.ubar", st, {S, H, N}, tb(head_ev), last);
-    s.gsum = P.add("routing.key_grad", be_.grad_dtype(), {kRoutingKeyGradSlabs, S, d},
-                   tb(head_ev), last);
-    for (int i = 0; i < S; ++i)  // read by the sublayer that wrote v_i (i = 0: embedding)
-      s.source_dx.push_back(P.add("source." + std::to_string(i) + ".grad", at, {N, d},
-                                  tb(site_ev(i)), i == 0 ? last : tb(sub_ev(i - 1))));
-  } else {
-    s.dresid = P.add("residual.grad", at, {N, d}, tb(head_ev), last);
-  }
-  for (int j = 0; j < S; ++j) {
-    const std::string name = "site." + std::to_string(j);
-    const int consumer = j < 2 * L ? sub_ev(j) : head_ev;  // the event that reads x_j
-    // Routed: the source backward of slot j reads x_j too, one event after the consumer's.
-    s.site_x.push_back(P.add(name + ".x", at, {N, d}, site_ev(j),
-                             res_.routed() ? tb(site_ev(j)) : tb(consumer)));
-    if (!res_.routed())
-      s.site_dx.push_back(P.add(name + ".x.grad", at, {N, d}, tb(consumer), tb(site_ev(j))));
-  }
+  scheme_->plan(P, tl, N, s.history, s.site_x);
   for (int j = 0; j < 2 * L; ++j) {
     const int e = sub_ev(j), b = tb(e);
     const std::string name = "sublayer." + std::to_string(j) + ".";
@@ -301,33 +271,31 @@ Tensor Model::all_parameters_flat() const {
                 {int64_t(param_plan_->total_bytes() / dtype_size(be_.act_dtype()))});
 }
 
-void Model::init_weights(uint64_t seed) {
-  const double std = cfg_.init_std, out_scale = 1.0 / std::sqrt(2.0 * cfg_.n_layers);
+void Model::init_weights(const UnitDraw& draw) {
   std::vector<double> host;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    Parameter& prm = params_[i];
+  for (const Parameter& prm : params_) {
     host.assign(size_t(prm.value.numel()), 0.0);
-    const std::string& n = prm.name;
-    auto ends_with = [&](const char* suffix) {
-      std::string s(suffix);
-      return n.size() >= s.size() && n.compare(n.size() - s.size(), s.size(), s) == 0;
-    };
-    if (ends_with(".query")) {
-      // zero: every site starts as the uniform mean of its sources
-    } else if (prm.value.ndim == 1) {
-      std::fill(host.begin(), host.end(), 1.0);  // norm weights and routing gains
-    } else {
-      // Each tensor draws from its own stream, keyed by seed and name, so adding a tensor
-      // never changes the others' initial values.
-      uint64_t key = seed;
-      for (char c : n) key = key * 1099511628211ULL + uint8_t(c);
-      SplitMix64 rng{key};
-      const double scale =
-          std * ((ends_with("o_proj.weight") || ends_with("down_proj.weight")) ? out_scale : 1.0);
-      for (double& x : host) x = scale * rng.normal();
+    switch (prm.init) {
+      case Init::Zero: break;
+      case Init::One: std::fill(host.begin(), host.end(), 1.0); break;
+      case Init::Normal:
+        draw(prm, host);
+        for (double& x : host) x = prm.init_std * x;
+        break;
     }
     be_.upload(prm.value, host.data());
   }
+}
+
+void Model::init_weights(uint64_t seed) {
+  init_weights([seed](const Parameter& prm, std::vector<double>& out) {
+    // Each tensor draws from its own stream, keyed by seed and name, so adding a tensor
+    // never changes the others' initial values.
+    uint64_t key = seed;
+    for (char c : prm.name) key = key * 1099511628211ULL + uint8_t(c);
+    SplitMix64 rng{key};
+    for (double& x : out) x = rng.normal();
+  });
 }
 
 void Model::zero_grads() { be_.zero(all_gradients()); }
@@ -335,24 +303,9 @@ void Model::zero_grads() { be_.zero(all_gradients()); }
 Tensor Model::logits() const { return act(step_->logits); }
 Tensor Model::site_input(int site) const { return act(step_->site_x.at(site)); }
 std::vector<double> Model::routing_weights(int site) const {
-  MHAR_CHECK(res_.routed(), "routing weights exist only in routed modes");
-  const int S = cfg_.n_sources(), H = res_.heads;
-  MHAR_CHECK(site >= 0 && site < S, "routing site ", site, " of ", S);
-  const Tensor all = act(step_->route_w);
-  std::vector<double> pair(size_t(H) * size_t(N_)), out(size_t(N_) * H * (site + 1));
-  for (int i = 0; i <= site; ++i) {
-    be_.download(pair.data(), all[routing_pair(i, site, S)]);
-    for (int64_t n = 0; n < N_; ++n)
-      for (int h = 0; h < H; ++h)
-        out[(size_t(n) * H + h) * (site + 1) + i] = pair[size_t(h) * N_ + n];
-  }
-  return out;
+  return scheme_->routing_weights(site);
 }
-void Model::routing_stats(int site, Tensor stats) {
-  MHAR_CHECK(res_.routed(), "routing statistics exist only in routed modes");
-  MHAR_CHECK(site >= 0 && site < cfg_.n_sources(), "routing site ", site);
-  be_.routing_stats(stats, act(step_->route_w), site, res_.heads);
-}
+void Model::routing_stats(int site, Tensor stats) { scheme_->routing_stats(site, stats); }
 Tensor Model::history() const { return act(step_->history); }
 
 std::string Model::memory_report() const {
@@ -389,10 +342,11 @@ void Model::run_layers(const int32_t* tokens) {
   Tensor hist = act(s.history);
   be_.embedding_forward(hist[0], act(s.tokens), p(embed_));
   for (int j = 0; j < cfg_.n_sites(); ++j) {
-    site_forward(j);
+    scheme_->site_forward(j);
     if (j == 2 * cfg_.n_layers) break;
     if (j % 2 == 0) attention_forward(j / 2);
     else mlp_forward(j / 2);
+    scheme_->sublayer_done(j);
   }
   // Head: final norm of site 2L's input, LM head, cross-entropy.
   const int last_site = 2 * cfg_.n_layers;
@@ -455,21 +409,6 @@ void Model::forward_cached(const int32_t* tokens, int count) {
   kv_->used += count;
 }
 
-void Model::site_forward(int j) {
-  const StepBuffers& s = *step_;
-  Tensor hist = act(s.history), x = act(s.site_x[j]);
-  if (!res_.routed()) {  // standard: x_j = x_{j-1} + v_j, x_0 = v_0
-    if (j == 0) be_.copy(x, hist[0]);
-    else be_.add(x, act(s.site_x[j - 1]), hist[j]);
-    return;
-  }
-  // Source j was written just before this site: its RMS and its logits for every later
-  // site are computed once, here.
-  be_.routing_source_logits(act(s.route_w), act(s.inv_rms)[j], hist[j], route_params_, j,
-                            res_.heads, cfg_.rms_eps);
-  be_.routing_mix(x, act(s.route_w), hist, j, res_.heads);
-}
-
 void Model::attention_forward(int l) {
   const int j = 2 * l;
   const SublayerActs& A = *acts_[j];
@@ -517,17 +456,6 @@ void Model::mlp_forward(int l) {
 
 // ---------------------------------------------------------------- backward
 
-Tensor Model::source_grad(int source) {
-  // Routed: written by the source's backward (site_backward(source)) from the input
-  // gradients of every site >= source. Standard: the running sum of site gradients,
-  // which at this point is exactly sum_{k >= source} dx_k.
-  return res_.routed() ? act(step_->source_dx[source]) : act(step_->dresid);
-}
-
-Tensor Model::site_grad(int site) {
-  return res_.routed() ? act(step_->site_dx_all)[site] : act(step_->site_dx[site]);
-}
-
 void Model::backward(const BucketHook& bucket_done) {
   MHAR_CHECK(loss_scale_ != 0, "backward() after a forward without a loss scale");
   const StepBuffers& s = *step_;
@@ -535,16 +463,16 @@ void Model::backward(const BucketHook& bucket_done) {
   auto done = [&](int bucket) {
     if (bucket_done) bucket_done(bucket);
   };
-  // Bucket indices follow plan_parameters(): embedding, layers, head, routing.
-  const int head_bucket = 1 + cfg_.n_layers, routing_bucket = 2 + cfg_.n_layers;
-  if (res_.routed()) be_.zero(act(s.gsum));
-  else be_.zero(act(s.dresid));
+  // Bucket indices follow plan_parameters(): embedding, layers, head, the scheme's.
+  const int head_bucket = 1 + cfg_.n_layers, scheme_bucket = 2 + cfg_.n_layers;
+  ResidualScheme& rs = *scheme_;
+  rs.begin_backward();
   // Head: the logits buffer now holds d(loss)/d(logits).
   Tensor head_w = lm_head_ >= 0 ? p(lm_head_) : p(embed_);
   Tensor head_g = lm_head_ >= 0 ? g(lm_head_) : g(embed_);
   be_.matmul(act(s.d_xfn), act(s.logits), head_w, false, false, false);
   be_.matmul(head_g, act(s.logits), act(s.xfn), true, false, true);
-  be_.rmsnorm_backward(site_grad(last_site), g(final_norm_), act(s.d_xfn),
+  be_.rmsnorm_backward(rs.site_grad(last_site), g(final_norm_), act(s.d_xfn),
                        site_input(last_site), p(final_norm_), act(s.rstd_f), false);
   done(head_bucket);  // final norm, and the LM head unless it is the (tied) embedding
   for (int j = last_site; j >= 0; --j) {
@@ -556,27 +484,12 @@ void Model::backward(const BucketHook& bucket_done) {
         mlp_backward(j / 2);
       }
     }
-    site_backward(j);
+    rs.site_backward(j);
   }
-  if (res_.routed()) {
-    be_.routing_param_grads(route_params_, act(s.gsum));
-    done(routing_bucket);
-  }
-  be_.embedding_backward(g(embed_), source_grad(0), act(s.tokens));
+  if (rs.finish_backward()) done(scheme_bucket);
+  be_.embedding_backward(g(embed_), rs.source_grad(0), act(s.tokens));
   done(0);
   loss_scale_ = 0;  // the logits buffer no longer holds a gradient we may reuse
-}
-
-void Model::site_backward(int j) {
-  const StepBuffers& s = *step_;
-  if (!res_.routed()) {
-    be_.add_inplace(act(s.dresid), site_grad(j));
-    return;
-  }
-  // Every site >= j has its input gradient now: gather them into source j's gradient.
-  be_.routing_source_backward(act(s.source_dx[j]), act(s.route_w), act(s.ubar), act(s.gsum),
-                              act(s.site_dx_all), site_input(j), history()[j],
-                              act(s.inv_rms)[j], route_params_, j, res_.heads);
 }
 
 void Model::attention_backward(int l) {
@@ -584,7 +497,7 @@ void Model::attention_backward(int l) {
   const SublayerActs& A = *acts_[j];
   const LayerParams& lp = layers_[l];
   const int64_t hq = cfg_.n_heads, hkv = cfg_.n_kv_heads, hd = cfg_.head_dim;
-  Tensor dout = source_grad(j + 1);
+  Tensor dout = scheme_->source_grad(j + 1);
   be_.matmul(act(A.d_att), dout, p(lp.wo), false, false, false);
   be_.matmul(g(lp.wo), dout, act(A.att), true, false, true);
   Tensor dq4 = act(A.dq).view({B_, T_, hq, hd}), dk4 = act(A.dk).view({B_, T_, hkv, hd});
@@ -604,7 +517,7 @@ void Model::attention_backward(int l) {
   be_.matmul(g(lp.wq), act(A.dq_pre), act(A.xn), true, false, true);
   be_.matmul(g(lp.wk), act(A.dk_pre), act(A.xn), true, false, true);
   be_.matmul(g(lp.wv), act(A.dv), act(A.xn), true, false, true);
-  be_.rmsnorm_backward(site_grad(j), g(lp.attn_norm), act(A.d_xn), site_input(j),
+  be_.rmsnorm_backward(scheme_->site_grad(j), g(lp.attn_norm), act(A.d_xn), site_input(j),
                        p(lp.attn_norm), act(A.rstd), false);
 }
 
@@ -612,7 +525,7 @@ void Model::mlp_backward(int l) {
   const int j = 2 * l + 1;
   const SublayerActs& A = *acts_[j];
   const LayerParams& lp = layers_[l];
-  Tensor dout = source_grad(j + 1);
+  Tensor dout = scheme_->source_grad(j + 1);
   be_.matmul(act(A.d_h), dout, p(lp.w_down), false, false, false);
   be_.matmul(g(lp.w_down), dout, act(A.h), true, false, true);
   be_.swiglu_backward(act(A.d_gate), act(A.d_up), act(A.d_h), act(A.gate), act(A.up));
@@ -620,7 +533,7 @@ void Model::mlp_backward(int l) {
   be_.matmul(act(A.d_xn), act(A.d_up), p(lp.w_up), false, false, true);
   be_.matmul(g(lp.w_gate), act(A.d_gate), act(A.xn), true, false, true);
   be_.matmul(g(lp.w_up), act(A.d_up), act(A.xn), true, false, true);
-  be_.rmsnorm_backward(site_grad(j), g(lp.mlp_norm), act(A.d_xn), site_input(j),
+  be_.rmsnorm_backward(scheme_->site_grad(j), g(lp.mlp_norm), act(A.d_xn), site_input(j),
                        p(lp.mlp_norm), act(A.rstd), false);
 }
 

@@ -5,8 +5,9 @@
 // the depth history as a first-class stage: sources v_0 (embedding), v_{2l+1}
 // (attention of layer l) and v_{2l+2} (MLP of layer l) live in one [S, N, d] buffer;
 // every sublayer writes its output straight into its slot with its last matmul, and
-// routing site j builds the input of sublayer j (site 2L feeds the final norm) from
-// slots 0..j according to the residual mode.
+// site j builds the input of sublayer j (site 2L feeds the final norm) from slots 0..j.
+// What a site does is the residual mode's ResidualScheme (residual.h); with block
+// routing, slot j holds the running sum of v_j's block (residual_routed.cpp).
 //
 // Decode mode (sampling) runs the same loop over a chunk of new tokens with a KV cache:
 // attention appends the chunk's keys and values and attends to every cached position.
@@ -24,6 +25,7 @@
 #include "engine/allocator.h"
 #include "engine/backend.h"
 #include "engine/config.h"
+#include "engine/residual.h"
 
 namespace mhar {
 
@@ -32,6 +34,8 @@ struct Parameter {
   Tensor value;  // act_dtype
   Tensor grad;   // grad_dtype
   bool decay;    // AdamW weight decay applies (matrices only)
+  Init init = Init::Normal;  // what it starts as (residual.h); read by every initialiser
+  double init_std = 0;       // Init::Normal: the standard deviation
   int64_t offset = 0;  // element offset in the parameter and gradient allocations
   int bucket = 0;      // index into Model::buckets()
 };
@@ -79,8 +83,14 @@ class Model {
   const std::vector<GradBucket>& buckets() const { return buckets_; }
   int grad_shards() const { return grad_shards_; }
 
-  // DESIGN.md init: normal(0, init_std), output projections scaled by 1/sqrt(2L), norm
-  // weights 1, routing queries 0 and gains 1. Deterministic in `seed` on every backend.
+  // The one initialiser: every parameter as its Parameter::init says (DESIGN.md section 1:
+  // matrices normal(0, init_std), output projections scaled by 1/sqrt(2L), norm weights
+  // and routing gains 1, routing queries 0); an Init::Normal parameter gets init_std
+  // times the unit-variance draws `draw(parameter, values)` writes into its values.
+  using UnitDraw = std::function<void(const Parameter&, std::vector<double>&)>;
+  void init_weights(const UnitDraw& draw);
+  // With normals from a splitmix64 stream keyed by `seed` and the parameter's name:
+  // deterministic in `seed` on every backend.
   void init_weights(uint64_t seed);
   void zero_grads();
 
@@ -113,13 +123,16 @@ class Model {
   // Views for tests, reports and sampling (valid after forward).
   Tensor logits() const;                  // [N, V]
   Tensor site_input(int site) const;      // x_j [N, d]
-  // Softmax weights of site `site` after a forward, downloaded as [N, H, site+1] (routed
-  // modes only; the backward reuses their memory).
+  // Routed modes only: the number of sources site `site` mixes (site+1 with full
+  // routing), and its softmax weights after a forward, downloaded as
+  // [N, H, routing_sources(site)] (the backward reuses their memory).
+  int routing_sources(int site) const { return scheme_->site_sources(site); }
   std::vector<double> routing_weights(int site) const;
   // Backend::routing_stats of site `site` after a forward (routed modes only): adds the
   // site's weight, entropy and head-divergence sums into `stats` without downloading.
   void routing_stats(int site, Tensor stats);
-  Tensor history() const;                 // [S, N, d]
+  // [S, N, d]: slot j is v_j, or with block routing the running sum of v_j's block.
+  Tensor history() const;
 
   const MemoryPlan& parameter_plan() const { return *param_plan_; }
   const MemoryPlan& activation_plan() const { return *act_plan_; }
@@ -138,10 +151,6 @@ class Model {
   Tensor p(int id) const { return params_[id].value; }
   Tensor g(int id) const { return params_[id].grad; }
   Tensor act(int id) const;
-  Tensor source_grad(int source);  // gradient of v_source, complete when read
-  Tensor site_grad(int site);      // gradient of x_site
-  void site_forward(int site);
-  void site_backward(int site);
   void attention_forward(int layer);
   void attention_backward(int layer);
   void mlp_forward(int layer);
@@ -159,11 +168,7 @@ class Model {
   std::vector<Parameter> params_;
   int embed_ = -1, final_norm_ = -1, lm_head_ = -1;
   std::vector<LayerParams> layers_;
-  std::vector<int> route_query_, route_gain_;
-  RoutingParams route_params_;  // views of route_query_/route_gain_ and their gradients
-  // Slabs of the routing key-gradient scratch (Backend::routing_source_backward): enough
-  // token slabs for the CUDA reduction to fill the GPU without atomics.
-  static constexpr int kRoutingKeyGradSlabs = 64;
+  std::unique_ptr<ResidualScheme> scheme_;  // what the residual mode does (residual.h)
 
   std::unique_ptr<MemoryPlan> param_plan_, grad_plan_, act_plan_;
   std::unique_ptr<Arena> param_arena_, grad_arena_, act_arena_;

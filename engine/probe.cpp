@@ -16,15 +16,19 @@ double js_divergence(const double* p, const double* q, int n) { return cpu::js_d
 
 // The host reduction of Backend::routing_stats (the default; see backend.h): downloads
 // the site's pairs and the sums, reduces, uploads the sums.
-void Backend::routing_stats(Tensor stats, Tensor weights, int site, int heads) {
-  const int64_t P = weights.dim(0), N = weights.dim(2);
-  const int S = int(std::lround((std::sqrt(8.0 * double(P) + 1.0) - 1.0) / 2.0));
-  MHAR_CHECK(routing_pairs(S) == P && weights.dim(1) == heads && site < S, "routing_stats shapes");
+void Backend::routing_stats(Tensor stats, Tensor weights, const RoutingLayout& layout, int site,
+                            int heads) {
+  const int64_t N = weights.dim(2);
+  MHAR_CHECK(weights.ndim == 3 && weights.dim(0) == layout.pairs() && weights.dim(1) == heads &&
+                 site >= 0 && site < layout.sites,
+             "routing_stats shapes");
+  const int src = layout.site_sources(site);
   const size_t pair_size = size_t(heads) * size_t(N);
-  std::vector<double> a(size_t(site + 1) * pair_size), st(size_t(stats.numel()));
-  for (int i = 0; i <= site; ++i) download(a.data() + size_t(i) * pair_size, weights[routing_pair(i, site, S)]);
+  std::vector<double> a(size_t(src) * pair_size), st(size_t(stats.numel()));
+  for (int t = 0; t < src; ++t)
+    download(a.data() + size_t(t) * pair_size, weights[layout.pair(layout.site_source(site, t), site)]);
   download(st.data(), stats);
-  cpu::routing_stats(st.data(), [&](int i) { return a.data() + size_t(i) * pair_size; }, site, heads, N);
+  cpu::routing_stats(st.data(), [&](int t) { return a.data() + size_t(t) * pair_size; }, src, heads, N);
   upload(stats, st.data());
 }
 
@@ -41,7 +45,11 @@ void RoutingProbe::add(Model& model) {
     heads_ = H;
     n_layers_ = model.config().n_layers;
     offset_.assign(1, 0);
-    for (int j = 0; j < S; ++j) offset_.push_back(offset_.back() + int64_t(H) * (j + 2) + 1);
+    sources_.clear();
+    for (int j = 0; j < S; ++j) {
+      sources_.push_back(model.routing_sources(j));
+      offset_.push_back(offset_.back() + int64_t(H) * (sources_.back() + 1) + 1);
+    }
     buffer_ = be_->allocate(size_t(offset_.back()) * sizeof(double));  // zero-filled
   }
   MHAR_CHECK(be_ == &model.backend() && heads_ == H && int(offset_.size()) == S + 1, "routing probe fed two models");
@@ -57,7 +65,7 @@ nlohmann::json RoutingProbe::to_json() const {
   const double T = double(tokens_);
   for (size_t j = 0; j + 1 < offset_.size() && tokens_ > 0; ++j) {
     const double* s = all.data() + offset_[j];
-    const int src = int(j) + 1;
+    const int src = sources_[j];
     std::vector<std::vector<double>> mean(static_cast<size_t>(heads_), std::vector<double>(static_cast<size_t>(src)));
     nlohmann::json entropy = nlohmann::json::array(), token_entropy = nlohmann::json::array();
     for (int h = 0; h < heads_; ++h) {

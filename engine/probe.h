@@ -46,6 +46,7 @@ class RoutingProbe {
   Backend* be_ = nullptr;
   void* buffer_ = nullptr;  // F64 sums of every site, back to back
   std::vector<int64_t> offset_;  // per site, plus the total
+  std::vector<int> sources_;     // per site: how many sources it mixes
   int heads_ = 0, n_layers_ = 0;
   int64_t tokens_ = 0;
 };

@@ -1,10 +1,12 @@
 // allocator_test.cpp: the memory planner never lets two simultaneously live tensors
-// share a byte, does reuse memory across layers, and reports bytes per category.
+// share a byte, does reuse memory across layers, and reports bytes per category; routing
+// (full or block) adds no more to a real model's activation plan than its statistics.
 #include <gtest/gtest.h>
 
 #include <random>
 
 #include "engine/allocator.h"
+#include "tests/forwarding_backend.h"
 #include "tests/model_test_util.h"
 
 using namespace mhar;
@@ -53,8 +55,10 @@ TEST(MemoryPlan, DisjointLifetimesShareMemory) {
 }
 
 TEST(MemoryPlan, ModelPlansAreSafeAndReuseAcrossLayers) {
+  for (int block : {0, 3})
   for (auto mode : {ResidualMode::Standard, ResidualMode::Mhar}) {
-    Config c = test::tiny_config(mode, mode == ResidualMode::Mhar ? 2 : 0);
+    if (block && mode == ResidualMode::Standard) continue;
+    Config c = test::tiny_config(mode, mode == ResidualMode::Mhar ? 2 : 0, true, block);
     c.model.n_layers = 6;
     auto be = make_cpu_backend(DType::F32);
     Model m(c.model, c.residual, *be, 4, 8);
@@ -66,6 +70,50 @@ TEST(MemoryPlan, ModelPlansAreSafeAndReuseAcrossLayers) {
     const std::string report = m.memory_report();
     for (const char* cat : {"parameters", "gradients", "activations"})
       EXPECT_NE(report.find(cat), std::string::npos) << report;
+  }
+}
+
+// Plans a model at the CUDA backend's dtypes without memory: allocations are never
+// touched while a model is built, so every arena gets the same dummy address.
+class PlanOnly final : public test::ForwardingBackend {
+ public:
+  using ForwardingBackend::ForwardingBackend;
+  DType act_dtype() const override { return DType::BF16; }
+  DType stat_dtype() const override { return DType::F32; }
+  DType grad_dtype() const override { return DType::F32; }
+  void* allocate(size_t) override { return reinterpret_cast<void*>(uintptr_t(1) << 20); }
+  void release(void*) override {}
+};
+
+// At the shapes of configs/{350m,1b}_*.json: the routed activation plan is the standard
+// one plus at most the routing statistics (pairs, inv_rms, ubar, key-gradient slabs);
+// the site input gradients the source-stationary backward keeps must fit in memory the
+// backward has freed (one [S, N, d] buffer alive from the head's backward added 3 GB at
+// 1B).
+TEST(MemoryPlan, RoutingAddsOnlyItsStatisticsToTheActivationPlan) {
+  auto cpu = make_cpu_backend(DType::F32);
+  PlanOnly be(*cpu);
+  for (const char* size : {"350m", "1b"}) {
+    const std::string dir = std::string(MHAR_SOURCE_DIR) + "/configs/";
+    const Config std_cfg = load_config(dir + size + "_standard.json");
+    const int B = std_cfg.train.micro_batch, T = std_cfg.train.seq_len;
+    const double standard =
+        double(Model(std_cfg.model, std_cfg.residual, be, B, T).activation_plan().total_bytes());
+    for (const char* routed : {"_mhar.json", "_block_mhar.json"}) {
+      const Config c = load_config(dir + size + routed);
+      ASSERT_EQ(c.train.micro_batch, B);
+      Model m(c.model, c.residual, be, B, T);
+      const int S = c.model.n_sites(), H = c.residual.heads;
+      const double N = double(B) * T, d = c.model.d_model;
+      const double stats =
+          4 * (double(RoutingLayout::blocks(S, c.residual.routing_block()).pairs()) * H * N +
+               S * N + S * H * N + 64.0 * S * d);
+      const double got = double(m.activation_plan().total_bytes());
+      std::printf("[ memory ] %s%s: activations %.3f GB, standard %.3f GB, routing statistics "
+                  "%.3f GB\n", size, routed, got / 1e9, standard / 1e9, stats / 1e9);
+      EXPECT_LE(got, standard + stats) << size << routed;
+      EXPECT_GT(got, standard) << "the statistics take memory: the comparison is not vacuous";
+    }
   }
 }
 

@@ -68,6 +68,49 @@ TEST(Config, RoutingHeadsDefaultToKvHeads) {
   EXPECT_NE(error_of({{"residual", {{"mode", "attnres"}, {"heads", 2}}}}), "");
 }
 
+TEST(Config, BlockSizeIsCheckedAgainstModeAndDepth) {
+  const json model = {{"n_layers", 4}};
+  Config c = mhar::config_from_json({{"model", model}, {"residual", {{"mode", "mhar"}, {"block_size", 3}}}});
+  EXPECT_EQ(c.residual.block_size, 3);
+  EXPECT_EQ(c.residual.routing_block(), 3);
+  c = mhar::config_from_json({{"model", model}, {"residual", {{"mode", "attnres"}, {"block_size", 8}}}});
+  EXPECT_EQ(c.residual.routing_block(), 8);  // 2L: v_0 plus one running sum
+  c = mhar::config_from_json({{"model", model}, {"residual", {{"mode", "mhar"}}}});
+  EXPECT_EQ(c.residual.block_size, 0);
+  EXPECT_EQ(c.residual.routing_block(), 1);  // full routing
+
+  std::string e = error_of({{"model", model}, {"residual", {{"mode", "mhar"}, {"block_size", 9}}}});
+  EXPECT_NE(e.find("test.json: residual.block_size = 9 is more than the 2 * model.n_layers = 8 "
+                   "sublayers; valid: 0 (full routing) or 1..8"),
+            std::string::npos) << e;
+  e = error_of({{"residual", {{"mode", "standard"}, {"block_size", 2}}}});
+  EXPECT_NE(e.find("test.json: residual.block_size = 2 has no meaning in mode \"standard\""),
+            std::string::npos) << e;
+  e = error_of({{"residual", {{"mode", "mhar"}, {"block_size", -1}}}});
+  EXPECT_NE(e.find("residual.block_size = -1"), std::string::npos) << e;
+  EXPECT_NE(e.find("0 = full routing"), std::string::npos) << "states what is valid: " << e;
+}
+
+// The footprint estimate's routing statistics are RoutingLayout::pairs() of the layout the
+// model plans: a block size changes the estimate by exactly the pairs it removes.
+TEST(Config, FootprintCountsTheRoutingPairsOfTheBlockLayout) {
+  mhar::ModelConfig m;
+  m.n_layers = 6;
+  const int S = m.n_sites();
+  mhar::ResidualConfig full;
+  full.mode = mhar::ResidualMode::Mhar;
+  full.heads = 4;
+  const double N = 2 * 8, full_bytes = mhar::estimate_footprint(m, full, 2, 8).activation_bytes;
+  for (int s = 1; s <= 2 * m.n_layers; ++s) {
+    mhar::ResidualConfig r = full;
+    r.block_size = s;
+    const double pairs_removed = double(mhar::RoutingLayout::full(S).pairs() -
+                                        mhar::RoutingLayout::blocks(S, s).pairs());
+    EXPECT_EQ(full_bytes - mhar::estimate_footprint(m, r, 2, 8).activation_bytes,
+              4 * N * full.heads * pairs_removed) << "block " << s;
+  }
+}
+
 TEST(Config, OverridesParseJsonOrStrings) {
   json j = {{"model", {{"n_layers", 12}}}};
   mhar::apply_override(j, "model.n_layers=4", "t");

@@ -137,7 +137,9 @@ TEST(MakeEval, DeterministicHeldOutOnlyDecontaminatedAndLoadable) {
     ASSERT_EQ(j["endings"].size(), 4u);
     EXPECT_TRUE(from_held(j["ctx_a"].get<std::string>() + " " + j["endings"][label].get<std::string>())) << line;
     for (int e = 0; e < 4; ++e)
-      if (e != label) EXPECT_NE(j["endings"][e], j["endings"][label]) << line;
+      if (e != label) {
+        EXPECT_NE(j["endings"][e], j["endings"][label]) << line;
+      }
   }
   EXPECT_GT(labels[0] + labels[1], 0);
   EXPECT_GT(labels[2] + labels[3], 0);
@@ -150,7 +152,9 @@ TEST(MakeEval, DeterministicHeldOutOnlyDecontaminatedAndLoadable) {
     std::string line;
     std::getline(in, line);  // the heading
     for (; std::getline(in, line);)
-      if (line.size() > 2) EXPECT_TRUE(from_held(line)) << line;
+      if (line.size() > 2) {
+        EXPECT_TRUE(from_held(line)) << line;
+      }
   }
   evaltask::load_task(evaltask::Task::WikiText, dir / "eval1/wikitext.raw", tok, 1024);
 

@@ -1,7 +1,8 @@
 // golden_test.cpp: the engine against an independent implementation. The fixtures in
 // tests/fixtures/golden/ were made by tools/reference/make_golden.py (PyTorch autograd,
-// float64, on the GPU machine): weights, one batch, and the expected loss, logits and
-// every parameter gradient, per residual mode. The CPU engine must match per tensor,
+// float64): weights, one batch, and the expected loss, logits and every parameter
+// gradient, per residual mode, and for attnres and mhar with block routing
+// (<mode>_block: blocks of 2 and of 3 sublayers). The CPU engine must match per tensor,
 // relative error ||ours - ref|| / ||ref|| (the norm itself where ref is exactly 0):
 //   fp64 engine: <= 1e-10 (the same arithmetic in fp64, different summation orders).
 //   fp32 engine: <= max(kF32Floor, kF32Sigmas * s_t), s_t measured per tensor t (loss,
@@ -188,27 +189,29 @@ class Fp32Noise final : public Backend {
   }
   // Routing: only the pairs a call writes are rounded (weights holds every pair).
   void routing_source_logits(Tensor weights, Tensor inv_rms, Tensor v, const RoutingParams& p,
-                             int source, int heads, double eps) override {
-    inner_->routing_source_logits(weights, inv_rms, v, p, source, heads, eps);
+                             const RoutingLayout& lay, int source, int heads, double eps) override {
+    inner_->routing_source_logits(weights, inv_rms, v, p, lay, source, heads, eps);
     round_all(inv_rms);
-    for (int k = source; k < p.sites(); ++k) round_all(weights[routing_pair(source, k, p.sites())]);
+    for (int k = source; k <= lay.last_site(source); ++k) round_all(weights[lay.pair(source, k)]);
   }
-  void routing_mix(Tensor x, Tensor weights, Tensor history, int site, int heads) override {
-    inner_->routing_mix(x, weights, history, site, heads);
+  void routing_mix(Tensor x, Tensor weights, Tensor history, const RoutingLayout& lay, int site,
+                   int heads) override {
+    inner_->routing_mix(x, weights, history, lay, site, heads);
     round_all(x);
-    const int S = int(history.dim(0));
-    for (int i = 0; i <= site; ++i) round_all(weights[routing_pair(i, site, S)]);
+    for (int t = 0; t < lay.site_sources(site); ++t)
+      round_all(weights[lay.pair(lay.site_source(site, t), site)]);
   }
   void routing_source_backward(Tensor dv, Tensor weights, Tensor ubar, Tensor gsum,
-                               Tensor site_dx, Tensor x, Tensor v, Tensor inv_rms,
-                               const RoutingParams& p, int source, int heads) override {
-    inner_->routing_source_backward(dv, weights, ubar, gsum, site_dx, x, v, inv_rms, p, source,
-                                    heads);
-    const int S = p.sites();
+                               const std::vector<Tensor>& site_dx, Tensor x, Tensor v,
+                               Tensor inv_rms,
+                               const RoutingParams& p, const RoutingLayout& lay, int source,
+                               int heads) override {
+    inner_->routing_source_backward(dv, weights, ubar, gsum, site_dx, x, v, inv_rms, p, lay,
+                                    source, heads);
     round_all(dv);
-    for (int k = source; k < S; ++k) round_all(weights[routing_pair(source, k, S)]);
+    for (int k = source; k <= lay.last_site(source); ++k) round_all(weights[lay.pair(source, k)]);
     round_all(ubar[source]);
-    round_all(gsum);  // G_k += this source's sum, for every k >= source (zeros stay zero)
+    round_all(gsum);  // G_k += this source's sum, for every site k reading it (zeros stay zero)
   }
   void routing_param_grads(const RoutingParams& p, Tensor gsum) override {
     inner_->routing_param_grads(p, gsum);
@@ -266,6 +269,7 @@ Outputs evaluate(Model& m, Backend& be, const std::vector<int32_t>& tokens,
 }
 
 struct GoldenCase {
+  const char* fixture;  // tests/fixtures/golden/<fixture>.safetensors
   const char* mode;
   DType dtype;
 };
@@ -275,7 +279,7 @@ class Golden : public ::testing::TestWithParam<GoldenCase> {};
 TEST_P(Golden, LossLogitsAndEveryGradientMatchPyTorch) {
   const GoldenCase& gc = GetParam();
   const std::string path =
-      std::string(MHAR_SOURCE_DIR) + "/tests/fixtures/golden/" + gc.mode + ".safetensors";
+      std::string(MHAR_SOURCE_DIR) + "/tests/fixtures/golden/" + gc.fixture + ".safetensors";
   SafetensorsFile f = SafetensorsFile::load(path);
   nlohmann::json meta = nlohmann::json::parse(f.metadata().at("config").get<std::string>());
   const int B = meta.at("batch"), T = meta.at("seq_len");
@@ -283,6 +287,8 @@ TEST_P(Golden, LossLogitsAndEveryGradientMatchPyTorch) {
                              {"train", {{"micro_batch", B}, {"seq_len", T}, {"warmup_steps", 0}}}};
   Config cfg = config_from_json(cfg_json, path);
   ASSERT_STREQ(residual_mode_name(cfg.residual.mode), gc.mode);
+  // The block fixtures must route over blocks (block_size 1 would be full routing).
+  ASSERT_EQ(std::string(gc.fixture).find("_block") != std::string::npos, cfg.residual.block_size > 1);
 
   auto be = make_cpu_backend(gc.dtype);
   Model m(cfg.model, cfg.residual, *be, B, T);
@@ -331,7 +337,7 @@ TEST_P(Golden, LossLogitsAndEveryGradientMatchPyTorch) {
     const double err = rel_error(ours[i], ref[i]);
     const double bound = gc.dtype == DType::F32 ? std::max(kF32Floor, kF32Sigmas * noise[i])
                                                 : kF64Tolerance;
-    EXPECT_LE(err, bound) << gc.mode << " " << dtype_name(gc.dtype) << " " << names[i]
+    EXPECT_LE(err, bound) << gc.fixture << " " << dtype_name(gc.dtype) << " " << names[i]
                           << " (measured fp32 noise " << noise[i] << ")";
     // The test must stay able to fail: a mistake of kPower relative (in a random
     // direction, on top of what we computed) must break the bound of every tensor.
@@ -347,20 +353,27 @@ TEST_P(Golden, LossLogitsAndEveryGradientMatchPyTorch) {
     }
     const double ratio = err / bound;
     std::printf("[ golden ] %s %s %-34s error %.2e  fp32 noise %.2e  bound %.2e  error/bound %.2f\n",
-                gc.mode, dtype_name(gc.dtype), names[i].c_str(), err, noise[i], bound, ratio);
+                gc.fixture, dtype_name(gc.dtype), names[i].c_str(), err, noise[i], bound, ratio);
     if (ratio > worst_ratio) worst_ratio = ratio, worst_name = names[i];
   }
-  std::printf("[ golden ] %s %s: loss %.9f (ref %.9f); worst error/bound %.2f (%s)\n", gc.mode,
+  std::printf("[ golden ] %s %s: loss %.9f (ref %.9f); worst error/bound %.2f (%s)\n", gc.fixture,
               dtype_name(gc.dtype), got.loss, ref[0][0], worst_ratio, worst_name.c_str());
 }
 
 INSTANTIATE_TEST_SUITE_P(
     AllModes, Golden,
-    ::testing::Values(GoldenCase{"standard", DType::F32}, GoldenCase{"attnres", DType::F32},
-                      GoldenCase{"mhar", DType::F32}, GoldenCase{"standard", DType::F64},
-                      GoldenCase{"attnres", DType::F64}, GoldenCase{"mhar", DType::F64}),
+    ::testing::Values(GoldenCase{"standard", "standard", DType::F32},
+                      GoldenCase{"attnres", "attnres", DType::F32},
+                      GoldenCase{"mhar", "mhar", DType::F32},
+                      GoldenCase{"attnres_block", "attnres", DType::F32},
+                      GoldenCase{"mhar_block", "mhar", DType::F32},
+                      GoldenCase{"standard", "standard", DType::F64},
+                      GoldenCase{"attnres", "attnres", DType::F64},
+                      GoldenCase{"mhar", "mhar", DType::F64},
+                      GoldenCase{"attnres_block", "attnres", DType::F64},
+                      GoldenCase{"mhar_block", "mhar", DType::F64}),
     [](const ::testing::TestParamInfo<GoldenCase>& i) {
-      return std::string(i.param.mode) + "_" + dtype_name(i.param.dtype);
+      return std::string(i.param.fixture) + "_" + dtype_name(i.param.dtype);
     });
 
 }  // namespace

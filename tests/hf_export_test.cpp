@@ -258,6 +258,23 @@ TEST(HfExportUnit, LayoutIsTheModelsParameterList) {
     }
 }
 
+// modeling_mhar.py routes over every sublayer output: a block model is refused, naming
+// the field; blocks of one are full routing and export as such.
+TEST(HfExportUnit, BlockRoutingIsRefusedNamingTheField) {
+  ResidualConfig r = test::tiny_config(ResidualMode::Mhar, 4, true, 3).residual;
+  try {
+    require_exportable(r, "ckpt");
+    ADD_FAILURE() << "a block-routed model was accepted for export";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("ckpt: residual.block_size = 3 (block routing) has no "
+                                         "Hugging Face export yet"),
+              std::string::npos)
+        << e.what();
+  }
+  r.block_size = 1;
+  EXPECT_NO_THROW(require_exportable(r, "ckpt"));
+}
+
 TEST(HfExportUnit, Bf16RoundsToNearestEven) {
   std::vector<uint32_t> bits = {0x00000000, 0x80000000, 0x3f800000, 0x3f808000 /* tie -> 0x3f80 */,
                                 0x3f818000 /* tie -> 0x3f82 */, 0x3f808001, 0x3f807fff, 0x00000001, 0x807fffff,

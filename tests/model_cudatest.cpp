@@ -1,7 +1,8 @@
 // model_cudatest.cpp: the whole model on the CUDA backend against the CPU fp32 reference
 // (issue 5): the loss and every parameter gradient of one forward/backward for standard,
-// attnres and mhar on a tiny config with the same weights on both sides, and a short
-// training run on each backend that must reach the same loss within noise.
+// attnres and mhar (and both with block routing) on a tiny config with the same weights
+// on both sides, and a short training run on each backend that must reach the same loss
+// within noise.
 //
 // Tolerances (on ||gpu - cpu|| / ||cpu|| per tensor; the GPU stores every activation and
 // weight in bf16, the CPU nothing):
@@ -69,12 +70,12 @@ constexpr double kZeroGradNorm = 1e-5;
 
 // Tiny, but with the shapes the GPU kernels special-case: head_dim 64 (attention supports
 // 64 and 128), GQA 2, T not a multiple of the attention tiles (64), routing H = 2.
-Config tiny_gpu_config(const std::string& mode, int heads, int vocab = 256) {
+Config tiny_gpu_config(const std::string& mode, int heads, int vocab = 256, int block_size = 0) {
   nlohmann::json j = {
       {"model", {{"vocab_size", vocab}, {"d_model", 128}, {"n_layers", 2}, {"n_heads", 4},
                  {"n_kv_heads", 2}, {"head_dim", 64}, {"d_ff", 256}, {"context_length", 128},
                  {"rope_theta", 10000.0}, {"tie_embeddings", true}}},
-      {"residual", {{"mode", mode}, {"heads", heads}}},
+      {"residual", {{"mode", mode}, {"heads", heads}, {"block_size", block_size}}},
       {"train", {{"micro_batch", 2}, {"seq_len", 80}, {"warmup_steps", 0}}}};
   return config_from_json(j, "model_cudatest");
 }
@@ -82,6 +83,10 @@ Config tiny_gpu_config(const std::string& mode, int heads, int vocab = 256) {
 struct ModeCase {
   const char* mode;
   int heads;
+  int block_size = 0;  // residual.block_size: 2 layers have 4 sublayers
+  std::string label() const {
+    return std::string(mode) + (block_size ? "_block" + std::to_string(block_size) : "");
+  }
 };
 
 class ModelParity : public ::testing::TestWithParam<ModeCase> {};
@@ -89,7 +94,7 @@ class ModelParity : public ::testing::TestWithParam<ModeCase> {};
 TEST_P(ModelParity, LossAndEveryGradient) {
   if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
   const ModeCase mc = GetParam();
-  const Config cfg = tiny_gpu_config(mc.mode, mc.heads);
+  const Config cfg = tiny_gpu_config(mc.mode, mc.heads, 256, mc.block_size);
   const int B = cfg.train.micro_batch, T = cfg.train.seq_len;
   auto cpu = make_cpu_backend(DType::F32);
   auto gpu = make_cuda_backend(0);
@@ -123,10 +128,10 @@ TEST_P(ModelParity, LossAndEveryGradient) {
   }
 
   const double loss_err = std::fabs(loss_g - loss_c) / std::fabs(loss_c);
-  std::printf("MODEL_PARITY %-8s %-48s rel_err %.3e  (gpu %.6f cpu %.6f)  tol %.1e\n", mc.mode,
+  std::printf("MODEL_PARITY %-8s %-48s rel_err %.3e  (gpu %.6f cpu %.6f)  tol %.1e\n", mc.label().c_str(),
               "loss", loss_err, loss_g, loss_c, kTolLoss);
   EXPECT_TRUE(std::isfinite(loss_g));
-  EXPECT_LT(loss_err, kTolLoss) << mc.mode << " loss gpu " << loss_g << " cpu " << loss_c;
+  EXPECT_LT(loss_err, kTolLoss) << mc.label() << " loss gpu " << loss_g << " cpu " << loss_c;
 
   double worst = 0;
   std::string worst_name;
@@ -137,26 +142,27 @@ TEST_P(ModelParity, LossAndEveryGradient) {
     if (ref_norm == 0) {
       const double n = norm(got);
       std::printf("MODEL_PARITY %-8s %-48s norm %.3e (reference exactly 0)  tol %.1e\n",
-                  mc.mode, pg.name.c_str(), n, kZeroGradNorm);
-      EXPECT_LT(n, kZeroGradNorm) << mc.mode << " " << pg.name;
+                  mc.label().c_str(), pg.name.c_str(), n, kZeroGradNorm);
+      EXPECT_LT(n, kZeroGradNorm) << mc.label() << " " << pg.name;
       continue;
     }
     const double e = rel_err(got, ref);
     const double s = std::sqrt(sens[i]), tol = std::max(kTolGrad, kSigmas * s);
     std::printf("MODEL_PARITY %-8s %-48s rel_err %.3e  |ref| %.3e  bf16 noise %.2e  tol %.1e\n",
-                mc.mode, pg.name.c_str(), e, ref_norm, s, tol);
-    EXPECT_LT(e, tol) << mc.mode << " gradient of " << pg.name;
+                mc.label().c_str(), pg.name.c_str(), e, ref_norm, s, tol);
+    EXPECT_LT(e, tol) << mc.label() << " gradient of " << pg.name;
     if (e > worst) worst = e, worst_name = pg.name;
   }
-  std::printf("MODEL_PARITY %-8s worst gradient %s rel_err %.3e over %zu tensors\n", mc.mode,
+  std::printf("MODEL_PARITY %-8s worst gradient %s rel_err %.3e over %zu tensors\n", mc.label().c_str(),
               worst_name.c_str(), worst, mg.parameters().size());
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, ModelParity,
                          ::testing::Values(ModeCase{"standard", 0}, ModeCase{"attnres", 1},
-                                           ModeCase{"mhar", 2}),
+                                           ModeCase{"mhar", 2}, ModeCase{"attnres", 1, 2},
+                                           ModeCase{"mhar", 2, 3}),
                          [](const ::testing::TestParamInfo<ModeCase>& i) {
-                           return std::string(i.param.mode);
+                           return i.param.label();
                          });
 
 class GpuTraining : public ::testing::TestWithParam<ModeCase> {};
@@ -166,7 +172,7 @@ class GpuTraining : public ::testing::TestWithParam<ModeCase> {};
 TEST_P(GpuTraining, ReachesTheCpuLoss) {
   if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
   const ModeCase mc = GetParam();
-  Config cfg = tiny_gpu_config(mc.mode, mc.heads, 32);
+  Config cfg = tiny_gpu_config(mc.mode, mc.heads, 32, mc.block_size);
   cfg.train.micro_batch = 4;
   cfg.train.seq_len = 64;
   cfg.train.steps = 60;
@@ -207,19 +213,20 @@ TEST_P(GpuTraining, ReachesTheCpuLoss) {
     if (s == 0) first_g = lg, first_c = lc;
     if (s >= steps - 10) tail_g += lg / 10, tail_c += lc / 10;
     if (s % 10 == 0 || s == steps - 1)
-      std::printf("TRAIN %-8s step %2d  gpu %.4f  cpu %.4f\n", mc.mode, s + 1, lg, lc);
+      std::printf("TRAIN %-8s step %2d  gpu %.4f  cpu %.4f\n", mc.label().c_str(), s + 1, lg, lc);
   }
   const double rel = std::fabs(tail_g - tail_c) / tail_c;
   std::printf("TRAIN %-8s first loss gpu %.4f cpu %.4f; mean of last 10: gpu %.4f cpu %.4f "
-              "(rel diff %.3f, tol 0.03)\n", mc.mode, first_g, first_c, tail_g, tail_c, rel);
+              "(rel diff %.3f, tol 0.03)\n", mc.label().c_str(), first_g, first_c, tail_g, tail_c, rel);
   EXPECT_LT(tail_c, 0.6 * first_c) << "the CPU run did not learn: the check would be vacuous";
-  EXPECT_LT(rel, 0.03) << mc.mode << ": GPU training diverges from the CPU's";
+  EXPECT_LT(rel, 0.03) << mc.label() << ": GPU training diverges from the CPU's";
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, GpuTraining,
-                         ::testing::Values(ModeCase{"standard", 0}, ModeCase{"mhar", 2}),
+                         ::testing::Values(ModeCase{"standard", 0}, ModeCase{"mhar", 2},
+                                           ModeCase{"mhar", 2, 3}),
                          [](const ::testing::TestParamInfo<ModeCase>& i) {
-                           return std::string(i.param.mode);
+                           return i.param.label();
                          });
 
 }  // namespace

@@ -1,7 +1,8 @@
 // model_gradcheck_test.cpp: the analytic backward of the whole model, in float64 on the
 // CPU backend, against central finite differences of the loss for EVERY element of
 // EVERY parameter tensor (embeddings, norms, QK-norms, projections, routing queries and
-// gains), in each residual mode. With h = 1e-5 in fp64 the difference quotient is
+// gains), in each residual mode, with full and block routing (blocks of 2, of 3 (the
+// last block incomplete) and of all 4 sublayers). With h = 1e-5 in fp64 the difference quotient is
 // accurate to ~1e-10 relative (truncation h^2 plus rounding eps/h), so the 1e-6 bound
 // the issue sets leaves room only for that, never for a wrong term.
 #include <gtest/gtest.h>
@@ -20,13 +21,14 @@ struct GradCase {
   ResidualMode mode;
   int heads;
   bool tied;
+  int block_size = 0;
 };
 
 class ModelGradCheck : public ::testing::TestWithParam<GradCase> {};
 
 TEST_P(ModelGradCheck, EveryParameterMatchesFiniteDifferences) {
   const GradCase& gc = GetParam();
-  Config cfg = tiny_config(gc.mode, gc.heads, gc.tied);
+  Config cfg = tiny_config(gc.mode, gc.heads, gc.tied, gc.block_size);
   auto be = make_cpu_backend(DType::F64);
   Model m(cfg.model, cfg.residual, *be, cfg.train.micro_batch, cfg.train.seq_len);
   randomize_weights(m, 7);
@@ -78,7 +80,11 @@ INSTANTIATE_TEST_SUITE_P(
                       GradCase{"attnres", ResidualMode::AttnRes, 1, true},
                       GradCase{"mhar_h2", ResidualMode::Mhar, 2, true},
                       GradCase{"mhar_h4_untied", ResidualMode::Mhar, 4, false},
-                      GradCase{"mhar_h16", ResidualMode::Mhar, 16, true}),
+                      GradCase{"mhar_h16", ResidualMode::Mhar, 16, true},
+                      GradCase{"attnres_block2", ResidualMode::AttnRes, 1, true, 2},
+                      GradCase{"mhar_h2_block2", ResidualMode::Mhar, 2, true, 2},
+                      GradCase{"mhar_h4_block3_untied", ResidualMode::Mhar, 4, false, 3},
+                      GradCase{"mhar_h2_block4", ResidualMode::Mhar, 2, true, 4}),
     [](const ::testing::TestParamInfo<GradCase>& i) { return std::string(i.param.label); });
 
 }  // namespace

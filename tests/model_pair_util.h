@@ -41,10 +41,9 @@ inline void same_weights(Model& src, Model& dst, uint64_t seed, double query_std
   std::mt19937_64 rng(seed ^ 0x5eedULL);
   std::normal_distribution<double> nd(0.0, 1.0);
   for (auto& p : src.parameters()) {
-    if (p.value.ndim != 1) continue;
+    if (p.init == Init::Normal) continue;
     std::vector<double> v(static_cast<size_t>(p.value.numel()));
-    const bool query = p.name.find(".query") != std::string::npos;
-    for (double& x : v) x = query ? query_std * nd(rng) : 1.0 + 0.1 * nd(rng);
+    for (double& x : v) x = p.init == Init::Zero ? query_std * nd(rng) : 1.0 + 0.1 * nd(rng);
     src.backend().upload(p.value, v.data());
   }
   ASSERT_EQ(dst.parameters().size(), src.parameters().size());

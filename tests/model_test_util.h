@@ -13,13 +13,14 @@
 namespace mhar::test {
 
 // A config small enough for exhaustive finite differences, with GQA (4 query heads on
-// 2 KV heads) and an uneven head/feature split so indexing mistakes show.
-inline Config tiny_config(ResidualMode mode, int heads = 0, bool tied = true) {
+// 2 KV heads) and an uneven head/feature split so indexing mistakes show. `block_size`:
+// residual.block_size (2 layers: 4 sublayers, so 1..4).
+inline Config tiny_config(ResidualMode mode, int heads = 0, bool tied = true, int block_size = 0) {
   nlohmann::json j = {
       {"model", {{"vocab_size", 23}, {"d_model", 16}, {"n_layers", 2}, {"n_heads", 4},
                  {"n_kv_heads", 2}, {"head_dim", 4}, {"d_ff", 24}, {"context_length", 8},
                  {"rope_theta", 10000.0}, {"tie_embeddings", tied}}},
-      {"residual", {{"mode", residual_mode_name(mode)}, {"heads", heads}}},
+      {"residual", {{"mode", residual_mode_name(mode)}, {"heads", heads}, {"block_size", block_size}}},
       {"train", {{"micro_batch", 2}, {"seq_len", 5}, {"warmup_steps", 0}}}};
   return config_from_json(j, "tiny");
 }
@@ -37,9 +38,8 @@ inline void randomize_weights(Model& m, uint64_t seed) {
   std::normal_distribution<double> nd(0.0, 1.0);
   for (auto& p : m.parameters()) {
     std::vector<double> v(static_cast<size_t>(p.value.numel()));
-    const bool is_vector = p.value.ndim == 1;
-    const bool is_query = p.name.find(".query") != std::string::npos;
-    for (double& x : v) x = is_query ? 0.5 * nd(rng) : is_vector ? 1.0 + 0.2 * nd(rng) : 0.3 * nd(rng);
+    for (double& x : v)
+      x = p.init == Init::Zero ? 0.5 * nd(rng) : p.init == Init::One ? 1.0 + 0.2 * nd(rng) : 0.3 * nd(rng);
     m.backend().upload(p.value, v.data());
   }
 }

@@ -99,10 +99,12 @@ TEST_F(OpTiming, DISABLED_ModelShapes) {
     int S, H;
   };
   for (const Shape sh : {Shape{"350M", 1024, 49, 8}, Shape{"1B", 1280, 73, 8}}) {
-    const int64_t d = sh.d, P = routing_pairs(sh.S);
+    const RoutingLayout lay = RoutingLayout::full(sh.S);
+    const int64_t d = sh.d, P = lay.pairs();
     const int S = sh.S, H = sh.H;
     Buffer hist = random_gpu(DType::BF16, {S, N, d});
     Buffer site_dx = random_gpu(DType::BF16, {S, N, d});
+    const std::vector<Tensor> dx_rows = routing_rows(site_dx.t());
     Buffer xs(*gpu, DType::BF16, {S, N, d}), inv_rms(*gpu, DType::F32, {S, N});
     Buffer weights(*gpu, DType::F32, {P, H, N}), ubar(*gpu, DType::F32, {S, H, N});
     Buffer gsum(*gpu, DType::F32, {64, S, d}), dv(*gpu, DType::BF16, {N, d});
@@ -123,10 +125,10 @@ TEST_F(OpTiming, DISABLED_ModelShapes) {
                             std::to_string(S) + " H" + std::to_string(H);
     auto logits = [&] {
       for (int i = 0; i < S; ++i)
-        gpu->routing_source_logits(weights, inv_rms.t()[i], hist.t()[i], rp, i, H, 1e-6);
+        gpu->routing_source_logits(weights, inv_rms.t()[i], hist.t()[i], rp, lay, i, H, 1e-6);
     };
     auto mixes = [&] {
-      for (int i = 0; i < S; ++i) gpu->routing_mix(xs.t()[i], weights, hist, i, H);
+      for (int i = 0; i < S; ++i) gpu->routing_mix(xs.t()[i], weights, hist, lay, i, H);
     };
     report("routing_source_logits, all sources " + tag, time_ms(logits, 2), 0, row * S);
     // The mix normalises the logits in place, so every timed repetition needs fresh
@@ -138,19 +140,19 @@ TEST_F(OpTiming, DISABLED_ModelShapes) {
     auto backward = [&] {
       gpu->zero(gsum);
       for (int i = S - 1; i >= 0; --i)
-        gpu->routing_source_backward(dv, weights, ubar, gsum, site_dx, xs.t()[i], hist.t()[i],
-                                     inv_rms.t()[i], rp, i, H);
+        gpu->routing_source_backward(dv, weights, ubar, gsum, dx_rows, xs.t()[i], hist.t()[i],
+                                     inv_rms.t()[i], rp, lay, i, H);
       gpu->routing_param_grads(rp, gsum);
     };
     report("routing backward (source_backward + param_grads), whole step " + tag,
            time_ms(backward, 2), 0, row * (double(P) + 4.0 * S));
     report("routing_mix last site " + tag,
-           time_ms([&] { gpu->routing_mix(xs.t()[S - 1], weights, hist, S - 1, H); }), 0,
+           time_ms([&] { gpu->routing_mix(xs.t()[S - 1], weights, hist, lay, S - 1, H); }), 0,
            row * (S + 1));
     report("routing_source_backward source 0 " + tag,
            time_ms([&] {
-             gpu->routing_source_backward(dv, weights, ubar, gsum, site_dx, xs.t()[0],
-                                          hist.t()[0], inv_rms.t()[0], rp, 0, H);
+             gpu->routing_source_backward(dv, weights, ubar, gsum, dx_rows, xs.t()[0],
+                                          hist.t()[0], inv_rms.t()[0], rp, lay, 0, H);
            }),
            0, row * (S + 4.0));
   }

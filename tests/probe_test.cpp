@@ -36,9 +36,10 @@ nlohmann::json probe_of(Model& m, const std::vector<std::vector<int32_t>>& batch
 }
 
 TEST(RoutingProbe, AveragesOverBatchesAndKeepsItsInequalities) {
+  for (int block : {0, 2})  // full routing, and blocks of 2 sublayers
   for (ResidualMode mode : {ResidualMode::Mhar, ResidualMode::AttnRes}) {
-    SCOPED_TRACE(residual_mode_name(mode));
-    const Config cfg = tiny_config(mode, mode == ResidualMode::Mhar ? 4 : 0);
+    SCOPED_TRACE(std::string(residual_mode_name(mode)) + " block " + std::to_string(block));
+    const Config cfg = tiny_config(mode, mode == ResidualMode::Mhar ? 4 : 0, true, block);
     auto be = make_cpu_backend(DType::F64);
     Model m(cfg.model, cfg.residual, *be, cfg.train.micro_batch, cfg.train.seq_len);
     randomize_weights(m, 5);
@@ -53,7 +54,7 @@ TEST(RoutingProbe, AveragesOverBatchesAndKeepsItsInequalities) {
     for (size_t j = 0; j < both["sites"].size(); ++j) {
       const nlohmann::json &s = both["sites"][j], &s1 = p1["sites"][j], &s2 = p2["sites"][j];
       const int S = s["sources"].get<int>();
-      ASSERT_EQ(S, int(j) + 1);
+      ASSERT_EQ(S, block ? 1 + int(j) / block + (j % block ? 1 : 0) : int(j) + 1);
       for (int h = 0; h < H; ++h) {
         double sum = 0;
         for (int i = 0; i < S; ++i) {
@@ -97,8 +98,9 @@ TEST(RoutingProbe, AveragesOverBatchesAndKeepsItsInequalities) {
 // (Model::routing_weights), for the CPU backend's override and for the default
 // (host) implementation that other backends inherit.
 TEST(RoutingProbe, BackendSumsEqualSumsOfTheDownloadedWeights) {
+  for (int block : {0, 3})  // full routing, and blocks of 3 (fewer sources than site + 1)
   for (DType dt : {DType::F64, DType::F32}) {
-    const Config cfg = tiny_config(ResidualMode::Mhar, 4);
+    const Config cfg = tiny_config(ResidualMode::Mhar, 4, true, block);
     auto be = make_cpu_backend(dt);
     Model m(cfg.model, cfg.residual, *be, cfg.train.micro_batch, cfg.train.seq_len);
     randomize_weights(m, 9);
@@ -107,7 +109,7 @@ TEST(RoutingProbe, BackendSumsEqualSumsOfTheDownloadedWeights) {
     m.forward(t.data(), y.data(), 0.0);
     const int H = cfg.residual.heads;
     for (int site = 0; site < cfg.model.n_sites(); ++site) {
-      const int src = site + 1;
+      const int src = m.routing_sources(site);
       const int64_t n_stats = int64_t(H) * (src + 1) + 1;
       // Expected, from the downloaded [N, H, src] weights.
       const std::vector<double> w = m.routing_weights(site);
@@ -132,13 +134,15 @@ TEST(RoutingProbe, BackendSumsEqualSumsOfTheDownloadedWeights) {
         want[size_t(H * (src + 1))] += js / (H * (H - 1) / 2.0);
       }
       // The site's weights in a [P, H, N] tensor of the backend's dtype (other pairs 0).
-      const int S = cfg.model.n_sources();
-      const int64_t P = routing_pairs(S);
+      const RoutingLayout lay =
+          RoutingLayout::blocks(cfg.model.n_sources(), cfg.residual.routing_block());
+      const int64_t P = lay.pairs();
       std::vector<double> all(size_t(P * H * N), 0.0);
       for (int i = 0; i < src; ++i)
         for (int h = 0; h < H; ++h)
           for (int64_t n = 0; n < N; ++n)
-            all[size_t((routing_pair(i, site, S) * H + h) * N + n)] = w[size_t((n * H + h) * src + i)];
+            all[size_t((lay.pair(lay.site_source(site, i), site) * H + h) * N + n)] =
+                w[size_t((n * H + h) * src + i)];
       Tensor weights(be->allocate(all.size() * dtype_size(dt)), dt, {P, H, N});
       be->upload(weights, all.data());
       std::vector<double> start(static_cast<size_t>(n_stats));
@@ -147,8 +151,8 @@ TEST(RoutingProbe, BackendSumsEqualSumsOfTheDownloadedWeights) {
         Tensor stats(be->allocate(size_t(n_stats) * 8), DType::F64, {n_stats});
         be->upload(stats, start.data());
         if (path == 0) m.routing_stats(site, stats);                      // the model's own weights
-        if (path == 1) be->routing_stats(stats, weights, site, H);          // the CPU override
-        if (path == 2) be->Backend::routing_stats(stats, weights, site, H); // the default (host)
+        if (path == 1) be->routing_stats(stats, weights, lay, site, H);          // the CPU override
+        if (path == 2) be->Backend::routing_stats(stats, weights, lay, site, H); // the default (host)
         std::vector<double> got(static_cast<size_t>(n_stats));
         be->download(got.data(), stats);
         for (int64_t k = 0; k < n_stats; ++k)

@@ -337,69 +337,74 @@ TEST(ProbePage, ChromiumScreenshotIsNotBlank) {
 // What the trainer logs at an evaluation (a RoutingProbe over the validation batches,
 // probe_metrics_lines) carries the mean routing weights over every token of every batch
 // and the probe's statistics, and the run report draws both: the heatmaps and the table
-// of head disagreement and entropies.
+// of head disagreement and entropies. Full routing (site j mixes j+1 sources) and blocks
+// of 3 (fewer).
 TEST(RunReport, TrainerRoutingLinesCarryTheProbeAndRender) {
-  Config cfg = tiny_config(ResidualMode::Mhar, 2);
-  auto be = make_cpu_backend(DType::F64);
-  Model m(cfg.model, cfg.residual, *be, 2, 5);
-  randomize_weights(m, 3);
-  RoutingProbe probe;
-  std::vector<std::vector<double>> expect(size_t(cfg.model.n_sites()));
-  const int batches = 2, N = 10, H = 2;
-  for (int b = 0; b < batches; ++b) {
-    std::vector<int32_t> tok, tgt;
-    random_tokens(N, cfg.model.vocab_size, 10 + b, tok, tgt);
-    m.forward(tok.data(), tgt.data(), 0.0);
-    probe.add(m);
+  for (int block : {0, 3}) {
+    SCOPED_TRACE("block_size " + std::to_string(block));
+    Config cfg = tiny_config(ResidualMode::Mhar, 2, true, block);
+    auto be = make_cpu_backend(DType::F64);
+    Model m(cfg.model, cfg.residual, *be, 2, 5);
+    randomize_weights(m, 3);
+    RoutingProbe probe;
+    std::vector<std::vector<double>> expect(size_t(cfg.model.n_sites()));
+    const int batches = 2, N = 10, H = 2;
+    for (int b = 0; b < batches; ++b) {
+      std::vector<int32_t> tok, tgt;
+      random_tokens(N, cfg.model.vocab_size, 10 + b, tok, tgt);
+      m.forward(tok.data(), tgt.data(), 0.0);
+      probe.add(m);
+      for (int j = 0; j < cfg.model.n_sites(); ++j) {
+        const auto w = m.routing_weights(j);
+        auto& e = expect[size_t(j)];
+        e.resize(size_t(H) * size_t(m.routing_sources(j)), 0.0);
+        for (int n = 0; n < N; ++n)
+          for (size_t k = 0; k < e.size(); ++k) e[k] += w[size_t(n) * e.size() + k] / (batches * N);
+      }
+    }
+    const nlohmann::json lines = probe_metrics_lines(probe.to_json(), 300);
+    ASSERT_EQ(int(lines.size()), cfg.model.n_sites());
     for (int j = 0; j < cfg.model.n_sites(); ++j) {
-      const auto w = m.routing_weights(j);
-      auto& e = expect[size_t(j)];
-      e.resize(size_t(H) * (j + 1), 0.0);
-      for (int n = 0; n < N; ++n)
-        for (size_t k = 0; k < e.size(); ++k) e[k] += w[size_t(n) * e.size() + k] / (batches * N);
+      const auto& l = lines[size_t(j)];
+      const int src = m.routing_sources(j);
+      EXPECT_EQ(l["kind"], "routing");
+      EXPECT_EQ(l["step"], 300);
+      EXPECT_EQ(l["site"], j);
+      EXPECT_EQ(l["heads"], H);
+      EXPECT_EQ(l["sources"], src);
+      ASSERT_EQ(l["entropy"].size(), size_t(H));
+      ASSERT_TRUE(l["js"].is_number());
+      ASSERT_EQ(l["weights"].size(), size_t(H));
+      for (int h = 0; h < H; ++h) {
+        ASSERT_EQ(l["weights"][size_t(h)].size(), size_t(src));
+        for (int i = 0; i < src; ++i)  // sums of 20 doubles in another order
+          EXPECT_NEAR(l["weights"][size_t(h)][size_t(i)].get<double>(), expect[size_t(j)][size_t(h) * src + i], 1e-14);
+      }
     }
-  }
-  const nlohmann::json lines = probe_metrics_lines(probe.to_json(), 300);
-  ASSERT_EQ(int(lines.size()), cfg.model.n_sites());
-  for (int j = 0; j < cfg.model.n_sites(); ++j) {
-    const auto& l = lines[size_t(j)];
-    EXPECT_EQ(l["kind"], "routing");
-    EXPECT_EQ(l["step"], 300);
-    EXPECT_EQ(l["site"], j);
-    EXPECT_EQ(l["heads"], H);
-    EXPECT_EQ(l["sources"], j + 1);
-    ASSERT_EQ(l["entropy"].size(), size_t(H));
-    ASSERT_TRUE(l["js"].is_number());
-    ASSERT_EQ(l["weights"].size(), size_t(H));
-    for (int h = 0; h < H; ++h) {
-      ASSERT_EQ(l["weights"][size_t(h)].size(), size_t(j + 1));
-      for (int i = 0; i <= j; ++i)  // sums of 20 doubles in another order
-        EXPECT_NEAR(l["weights"][size_t(h)][size_t(i)].get<double>(), expect[size_t(j)][size_t(h) * (j + 1) + i], 1e-14);
+    const fs::path dir = fresh_dir("probe_lines_" + std::to_string(block));
+    std::ofstream(dir / "config.json") << cfg.to_json().dump(2) << "\n";
+    {
+      std::ofstream out(dir / "metrics.jsonl");
+      out << R"({"kind":"eval","step":300,"val_loss":3.0,"val_ppl":20.1,"tokens":20})" << "\n";
+      for (const auto& l : lines) out << l.dump() << "\n";
     }
+    const std::string html = render_run_report(dir.string());
+    EXPECT_EQ(count_of(html, "<figure class=\"heatmap\">"), cfg.model.n_sites());
+    EXPECT_NE(html.find("Head disagreement and entropy by site"), std::string::npos);
+    // One table row per site (the header row has <th> cells), each with the site's name and JS.
+    EXPECT_EQ(count_of(html, "<tr><td>"), cfg.model.n_sites());
+    const int last = cfg.model.n_sites() - 1;
+    char js[32];
+    std::snprintf(js, sizeof js, "%.4f", lines[size_t(last)]["js"].get<double>());
+    EXPECT_NE(html.find(std::string("<td>final norm</td><td>") + std::to_string(m.routing_sources(last)) +
+                        "</td><td>" + js),
+              std::string::npos);
+    if (!HasFailure()) fs::remove_all(dir);
   }
-  const fs::path dir = fresh_dir("probe_lines");
-  std::ofstream(dir / "config.json") << cfg.to_json().dump(2) << "\n";
-  {
-    std::ofstream out(dir / "metrics.jsonl");
-    out << R"({"kind":"eval","step":300,"val_loss":3.0,"val_ppl":20.1,"tokens":20})" << "\n";
-    for (const auto& l : lines) out << l.dump() << "\n";
-  }
-  const std::string html = render_run_report(dir.string());
-  EXPECT_EQ(count_of(html, "<figure class=\"heatmap\">"), cfg.model.n_sites());
-  EXPECT_NE(html.find("Head disagreement and entropy by site"), std::string::npos);
-  // One table row per site (the header row has <th> cells), each with the site's name and JS.
-  EXPECT_EQ(count_of(html, "<tr><td>"), cfg.model.n_sites());
-  char js[32];
-  std::snprintf(js, sizeof js, "%.4f", lines[size_t(cfg.model.n_sites() - 1)]["js"].get<double>());
-  EXPECT_NE(html.find(std::string("<td>final norm</td><td>") + std::to_string(cfg.model.n_sites()) + "</td><td>" + js),
-            std::string::npos);
   // Lines of older runs, without the statistics, draw the heatmaps and no table.
   const fs::path old = make_synthetic_run("old_lines", ResidualMode::Mhar);
   EXPECT_EQ(count_of(render_run_report(old.string()), "Head disagreement and entropy"), 0);
-  if (!HasFailure()) {
-    fs::remove_all(dir);
-    fs::remove_all(old);
-  }
+  if (!HasFailure()) fs::remove_all(old);
 }
 
 }  // namespace

@@ -4,7 +4,9 @@
 // H = 1..16 and H > 32, head sizes that are and are not multiples of 8 (the segmented-scan
 // and the shared-memory head sums), heads that span a lane's chunk rows (d 640, 1280),
 // d up to 2048 (8 chunks per lane), token counts that are and are not multiples of 4 (the
-// key-gradient kernel's vector path), and 1..9 sources.
+// key-gradient kernel's vector path), and 1..9 sources; block routing's layouts
+// (partial block sums read by their own site only, closed ones by every later site)
+// from blocks of 2 to one block of all outputs, and the 1B config's 8 blocks of 9.
 #include <gtest/gtest.h>
 
 #include "tests/cuda_test_util.h"
@@ -14,11 +16,14 @@ namespace {
 
 class RoutingParity : public CudaParity {
  protected:
-  void check(int64_t N, int64_t d, int S, int H) {
+  // `block` s: block routing's layout (1: full routing).
+  void check(int64_t N, int64_t d, int S, int H, int block = 1) {
     const std::string tag = "N" + std::to_string(N) + " d" + std::to_string(d) + " S" +
-                            std::to_string(S) + " H" + std::to_string(H);
+                            std::to_string(S) + " H" + std::to_string(H) + " block" +
+                            std::to_string(block);
     const double eps = 1e-6;
-    const int64_t P = routing_pairs(S);
+    const RoutingLayout lay = RoutingLayout::blocks(S, block);
+    const int64_t P = lay.pairs();
     // Sources of different scales (like real sublayer outputs), so the RMS matters.
     Pair history = pair(DType::BF16, {S, N, d});
     {
@@ -53,8 +58,8 @@ class RoutingParity : public CudaParity {
     inv_rms.g.poison();
     weights.g.poison();
     for (int i = 0; i < S; ++i) {
-      cpu->routing_source_logits(weights.c, inv_rms.c.t()[i], history.c.t()[i], pc, i, H, eps);
-      gpu->routing_source_logits(weights.g, inv_rms.g.t()[i], history.g.t()[i], pg, i, H, eps);
+      cpu->routing_source_logits(weights.c, inv_rms.c.t()[i], history.c.t()[i], pc, lay, i, H, eps);
+      gpu->routing_source_logits(weights.g, inv_rms.g.t()[i], history.g.t()[i], pg, lay, i, H, eps);
     }
     expect_close("routing_source_logits inv_rms " + tag, inv_rms.g, inv_rms.c, kTolF32Output);
     expect_close("routing_source_logits logits " + tag, weights.g, weights.c, kTolF32Output);
@@ -66,8 +71,8 @@ class RoutingParity : public CudaParity {
     Pair xs = pair(DType::BF16, {S, N, d});
     xs.g.poison();
     for (int j = 0; j < S; ++j) {
-      cpu->routing_mix(xs.c.t()[j], weights.c, history.c, j, H);
-      gpu->routing_mix(xs.g.t()[j], weights.g, history.g, j, H);
+      cpu->routing_mix(xs.c.t()[j], weights.c, history.c, lay, j, H);
+      gpu->routing_mix(xs.g.t()[j], weights.g, history.g, lay, j, H);
     }
     expect_close("routing_mix x " + tag, xs.g, xs.c, kTolBf16Output);
     expect_close("routing_mix weights " + tag, weights.g, weights.c, kTolF32Output);
@@ -81,7 +86,7 @@ class RoutingParity : public CudaParity {
       for (auto* run : {&x_clean, &x_poisoned}) {
         weights.g.set(raw_logits);  // the mix normalises in place: start from the logits
         history.g.set(run == &x_clean ? clean : poisoned);
-        gpu->routing_mix(run->g, weights.g, history.g, j, H);
+        gpu->routing_mix(run->g, weights.g, history.g, lay, j, H);
       }
       history.g.set(clean);
       weights.g.set(normalised);
@@ -100,10 +105,12 @@ class RoutingParity : public CudaParity {
     dv.g.poison();
     gsum.set(std::vector<double>(size_t(8 * S * d), 0.0));
     for (int i = S - 1; i >= 0; --i) {
-      cpu->routing_source_backward(dv.c.t()[i], weights.c, ubar.c, gsum.c, site_dx.c,
-                                   xs.c.t()[i], history.c.t()[i], inv_rms.c.t()[i], pc, i, H);
-      gpu->routing_source_backward(dv.g.t()[i], weights.g, ubar.g, gsum.g, site_dx.g,
-                                   xs.g.t()[i], history.g.t()[i], inv_rms.g.t()[i], pg, i, H);
+      cpu->routing_source_backward(dv.c.t()[i], weights.c, ubar.c, gsum.c,
+                                   routing_rows(site_dx.c.t()),
+                                   xs.c.t()[i], history.c.t()[i], inv_rms.c.t()[i], pc, lay, i, H);
+      gpu->routing_source_backward(dv.g.t()[i], weights.g, ubar.g, gsum.g,
+                                   routing_rows(site_dx.g.t()),
+                                   xs.g.t()[i], history.g.t()[i], inv_rms.g.t()[i], pg, lay, i, H);
     }
     expect_close("routing_source_backward dv " + tag, dv.g, dv.c, kTolBf16Output);
     expect_close("routing_source_backward ubar " + tag, ubar.g, ubar.c, kTolF32Output);
@@ -140,6 +147,15 @@ TEST_F(RoutingParity, ModelWidths) {
   check(21, 1280, 9, 8);   // the 1B config: 5 chunk rows, heads of 160
   check(16, 2048, 5, 16);  // 8 chunk rows, heads of 128
   check(24, 1024, 7, 8);   // the 350M config
+}
+
+TEST_F(RoutingParity, BlockLayouts) {
+  for (int S : {3, 5, 9, 13})
+    for (int block = 2; block < S; ++block)
+      for (int H : {1, 4}) check(37, 96, S, H, block);
+  check(32, 640, 9, 8, 3);    // heads spanning chunk rows
+  check(21, 1280, 73, 8, 9);  // configs/1b_block_mhar.json: 72 sublayers in 8 blocks of 9
+  check(24, 1024, 49, 8, 6);  // configs/350m_block_mhar.json
 }
 
 TEST_F(RoutingParity, ManyHeads) {

@@ -4,12 +4,19 @@
 // - mhar whose heads all see the same query slice, gain slice and source slices has
 //   identical per-head logits, and then equals attnres with query q/H;
 // - a site never reads a future source, and a source's gradient never reads the sites
-//   before it, checked by poisoning.
+//   before it, checked by poisoning;
+// - block routing (residual.block_size = s): the sources of site j are v_0, the sums of
+//   the completed blocks and the partial sum of the current block, exactly as
+//   RoutingLayout enumerates them; with zero queries a site is their uniform mean (the
+//   sublayer outputs recorded as their GEMMs write them, the block sums formed here);
+//   s = 1 is full routing; the ops' poisoning checks hold for block layouts too.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <limits>
+#include <map>
 
+#include "tests/forwarding_backend.h"
 #include "tests/model_test_util.h"
 
 using namespace mhar;
@@ -43,7 +50,7 @@ TEST(RoutingIdentity, ZeroQueriesGiveTheUniformMeanOfSources) {
     Model m(c.model, c.residual, *be, 2, 5);
     randomize_weights(m, 9);
     for (auto& p : m.parameters())
-      if (p.name.find(".query") != std::string::npos) be->zero(p.value);
+      if (p.init == Init::Zero) be->zero(p.value);
     std::vector<int32_t> tok, tgt;
     random_tokens(10, c.model.vocab_size, 1, tok, tgt);
     m.forward(tok.data(), tgt.data(), 0.0);
@@ -62,14 +69,136 @@ TEST(RoutingIdentity, ZeroQueriesGiveTheUniformMeanOfSources) {
   }
 }
 
+// Every sublayer output v_j as its output GEMM writes it into history slot j (before
+// block routing adds it into its block's running sum).
+class OutputRecorder final : public ForwardingBackend {
+ public:
+  using ForwardingBackend::ForwardingBackend;
+  Tensor history;  // the model's [S, N, d] history, once the model exists
+  std::map<int, std::vector<double>> outputs;
+  void matmul(Tensor c, Tensor a, Tensor b, bool ta, bool tb, bool acc) override {
+    in_.matmul(c, a, b, ta, tb, acc);
+    const char *h = static_cast<const char*>(history.data), *p = static_cast<const char*>(c.data);
+    if (h && !acc && p >= h && p < h + history.bytes())
+      outputs[int((p - h) / history[0].bytes())] = mhar::test::download(in_, c);
+  }
+};
+
+// The sources of site j by the definition (DESIGN.md section 2): v_0, the sum of each
+// completed block of s outputs among v_1..v_j, and the partial sum of the current
+// block when it has any outputs.
+std::vector<std::vector<double>> block_sources(const std::vector<std::vector<double>>& v, int j,
+                                               int s) {
+  std::vector<std::vector<double>> out = {v[0]};
+  for (int first = 1; first <= j; first += s) {
+    std::vector<double> sum(v[0].size(), 0.0);
+    for (int i = first; i < first + s && i <= j; ++i)
+      for (size_t e = 0; e < sum.size(); ++e) sum[e] += v[size_t(i)][e];
+    out.push_back(sum);
+  }
+  return out;
+}
+
+TEST(RoutingIdentity, RoutingLayoutEnumeratesTheBlockSources) {
+  for (int S : {1, 2, 5, 9, 73})
+    for (int s = 1; s <= std::max(1, S - 1); ++s) {
+      const RoutingLayout lay = RoutingLayout::blocks(S, s);
+      int64_t next_pair = 0;
+      for (int i = 0; i < S; ++i) {
+        // Slot i (v_0, or the running sum of v_i's block up to v_i) is read by site i and,
+        // when it closes its block (or is v_0), by every later site.
+        const bool closes = i == 0 || i % s == 0;
+        EXPECT_EQ(lay.last_site(i), closes ? S - 1 : i) << "S " << S << " s " << s << " slot " << i;
+        for (int k = i; k <= lay.last_site(i); ++k)
+          EXPECT_EQ(lay.pair(i, k), next_pair++) << "pairs are source-major and contiguous";
+      }
+      EXPECT_EQ(lay.pairs(), next_pair);
+      for (int k = 0; k < S; ++k) {
+        std::vector<int> want = {0};
+        for (int c = s; c <= k; c += s) want.push_back(c);  // completed blocks
+        if (k % s) want.push_back(k);                       // the current block so far
+        std::vector<int> got;
+        for (int t = 0; t < lay.site_sources(k); ++t) {
+          got.push_back(lay.site_source(k, t));
+          EXPECT_EQ(lay.site_pair(k, t, k / s), lay.pair(got.back(), k));
+        }
+        EXPECT_EQ(got, want) << "S " << S << " s " << s << " site " << k;
+      }
+      if (s == 1) {
+        EXPECT_EQ(lay.pairs(), int64_t(S) * (S + 1) / 2);
+      }
+    }
+}
+
+TEST(RoutingIdentity, ZeroQueriesGiveTheUniformMeanOfTheBlockSources) {
+  for (int s : {1, 2, 3, 4})
+    for (int heads : {1, 2}) {
+      Config c = tiny_config(heads == 1 ? ResidualMode::AttnRes : ResidualMode::Mhar, heads,
+                             true, s);
+      auto cpu = make_cpu_backend(DType::F64);
+      OutputRecorder be(*cpu);
+      Model m(c.model, c.residual, be, 2, 5);
+      be.history = m.history();
+      randomize_weights(m, 9 + uint64_t(s));
+      for (auto& p : m.parameters())
+        if (p.init == Init::Zero) be.zero(p.value);
+      std::vector<int32_t> tok, tgt;
+      random_tokens(10, c.model.vocab_size, 1, tok, tgt);
+      m.forward(tok.data(), tgt.data(), 0.0);
+      const int S = c.model.n_sites();
+      std::vector<std::vector<double>> v = {download(be, m.history()[0])};  // v_0: the embedding
+      for (int j = 1; j < S; ++j) {
+        ASSERT_EQ(be.outputs.count(j), 1u) << "sublayer output " << j;
+        v.push_back(be.outputs[j]);
+      }
+      for (int j = 0; j < S; ++j) {
+        const auto src = block_sources(v, j, s);
+        ASSERT_EQ(m.routing_sources(j), int(src.size())) << "s " << s << " site " << j;
+        for (double a : m.routing_weights(j)) EXPECT_NEAR(a, 1.0 / double(src.size()), 1e-15);
+        const auto x = download(be, m.site_input(j));
+        for (size_t e = 0; e < x.size(); ++e) {
+          double mean = 0;
+          for (const auto& u : src) mean += u[e];
+          EXPECT_NEAR(x[e], mean / double(src.size()), 1e-12)
+              << "s " << s << " heads " << heads << " site " << j;
+        }
+      }
+    }
+}
+
+// Blocks of one output are the outputs themselves: block_size 1 computes exactly what
+// full routing (block_size 0) does, loss, logits and every gradient, bit for bit.
+TEST(RoutingIdentity, BlocksOfOneAreFullRouting) {
+  for (int heads : {1, 4}) {
+    const ResidualMode mode = heads == 1 ? ResidualMode::AttnRes : ResidualMode::Mhar;
+    Config f = tiny_config(mode, heads, false, 0), b = tiny_config(mode, heads, false, 1);
+    auto be = make_cpu_backend(DType::F64);
+    Model mf(f.model, f.residual, *be, 2, 5), mb(b.model, b.residual, *be, 2, 5);
+    randomize_weights(mf, 21);
+    copy_weights(mf, mb);
+    std::vector<int32_t> tok, tgt;
+    random_tokens(10, f.model.vocab_size, 6, tok, tgt);
+    mf.zero_grads();
+    mb.zero_grads();
+    EXPECT_EQ(mf.forward(tok.data(), tgt.data(), 1.0), mb.forward(tok.data(), tgt.data(), 1.0));
+    EXPECT_EQ(download(*be, mf.logits()), download(*be, mb.logits()));
+    mf.backward();
+    mb.backward();
+    for (auto& p : mf.parameters())
+      EXPECT_EQ(download(*be, p.grad), download(*be, mb.parameter(p.name).grad)) << p.name;
+  }
+}
+
 // Op-level fixture: S sources/sites, history [S, N, d], one query and gain per site, on the
 // fp64 backend.
 struct RoutingOp {
   std::unique_ptr<Backend> be = make_cpu_backend(DType::F64);
   int S, N, d;
+  RoutingLayout lay;
   std::vector<double> hist, inv_rms, weights;
   std::vector<std::vector<double>> query, gain;  // per site
-  RoutingOp(int S_, int N_, int d_) : S(S_), N(N_), d(d_) {
+  RoutingOp(int S_, int N_, int d_, int block = 1)
+      : S(S_), N(N_), d(d_), lay(RoutingLayout::blocks(S_, block)) {
     query.assign(size_t(S), std::vector<double>(size_t(d)));
     gain = query;
   }
@@ -87,18 +216,18 @@ struct RoutingOp {
   // Logits of sources 0..last, then site `site`'s mix; returns x [N, d].
   std::vector<double> forward(int site, int heads, int last_source) {
     inv_rms.assign(size_t(S) * N, 0);
-    weights.assign(size_t(routing_pairs(S)) * heads * N, 0);
+    weights.assign(size_t(lay.pairs()) * heads * N, 0);
     const RoutingParams p = params();
     for (int i = 0; i <= last_source; ++i)
-      be->routing_source_logits(t(weights, {routing_pairs(S), heads, N}), t(inv_rms, {S, N})[i],
-                                t(hist, {S, N, d})[i], p, i, heads, 1e-6);
+      be->routing_source_logits(t(weights, {lay.pairs(), heads, N}), t(inv_rms, {S, N})[i],
+                                t(hist, {S, N, d})[i], p, lay, i, heads, 1e-6);
     std::vector<double> x(size_t(N) * d, 0);
-    be->routing_mix(t(x, {N, d}), t(weights, {routing_pairs(S), heads, N}), t(hist, {S, N, d}),
+    be->routing_mix(t(x, {N, d}), t(weights, {lay.pairs(), heads, N}), t(hist, {S, N, d}), lay,
                     site, heads);
     return x;
   }
   double weight(int i, int site, int h, int n, int heads) const {
-    return weights[(size_t(routing_pair(i, site, S)) * heads + h) * N + n];
+    return weights[(size_t(lay.pair(i, site)) * heads + h) * N + n];
   }
 };
 
@@ -129,7 +258,7 @@ TEST(RoutingIdentity, SameSliceInEveryHeadEqualsAttnResWithQueryOverH) {
   for (int n = 0; n < N; ++n)
     for (int h = 0; h < H; ++h)
       for (int i = 0; i < S; ++i)
-        EXPECT_NEAR(w_mhar[(size_t(routing_pair(i, site, S)) * H + h) * N + n],
+        EXPECT_NEAR(w_mhar[(size_t(op.lay.pair(i, site)) * H + h) * N + n],
                     op.weight(i, site, 0, n, 1), 1e-14);
   // And the weights are far from uniform, so the identity is not the trivial one.
   double spread = 0;
@@ -140,9 +269,10 @@ TEST(RoutingIdentity, SameSliceInEveryHeadEqualsAttnResWithQueryOverH) {
 TEST(RoutingIdentity, SiteNeverReadsAFutureSource) {
   const int S = 7, N = 6, d = 8;
   const double nan = std::numeric_limits<double>::quiet_NaN();
+  for (int block : {1, 2, 3})
   for (int heads : {1, 2, 4})
     for (int site = 0; site < S - 1; ++site) {
-      RoutingOp op(S, N, d);
+      RoutingOp op(S, N, d, block);
       std::mt19937_64 rng(site * 10 + heads);
       std::normal_distribution<double> nd;
       op.hist.resize(size_t(S) * N * d);
@@ -153,16 +283,17 @@ TEST(RoutingIdentity, SiteNeverReadsAFutureSource) {
       // Poison every future slot; the site's own logits come from sources <= site only.
       for (size_t e = size_t(site + 1) * N * d; e < op.hist.size(); ++e) op.hist[e] = nan;
       auto poisoned = op.forward(site, heads, site);
-      EXPECT_EQ(clean, poisoned) << "site " << site << " heads " << heads;
+      EXPECT_EQ(clean, poisoned) << "site " << site << " heads " << heads << " block " << block;
     }
 }
 
 TEST(RoutingIdentity, SourceGradientReadsOnlyLaterSites) {
   const int S = 6, N = 5, d = 8;
   const double nan = std::numeric_limits<double>::quiet_NaN();
+  for (int block : {1, 2, 3})
   for (int heads : {1, 2, 4})
     for (int source = 0; source < S; ++source) {
-      RoutingOp op(S, N, d);
+      RoutingOp op(S, N, d, block);
       std::mt19937_64 rng(source * 10 + heads + 100);
       std::normal_distribution<double> nd;
       op.hist.resize(size_t(S) * N * d);
@@ -170,16 +301,17 @@ TEST(RoutingIdentity, SourceGradientReadsOnlyLaterSites) {
       for (int k = 0; k < S; ++k)
         for (int c = 0; c < d; ++c) op.query[k][c] = nd(rng), op.gain[k][c] = 1 + 0.2 * nd(rng);
       // The forward of every site on one set of logits: x of every site, softmax weights.
-      op.weights.assign(size_t(routing_pairs(S)) * heads * N, 0);
+      const RoutingLayout& lay = op.lay;
+      op.weights.assign(size_t(lay.pairs()) * heads * N, 0);
       op.inv_rms.assign(size_t(S) * N, 0);
       RoutingParams p = op.params();
       std::vector<double> x(size_t(S) * N * d);
       for (int i = 0; i < S; ++i) {
-        op.be->routing_source_logits(op.t(op.weights, {routing_pairs(S), heads, N}),
+        op.be->routing_source_logits(op.t(op.weights, {lay.pairs(), heads, N}),
                                      op.t(op.inv_rms, {S, N})[i], op.t(op.hist, {S, N, d})[i],
-                                     p, i, heads, 1e-6);
-        op.be->routing_mix(op.t(x, {S, N, d})[i], op.t(op.weights, {routing_pairs(S), heads, N}),
-                           op.t(op.hist, {S, N, d}), i, heads);
+                                     p, lay, i, heads, 1e-6);
+        op.be->routing_mix(op.t(x, {S, N, d})[i], op.t(op.weights, {lay.pairs(), heads, N}),
+                           op.t(op.hist, {S, N, d}), lay, i, heads);
       }
       std::vector<double> dx(size_t(S) * N * d), ubar(size_t(S) * heads * N);
       for (double& e : dx) e = nd(rng);
@@ -195,26 +327,31 @@ TEST(RoutingIdentity, SourceGradientReadsOnlyLaterSites) {
       auto run = [&](std::vector<double> dxs, std::vector<double> ub, std::vector<double> w) {
         std::vector<double> dv(size_t(N) * d, 0), gsum(size_t(S) * d, 0);
         op.be->routing_source_backward(
-            op.t(dv, {N, d}), op.t(w, {routing_pairs(S), heads, N}), op.t(ub, {S, heads, N}),
-            op.t(gsum, {1, S, d}), op.t(dxs, {S, N, d}), op.t(x, {S, N, d})[source],
-            op.t(op.hist, {S, N, d})[source], op.t(op.inv_rms, {S, N})[source], p, source,
-            heads);
+            op.t(dv, {N, d}), op.t(w, {lay.pairs(), heads, N}), op.t(ub, {S, heads, N}),
+            op.t(gsum, {1, S, d}), routing_rows(op.t(dxs, {S, N, d})), op.t(x, {S, N, d})[source],
+            op.t(op.hist, {S, N, d})[source], op.t(op.inv_rms, {S, N})[source], p, lay,
+            source, heads);
         dv.insert(dv.end(), gsum.begin(), gsum.end());
         return dv;
       };
       const auto clean = run(dx, ubar, op.weights);
       for (double e : clean) EXPECT_TRUE(std::isfinite(e));
-      // Poison the input gradients, ubar rows and weight pairs of the sites before it, and
-      // the pairs of other sources.
+      // Poison the input gradients, ubar rows and weight pairs of the sites before it and
+      // of the sites after the last that reads it (a partial block sum is read by its own
+      // site only), and the pairs of other sources.
       auto dx_p = dx, ub_p = ubar, w_p = op.weights;
-      for (size_t e = 0; e < size_t(source) * N * d; ++e) dx_p[e] = nan;
-      for (size_t e = 0; e < size_t(source) * heads * N; ++e) ub_p[e] = nan;
+      for (int k = 0; k < S; ++k)
+        if (k < source || k > lay.last_site(source)) {
+          for (size_t e = size_t(k) * N * d; e < size_t(k + 1) * N * d; ++e) dx_p[e] = nan;
+          for (size_t e = size_t(k) * heads * N; e < size_t(k + 1) * heads * N; ++e) ub_p[e] = nan;
+        }
       for (int i = 0; i < S; ++i)
-        for (int k = i; k < S; ++k)
+        for (int k = i; k <= lay.last_site(i); ++k)
           if (i != source)
             for (int e = 0; e < heads * N; ++e)
-              w_p[size_t(routing_pair(i, k, S)) * heads * N + e] = nan;
-      EXPECT_EQ(clean, run(dx_p, ub_p, w_p)) << "source " << source << " heads " << heads;
+              w_p[size_t(lay.pair(i, k)) * heads * N + e] = nan;
+      EXPECT_EQ(clean, run(dx_p, ub_p, w_p))
+          << "source " << source << " heads " << heads << " block " << block;
     }
 }
 

@@ -45,6 +45,7 @@ struct ModeCase {
   const char* label;
   ResidualMode mode;
   int heads;
+  int block_size = 0;
 };
 
 void PrintTo(const ModeCase& c, std::ostream* os) { *os << c.label; }
@@ -53,7 +54,7 @@ class CachedDecode : public ::testing::TestWithParam<ModeCase> {};
 
 TEST_P(CachedDecode, LogitsEqualFullForwardAtEveryPosition) {
   const ModeCase& mc = GetParam();
-  Config cfg = tiny_config(mc.mode, mc.heads);
+  Config cfg = tiny_config(mc.mode, mc.heads, true, mc.block_size);
   const int total = cfg.model.context_length;  // 8
   auto be = make_cpu_backend(DType::F64);
   Model full(cfg.model, cfg.residual, *be, 1, total);
@@ -96,7 +97,8 @@ TEST_P(CachedDecode, LogitsEqualFullForwardAtEveryPosition) {
 INSTANTIATE_TEST_SUITE_P(Modes, CachedDecode,
                          ::testing::Values(ModeCase{"standard", ResidualMode::Standard, 0},
                                            ModeCase{"attnres", ResidualMode::AttnRes, 0},
-                                           ModeCase{"mhar", ResidualMode::Mhar, 4}),
+                                           ModeCase{"mhar", ResidualMode::Mhar, 4},
+                                           ModeCase{"mhar_block3", ResidualMode::Mhar, 4, 3}),
                          [](const auto& info) { return std::string(info.param.label); });
 
 TEST(Sampling, GreedyIsDeterministicAndEqualsArgmaxOfFullForwards) {
@@ -254,17 +256,19 @@ class CountingBackend final : public Backend {
   void cross_entropy(Tensor l, Tensor lg, Tensor t, double s, bool g) override {
     in_.cross_entropy(l, lg, t, s, g);
   }
-  void routing_source_logits(Tensor w, Tensor r, Tensor v, const RoutingParams& p, int i,
-                             int heads, double eps) override {
-    in_.routing_source_logits(w, r, v, p, i, heads, eps);
+  void routing_source_logits(Tensor w, Tensor r, Tensor v, const RoutingParams& p,
+                             const RoutingLayout& lay, int i, int heads, double eps) override {
+    in_.routing_source_logits(w, r, v, p, lay, i, heads, eps);
   }
-  void routing_mix(Tensor x, Tensor w, Tensor h, int site, int heads) override {
-    in_.routing_mix(x, w, h, site, heads);
+  void routing_mix(Tensor x, Tensor w, Tensor h, const RoutingLayout& lay, int site,
+                   int heads) override {
+    in_.routing_mix(x, w, h, lay, site, heads);
   }
-  void routing_source_backward(Tensor dv, Tensor w, Tensor ub, Tensor gs, Tensor dx, Tensor x,
-                               Tensor v, Tensor r, const RoutingParams& p, int i,
-                               int heads) override {
-    in_.routing_source_backward(dv, w, ub, gs, dx, x, v, r, p, i, heads);
+  void routing_source_backward(Tensor dv, Tensor w, Tensor ub, Tensor gs,
+                               const std::vector<Tensor>& dx, Tensor x,
+                               Tensor v, Tensor r, const RoutingParams& p,
+                               const RoutingLayout& lay, int i, int heads) override {
+    in_.routing_source_backward(dv, w, ub, gs, dx, x, v, r, p, lay, i, heads);
   }
   void routing_param_grads(const RoutingParams& p, Tensor gs) override {
     in_.routing_param_grads(p, gs);

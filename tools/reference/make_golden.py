@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 # make_golden.py: writes the golden fixtures the C++ engine's golden test compares
-# against (tests/fixtures/golden/<mode>.safetensors), one per residual mode, from the
+# against (tests/fixtures/golden/<name>.safetensors), one per residual mode and one per
+# block-routed mode (<mode>_block), from the
 # independent PyTorch reference in mhar_ref.py, and proves the reference first:
 # finite differences against autograd, the routing identities, a loop-by-loop NumPy
 # re-implementation of the forward pass, CPU-vs-GPU agreement and, for `standard`,
@@ -11,6 +12,7 @@
 # fixture's only error is the engine's own.
 #
 #   /usr/bin/python3 tools/reference/make_golden.py [--out DIR] [--device cuda|cpu]
+#                                                   [--modes standard,mhar_block,...]
 import argparse
 import json
 import math
@@ -42,18 +44,26 @@ TINY_MODEL = {
     "init_std": 0.02,
 }
 
-# mode -> (tie_embeddings, residual.heads, seed). attnres is the untied case so the
-# separate lm_head.weight is covered by one fixture.
+# fixture name -> (residual.mode, tie_embeddings, residual.heads, seed, residual.block_size).
+# attnres is the untied case so the separate lm_head.weight is covered by one fixture.
+# The block fixtures cover, over the 4 sublayers: blocks of 2 (two closed blocks, the
+# final site reading both) and blocks of 3 (sites reading a partial sum only, one
+# closed block, and the final site reading a closed block and a partial one).
 FIXTURES = {
-    "standard": (True, 0, 1001),
-    "attnres": (False, 1, 1002),
-    "mhar": (True, 4, 1003),
+    "standard": ("standard", True, 0, 1001, 0),
+    "attnres": ("attnres", False, 1, 1002, 0),
+    "mhar": ("mhar", True, 4, 1003, 0),
+    "attnres_block": ("attnres", False, 1, 1004, 2),
+    "mhar_block": ("mhar", True, 4, 1005, 3),
 }
 
 
-def fixture_config(mode):
-    tie, heads, _ = FIXTURES[mode]
-    return {"model": dict(TINY_MODEL, tie_embeddings=tie), "residual": {"mode": mode, "heads": heads}}
+def fixture_config(name):
+    mode, tie, heads, _, block = FIXTURES[name]
+    residual = {"mode": mode, "heads": heads}
+    if block:  # the original fixtures' config carries no block_size
+        residual["block_size"] = block
+    return {"model": dict(TINY_MODEL, tie_embeddings=tie), "residual": residual}
 
 
 # ---------------------------------------------------------------------------------------
@@ -184,6 +194,33 @@ def finite_difference_check(cfg, weights, input_ids, targets, grads, generator, 
     return worst_rel, worst_abs
 
 
+def check_block_identities(weights, input_ids, targets):
+    """Block routing, on untied attnres-shaped weights: blocks of one output are full
+    routing exactly; with zero queries every site is the uniform mean of v_0, its closed
+    block sums and its partial sum, formed here from the outputs (blocks of 1..4, H = 1
+    and H = 4)."""
+    cfg = fixture_config("attnres")
+    full = build_reference(cfg, weights, "cpu")(input_ids, targets)
+    cfg1 = {"model": cfg["model"], "residual": dict(cfg["residual"], block_size=1)}
+    ones = build_reference(cfg1, weights, "cpu")(input_ids, targets)
+    assert torch.equal(full[0], ones[0]) and torch.equal(full[1], ones[1]), "block_size 1 differs from full routing"
+    worst = 0.0
+    zeroed = {n: (torch.zeros_like(w) if n.endswith(".query") else w) for n, w in weights.items()}
+    for s in (1, 2, 3, 4):
+        for heads, mode in ((1, "attnres"), (4, "mhar")):
+            c = {"model": cfg["model"], "residual": {"mode": mode, "heads": heads, "block_size": s}}
+            capture = {}
+            build_reference(c, zeroed, "cpu")(input_ids, targets, capture=capture)
+            v = capture["sources"]
+            for j, x in enumerate(capture["site_inputs"]):
+                closed = [sum(v[b - s + 1:b + 1]) for b in range(s, j + 1, s)]
+                partial = [sum(v[j - j % s + 1:j + 1])] if j % s else []
+                src = [v[0]] + closed + partial
+                worst = max(worst, (x - torch.stack(src).mean(dim=0)).abs().max().item())
+    assert worst < 1e-12, f"zero queries are not the uniform mean of the block sources (max diff {worst})"
+    return worst
+
+
 def check_routing_identities(weights_attnres, input_ids, targets):
     """mhar with H = 1 is attnres; zero queries make every site the uniform mean of its
     sources (for H = 1 and H = 4)."""
@@ -214,7 +251,7 @@ def check_no_future_sources(cfg, weights, input_ids):
     model(input_ids, capture=capture)
     sources = capture["sources"]
     for j, site in enumerate(model.model.routing):
-        x = site(sources[: j + 1])
+        x = site(model.routed_sources(sources[: j + 1]))
         assert torch.allclose(x, capture["site_inputs"][j], rtol=0, atol=1e-14)
     return True
 
@@ -242,9 +279,17 @@ def numpy_forward(cfg, weights, input_ids):
             out[i + half] = vec[i + half] * c + vec[i] * s
         return out
 
-    def site(j, sources):
+    def site(j, outputs):
         if r["mode"] == "standard":
-            return sum(sources)
+            return sum(outputs)
+        # Block routing: v_0, then the running sum of each block, each restarted after
+        # every s-th output (the last one the current block's partial sum).
+        s, sources = r["block_size"], [outputs[0]]
+        for i, v in enumerate(outputs[1:], start=1):
+            if s and (i - 1) % s:
+                sources[-1] = sources[-1] + v
+            else:
+                sources.append(v)
         H, q, g = r["heads"], W[f"model.routing.{j}.query"], W[f"model.routing.{j}.gain"]
         T = sources[0].shape[0]
         out = np.zeros_like(sources[0])
@@ -334,9 +379,10 @@ def check_against_transformers(cfg, weights, input_ids, logits):
 
 # ---------------------------------------------------------------------------------------
 
-def make_fixture(mode, device, out_dir, log):
-    cfg = fixture_config(mode)
-    seed = FIXTURES[mode][2]
+def make_fixture(name, device, out_dir, log):
+    cfg = fixture_config(name)
+    mode = name  # the fixture's name, in the log and the file name
+    seed = FIXTURES[name][3]
     gen = torch.Generator().manual_seed(seed)
     V = cfg["model"]["vocab_size"]
     shape_model = mhar_ref.MharModel(cfg, dtype=torch.float32)
@@ -377,7 +423,7 @@ def make_fixture(mode, device, out_dir, log):
         log(f"[{mode}] SDPA attention path (gqa {sdpa.model.layers[0].self_attn.sdpa_gqa}) vs explicit math: "
             f"max |logit diff| {diff:.2e}")
         assert diff < 1e-10
-    if mode != "standard":
+    if cfg["residual"]["mode"] != "standard":
         check_no_future_sources(cfg, weights, input_ids)
     if mode == "standard":
         try:
@@ -443,6 +489,12 @@ def main():
         worst = check_routing_identities(w, ids, tg)
         log(f"routing identities: mhar H=1 == attnres exactly; zero queries == uniform mean "
             f"(H=1 and H=4, max diff {worst:.1e})")
+    untied = [n for n in ("attnres_block", "attnres") if n in made]
+    if untied:
+        w, ids, tg = made[untied[0]]
+        worst = check_block_identities(w, ids, tg)
+        log(f"block identities: block_size 1 == full routing exactly; zero queries == uniform mean of "
+            f"v_0, closed block sums and partial sum (blocks of 1..4, H=1 and H=4, max diff {worst:.1e})")
     log("all checks passed")
 
 

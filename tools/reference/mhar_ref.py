@@ -1,6 +1,7 @@
 # mhar_ref.py: the independent PyTorch reference of the mhar model (DESIGN.md sections
 # 1-2), written from the equations: a Qwen3-style decoder whose sublayer inputs come
-# from one of the residual modes `standard`, `attnres` or `mhar`. It owns the model's
+# from one of the residual modes `standard`, `attnres` or `mhar`, the routed ones with
+# full or block routing (residual.block_size). It owns the model's
 # math for the golden fixtures (tools/reference/make_golden.py, run in float64) and for
 # the PyTorch throughput baseline (tools/reference/bench_step.py, bf16 autocast,
 # torch.compile, SDPA). Parameter names are Hugging Face Qwen3's (DESIGN.md section 6)
@@ -35,7 +36,7 @@ DEFAULT_CONFIG = {
         "tie_embeddings": True,
         "init_std": 0.02,
     },
-    "residual": {"mode": "standard", "heads": 0},
+    "residual": {"mode": "standard", "heads": 0, "block_size": 0},
 }
 
 
@@ -58,6 +59,13 @@ def resolve_config(config):
         raise ValueError("residual.mode attnres is routing with exactly 1 head")
     if r["mode"] != "standard" and m["d_model"] % r["heads"]:
         raise ValueError(f"residual.heads = {r['heads']} does not divide d_model = {m['d_model']}")
+    s = r["block_size"]
+    if not isinstance(s, int) or s < 0:
+        raise ValueError(f"residual.block_size = {s!r}; valid: 0 (full routing) or 1..2*n_layers")
+    if r["mode"] == "standard" and s:
+        raise ValueError("residual.block_size has no meaning in mode standard; leave it 0")
+    if s > 2 * m["n_layers"]:
+        raise ValueError(f"residual.block_size = {s} is more than the 2*n_layers = {2 * m['n_layers']} sublayers")
     if m["n_heads"] % m["n_kv_heads"]:
         raise ValueError("n_kv_heads must divide n_heads (GQA)")
     if m["head_dim"] % 2:
@@ -218,10 +226,27 @@ class DecoderLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(x))
 
 
+def block_sources(outputs, block_size):
+    """The sources of a site under block routing (DESIGN.md section 2), from its
+    outputs v_0..v_j: v_0, the sum of each completed block of `block_size` consecutive
+    outputs among v_1..v_j, then the partial sum of the current block when it has any
+    outputs. block_size 0 is full routing: the outputs themselves."""
+    if block_size == 0:
+        return list(outputs)
+    out = [outputs[0]]
+    for first in range(1, len(outputs), block_size):
+        block = outputs[first:first + block_size]
+        total = block[0]
+        for v in block[1:]:
+            total = total + v
+        out.append(total)
+    return out
+
+
 class RoutingSite(nn.Module):
-    """Depth routing at one site j: a per-token, per-head softmax mix of the sources
-    v_0..v_j (DESIGN.md section 2). query q_j (init 0) and gain g_j (init 1), both [d];
-    head h owns features [h*d/H, (h+1)*d/H)."""
+    """Depth routing at one site j: a per-token, per-head softmax mix of its sources
+    (v_0..v_j, or their block sums: block_sources) (DESIGN.md section 2). query q_j
+    (init 0) and gain g_j (init 1), both [d]; head h owns features [h*d/H, (h+1)*d/H)."""
 
     def __init__(self, d, heads, eps, device=None, dtype=None):
         super().__init__()
@@ -237,7 +262,7 @@ class RoutingSite(nn.Module):
         K = self.gain * rms_normalize(V, self.eps)
         # s_{i,h} = sum_{c in h} q_j[c] k_i[c]; no 1/sqrt scaling.
         logits = (self.query * K).view(n, B, T, H, d // H).sum(dim=-1)
-        weights = torch.softmax(logits, dim=0)  # over the sources i = 0..j
+        weights = torch.softmax(logits, dim=0)  # over the site's sources
         # x_j[c] = sum_i a_{i, head(c)} v_i[c]
         mixed = (weights.unsqueeze(-1) * V.view(n, B, T, H, d // H)).sum(dim=0)
         return mixed.reshape(B, T, d).to(V.dtype)
@@ -275,6 +300,7 @@ class MharModel(nn.Module):
         self.config = resolve_config(config)
         m, r = self.config["model"], self.config["residual"]
         self.mode = r["mode"]
+        self.block_size = r["block_size"]
         self.n_layers = m["n_layers"]
         self.model = Backbone(self.config, attn_impl, sdpa_gqa, device=device, dtype=dtype)
         if not m["tie_embeddings"]:
@@ -300,15 +326,19 @@ class MharModel(nn.Module):
             else:
                 p.normal_(0.0, std, generator=generator)
 
+    def routed_sources(self, outputs):
+        """The sources a routing site mixes, from the outputs v_0..v_j before it."""
+        return block_sources(outputs, self.block_size)
+
     def site_input(self, j, sources, running_sum):
-        """Input of site j (0..2L) from sources v_0..v_j."""
+        """Input of site j (0..2L) from the outputs v_0..v_j."""
         if self.mode == "standard":
             return running_sum
-        return self.model.routing[j](sources)
+        return self.model.routing[j](self.routed_sources(sources))
 
     def forward(self, input_ids, targets=None, return_logits=True, capture=None):
-        """capture: optional dict; receives "sources" (v_0..v_2L) and "site_inputs"
-        (x_0..x_2L), for tests of the routing identities."""
+        """capture: optional dict; receives "sources" (the outputs v_0..v_2L) and
+        "site_inputs" (x_0..x_2L), for tests of the routing identities."""
         h = self.model.embed_tokens(input_ids)
         # Under autocast every source should share the compute dtype, as the engine's
         # bf16 history does; the embedding lookup alone would stay float32.

@@ -1,0 +1,90 @@
+// forwarding_backend.h: a Backend that passes every op to another one, for tests that
+// watch or alter a few ops (derive and override those) while the rest run unchanged.
+#pragma once
+#include <string>
+
+#include "engine/backend.h"
+
+namespace mhar::test {
+
+class ForwardingBackend : public Backend {
+ public:
+  explicit ForwardingBackend(Backend& inner) : in_(inner) {}
+
+  std::string name() const override { return "forwarding(" + in_.name() + ")"; }
+  DType act_dtype() const override { return in_.act_dtype(); }
+  DType stat_dtype() const override { return in_.stat_dtype(); }
+  DType grad_dtype() const override { return in_.grad_dtype(); }
+  void* allocate(size_t bytes) override { return in_.allocate(bytes); }
+  void release(void* p) override { in_.release(p); }
+  void zero(Tensor t) override { in_.zero(t); }
+  void copy(Tensor dst, Tensor src) override { in_.copy(dst, src); }
+  void upload(Tensor dst, const double* host) override { in_.upload(dst, host); }
+  void download(double* host, Tensor src) override { in_.download(host, src); }
+  void upload_tokens(Tensor dst, const int32_t* host) override { in_.upload_tokens(dst, host); }
+  void synchronize() override { in_.synchronize(); }
+  int64_t peak_bytes_in_use() const override { return in_.peak_bytes_in_use(); }
+  void embedding_forward(Tensor o, Tensor t, Tensor w) override { in_.embedding_forward(o, t, w); }
+  void embedding_backward(Tensor d, Tensor o, Tensor t) override { in_.embedding_backward(d, o, t); }
+  void rmsnorm_forward(Tensor y, Tensor r, Tensor x, Tensor w, double eps) override {
+    in_.rmsnorm_forward(y, r, x, w, eps);
+  }
+  void rmsnorm_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor r,
+                        bool acc) override {
+    in_.rmsnorm_backward(dx, dw, dy, x, w, r, acc);
+  }
+  void matmul(Tensor c, Tensor a, Tensor b, bool ta, bool tb, bool acc) override {
+    in_.matmul(c, a, b, ta, tb, acc);
+  }
+  void rope(Tensor x, double theta, bool bw) override { in_.rope(x, theta, bw); }
+  void rope_at(Tensor x, double theta, int64_t first) override { in_.rope_at(x, theta, first); }
+  void attention_cached(Tensor out, Tensor q, Tensor k, Tensor v) override {
+    in_.attention_cached(out, q, k, v);
+  }
+  void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v) override {
+    in_.attention_forward(out, lse, q, k, v);
+  }
+  void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k,
+                          Tensor v, Tensor out, Tensor lse) override {
+    in_.attention_backward(dq, dk, dv, dout, q, k, v, out, lse);
+  }
+  void swiglu_forward(Tensor h, Tensor g, Tensor u) override { in_.swiglu_forward(h, g, u); }
+  void swiglu_backward(Tensor dg, Tensor du, Tensor dh, Tensor g, Tensor u) override {
+    in_.swiglu_backward(dg, du, dh, g, u);
+  }
+  void add(Tensor o, Tensor a, Tensor b) override { in_.add(o, a, b); }
+  void add_inplace(Tensor y, Tensor x) override { in_.add_inplace(y, x); }
+  void cross_entropy(Tensor l, Tensor lg, Tensor t, double s, bool g) override {
+    in_.cross_entropy(l, lg, t, s, g);
+  }
+  void routing_source_logits(Tensor w, Tensor r, Tensor v, const RoutingParams& p,
+                             const RoutingLayout& lay, int i, int heads, double eps) override {
+    in_.routing_source_logits(w, r, v, p, lay, i, heads, eps);
+  }
+  void routing_mix(Tensor x, Tensor w, Tensor h, const RoutingLayout& lay, int site,
+                   int heads) override {
+    in_.routing_mix(x, w, h, lay, site, heads);
+  }
+  void routing_source_backward(Tensor dv, Tensor w, Tensor ub, Tensor gs,
+                               const std::vector<Tensor>& dx, Tensor x,
+                               Tensor v, Tensor r, const RoutingParams& p,
+                               const RoutingLayout& lay, int i, int heads) override {
+    in_.routing_source_backward(dv, w, ub, gs, dx, x, v, r, p, lay, i, heads);
+  }
+  void routing_param_grads(const RoutingParams& p, Tensor gs) override {
+    in_.routing_param_grads(p, gs);
+  }
+  void routing_stats(Tensor stats, Tensor w, const RoutingLayout& lay, int site,
+                     int heads) override {
+    in_.routing_stats(stats, w, lay, site, heads);
+  }
+  double sum_squares(Tensor t) override { return in_.sum_squares(t); }
+  void adamw(Tensor p, Tensor m, Tensor g, Tensor a, Tensor b, const AdamW& hp) override {
+    in_.adamw(p, m, g, a, b, hp);
+  }
+
+ protected:
+  Backend& in_;
+};
+
+}  // namespace mhar::test
