@@ -38,6 +38,11 @@
 //                     disturbed by other processes on the GPU (cudaMemGetInfo was, in the
 //                     first benchmark runs). CPU: the sum of the arenas. peak_mem_method
 //                     says which.
+//   profile           with --profile N: N more steps timed op by op (engine/op_profile.h),
+//                     per step: each op family's ms, share of the step, calls, TFLOP/s
+//                     (matmul, attention) or TB/s (the rest) and its share of the
+//                     roofline (989 TFLOP/s bf16; 4.3 TB/s, the H200's measured copy
+//                     rate), and other/idle; the same as a table on stderr
 //   mfu               tokens_per_s * flops_per_token / 989e12 (H100/H200 SXM dense bf16
 //                     datasheet peak; cuBLAS reaches ~790e12 on these machines, so 0.80 is
 //                     the practical ceiling). Reported for CPU runs too, against the same
@@ -70,6 +75,7 @@
 #include "engine/config.h"
 #include "engine/error.h"
 #include "engine/model.h"
+#include "engine/op_profile.h"
 #include "engine/optimizer.h"
 #include "engine/train_step.h"
 
@@ -78,6 +84,10 @@ namespace mhar::cli {
 namespace {
 
 constexpr double kPeakBf16Flops = 989e12;
+// The roofline of the memory-bound op families in --profile: the copy bandwidth measured
+// on the H200 (device-to-device copies, ../.library/device H200 notes and BENCHMARKS.md),
+// what a kernel that must move its bytes can reach; the 4.8 TB/s datasheet figure is not.
+constexpr double kCopyBytesPerS = 4.3e12;
 
 double flops_per_token(const ModelConfig& m, int seq_len) {
   const double d = m.d_model, L = m.n_layers, qd = m.q_dim(), kvd = m.kv_dim();
@@ -104,6 +114,7 @@ struct BenchOptions {
   std::string config_path, device = "auto";
   std::vector<std::string> overrides;
   int steps = 10, warmup = 3;
+  int profile_steps = 0;  // --profile: steps timed op by op after the timed steps
   bool baseline = true;
 };
 
@@ -119,14 +130,21 @@ struct PhaseResult {
   size_t optimizer_state_bytes = 0;  // this rank's fp32 master and moments (its ZeRO-1 shard)
   int64_t params = 0, embed_params = 0;
   std::string backend_name;
+  nlohmann::json profile;  // --profile: OpProfiler::report
+  std::string profile_table;
 };
 
 PhaseResult run_phase(const Config& cfg, const BenchOptions& o, int local_rank,
                       const std::function<std::unique_ptr<Communicator>(Backend&)>& make_comm) {
   const auto& t = cfg.train;
   const int B = t.micro_batch, T = t.seq_len;
-  auto backend = make_backend(o.device, local_rank);
-  auto comm = make_comm(*backend);
+  auto device = make_backend(o.device, local_rank);
+  auto comm = make_comm(*device);  // on the device's own stream
+  // The model and optimizer run on the profiler, which passes ops straight through
+  // until a profiled step arms it.
+  std::optional<OpProfiler> profiler;
+  if (o.profile_steps > 0) profiler.emplace(*device);
+  Backend* backend = profiler ? static_cast<Backend*>(&*profiler) : device.get();
   Model model(cfg.model, cfg.residual, *backend, B, T, comm->world_size());
   fast_random_init(model, t.seed);
   AdamWOptimizer optimizer(model, t, comm->rank());  // copies its shard into the fp32 master
@@ -153,6 +171,16 @@ PhaseResult run_phase(const Config& cfg, const BenchOptions& o, int local_rank,
     const auto t0 = std::chrono::steady_clock::now();
     r.loss = step.run(r.steps++, batch).loss;  // ends with a device synchronisation
     r.times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  for (int i = 0; i < o.profile_steps; ++i) {
+    profiler->begin_step();
+    const auto t0 = std::chrono::steady_clock::now();
+    r.loss = step.run(r.steps++, batch).loss;
+    profiler->finish_step(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  if (profiler) {
+    r.profile = profiler->report(kPeakBf16Flops / 1e12, kCopyBytesPerS / 1e12);
+    r.profile_table = profiler->table(kPeakBf16Flops / 1e12, kCopyBytesPerS / 1e12);
   }
   if (!std::isfinite(r.loss)) fail("bench: the loss is ", r.loss, " after ", r.steps, " steps");
   r.arena_bytes = model.parameter_plan().total_bytes() + model.activation_plan().total_bytes() +
@@ -191,7 +219,9 @@ void run_bench(const BenchOptions& o) {
   // communicator's overhead is measured against), then the data-parallel step.
   std::optional<PhaseResult> base;
   if (dist_info.mpi && o.baseline) {
-    base = run_phase(cfg, o, dist_info.local_rank, [](Backend&) { return make_single_communicator(); });
+    BenchOptions alone = o;
+    alone.profile_steps = 0;  // the profile is of the step that is reported
+    base = run_phase(cfg, alone, dist_info.local_rank, [](Backend&) { return make_single_communicator(); });
     make_host_communicator()->barrier();  // the phases start together on every rank
   }
   std::string comm_name;
@@ -260,6 +290,11 @@ void run_bench(const BenchOptions& o) {
     // hide), as a share of the data-parallel step.
     j["exposed_comm_share"] = (median - base_median) / median;
   }
+  if (!r.profile.is_null()) {
+    j["profile"] = r.profile;
+    std::fprintf(stderr, "profile of %d step(s), per step (rank 0; the rooflines: %.0f TFLOP/s bf16, %.1f TB/s "
+                 "copy):\n%s", o.profile_steps, kPeakBf16Flops / 1e12, kCopyBytesPerS / 1e12, r.profile_table.c_str());
+  }
   std::printf("%s\n", j.dump().c_str());
   std::fflush(stdout);
 }
@@ -277,6 +312,10 @@ void register_bench_command(CLI::App& app) {
   add_number(cmd, "--steps", o.steps, 1, 1000000, "Timed steps (the median is reported)");
   add_number(cmd, "--warmup", o.warmup, 0, 1000000, "Untimed steps first");
   cmd->add_option("--set", o.overrides, "Override a config field, e.g. --set train.micro_batch=4");
+  add_number(cmd, "--profile", o.profile_steps, 1, 1000,
+             "After the timed steps, time this many more op by op: time per step by op family, its "
+             "share, achieved TFLOP/s or TB/s against the roofline (a table on stderr, \"profile\" in "
+             "the JSON)");
   cmd->add_flag("--baseline,!--no-baseline", o.baseline,
                 "Under mpirun: time every rank alone first (one-GPU baseline of the scaling "
                 "efficiency and of the communicator's overhead)");

@@ -56,6 +56,7 @@ class CudaBackend final : public Backend {
     cudaSetDevice(device_);
     cudaStreamSynchronize(stream_);
     cudaFree(scratch_);
+    for (cudaEvent_t e : marks_) cudaEventDestroy(e);
     if (attn_ws_) cudaFree(attn_ws_);
     cudaFree(mm_.workspace);
     cublasDestroy(mm_.blas);
@@ -157,6 +158,24 @@ class CudaBackend final : public Backend {
     put(dst, host);
   }
   void synchronize() override { CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+  // Events recorded on the stream; the pool grows to the most marks one profile needs.
+  int timing_mark() override {
+    if (used_marks_ == marks_.size()) {
+      cudaEvent_t e;
+      CUDA_CHECK(cudaEventCreate(&e));
+      marks_.push_back(e);
+    }
+    CUDA_CHECK(cudaEventRecord(marks_[used_marks_], stream_));
+    return int(used_marks_++);
+  }
+  double timing_ms(int a, int b) override {
+    MHAR_CHECK(a >= 0 && b >= 0 && size_t(a) < used_marks_ && size_t(b) < used_marks_, "timing marks ", a,
+               " and ", b, " of ", used_marks_);
+    float ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, marks_[size_t(a)], marks_[size_t(b)]));
+    return double(ms);
+  }
+  void timing_reset() override { used_marks_ = 0; }
 
   void embedding_forward(Tensor out, Tensor tokens, Tensor table) override {
     cuda::embedding_forward(stream_, out, tokens, table);
@@ -250,6 +269,8 @@ class CudaBackend final : public Backend {
   }
 
  private:
+  std::vector<cudaEvent_t> marks_;
+  size_t used_marks_ = 0;
   // Every cudaMalloc of this backend, for peak_bytes_in_use.
   void count(void* p, size_t bytes) {
     sizes_[p] = bytes;

@@ -109,6 +109,15 @@ class Backend {
   // (arenas, library workspaces, scratch). -1 when the backend does not count.
   virtual int64_t peak_bytes_in_use() const { return -1; }
 
+  // ---- timing marks, for op profiles (engine/op_profile.h). timing_mark() records how
+  // far the backend's queue has come and returns the mark's number (0, 1, ... since
+  // timing_reset()); timing_ms(a, b) is the device time between marks a and b, valid
+  // after synchronize(). -1 from timing_mark(): no device clock (the default, right for a
+  // backend whose ops have finished when they return: the profiler reads the host clock).
+  virtual int timing_mark() { return -1; }
+  virtual double timing_ms(int /*a*/, int /*b*/) { return 0; }
+  virtual void timing_reset() {}
+
   // ---- embedding: out[n] = table[tokens[n]];  dtable[tokens[n]] += dout[n]
   virtual void embedding_forward(Tensor out, Tensor tokens, Tensor table) = 0;
   virtual void embedding_backward(Tensor dtable, Tensor dout, Tensor tokens) = 0;

@@ -6,7 +6,7 @@
 #include <random>
 
 #include "engine/allocator.h"
-#include "tests/forwarding_backend.h"
+#include "engine/forwarding_backend.h"
 #include "tests/model_test_util.h"
 
 using namespace mhar;
@@ -75,7 +75,7 @@ TEST(MemoryPlan, ModelPlansAreSafeAndReuseAcrossLayers) {
 
 // Plans a model at the CUDA backend's dtypes without memory: allocations are never
 // touched while a model is built, so every arena gets the same dummy address.
-class PlanOnly final : public test::ForwardingBackend {
+class PlanOnly final : public ForwardingBackend {
  public:
   using ForwardingBackend::ForwardingBackend;
   DType act_dtype() const override { return DType::BF16; }

@@ -16,7 +16,7 @@
 #include <limits>
 #include <map>
 
-#include "tests/forwarding_backend.h"
+#include "engine/forwarding_backend.h"
 #include "tests/model_test_util.h"
 
 using namespace mhar;

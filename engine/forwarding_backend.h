@@ -1,11 +1,12 @@
-// forwarding_backend.h: a Backend that passes every op to another one, for tests that
-// watch or alter a few ops (derive and override those) while the rest run unchanged.
+// forwarding_backend.h: a Backend that passes every op to another one, for wrappers that
+// watch or alter a few ops (derive and override those) while the rest run unchanged: the
+// op profiler (engine/op_profile.h) and tests.
 #pragma once
 #include <string>
 
 #include "engine/backend.h"
 
-namespace mhar::test {
+namespace mhar {
 
 class ForwardingBackend : public Backend {
  public:
@@ -24,6 +25,9 @@ class ForwardingBackend : public Backend {
   void upload_tokens(Tensor dst, const int32_t* host) override { in_.upload_tokens(dst, host); }
   void synchronize() override { in_.synchronize(); }
   int64_t peak_bytes_in_use() const override { return in_.peak_bytes_in_use(); }
+  int timing_mark() override { return in_.timing_mark(); }
+  double timing_ms(int a, int b) override { return in_.timing_ms(a, b); }
+  void timing_reset() override { in_.timing_reset(); }
   void embedding_forward(Tensor o, Tensor t, Tensor w) override { in_.embedding_forward(o, t, w); }
   void embedding_backward(Tensor d, Tensor o, Tensor t) override { in_.embedding_backward(d, o, t); }
   void rmsnorm_forward(Tensor y, Tensor r, Tensor x, Tensor w, double eps) override {
@@ -87,4 +91,4 @@ class ForwardingBackend : public Backend {
   Backend& in_;
 };
 
-}  // namespace mhar::test
+}  // namespace mhar

@@ -1,0 +1,256 @@
+// op_profile.cpp: the op profiler (see op_profile.h).
+#include "engine/op_profile.h"
+
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+
+namespace mhar {
+
+const char* op_family_name(OpFamily f) {
+  switch (f) {
+    case OpFamily::Matmul: return "matmul";
+    case OpFamily::AttentionForward: return "attention forward";
+    case OpFamily::AttentionBackward: return "attention backward";
+    case OpFamily::Norms: return "RMSNorm";
+    case OpFamily::Rope: return "RoPE";
+    case OpFamily::Swiglu: return "SwiGLU";
+    case OpFamily::Elementwise: return "residual adds";
+    case OpFamily::Embedding: return "embedding";
+    case OpFamily::Routing: return "routing";
+    case OpFamily::Classifier: return "classifier (cross-entropy)";
+    case OpFamily::Optimizer: return "optimizer (norm, AdamW)";
+    case OpFamily::Memory: return "zero / copy";
+    case OpFamily::kCount: break;
+  }
+  return "?";
+}
+
+bool op_family_counts_flops(OpFamily f) {
+  return f == OpFamily::Matmul || f == OpFamily::AttentionForward || f == OpFamily::AttentionBackward;
+}
+
+namespace {
+
+double bytes_of(std::initializer_list<Tensor> ts) {
+  double b = 0;
+  for (const Tensor& t : ts) b += double(t.bytes());
+  return b;
+}
+
+// 2 M N K for C [M, N] = A [M, K] B [K, N] in any transposition: K^2 = |A| |B| / |C|.
+double matmul_flops(const Tensor& c, const Tensor& a, const Tensor& b) {
+  const double mn = double(c.numel());
+  if (mn == 0) return 0;
+  return 2 * mn * std::sqrt(double(a.numel()) * double(b.numel()) / mn);
+}
+
+// Causal attention forward, q [B, T, Hq, hd]: QK^T and PV, 2 FLOPs per multiply-add,
+// half of the T x T scores.
+double attention_forward_flops(const Tensor& q) {
+  const double B = double(q.dim(0)), T = double(q.dim(1)), H = double(q.dim(2)), hd = double(q.dim(3));
+  return 4 * B * H * T * T * hd / 2;
+}
+
+}  // namespace
+
+OpProfiler::Span::Span(OpProfiler& p, OpFamily f, double work) : p_(p), f_(f), work_(work) {
+  if (!p_.armed_) return;
+  mark_ = p_.in_.timing_mark();
+  if (mark_ < 0) t0_ = std::chrono::steady_clock::now();
+}
+
+OpProfiler::Span::~Span() {
+  if (!p_.armed_) return;
+  if (mark_ >= 0) {
+    p_.pending_.push_back({f_, mark_, p_.in_.timing_mark(), 0, work_});
+  } else {
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0_).count();
+    p_.pending_.push_back({f_, -1, -1, ms, work_});
+  }
+}
+
+void OpProfiler::begin_step() {
+  pending_.clear();
+  in_.timing_reset();
+  armed_ = true;
+}
+
+void OpProfiler::finish_step(double wall_ms) {
+  armed_ = false;
+  in_.synchronize();
+  for (const Pending& p : pending_) {
+    OpFamilyTotals& t = totals_[size_t(p.family)];
+    t.ms += p.a >= 0 ? in_.timing_ms(p.a, p.b) : p.host_ms;
+    t.work += p.work;
+    ++t.calls;
+  }
+  pending_.clear();
+  in_.timing_reset();
+  wall_ms_ += wall_ms;
+  ++steps_;
+}
+
+nlohmann::json OpProfiler::report(double peak_tflops, double peak_tbps) const {
+  const double n = std::max(1, steps_), wall = wall_ms_ / n;
+  nlohmann::json families = nlohmann::json::array();
+  double ops_ms = 0;
+  for (size_t i = 0; i < totals_.size(); ++i) {
+    const OpFamilyTotals& t = totals_[i];
+    if (t.calls == 0) continue;
+    const auto f = OpFamily(i);
+    const double ms = t.ms / n, work = t.work / n;
+    ops_ms += ms;
+    nlohmann::json row = {{"family", op_family_name(f)}, {"ms", ms}, {"share", wall > 0 ? ms / wall : 0},
+                          {"calls", double(t.calls) / n}};
+    if (ms > 0) {
+      const double rate = work / (ms * 1e-3) / 1e12;  // TFLOP/s or TB/s
+      row[op_family_counts_flops(f) ? "tflops" : "tbps"] = rate;
+      row["roofline_share"] = rate / (op_family_counts_flops(f) ? peak_tflops : peak_tbps);
+    }
+    families.push_back(row);
+  }
+  return {{"steps", steps_}, {"wall_ms", wall}, {"families", families}, {"other_ms", wall - ops_ms},
+          {"other_share", wall > 0 ? (wall - ops_ms) / wall : 0}, {"peak_tflops", peak_tflops},
+          {"peak_tbps", peak_tbps}};
+}
+
+std::string OpProfiler::table(double peak_tflops, double peak_tbps) const {
+  const nlohmann::json r = report(peak_tflops, peak_tbps);
+  std::ostringstream o;
+  char line[200];
+  std::snprintf(line, sizeof line, "%-28s %10s %7s %7s %16s %9s\n", "op family", "ms/step", "share", "calls",
+                "achieved", "of peak");
+  o << line;
+  for (const auto& f : r["families"]) {
+    std::string rate = "-", of_peak = "-";
+    char b[64];
+    if (f.contains("tflops")) {
+      std::snprintf(b, sizeof b, "%.1f TFLOP/s", f["tflops"].get<double>());
+      rate = b;
+    } else if (f.contains("tbps")) {
+      std::snprintf(b, sizeof b, "%.2f TB/s", f["tbps"].get<double>());
+      rate = b;
+    }
+    if (f.contains("roofline_share")) {
+      std::snprintf(b, sizeof b, "%.0f%%", 100 * f["roofline_share"].get<double>());
+      of_peak = b;
+    }
+    std::snprintf(line, sizeof line, "%-28s %10.2f %6.1f%% %7.0f %16s %9s\n", f["family"].get<std::string>().c_str(),
+                  f["ms"].get<double>(), 100 * f["share"].get<double>(), f["calls"].get<double>(), rate.c_str(),
+                  of_peak.c_str());
+    o << line;
+  }
+  std::snprintf(line, sizeof line, "%-28s %10.2f %6.1f%%\n%-28s %10.2f\n", "other / idle", r["other_ms"].get<double>(),
+                100 * r["other_share"].get<double>(), "step (profiled)", r["wall_ms"].get<double>());
+  o << line;
+  return o.str();
+}
+
+// ---- the ops: each one timed, with its work.
+
+void OpProfiler::embedding_forward(Tensor out, Tensor tokens, Tensor table) {
+  Span s(*this, OpFamily::Embedding, 2 * bytes_of({out}) + bytes_of({tokens}));  // rows read, rows written
+  in_.embedding_forward(out, tokens, table);
+}
+void OpProfiler::embedding_backward(Tensor dtable, Tensor dout, Tensor tokens) {
+  Span s(*this, OpFamily::Embedding, bytes_of({dout, tokens}) + 2.0 * double(dout.numel()) * dtype_size(dtable.dtype));
+  in_.embedding_backward(dtable, dout, tokens);
+}
+void OpProfiler::rmsnorm_forward(Tensor y, Tensor rstd, Tensor x, Tensor w, double eps) {
+  Span s(*this, OpFamily::Norms, bytes_of({y, rstd, x, w}));
+  in_.rmsnorm_forward(y, rstd, x, w, eps);
+}
+void OpProfiler::rmsnorm_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor rstd, bool acc) {
+  Span s(*this, OpFamily::Norms, bytes_of({dx, dw, dy, x, w, rstd}) + (acc ? bytes_of({dx}) : 0));
+  in_.rmsnorm_backward(dx, dw, dy, x, w, rstd, acc);
+}
+void OpProfiler::matmul(Tensor c, Tensor a, Tensor b, bool ta, bool tb, bool acc) {
+  Span s(*this, OpFamily::Matmul, matmul_flops(c, a, b));
+  in_.matmul(c, a, b, ta, tb, acc);
+}
+void OpProfiler::rope(Tensor x, double theta, bool backward) {
+  Span s(*this, OpFamily::Rope, 2 * bytes_of({x}));
+  in_.rope(x, theta, backward);
+}
+void OpProfiler::attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v) {
+  Span s(*this, OpFamily::AttentionForward, attention_forward_flops(q));
+  in_.attention_forward(out, lse, q, k, v);
+}
+void OpProfiler::attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v,
+                                    Tensor out, Tensor lse) {
+  Span s(*this, OpFamily::AttentionBackward, 2.5 * attention_forward_flops(q));
+  in_.attention_backward(dq, dk, dv, dout, q, k, v, out, lse);
+}
+void OpProfiler::swiglu_forward(Tensor h, Tensor gate, Tensor up) {
+  Span s(*this, OpFamily::Swiglu, bytes_of({h, gate, up}));
+  in_.swiglu_forward(h, gate, up);
+}
+void OpProfiler::swiglu_backward(Tensor dgate, Tensor dup, Tensor dh, Tensor gate, Tensor up) {
+  Span s(*this, OpFamily::Swiglu, bytes_of({dgate, dup, dh, gate, up}));
+  in_.swiglu_backward(dgate, dup, dh, gate, up);
+}
+void OpProfiler::add(Tensor out, Tensor a, Tensor b) {
+  Span s(*this, OpFamily::Elementwise, bytes_of({out, a, b}));
+  in_.add(out, a, b);
+}
+void OpProfiler::add_inplace(Tensor y, Tensor x) {
+  Span s(*this, OpFamily::Elementwise, bytes_of({y, y, x}));
+  in_.add_inplace(y, x);
+}
+void OpProfiler::cross_entropy(Tensor losses, Tensor logits, Tensor targets, double grad_scale, bool compute_grad) {
+  Span s(*this, OpFamily::Classifier,
+         bytes_of({losses, logits, targets}) + (compute_grad ? bytes_of({logits}) : 0));
+  in_.cross_entropy(losses, logits, targets, grad_scale, compute_grad);
+}
+void OpProfiler::routing_source_logits(Tensor weights, Tensor inv_rms, Tensor v, const RoutingParams& params,
+                                       const RoutingLayout& layout, int source, int heads, double eps) {
+  // One read of the slot's row; one logit per later site that reads it, per head and token.
+  const int sites = layout.last_site(source) - source + 1;
+  const double logits = double(sites) * heads * double(inv_rms.numel()) * dtype_size(weights.dtype);
+  Span s(*this, OpFamily::Routing, bytes_of({v, inv_rms}) + logits);
+  in_.routing_source_logits(weights, inv_rms, v, params, layout, source, heads, eps);
+}
+void OpProfiler::routing_mix(Tensor x, Tensor weights, Tensor history, const RoutingLayout& layout, int site,
+                             int heads) {
+  // Each of the site's sources read once, the mix written once, the weights read and
+  // written back (softmax in place).
+  const int src = layout.site_sources(site);
+  const double row = double(x.bytes());
+  const double w = 2.0 * src * heads * double(x.dim(0)) * dtype_size(weights.dtype);
+  Span s(*this, OpFamily::Routing, (src + 1) * row + w);
+  in_.routing_mix(x, weights, history, layout, site, heads);
+}
+void OpProfiler::routing_source_backward(Tensor dv, Tensor weights, Tensor ubar, Tensor gsum,
+                                         const std::vector<Tensor>& site_dx, Tensor x, Tensor v, Tensor inv_rms,
+                                         const RoutingParams& params, const RoutingLayout& layout, int source,
+                                         int heads) {
+  // The slot's row and gradient, and each later site's input gradient that reads it.
+  const int sites = layout.last_site(source) - source + 1;
+  Span s(*this, OpFamily::Routing, bytes_of({dv, v, x, inv_rms}) + double(sites) * double(dv.bytes()));
+  in_.routing_source_backward(dv, weights, ubar, gsum, site_dx, x, v, inv_rms, params, layout, source, heads);
+}
+void OpProfiler::routing_param_grads(const RoutingParams& params, Tensor gsum) {
+  Span s(*this, OpFamily::Routing, bytes_of({gsum}));
+  in_.routing_param_grads(params, gsum);
+}
+double OpProfiler::sum_squares(Tensor t) {
+  Span s(*this, OpFamily::Optimizer, bytes_of({t}));
+  return in_.sum_squares(t);
+}
+void OpProfiler::adamw(Tensor param, Tensor master, Tensor grad, Tensor m, Tensor v, const AdamW& hp) {
+  // Reads grad, m, v and the master (or the parameter); writes m, v, the master and the parameter.
+  Span s(*this, OpFamily::Optimizer, bytes_of({grad, m, v, master, m, v, master, param}) +
+                                         (master.data ? 0 : bytes_of({param})));
+  in_.adamw(param, master, grad, m, v, hp);
+}
+void OpProfiler::zero(Tensor t) {
+  Span s(*this, OpFamily::Memory, bytes_of({t}));
+  in_.zero(t);
+}
+void OpProfiler::copy(Tensor dst, Tensor src) {
+  Span s(*this, OpFamily::Memory, bytes_of({dst, src}));
+  in_.copy(dst, src);
+}
+
+}  // namespace mhar

@@ -1,0 +1,119 @@
+// op_profile.h: where a training step's time goes, by op family (`mhar bench --profile`,
+// issue 13). OpProfiler wraps the backend the model and optimizer run on; every op it
+// passes on is bracketed by two timing marks (Backend::timing_mark: CUDA events on the
+// backend's stream, or the host clock on the CPU, whose ops are synchronous), and
+// finish_step() adds each op's time to its family with the work it had to do:
+//   matmul      2 M N K FLOPs per call
+//   attention   causal, FLOPs halved: forward 4 B Hq T^2 hd / 2, backward 2.5 x that
+//               (five matmuls against two), as FlashAttention counts them
+//   others      bytes: every tensor the op reads once and every tensor it writes once,
+//               the least any kernel must move
+// so that each family's achieved TFLOP/s or TB/s can be set against the roofline.
+// "other / idle" is the step's wall time minus every op's time: launch gaps, host work,
+// synchronisations, communication the ops do not hide. Profiled steps run slower than
+// plain ones (two event records per op), so the table is a budget, not the step time.
+#pragma once
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/forwarding_backend.h"
+
+namespace mhar {
+
+enum class OpFamily {
+  Matmul, AttentionForward, AttentionBackward, Norms, Rope, Swiglu, Elementwise,
+  Embedding, Routing, Classifier, Optimizer, Memory, kCount
+};
+const char* op_family_name(OpFamily f);
+// Whether a family's work is counted in FLOPs (else in bytes).
+bool op_family_counts_flops(OpFamily f);
+
+struct OpFamilyTotals {
+  double ms = 0;       // summed over the profiled steps
+  double work = 0;     // FLOPs or bytes, summed likewise
+  int64_t calls = 0;
+};
+
+class OpProfiler final : public ForwardingBackend {
+ public:
+  explicit OpProfiler(Backend& inner) : ForwardingBackend(inner) {}
+  std::string name() const override { return in_.name(); }
+
+  // Around each profiled step: begin_step() arms the profiler (until then ops pass
+  // straight through, unmarked) and finish_step(wall_ms), once the step has
+  // synchronised, adds its ops to the totals and disarms it; wall_ms is its host time.
+  void begin_step();
+  void finish_step(double wall_ms);
+  int steps() const { return steps_; }
+  const OpFamilyTotals& totals(OpFamily f) const { return totals_[size_t(f)]; }
+  double wall_ms() const { return wall_ms_; }  // summed over the profiled steps
+
+  // Per step: {"steps", "wall_ms", "families": [{"family", "ms", "share", "calls",
+  // "tflops" | "tbps", "roofline_share"}], "other_ms", "other_share"}. The roofline is
+  // `peak_tflops` for FLOP-counted families and `peak_tbps` for the others.
+  nlohmann::json report(double peak_tflops, double peak_tbps) const;
+  // The same as an aligned text table (one line per family, then other/idle and total).
+  std::string table(double peak_tflops, double peak_tbps) const;
+
+  void embedding_forward(Tensor out, Tensor tokens, Tensor table) override;
+  void embedding_backward(Tensor dtable, Tensor dout, Tensor tokens) override;
+  void rmsnorm_forward(Tensor y, Tensor rstd, Tensor x, Tensor w, double eps) override;
+  void rmsnorm_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor rstd,
+                        bool accumulate_dx) override;
+  void matmul(Tensor c, Tensor a, Tensor b, bool trans_a, bool trans_b, bool accumulate) override;
+  void rope(Tensor x, double theta, bool backward) override;
+  void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v) override;
+  void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k,
+                          Tensor v, Tensor out, Tensor lse) override;
+  void swiglu_forward(Tensor h, Tensor gate, Tensor up) override;
+  void swiglu_backward(Tensor dgate, Tensor dup, Tensor dh, Tensor gate, Tensor up) override;
+  void add(Tensor out, Tensor a, Tensor b) override;
+  void add_inplace(Tensor y, Tensor x) override;
+  void cross_entropy(Tensor losses, Tensor logits, Tensor targets, double grad_scale,
+                     bool compute_grad) override;
+  void routing_source_logits(Tensor weights, Tensor inv_rms, Tensor v, const RoutingParams& params,
+                             const RoutingLayout& layout, int source, int heads, double eps) override;
+  void routing_mix(Tensor x, Tensor weights, Tensor history, const RoutingLayout& layout, int site,
+                   int heads) override;
+  void routing_source_backward(Tensor dv, Tensor weights, Tensor ubar, Tensor gsum,
+                               const std::vector<Tensor>& site_dx, Tensor x, Tensor v, Tensor inv_rms,
+                               const RoutingParams& params, const RoutingLayout& layout, int source,
+                               int heads) override;
+  void routing_param_grads(const RoutingParams& params, Tensor gsum) override;
+  double sum_squares(Tensor t) override;
+  void adamw(Tensor param, Tensor master, Tensor grad, Tensor m, Tensor v, const AdamW& hp) override;
+  void zero(Tensor t) override;
+  void copy(Tensor dst, Tensor src) override;
+
+ private:
+  // One op in flight: marks (or host times) before and after, and its work.
+  class Span {
+   public:
+    Span(OpProfiler& p, OpFamily f, double work);
+    ~Span();
+   private:
+    OpProfiler& p_;
+    OpFamily f_;
+    double work_;
+    int mark_ = -1;
+    std::chrono::steady_clock::time_point t0_;
+  };
+  struct Pending {
+    OpFamily family;
+    int a, b;           // timing marks, or -1 when timed on the host
+    double host_ms;     // when timed on the host
+    double work;
+  };
+  bool armed_ = false;
+  std::vector<Pending> pending_;
+  std::array<OpFamilyTotals, size_t(OpFamily::kCount)> totals_{};
+  double wall_ms_ = 0;
+  int steps_ = 0;
+};
+
+}  // namespace mhar

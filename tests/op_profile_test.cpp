@@ -1,0 +1,89 @@
+// op_profile_test.cpp: the op profiler (engine/op_profile.h) over one training step of a
+// tiny model on the CPU backend (host clock):
+// - every op the step runs is counted in its family: the matmul count and FLOPs follow
+//   from the model's shapes (forward: one matmul per weight matrix, 2 N K M FLOPs each;
+//   backward: two of the same size per forward matmul, input and weight gradient);
+// - the attention FLOPs are the causal count of the config's shapes;
+// - the families' times add up to no more than the step's wall time;
+// - an unarmed profiler records nothing, and the results are the plain backend's.
+#include <gtest/gtest.h>
+
+#include <chrono>
+
+#include "engine/communicator.h"
+#include "engine/backend.h"
+#include "engine/model.h"
+#include "engine/op_profile.h"
+#include "engine/optimizer.h"
+#include "engine/train_step.h"
+#include "tests/model_test_util.h"
+
+namespace mhar::test {
+namespace {
+
+double step_loss(Model& model, const Config& cfg, OpProfiler* prof) {
+  AdamWOptimizer opt(model, cfg.train, 0);
+  auto comm = make_single_communicator();
+  TrainStep step(model, opt, *comm, cfg.train, 1);
+  std::vector<int32_t> tok, tgt;
+  random_tokens(model.batch() * model.seq_len(), cfg.model.vocab_size, 4, tok, tgt);
+  const auto batch = [&](int32_t* x, int32_t* y) {
+    std::copy(tok.begin(), tok.end(), x);
+    std::copy(tgt.begin(), tgt.end(), y);
+  };
+  if (prof) prof->begin_step();
+  const auto t0 = std::chrono::steady_clock::now();
+  const double loss = step.run(0, batch).loss;
+  if (prof) prof->finish_step(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  return loss;
+}
+
+TEST(OpProfiler, CountsEveryOpOfAStepWithItsWork) {
+  for (ResidualMode mode : {ResidualMode::Standard, ResidualMode::Mhar}) {
+    SCOPED_TRACE(residual_mode_name(mode));
+    const Config cfg = tiny_config(mode, mode == ResidualMode::Mhar ? 2 : 0);
+    const ModelConfig& m = cfg.model;
+    auto cpu = make_cpu_backend(DType::F64);
+    OpProfiler prof(*cpu);
+    const int B = 2, T = 5;
+    Model model(m, cfg.residual, prof, B, T);
+    model.init_weights(3);
+    step_loss(model, cfg, &prof);
+    ASSERT_EQ(prof.steps(), 1);
+
+    const double N = B * T, L = m.n_layers, d = m.d_model;
+    const double per_layer = d * m.q_dim() + 2 * d * m.kv_dim() + m.q_dim() * d + 3 * d * m.d_ff;
+    const double matrices = L * per_layer + double(m.vocab_size) * d;  // + the (tied) LM head
+    const OpFamilyTotals& mm = prof.totals(OpFamily::Matmul);
+    EXPECT_EQ(mm.calls, int64_t(3 * (7 * L + 1)));
+    EXPECT_DOUBLE_EQ(mm.work, 3 * 2 * N * matrices);
+    const double attn = L * 4 * B * m.n_heads * double(T) * T * m.head_dim / 2;
+    EXPECT_EQ(prof.totals(OpFamily::AttentionForward).calls, int64_t(L));
+    EXPECT_DOUBLE_EQ(prof.totals(OpFamily::AttentionForward).work, attn);
+    EXPECT_DOUBLE_EQ(prof.totals(OpFamily::AttentionBackward).work, 2.5 * attn);
+    for (OpFamily f : {OpFamily::Norms, OpFamily::Rope, OpFamily::Swiglu, OpFamily::Embedding, OpFamily::Classifier,
+                       OpFamily::Optimizer})
+      EXPECT_GT(prof.totals(f).calls, 0) << op_family_name(f);
+    EXPECT_EQ(prof.totals(OpFamily::Routing).calls > 0, mode == ResidualMode::Mhar);
+
+    const nlohmann::json r = prof.report(989, 4.3);
+    double ops = 0;
+    for (const auto& f : r["families"]) ops += f["ms"].get<double>();
+    EXPECT_LE(ops, r["wall_ms"].get<double>());
+    EXPECT_NEAR(r["other_ms"].get<double>(), r["wall_ms"].get<double>() - ops, 1e-9);
+    EXPECT_NE(prof.table(989, 4.3).find("matmul"), std::string::npos);
+
+    // Unarmed, it only forwards: nothing more is counted, and the step computes what the
+    // plain backend computes.
+    const int64_t calls = mm.calls;
+    auto plain = make_cpu_backend(DType::F64);
+    Model a(m, cfg.residual, *plain, B, T), b(m, cfg.residual, prof, B, T);
+    a.init_weights(5);
+    b.init_weights(5);
+    EXPECT_EQ(step_loss(a, cfg, nullptr), step_loss(b, cfg, nullptr));
+    EXPECT_EQ(prof.totals(OpFamily::Matmul).calls, calls);
+  }
+}
+
+}  // namespace
+}  // namespace mhar::test
