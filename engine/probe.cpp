@@ -44,6 +44,7 @@ void RoutingProbe::add(Model& model) {
     be_ = &model.backend();
     heads_ = H;
     n_layers_ = model.config().n_layers;
+    block_size_ = model.residual().block_size;
     offset_.assign(1, 0);
     sources_.clear();
     for (int j = 0; j < S; ++j) {
@@ -86,7 +87,7 @@ nlohmann::json RoutingProbe::to_json() const {
     sites.push_back({{"site", int(j)}, {"name", name}, {"sources", src}, {"mean_weights", mean},
                      {"entropy", entropy}, {"token_entropy", token_entropy}, {"js", js}, {"token_js", token_js}});
   }
-  return {{"tokens", tokens_}, {"heads", heads_}, {"n_layers", n_layers_}, {"entropy_unit", "nats"},
+  return {{"tokens", tokens_}, {"heads", heads_}, {"n_layers", n_layers_}, {"block_size", block_size_}, {"entropy_unit", "nats"},
           {"sites", sites}};
 }
 
@@ -143,7 +144,8 @@ std::string render_probe_html(const nlohmann::json& probe, const std::string& ti
     << probe_summary_table_html(probe["sites"])
     << "\n<h2>Depth maps: mean routing weight of each source, per head</h2><div class=\"heatmaps\">";
   for (const auto& s : probe["sites"])
-    o << routing_heatmap_html(s["site"].get<int>(), s["mean_weights"].get<std::vector<std::vector<double>>>(), n_layers);
+    o << routing_heatmap_html(s["site"].get<int>(), s["mean_weights"].get<std::vector<std::vector<double>>>(), n_layers,
+                              probe.value("block_size", 0));
   o << "</div>\n</body></html>\n";
   return o.str();
 }

@@ -38,7 +38,7 @@ class RoutingProbe {
   // model (its backend must outlive the probe).
   void add(Model& model);
   int64_t tokens() const { return tokens_; }
-  // {"tokens","heads","n_layers","entropy_unit","sites":[{"site","name","sources",
+  // {"tokens","heads","n_layers","block_size","entropy_unit","sites":[{"site","name","sources",
   //   "mean_weights","entropy","token_entropy","js","token_js"}]}
   nlohmann::json to_json() const;
 
@@ -47,7 +47,7 @@ class RoutingProbe {
   void* buffer_ = nullptr;  // F64 sums of every site, back to back
   std::vector<int64_t> offset_;  // per site, plus the total
   std::vector<int> sources_;     // per site: how many sources it mixes
-  int heads_ = 0, n_layers_ = 0;
+  int heads_ = 0, n_layers_ = 0, block_size_ = 0;
   int64_t tokens_ = 0;
 };
 

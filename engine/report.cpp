@@ -422,10 +422,21 @@ std::string viridis(double t) {
   return buf;
 }
 
-// v_0 is the embedding, v_{2l+1} attention of layer l, v_{2l+2} its MLP (DESIGN.md 2).
-std::string source_name(int i) {
-  if (i == 0) return "emb";
-  return (i % 2 ? "a" : "m") + std::to_string((i - 1) / 2);
+// Source t of a site's routing. Full routing: source i is v_i, v_0 the embedding, v_{2l+1}
+// attention of layer l, v_{2l+2} its MLP (DESIGN.md 2). Blocks of s sublayers: source 0 is
+// the embedding, source m >= 1 up to the site's closed blocks is block m's sum (sublayer
+// outputs v_{(m-1)s+1} .. v_{ms}), and a site inside a block also reads the block's
+// partial sum so far, its last source ("cur").
+std::string source_name(int t, int site, int block) {
+  if (t == 0) return "emb";
+  if (block <= 1) return (t % 2 ? "a" : "m") + std::to_string((t - 1) / 2);
+  return t <= site / block ? "B" + std::to_string(t) : "cur";
+}
+std::string source_detail(int t, int site, int block) {
+  if (t == 0 || block <= 1) return source_name(t, site, block);
+  if (t <= site / block)
+    return "block " + std::to_string(t) + ": v" + std::to_string((t - 1) * block + 1) + "..v" + std::to_string(t * block);
+  return "current block so far: v" + std::to_string(site / block * block + 1) + "..v" + std::to_string(site);
 }
 
 std::string site_name(int j, int n_layers) {
@@ -433,7 +444,7 @@ std::string site_name(int j, int n_layers) {
   return (j % 2 == 0 ? "attention " : "MLP ") + std::to_string(j / 2);
 }
 
-std::string heatmap(int site, const RoutingSite& rs, int n_layers) {
+std::string heatmap(int site, const RoutingSite& rs, int n_layers, int block) {
   const int H = int(rs.weights.size());
   size_t n_src = 0;
   double vmax = 0;
@@ -463,13 +474,13 @@ std::string heatmap(int site, const RoutingSite& rs, int n_layers) {
       o << "<rect x=\"" << fmt("%.2f", left + cw * double(i)) << "\" y=\"" << y << "\" width=\""
         << fmt("%.2f", cw) << "\" height=\"" << ch << "\" fill=\"" << viridis(w / vmax)
         << "\"><title>site " << site << ", head " << h << ", source " << i << " ("
-        << source_name(int(i)) << "): " << escape(fmt("%.4f", w)) << "</title></rect>";
+        << escape(source_detail(int(i), site, block)) << "): " << escape(fmt("%.4f", w)) << "</title></rect>";
     }
   }
   for (size_t i = 0; i < n_src; i += size_t(label_every))
     o << "<text x=\"" << fmt("%.2f", left + cw * (double(i) + 0.5)) << "\" y=\""
       << top + ch * H + 12 << "\" text-anchor=\"middle\" class=\"hl\">"
-      << escape(source_name(int(i))) << "</text>";
+      << escape(source_name(int(i), site, block)) << "</text>";
   o << "</svg></figure>";
   return o.str();
 }
@@ -522,6 +533,8 @@ std::string render(const RunData& run) {
   const std::string mode = cfg.is_object() ? config_text(cfg, {"residual", "mode"}) : "–";
   const json* layers_j = cfg.is_object() ? find_path(cfg, {"model", "n_layers"}) : nullptr;
   const int n_layers = layers_j && layers_j->is_number_integer() ? layers_j->get<int>() : 0;
+  const json* block_j = cfg.is_object() ? find_path(cfg, {"residual", "block_size"}) : nullptr;
+  const int block = block_j && block_j->is_number_integer() ? block_j->get<int>() : 0;
   std::string name = fs::path(run.run_dir).filename().string();
   if (name.empty() || name == ".") name = fs::absolute(run.run_dir).lexically_normal().string();
 
@@ -620,7 +633,7 @@ std::string render(const RunData& run) {
            "(rows), over the validation tokens at step "
         << run.routing_step << ". Colour scale per site from 0 (dark) to the site's largest weight "
            "(yellow); hover a cell for its value.</p><div class=\"heatmaps\">";
-      for (const auto& [site, rs] : run.routing) o << heatmap(site, rs, n_layers);
+      for (const auto& [site, rs] : run.routing) o << heatmap(site, rs, n_layers, block);
       o << "</div>\n";
       json sites = json::array();  // lines written before the probe's statistics have none
       for (const auto& [site, rs] : run.routing)
@@ -690,11 +703,12 @@ void write_run_report(const std::string& run_dir) {
 
 // ---------------------------------------------------------------- pieces reused elsewhere
 
-std::string routing_heatmap_html(int site, const std::vector<std::vector<double>>& weights, int n_layers) {
+std::string routing_heatmap_html(int site, const std::vector<std::vector<double>>& weights, int n_layers,
+                                 int block_size) {
   RoutingSite rs;
   rs.heads = int(weights.size());
   rs.weights = weights;
-  return heatmap(site, rs, n_layers);
+  return heatmap(site, rs, n_layers, block_size);
 }
 const char* report_css() { return kStyle; }
 std::string html_escape(const std::string& s) { return escape(s); }

@@ -38,8 +38,11 @@ std::string render_run_report(const std::string& run_dir);
 
 // Pieces of the report that other pages reuse (the routing probe, engine/probe.h):
 // the SVG heatmap of one site's weights [head][source] (viridis, scaled to the largest
-// weight; sources named emb, a0, m0, ...), the page's CSS, and HTML escaping.
-std::string routing_heatmap_html(int site, const std::vector<std::vector<double>>& weights, int n_layers);
+// weight; sources named emb, a0, m0, ... under full routing, and emb, B1, B2, ..., cur
+// (block sums, the current block's partial sum) with block_size > 1), the page's CSS,
+// and HTML escaping.
+std::string routing_heatmap_html(int site, const std::vector<std::vector<double>>& weights, int n_layers,
+                                 int block_size = 0);
 const char* report_css();
 std::string html_escape(const std::string& s);
 

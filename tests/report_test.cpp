@@ -399,6 +399,18 @@ TEST(RunReport, TrainerRoutingLinesCarryTheProbeAndRender) {
     EXPECT_NE(html.find(std::string("<td>final norm</td><td>") + std::to_string(m.routing_sources(last)) +
                         "</td><td>" + js),
               std::string::npos);
+    // Sources named as the routing reads them: v_i under full routing; the embedding,
+    // block sums and the current block's partial sum with blocks.
+    if (block == 0) {
+      EXPECT_NE(html.find(">a0</text>"), std::string::npos);
+      EXPECT_NE(html.find(", source 4 (m1): "), std::string::npos);
+    } else {
+      EXPECT_NE(html.find(">B1</text>"), std::string::npos);
+      EXPECT_NE(html.find(">cur</text>"), std::string::npos);
+      EXPECT_NE(html.find("site 4, head 0, source 1 (block 1: v1..v3): "), std::string::npos);
+      EXPECT_NE(html.find("site 4, head 0, source 2 (current block so far: v4..v4): "), std::string::npos);
+      EXPECT_EQ(html.find(">a0</text>"), std::string::npos);
+    }
     if (!HasFailure()) fs::remove_all(dir);
   }
   // Lines of older runs, without the statistics, draw the heatmaps and no table.
