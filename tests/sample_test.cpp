@@ -21,6 +21,7 @@
 #include <map>
 #include <sstream>
 
+#include "engine/forwarding_backend.h"
 #include "engine/sampler.h"
 #include "tests/model_test_util.h"
 
@@ -191,9 +192,9 @@ TEST(Sampling, TopKAndVocabularyLimitAreRespected) {
 
 // Forwards every op to a real backend and records the work of the ops whose cost
 // depends on sequence length.
-class CountingBackend final : public Backend {
+class CountingBackend final : public ForwardingBackend {
  public:
-  CountingBackend(Backend& inner, bool decode_ops) : in_(inner), decode_ops_(decode_ops) {}
+  CountingBackend(Backend& inner, bool decode_ops) : ForwardingBackend(inner), decode_ops_(decode_ops) {}
   struct Counts {
     int64_t matmul_calls = 0, matmul_max_rows = 0, matmul_flops = 0;
     int64_t full_attention_calls = 0, cached_attention_calls = 0;
@@ -201,25 +202,6 @@ class CountingBackend final : public Backend {
   } counts;
 
   std::string name() const override { return "counting(" + in_.name() + ")"; }
-  DType act_dtype() const override { return in_.act_dtype(); }
-  DType stat_dtype() const override { return in_.stat_dtype(); }
-  DType grad_dtype() const override { return in_.grad_dtype(); }
-  void* allocate(size_t bytes) override { return in_.allocate(bytes); }
-  void release(void* p) override { in_.release(p); }
-  void zero(Tensor t) override { in_.zero(t); }
-  void copy(Tensor dst, Tensor src) override { in_.copy(dst, src); }
-  void upload(Tensor dst, const double* host) override { in_.upload(dst, host); }
-  void download(double* host, Tensor src) override { in_.download(host, src); }
-  void upload_tokens(Tensor dst, const int32_t* host) override { in_.upload_tokens(dst, host); }
-  void embedding_forward(Tensor o, Tensor t, Tensor w) override { in_.embedding_forward(o, t, w); }
-  void embedding_backward(Tensor d, Tensor o, Tensor t) override { in_.embedding_backward(d, o, t); }
-  void rmsnorm_forward(Tensor y, Tensor r, Tensor x, Tensor w, double eps) override {
-    in_.rmsnorm_forward(y, r, x, w, eps);
-  }
-  void rmsnorm_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor r,
-                        bool acc) override {
-    in_.rmsnorm_backward(dx, dw, dy, x, w, r, acc);
-  }
   void matmul(Tensor c, Tensor a, Tensor b, bool ta, bool tb, bool acc) override {
     const int64_t M = c.dim(0), N = c.dim(1), K = ta ? a.dim(0) : a.dim(1);
     ++counts.matmul_calls;
@@ -227,7 +209,7 @@ class CountingBackend final : public Backend {
     counts.matmul_flops += 2 * M * N * K;
     in_.matmul(c, a, b, ta, tb, acc);
   }
-  void rope(Tensor x, double theta, bool bw) override { in_.rope(x, theta, bw); }
+  // Without decode_ops the backend is one that has no decoding ops (Backend's defaults).
   void rope_at(Tensor x, double theta, int64_t first) override {
     if (!decode_ops_) return Backend::rope_at(x, theta, first);
     in_.rope_at(x, theta, first);
@@ -243,43 +225,8 @@ class CountingBackend final : public Backend {
     ++counts.full_attention_calls;
     in_.attention_forward(out, lse, q, k, v);
   }
-  void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k,
-                          Tensor v, Tensor out, Tensor lse) override {
-    in_.attention_backward(dq, dk, dv, dout, q, k, v, out, lse);
-  }
-  void swiglu_forward(Tensor h, Tensor g, Tensor u) override { in_.swiglu_forward(h, g, u); }
-  void swiglu_backward(Tensor dg, Tensor du, Tensor dh, Tensor g, Tensor u) override {
-    in_.swiglu_backward(dg, du, dh, g, u);
-  }
-  void add(Tensor o, Tensor a, Tensor b) override { in_.add(o, a, b); }
-  void add_inplace(Tensor y, Tensor x) override { in_.add_inplace(y, x); }
-  void cross_entropy(Tensor l, Tensor lg, Tensor t, double s, bool g) override {
-    in_.cross_entropy(l, lg, t, s, g);
-  }
-  void routing_source_logits(Tensor w, Tensor r, Tensor v, const RoutingParams& p,
-                             const RoutingLayout& lay, int i, int heads, double eps) override {
-    in_.routing_source_logits(w, r, v, p, lay, i, heads, eps);
-  }
-  void routing_mix(Tensor x, Tensor w, Tensor h, const RoutingLayout& lay, int site,
-                   int heads) override {
-    in_.routing_mix(x, w, h, lay, site, heads);
-  }
-  void routing_source_backward(Tensor dv, Tensor w, Tensor ub, Tensor gs,
-                               const std::vector<Tensor>& dx, Tensor x,
-                               Tensor v, Tensor r, const RoutingParams& p,
-                               const RoutingLayout& lay, int i, int heads) override {
-    in_.routing_source_backward(dv, w, ub, gs, dx, x, v, r, p, lay, i, heads);
-  }
-  void routing_param_grads(const RoutingParams& p, Tensor gs) override {
-    in_.routing_param_grads(p, gs);
-  }
-  double sum_squares(Tensor t) override { return in_.sum_squares(t); }
-  void adamw(Tensor p, Tensor m, Tensor g, Tensor a, Tensor b, const AdamW& hp) override {
-    in_.adamw(p, m, g, a, b, hp);
-  }
 
  private:
-  Backend& in_;
   bool decode_ops_;
 };
 
