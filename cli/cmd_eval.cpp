@@ -61,12 +61,7 @@ void register_eval(CLI::App& app) {
     check_shard_pattern("--data", glob, "val_*.bin");
     CheckpointInfo ckpt = open_checkpoint(checkpoint);
     const Config& cfg = ckpt.config;
-    const int B = batch_size > 0 ? batch_size : cfg.train.micro_batch;
-    const int T = seq_len > 0 ? seq_len : cfg.train.seq_len;
-    if (T > cfg.model.context_length)
-      fail("--seq-len ", T, " exceeds the model's context_length ", cfg.model.context_length);
-    check_footprint(cfg.model, cfg.residual, B, T, "eval with --batch-size " + std::to_string(B) +
-                                                      " and --seq-len " + std::to_string(T));
+    const auto [B, T] = checkpoint_batch_shape(cfg, batch_size, seq_len, cfg.train.seq_len, "eval");
     const DistInfo& d = dist::init();
     data::DataLoader loader(glob, B, T, 0, d.rank, d.world_size, cfg.model.vocab_size,
                             data::LoaderMode::Sequential);

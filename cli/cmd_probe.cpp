@@ -33,12 +33,7 @@ void register_probe(CLI::App& app) {
     const Config& cfg = ckpt.config;
     if (!cfg.residual.routed())
       fail(ckpt.dir, ": residual.mode is standard: there is no routing to probe (attnres and mhar route)");
-    const int B = batch_size > 0 ? batch_size : cfg.train.micro_batch;
-    const int T = seq_len > 0 ? seq_len : cfg.train.seq_len;
-    if (T > cfg.model.context_length)
-      fail("--seq-len ", T, " exceeds the model's context_length ", cfg.model.context_length);
-    check_footprint(cfg.model, cfg.residual, B, T, "probe with --batch-size " + std::to_string(B) +
-                                                       " and --seq-len " + std::to_string(T));
+    const auto [B, T] = checkpoint_batch_shape(cfg, batch_size, seq_len, cfg.train.seq_len, "probe");
     data::DataLoader loader(glob, B, T, 0, 0, 1, cfg.model.vocab_size, data::LoaderMode::Sequential);
     if (loader.num_batches() == 0)
       fail(glob, ": ", loader.total_tokens(), " tokens are fewer than one batch of ", B, " x ", T + 1);

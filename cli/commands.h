@@ -131,6 +131,26 @@ CLI::Option* add_number(CLI::App* cmd, const std::string& name, T& target, T lo,
   return o;
 }
 
+// ---------------------------------------------------------------- batch shapes
+
+// The batch a command that runs a checkpoint's model (eval, probe, eval --task) uses:
+// --batch-size (0: the checkpoint's train.micro_batch) windows of --seq-len tokens (0:
+// `default_seq_len`), checked against the model's context and the engine's memory caps
+// (check_footprint) before anything is allocated; `command` names it in the messages.
+struct BatchShape {
+  int batch = 0, seq_len = 0;
+};
+inline BatchShape checkpoint_batch_shape(const Config& cfg, int batch_size, int seq_len, int default_seq_len,
+                                         const std::string& command) {
+  const BatchShape s{batch_size > 0 ? batch_size : cfg.train.micro_batch, seq_len > 0 ? seq_len : default_seq_len};
+  if (s.seq_len > cfg.model.context_length)
+    fail("--seq-len ", s.seq_len, " exceeds the model's context_length ", cfg.model.context_length);
+  check_footprint(cfg.model, cfg.residual, s.batch, s.seq_len,
+                  command + " with --batch-size " + std::to_string(s.batch) + " and --seq-len " +
+                      std::to_string(s.seq_len));
+  return s;
+}
+
 // ---------------------------------------------------------------- paths
 
 // `path` must be an existing directory: a checkpoint or run directory. `noun` names what

@@ -20,11 +20,10 @@ void run_task_command(const std::string& task_name_arg, const std::string& file,
   const Task task = parse_task(task_name_arg);
   CheckpointInfo ckpt = open_checkpoint(checkpoint);
   const Config& cfg = ckpt.config;
-  // The harness's max_length is the model's context (HFLM: max_position_embeddings).
-  const int max_len = seq_len > 0 ? seq_len : cfg.model.context_length;
-  if (max_len > cfg.model.context_length)
-    fail("--seq-len ", max_len, " exceeds the model's context_length ", cfg.model.context_length);
-  const int B = batch_size > 0 ? batch_size : cfg.train.micro_batch;
+  // The harness's max_length is the model's context (HFLM: max_position_embeddings); the
+  // windows are at most that long, so the footprint is checked at it.
+  const auto [B, max_len] =
+      cli::checkpoint_batch_shape(cfg, batch_size, seq_len, cfg.model.context_length, "eval --task");
   data::Tokenizer tok = cli::load_run_tokenizer(cfg, tokenizer_name);
   TaskData data = load_task(task, file, tok, max_len);
   const int T = longest_input(data, max_len);
