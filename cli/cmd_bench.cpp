@@ -84,9 +84,9 @@ namespace mhar::cli {
 namespace {
 
 constexpr double kPeakBf16Flops = 989e12;
-// The roofline of the memory-bound op families in --profile: the copy bandwidth measured
-// on the H200 (device-to-device copies, ../.library/device H200 notes and BENCHMARKS.md),
-// what a kernel that must move its bytes can reach; the 4.8 TB/s datasheet figure is not.
+// The roofline of the memory-bound op families in --profile: the device-to-device copy
+// rate measured on the H200 (BENCHMARKS.md), what a kernel that must move its bytes can
+// reach; the 4.8 TB/s datasheet figure is not.
 constexpr double kCopyBytesPerS = 4.3e12;
 
 double flops_per_token(const ModelConfig& m, int seq_len) {
