@@ -88,18 +88,20 @@ TEST_F(OpTiming, DISABLED_ModelShapes) {
            time_ms([&] { gpu->attention_backward(dq, dk, dv, dout, q, k, v, out, lse); }, 3),
            2.5 * fwd_flop, 0);
   }
-  // Depth routing of a whole step at the 350M and 1B shapes (N = 16384 tokens): every
-  // source's logits and every site's mix (forward), every source's backward and the
-  // query/gain gradients (backward). Bytes counted: rows of N x d bf16 read or written
-  // by the token kernels (forward: S + S(S+1)/2 + S; backward: S(S+1)/2 site gradients,
-  // v twice, x, dv); the fp32 per-pair statistics are not counted.
+  // Depth routing of a whole step at the 350M and 1B shapes (N = 16384 tokens), full
+  // routing and the 1B block config (8 blocks of 9): every source's logits and every
+  // site's mix (forward), every source's backward and the query/gain gradients
+  // (backward). Bytes counted: rows of N x d bf16 read or written by the token kernels
+  // (forward: S + P + S, P the (source, site) pairs, S(S+1)/2 for full routing; backward:
+  // P site gradients, v twice, x, dv); the fp32 per-pair statistics are not counted.
   struct Shape {
     const char* name;
     int64_t d;
-    int S, H;
+    int S, H, block;
   };
-  for (const Shape sh : {Shape{"350M", 1024, 49, 8}, Shape{"1B", 1280, 73, 8}}) {
-    const RoutingLayout lay = RoutingLayout::full(sh.S);
+  for (const Shape sh : {Shape{"350M", 1024, 49, 8, 1}, Shape{"1B", 1280, 73, 8, 1},
+                         Shape{"1B block9", 1280, 73, 8, 9}}) {
+    const RoutingLayout lay = RoutingLayout::blocks(sh.S, sh.block);
     const int64_t d = sh.d, P = lay.pairs();
     const int S = sh.S, H = sh.H;
     Buffer hist = random_gpu(DType::BF16, {S, N, d});
@@ -148,13 +150,13 @@ TEST_F(OpTiming, DISABLED_ModelShapes) {
            time_ms(backward, 2), 0, row * (double(P) + 4.0 * S));
     report("routing_mix last site " + tag,
            time_ms([&] { gpu->routing_mix(xs.t()[S - 1], weights, hist, lay, S - 1, H); }), 0,
-           row * (S + 1));
+           row * (lay.site_sources(S - 1) + 1));
     report("routing_source_backward source 0 " + tag,
            time_ms([&] {
              gpu->routing_source_backward(dv, weights, ubar, gsum, dx_rows, xs.t()[0],
                                           hist.t()[0], inv_rms.t()[0], rp, lay, 0, H);
            }),
-           0, row * (S + 4.0));
+           0, row * (lay.last_site(0) + 1 + 4.0));
   }
   {
     const int64_t rows = 2048, V = 151936;
