@@ -14,7 +14,7 @@
 
 namespace mhar {
 
-enum class ResidualMode { Standard, AttnRes, Mhar };
+enum class ResidualMode { Standard, AttnRes, Mhar, Hyper };
 const char* residual_mode_name(ResidualMode m);
 
 struct ModelConfig {
@@ -43,7 +43,12 @@ struct ResidualConfig {
   // Block routing (DESIGN.md section 2): sublayer outputs per block, s in 1..2L; 0 is
   // full routing, which is also what s = 1 computes.
   int block_size = 0;
-  bool routed() const { return mode != ResidualMode::Standard; }
+  // Hyper-Connections (mode hyper, DESIGN.md section 2): n residual streams, and whether
+  // the mixing coefficients get the per-token dynamic term (not implemented yet).
+  int hyper_n = 4;
+  bool hyper_dynamic = false;
+  // Depth routing over the sources (attnres, mhar); standard and hyper are unrouted.
+  bool routed() const { return mode == ResidualMode::AttnRes || mode == ResidualMode::Mhar; }
   int routing_block() const { return block_size > 0 ? block_size : 1; }
 };
 
