@@ -20,6 +20,14 @@ namespace mhar {
 
 using nlohmann::json;
 
+std::string residual_summary(const ResidualConfig& r) {
+  std::string s = residual_mode_name(r.mode);
+  if (r.routed()) s += " H=" + std::to_string(r.heads);
+  if (r.routed() && r.block_size > 1) s += " block " + std::to_string(r.block_size);
+  if (r.mode == ResidualMode::Hyper) s += " n=" + std::to_string(r.hyper_n);
+  return s;
+}
+
 const char* residual_mode_name(ResidualMode m) {
   switch (m) {
     case ResidualMode::Standard: return "standard";

@@ -16,6 +16,10 @@ namespace mhar {
 
 enum class ResidualMode { Standard, AttnRes, Mhar, Hyper };
 const char* residual_mode_name(ResidualMode m);
+struct ResidualConfig;
+// "standard", "mhar H=4", "mhar H=4 block 3", "hyper n=4": the mode and what shapes it,
+// for log lines.
+std::string residual_summary(const ResidualConfig& r);
 
 struct ModelConfig {
   int vocab_size = 50304;
