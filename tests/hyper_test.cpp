@@ -7,8 +7,13 @@
 //   sublayer's input is the standard residual bit for bit (n = 4, one-hot wrapping);
 // - the head reads sum_i h_i (checked against the streams summed on the host);
 // - a backend without the stream ops (CUDA today) is refused when the model is built,
-//   naming the mode and the way out.
+//   naming the mode and the way out;
+// - each stream op against its equation written as plain loops, with poisoned outputs
+//   (what an op overwrites must not read them) and pre-filled gradients (what it adds
+//   to must keep them): the contract a CUDA implementation will be held to.
 #include <gtest/gtest.h>
+
+#include <limits>
 
 #include "engine/forwarding_backend.h"
 #include "tests/model_test_util.h"
@@ -157,6 +162,115 @@ TEST(HyperRefusal, BackendWithoutStreamOpsFailsWhenTheModelIsBuilt) {
     void hyper_mix(Tensor x, Tensor H, Tensor c) override { Backend::hyper_mix(x, H, c); }
   } bare(*cpu);
   EXPECT_THROW(bare.hyper_mix(Tensor(), Tensor(), Tensor()), std::exception);
+}
+
+// Random host values in [-1, 1), uploaded.
+std::vector<double> fill(Backend& be, Tensor t, std::mt19937_64& rng) {
+  std::uniform_real_distribution<double> u(-1, 1);
+  std::vector<double> v(size_t(t.numel()));
+  for (double& x : v) x = u(rng);
+  be.upload(t, v.data());
+  return v;
+}
+void poison(Backend& be, Tensor t) {
+  std::vector<double> v(size_t(t.numel()), std::numeric_limits<double>::quiet_NaN());
+  be.upload(t, v.data());
+}
+void expect_close(const std::vector<double>& got, const std::vector<double>& want, const char* what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i)
+    EXPECT_NEAR(got[i], want[i], 1e-12 * (1 + std::abs(want[i]))) << what << " [" << i << "]";
+}
+
+TEST(HyperOps, EachOpIsItsEquationOverwritingAndAccumulatingAsDocumented) {
+  auto be = make_cpu_backend(DType::F64);
+  std::mt19937_64 rng(31);
+  const int n = 3;
+  const int64_t N = 5, d = 4, M = N * d;
+  std::vector<void*> owned;
+  auto buf = [&](std::initializer_list<int64_t> shape) {
+    int64_t numel = 1;
+    for (int64_t x : shape) numel *= x;
+    void* p = be->allocate(size_t(numel) * sizeof(double));
+    owned.push_back(p);
+    return Tensor(p, DType::F64, shape);
+  };
+  Tensor H = buf({n, N, d}), H2 = buf({n, N, d}), dH = buf({n, N, d}), dH2 = buf({n, N, d});
+  Tensor x = buf({N, d}), dx = buf({N, d}), v = buf({N, d}), dv = buf({N, d});
+  Tensor am = buf({n}), dam = buf({n}), ar = buf({n * n}), dar = buf({n * n}), b = buf({n}),
+         db = buf({n});
+  const auto h = fill(*be, H, rng), a_m = fill(*be, am, rng), a_r = fill(*be, ar, rng),
+             bb = fill(*be, b, rng), vv = fill(*be, v, rng), g = fill(*be, dx, rng);
+
+  // hyper_mix, with coefficients and as the head's plain sum.
+  for (bool plain : {false, true}) {
+    poison(*be, x);
+    be->hyper_mix(x, H, plain ? Tensor() : am);
+    std::vector<double> want(size_t(M), 0.0);
+    for (int i = 0; i < n; ++i)
+      for (int64_t e = 0; e < M; ++e) want[size_t(e)] += (plain ? 1.0 : a_m[size_t(i)]) * h[size_t(i * M + e)];
+    expect_close(download(*be, x), want, plain ? "mix (sum)" : "mix");
+  }
+
+  // hyper_mix_backward: dH overwritten or added to; dA_m added to.
+  for (bool acc : {false, true}) {
+    std::vector<double> dh0(size_t(n * M), 0.0);
+    if (acc) dh0 = fill(*be, dH, rng);
+    else poison(*be, dH);
+    const auto dam0 = fill(*be, dam, rng);
+    be->hyper_mix_backward(dH, dam, dx, H, am, acc);
+    std::vector<double> want_dh = dh0, want_dam = dam0;
+    for (int i = 0; i < n; ++i)
+      for (int64_t e = 0; e < M; ++e) {
+        want_dh[size_t(i * M + e)] += a_m[size_t(i)] * g[size_t(e)];
+        want_dam[size_t(i)] += g[size_t(e)] * h[size_t(i * M + e)];
+      }
+    expect_close(download(*be, dH), want_dh, acc ? "mix backward dH (+=)" : "mix backward dH");
+    expect_close(download(*be, dam), want_dam, "mix backward dA_m");
+  }
+  poison(*be, dH);  // the head's form: no coefficients, so no coefficient gradient
+  be->hyper_mix_backward(dH, Tensor(), dx, Tensor(), Tensor(), false);
+  for (int i = 0; i < n; ++i)
+    expect_close(download(*be, dH[i]), g, "sum backward");
+
+  // hyper_update: out[i] = B[i] v + sum_r A_r[r, i] in[r].
+  poison(*be, H2);
+  be->hyper_update(H2, H, v, ar, b);
+  std::vector<double> want(size_t(n * M));
+  for (int i = 0; i < n; ++i)
+    for (int64_t e = 0; e < M; ++e) {
+      double s = bb[size_t(i)] * vv[size_t(e)];
+      for (int r = 0; r < n; ++r) s += a_r[size_t(r * n + i)] * h[size_t(r * M + e)];
+      want[size_t(i * M + e)] = s;
+    }
+  expect_close(download(*be, H2), want, "update");
+
+  // hyper_update_backward: din and dv overwritten, dA_r and dB added to.
+  const auto go = fill(*be, dH2, rng), dar0 = fill(*be, dar, rng), db0 = fill(*be, db, rng);
+  poison(*be, dH);
+  poison(*be, dv);
+  be->hyper_update_backward(dH, dv, dar, db, dH2, H, v, ar, b);
+  std::vector<double> want_din(size_t(n * M), 0.0), want_dv(size_t(M), 0.0), want_dar = dar0,
+                      want_db = db0;
+  for (int i = 0; i < n; ++i)
+    for (int64_t e = 0; e < M; ++e) {
+      const double gi = go[size_t(i * M + e)];
+      want_dv[size_t(e)] += bb[size_t(i)] * gi;
+      want_db[size_t(i)] += gi * vv[size_t(e)];
+      for (int r = 0; r < n; ++r) {
+        want_din[size_t(r * M + e)] += a_r[size_t(r * n + i)] * gi;
+        want_dar[size_t(r * n + i)] += gi * h[size_t(r * M + e)];
+      }
+    }
+  expect_close(download(*be, dH), want_din, "update backward din");
+  expect_close(download(*be, dv), want_dv, "update backward dv");
+  expect_close(download(*be, dar), want_dar, "update backward dA_r");
+  expect_close(download(*be, db), want_db, "update backward dB");
+
+  // Shapes are checked: coefficients of the wrong length, and an update in place.
+  EXPECT_THROW(be->hyper_mix(x, H, ar), Error);
+  EXPECT_THROW(be->hyper_update(H, H, v, ar, b), Error);
+  for (void* p : owned) be->release(p);
 }
 
 }  // namespace
