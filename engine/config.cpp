@@ -252,7 +252,7 @@ struct FieldReader {
           return;
         }
     fail(where(key), " = ", json_excerpt(*val),
-          " is not a residual mode; valid: \"standard\", \"attnres\", \"mhar\", \"hyper\"");
+         " is not a residual mode; valid: \"standard\", \"attnres\", \"mhar\", \"hyper\"");
   }
   void reject_unknown() {
     std::set<std::string> ok(known.begin(), known.end());
@@ -354,7 +354,6 @@ void Config::validate() const {
          m.n_heads, " (grouped-query attention needs a whole number of query heads per KV head)");
 
   const int H = residual.heads, s = residual.block_size;
-  const bool t_device_is_cuda = train.device == "cuda";
   const std::string mode_name = residual_mode_name(residual.mode);
   if (!residual.routed() && s != 0)
     fail(where("residual.block_size"), " = ", s, " has no meaning in mode \"", mode_name,
@@ -385,7 +384,8 @@ void Config::validate() const {
       if (H <= 0) fail(where("residual.heads"), " = ", H, " must be >= 1");
       if (m.d_model % H)
         fail(where("residual.heads"), " = ", H, " does not divide model.d_model = ", m.d_model);
-      break;    case ResidualMode::Hyper:
+      break;
+    case ResidualMode::Hyper:
       if (H != 0)
         fail(where("residual.heads"), " = ", H,
              " has no meaning in mode \"hyper\" (it mixes residual.hyper_n streams, it does "
@@ -395,7 +395,9 @@ void Config::validate() const {
       if (residual.hyper_dynamic)
         fail(where("residual.hyper_dynamic"), " = true is not implemented yet (issue 11: "
              "only static Hyper-Connections exist); valid: false");
-      if (t_device_is_cuda)
+      // No CUDA kernels: a config that asks for the GPU outright is refused here; "auto"
+      // on a GPU machine is refused when the model is built (residual_hyper.cpp).
+      if (train.device == "cuda")
         fail(where("train.device"), " = \"cuda\": residual.mode hyper has no CUDA kernels yet: "
              "run it with --device cpu (train.device = \"cpu\")");
       break;
