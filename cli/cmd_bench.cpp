@@ -211,8 +211,8 @@ void run_bench(const BenchOptions& o) {
   const int W = dist_info.world_size;
   const bool root = dist_info.rank == 0;
 
-  spdlog::info("bench: {} ({} H={}), {} x {} tokens per rank, {} rank(s), {} warmup + {} timed "
-               "steps", cfg.source, residual_mode_name(cfg.residual.mode), cfg.residual.heads,
+  spdlog::info("bench: {} ({}), {} x {} tokens per rank, {} rank(s), {} warmup + {} timed "
+               "steps", cfg.source, residual_summary(cfg.residual),
                B, T, W, o.warmup, o.steps);
   // Under mpirun: first every rank alone (the single-process step, no communication:
   // the one-GPU baseline of the scaling efficiency, and at one rank the reference the
@@ -253,6 +253,7 @@ void run_bench(const BenchOptions& o) {
       {"config", cfg.source},
       {"mode", residual_mode_name(cfg.residual.mode)},
       {"heads", cfg.residual.heads},
+      {"hyper_n", cfg.residual.mode == ResidualMode::Hyper ? cfg.residual.hyper_n : 0},
       {"device", on_gpu ? cuda::describe_device(dist_info.local_rank) : std::string("cpu")},
       {"backend", r.backend_name},
       {"ranks", W},

@@ -32,7 +32,8 @@ void register_probe(CLI::App& app) {
     CheckpointInfo ckpt = open_checkpoint(checkpoint);
     const Config& cfg = ckpt.config;
     if (!cfg.residual.routed())
-      fail(ckpt.dir, ": residual.mode is standard: there is no routing to probe (attnres and mhar route)");
+      fail(ckpt.dir, ": residual.mode is ", residual_mode_name(cfg.residual.mode),
+           ": there is no routing to probe (attnres and mhar route)");
     const auto [B, T] = checkpoint_batch_shape(cfg, batch_size, seq_len, cfg.train.seq_len, "probe");
     data::DataLoader loader(glob, B, T, 0, 0, 1, cfg.model.vocab_size, data::LoaderMode::Sequential);
     if (loader.num_batches() == 0)

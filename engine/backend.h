@@ -237,6 +237,28 @@ class Backend {
   virtual void routing_stats(Tensor stats, Tensor weights, const RoutingLayout& layout, int site,
                              int heads);
 
+  // ---- Hyper-Connections (residual.mode hyper, DESIGN.md section 2; residual_hyper.cpp).
+  // Streams H [n, N, d] (act dtype), stream i at H[i]. One sublayer's coefficients are
+  // parameters (act dtype): a mix vector [n], A_r [n, n] row-major (A_r[r, i] at
+  // r * n + i: how much of stream r goes into new stream i), B [n]; their gradients
+  // (grad dtype) are "+=". Only the CPU reference implements these so far: the defaults
+  // fail naming the mode, and has_hyper_ops() says so before a model is built.
+  virtual bool has_hyper_ops() const { return false; }
+  //   x = sum_i coef[i] H[i]   (x overwritten; an empty coef is all ones: the head's sum)
+  virtual void hyper_mix(Tensor x, Tensor H, Tensor coef);
+  //   dH[i] = coef[i] dx   (+= when accumulate);   dcoef[i] += sum_{n,c} dx H[i]
+  // (an empty coef is all ones and has no gradient; then dcoef and H may be empty).
+  virtual void hyper_mix_backward(Tensor dH, Tensor dcoef, Tensor dx, Tensor H, Tensor coef,
+                                  bool accumulate);
+  //   out[i] = B[i] v + sum_r A_r[r, i] in[r]    (v [N, d] the sublayer's output; out
+  //   overwritten, a different buffer from in)
+  virtual void hyper_update(Tensor out, Tensor in, Tensor v, Tensor Ar, Tensor B);
+  // Its backward, from dout = d(loss)/d(out):
+  //   din[r] = sum_i A_r[r, i] dout[i],  dv = sum_i B[i] dout[i]       (overwritten)
+  //   dAr[r, i] += sum_{n,c} dout[i] in[r],  dB[i] += sum_{n,c} dout[i] v
+  virtual void hyper_update_backward(Tensor din, Tensor dv, Tensor dAr, Tensor dB, Tensor dout,
+                                     Tensor in, Tensor v, Tensor Ar, Tensor B);
+
   // ---- optimizer support
   // Sum of squares of every element (fp64 result, host-synchronising): the global
   // gradient norm is sqrt(sum_squares(all gradients)), one call over the gradient arena.
@@ -259,6 +281,24 @@ inline void Backend::rope_at(Tensor, double, int64_t) {
 }
 inline void Backend::attention_cached(Tensor, Tensor, Tensor, Tensor) {
   fail(name(), " does not implement incremental decoding yet; run sampling on the CPU");
+}
+
+// The refusal of every Hyper-Connections op on a backend without them.
+[[noreturn]] inline void hyper_unsupported(const std::string& backend) {
+  fail("residual.mode hyper has no kernels on the ", backend,
+       " backend yet (no CUDA kernels; the CPU backend is its reference): run it with "
+       "--device cpu");
+}
+inline void Backend::hyper_mix(Tensor, Tensor, Tensor) { hyper_unsupported(name()); }
+inline void Backend::hyper_mix_backward(Tensor, Tensor, Tensor, Tensor, Tensor, bool) {
+  hyper_unsupported(name());
+}
+inline void Backend::hyper_update(Tensor, Tensor, Tensor, Tensor, Tensor) {
+  hyper_unsupported(name());
+}
+inline void Backend::hyper_update_backward(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                           Tensor, Tensor) {
+  hyper_unsupported(name());
 }
 
 // The CPU reference backend in fp32 (dtype F32) or fp64 (F64, for gradient checks).

@@ -20,11 +20,20 @@ namespace mhar {
 
 using nlohmann::json;
 
+std::string residual_summary(const ResidualConfig& r) {
+  std::string s = residual_mode_name(r.mode);
+  if (r.routed()) s += " H=" + std::to_string(r.heads);
+  if (r.routed() && r.block_size > 1) s += " block " + std::to_string(r.block_size);
+  if (r.mode == ResidualMode::Hyper) s += " n=" + std::to_string(r.hyper_n);
+  return s;
+}
+
 const char* residual_mode_name(ResidualMode m) {
   switch (m) {
     case ResidualMode::Standard: return "standard";
     case ResidualMode::AttnRes: return "attnres";
     case ResidualMode::Mhar: return "mhar";
+    case ResidualMode::Hyper: return "hyper";
   }
   return "?";
 }
@@ -84,6 +93,10 @@ template <class V> void visit_fields(ResidualConfig& c, V& v) {
                       "divide d_model"});
   v("block_size", c.block_size,
     IntRange{0, 2048, "sublayers per routing block; 0 = full routing; at most 2 * n_layers"});
+  v("hyper_n", c.hyper_n,
+    IntRange{1, 64, "residual streams of mode hyper (the paper uses 1 to 8); a plausibility "
+                    "bound, each stream costs one more [tokens, d_model] per sublayer"});
+  v("hyper_dynamic", c.hyper_dynamic);
 }
 template <class V> void visit_fields(TrainConfig& c, V& v) {
   v("micro_batch", c.micro_batch, IntRange{1, 65536, "a size cap; one step holds micro_batch x seq_len tokens"});
@@ -232,13 +245,14 @@ struct FieldReader {
     const json* val = find(key);
     if (!val) return;
     if (val->is_string())
-      for (ResidualMode m : {ResidualMode::Standard, ResidualMode::AttnRes, ResidualMode::Mhar})
+      for (ResidualMode m : {ResidualMode::Standard, ResidualMode::AttnRes, ResidualMode::Mhar,
+                             ResidualMode::Hyper})
         if (val->get_ref<const std::string&>() == residual_mode_name(m)) {
           out = m;
           return;
         }
     fail(where(key), " = ", json_excerpt(*val),
-         " is not a residual mode; valid: \"standard\", \"attnres\", \"mhar\"");
+         " is not a residual mode; valid: \"standard\", \"attnres\", \"mhar\", \"hyper\"");
   }
   void reject_unknown() {
     std::set<std::string> ok(known.begin(), known.end());
@@ -340,10 +354,18 @@ void Config::validate() const {
          m.n_heads, " (grouped-query attention needs a whole number of query heads per KV head)");
 
   const int H = residual.heads, s = residual.block_size;
-  if (residual.mode == ResidualMode::Standard && s != 0)
-    fail(where("residual.block_size"), " = ", s,
-         " has no meaning in mode \"standard\" (block routing groups the sources of attnres "
-         "and mhar); leave it 0");
+  const std::string mode_name = residual_mode_name(residual.mode);
+  if (!residual.routed() && s != 0)
+    fail(where("residual.block_size"), " = ", s, " has no meaning in mode \"", mode_name,
+         "\" (block routing groups the sources of attnres and mhar); leave it 0");
+  if (residual.mode != ResidualMode::Hyper) {
+    if (residual.hyper_n != ResidualConfig{}.hyper_n)
+      fail(where("residual.hyper_n"), " = ", residual.hyper_n, " has no meaning in mode \"",
+           mode_name, "\" (it is the stream count of mode \"hyper\"); leave it out");
+    if (residual.hyper_dynamic)
+      fail(where("residual.hyper_dynamic"), " = true has no meaning in mode \"", mode_name,
+           "\" (it selects dynamic Hyper-Connections in mode \"hyper\"); leave it out");
+  }
   if (residual.routed() && s > 2 * m.n_layers)
     fail(where("residual.block_size"), " = ", s, " is more than the 2 * model.n_layers = ",
          2 * m.n_layers, " sublayers; valid: 0 (full routing) or 1..", 2 * m.n_layers,
@@ -362,6 +384,22 @@ void Config::validate() const {
       if (H <= 0) fail(where("residual.heads"), " = ", H, " must be >= 1");
       if (m.d_model % H)
         fail(where("residual.heads"), " = ", H, " does not divide model.d_model = ", m.d_model);
+      break;
+    case ResidualMode::Hyper:
+      if (H != 0)
+        fail(where("residual.heads"), " = ", H,
+             " has no meaning in mode \"hyper\" (it mixes residual.hyper_n streams, it does "
+             "not route); leave it 0");
+      // The dynamic variant (per-token coefficients, DESIGN.md section 2) is specified
+      // but not built: refusing it beats silently training the static one.
+      if (residual.hyper_dynamic)
+        fail(where("residual.hyper_dynamic"), " = true is not implemented yet (issue 11: "
+             "only static Hyper-Connections exist); valid: false");
+      // No CUDA kernels: a config that asks for the GPU outright is refused here; "auto"
+      // on a GPU machine is refused when the model is built (residual_hyper.cpp).
+      if (train.device == "cuda")
+        fail(where("train.device"), " = \"cuda\": residual.mode hyper has no CUDA kernels yet: "
+             "run it with --device cpu (train.device = \"cpu\")");
       break;
   }
 
@@ -401,7 +439,10 @@ StepFootprint estimate_footprint(const ModelConfig& m, const ResidualConfig& r, 
   const double N = double(batch) * double(seq_len);
   StepFootprint f;
   const double per_layer = 2 * d + 2 * hd + 2 * d * qd + 2 * d * kvd + 3 * d * F;
-  f.parameters = V * d * (m.tie_embeddings ? 1 : 2) + L * per_layer + d + (r.routed() ? 2 * S * d : 0);
+  const bool hyper = r.mode == ResidualMode::Hyper;
+  const double n = hyper ? r.hyper_n : 0;
+  f.parameters = V * d * (m.tie_embeddings ? 1 : 2) + L * per_layer + d + (r.routed() ? 2 * S * d : 0) +
+                 (hyper ? 2 * L * (2 * n + n * n) : 0);
   f.parameter_bytes = 16 * f.parameters;  // value, gradient, two AdamW moments
   // Values per token kept from the forward pass for the backward one (model.cpp's plan).
   double per_token = S * d /* history */ + S * d /* site inputs */ + V + 2 * d /* head */;
@@ -412,6 +453,9 @@ StepFootprint estimate_footprint(const ModelConfig& m, const ResidualConfig& r, 
   const double s = r.routing_block(), c = std::ceil(S / s);
   const double pairs = c * S - s * c * (c - 1) / 2 + (S - c);
   if (r.routed()) per_token += pairs * H + S * d + S * H + S;
+  // Hyper: the n streams after every sublayer (and before the first), kept for the
+  // backward (residual_hyper.cpp's plan).
+  if (hyper) per_token += S * n * d;
   f.activation_bytes = 4 * N * per_token;
   f.kv_cache_bytes = 4 * 2 * L * double(m.context_length) * kvd;
   return f;

@@ -14,8 +14,12 @@
 
 namespace mhar {
 
-enum class ResidualMode { Standard, AttnRes, Mhar };
+enum class ResidualMode { Standard, AttnRes, Mhar, Hyper };
 const char* residual_mode_name(ResidualMode m);
+struct ResidualConfig;
+// "standard", "mhar H=4", "mhar H=4 block 3", "hyper n=4": the mode and what shapes it,
+// for log lines.
+std::string residual_summary(const ResidualConfig& r);
 
 struct ModelConfig {
   int vocab_size = 50304;
@@ -43,7 +47,12 @@ struct ResidualConfig {
   // Block routing (DESIGN.md section 2): sublayer outputs per block, s in 1..2L; 0 is
   // full routing, which is also what s = 1 computes.
   int block_size = 0;
-  bool routed() const { return mode != ResidualMode::Standard; }
+  // Hyper-Connections (mode hyper, DESIGN.md section 2): n residual streams, and whether
+  // the mixing coefficients get the per-token dynamic term (not implemented yet).
+  int hyper_n = 4;
+  bool hyper_dynamic = false;
+  // Depth routing over the sources (attnres, mhar); standard and hyper are unrouted.
+  bool routed() const { return mode == ResidualMode::AttnRes || mode == ResidualMode::Mhar; }
   int routing_block() const { return block_size > 0 ? block_size : 1; }
 };
 

@@ -8,6 +8,7 @@
 #include "engine/cpu/attention.h"
 #include "engine/cpu/classifier.h"
 #include "engine/cpu/embedding.h"
+#include "engine/cpu/hyper.h"
 #include "engine/cpu/matmul.h"
 #include "engine/cpu/optimizer.h"
 #include "engine/cpu/rmsnorm.h"
@@ -283,6 +284,60 @@ class CpuBackend final : public Backend {
         dg[c] += T(double(sites[size_t(k)].q[c]) * G);
       }
     }
+  }
+
+  // Hyper-Connections: streams [n, N, d] (or [n, M]); coefficients [n] and [n * n].
+  bool has_hyper_ops() const override { return true; }
+  static int hyper_streams(const Tensor& H, int64_t M, const char* what) {
+    MHAR_CHECK(H.ndim >= 2 && M > 0 && H.numel() % M == 0 && H.dim(0) * M == H.numel(), what,
+               ": streams ", H.shape_str(), " are not [n, ", M, " elements]");
+    return int(H.dim(0));
+  }
+  static void hyper_coef(const Tensor& c, int64_t want, const char* what) {
+    MHAR_CHECK(c.numel() == want, what, " has ", c.numel(), " elements, expected ", want);
+  }
+  void hyper_mix(Tensor x, Tensor H, Tensor coef) override {
+    const int n = hyper_streams(H, x.numel(), "hyper_mix");
+    if (!coef.empty()) hyper_coef(coef, n, "hyper_mix coef");
+    cpu::hyper_mix(x.ptr<T>(), H.ptr<T>(), coef.empty() ? nullptr : coef.ptr<T>(), n, x.numel());
+  }
+  void hyper_mix_backward(Tensor dH, Tensor dcoef, Tensor dx, Tensor H, Tensor coef,
+                          bool accumulate) override {
+    const int n = hyper_streams(dH, dx.numel(), "hyper_mix_backward");
+    if (!coef.empty()) {
+      hyper_coef(coef, n, "hyper_mix_backward coef");
+      hyper_coef(dcoef, n, "hyper_mix_backward dcoef");
+      MHAR_CHECK(H.numel() == dH.numel(), "hyper_mix_backward: H ", H.shape_str(), " dH ",
+                 dH.shape_str());
+    }
+    cpu::hyper_mix_backward(dH.ptr<T>(), coef.empty() ? nullptr : dcoef.ptr<T>(), dx.ptr<T>(),
+                            coef.empty() ? nullptr : H.ptr<T>(),
+                            coef.empty() ? nullptr : coef.ptr<T>(), n, dx.numel(), accumulate);
+  }
+  void hyper_update(Tensor out, Tensor in, Tensor v, Tensor Ar, Tensor B) override {
+    const int n = hyper_streams(out, v.numel(), "hyper_update");
+    MHAR_CHECK(in.numel() == out.numel() && in.data != out.data,
+               "hyper_update: in ", in.shape_str(), " must be a buffer of out's shape ",
+               out.shape_str(), " other than out");
+    hyper_coef(Ar, int64_t(n) * n, "hyper_update A_r");
+    hyper_coef(B, n, "hyper_update B");
+    cpu::hyper_update(out.ptr<T>(), in.ptr<T>(), v.ptr<T>(), Ar.ptr<T>(), B.ptr<T>(), n,
+                      v.numel());
+  }
+  void hyper_update_backward(Tensor din, Tensor dv, Tensor dAr, Tensor dB, Tensor dout,
+                             Tensor in, Tensor v, Tensor Ar, Tensor B) override {
+    const int n = hyper_streams(dout, v.numel(), "hyper_update_backward");
+    MHAR_CHECK(din.numel() == dout.numel() && in.numel() == dout.numel() &&
+                   dv.numel() == v.numel() && din.data != dout.data,
+               "hyper_update_backward shapes: din ", din.shape_str(), " dout ",
+               dout.shape_str(), " in ", in.shape_str(), " dv ", dv.shape_str());
+    hyper_coef(Ar, int64_t(n) * n, "hyper_update_backward A_r");
+    hyper_coef(dAr, int64_t(n) * n, "hyper_update_backward dA_r");
+    hyper_coef(B, n, "hyper_update_backward B");
+    hyper_coef(dB, n, "hyper_update_backward dB");
+    cpu::hyper_update_backward(din.ptr<T>(), dv.ptr<T>(), dAr.ptr<T>(), dB.ptr<T>(),
+                               dout.ptr<T>(), in.ptr<T>(), v.ptr<T>(), Ar.ptr<T>(), B.ptr<T>(),
+                               n, v.numel());
   }
 
   double sum_squares(Tensor t) override { return cpu::sum_squares(t.ptr<T>(), t.numel()); }

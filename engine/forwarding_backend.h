@@ -82,6 +82,18 @@ class ForwardingBackend : public Backend {
                      int heads) override {
     in_.routing_stats(stats, w, lay, site, heads);
   }
+  bool has_hyper_ops() const override { return in_.has_hyper_ops(); }
+  void hyper_mix(Tensor x, Tensor H, Tensor c) override { in_.hyper_mix(x, H, c); }
+  void hyper_mix_backward(Tensor dH, Tensor dc, Tensor dx, Tensor H, Tensor c, bool acc) override {
+    in_.hyper_mix_backward(dH, dc, dx, H, c, acc);
+  }
+  void hyper_update(Tensor out, Tensor in, Tensor v, Tensor Ar, Tensor B) override {
+    in_.hyper_update(out, in, v, Ar, B);
+  }
+  void hyper_update_backward(Tensor din, Tensor dv, Tensor dAr, Tensor dB, Tensor dout, Tensor in,
+                             Tensor v, Tensor Ar, Tensor B) override {
+    in_.hyper_update_backward(din, dv, dAr, dB, dout, in, v, Ar, B);
+  }
   double sum_squares(Tensor t) override { return in_.sum_squares(t); }
   void adamw(Tensor p, Tensor m, Tensor g, Tensor a, Tensor b, const AdamW& hp) override {
     in_.adamw(p, m, g, a, b, hp);

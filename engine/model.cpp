@@ -159,8 +159,10 @@ void Model::plan_parameters() {
   close_bucket();
   if (const char* bucket = scheme_->bucket()) {
     open_bucket(bucket);
-    scheme_->add_parameters([&](const std::string& name, int64_t n, Init init) {
-      return add(name, {n}, false, init);
+    scheme_->add_parameters([&](const std::string& name, int64_t n, Init init, int64_t arg) {
+      const int id = add(name, {n}, false, init);
+      params_[size_t(id)].init_arg = arg;
+      return id;
     });
     close_bucket();
   }
@@ -278,6 +280,16 @@ void Model::init_weights(const UnitDraw& draw) {
     switch (prm.init) {
       case Init::Zero: break;
       case Init::One: std::fill(host.begin(), host.end(), 1.0); break;
+      case Init::OneHot:
+        MHAR_CHECK(prm.init_arg >= 0 && prm.init_arg < prm.value.numel(), prm.name,
+                   ": one-hot element ", prm.init_arg, " of ", prm.value.numel());
+        host[size_t(prm.init_arg)] = 1.0;
+        break;
+      case Init::Identity:
+        MHAR_CHECK(prm.init_arg * prm.init_arg == prm.value.numel(), prm.name, ": identity of side ",
+                   prm.init_arg, " in ", prm.value.numel(), " elements");
+        for (int64_t i = 0; i < prm.init_arg; ++i) host[size_t(i * prm.init_arg + i)] = 1.0;
+        break;
       case Init::Normal:
         draw(prm, host);
         for (double& x : host) x = prm.init_std * x;

@@ -36,6 +36,7 @@ struct Parameter {
   bool decay;    // AdamW weight decay applies (matrices only)
   Init init = Init::Normal;  // what it starts as (residual.h); read by every initialiser
   double init_std = 0;       // Init::Normal: the standard deviation
+  int64_t init_arg = 0;      // Init::OneHot: the hot element; Init::Identity: the side
   int64_t offset = 0;  // element offset in the parameter and gradient allocations
   int bucket = 0;      // index into Model::buckets()
 };
@@ -85,7 +86,8 @@ class Model {
 
   // The one initialiser: every parameter as its Parameter::init says (DESIGN.md section 1:
   // matrices normal(0, init_std), output projections scaled by 1/sqrt(2L), norm weights
-  // and routing gains 1, routing queries 0); an Init::Normal parameter gets init_std
+  // and routing gains 1, routing queries 0, hyper coefficients the pre-norm residual);
+  // an Init::Normal parameter gets init_std
   // times the unit-variance draws `draw(parameter, values)` writes into its values.
   using UnitDraw = std::function<void(const Parameter&, std::vector<double>&)>;
   void init_weights(const UnitDraw& draw);

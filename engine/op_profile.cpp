@@ -234,6 +234,26 @@ void OpProfiler::routing_param_grads(const RoutingParams& params, Tensor gsum) {
   Span s(*this, OpFamily::Routing, bytes_of({gsum}));
   in_.routing_param_grads(params, gsum);
 }
+void OpProfiler::hyper_mix(Tensor x, Tensor H, Tensor coef) {
+  Span s(*this, OpFamily::Elementwise, bytes_of({x, H}));
+  in_.hyper_mix(x, H, coef);
+}
+void OpProfiler::hyper_mix_backward(Tensor dH, Tensor dcoef, Tensor dx, Tensor H, Tensor coef,
+                                    bool accumulate) {
+  // dx read, dH written (and read when accumulating), H read for the coefficient sums.
+  Span s(*this, OpFamily::Elementwise, bytes_of({dx, dH}) + (H.empty() ? 0 : bytes_of({H})) +
+                                           (accumulate ? bytes_of({dH}) : 0));
+  in_.hyper_mix_backward(dH, dcoef, dx, H, coef, accumulate);
+}
+void OpProfiler::hyper_update(Tensor out, Tensor in, Tensor v, Tensor Ar, Tensor B) {
+  Span s(*this, OpFamily::Elementwise, bytes_of({out, in, v}));
+  in_.hyper_update(out, in, v, Ar, B);
+}
+void OpProfiler::hyper_update_backward(Tensor din, Tensor dv, Tensor dAr, Tensor dB, Tensor dout,
+                                       Tensor in, Tensor v, Tensor Ar, Tensor B) {
+  Span s(*this, OpFamily::Elementwise, bytes_of({din, dv, dout, in, v}));
+  in_.hyper_update_backward(din, dv, dAr, dB, dout, in, v, Ar, B);
+}
 double OpProfiler::sum_squares(Tensor t) {
   Span s(*this, OpFamily::Optimizer, bytes_of({t}));
   return in_.sum_squares(t);

@@ -85,6 +85,13 @@ class OpProfiler final : public ForwardingBackend {
                                const RoutingParams& params, const RoutingLayout& layout, int source,
                                int heads) override;
   void routing_param_grads(const RoutingParams& params, Tensor gsum) override;
+  // Hyper-Connections' stream ops: streaming reads and writes, counted as Elementwise.
+  void hyper_mix(Tensor x, Tensor H, Tensor coef) override;
+  void hyper_mix_backward(Tensor dH, Tensor dcoef, Tensor dx, Tensor H, Tensor coef,
+                          bool accumulate) override;
+  void hyper_update(Tensor out, Tensor in, Tensor v, Tensor Ar, Tensor B) override;
+  void hyper_update_backward(Tensor din, Tensor dv, Tensor dAr, Tensor dB, Tensor dout, Tensor in,
+                             Tensor v, Tensor Ar, Tensor B) override;
   double sum_squares(Tensor t) override;
   void adamw(Tensor param, Tensor master, Tensor grad, Tensor m, Tensor v, const AdamW& hp) override;
   void zero(Tensor t) override;

@@ -38,7 +38,8 @@ RoutingProbe::~RoutingProbe() {
 
 void RoutingProbe::add(Model& model) {
   if (!model.residual().routed())
-    fail("probe: the model's residual mode is standard: it has no routing to probe (train attnres or mhar)");
+    fail("probe: the model's residual mode is ", residual_mode_name(model.residual().mode),
+         ": it has no routing to probe (train attnres or mhar)");
   const int S = model.config().n_sites(), H = model.residual().heads;
   if (!buffer_) {
     be_ = &model.backend();

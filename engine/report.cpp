@@ -672,7 +672,8 @@ std::string render(const RunData& run) {
     row("d_ff", config_text(cfg, {"model", "d_ff"}));
     row("vocab", config_text(cfg, {"model", "vocab_size"}));
     row("context", config_text(cfg, {"model", "context_length"}));
-    row("routing heads", config_text(cfg, {"residual", "heads"}));
+    if (mode == "hyper") row("hyper streams", config_text(cfg, {"residual", "hyper_n"}));
+    else row("routing heads", config_text(cfg, {"residual", "heads"}));
     row("lr", config_text(cfg, {"train", "lr"}));
     row("schedule", config_text(cfg, {"train", "schedule"}));
     row("batch tokens", config_text(cfg, {"train", "batch_tokens"}));

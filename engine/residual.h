@@ -7,7 +7,7 @@
 // runs the same events in reverse, the sublayers reading source_grad() and writing
 // site_grad(). Everything that differs between modes lives behind this interface, one
 // implementation per scheme (residual_standard.cpp; residual_routed.cpp for attnres and
-// mhar, full or block routing): its parameters (declared with their init kind, so that
+// mhar, full or block routing; residual_hyper.cpp for Hyper-Connections): its parameters (declared with their init kind, so that
 // every initialiser reads the kind instead of matching names), its buffers in the
 // activation plan (including the site inputs, whose lifetime is the scheme's business),
 // its site forward and backward and the gradients of the sources.
@@ -30,6 +30,9 @@ enum class Init {
   Normal,  // normal(0, Parameter::init_std): matrices
   One,     // norm weights, routing gains
   Zero,    // routing queries: every site starts as the uniform mean of its sources
+  // Hyper-Connections' static coefficients start as the pre-norm residual stream:
+  OneHot,    // element Parameter::init_arg is 1, the others 0 (A_m = one-hot(k mod n))
+  Identity,  // [m, m] row-major identity, m = Parameter::init_arg (A_r = I_n)
 };
 
 // The events of one step as the activation plan counts them (DESIGN.md section 4):
@@ -59,9 +62,11 @@ class ResidualScheme {
  public:
   virtual ~ResidualScheme() = default;
 
-  // ---- parameters. The scheme's own are [d] vectors without weight decay, added in one
-  // gradient bucket named bucket() (nullptr: the scheme has none and no bucket exists).
-  using AddParameter = std::function<int(const std::string& name, int64_t numel, Init init)>;
+  // ---- parameters. The scheme's own are small vectors without weight decay, added in
+  // one gradient bucket named bucket() (nullptr: the scheme has none and no bucket
+  // exists). init_arg: Init::OneHot's hot element, Init::Identity's side; else 0.
+  using AddParameter =
+      std::function<int(const std::string& name, int64_t numel, Init init, int64_t init_arg)>;
   virtual const char* bucket() const { return nullptr; }
   virtual void add_parameters(const AddParameter&) {}
   virtual void bind_parameters() {}  // once the parameters' tensors exist

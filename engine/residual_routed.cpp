@@ -39,8 +39,8 @@ class RoutedScheme final : public ResidualScheme {
   void add_parameters(const AddParameter& add) override {
     for (int j = 0; j < layout_.sites; ++j) {
       const std::string pre = "model.routing." + std::to_string(j);
-      query_.push_back(add(pre + ".query", c_.cfg.d_model, Init::Zero));
-      gain_.push_back(add(pre + ".gain", c_.cfg.d_model, Init::One));
+      query_.push_back(add(pre + ".query", c_.cfg.d_model, Init::Zero, 0));
+      gain_.push_back(add(pre + ".gain", c_.cfg.d_model, Init::One, 0));
     }
   }
   void bind_parameters() override;

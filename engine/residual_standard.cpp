@@ -9,6 +9,7 @@
 namespace mhar {
 
 std::unique_ptr<ResidualScheme> make_routed_scheme(const SchemeContext& ctx);  // residual_routed.cpp
+std::unique_ptr<ResidualScheme> make_hyper_scheme(const SchemeContext& ctx);   // residual_hyper.cpp
 
 namespace {
 
@@ -72,6 +73,7 @@ std::unique_ptr<ResidualScheme> make_residual_scheme(const SchemeContext& ctx) {
     case ResidualMode::Standard: return std::make_unique<StandardScheme>(ctx);
     case ResidualMode::AttnRes:
     case ResidualMode::Mhar: return make_routed_scheme(ctx);
+    case ResidualMode::Hyper: return make_hyper_scheme(ctx);
   }
   fail("unknown residual mode ", int(ctx.res.mode));
 }

@@ -364,8 +364,8 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
   auto log_metrics = [&](const nlohmann::json& line) {
     if (metrics) metrics->append(line);
   };
-  spdlog::info("model: {} parameters, residual {} (H={}), backend {}", model.num_parameters(),
-               residual_mode_name(cfg.residual.mode), cfg.residual.heads, backend->name());
+  spdlog::info("model: {} parameters, residual {}, backend {}", model.num_parameters(),
+               residual_summary(cfg.residual), backend->name());
   spdlog::info("batch: {} x {} tokens x {} micro-batches x {} rank(s) = {} tokens per step; {} steps",
                B, T, accum, W, micro_tokens * accum * W, t.steps);
   if (comm->name() != "single")

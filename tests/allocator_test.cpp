@@ -56,8 +56,8 @@ TEST(MemoryPlan, DisjointLifetimesShareMemory) {
 
 TEST(MemoryPlan, ModelPlansAreSafeAndReuseAcrossLayers) {
   for (int block : {0, 3})
-  for (auto mode : {ResidualMode::Standard, ResidualMode::Mhar}) {
-    if (block && mode == ResidualMode::Standard) continue;
+  for (auto mode : {ResidualMode::Standard, ResidualMode::Mhar, ResidualMode::Hyper}) {
+    if (block && mode != ResidualMode::Mhar) continue;
     Config c = test::tiny_config(mode, mode == ResidualMode::Mhar ? 2 : 0, true, block);
     c.model.n_layers = 6;
     auto be = make_cpu_backend(DType::F32);
@@ -114,6 +114,34 @@ TEST(MemoryPlan, RoutingAddsOnlyItsStatisticsToTheActivationPlan) {
       EXPECT_LE(got, standard + stats) << size << routed;
       EXPECT_GT(got, standard) << "the statistics take memory: the comparison is not vacuous";
     }
+  }
+}
+
+// Hyper-Connections at the 350M shape: the plan is the standard one plus at most the n
+// streams of every site (kept for the backward), the two stream gradients alive at once
+// and the per-source gradients alive at once (v_0's, to the end, and one other), the
+// site inputs and their gradients having standard's lifetimes.
+TEST(MemoryPlan, HyperAddsOnlyItsStreamsToTheActivationPlan) {
+  auto cpu = make_cpu_backend(DType::F32);
+  PlanOnly be(*cpu);
+  const std::string dir = std::string(MHAR_SOURCE_DIR) + "/configs/";
+  const Config std_cfg = load_config(dir + "350m_standard.json");
+  const int B = std_cfg.train.micro_batch, T = std_cfg.train.seq_len;
+  const double standard =
+      double(Model(std_cfg.model, std_cfg.residual, be, B, T).activation_plan().total_bytes());
+  for (int n : {1, 4}) {
+    Config c = std_cfg;
+    c.residual.mode = ResidualMode::Hyper;
+    c.residual.hyper_n = n;
+    Model m(c.model, c.residual, be, B, T);
+    expect_no_live_overlap(m.activation_plan());
+    const double row = 2.0 * B * T * c.model.d_model;  // one bf16 [N, d]
+    const double streams = row * n * c.model.n_sites(), extra = row * (2 * n + 2);
+    const double got = double(m.activation_plan().total_bytes());
+    std::printf("[ memory ] 350m hyper n=%d: activations %.3f GB, standard %.3f GB, streams %.3f GB\n",
+                n, got / 1e9, standard / 1e9, streams / 1e9);
+    EXPECT_LE(got, standard + streams + extra) << n;
+    EXPECT_GT(got, standard + 0.9 * streams - extra) << "the streams must be planned, not aliased";
   }
 }
 

@@ -91,6 +91,69 @@ TEST(Config, BlockSizeIsCheckedAgainstModeAndDepth) {
   EXPECT_NE(e.find("0 = full routing"), std::string::npos) << "states what is valid: " << e;
 }
 
+TEST(Config, HyperModeReadsItsStreamCountAndRefusesWhatItDoesNotUse) {
+  Config c = mhar::config_from_json({{"residual", {{"mode", "hyper"}}}});
+  EXPECT_EQ(c.residual.mode, mhar::ResidualMode::Hyper);
+  EXPECT_EQ(c.residual.hyper_n, 4);  // the default expansion
+  EXPECT_FALSE(c.residual.hyper_dynamic);
+  EXPECT_FALSE(c.residual.routed());  // the probe and the routing report skip it
+  EXPECT_EQ(c.residual.heads, 0);
+  c = mhar::config_from_json({{"residual", {{"mode", "hyper"}, {"hyper_n", 1}}}});
+  EXPECT_EQ(c.residual.hyper_n, 1);
+  Config d = mhar::config_from_json(c.to_json(), "again.json");
+  EXPECT_EQ(d.residual.hyper_n, 1);
+  EXPECT_EQ(c.to_json(), d.to_json());
+
+  std::string e = error_of({{"residual", {{"mode", "hyper"}, {"hyper_n", 0}}}});
+  EXPECT_NE(e.find("test.json: residual.hyper_n = 0"), std::string::npos) << e;
+  EXPECT_NE(e.find("1 to 64"), std::string::npos) << "states what is valid: " << e;
+  e = error_of({{"residual", {{"mode", "hyper"}, {"hyper_n", 65}}}});
+  EXPECT_NE(e.find("residual.hyper_n = 65"), std::string::npos) << e;
+  e = error_of({{"residual", {{"mode", "hyper"}, {"hyper_n", 2.5}}}});
+  EXPECT_NE(e.find("residual.hyper_n"), std::string::npos) << e;
+  e = error_of({{"residual", {{"mode", "hyper"}, {"hyper_dynamic", "yes"}}}});
+  EXPECT_NE(e.find("residual.hyper_dynamic"), std::string::npos) << e;
+  e = error_of({{"residual", {{"mode", "hyper"}, {"hyper_dynamic", true}}}});
+  EXPECT_NE(e.find("test.json: residual.hyper_dynamic = true is not implemented yet"),
+            std::string::npos) << e;
+  EXPECT_NE(e.find("valid: false"), std::string::npos) << e;
+  e = error_of({{"residual", {{"mode", "hyper"}, {"heads", 2}}}});
+  EXPECT_NE(e.find("test.json: residual.heads = 2 has no meaning in mode \"hyper\""),
+            std::string::npos) << e;
+  e = error_of({{"residual", {{"mode", "hyper"}, {"block_size", 2}}}});
+  EXPECT_NE(e.find("test.json: residual.block_size = 2 has no meaning in mode \"hyper\""),
+            std::string::npos) << e;
+  // The stream count and the dynamic switch belong to mode hyper only.
+  e = error_of({{"residual", {{"mode", "mhar"}, {"hyper_n", 2}}}});
+  EXPECT_NE(e.find("test.json: residual.hyper_n = 2 has no meaning in mode \"mhar\""),
+            std::string::npos) << e;
+  e = error_of({{"residual", {{"mode", "standard"}, {"hyper_dynamic", true}}}});
+  EXPECT_NE(e.find("residual.hyper_dynamic = true has no meaning in mode \"standard\""),
+            std::string::npos) << e;
+  // No CUDA kernels yet: a config that asks for the GPU is refused before anything runs.
+  e = error_of({{"residual", {{"mode", "hyper"}}}, {"train", {{"device", "cuda"}}}});
+  EXPECT_NE(e.find("test.json: train.device = \"cuda\": residual.mode hyper has no CUDA kernels"),
+            std::string::npos) << e;
+  EXPECT_NE(e.find("--device cpu"), std::string::npos) << e;
+  e = error_of({{"residual", {{"mode", "hyperconnections"}}}});
+  EXPECT_NE(e.find("\"hyper\""), std::string::npos) << "lists hyper as valid: " << e;
+}
+
+// Hyper's footprint: its coefficients (2 [n] and one [n, n] per sublayer) and its n
+// streams per site, kept for the backward.
+TEST(Config, FootprintCountsTheHyperStreams) {
+  mhar::ModelConfig m;
+  m.n_layers = 3;
+  mhar::ResidualConfig std_r, hyp;
+  hyp.mode = mhar::ResidualMode::Hyper;
+  for (int n : {1, 4}) {
+    hyp.hyper_n = n;
+    const auto a = mhar::estimate_footprint(m, std_r, 2, 8), b = mhar::estimate_footprint(m, hyp, 2, 8);
+    EXPECT_EQ(b.parameters - a.parameters, 2.0 * m.n_layers * (2 * n + n * n)) << n;
+    EXPECT_EQ(b.activation_bytes - a.activation_bytes, 4.0 * 16 * m.n_sites() * n * m.d_model) << n;
+  }
+}
+
 // The footprint estimate's routing statistics are RoutingLayout::pairs() of the layout the
 // model plans: a block size changes the estimate by exactly the pairs it removes.
 TEST(Config, FootprintCountsTheRoutingPairsOfTheBlockLayout) {

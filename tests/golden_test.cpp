@@ -1,8 +1,10 @@
 // golden_test.cpp: the engine against an independent implementation. The fixtures in
 // tests/fixtures/golden/ were made by tools/reference/make_golden.py (PyTorch autograd,
 // float64): weights, one batch, and the expected loss, logits and every parameter
-// gradient, per residual mode, and for attnres and mhar with block routing
-// (<mode>_block: blocks of 2 and of 3 sublayers). The CPU engine must match per tensor,
+// gradient, per residual mode, for attnres and mhar with block routing
+// (<mode>_block: blocks of 2 and of 3 sublayers), and for static Hyper-Connections with
+// 3 streams (tied) and 4 (hyper_n4, untied), whose rms_eps is 0.05 (make_golden.py's
+// HYPER_RMS_EPS: site 0's mix coefficients act through the RMSNorm's eps alone). The CPU engine must match per tensor,
 // relative error ||ours - ref|| / ||ref|| (the norm itself where ref is exactly 0):
 //   fp64 engine: <= 1e-10 (the same arithmetic in fp64, different summation orders).
 //   fp32 engine: <= max(kF32Floor, kF32Sigmas * s_t), s_t measured per tensor t (loss,
@@ -220,6 +222,27 @@ class Fp32Noise final : public Backend {
       round_all(p.dgain[size_t(k)]);
     }
   }
+  // Hyper-Connections: the fp32 kernels accumulate every element, the coefficient
+  // gradients' token sums included, in double and round it once (engine/cpu/hyper.h).
+  bool has_hyper_ops() const override { return true; }
+  void hyper_mix(Tensor x, Tensor H, Tensor c) override {
+    inner_->hyper_mix(x, H, c);
+    round_all(x);
+  }
+  void hyper_mix_backward(Tensor dH, Tensor dc, Tensor dx, Tensor H, Tensor c, bool acc) override {
+    inner_->hyper_mix_backward(dH, dc, dx, H, c, acc);
+    round_all(dH);
+    if (!c.empty()) round_all(dc);
+  }
+  void hyper_update(Tensor out, Tensor in, Tensor v, Tensor Ar, Tensor B) override {
+    inner_->hyper_update(out, in, v, Ar, B);
+    round_all(out);
+  }
+  void hyper_update_backward(Tensor din, Tensor dv, Tensor dAr, Tensor dB, Tensor dout, Tensor in,
+                             Tensor v, Tensor Ar, Tensor B) override {
+    inner_->hyper_update_backward(din, dv, dAr, dB, dout, in, v, Ar, B);
+    for (Tensor t : {din, dv, dAr, dB}) round_all(t);
+  }
   double sum_squares(Tensor t) override { return inner_->sum_squares(t); }
   void adamw(Tensor param, Tensor master, Tensor grad, Tensor m, Tensor v, const AdamW& hp) override {
     inner_->adamw(param, master, grad, m, v, hp);
@@ -367,11 +390,15 @@ INSTANTIATE_TEST_SUITE_P(
                       GoldenCase{"mhar", "mhar", DType::F32},
                       GoldenCase{"attnres_block", "attnres", DType::F32},
                       GoldenCase{"mhar_block", "mhar", DType::F32},
+                      GoldenCase{"hyper", "hyper", DType::F32},
+                      GoldenCase{"hyper_n4", "hyper", DType::F32},
                       GoldenCase{"standard", "standard", DType::F64},
                       GoldenCase{"attnres", "attnres", DType::F64},
                       GoldenCase{"mhar", "mhar", DType::F64},
                       GoldenCase{"attnres_block", "attnres", DType::F64},
-                      GoldenCase{"mhar_block", "mhar", DType::F64}),
+                      GoldenCase{"mhar_block", "mhar", DType::F64},
+                      GoldenCase{"hyper", "hyper", DType::F64},
+                      GoldenCase{"hyper_n4", "hyper", DType::F64}),
     [](const ::testing::TestParamInfo<GoldenCase>& i) {
       return std::string(i.param.fixture) + "_" + dtype_name(i.param.dtype);
     });

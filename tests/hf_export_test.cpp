@@ -275,6 +275,23 @@ TEST(HfExportUnit, BlockRoutingIsRefusedNamingTheField) {
   EXPECT_NO_THROW(require_exportable(r, "ckpt"));
 }
 
+// Neither modeling_mhar.py nor Qwen3 has Hyper-Connections: a hyper model is refused,
+// naming the mode, whatever its stream count.
+TEST(HfExportUnit, HyperConnectionsAreRefusedNamingTheMode) {
+  for (int n : {1, 4}) {
+    const ResidualConfig r = test::tiny_config(ResidualMode::Hyper, 0, true, 0, n).residual;
+    try {
+      require_exportable(r, "ckpt");
+      ADD_FAILURE() << "a hyper model (n = " << n << ") was accepted for export";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("ckpt: residual.mode \"hyper\" has no Hugging Face "
+                                           "export yet"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+}
+
 TEST(HfExportUnit, Bf16RoundsToNearestEven) {
   std::vector<uint32_t> bits = {0x00000000, 0x80000000, 0x3f800000, 0x3f808000 /* tie -> 0x3f80 */,
                                 0x3f818000 /* tie -> 0x3f82 */, 0x3f808001, 0x3f807fff, 0x00000001, 0x807fffff,

@@ -1,8 +1,9 @@
 // model_gradcheck_test.cpp: the analytic backward of the whole model, in float64 on the
 // CPU backend, against central finite differences of the loss for EVERY element of
 // EVERY parameter tensor (embeddings, norms, QK-norms, projections, routing queries and
-// gains), in each residual mode, with full and block routing (blocks of 2, of 3 (the
-// last block incomplete) and of all 4 sublayers). With h = 1e-5 in fp64 the difference quotient is
+// gains, hyper coefficients A_m, A_r, B), in each residual mode, with full and block
+// routing (blocks of 2, of 3 (the last block incomplete) and of all 4 sublayers) and
+// static Hyper-Connections with 1 to 4 streams (3: the one-hot starts wrap around). With h = 1e-5 in fp64 the difference quotient is
 // accurate to ~1e-10 relative (truncation h^2 plus rounding eps/h), so the 1e-6 bound
 // the issue sets leaves room only for that, never for a wrong term.
 #include <gtest/gtest.h>
@@ -22,13 +23,23 @@ struct GradCase {
   int heads;
   bool tied;
   int block_size = 0;
+  int hyper_n = 4;
 };
+
+// The hyper cases' RMSNorm eps. A site that mixes equal streams (site 0 always: every
+// stream is v_0; every site when n = 1) gives its sublayer x = (sum a_m) h, and the
+// sublayer's RMSNorm is scale-invariant but for eps: with eps 1e-6 the gradient of that
+// a_m is ~1e-7, below the difference quotient's own rounding noise (~1e-11 absolute),
+// so no relative bound could check it. At 0.05 (the activations' mean square here is
+// ~0.1) the eps path carries signal and every coefficient meets the same 1e-6.
+constexpr double kHyperRmsEps = 0.05;
 
 class ModelGradCheck : public ::testing::TestWithParam<GradCase> {};
 
 TEST_P(ModelGradCheck, EveryParameterMatchesFiniteDifferences) {
   const GradCase& gc = GetParam();
-  Config cfg = tiny_config(gc.mode, gc.heads, gc.tied, gc.block_size);
+  Config cfg = tiny_config(gc.mode, gc.heads, gc.tied, gc.block_size, gc.hyper_n);
+  if (gc.mode == ResidualMode::Hyper) cfg.model.rms_eps = kHyperRmsEps;
   auto be = make_cpu_backend(DType::F64);
   Model m(cfg.model, cfg.residual, *be, cfg.train.micro_batch, cfg.train.seq_len);
   randomize_weights(m, 7);
@@ -84,7 +95,11 @@ INSTANTIATE_TEST_SUITE_P(
                       GradCase{"attnres_block2", ResidualMode::AttnRes, 1, true, 2},
                       GradCase{"mhar_h2_block2", ResidualMode::Mhar, 2, true, 2},
                       GradCase{"mhar_h4_block3_untied", ResidualMode::Mhar, 4, false, 3},
-                      GradCase{"mhar_h2_block4", ResidualMode::Mhar, 2, true, 4}),
+                      GradCase{"mhar_h2_block4", ResidualMode::Mhar, 2, true, 4},
+                      GradCase{"hyper_n1", ResidualMode::Hyper, 0, true, 0, 1},
+                      GradCase{"hyper_n2", ResidualMode::Hyper, 0, true, 0, 2},
+                      GradCase{"hyper_n3_untied", ResidualMode::Hyper, 0, false, 0, 3},
+                      GradCase{"hyper_n4", ResidualMode::Hyper, 0, true, 0, 4}),
     [](const ::testing::TestParamInfo<GradCase>& i) { return std::string(i.param.label); });
 
 }  // namespace

@@ -14,14 +14,17 @@ namespace mhar::test {
 
 // A config small enough for exhaustive finite differences, with GQA (4 query heads on
 // 2 KV heads) and an uneven head/feature split so indexing mistakes show. `block_size`:
-// residual.block_size (2 layers: 4 sublayers, so 1..4).
-inline Config tiny_config(ResidualMode mode, int heads = 0, bool tied = true, int block_size = 0) {
+// residual.block_size (2 layers: 4 sublayers, so 1..4). `hyper_n`: residual.hyper_n
+// (mode hyper only).
+inline Config tiny_config(ResidualMode mode, int heads = 0, bool tied = true, int block_size = 0,
+                          int hyper_n = 4) {
   nlohmann::json j = {
       {"model", {{"vocab_size", 23}, {"d_model", 16}, {"n_layers", 2}, {"n_heads", 4},
                  {"n_kv_heads", 2}, {"head_dim", 4}, {"d_ff", 24}, {"context_length", 8},
                  {"rope_theta", 10000.0}, {"tie_embeddings", tied}}},
       {"residual", {{"mode", residual_mode_name(mode)}, {"heads", heads}, {"block_size", block_size}}},
       {"train", {{"micro_batch", 2}, {"seq_len", 5}, {"warmup_steps", 0}}}};
+  if (mode == ResidualMode::Hyper) j["residual"]["hyper_n"] = hyper_n;
   return config_from_json(j, "tiny");
 }
 
@@ -32,14 +35,25 @@ inline std::vector<double> download(Backend& be, const Tensor& t) {
 }
 
 // Random weights large enough that every path matters: matrices ~0.3, norm weights and
-// gains 1 +- 0.2, routing queries ~0.5 (zero queries would hide the key path).
+// gains 1 +- 0.2, routing queries ~0.5 (zero queries would hide the key path), hyper
+// coefficients their one-hot or identity start +- 0.3 (every stream mixed into every
+// other, so no coefficient's path is dead).
 inline void randomize_weights(Model& m, uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<double> nd(0.0, 1.0);
   for (auto& p : m.parameters()) {
     std::vector<double> v(static_cast<size_t>(p.value.numel()));
-    for (double& x : v)
-      x = p.init == Init::Zero ? 0.5 * nd(rng) : p.init == Init::One ? 1.0 + 0.2 * nd(rng) : 0.3 * nd(rng);
+    for (size_t i = 0; i < v.size(); ++i) {
+      double& x = v[i];
+      const int64_t a = p.init_arg;
+      switch (p.init) {
+        case Init::Zero: x = 0.5 * nd(rng); break;
+        case Init::One: x = 1.0 + 0.2 * nd(rng); break;
+        case Init::Normal: x = 0.3 * nd(rng); break;
+        case Init::OneHot: x = (int64_t(i) == a ? 1.0 : 0.0) + 0.3 * nd(rng); break;
+        case Init::Identity: x = (int64_t(i) % (a + 1) == 0 ? 1.0 : 0.0) + 0.3 * nd(rng); break;
+      }
+    }
     m.backend().upload(p.value, v.data());
   }
 }

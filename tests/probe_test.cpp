@@ -165,12 +165,21 @@ TEST(RoutingProbe, BackendSumsEqualSumsOfTheDownloadedWeights) {
   }
 }
 
-TEST(RoutingProbe, StandardModelHasNothingToProbe) {
-  const Config cfg = tiny_config(ResidualMode::Standard);
-  auto be = make_cpu_backend(DType::F64);
-  Model m(cfg.model, cfg.residual, *be, cfg.train.micro_batch, cfg.train.seq_len);
-  RoutingProbe probe;
-  EXPECT_THROW(probe.add(m), Error);
+// Standard and hyper models are unrouted: the probe refuses them, naming the mode.
+TEST(RoutingProbe, UnroutedModelsHaveNothingToProbe) {
+  for (ResidualMode mode : {ResidualMode::Standard, ResidualMode::Hyper}) {
+    const Config cfg = tiny_config(mode);
+    auto be = make_cpu_backend(DType::F64);
+    Model m(cfg.model, cfg.residual, *be, cfg.train.micro_batch, cfg.train.seq_len);
+    RoutingProbe probe;
+    try {
+      probe.add(m);
+      ADD_FAILURE() << residual_mode_name(mode) << " model was probed";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(std::string("residual mode is ") + residual_mode_name(mode)),
+                std::string::npos) << e.what();
+    }
+  }
 }
 
 }  // namespace

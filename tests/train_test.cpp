@@ -72,7 +72,7 @@ class TrainTest : public ::testing::Test {
 };
 
 TEST_F(TrainTest, LossFallsInEveryMode) {
-  for (const char* mode : {"standard", "attnres", "mhar"}) {
+  for (const char* mode : {"standard", "attnres", "mhar", "hyper"}) {
     TrainResult r = train(config(mode, 60), options(std::string("run_") + mode));
     EXPECT_EQ(r.step, 60);
     // ln 32 = 3.47 at the start; the chain's entropy is ln 2 = 0.69. The stated margin:
@@ -85,30 +85,32 @@ TEST_F(TrainTest, LossFallsInEveryMode) {
 }
 
 TEST_F(TrainTest, ResumeIsBitExactAcrossGradientAccumulation) {
-  Config cfg = config("mhar", 12);
-  cfg.train.batch_tokens = 2 * 4 * 16;  // two micro-batches per step
-  TrainResult full = train(cfg, options("full"));
-  ASSERT_EQ(full.step, 12);
+  for (const std::string mode : {"mhar", "hyper"}) {
+    Config cfg = config(mode.c_str(), 12);
+    cfg.train.batch_tokens = 2 * 4 * 16;  // two micro-batches per step
+    TrainResult full = train(cfg, options(mode + "_full"));
+    ASSERT_EQ(full.step, 12);
 
-  TrainOptions o = options("split");
-  o.stop_after_steps = 5;  // stops between checkpoints, like a Ctrl-C at step 5
-  TrainResult part = train(cfg, o);
-  EXPECT_TRUE(part.interrupted);
-  EXPECT_EQ(part.step, 5);
-  TrainOptions r = options("split");
-  r.resume = true;
-  TrainResult rest = train(Config(), r);
-  EXPECT_EQ(rest.step, 12);
+    TrainOptions o = options(mode + "_split");
+    o.stop_after_steps = 5;  // stops between checkpoints, like a Ctrl-C at step 5
+    TrainResult part = train(cfg, o);
+    EXPECT_TRUE(part.interrupted);
+    EXPECT_EQ(part.step, 5);
+    TrainOptions r = options(mode + "_split");
+    r.resume = true;
+    TrainResult rest = train(Config(), r);
+    EXPECT_EQ(rest.step, 12);
 
-  auto a = read_metrics(dir / "full", "train"), b = read_metrics(dir / "split", "train");
-  ASSERT_EQ(a.size(), 12u);
-  ASSERT_EQ(b.size(), 12u);
-  for (size_t i = 0; i < a.size(); ++i) {
-    EXPECT_EQ(a[i]["loss"].get<double>(), b[i]["loss"].get<double>()) << "step " << i + 1;
-    EXPECT_EQ(a[i]["grad_norm"].get<double>(), b[i]["grad_norm"].get<double>()) << "step " << i + 1;
+    auto a = read_metrics(dir / (mode + "_full"), "train"), b = read_metrics(dir / (mode + "_split"), "train");
+    ASSERT_EQ(a.size(), 12u);
+    ASSERT_EQ(b.size(), 12u);
+    for (size_t i = 0; i < a.size(); ++i) {
+      EXPECT_EQ(a[i]["loss"].get<double>(), b[i]["loss"].get<double>()) << mode << " step " << i + 1;
+      EXPECT_EQ(a[i]["grad_norm"].get<double>(), b[i]["grad_norm"].get<double>()) << mode << " step " << i + 1;
+    }
+    EXPECT_EQ(read_file(fs::path(full.last_checkpoint) / "model.safetensors"),
+              read_file(fs::path(rest.last_checkpoint) / "model.safetensors")) << mode;
   }
-  EXPECT_EQ(read_file(fs::path(full.last_checkpoint) / "model.safetensors"),
-            read_file(fs::path(rest.last_checkpoint) / "model.safetensors"));
 }
 
 TEST_F(TrainTest, EvalCommandAgreesWithTheTrainer) {

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 # make_golden.py: writes the golden fixtures the C++ engine's golden test compares
-# against (tests/fixtures/golden/<name>.safetensors), one per residual mode and one per
-# block-routed mode (<mode>_block), from the
+# against (tests/fixtures/golden/<name>.safetensors), one per residual mode, one per
+# block-routed mode (<mode>_block) and a second hyper one (hyper_n4), from the
 # independent PyTorch reference in mhar_ref.py, and proves the reference first:
 # finite differences against autograd, the routing identities, a loop-by-loop NumPy
 # re-implementation of the forward pass, CPU-vs-GPU agreement and, for `standard`,
@@ -55,7 +55,19 @@ FIXTURES = {
     "mhar": ("mhar", True, 4, 1003, 0),
     "attnres_block": ("attnres", False, 1, 1004, 2),
     "mhar_block": ("mhar", True, 4, 1005, 3),
+    # Hyper-Connections: heads and block_size are 0; the stream count is in HYPER_N.
+    "hyper": ("hyper", True, 0, 1006, 0),
+    "hyper_n4": ("hyper", False, 0, 1007, 0),
 }
+# Streams per hyper fixture: 3 (the one-hot starts k mod 3 wrap within the 4 sublayers)
+# and 4, untied.
+HYPER_N = {"hyper": 3, "hyper_n4": 4}
+# The hyper fixtures' rms_eps. Site 0 mixes n streams that are all v_0, x_0 = (sum a_m) v_0,
+# read only through the first RMSNorm, which is scale-invariant but for its eps: with
+# eps 1e-6 the gradient of model.hyper.0.a_m is ~1e-6 of the others, pure cancellation,
+# and no bound could test it. At 0.05 (activations here have mean square ~0.06) that
+# path carries signal like any other.
+HYPER_RMS_EPS = 0.05
 
 
 def fixture_config(name):
@@ -63,7 +75,11 @@ def fixture_config(name):
     residual = {"mode": mode, "heads": heads}
     if block:  # the original fixtures' config carries no block_size
         residual["block_size"] = block
-    return {"model": dict(TINY_MODEL, tie_embeddings=tie), "residual": residual}
+    model = dict(TINY_MODEL, tie_embeddings=tie)
+    if mode == "hyper":
+        residual["hyper_n"] = HYPER_N[name]
+        model["rms_eps"] = HYPER_RMS_EPS
+    return {"model": model, "residual": residual}
 
 
 # ---------------------------------------------------------------------------------------
@@ -73,11 +89,16 @@ def random_weights(model, generator):
     """Every parameter drawn large enough that every path moves the loss: matrices
     std 0.25 (init_std would leave attention and routing almost uniform), norm weights
     and routing gains 1 + 0.1 noise, routing queries std 0.5 (not the zero init, which
-    would hide the key path). Returned as float32 tensors, the values the engine loads."""
+    would hide the key path), hyper coefficients their init (one-hot, identity, ones) +
+    0.3 noise, so every stream reaches every other. Returned as float32 tensors, the
+    values the engine loads."""
     weights = {}
+    init = {n: p.detach().to(torch.float64) for n, p in model.named_parameters()}
     for name, p in model.named_parameters():
         noise = torch.randn(p.shape, generator=generator, dtype=torch.float64)
-        if name.endswith(".query"):
+        if name.startswith("model.hyper."):
+            w = init[name] + 0.3 * noise
+        elif name.endswith(".query"):
             w = 0.5 * noise
         elif name.endswith((".gain", "norm.weight")):
             w = 1.0 + 0.1 * noise
@@ -243,6 +264,41 @@ def check_routing_identities(weights_attnres, input_ids, targets):
     return worst
 
 
+def check_hyper_identities(weights_standard, input_ids, targets):
+    """Static Hyper-Connections at their init are the pre-norm residual: with one stream
+    the loss and logits equal `standard` exactly and every shared gradient to 1e-13 (autograd's
+    own summation order); with n = 3 and 4
+    every sublayer input equals standard's exactly (the head reads n times the stream,
+    which the final RMSNorm undoes up to its eps)."""
+    cfg_std = fixture_config("standard")
+    ref = build_reference(cfg_std, weights_standard, "cpu")
+    cap_std = {}
+    logits_s, loss_s = ref(input_ids, targets, capture=cap_std)
+    loss_s.backward()
+    for n in (1, 3, 4):
+        cfg = {"model": cfg_std["model"], "residual": {"mode": "hyper", "hyper_n": n}}
+        model = mhar_ref.MharModel(cfg, attn_impl="manual", dtype=torch.float64)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if not name.startswith("model.hyper."):
+                    p.copy_(weights_standard[name].to(torch.float64))
+        cap = {}
+        logits_h, loss_h = model(input_ids, targets, capture=cap)
+        for j in range(len(cap["site_inputs"]) - 1):
+            assert torch.equal(cap["site_inputs"][j], cap_std["site_inputs"][j]), f"hyper n={n} site {j}"
+        if n == 1:
+            loss_h.backward()
+            assert torch.equal(loss_h, loss_s) and torch.equal(logits_h, logits_s), "hyper n=1 loss differs"
+            std_grads = dict(ref.named_parameters())
+            for name, p in model.named_parameters():
+                if not name.startswith("model.hyper."):
+                    # autograd sums the einsum's backward in its own order: equal to rounding.
+                    g_s = std_grads[name].grad
+                    err = ((p.grad - g_s).abs().max() / g_s.abs().max()).item()
+                    assert err < 1e-13, f"hyper n=1 gradient of {name}: max rel diff {err}"
+    return True
+
+
 def check_no_future_sources(cfg, weights, input_ids):
     """Nothing reads the future: recomputing site j from v_0..v_j alone reproduces the
     input it had in the full forward pass."""
@@ -328,6 +384,31 @@ def numpy_forward(cfg, weights, input_ids):
 
     head_w = W["model.embed_tokens.weight"] if m["tie_embeddings"] else W["lm_head.weight"]
     all_logits = []
+    if r["mode"] == "hyper":
+        # Hyper-Connections, element by element: n explicit stream arrays.
+        n = r["hyper_n"]
+        for seq in input_ids.numpy():
+            streams = [W["model.embed_tokens.weight"][seq].copy() for _ in range(n)]
+            for k in range(2 * L):
+                l, pre = k // 2, f"model.hyper.{k}."
+                am, ar, b = W[pre + "a_m"], W[pre + "a_r"], W[pre + "b"]
+                x = np.zeros_like(streams[0])
+                for i in range(n):
+                    x += am[i] * streams[i]
+                if k % 2 == 0:
+                    v = attention(l, rmsnorm(x, W[f"model.layers.{l}.input_layernorm.weight"]))
+                else:
+                    v = mlp(l, rmsnorm(x, W[f"model.layers.{l}.post_attention_layernorm.weight"]))
+                new = []
+                for i in range(n):
+                    h = b[i] * v
+                    for rr in range(n):
+                        h = h + ar[rr, i] * streams[rr]
+                    new.append(h)
+                streams = new
+            x = sum(streams)
+            all_logits.append(rmsnorm(x, W["model.norm.weight"]) @ head_w.T)
+        return np.stack(all_logits)
     for seq in input_ids.numpy():
         sources = [W["model.embed_tokens.weight"][seq]]
         for l in range(L):
@@ -423,7 +504,7 @@ def make_fixture(name, device, out_dir, log):
         log(f"[{mode}] SDPA attention path (gqa {sdpa.model.layers[0].self_attn.sdpa_gqa}) vs explicit math: "
             f"max |logit diff| {diff:.2e}")
         assert diff < 1e-10
-    if cfg["residual"]["mode"] != "standard":
+    if cfg["residual"]["mode"] in mhar_ref.ROUTED_MODES:
         check_no_future_sources(cfg, weights, input_ids)
     if mode == "standard":
         try:
@@ -489,6 +570,11 @@ def main():
         worst = check_routing_identities(w, ids, tg)
         log(f"routing identities: mhar H=1 == attnres exactly; zero queries == uniform mean "
             f"(H=1 and H=4, max diff {worst:.1e})")
+    if "standard" in made:
+        w, ids, tg = made["standard"]
+        check_hyper_identities(w, ids, tg)
+        log("hyper identities: n=1 at init == standard (loss, logits exactly; shared gradients to 1e-13); "
+            "n=1,3,4 at init: every sublayer input == standard's exactly")
     untied = [n for n in ("attnres_block", "attnres") if n in made]
     if untied:
         w, ids, tg = made[untied[0]]

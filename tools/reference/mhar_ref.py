@@ -1,11 +1,13 @@
 # mhar_ref.py: the independent PyTorch reference of the mhar model (DESIGN.md sections
 # 1-2), written from the equations: a Qwen3-style decoder whose sublayer inputs come
 # from one of the residual modes `standard`, `attnres` or `mhar`, the routed ones with
-# full or block routing (residual.block_size). It owns the model's
+# full or block routing (residual.block_size), or `hyper` (static Hyper-Connections with
+# residual.hyper_n streams). It owns the model's
 # math for the golden fixtures (tools/reference/make_golden.py, run in float64) and for
 # the PyTorch throughput baseline (tools/reference/bench_step.py, bf16 autocast,
 # torch.compile, SDPA). Parameter names are Hugging Face Qwen3's (DESIGN.md section 6)
-# plus model.routing.{j}.query / .gain, so a state_dict is a checkpoint of the engine.
+# plus model.routing.{j}.query / .gain (routed modes) or model.hyper.{k}.a_m / .a_r / .b
+# (hyper), so a state_dict is a checkpoint of the engine.
 #
 # Nothing here is tied to a dtype or device: build the module, move it with .to(), and
 # every computation follows the parameters' dtype (float64 works end to end).
@@ -17,7 +19,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-RESIDUAL_MODES = ("standard", "attnres", "mhar")
+RESIDUAL_MODES = ("standard", "attnres", "mhar", "hyper")
+ROUTED_MODES = ("attnres", "mhar")
 
 # Defaults of the engine's config (engine/config.h), so a partial config file means the
 # same thing here as there.
@@ -36,7 +39,7 @@ DEFAULT_CONFIG = {
         "tie_embeddings": True,
         "init_std": 0.02,
     },
-    "residual": {"mode": "standard", "heads": 0, "block_size": 0},
+    "residual": {"mode": "standard", "heads": 0, "block_size": 0, "hyper_n": 4, "hyper_dynamic": False},
 }
 
 
@@ -54,16 +57,23 @@ def resolve_config(config):
     if r["mode"] not in RESIDUAL_MODES:
         raise ValueError(f"residual.mode = {r['mode']!r}; valid: {RESIDUAL_MODES}")
     if r["heads"] == 0:
-        r["heads"] = {"standard": 0, "attnres": 1, "mhar": m["n_kv_heads"]}[r["mode"]]
+        r["heads"] = {"standard": 0, "attnres": 1, "mhar": m["n_kv_heads"], "hyper": 0}[r["mode"]]
     if r["mode"] == "attnres" and r["heads"] != 1:
         raise ValueError("residual.mode attnres is routing with exactly 1 head")
-    if r["mode"] != "standard" and m["d_model"] % r["heads"]:
+    if r["mode"] in ROUTED_MODES and m["d_model"] % r["heads"]:
         raise ValueError(f"residual.heads = {r['heads']} does not divide d_model = {m['d_model']}")
     s = r["block_size"]
     if not isinstance(s, int) or s < 0:
         raise ValueError(f"residual.block_size = {s!r}; valid: 0 (full routing) or 1..2*n_layers")
-    if r["mode"] == "standard" and s:
-        raise ValueError("residual.block_size has no meaning in mode standard; leave it 0")
+    if r["mode"] not in ROUTED_MODES and s:
+        raise ValueError(f"residual.block_size has no meaning in mode {r['mode']}; leave it 0")
+    if r["mode"] == "hyper":
+        if r["heads"]:
+            raise ValueError("residual.heads has no meaning in mode hyper; leave it 0")
+        if not isinstance(r["hyper_n"], int) or not 1 <= r["hyper_n"] <= 64:
+            raise ValueError(f"residual.hyper_n = {r['hyper_n']!r}; valid: 1..64")
+        if r["hyper_dynamic"]:
+            raise NotImplementedError("dynamic Hyper-Connections (residual.hyper_dynamic) are not built yet")
     if s > 2 * m["n_layers"]:
         raise ValueError(f"residual.block_size = {s} is more than the 2*n_layers = {2 * m['n_layers']} sublayers")
     if m["n_heads"] % m["n_kv_heads"]:
@@ -268,6 +278,35 @@ class RoutingSite(nn.Module):
         return mixed.reshape(B, T, d).to(V.dtype)
 
 
+class HyperConnection(nn.Module):
+    """Static Hyper-Connections around sublayer k (DESIGN.md section 2), n streams
+    H [n, B, T, d]: the sublayer reads x = sum_i a_m[i] h_i, and its output v makes the
+    new streams h'_i = b[i] v + sum_r a_r[r, i] h_r. Init (the pre-norm residual):
+    a_m = one-hot(k mod n), a_r = I_n, b = 1."""
+
+    def __init__(self, n, k, device=None, dtype=None):
+        super().__init__()
+        self.k = k
+        kw = dict(device=device, dtype=dtype)
+        self.a_m = nn.Parameter(torch.zeros(n, **kw))
+        self.a_r = nn.Parameter(torch.zeros(n, n, **kw))
+        self.b = nn.Parameter(torch.zeros(n, **kw))
+        self.reset()
+
+    @torch.no_grad()
+    def reset(self):
+        n = self.a_m.numel()
+        self.a_m.zero_()[self.k % n] = 1.0
+        self.a_r.copy_(torch.eye(n, dtype=self.a_r.dtype, device=self.a_r.device))
+        self.b.fill_(1.0)
+
+    def mix(self, H):
+        return torch.einsum("i,i...->...", self.a_m, H)
+
+    def update(self, H, v):
+        return self.b.view(-1, *([1] * v.dim())) * v + torch.einsum("ri,r...->i...", self.a_r, H)
+
+
 class Backbone(nn.Module):
     """Holds the `model.*` parameters under Hugging Face Qwen3's names."""
 
@@ -279,7 +318,11 @@ class Backbone(nn.Module):
             DecoderLayer(m, attn_impl, sdpa_gqa, device=device, dtype=dtype) for _ in range(m["n_layers"])
         )
         self.norm = RMSNorm(m["d_model"], m["rms_eps"], device=device, dtype=dtype)
-        if r["mode"] != "standard":
+        if r["mode"] == "hyper":
+            self.hyper = nn.ModuleList(
+                HyperConnection(r["hyper_n"], k, device=device, dtype=dtype) for k in range(2 * m["n_layers"])
+            )
+        if r["mode"] in ROUTED_MODES:
             n_sites = 2 * m["n_layers"] + 1
             self.routing = nn.ModuleList(
                 RoutingSite(m["d_model"], r["heads"], m["rms_eps"], device=device, dtype=dtype)
@@ -313,7 +356,8 @@ class MharModel(nn.Module):
     @torch.no_grad()
     def init_weights(self, generator=None):
         """DESIGN.md section 1-2 init: matrices normal(0, init_std), output projections
-        (o_proj, down_proj) scaled by 1/sqrt(2L), norms 1, routing queries 0, gains 1."""
+        (o_proj, down_proj) scaled by 1/sqrt(2L), norms 1, routing queries 0, gains 1,
+        hyper coefficients the pre-norm residual (HyperConnection.reset)."""
         std = self.config["model"]["init_std"]
         out_std = std / math.sqrt(2 * self.n_layers)
         for name, p in self.named_parameters():
@@ -323,8 +367,12 @@ class MharModel(nn.Module):
                 p.zero_()
             elif name.endswith(("norm.weight", ".gain")):
                 p.fill_(1.0)
+            elif name.startswith("model.hyper."):
+                pass  # below
             else:
                 p.normal_(0.0, std, generator=generator)
+        for hc in getattr(self.model, "hyper", []):
+            hc.reset()
 
     def routed_sources(self, outputs):
         """The sources a routing site mixes, from the outputs v_0..v_j before it."""
@@ -347,17 +395,27 @@ class MharModel(nn.Module):
             h = h.to(ac)
         sources = [h]  # v_0
         running_sum = h  # standard mode's residual stream: sum of sources so far
+        if self.mode == "hyper":  # n streams, each v_0
+            streams = h.unsqueeze(0).expand(self.config["residual"]["hyper_n"], *h.shape)
         site_inputs = []
         for l, layer in enumerate(self.model.layers):
             for sub in (layer.attention_sublayer, layer.mlp_sublayer):
                 j = len(sources) - 1  # site j feeds sublayer j and sees v_0..v_j
-                x = self.site_input(j, sources, running_sum)
+                if self.mode == "hyper":
+                    x = self.model.hyper[j].mix(streams)
+                else:
+                    x = self.site_input(j, sources, running_sum)
                 site_inputs.append(x)
                 v = sub(x).to(h.dtype)
                 sources.append(v)
                 if self.mode == "standard":
                     running_sum = running_sum + v
-        x = self.site_input(len(sources) - 1, sources, running_sum)  # site 2L: the final norm
+                if self.mode == "hyper":
+                    streams = self.model.hyper[j].update(streams, v)
+        if self.mode == "hyper":  # site 2L: the head reads the sum of the streams
+            x = streams.sum(dim=0)
+        else:
+            x = self.site_input(len(sources) - 1, sources, running_sum)  # site 2L: the final norm
         site_inputs.append(x)
         if capture is not None:
             capture["sources"], capture["site_inputs"] = sources, site_inputs

@@ -1,0 +1,133 @@
+// residual_hyper.cpp: the `hyper` residual scheme, static Hyper-Connections (Zhu et al.,
+// arXiv 2409.19606; DESIGN.md section 2) with n = residual.hyper_n streams.
+//
+// Streams H^k = [h_1..h_n] before sublayer k (k = 0..2L), each [N, d]; H^0 is n copies of
+// v_0 (history slot 0). Site k < 2L feeds its sublayer x_k = sum_i A_m^k[i] h_i; the
+// sublayer's output v_{k+1} (history slot k+1) then makes the next streams
+//   H^{k+1}_i = B^k[i] v_{k+1} + sum_r A_r^k[r, i] H^k_r
+// and site 2L (the head) reads x_{2L} = sum_i h_i. Parameters per sublayer k, in the
+// gradient bucket "hyper": model.hyper.k.a_m [n] (init one-hot(k mod n)), .a_r [n, n]
+// row-major (init I_n), .b [n] (init 1); at init every stream is the pre-norm residual
+// of the sublayers it has seen, and with n = 1 the scheme is `standard` exactly.
+//
+// Every H^k is kept for the backward (A_m^k's and A_r^k's gradients read it). The
+// backward of site k (k >= 1) first adds its mix's part to dH^k, then undoes the update
+// that made H^k: dv_k (source_grad(k), read next by sublayer k-1) and dH^{k-1}. The
+// dynamic variant (residual.hyper_dynamic) is refused by the config for now.
+//
+// The stream ops are Backend::hyper_*; only the CPU backend has them, so the scheme
+// refuses any other backend when it is built (no silent wrong result on CUDA).
+#include "engine/model.h"
+#include "engine/residual.h"
+
+namespace mhar {
+
+namespace {
+
+class HyperScheme final : public ResidualScheme {
+ public:
+  explicit HyperScheme(const SchemeContext& ctx) : c_(ctx), n_(ctx.res.hyper_n) {
+    if (!c_.be.has_hyper_ops()) hyper_unsupported(c_.be.name());
+    MHAR_CHECK(n_ >= 1, "residual.hyper_n ", n_);
+    MHAR_CHECK(!c_.res.hyper_dynamic, "dynamic Hyper-Connections are not implemented yet");
+  }
+
+  const char* bucket() const override { return "hyper"; }
+  void add_parameters(const AddParameter& add) override {
+    for (int k = 0; k < 2 * c_.cfg.n_layers; ++k) {
+      const std::string pre = "model.hyper." + std::to_string(k);
+      a_m_.push_back(add(pre + ".a_m", n_, Init::OneHot, k % n_));
+      a_r_.push_back(add(pre + ".a_r", int64_t(n_) * n_, Init::Identity, n_));
+      b_.push_back(add(pre + ".b", n_, Init::One, 0));
+    }
+  }
+
+  void plan(MemoryPlan& P, const Timeline& t, int64_t N, int history,
+            std::vector<int>& site_x) override;
+
+  void site_forward(int j) override {
+    const int L2 = 2 * c_.cfg.n_layers;
+    Tensor x = c_.act(site_x_[size_t(j)]), H = c_.act(streams_[size_t(j)]);
+    if (j == 0)
+      for (int i = 0; i < n_; ++i) c_.be.copy(H[i], c_.act(history_)[0]);
+    c_.be.hyper_mix(x, H, j < L2 ? p(a_m_, j) : Tensor());
+  }
+  void sublayer_done(int j) override {
+    c_.be.hyper_update(c_.act(streams_[size_t(j + 1)]), c_.act(streams_[size_t(j)]),
+                       c_.act(history_)[j + 1], p(a_r_, j), p(b_, j));
+  }
+
+  void begin_backward() override {}
+  Tensor site_grad(int j) override { return c_.act(site_dx_[size_t(j)]); }
+  void site_backward(int j) override;
+  Tensor source_grad(int i) override { return c_.act(source_dx_[size_t(i)]); }
+  bool finish_backward() override { return true; }  // every coefficient's gradient is in
+
+ private:
+  Tensor p(const std::vector<int>& ids, int k) const { return c_.params[size_t(ids[size_t(k)])].value; }
+  Tensor g(const std::vector<int>& ids, int k) const { return c_.params[size_t(ids[size_t(k)])].grad; }
+
+  SchemeContext c_;
+  int n_;
+  std::vector<int> a_m_, a_r_, b_;  // parameter indices, per sublayer
+  int history_ = -1;
+  // Plan ids: streams H^k and their gradients, k = 0..2L; site inputs and their
+  // gradients, per site; v_k's gradients, per source.
+  std::vector<int> streams_, dstreams_, site_x_, site_dx_, source_dx_;
+};
+
+void HyperScheme::plan(MemoryPlan& P, const Timeline& t, int64_t N, int history,
+                       std::vector<int>& site_x) {
+  const int L2 = 2 * c_.cfg.n_layers, S = L2 + 1, last = t.last();
+  const int64_t d = c_.cfg.d_model;
+  const DType at = c_.be.act_dtype();
+  history_ = history;
+  for (auto* v : {&streams_, &dstreams_, &site_x_, &site_dx_, &source_dx_}) v->clear();
+  for (int k = 0; k < S; ++k) {
+    const std::string name = "hyper.streams." + std::to_string(k);
+    // H^k is made by site 0 (k = 0) or sublayer k-1's update; site k's backward reads it
+    // (A_m^k), and site k+1's backward (A_r^k, the update's input) before that. H^{2L}
+    // has no coefficients to learn: it only feeds the head's sum.
+    const int made = k == 0 ? t.site(0) : t.sublayer(k - 1);
+    streams_.push_back(P.add(name, at, {n_, N, d}, made, k < L2 ? t.back(t.site(k)) : t.site(k)));
+    // dH^k: made at site k+1's backward (site k's own for k = 2L), used up at site k's.
+    const int from = k < L2 ? t.back(t.site(k + 1)) : t.back(t.site(k));
+    dstreams_.push_back(P.add(name + ".grad", at, {n_, N, d}, from, t.back(t.site(k))));
+  }
+  for (int j = 0; j < S; ++j) {
+    const std::string name = "site." + std::to_string(j);
+    const int consumer = j < L2 ? t.sublayer(j) : t.head();
+    site_x_.push_back(P.add(name + ".x", at, {N, d}, t.site(j), t.back(consumer)));
+    site_dx_.push_back(P.add(name + ".x.grad", at, {N, d}, t.back(consumer), t.back(t.site(j))));
+  }
+  // v_i's gradient, made at site i's backward, read by the sublayer that wrote v_i (or,
+  // for v_0, by the embedding's backward at the very end).
+  for (int i = 0; i < S; ++i)
+    source_dx_.push_back(P.add("source." + std::to_string(i) + ".grad", at, {N, d},
+                               t.back(t.site(i)), i == 0 ? last : t.back(t.sublayer(i - 1))));
+  site_x = site_x_;
+}
+
+void HyperScheme::site_backward(int j) {
+  const int L2 = 2 * c_.cfg.n_layers;
+  Tensor dx = site_grad(j), dH = c_.act(dstreams_[size_t(j)]);
+  if (j == L2) c_.be.hyper_mix_backward(dH, Tensor(), dx, Tensor(), Tensor(), false);
+  else c_.be.hyper_mix_backward(dH, g(a_m_, j), dx, c_.act(streams_[size_t(j)]), p(a_m_, j), true);
+  if (j == 0) {
+    // H^0 is n copies of v_0.
+    c_.be.hyper_mix(source_grad(0), dH, Tensor());
+    return;
+  }
+  const int k = j - 1;  // the update that made H^j
+  c_.be.hyper_update_backward(c_.act(dstreams_[size_t(k)]), source_grad(j), g(a_r_, k), g(b_, k),
+                              dH, c_.act(streams_[size_t(k)]), c_.act(history_)[j], p(a_r_, k),
+                              p(b_, k));
+}
+
+}  // namespace
+
+std::unique_ptr<ResidualScheme> make_hyper_scheme(const SchemeContext& ctx) {
+  return std::make_unique<HyperScheme>(ctx);
+}
+
+}  // namespace mhar
