@@ -42,13 +42,14 @@
 #include <nlohmann/json.hpp>
 
 #include "data/shard.h"
+#include "tests/data_test_util.h"
 #include "tests/model_test_util.h"
 #include "tests/process_test_util.h"
 
 namespace fs = std::filesystem;
 using mhar::test::CommandResult;
 using mhar::test::markov_tokens;
-using mhar::test::read_file;
+using mhar::test::read_bytes;
 using mhar::test::read_metrics;
 using mhar::test::run_command;
 
@@ -168,8 +169,8 @@ TEST_F(DistTest, OneRankUnderMpirunIsBitIdenticalToNoMpirun) {
     EXPECT_EQ(a[i]["loss"].get<double>(), b[i]["loss"].get<double>()) << "step " << i + 1;
     EXPECT_EQ(a[i]["grad_norm"].get<double>(), b[i]["grad_norm"].get<double>()) << "step " << i + 1;
   }
-  EXPECT_EQ(read_file(plain / "checkpoints/step_00000010/model.safetensors"),
-            read_file(np1 / "checkpoints/step_00000010/model.safetensors"));
+  EXPECT_EQ(read_bytes(plain / "checkpoints/step_00000010/model.safetensors"),
+            read_bytes(np1 / "checkpoints/step_00000010/model.safetensors"));
 }
 
 TEST_F(DistTest, ResumeAtTwoRanksIsBitExact) {
@@ -187,11 +188,11 @@ TEST_F(DistTest, ResumeAtTwoRanksIsBitExact) {
   ASSERT_EQ(a.size(), 12u);
   ASSERT_EQ(b.size(), 12u);
   for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i], b[i]) << "step " << i + 1;
-  EXPECT_EQ(read_file(full / "checkpoints/step_00000012/model.safetensors"),
-            read_file(part / "checkpoints/step_00000012/model.safetensors"));
+  EXPECT_EQ(read_bytes(full / "checkpoints/step_00000012/model.safetensors"),
+            read_bytes(part / "checkpoints/step_00000012/model.safetensors"));
   for (const char* f : {"optimizer.rank0.safetensors", "optimizer.rank1.safetensors"})
-    EXPECT_EQ(read_file(full / "checkpoints/step_00000012" / f),
-              read_file(part / "checkpoints/step_00000012" / f)) << f;
+    EXPECT_EQ(read_bytes(full / "checkpoints/step_00000012" / f),
+              read_bytes(part / "checkpoints/step_00000012" / f)) << f;
 }
 
 TEST_F(DistTest, ResumeOnAnotherNumberOfRanksContinuesTheRun) {
@@ -339,13 +340,13 @@ TEST_F(DistTest, SigtermToOneRankStopsEveryRankWithOneCheckpoint) {
     const fs::path run_dir = dir / (to_mpirun ? "usr1" : "term");
     Job job = start_job("train " + cfg.string() + " --run-dir " + run_dir.string(), dir / "job.log");
     const auto pids = rank_pids(run_dir, 2, 60);
-    ASSERT_EQ(pids.size(), 2u) << read_file(job.log);
-    ASSERT_TRUE(wait_for_steps(run_dir, 3, 60)) << read_file(job.log);
+    ASSERT_EQ(pids.size(), 2u) << read_bytes(job.log);
+    ASSERT_TRUE(wait_for_steps(run_dir, 3, 60)) << read_bytes(job.log);
     // Rank 1 alone is told to stop (or mpirun, which forwards SIGUSR1 to every rank).
     ::kill(to_mpirun ? job.pid : pids[1], to_mpirun ? SIGUSR1 : SIGTERM);
     double seconds = 0;
     const int rc = job.wait(60, &seconds);
-    const std::string out = read_file(job.log);
+    const std::string out = read_bytes(job.log);
     EXPECT_EQ(rc, 0) << out;
     std::vector<std::string> ckpts;
     for (const auto& e : fs::directory_iterator(run_dir / "checkpoints")) ckpts.push_back(e.path().string());
@@ -354,7 +355,7 @@ TEST_F(DistTest, SigtermToOneRankStopsEveryRankWithOneCheckpoint) {
     for (const char* f : {"model.safetensors", "optimizer.rank0.safetensors",
                           "optimizer.rank1.safetensors", "state.json"})
       EXPECT_TRUE(fs::exists(ck / f)) << f;
-    const auto st = nlohmann::json::parse(read_file(ck / "state.json"));
+    const auto st = nlohmann::json::parse(read_bytes(ck / "state.json"));
     EXPECT_EQ(st["world_size"], 2);
     EXPECT_EQ(st["step"].get<size_t>(), read_metrics(run_dir, "train").size());
     std::printf("[ dist ] %s: every rank stopped at step %zu, exit %d after %.1f s\n",
@@ -368,12 +369,12 @@ TEST_F(DistTest, KilledRankEndsTheJobWithAnErrorNamingIt) {
   const fs::path run_dir = dir / "run";
   Job job = start_job("train " + cfg.string() + " --run-dir " + run_dir.string(), dir / "job.log");
   const auto pids = rank_pids(run_dir, 2, 60);
-  ASSERT_EQ(pids.size(), 2u) << read_file(job.log);
-  ASSERT_TRUE(wait_for_steps(run_dir, 7, 60)) << read_file(job.log);
+  ASSERT_EQ(pids.size(), 2u) << read_bytes(job.log);
+  ASSERT_TRUE(wait_for_steps(run_dir, 7, 60)) << read_bytes(job.log);
   ::kill(pids[1], SIGKILL);
   double seconds = 0;
   const int rc = job.wait(60, &seconds);
-  const std::string out = read_file(job.log);
+  const std::string out = read_bytes(job.log);
   EXPECT_NE(rc, 0) << out;
   EXPECT_NE(rc, -1) << "the job did not end within 60 s:\n" << out;
   EXPECT_LT(seconds, 60);
@@ -395,13 +396,13 @@ TEST_F(DistTest, StoppedRankEndsTheJobAfterTheStepTimeout) {
   Job job = start_job("train " + cfg.string() + " --run-dir " + run_dir.string(), dir / "job.log",
                       "MHAR_STEP_TIMEOUT_S=5");
   const auto pids = rank_pids(run_dir, 2, 60);
-  ASSERT_EQ(pids.size(), 2u) << read_file(job.log);
-  ASSERT_TRUE(wait_for_steps(run_dir, 3, 60)) << read_file(job.log);
+  ASSERT_EQ(pids.size(), 2u) << read_bytes(job.log);
+  ASSERT_TRUE(wait_for_steps(run_dir, 3, 60)) << read_bytes(job.log);
   ::kill(pids[1], SIGSTOP);  // hangs: alive, never reaches the next collective
   double seconds = 0;
   const int rc = job.wait(60, &seconds);
   ::kill(pids[1], SIGKILL);  // in case it outlived mpirun
-  const std::string out = read_file(job.log);
+  const std::string out = read_bytes(job.log);
   EXPECT_NE(rc, 0) << out;
   EXPECT_NE(rc, -1) << "the job did not end within 60 s:\n" << out;
   EXPECT_NE(out.find("rank 1 (pid " + std::to_string(pids[1]) + ") is stopped"), std::string::npos)

@@ -31,10 +31,12 @@
 #include "engine/model.h"
 #include "engine/safetensors.h"
 #include "engine/trainer.h"
+#include "tests/data_test_util.h"
 #include "tests/model_test_util.h"
 
 namespace fs = std::filesystem;
 using namespace mhar;
+using mhar::test::read_bytes;
 using nlohmann::json;
 
 namespace {
@@ -65,17 +67,12 @@ CmdResult run_mhar(const std::string& args, const std::string& env = "") {
 
 std::string q(const fs::path& p) { return "'" + p.string() + "'"; }
 
-std::string read_file(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
-
 void write_file(const fs::path& p, const std::string& text) {
   std::ofstream out(p, std::ios::binary | std::ios::trunc);
   out << text;
 }
 
-json read_json(const fs::path& p) { return json::parse(read_file(p)); }
+json read_json(const fs::path& p) { return json::parse(read_bytes(p)); }
 
 struct RawTensor {
   std::string dtype;
@@ -94,7 +91,7 @@ size_t dtype_bytes(const std::string& d) {
 // with the format's rules checked: 8-byte-aligned header, metadata {"format": "pt"} when
 // asked, data offsets contiguous from 0 to the end of the file, sizes matching shapes.
 std::map<std::string, RawTensor> read_raw(const fs::path& file, bool expect_pt_metadata = true) {
-  const std::string raw = read_file(file);
+  const std::string raw = read_bytes(file);
   EXPECT_GE(raw.size(), 8u) << file;
   uint64_t n = 0;
   std::memcpy(&n, raw.data(), 8);
@@ -523,7 +520,7 @@ TEST_F(HfExportTest, StandardModelRoundTrip) {
   EXPECT_EQ(c["eos_token_id"], 4095);  // the fixture tokenizer's <|endoftext|>
   EXPECT_EQ(c["bos_token_id"], 4095);
   EXPECT_TRUE(c["pad_token_id"].is_null());
-  EXPECT_EQ(read_file(exp / "tokenizer.json"), read_file(tokenizer));
+  EXPECT_EQ(read_bytes(exp / "tokenizer.json"), read_bytes(tokenizer));
   const json tc = read_json(exp / "tokenizer_config.json");
   EXPECT_EQ(tc["tokenizer_class"], "PreTrainedTokenizerFast");
   EXPECT_EQ(tc["eos_token"], "<|endoftext|>");
@@ -536,7 +533,7 @@ TEST_F(HfExportTest, StandardModelRoundTrip) {
   const fs::path imp = dir / "imp";
   r = run_mhar("import --hf " + q(exp) + " --out " + q(imp));
   ASSERT_EQ(r.code, 0) << r.output;
-  EXPECT_EQ(read_file(imp / "tokenizer.json"), read_file(tokenizer));
+  EXPECT_EQ(read_bytes(imp / "tokenizer.json"), read_bytes(tokenizer));
   const CheckpointInfo info = open_checkpoint(imp.string());
   EXPECT_EQ(info.step, 0);
   EXPECT_NO_THROW(check_same_model(open_checkpoint(ck).config, info.config, "import"));
@@ -547,8 +544,8 @@ TEST_F(HfExportTest, StandardModelRoundTrip) {
   // export(import(x)) == x: tensors and config.json alike.
   const fs::path exp2 = dir / "exp2";
   ASSERT_EQ(run_mhar("export --checkpoint " + q(imp) + " --out " + q(exp2)).code, 0);
-  EXPECT_EQ(read_file(exp2 / "model.safetensors"), read_file(exp / "model.safetensors"));
-  EXPECT_EQ(read_file(exp2 / "config.json"), read_file(exp / "config.json"));
+  EXPECT_EQ(read_bytes(exp2 / "model.safetensors"), read_bytes(exp / "model.safetensors"));
+  EXPECT_EQ(read_bytes(exp2 / "config.json"), read_bytes(exp / "config.json"));
 
   const std::string eval_args = " --data " + val() + " --device cpu --batch-size 4 --seq-len 16";
   const CmdResult e1 = run_mhar("eval --checkpoint " + q(ck) + eval_args);
@@ -671,7 +668,7 @@ TEST_F(HfExportTest, RoutedModelsCarryTheirModelingCode) {
     EXPECT_EQ(c["tie_word_embeddings"], run.tied);
     // The exported code is the repository's, byte for byte.
     for (const char* f : {"configuration_mhar.py", "modeling_mhar.py"})
-      EXPECT_EQ(read_file(exp / f), read_file(fs::path(MHAR_SOURCE_DIR) / "tools/hf" / f)) << f;
+      EXPECT_EQ(read_bytes(exp / f), read_bytes(fs::path(MHAR_SOURCE_DIR) / "tools/hf" / f)) << f;
     const auto out = read_raw(exp / "model.safetensors");
     for (int j = 0; j < 5; ++j) {
       EXPECT_EQ(out.at("model.routing." + std::to_string(j) + ".query").shape, std::vector<int64_t>{16});
@@ -684,8 +681,8 @@ TEST_F(HfExportTest, RoutedModelsCarryTheirModelingCode) {
     const CheckpointInfo info = open_checkpoint(imp.string());
     EXPECT_EQ(info.config.residual.mode, open_checkpoint(ck).config.residual.mode);
     EXPECT_EQ(info.config.residual.heads, run.heads);
-    EXPECT_EQ(read_file(fs::path(info.dir) / "model.safetensors").size(),
-              read_file(fs::path(ck) / "model.safetensors").size());
+    EXPECT_EQ(read_bytes(fs::path(info.dir) / "model.safetensors").size(),
+              read_bytes(fs::path(ck) / "model.safetensors").size());
     const auto a = read_raw(fs::path(ck) / "model.safetensors", false);
     const auto b = read_raw(fs::path(info.dir) / "model.safetensors", false);
     for (const auto& [name, t] : a) EXPECT_EQ(b.at(name).bytes, t.bytes) << name;
@@ -776,7 +773,7 @@ void write_hf_dir(const fs::path& d, const json& config, const std::vector<Tenso
   write_safetensors_to([&](const void* p, size_t n) { bytes.append(static_cast<const char*>(p), n); }, tensors,
                        {{"format", "pt"}});
   write_file(d / "model.safetensors", bytes);
-  if (!tokenizer.empty()) write_file(d / "tokenizer.json", read_file(tokenizer));
+  if (!tokenizer.empty()) write_file(d / "tokenizer.json", read_bytes(tokenizer));
 }
 
 TEST_F(HfExportTest, F16WeightsImportExactly) {
@@ -931,7 +928,7 @@ TEST_F(HfExportTest, BadImportInputIsRefusedCleanly) {
   const CmdResult r = run_mhar("import --hf " + q(good) + " --out " + q(out));
   EXPECT_EQ(r.code, 1);
   EXPECT_NE(r.output.find("already exists"), std::string::npos) << r.output;
-  EXPECT_EQ(read_file(out / "keep.txt"), "old");
+  EXPECT_EQ(read_bytes(out / "keep.txt"), "old");
   const CmdResult self = run_mhar("import --hf " + q(good) + " --out " + q(good) + " --overwrite");
   EXPECT_EQ(self.code, 1);
   EXPECT_NE(self.output.find("holds the model being imported"), std::string::npos) << self.output;
@@ -964,7 +961,7 @@ TEST_F(HfExportTest, BadExportInputIsRefusedCleanly) {
   const CmdResult exists = run_mhar("export --checkpoint " + q(ck) + " --out " + q(out));
   EXPECT_EQ(exists.code, 1);
   EXPECT_NE(exists.output.find("already exists"), std::string::npos) << exists.output;
-  EXPECT_EQ(read_file(out / "keep.txt"), "old");
+  EXPECT_EQ(read_bytes(out / "keep.txt"), "old");
   ASSERT_EQ(run_mhar("export --checkpoint " + q(ck) + " --out " + q(out) + " --overwrite").code, 0);
   EXPECT_FALSE(fs::exists(out / "keep.txt"));
   EXPECT_TRUE(fs::exists(out / "model.safetensors"));

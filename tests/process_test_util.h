@@ -1,6 +1,6 @@
 // process_test_util.h: what the end-to-end tests share when they run the `mhar` binary
 // (or mpirun) as a child process and read what a run wrote: the command runner and the
-// readers of a run directory's files.
+// reader of a run's metrics (files as bytes: data_test_util.h's read_bytes).
 #pragma once
 #include <sys/wait.h>
 
@@ -8,7 +8,6 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
-#include <iterator>
 #include <string>
 #include <vector>
 
@@ -35,11 +34,6 @@ inline CommandResult run_command(const std::string& cmd) {
   r.rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return r;
-}
-
-inline std::string read_file(const std::filesystem::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
 // The lines of RUN/metrics.jsonl of one kind ("train", "eval", ...), in file order.

@@ -25,6 +25,7 @@
 
 #include "engine/probe.h"
 #include "engine/report.h"
+#include "tests/data_test_util.h"
 #include "tests/model_test_util.h"
 
 using namespace mhar;
@@ -39,13 +40,6 @@ fs::path fresh_dir(const std::string& name) {
   fs::remove_all(d);
   fs::create_directories(d);
   return d;
-}
-
-std::string read_file(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
 }
 
 int count_of(const std::string& s, const std::string& what) {
@@ -207,7 +201,7 @@ std::string find_chromium() {
 TEST(RunReport, SyntheticMharRunRendersSelfContained) {
   const fs::path dir = make_synthetic_run("mhar", ResidualMode::Mhar);
   write_run_report(dir.string());
-  const std::string html = read_file(dir / "report.html");
+  const std::string html = read_bytes(dir / "report.html");
   ASSERT_FALSE(html.empty());
   // Atomic write: no temporary file is left behind.
   for (const auto& e : fs::directory_iterator(dir))
@@ -230,7 +224,7 @@ TEST(RunReport, SyntheticMharRunRendersSelfContained) {
   EXPECT_NE(html.find("<th>heads / KV heads</th><td>4 / 4</td>"), std::string::npos);
   // Rewriting replaces the file in place.
   write_run_report(dir.string());
-  EXPECT_EQ(count_of(read_file(dir / "report.html"), "<figure class=\"heatmap\">"), 9);
+  EXPECT_EQ(count_of(read_bytes(dir / "report.html"), "<figure class=\"heatmap\">"), 9);
   if (!HasFailure()) fs::remove_all(dir);  // kept for inspection when something failed
 }
 
@@ -286,10 +280,10 @@ void expect_rendered_page(const fs::path& html, const fs::path& dir, const char*
       " --window-size=1280,1800 --screenshot=" + shot.string() + " file://" +
       fs::absolute(html).string() + " >" + log.string() + " 2>&1";
   const int rc = std::system(cmd.c_str());
-  ASSERT_EQ(rc, 0) << cmd << "\n" << read_file(log);
-  ASSERT_TRUE(fs::exists(shot)) << read_file(log);
+  ASSERT_EQ(rc, 0) << cmd << "\n" << read_bytes(log);
+  ASSERT_TRUE(fs::exists(shot)) << read_bytes(log);
   Image img;
-  ASSERT_NO_THROW(img = decode_png(read_file(shot)));
+  ASSERT_NO_THROW(img = decode_png(read_bytes(shot)));
   ASSERT_EQ(img.width, 1280);
   ASSERT_GT(img.height, min_height);
   std::set<uint32_t> colours;

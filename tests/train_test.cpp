@@ -20,13 +20,14 @@
 #include "engine/checkpoint.h"
 #include "engine/error.h"
 #include "engine/trainer.h"
+#include "tests/data_test_util.h"
 #include "tests/model_test_util.h"
 #include "tests/process_test_util.h"
 
 namespace fs = std::filesystem;
 using namespace mhar;
 using mhar::test::markov_tokens;
-using mhar::test::read_file;
+using mhar::test::read_bytes;
 using mhar::test::read_metrics;
 using mhar::test::run_command;
 
@@ -108,8 +109,8 @@ TEST_F(TrainTest, ResumeIsBitExactAcrossGradientAccumulation) {
       EXPECT_EQ(a[i]["loss"].get<double>(), b[i]["loss"].get<double>()) << mode << " step " << i + 1;
       EXPECT_EQ(a[i]["grad_norm"].get<double>(), b[i]["grad_norm"].get<double>()) << mode << " step " << i + 1;
     }
-    EXPECT_EQ(read_file(fs::path(full.last_checkpoint) / "model.safetensors"),
-              read_file(fs::path(rest.last_checkpoint) / "model.safetensors")) << mode;
+    EXPECT_EQ(read_bytes(fs::path(full.last_checkpoint) / "model.safetensors"),
+              read_bytes(fs::path(rest.last_checkpoint) / "model.safetensors")) << mode;
   }
 }
 
@@ -204,8 +205,8 @@ TEST_F(TrainTest, SigintDuringSkippedStepsCheckpointsTheUnchangedWeightsAndExits
   clean.stop_after_steps = 3;
   TrainResult c = train(cfg, clean);
   ASSERT_EQ(c.step, 3);
-  EXPECT_EQ(read_file(fs::path(c.last_checkpoint) / "optimizer.rank0.safetensors"),
-            read_file(fs::path(ck.dir) / "optimizer.rank0.safetensors"));
+  EXPECT_EQ(read_bytes(fs::path(c.last_checkpoint) / "optimizer.rank0.safetensors"),
+            read_bytes(fs::path(ck.dir) / "optimizer.rank0.safetensors"));
   auto be = make_cpu_backend();
   Model a(cfg.model, cfg.residual, *be, 4, 16), b(cfg.model, cfg.residual, *be, 4, 16);
   load_model_weights(open_checkpoint(c.last_checkpoint), a);
@@ -291,7 +292,7 @@ TEST_F(TrainTest, FullDiskWhileCheckpointingLosesNothing) {
   o.stop_after_steps = 4;
   train(cfg, o);
   const std::string good = (fs::path(o.run_dir) / "checkpoints/step_00000004").string();
-  const std::string before = read_file(fs::path(good) / "model.safetensors");
+  const std::string before = read_bytes(fs::path(good) / "model.safetensors");
   setenv("MHAR_SIMULATE_DISK_FULL_AFTER_BYTES", "3000", 1);
   TrainOptions r = options("run");
   r.resume = true;
@@ -308,7 +309,7 @@ TEST_F(TrainTest, FullDiskWhileCheckpointingLosesNothing) {
     EXPECT_EQ(e.path().filename().string().rfind(".tmp", 0), std::string::npos)
         << "left behind: " << e.path();
   EXPECT_EQ(open_checkpoint(o.run_dir).step, 4);
-  EXPECT_EQ(read_file(fs::path(good) / "model.safetensors"), before);
+  EXPECT_EQ(read_bytes(fs::path(good) / "model.safetensors"), before);
   // And the run continues from there once there is room again.
   EXPECT_EQ(train(Config(), r).step, 8);
 }
@@ -352,7 +353,7 @@ TEST_F(TrainTest, ResumeRefusesACheckpointOfAnotherModel) {
   // Someone edits the run's config.json to another model: resuming must refuse, naming
   // the field, and leave the checkpoint as it was.
   const fs::path cfg_path = fs::path(o.run_dir) / "config.json";
-  auto j = nlohmann::json::parse(read_file(cfg_path));
+  auto j = nlohmann::json::parse(read_bytes(cfg_path));
   j["model"]["d_model"] = 64;
   std::ofstream(cfg_path) << j.dump(2);
   TrainOptions r = options("run");
