@@ -51,13 +51,18 @@ class CudaBackend final : public Backend {
     CUBLAS_CHECK(cublasSetWorkspace(mm_.blas, mm_.workspace, mm_.workspace_bytes));
     CUDA_CHECK(cudaMalloc(&scratch_, sizeof(double)));
     count(scratch_, sizeof(double));
+    routing_ctx_.blas = mm_.blas;
+    routing_ctx_.scratch = [this](cuda::ScratchSlot slot, size_t bytes) {
+      return scratch(slot, bytes);
+    };
   }
   ~CudaBackend() override {
     cudaSetDevice(device_);
     cudaStreamSynchronize(stream_);
     cudaFree(scratch_);
     for (cudaEvent_t e : marks_) cudaEventDestroy(e);
-    if (attn_ws_) cudaFree(attn_ws_);
+    for (auto& buf : scratch_bufs_)
+      if (buf.ptr) cudaFree(buf.ptr);
     cudaFree(mm_.workspace);
     cublasDestroy(mm_.blas);
     cublasLtDestroy(mm_.lt);
@@ -208,23 +213,10 @@ class CudaBackend final : public Backend {
   }
   void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k,
                           Tensor v, Tensor out, Tensor lse) override {
-    // Scratch for the backward's row dots (B*Hq*T floats), owned here like the cuBLAS
-    // workspace: it grows on first use of a larger shape only, so steady-state steps
-    // never allocate.
+    // Scratch for the backward's row dots (B*Hq*T floats).
     const size_t need = size_t(q.dim(0) * q.dim(1) * q.dim(2));
-    if (need > attn_ws_floats_) {
-      CUDA_CHECK(cudaStreamSynchronize(stream_));
-      if (attn_ws_) {
-        uncount(attn_ws_);
-        CUDA_CHECK(cudaFree(attn_ws_));
-      }
-      attn_ws_ = nullptr;
-      CUDA_CHECK(cudaMalloc(&attn_ws_, need * sizeof(float)));
-      count(attn_ws_, need * sizeof(float));
-      attn_ws_floats_ = need;
-    }
-    cuda::attention_backward(stream_, dq, dk, dv, dout, q, k, v, out, lse, attn_ws_,
-                             attn_ws_floats_);
+    auto* rows = static_cast<float*>(scratch(cuda::ScratchSlot::AttentionRowDots, need * 4));
+    cuda::attention_backward(stream_, dq, dk, dv, dout, q, k, v, out, lse, rows, need);
   }
   void swiglu_forward(Tensor h, Tensor gate, Tensor up) override {
     cuda::swiglu_forward(stream_, h, gate, up);
@@ -241,7 +233,7 @@ class CudaBackend final : public Backend {
   void routing_source_logits(Tensor weights, Tensor inv_rms, Tensor v, const RoutingParams& p,
                              const RoutingLayout& layout, int source, int heads,
                              double eps) override {
-    cuda::routing_source_logits(stream_, weights, inv_rms, v, p, layout, source, heads, eps);
+    cuda::routing_source_logits(stream_, routing_ctx_, weights, inv_rms, v, p, layout, source, heads, eps);
   }
   void routing_mix(Tensor x, Tensor weights, Tensor history, const RoutingLayout& layout,
                    int site, int heads) override {
@@ -252,7 +244,7 @@ class CudaBackend final : public Backend {
                                Tensor inv_rms,
                                const RoutingParams& p, const RoutingLayout& layout, int source,
                                int heads) override {
-    cuda::routing_source_backward(stream_, dv, weights, ubar, gsum, site_dx, x, v, inv_rms, p,
+    cuda::routing_source_backward(stream_, routing_ctx_, dv, weights, ubar, gsum, site_dx, x, v, inv_rms, p,
                                   layout, source, heads);
   }
   void routing_param_grads(const RoutingParams& p, Tensor gsum) override {
@@ -300,8 +292,29 @@ class CudaBackend final : public Backend {
  private:
   cuda::MatmulContext mm_;
   double* scratch_ = nullptr;
-  float* attn_ws_ = nullptr;
-  size_t attn_ws_floats_ = 0;
+  // The ops' temporaries (kernels.h, ScratchSlot): grow-only, so they are allocated in
+  // the first step and steady-state steps never allocate; they count in the peak.
+  struct ScratchBuf {
+    void* ptr = nullptr;
+    size_t bytes = 0;
+  };
+  ScratchBuf scratch_bufs_[size_t(cuda::ScratchSlot::Count)];
+  void* scratch(cuda::ScratchSlot slot, size_t bytes) {
+    ScratchBuf& b = scratch_bufs_[size_t(slot)];
+    if (bytes > b.bytes) {
+      CUDA_CHECK(cudaStreamSynchronize(stream_));  // the old buffer may still be in use
+      if (b.ptr) {
+        uncount(b.ptr);
+        CUDA_CHECK(cudaFree(b.ptr));
+      }
+      b = ScratchBuf{};
+      CUDA_CHECK(cudaMalloc(&b.ptr, bytes));
+      count(b.ptr, bytes);
+      b.bytes = bytes;
+    }
+    return b.ptr;
+  }
+  cuda::RoutingContext routing_ctx_;
   std::unordered_map<void*, size_t> sizes_;
   int64_t in_use_ = 0, peak_ = 0;
 };

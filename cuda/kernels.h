@@ -8,6 +8,8 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include <functional>
+
 #include "engine/backend.h"
 #include "engine/tensor.h"
 
@@ -52,17 +54,28 @@ void swiglu_backward(cudaStream_t s, Tensor dgate, Tensor dup, Tensor dh, Tensor
 void cross_entropy(cudaStream_t s, Tensor losses, Tensor logits, Tensor targets,
                    double grad_scale, bool compute_grad);
 
-// routing.cu
-void routing_source_logits(cudaStream_t s, Tensor weights, Tensor inv_rms, Tensor v,
-                           const RoutingParams& params, const RoutingLayout& layout, int source,
-                           int heads, double eps);
+// Device scratch owned by the backend, grow-only: an op asks for `bytes` in its slot and
+// gets a buffer at least that large; a larger shape reallocates once (synchronising the
+// stream), so steady-state steps never allocate. Slots are independent buffers.
+enum class ScratchSlot { AttentionRowDots, RoutingTables, RoutingValueGrad, RoutingKeyGrad, Count };
+using ScratchFn = std::function<void*(ScratchSlot, size_t)>;
+
+// routing.cu. The logits and the key path of the backward are small GEMMs per head
+// (cuBLAS, on the backend's stream) around the token kernels; their temporaries come from
+// the backend's scratch.
+struct RoutingContext {
+  cublasHandle_t blas = nullptr;
+  ScratchFn scratch;
+};
+void routing_source_logits(cudaStream_t s, RoutingContext& ctx, Tensor weights, Tensor inv_rms,
+                           Tensor v, const RoutingParams& params, const RoutingLayout& layout,
+                           int source, int heads, double eps);
 void routing_mix(cudaStream_t s, Tensor x, Tensor weights, Tensor history,
                  const RoutingLayout& layout, int site, int heads);
-void routing_source_backward(cudaStream_t s, Tensor dv, Tensor weights, Tensor ubar,
-                             Tensor gsum, const std::vector<Tensor>& site_dx, Tensor x, Tensor v,
-                             Tensor inv_rms,
-                             const RoutingParams& params, const RoutingLayout& layout,
-                             int source, int heads);
+void routing_source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weights,
+                             Tensor ubar, Tensor gsum, const std::vector<Tensor>& site_dx,
+                             Tensor x, Tensor v, Tensor inv_rms, const RoutingParams& params,
+                             const RoutingLayout& layout, int source, int heads);
 void routing_param_grads(cudaStream_t s, const RoutingParams& params, Tensor gsum);
 // routing_stats.cu (the routing probe's device reduction)
 void routing_stats(cudaStream_t s, Tensor stats, Tensor weights, const RoutingLayout& layout,

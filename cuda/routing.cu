@@ -248,31 +248,41 @@ __device__ __forceinline__ void load_per_head(float (&out)[NT][kHeadVals<ALIGNED
   }
 }
 
-template <int NT>
-__device__ __forceinline__ void load_qg(float (&qg)[NT][8], const bf16* q, const bf16* gn,
-                                        int nchunks) {
-  Row<NT> rq, rg;
-  load_row(rq, q, nchunks);
-  load_row(rg, gn, nchunks);
-#pragma unroll
-  for (int t = 0; t < NT; ++t)
-#pragma unroll
-    for (int e = 0; e < 8; ++e) qg[t][e] = elem(rq.raw[t], e) * elem(rg.raw[t], e);
+// ---------------------------------------------------------------- source logits
+// The logits of slot i against its sites k = i .. last are, per head h, one GEMM:
+//   raw[k, h, n] = sum_{c in h} qg_k[c] v[n, c]      (qg = q * g, token-independent)
+// run by cuBLAS on tensor cores (bf16 in, fp32 accumulate) as a batch over the heads,
+// written straight into the pair slots [k - i, h, n] (ldc = H*N). qg is split into
+// bf16 hi + lo parts (hi = bf16(qg), lo = bf16(qg - hi)): two GEMMs, so that the logits
+// carry the fp32 product q*g as the CPU reference does, not its bf16 rounding. Then
+// every logit is multiplied by its token's inv_rms.
+
+// The per-site tables for sites first .. first+ns-1, [ns, d] each: hi/lo bf16 parts of
+// q*g (for the logits) or q*g in fp32 (for the backward's key path). q*g of two bf16
+// values is exact in fp32.
+__global__ void qg_tables_kernel(bf16* __restrict__ hi, bf16* __restrict__ lo,
+                                 float* __restrict__ f32, const SiteParams sp, int first, int ns,
+                                 int d) {
+  for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < int64_t(ns) * d;
+       e += int64_t(gridDim.x) * blockDim.x) {
+    const int k = first + int(e / d), c = int(e % d);
+    const float qg = load(sp.q[k][c]) * load(sp.g[k][c]);
+    if (f32) {
+      f32[e] = qg;
+    } else {
+      const bf16 h = __float2bfloat16_rn(qg);
+      hi[e] = h;
+      lo[e] = __float2bfloat16_rn(qg - __bfloat162float(h));
+    }
+  }
 }
 
-// ---------------------------------------------------------------- source logits
-template <int NT, bool ALIGNED>
+// inv_rms[n] = 1/sqrt(mean_c v[n,c]^2 + eps), one warp per token.
+template <int NT>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock)
-    source_logits_kernel(float* __restrict__ weights, float* __restrict__ inv_rms,
-                         const bf16* __restrict__ v, const SiteParams sp, const Geometry g,
-                         int source, float eps) {
-  extern __shared__ float smem[];
-  float* scratch = smem + (threadIdx.x >> 5) * g.H;
-  const int lane = threadIdx.x & 31;
-  const LaneHeads<NT> L = lane_heads<NT>(g);
+    inv_rms_kernel(float* __restrict__ inv_rms, const bf16* __restrict__ v, const Geometry g,
+                   float eps) {
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
-  float* w_src = weights + g.lay.pair_base(source) * g.H * g.N;
-  const int last = g.lay.last_site(source);
   for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); n < g.N;
        n += warps) {
     Row<NT> rv;
@@ -282,21 +292,27 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
     for (int t = 0; t < NT; ++t)
 #pragma unroll
       for (int e = 0; e < 8; ++e) ss += elem(rv.raw[t], e) * elem(rv.raw[t], e);
-    const float r = rsqrtf(warp_sum(ss) / float(g.d) + eps);
-    if (lane == 0) inv_rms[n] = r;
-    for (int k = source; k <= last; ++k) {
-      float prod[NT][8], tot[NT][kHeadVals<ALIGNED>];
-      load_qg(prod, sp.q[k], sp.g[k], g.nchunks);
-#pragma unroll
-      for (int t = 0; t < NT; ++t)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) prod[t][e] *= elem(rv.raw[t], e);
-      head_totals<NT, ALIGNED>(prod, tot, g, L, scratch);
-      float* w = w_src + int64_t(k - source) * g.H * g.N + n;
-      for_head_leaders<NT, ALIGNED>(g, L, [&](int t, int e, int h) {
-        w[int64_t(h) * g.N] = r * hv<ALIGNED>(tot, t, e);
-      });
+    ss = warp_sum(ss);
+    if ((threadIdx.x & 31) == 0) inv_rms[n] = rsqrtf(ss / float(g.d) + eps);
+  }
+}
+
+// w[row, n] *= r[n] for rows x N values (the logits of one slot, [ns * H, N]).
+__global__ void scale_by_token_kernel(float* __restrict__ w, const float* __restrict__ r,
+                                      int64_t rows, int64_t N) {
+  if (N % 4 == 0) {
+    const int64_t n4 = N / 4;
+    for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < rows * n4;
+         e += int64_t(gridDim.x) * blockDim.x) {
+      float4 x = reinterpret_cast<float4*>(w)[e];
+      const float4 s = reinterpret_cast<const float4*>(r)[e % n4];
+      x.x *= s.x, x.y *= s.y, x.z *= s.z, x.w *= s.w;
+      reinterpret_cast<float4*>(w)[e] = x;
     }
+  } else {
+    for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < rows * N;
+         e += int64_t(gridDim.x) * blockDim.x)
+      w[e] *= r[e % N];
   }
 }
 
@@ -397,13 +413,50 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
 }
 
 // ---------------------------------------------------------------- source backward
+// Slot i's gradient (backend.h) in three parts:
+//   value kernel (one warp per token, streams the input gradients dx_k of the sites
+//     k = i .. last that read the slot, one row each): ubar_i, u_k = dx_k . v per head,
+//     ds_k = a_k (u_k - ubar_k) (written back as ds_k * r into the pair, for the key
+//     gradients), and the value path val = sum_k a_k dx_k, kept in fp32 (scratch [N, d]);
+//   key GEMM (cuBLAS, fp32, batched over heads):
+//     key[n, c] = sum_k (ds_k r)[head(c), n] qg_k[c]   (qg token-independent, as in the
+//     logits), so the per-token loop carries no q, g or key-path arithmetic;
+//   finish kernel: dv = val + key - v r^2/d (v . key)  (the last term is the gradient
+//     through inv_rms: r^3/d sum_k sum_c ds_k qg_k v = r^2/d v . key).
+template <int NT>
+__device__ __forceinline__ void store_row_f32(float* row, const float (&f)[NT][8], int nchunks) {
+  const int lane = threadIdx.x & 31;
+  float4* p = reinterpret_cast<float4*>(row);
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const int ch = lane + 32 * t;
+    if (ch < nchunks) {
+      p[2 * ch] = make_float4(f[t][0], f[t][1], f[t][2], f[t][3]);
+      p[2 * ch + 1] = make_float4(f[t][4], f[t][5], f[t][6], f[t][7]);
+    }
+  }
+}
+
+template <int NT>
+__device__ __forceinline__ void load_row_f32(float (&f)[NT][8], const float* row, int nchunks) {
+  const int lane = threadIdx.x & 31;
+  const float4* p = reinterpret_cast<const float4*>(row);
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const int ch = lane + 32 * t;
+    const float4 lo = ch < nchunks ? p[2 * ch] : make_float4(0.f, 0.f, 0.f, 0.f);
+    const float4 hi = ch < nchunks ? p[2 * ch + 1] : make_float4(0.f, 0.f, 0.f, 0.f);
+    f[t][0] = lo.x, f[t][1] = lo.y, f[t][2] = lo.z, f[t][3] = lo.w;
+    f[t][4] = hi.x, f[t][5] = hi.y, f[t][6] = hi.z, f[t][7] = hi.w;
+  }
+}
+
 template <int NT, bool ALIGNED>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock)
-    source_backward_kernel(bf16* __restrict__ dv, float* __restrict__ weights,
-                           float* __restrict__ ubar, const SiteRows site_dx,
-                           const bf16* __restrict__ x, const bf16* __restrict__ v,
-                           const float* __restrict__ inv_rms, const SiteParams sp,
-                           const Geometry g, int source) {
+    source_value_kernel(float* __restrict__ val, float* __restrict__ weights,
+                        float* __restrict__ ubar, const SiteRows site_dx,
+                        const bf16* __restrict__ x, const bf16* __restrict__ v,
+                        const float* __restrict__ inv_rms, const Geometry g, int source) {
   extern __shared__ float smem[];
   float* scratch = smem + (threadIdx.x >> 5) * g.H;
   const LaneHeads<NT> L = lane_heads<NT>(g);
@@ -438,7 +491,6 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
     for (int t = 0; t < NT; ++t)
 #pragma unroll
       for (int e = 0; e < 8; ++e) acc[t][e] = 0.f;
-    float radial = 0.f;  // this lane's part of sum_k sum_c ds_k q_k g_k v
     for (int k = source; k <= last; ++k) {
       float* w = w_src + int64_t(k - source) * g.H * g.N + n;
       float a_nxt[NT][W], ub_nxt[NT][W];
@@ -451,25 +503,20 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
           load_per_head<NT, ALIGNED>(ub_nxt, ubar + int64_t(k + 1) * g.H * g.N + n, g, L);
         }
       }
-      float prod[NT][8], u[NT][W], ds[NT][W], qg[NT][8];
+      float prod[NT][8], u[NT][W], ds[NT][W];
 #pragma unroll
       for (int t = 0; t < NT; ++t)
 #pragma unroll
-        for (int e = 0; e < 8; ++e) prod[t][e] = elem(rdx.raw[t], e) * elem(rv.raw[t], e);
+        for (int e = 0; e < 8; ++e) {
+          const float dxe = elem(rdx.raw[t], e);
+          prod[t][e] = dxe * elem(rv.raw[t], e);
+          acc[t][e] += hv<ALIGNED>(a, t, e) * dxe;
+        }
       head_totals<NT, ALIGNED>(prod, u, g, L, scratch);
 #pragma unroll
       for (int t = 0; t < NT; ++t)
 #pragma unroll
         for (int e = 0; e < W; ++e) ds[t][e] = a[t][e] * (u[t][e] - ub[t][e]);
-      load_qg(qg, sp.q[k], sp.g[k], g.nchunks);
-#pragma unroll
-      for (int t = 0; t < NT; ++t)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          const float dse = hv<ALIGNED>(ds, t, e);
-          acc[t][e] += hv<ALIGNED>(a, t, e) * elem(rdx.raw[t], e) + r * qg[t][e] * dse;
-          radial += dse * qg[t][e] * elem(rv.raw[t], e);
-        }
       __syncwarp();  // every lane has read a_k before the leaders overwrite it
       for_head_leaders<NT, ALIGNED>(g, L, [&](int t, int e, int h) {
         w[int64_t(h) * g.N] = hv<ALIGNED>(ds, t, e) * r;
@@ -485,12 +532,201 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
         }
       }
     }
-    const float scale = r * r * r / float(g.d) * warp_sum(radial);
+    store_row_f32(val + n * g.d, acc, g.nchunks);
+  }
+}
+
+template <int NT>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock)
+    source_finish_kernel(bf16* __restrict__ dv, const float* __restrict__ val,
+                         const float* __restrict__ key, const bf16* __restrict__ v,
+                         const float* __restrict__ inv_rms, const Geometry g) {
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
+  for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); n < g.N;
+       n += warps) {
+    Row<NT> rv;
+    load_row(rv, v + n * g.d, g.nchunks);
+    float kf[NT][8], out[NT][8];
+    load_row_f32(kf, key + n * g.d, g.nchunks);
+    load_row_f32(out, val + n * g.d, g.nchunks);
+    float dot = 0.f;
 #pragma unroll
     for (int t = 0; t < NT; ++t)
 #pragma unroll
-      for (int e = 0; e < 8; ++e) acc[t][e] -= scale * elem(rv.raw[t], e);
-    store_row(dv + n * g.d, acc, g.nchunks);
+      for (int e = 0; e < 8; ++e) dot += elem(rv.raw[t], e) * kf[t][e];
+    const float r = inv_rms[n];
+    const float coef = r * r / float(g.d) * warp_sum(dot);
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) out[t][e] += kf[t][e] - coef * elem(rv.raw[t], e);
+    store_row(dv + n * g.d, out, g.nchunks);
+  }
+}
+
+// ---------------------------------------------------------------- span layout
+// The model widths' fast path. When d % 256 == 0 and H divides 32, lane l owns the
+// contiguous features [8 NT l, 8 NT (l+1)) (NT = d / 256 chunks of 8) and head h is
+// exactly the G = 32 / H lanes [G h, G (h+1)): a per-head sum is the lane's own sum plus
+// log2(G) xor shuffles, and a lane holds one per-head value (its head's), where the
+// interleaved layout above keeps per-chunk head tables and a segmented scan (~200
+// registers at d = 1280, which spilled and left a few warps per SM). A warp's load
+// instruction reads 16-byte pieces at a stride of 16 NT bytes; the row's bytes still
+// come from DRAM once (the other pieces of each sector are the lane's next loads, from L1).
+// At least 4 blocks (16 warps) per SM up to d = 1280: <= 128 registers, so that enough
+// rows are in flight (unbounded, the compiler keeps v unpacked in fp32: 156 registers at
+// d = 1280). Wider rows need more: 2 blocks (<= 255 registers) there, which do not spill.
+constexpr int span_blocks_per_sm(int NT) { return NT <= 5 ? 4 : 2; }
+bool span_layout(const Geometry& g) { return g.d % 256 == 0 && 32 % g.H == 0; }
+
+template <int NT>
+__device__ __forceinline__ void load_span(Row<NT>& r, const bf16* row) {
+  const uint4* p = reinterpret_cast<const uint4*>(row) + (threadIdx.x & 31) * NT;
+#pragma unroll
+  for (int t = 0; t < NT; ++t) r.raw[t] = p[t];
+}
+
+template <int NT>
+__device__ __forceinline__ void store_span(bf16* row, const float (&f)[NT][8]) {
+  uint4* p = reinterpret_cast<uint4*>(row) + (threadIdx.x & 31) * NT;
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+    p[t] = make_uint4(pack2(f[t][0], f[t][1]), pack2(f[t][2], f[t][3]), pack2(f[t][4], f[t][5]),
+                      pack2(f[t][6], f[t][7]));
+}
+
+template <int NT>
+__device__ __forceinline__ void store_span_f32(float* row, const float (&f)[NT][8]) {
+  float4* p = reinterpret_cast<float4*>(row) + (threadIdx.x & 31) * 2 * NT;
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    p[2 * t] = make_float4(f[t][0], f[t][1], f[t][2], f[t][3]);
+    p[2 * t + 1] = make_float4(f[t][4], f[t][5], f[t][6], f[t][7]);
+  }
+}
+
+// Sum over the G lanes of this lane's head (G a power of two <= 32).
+__device__ __forceinline__ float head_sum(float x, int G) {
+  for (int o = G >> 1; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+// routing_mix of one site, span layout. The softmax statistics of head h come from its G
+// lanes, each taking every G-th source (online max/sum), merged by shuffles; then the
+// sources are summed with the next row and logit prefetched.
+template <int NT>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
+    mix_span_kernel(bf16* __restrict__ x, float* __restrict__ weights,
+                    const bf16* __restrict__ hist, const Geometry g, int site) {
+  const int lane = threadIdx.x & 31, G = 32 / g.H, h = lane / G, sub = lane % G;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
+  const int src = g.lay.site_sources(site), closed = site / g.lay.block;
+  auto slot = [&](int t) { return t <= closed ? t * g.lay.block : site; };
+  for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); n < g.N;
+       n += warps) {
+    auto logit = [&](int t) {
+      return weights + (g.lay.site_pair(site, t, closed) * g.H + h) * g.N + n;
+    };
+    float m = -INFINITY, l = 0.f;
+    for (int i = sub; i < src; i += G) {
+      const float s = *logit(i);
+      if (s > m) l = l * __expf(m - s) + 1.f, m = s;  // exp(-inf) = 0 on the first
+      else l += __expf(s - m);
+    }
+    for (int o = G >> 1; o > 0; o >>= 1) {
+      const float m2 = __shfl_xor_sync(0xffffffffu, m, o), l2 = __shfl_xor_sync(0xffffffffu, l, o);
+      const float M = fmaxf(m, m2);  // finite once one of the two lanes saw a source
+      l = (m == -INFINITY ? 0.f : l * __expf(m - M)) + (m2 == -INFINITY ? 0.f : l2 * __expf(m2 - M));
+      m = M;
+    }
+    const float linv = 1.f / l;
+    float acc[NT][8];
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[t][e] = 0.f;
+    Row<NT> cur, nxt;
+    load_span(cur, hist + (int64_t(slot(0)) * g.N + n) * g.d);
+    float s_cur = *logit(0), s_nxt = 0.f;
+    for (int i = 0; i < src; ++i) {
+      if (i + 1 < src) {
+        load_span(nxt, hist + (int64_t(slot(i + 1)) * g.N + n) * g.d);
+        s_nxt = *logit(i + 1);
+      }
+      const float a = __expf(s_cur - m) * linv;
+      __syncwarp();  // every lane of the head has read logit i before it is overwritten
+      if (sub == 0) *logit(i) = a;
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[t][e] += a * elem(cur.raw[t], e);
+      if (i + 1 < src) cur = nxt, s_cur = s_nxt;
+    }
+    store_span(x + n * g.d, acc);
+  }
+}
+
+// The backward's value kernel (see source_value_kernel below), span layout.
+template <int NT>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
+    source_value_span_kernel(float* __restrict__ val, float* __restrict__ weights,
+                             float* __restrict__ ubar, const SiteRows site_dx,
+                             const bf16* __restrict__ x, const bf16* __restrict__ v,
+                             const float* __restrict__ inv_rms, const Geometry g, int source) {
+  const int lane = threadIdx.x & 31, G = 32 / g.H, h = lane / G;
+  const bool leader = lane % G == 0;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
+  float* w_src = weights + (g.lay.pair_base(source) * g.H + h) * g.N;  // head h's rows
+  const float* ub_h = ubar + int64_t(h) * g.N;
+  const int last = g.lay.last_site(source);
+  for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); n < g.N;
+       n += warps) {
+    const float r = inv_rms[n];
+    Row<NT> rv, rdx, nxt;
+    load_span(rv, v + n * g.d);
+    load_span(rdx, site_dx.dx[source] + n * g.d);
+    float ub;
+    {  // ubar of site `source`, from its input and input gradient
+      Row<NT> rx;
+      load_span(rx, x + n * g.d);
+      float p = 0.f;
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) p += elem(rdx.raw[t], e) * elem(rx.raw[t], e);
+      ub = head_sum(p, G);
+      if (leader) ubar[(int64_t(source) * g.H + h) * g.N + n] = ub;
+    }
+    float a = w_src[n];
+    float acc[NT][8];
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[t][e] = 0.f;
+    for (int k = source; k <= last; ++k) {
+      float* w = w_src + int64_t(k - source) * g.H * g.N + n;
+      float a_nxt = 0.f, ub_nxt = 0.f;
+      if (k + 1 <= last) {
+        load_span(nxt, site_dx.dx[k + 1] + n * g.d);
+        a_nxt = w[int64_t(g.H) * g.N];
+        ub_nxt = ub_h[int64_t(k + 1) * g.H * g.N + n];
+      }
+      float p = 0.f;
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const float dxe = elem(rdx.raw[t], e);
+          p += dxe * elem(rv.raw[t], e);
+          acc[t][e] += a * dxe;
+        }
+      const float ds = a * (head_sum(p, G) - ub);
+      // head_sum's shuffles synchronise the warp: every lane has read a_k (one iteration
+      // earlier) before the leader overwrites it; with G = 1 the lane is its own leader.
+      if (leader) *w = ds * r;
+      if (k + 1 <= last) rdx = nxt, a = a_nxt, ub = ub_nxt;
+    }
+    store_span_f32(val + n * g.d, acc);
   }
 }
 
@@ -636,6 +872,40 @@ void dispatch_rows(const Geometry& g, F&& f) {
   }
 }
 
+// C_h = op(A_h) op(B_h) for the heads h < batch: one strided-batched cuBLAS call in its
+// column-major terms (the caller states the views), fp32 accumulate and C, alpha 1. The
+// batch's C views interleave (ldc spans every head) but never share an element.
+void head_gemm(cudaStream_t s, cublasHandle_t blas, cublasOperation_t ta, cublasOperation_t tb,
+               int64_t m, int64_t n, int64_t k, const void* A, cudaDataType at, int64_t lda,
+               int64_t stride_a, const void* B, cudaDataType bt, int64_t ldb, int64_t stride_b,
+               float beta, float* C, int64_t ldc, int64_t stride_c, int batch) {
+  for (int64_t dim : {m, n, k, lda, ldb, ldc})
+    if (dim > INT32_MAX)
+      fail("CUDA routing: a GEMM dimension of ", dim, " exceeds cuBLAS's 32-bit limit (fewer "
+           "tokens per micro-batch)");
+  const float alpha = 1.f;
+  CUBLAS_CHECK(cublasSetStream(blas, s));
+  CUBLAS_CHECK(cublasGemmStridedBatchedEx(blas, ta, tb, int(m), int(n), int(k), &alpha, A, at,
+                                          int(lda), stride_a, B, bt, int(ldb), stride_b, &beta, C,
+                                          CUDA_R_32F, int(ldc), stride_c, batch,
+                                          CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+// Calls f(std::integral_constant<int, NT>) with NT = d / 256 exactly (span layout).
+template <class F>
+void dispatch_span(const Geometry& g, F&& f) {
+  switch (g.d / 256) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;  // geometry() caps d at 2048
+  }
+}
+
 // Dynamic shared memory beyond the default 48 KiB needs an opt-in per kernel.
 template <class K>
 void allow_smem(K kernel, size_t bytes) {
@@ -645,22 +915,33 @@ void allow_smem(K kernel, size_t bytes) {
 
 }  // namespace
 
-void routing_source_logits(cudaStream_t s, Tensor weights, Tensor inv_rms, Tensor v,
-                           const RoutingParams& params, const RoutingLayout& layout, int source,
-                           int heads, double eps) {
+void routing_source_logits(cudaStream_t s, RoutingContext& ctx, Tensor weights, Tensor inv_rms,
+                           Tensor v, const RoutingParams& params, const RoutingLayout& layout,
+                           int source, int heads, double eps) {
   const char* what = "routing_source_logits";
   const Geometry g = source_geometry(what, weights, inv_rms, v, params, layout, source, heads);
   const int64_t N = g.N;
   const SiteParams sp = site_params(what, params, g.d);
-  const size_t smem = sizeof(float) * kWarpsPerBlock * heads;
-  dispatch_rows(g, [&](auto nt, auto al) {
-    auto kernel = source_logits_kernel<decltype(nt)::value, decltype(al)::value>;
-    allow_smem(kernel, smem);
-    kernel<<<token_blocks(N), 32 * kWarpsPerBlock, smem, s>>>(
-        weights.ptr<float>(), inv_rms.ptr<float>(), static_cast<const bf16*>(v.data), sp, g,
-        source, float(eps));
+  const int ns = layout.last_site(source) - source + 1;
+  const int64_t table = int64_t(ns) * g.d;
+  auto* hi = static_cast<bf16*>(ctx.scratch(ScratchSlot::RoutingTables, 2 * table * sizeof(bf16)));
+  bf16* lo = hi + table;
+  qg_tables_kernel<<<grid_stride_blocks(table, 256), 256, 0, s>>>(hi, lo, nullptr, sp, source, ns,
+                                                                   g.d);
+  CUDA_CHECK_LAUNCH();
+  dispatch_rows(g, [&](auto nt, auto) {
+    inv_rms_kernel<decltype(nt)::value><<<token_blocks(N), 32 * kWarpsPerBlock, 0, s>>>(
+        inv_rms.ptr<float>(), static_cast<const bf16*>(v.data), g, float(eps));
     CUDA_CHECK_LAUNCH();
   });
+  float* w = weights.ptr<float>() + g.lay.pair_base(source) * g.H * N;
+  for (const bf16* part : {static_cast<const bf16*>(hi), static_cast<const bf16*>(lo)})
+    head_gemm(s, ctx.blas, CUBLAS_OP_T, CUBLAS_OP_N, N, ns, g.dh, v.data, CUDA_R_16BF, g.d, g.dh,
+              part, CUDA_R_16BF, g.d, g.dh, part == lo ? 1.f : 0.f, w, int64_t(g.H) * N, N, g.H);
+  const int64_t rows = int64_t(ns) * g.H;
+  scale_by_token_kernel<<<grid_stride_blocks(rows * N / 4 + 1, 256), 256, 0, s>>>(
+      w, inv_rms.ptr<float>(), rows, N);
+  CUDA_CHECK_LAUNCH();
 }
 
 void routing_mix(cudaStream_t s, Tensor x, Tensor weights, Tensor history,
@@ -675,6 +956,15 @@ void routing_mix(cudaStream_t s, Tensor x, Tensor weights, Tensor history,
   check_dtype(x, DType::BF16, what, "x");
   check_numel(x, g.N * g.d, what, "x");
   if (g.N == 0) return;
+  if (span_layout(g)) {
+    dispatch_span(g, [&](auto nt) {
+      mix_span_kernel<decltype(nt)::value><<<token_blocks(g.N), 32 * kWarpsPerBlock, 0, s>>>(
+          static_cast<bf16*>(x.data), weights.ptr<float>(),
+          static_cast<const bf16*>(history.data), g, site);
+      CUDA_CHECK_LAUNCH();
+    });
+    return;
+  }
   const size_t smem = sizeof(float) * kWarpsPerBlock * 2 * heads;
   dispatch_rows(g, [&](auto nt, auto al) {
     auto kernel = mix_kernel<decltype(nt)::value, decltype(al)::value>;
@@ -686,11 +976,10 @@ void routing_mix(cudaStream_t s, Tensor x, Tensor weights, Tensor history,
   });
 }
 
-void routing_source_backward(cudaStream_t s, Tensor dv, Tensor weights, Tensor ubar,
-                             Tensor gsum, const std::vector<Tensor>& site_dx, Tensor x,
-                             Tensor v, Tensor inv_rms,
-                             const RoutingParams& params, const RoutingLayout& layout,
-                             int source, int heads) {
+void routing_source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weights,
+                             Tensor ubar, Tensor gsum, const std::vector<Tensor>& site_dx,
+                             Tensor x, Tensor v, Tensor inv_rms, const RoutingParams& params,
+                             const RoutingLayout& layout, int source, int heads) {
   const char* what = "routing_source_backward";
   const Geometry g = source_geometry(what, weights, inv_rms, v, params, layout, source, heads);
   const int64_t N = g.N;
@@ -712,14 +1001,42 @@ void routing_source_backward(cudaStream_t s, Tensor dv, Tensor weights, Tensor u
   check_numel(x, N * g.d, what, "x");
   check_numel(dv, N * g.d, what, "dv");
   const SiteParams sp = site_params(what, params, g.d);
-  const size_t smem = sizeof(float) * kWarpsPerBlock * heads;
-  dispatch_rows(g, [&](auto nt, auto al) {
-    auto kernel = source_backward_kernel<decltype(nt)::value, decltype(al)::value>;
-    allow_smem(kernel, smem);
-    kernel<<<token_blocks(N), 32 * kWarpsPerBlock, smem, s>>>(
-        static_cast<bf16*>(dv.data), weights.ptr<float>(), ubar.ptr<float>(),
-        rows, static_cast<const bf16*>(x.data),
-        static_cast<const bf16*>(v.data), inv_rms.ptr<float>(), sp, g, source);
+  const int ns = layout.last_site(source) - source + 1;
+  auto* val = static_cast<float*>(ctx.scratch(ScratchSlot::RoutingValueGrad, N * g.d * 4));
+  auto* key = static_cast<float*>(ctx.scratch(ScratchSlot::RoutingKeyGrad, N * g.d * 4));
+  if (span_layout(g)) {
+    dispatch_span(g, [&](auto nt) {
+      source_value_span_kernel<decltype(nt)::value>
+          <<<token_blocks(N), 32 * kWarpsPerBlock, 0, s>>>(
+              val, weights.ptr<float>(), ubar.ptr<float>(), rows,
+              static_cast<const bf16*>(x.data), static_cast<const bf16*>(v.data),
+              inv_rms.ptr<float>(), g, source);
+      CUDA_CHECK_LAUNCH();
+    });
+  } else {
+    const size_t smem = sizeof(float) * kWarpsPerBlock * heads;
+    dispatch_rows(g, [&](auto nt, auto al) {
+      auto kernel = source_value_kernel<decltype(nt)::value, decltype(al)::value>;
+      allow_smem(kernel, smem);
+      kernel<<<token_blocks(N), 32 * kWarpsPerBlock, smem, s>>>(
+          val, weights.ptr<float>(), ubar.ptr<float>(), rows, static_cast<const bf16*>(x.data),
+          static_cast<const bf16*>(v.data), inv_rms.ptr<float>(), g, source);
+      CUDA_CHECK_LAUNCH();
+    });
+  }
+  // The key path: key = (ds r) qg per head, from the pairs the value kernel just wrote.
+  const int64_t table = int64_t(ns) * g.d;
+  auto* qg = static_cast<float*>(ctx.scratch(ScratchSlot::RoutingTables, table * sizeof(float)));
+  qg_tables_kernel<<<grid_stride_blocks(table, 256), 256, 0, s>>>(nullptr, nullptr, qg, sp,
+                                                                   source, ns, g.d);
+  CUDA_CHECK_LAUNCH();
+  const float* w_src = weights.ptr<float>() + g.lay.pair_base(source) * g.H * N;
+  head_gemm(s, ctx.blas, CUBLAS_OP_N, CUBLAS_OP_T, g.dh, N, ns, qg, CUDA_R_32F, g.d, g.dh, w_src,
+            CUDA_R_32F, int64_t(g.H) * N, N, 0.f, key, g.d, g.dh, g.H);
+  dispatch_rows(g, [&](auto nt, auto) {
+    source_finish_kernel<decltype(nt)::value><<<token_blocks(N), 32 * kWarpsPerBlock, 0, s>>>(
+        static_cast<bf16*>(dv.data), val, key, static_cast<const bf16*>(v.data),
+        inv_rms.ptr<float>(), g);
     CUDA_CHECK_LAUNCH();
   });
   const int64_t slabs = gsum.dim(0);

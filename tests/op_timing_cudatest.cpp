@@ -91,9 +91,13 @@ TEST_F(OpTiming, DISABLED_ModelShapes) {
   // Depth routing of a whole step at the 350M and 1B shapes (N = 16384 tokens), full
   // routing and the 1B block config (8 blocks of 9): every source's logits and every
   // site's mix (forward), every source's backward and the query/gain gradients
-  // (backward). Bytes counted: rows of N x d bf16 read or written by the token kernels
-  // (forward: S + P + S, P the (source, site) pairs, S(S+1)/2 for full routing; backward:
-  // P site gradients, v twice, x, dv); the fp32 per-pair statistics are not counted.
+  // (backward). Bytes counted are those each op must move, whatever its kernels do
+  // (rows of N x d bf16 and the fp32 per-pair statistics [P, H, N], P the (source, site)
+  // pairs, S(S+1)/2 for full routing): logits read each source once and write every
+  // pair's logit; the mix reads its sources' rows and logits and writes x and the
+  // weights; the backward reads every pair's site gradient row and weight, v, x, writes
+  // dv and the pair's logit gradient. Temporaries of an implementation (the backward's
+  // fp32 value and key rows) are not counted: the rate is against what the op must do.
   struct Shape {
     const char* name;
     int64_t d;
@@ -122,7 +126,7 @@ TEST_F(OpTiming, DISABLED_ModelShapes) {
       params.emplace_back(*gpu, DType::F32, std::initializer_list<int64_t>{d});
       rp.dgain.push_back(params.back());
     }
-    const double row = 2.0 * N * d;
+    const double row = 2.0 * N * d, stats = 4.0 * double(P) * H * N;
     const std::string tag = std::string(sh.name) + " N16384 d" + std::to_string(d) + " S" +
                             std::to_string(S) + " H" + std::to_string(H);
     auto logits = [&] {
@@ -132,11 +136,11 @@ TEST_F(OpTiming, DISABLED_ModelShapes) {
     auto mixes = [&] {
       for (int i = 0; i < S; ++i) gpu->routing_mix(xs.t()[i], weights, hist, lay, i, H);
     };
-    report("routing_source_logits, all sources " + tag, time_ms(logits, 2), 0, row * S);
+    report("routing_source_logits, all sources " + tag, time_ms(logits, 2), 0, row * S + stats);
     // The mix normalises the logits in place, so every timed repetition needs fresh
     // logits: time both and subtract the logits alone.
     report("routing_mix, all sites " + tag, time_ms([&] { logits(); mixes(); }, 2) -
-               time_ms(logits, 2), 0, row * (double(P) + S));
+               time_ms(logits, 2), 0, row * (double(P) + S) + 2 * stats);
     logits();
     mixes();
     auto backward = [&] {
@@ -147,7 +151,7 @@ TEST_F(OpTiming, DISABLED_ModelShapes) {
       gpu->routing_param_grads(rp, gsum);
     };
     report("routing backward (source_backward + param_grads), whole step " + tag,
-           time_ms(backward, 2), 0, row * (double(P) + 4.0 * S));
+           time_ms(backward, 2), 0, row * (double(P) + 3.0 * S) + 2 * stats);
     report("routing_mix last site " + tag,
            time_ms([&] { gpu->routing_mix(xs.t()[S - 1], weights, hist, lay, S - 1, H); }), 0,
            row * (lay.site_sources(S - 1) + 1));

@@ -6,7 +6,8 @@
 // d up to 2048 (8 chunks per lane), token counts that are and are not multiples of 4 (the
 // key-gradient kernel's vector path), and 1..9 sources; block routing's layouts
 // (partial block sums read by their own site only, closed ones by every later site)
-// from blocks of 2 to one block of all outputs, and the 1B config's 8 blocks of 9.
+// from blocks of 2 to one block of all outputs, and the 1B config's 8 blocks of 9; the
+// span layout (d % 256 == 0, H dividing 32) for every H and row width it covers.
 #include <gtest/gtest.h>
 
 #include "tests/cuda_test_util.h"
@@ -156,6 +157,15 @@ TEST_F(RoutingParity, BlockLayouts) {
   check(32, 640, 9, 8, 3);    // heads spanning chunk rows
   check(21, 1280, 73, 8, 9);  // configs/1b_block_mhar.json: 72 sublayers in 8 blocks of 9
   check(24, 1024, 49, 8, 6);  // configs/350m_block_mhar.json
+}
+
+TEST_F(RoutingParity, SpanLayout) {
+  // d % 256 == 0 and H dividing 32: the kernels where each lane owns contiguous features
+  // and a head is a run of lanes (ModelWidths and the model-width BlockLayouts use them
+  // too), for every H that allows it and every row width up to 2048.
+  for (int H : {1, 2, 4, 8, 16, 32}) check(19, 768, 5, H);
+  for (int64_t d : {256, 512, 1536, 1792, 2048}) check(11, d, 4, 8);
+  check(19, 512, 9, 4, 2);  // block layout
 }
 
 TEST_F(RoutingParity, ManyHeads) {
