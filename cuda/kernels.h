@@ -57,7 +57,14 @@ void cross_entropy(cudaStream_t s, Tensor losses, Tensor logits, Tensor targets,
 // Device scratch owned by the backend, grow-only: an op asks for `bytes` in its slot and
 // gets a buffer at least that large; a larger shape reallocates once (synchronising the
 // stream), so steady-state steps never allocate. Slots are independent buffers.
-enum class ScratchSlot { AttentionRowDots, RoutingTables, RoutingValueGrad, RoutingKeyGrad, Count };
+enum class ScratchSlot {
+  AttentionRowDots,
+  RoutingTables,
+  RoutingValueGrad,
+  RoutingKeyGrad,
+  RoutingPairSplit,
+  Count
+};
 using ScratchFn = std::function<void*(ScratchSlot, size_t)>;
 
 // routing.cu. The logits and the key path of the backward are small GEMMs per head

@@ -15,19 +15,25 @@
 // Storage: history, x, dx, dv BF16; query/gain BF16 (the backend's parameters); weights,
 // inv_rms, ubar F32; gsum, dquery, dgain F32. Every sum is fp32.
 //
-// Token kernels (logits, mix, source backward) run one warp per token. The row of d
-// features is read in 16-byte chunks of 8 bf16: lane l owns chunks l, l+32, ... (NT =
-// ceil(d/256) per lane), so each load instruction of a warp reads 512 contiguous bytes.
-// Needs d % 8 == 0 (16-byte rows) and d <= 256 * kMaxNT.
-// Per-head sums (head h owns features [h*dh, (h+1)*dh)): when dh % 8 == 0 every chunk
-// lies in one head (ALIGNED) and a segmented warp scan adds the chunks of each head,
-// with a fix-up across a lane's chunk rows for heads that span rows; otherwise every
-// feature is added into a per-warp shared array of H sums (any H dividing d, slower).
+// Split of the work (cuda/NOTES.md has the measurements): whatever is a product with the
+// token-independent q*g or a sum over tokens is a per-head GEMM on cuBLAS (the logits,
+// the backward's key path, the key gradients G_k); the token kernels keep what streams
+// the [N, d] rows: the mix, and the backward's value path with the softmax backward.
+// Operands that the GEMMs need in bf16 but that are fp32 (q*g, ds*r) go in as bf16
+// hi + lo parts, two GEMMs, so no result carries a bf16 rounding the CPU reference lacks.
 //
-// The key gradient G_k[c] = sum_n ds_k[head(c), n] r[n] v[n, c] of one source against all
-// later sites is a small matrix product; key_grad_kernel computes it with one thread per
-// feature, KT sites at a time, over a slab of tokens, and adds it into its own slab of
-// gsum (no atomics: one launch owns each element; the model zeroes gsum per step).
+// Token kernels run one warp per token, rows read in 16-byte chunks of 8 bf16 (d % 8 ==
+// 0, d <= 256 * kMaxNT), in one of two layouts:
+// - span (d % 256 == 0 and H dividing 32: the model widths): lane l owns the contiguous
+//   chunks [NT l, NT (l+1)), NT = d/256, so a head is a run of 32/H lanes and a per-head
+//   sum is a few xor shuffles (section "span layout");
+// - interleaved (any other shape): lane l owns chunks l, l+32, ... (NT = ceil(d/256)),
+//   each load instruction of a warp reads 512 contiguous bytes. Per-head sums: when
+//   dh % 8 == 0 every chunk lies in one head (ALIGNED) and a segmented warp scan adds the
+//   chunks of each head, with a fix-up across a lane's chunk rows for heads that span
+//   rows; otherwise every feature is added into a per-warp shared array of H sums.
+// Temporaries (qg tables, the backward's fp32 value and key rows, ds*r's bf16 parts) are
+// the backend's grow-only scratch (kernels.h); nothing here allocates.
 #include <type_traits>
 
 #include "cuda/common.cuh"
@@ -39,8 +45,6 @@ namespace {
 constexpr int kMaxNT = 8;           // d <= 2048
 constexpr int kMaxSites = 256;      // per-site pointer tables travel as kernel parameters
 constexpr int kWarpsPerBlock = 4;   // small blocks: ~130-255 registers per thread
-constexpr int kKeyGradSites = 16;   // KT: sites per pass of key_grad_kernel
-constexpr int kKeyGradThreads = 128;
 
 struct SiteParams {
   const bf16* q[kMaxSites];
@@ -577,6 +581,11 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
 // rows are in flight (unbounded, the compiler keeps v unpacked in fp32: 156 registers at
 // d = 1280). Wider rows need more: 2 blocks (<= 255 registers) there, which do not spill.
 constexpr int span_blocks_per_sm(int NT) { return NT <= 5 ? 4 : 2; }
+// Slots read by at most this many sites take the fused backward (source_value_span_kernel,
+// FUSED): its traffic is the ns site rows + 4, the unfused one's ns + ~13 row-sized
+// reads and writes (fp32 value and key rows, finish), and its extra per-site work (the
+// key path's q*g row from L1 and a second per-head sum) stays small next to that.
+constexpr int kFusedKeyMaxSites = 8;
 bool span_layout(const Geometry& g) { return g.d % 256 == 0 && 32 % g.H == 0; }
 
 template <int NT>
@@ -666,13 +675,18 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
   }
 }
 
-// The backward's value kernel (see source_value_kernel below), span layout.
-template <int NT>
-__global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
-    source_value_span_kernel(float* __restrict__ val, float* __restrict__ weights,
-                             float* __restrict__ ubar, const SiteRows site_dx,
-                             const bf16* __restrict__ x, const bf16* __restrict__ v,
-                             const float* __restrict__ inv_rms, const Geometry g, int source) {
+// The backward's value kernel (see source_value_kernel below), span layout. FUSED (for
+// slots read by few sites, e.g. block routing's partial sums): the key path is done here
+// too, from the fp32 q*g table `qg` [ns, d] (L1/L2-resident), and dv written directly,
+// instead of the fp32 value row + key GEMM + finish kernel, whose ~9 extra row-sized
+// reads and writes would outweigh a slot's few site rows.
+template <int NT, bool FUSED>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock, FUSED ? 2 : span_blocks_per_sm(NT))
+    source_value_span_kernel(float* __restrict__ val, bf16* __restrict__ dv,
+                             float* __restrict__ weights, float* __restrict__ ubar,
+                             const SiteRows site_dx, const bf16* __restrict__ x,
+                             const bf16* __restrict__ v, const float* __restrict__ inv_rms,
+                             const float* __restrict__ qg, const Geometry g, int source) {
   const int lane = threadIdx.x & 31, G = 32 / g.H, h = lane / G;
   const bool leader = lane % G == 0;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
@@ -703,6 +717,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
     for (int t = 0; t < NT; ++t)
 #pragma unroll
       for (int e = 0; e < 8; ++e) acc[t][e] = 0.f;
+    float radial = 0.f;  // FUSED: sum_k ds_k[h] (qg_k . v)[h] of this lane's head (leaders)
     for (int k = source; k <= last; ++k) {
       float* w = w_src + int64_t(k - source) * g.H * g.N + n;
       float a_nxt = 0.f, ub_nxt = 0.f;
@@ -721,57 +736,53 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
           acc[t][e] += a * dxe;
         }
       const float ds = a * (head_sum(p, G) - ub);
+      if constexpr (FUSED) {
+        const float4* qrow =
+            reinterpret_cast<const float4*>(qg + int64_t(k - source) * g.d) + lane * 2 * NT;
+        float vq = 0.f;
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+          const float4 q0 = qrow[2 * t], q1 = qrow[2 * t + 1];
+          const float q[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            vq += q[e] * elem(rv.raw[t], e);
+            acc[t][e] += r * ds * q[e];
+          }
+        }
+        vq = head_sum(vq, G);
+        if (leader) radial += ds * vq;
+      }
       // head_sum's shuffles synchronise the warp: every lane has read a_k (one iteration
       // earlier) before the leader overwrites it; with G = 1 the lane is its own leader.
       if (leader) *w = ds * r;
       if (k + 1 <= last) rdx = nxt, a = a_nxt, ub = ub_nxt;
     }
-    store_span_f32(val + n * g.d, acc);
+    if constexpr (FUSED) {
+      const float scale = r * r * r / float(g.d) * warp_sum(radial);
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[t][e] -= scale * elem(rv.raw[t], e);
+      store_span(dv + n * g.d, acc);
+    } else {
+      store_span_f32(val + n * g.d, acc);
+    }
   }
 }
 
 // ---------------------------------------------------------------- key gradient
-// gsum[slab][k][c] += sum over the slab's tokens n of dsr_k[head(c), n] * v[n, c], for the
-// sites k = source .. last_site(source).
-template <int KT>
-__global__ void __launch_bounds__(kKeyGradThreads)
-    key_grad_kernel(float* __restrict__ gsum, const float* __restrict__ weights,
-                    const bf16* __restrict__ v, const Geometry g, int source, int64_t slab_rows) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= g.d) return;
-  const int64_t n0 = int64_t(blockIdx.y) * slab_rows;
-  const int64_t n1 = min(g.N, n0 + slab_rows);
-  const int h = c / g.dh;
-  const float* w_src = weights + g.lay.pair_base(source) * g.H * g.N + int64_t(h) * g.N;
-  const bool vec4 = g.N % 4 == 0;  // slab_rows is a multiple of 4, so n0 is too
-  const int last = g.lay.last_site(source);
-  for (int k0 = source; k0 <= last; k0 += KT) {
-    float acc[KT];
-#pragma unroll
-    for (int kk = 0; kk < KT; ++kk) acc[kk] = 0.f;
-    const int kn = min(KT, last + 1 - k0);
-    int64_t n = n0;
-    if (vec4)
-      for (; n + 4 <= n1; n += 4) {
-        const float v0 = load(v[n * g.d + c]), v1 = load(v[(n + 1) * g.d + c]);
-        const float v2 = load(v[(n + 2) * g.d + c]), v3 = load(v[(n + 3) * g.d + c]);
-#pragma unroll
-        for (int kk = 0; kk < KT; ++kk)
-          if (kk < kn) {
-            const float4 w = *reinterpret_cast<const float4*>(
-                w_src + int64_t(k0 + kk - source) * g.H * g.N + n);
-            acc[kk] += w.x * v0 + w.y * v1 + w.z * v2 + w.w * v3;
-          }
-      }
-    for (; n < n1; ++n) {
-      const float vv = load(v[n * g.d + c]);
-#pragma unroll
-      for (int kk = 0; kk < KT; ++kk)
-        if (kk < kn) acc[kk] += w_src[int64_t(k0 + kk - source) * g.H * g.N + n] * vv;
-    }
-#pragma unroll
-    for (int kk = 0; kk < KT; ++kk)
-      if (kk < kn) gsum[(int64_t(blockIdx.y) * g.lay.sites + k0 + kk) * g.d + c] += acc[kk];
+// G_k[c] = sum_n (ds_k r)[head(c), n] v[n, c] of one slot against its sites is, per head,
+// a GEMM over the tokens (cuBLAS, tensor cores, fp32 accumulate into gsum's slab 0; the
+// other slabs stay zero): [dh x N] x [N x ns]. ds r is fp32, v bf16, so ds r goes in as
+// bf16 hi + lo parts (two GEMMs), which carry it to ~2^-17 relative.
+__global__ void split_bf16_kernel(bf16* __restrict__ hi, bf16* __restrict__ lo,
+                                  const float* __restrict__ x, int64_t n) {
+  for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
+       e += int64_t(gridDim.x) * blockDim.x) {
+    const bf16 h = __float2bfloat16_rn(x[e]);
+    hi[e] = h;
+    lo[e] = __float2bfloat16_rn(x[e] - __bfloat162float(h));
   }
 }
 
@@ -1002,50 +1013,66 @@ void routing_source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Ten
   check_numel(dv, N * g.d, what, "dv");
   const SiteParams sp = site_params(what, params, g.d);
   const int ns = layout.last_site(source) - source + 1;
-  auto* val = static_cast<float*>(ctx.scratch(ScratchSlot::RoutingValueGrad, N * g.d * 4));
-  auto* key = static_cast<float*>(ctx.scratch(ScratchSlot::RoutingKeyGrad, N * g.d * 4));
-  if (span_layout(g)) {
-    dispatch_span(g, [&](auto nt) {
-      source_value_span_kernel<decltype(nt)::value>
-          <<<token_blocks(N), 32 * kWarpsPerBlock, 0, s>>>(
-              val, weights.ptr<float>(), ubar.ptr<float>(), rows,
-              static_cast<const bf16*>(x.data), static_cast<const bf16*>(v.data),
-              inv_rms.ptr<float>(), g, source);
-      CUDA_CHECK_LAUNCH();
-    });
-  } else {
-    const size_t smem = sizeof(float) * kWarpsPerBlock * heads;
-    dispatch_rows(g, [&](auto nt, auto al) {
-      auto kernel = source_value_kernel<decltype(nt)::value, decltype(al)::value>;
-      allow_smem(kernel, smem);
-      kernel<<<token_blocks(N), 32 * kWarpsPerBlock, smem, s>>>(
-          val, weights.ptr<float>(), ubar.ptr<float>(), rows, static_cast<const bf16*>(x.data),
-          static_cast<const bf16*>(v.data), inv_rms.ptr<float>(), g, source);
-      CUDA_CHECK_LAUNCH();
-    });
-  }
-  // The key path: key = (ds r) qg per head, from the pairs the value kernel just wrote.
   const int64_t table = int64_t(ns) * g.d;
   auto* qg = static_cast<float*>(ctx.scratch(ScratchSlot::RoutingTables, table * sizeof(float)));
   qg_tables_kernel<<<grid_stride_blocks(table, 256), 256, 0, s>>>(nullptr, nullptr, qg, sp,
                                                                    source, ns, g.d);
   CUDA_CHECK_LAUNCH();
   const float* w_src = weights.ptr<float>() + g.lay.pair_base(source) * g.H * N;
-  head_gemm(s, ctx.blas, CUBLAS_OP_N, CUBLAS_OP_T, g.dh, N, ns, qg, CUDA_R_32F, g.d, g.dh, w_src,
-            CUDA_R_32F, int64_t(g.H) * N, N, 0.f, key, g.d, g.dh, g.H);
-  dispatch_rows(g, [&](auto nt, auto) {
-    source_finish_kernel<decltype(nt)::value><<<token_blocks(N), 32 * kWarpsPerBlock, 0, s>>>(
-        static_cast<bf16*>(dv.data), val, key, static_cast<const bf16*>(v.data),
-        inv_rms.ptr<float>(), g);
-    CUDA_CHECK_LAUNCH();
-  });
-  const int64_t slabs = gsum.dim(0);
-  const int64_t slab_rows = ceil_div(ceil_div(N, slabs), 4) * 4;
-  const dim3 grid(unsigned(ceil_div(g.d, kKeyGradThreads)), unsigned(ceil_div(N, slab_rows)));
-  key_grad_kernel<kKeyGradSites><<<grid, kKeyGradThreads, 0, s>>>(
-      gsum.ptr<float>(), weights.ptr<float>(), static_cast<const bf16*>(v.data), g, source,
-      slab_rows);
+  auto* dv_out = static_cast<bf16*>(dv.data);
+  const auto* x_in = static_cast<const bf16*>(x.data);
+  const auto* v_in = static_cast<const bf16*>(v.data);
+  if (span_layout(g) && ns <= kFusedKeyMaxSites) {
+    dispatch_span(g, [&](auto nt) {
+      source_value_span_kernel<decltype(nt)::value, true>
+          <<<token_blocks(N), 32 * kWarpsPerBlock, 0, s>>>(
+              nullptr, dv_out, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in,
+              inv_rms.ptr<float>(), qg, g, source);
+      CUDA_CHECK_LAUNCH();
+    });
+  } else {
+    auto* val = static_cast<float*>(ctx.scratch(ScratchSlot::RoutingValueGrad, N * g.d * 4));
+    auto* key = static_cast<float*>(ctx.scratch(ScratchSlot::RoutingKeyGrad, N * g.d * 4));
+    if (span_layout(g)) {
+      dispatch_span(g, [&](auto nt) {
+        source_value_span_kernel<decltype(nt)::value, false>
+            <<<token_blocks(N), 32 * kWarpsPerBlock, 0, s>>>(
+                val, nullptr, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in,
+                inv_rms.ptr<float>(), nullptr, g, source);
+        CUDA_CHECK_LAUNCH();
+      });
+    } else {
+      const size_t smem = sizeof(float) * kWarpsPerBlock * heads;
+      dispatch_rows(g, [&](auto nt, auto al) {
+        auto kernel = source_value_kernel<decltype(nt)::value, decltype(al)::value>;
+        allow_smem(kernel, smem);
+        kernel<<<token_blocks(N), 32 * kWarpsPerBlock, smem, s>>>(
+            val, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in,
+            inv_rms.ptr<float>(), g, source);
+        CUDA_CHECK_LAUNCH();
+      });
+    }
+    // The key path: key = (ds r) qg per head, from the pairs the value kernel just wrote.
+    head_gemm(s, ctx.blas, CUBLAS_OP_N, CUBLAS_OP_T, g.dh, N, ns, qg, CUDA_R_32F, g.d, g.dh,
+              w_src, CUDA_R_32F, int64_t(g.H) * N, N, 0.f, key, g.d, g.dh, g.H);
+    dispatch_rows(g, [&](auto nt, auto) {
+      source_finish_kernel<decltype(nt)::value><<<token_blocks(N), 32 * kWarpsPerBlock, 0, s>>>(
+          dv_out, val, key, v_in, inv_rms.ptr<float>(), g);
+      CUDA_CHECK_LAUNCH();
+    });
+  }
+  // The key gradients: gsum[0][k] += G_k for the slot's sites k.
+  const int64_t pair_vals = int64_t(ns) * g.H * N;
+  auto* dsr_hi = static_cast<bf16*>(
+      ctx.scratch(ScratchSlot::RoutingPairSplit, 2 * pair_vals * sizeof(bf16)));
+  bf16* dsr_lo = dsr_hi + pair_vals;
+  split_bf16_kernel<<<grid_stride_blocks(pair_vals, 256), 256, 0, s>>>(dsr_hi, dsr_lo, w_src,
+                                                                       pair_vals);
   CUDA_CHECK_LAUNCH();
+  for (const bf16* part : {static_cast<const bf16*>(dsr_hi), static_cast<const bf16*>(dsr_lo)})
+    head_gemm(s, ctx.blas, CUBLAS_OP_N, CUBLAS_OP_N, g.dh, ns, N, v.data, CUDA_R_16BF, g.d, g.dh,
+              part, CUDA_R_16BF, int64_t(g.H) * N, N, 1.f, gsum.ptr<float>() + int64_t(source) * g.d,
+              g.d, g.dh, g.H);
 }
 
 void routing_param_grads(cudaStream_t s, const RoutingParams& params, Tensor gsum) {

@@ -164,6 +164,9 @@ TEST_F(RoutingParity, SpanLayout) {
   // and a head is a run of lanes (ModelWidths and the model-width BlockLayouts use them
   // too), for every H that allows it and every row width up to 2048.
   for (int H : {1, 2, 4, 8, 16, 32}) check(19, 768, 5, H);
+  // Slots read by more than 8 sites take the unfused backward (value kernel, key GEMM,
+  // finish kernel); up to 8, the fused one: S = 12 has both.
+  for (int H : {1, 8, 32}) check(19, 768, 12, H);
   for (int64_t d : {256, 512, 1536, 1792, 2048}) check(11, d, 4, 8);
   check(19, 512, 9, 4, 2);  // block layout
 }
