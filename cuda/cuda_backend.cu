@@ -58,6 +58,7 @@ class CudaBackend final : public Backend {
     cudaFree(scratch_);
     for (cudaEvent_t e : marks_) cudaEventDestroy(e);
     if (attn_ws_) cudaFree(attn_ws_);
+    if (hyper_ws_.data) cudaFree(hyper_ws_.data);
     cudaFree(mm_.workspace);
     cublasDestroy(mm_.blas);
     cublasLtDestroy(mm_.lt);
@@ -262,6 +263,29 @@ class CudaBackend final : public Backend {
                      int heads) override {
     cuda::routing_stats(stream_, stats, weights, layout, site, heads);
   }
+  bool has_hyper_ops() const override { return true; }
+  void check_hyper(int n, bool dynamic) const override {
+    if (n < 1 || n > cuda::kHyperMaxStreams)
+      fail("residual.hyper_n = ", n, ": the CUDA kernels of residual.mode hyper take 1 to ",
+           cuda::kHyperMaxStreams, " streams; use fewer or run it with --device cpu");
+    if (dynamic)
+      fail("residual.hyper_dynamic = true (dynamic Hyper-Connections, residual.mode hyper) "
+           "has no CUDA kernels yet: run it with --device cpu, or use static (false)");
+  }
+  void hyper_mix(Tensor x, Tensor H, Tensor coef) override { cuda::hyper_mix(stream_, x, H, coef); }
+  void hyper_mix_backward(Tensor dH, Tensor dcoef, Tensor dx, Tensor H, Tensor coef,
+                          bool accumulate) override {
+    cuda::hyper_mix_backward(stream_, dH, dcoef, dx, H, coef, accumulate,
+                             hyper_workspace(dx.numel(), int(dH.ndim ? dH.dim(0) : 0)));
+  }
+  void hyper_update(Tensor out, Tensor in, Tensor v, Tensor Ar, Tensor B) override {
+    cuda::hyper_update(stream_, out, in, v, Ar, B);
+  }
+  void hyper_update_backward(Tensor din, Tensor dv, Tensor dAr, Tensor dB, Tensor dout, Tensor in,
+                             Tensor v, Tensor Ar, Tensor B) override {
+    cuda::hyper_update_backward(stream_, din, dv, dAr, dB, dout, in, v, Ar, B,
+                                hyper_workspace(v.numel(), int(dout.ndim ? dout.dim(0) : 0)));
+  }
   double sum_squares(Tensor t) override { return cuda::sum_squares(stream_, t, scratch_); }
   void adamw(Tensor param, Tensor master, Tensor grad, Tensor m, Tensor v,
              const AdamW& hp) override {
@@ -283,6 +307,26 @@ class CudaBackend final : public Backend {
     in_use_ -= int64_t(it->second);
     sizes_.erase(it);
   }
+  // Scratch for the hyper coefficient-gradient partial sums, owned here like the
+  // attention workspace: it grows on first use of a larger shape only, so steady-state
+  // steps never allocate.
+  cuda::HyperWorkspace hyper_workspace(int64_t M, int n) {
+    const size_t need = n >= 1 && n <= cuda::kHyperMaxStreams && M > 0
+                            ? cuda::hyper_workspace_floats(M, n) : 0;
+    if (need > hyper_ws_.floats) {
+      CUDA_CHECK(cudaStreamSynchronize(stream_));
+      if (hyper_ws_.data) {
+        uncount(hyper_ws_.data);
+        CUDA_CHECK(cudaFree(hyper_ws_.data));
+      }
+      hyper_ws_ = {};
+      float* p = nullptr;
+      CUDA_CHECK(cudaMalloc(&p, need * sizeof(float)));
+      count(p, need * sizeof(float));
+      hyper_ws_ = {p, need};
+    }
+    return hyper_ws_;
+  }
   void put(Tensor dst, const void* host) {
     if (!dst.bytes()) return;
     CUDA_CHECK(cudaMemcpyAsync(dst.data, host, dst.bytes(), cudaMemcpyHostToDevice, stream_));
@@ -302,6 +346,7 @@ class CudaBackend final : public Backend {
   double* scratch_ = nullptr;
   float* attn_ws_ = nullptr;
   size_t attn_ws_floats_ = 0;
+  cuda::HyperWorkspace hyper_ws_;
   std::unordered_map<void*, size_t> sizes_;
   int64_t in_use_ = 0, peak_ = 0;
 };

@@ -241,9 +241,12 @@ class Backend {
   // Streams H [n, N, d] (act dtype), stream i at H[i]. One sublayer's coefficients are
   // parameters (act dtype): a mix vector [n], A_r [n, n] row-major (A_r[r, i] at
   // r * n + i: how much of stream r goes into new stream i), B [n]; their gradients
-  // (grad dtype) are "+=". Only the CPU reference implements these so far: the defaults
-  // fail naming the mode, and has_hyper_ops() says so before a model is built.
+  // (grad dtype) are "+=". The CPU reference and the CUDA backend implement them; the
+  // defaults fail naming the mode, and has_hyper_ops() says so before a model is built.
   virtual bool has_hyper_ops() const { return false; }
+  // Fails, naming the mode and what would run, when this backend cannot run hyper with n
+  // streams (dynamic: per-token coefficients); the scheme calls it when a model is built.
+  virtual void check_hyper(int n, bool dynamic) const;
   //   x = sum_i coef[i] H[i]   (x overwritten; an empty coef is all ones: the head's sum)
   virtual void hyper_mix(Tensor x, Tensor H, Tensor coef);
   //   dH[i] = coef[i] dx   (+= when accumulate);   dcoef[i] += sum_{n,c} dx H[i]
@@ -286,8 +289,10 @@ inline void Backend::attention_cached(Tensor, Tensor, Tensor, Tensor) {
 // The refusal of every Hyper-Connections op on a backend without them.
 [[noreturn]] inline void hyper_unsupported(const std::string& backend) {
   fail("residual.mode hyper has no kernels on the ", backend,
-       " backend yet (no CUDA kernels; the CPU backend is its reference): run it with "
-       "--device cpu");
+       " backend (the CPU backend is its reference): run it with --device cpu");
+}
+inline void Backend::check_hyper(int, bool) const {
+  if (!has_hyper_ops()) hyper_unsupported(name());
 }
 inline void Backend::hyper_mix(Tensor, Tensor, Tensor) { hyper_unsupported(name()); }
 inline void Backend::hyper_mix_backward(Tensor, Tensor, Tensor, Tensor, Tensor, bool) {

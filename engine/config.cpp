@@ -395,11 +395,13 @@ void Config::validate() const {
       if (residual.hyper_dynamic)
         fail(where("residual.hyper_dynamic"), " = true is not implemented yet (issue 11: "
              "only static Hyper-Connections exist); valid: false");
-      // No CUDA kernels: a config that asks for the GPU outright is refused here; "auto"
-      // on a GPU machine is refused when the model is built (residual_hyper.cpp).
-      if (train.device == "cuda")
-        fail(where("train.device"), " = \"cuda\": residual.mode hyper has no CUDA kernels yet: "
-             "run it with --device cpu (train.device = \"cpu\")");
+      // The CUDA kernels (cuda/hyper.cu) take 1 to 8 streams: a config that asks for the
+      // GPU outright is refused here; "auto" on a GPU machine meets the same check when
+      // the model is built (Backend::check_hyper).
+      if (train.device == "cuda" && residual.hyper_n > 8)
+        fail(where("residual.hyper_n"), " = ", residual.hyper_n, " with train.device = "
+             "\"cuda\": the CUDA kernels of residual.mode hyper take 1 to 8 streams; use "
+             "fewer or run it with --device cpu (train.device = \"cpu\")");
       break;
   }
 

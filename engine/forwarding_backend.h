@@ -83,6 +83,10 @@ class ForwardingBackend : public Backend {
     in_.routing_stats(stats, w, lay, site, heads);
   }
   bool has_hyper_ops() const override { return in_.has_hyper_ops(); }
+  void check_hyper(int n, bool dynamic) const override {
+    Backend::check_hyper(n, dynamic);  // this wrapper's own has_hyper_ops() (tests override it)
+    in_.check_hyper(n, dynamic);
+  }
   void hyper_mix(Tensor x, Tensor H, Tensor c) override { in_.hyper_mix(x, H, c); }
   void hyper_mix_backward(Tensor dH, Tensor dc, Tensor dx, Tensor H, Tensor c, bool acc) override {
     in_.hyper_mix_backward(dH, dc, dx, H, c, acc);

@@ -15,8 +15,9 @@
 // that made H^k: dv_k (source_grad(k), read next by sublayer k-1) and dH^{k-1}. The
 // dynamic variant (residual.hyper_dynamic) is refused by the config for now.
 //
-// The stream ops are Backend::hyper_*; only the CPU backend has them, so the scheme
-// refuses any other backend when it is built (no silent wrong result on CUDA).
+// The stream ops are Backend::hyper_* (CPU reference, CUDA cuda/hyper.cu); the scheme
+// asks the backend (check_hyper) when it is built, so a backend without them, or without
+// this n or variant, is refused before any step runs.
 #include "engine/model.h"
 #include "engine/residual.h"
 
@@ -27,7 +28,7 @@ namespace {
 class HyperScheme final : public ResidualScheme {
  public:
   explicit HyperScheme(const SchemeContext& ctx) : c_(ctx), n_(ctx.res.hyper_n) {
-    if (!c_.be.has_hyper_ops()) hyper_unsupported(c_.be.name());
+    c_.be.check_hyper(n_, c_.res.hyper_dynamic);
     MHAR_CHECK(n_ >= 1, "residual.hyper_n ", n_);
     MHAR_CHECK(!c_.res.hyper_dynamic, "dynamic Hyper-Connections are not implemented yet");
   }
