@@ -231,6 +231,9 @@ TEST_F(HyperParity, RefusesWhatTheKernelsDoNotTake) {
   }
   Config h = tiny_config(ResidualMode::Hyper, 0, true, 0, 9);
   EXPECT_THROW(Model(h.model, h.residual, *gpu, 2, 5), Error);
+  h = tiny_config(ResidualMode::Hyper, 0, true, 0, 4);
+  h.residual.hyper_dynamic = true;
+  EXPECT_THROW(Model(h.model, h.residual, *gpu, 2, 5), Error);
 }
 
 }  // namespace
