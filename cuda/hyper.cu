@@ -19,9 +19,10 @@
 // [blocks, P] owned by the backend, and a second one-block kernel adds the rows in block
 // order into the gradient. The grid depends only on N*d and the device's SM count, so a
 // resumed run reproduces every bit.
-// Registers (ptxas, sm_90): the update backward holds n*n + n gradient sums per thread,
-// 144 registers at n = 4 (one 256-thread block per SM, 9 loads of 16 bytes in flight
-// per thread), 255 with small spills at n >= 6; the other kernels stay under 100.
+// Registers (ptxas, sm_90): the update backward holds n*n + n gradient sums per thread;
+// for n <= 4 its launch bounds ask for two 256-thread blocks per SM, which ptxas meets
+// at n = 4 with 128 registers and no spills (144 unbounded, one block per SM); n >= 6
+// uses 255 with small spills. The other kernels stay under 100.
 // Not measured on a GPU yet (the lead's H200 run): bandwidth against the copy's is open.
 #include <cstdint>
 #include <type_traits>
@@ -186,7 +187,7 @@ __global__ void __launch_bounds__(kThreads) update_kernel(bf16* __restrict__ out
 
 // Partial sums per block: dA_r[r * n + i] at p = r * n + i, dB[i] at p = n * n + i.
 template <int NS>
-__global__ void __launch_bounds__(kThreads) update_backward_kernel(
+__global__ void __launch_bounds__(kThreads, NS <= 4 ? 2 : 1) update_backward_kernel(
     bf16* __restrict__ din, bf16* __restrict__ dv, float* __restrict__ partial,
     const bf16* __restrict__ dout, const bf16* __restrict__ in, const bf16* __restrict__ v,
     const bf16* __restrict__ Ar, const bf16* __restrict__ B, int64_t M) {
