@@ -19,10 +19,13 @@
 //   rounding of the result by 2^-8 of it (8-bit significand). F32 outputs skip the 2^-8.
 // Sizes cover n = 1..8 streams, a single chunk per thread and many (grid-stride loops),
 // and the bit-identical repeat of the coefficient gradients (deterministic sums).
+// DISABLED_Throughput times each op at the 1B shape against the bytes it must move.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -234,6 +237,48 @@ TEST_F(HyperParity, RefusesWhatTheKernelsDoNotTake) {
   h = tiny_config(ResidualMode::Hyper, 0, true, 0, 4);
   h.residual.hyper_dynamic = true;
   EXPECT_THROW(Model(h.model, h.residual, *gpu, 2, 5), Error);
+}
+
+// Throughput at the 1B config's shape (16 x 1024 tokens, d 1280, n 4: 42 MB per stream,
+// several times the L2), against the bytes each op must move (every input read once,
+// every output written once) and the copy bandwidth measured on the H200 (4.3 TB/s).
+// DISABLED_: run with --gtest_also_run_disabled_tests --gtest_filter='HyperParity.DISABLED_*'.
+TEST_F(HyperParity, DISABLED_Throughput) {
+  const int n = 4;
+  const int64_t N = 16 * 1024, d = 1280, M = N * d;
+  auto rnd = [&](std::initializer_list<int64_t> shape) {
+    auto b = std::make_unique<Buffer>(*gpu, DType::BF16, shape);
+    b->set(random_normal(rng, b->t().numel(), DType::BF16));
+    return b;
+  };
+  auto H = rnd({n, N, d}), H2 = rnd({n, N, d}), dH = rnd({n, N, d}), dout = rnd({n, N, d});
+  auto x = rnd({N, d}), dx = rnd({N, d}), v = rnd({N, d}), dv = rnd({N, d});
+  auto am = rnd({n}), ar = rnd({n * n}), b = rnd({n});
+  Buffer dam(*gpu, DType::F32, {n}), dar(*gpu, DType::F32, {n * n}), db(*gpu, DType::F32, {n});
+  auto time_ms = [&](const std::function<void()>& op) {
+    op();
+    op();
+    gpu->synchronize();
+    const int reps = 20;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < reps; ++i) op();
+    gpu->synchronize();
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() /
+           reps;
+  };
+  auto report = [&](const char* what, double rows, const std::function<void()>& op) {
+    const double ms = time_ms(op), bytes = rows * double(M) * 2;
+    std::printf("TIMING hyper %-34s %8.3f ms  %7.1f GB/s  %.2f of 4.3 TB/s\n", what, ms,
+                bytes / ms * 1e-6, bytes / ms * 1e-6 / 4300);
+  };
+  report("mix (n+1 rows)", n + 1, [&] { gpu->hyper_mix(*x, *H, *am); });
+  report("mix backward += (3n+1 rows)", 3 * n + 1,
+         [&] { gpu->hyper_mix_backward(*dH, dam, *dx, *H, *am, true); });
+  report("mix backward = (2n+1 rows)", 2 * n + 1,
+         [&] { gpu->hyper_mix_backward(*dH, dam, *dx, *H, *am, false); });
+  report("update (2n+1 rows)", 2 * n + 1, [&] { gpu->hyper_update(*H2, *H, *v, *ar, *b); });
+  report("update backward (3n+2 rows)", 3 * n + 2,
+         [&] { gpu->hyper_update_backward(*dH, *dv, dar, db, *dout, *H, *v, *ar, *b); });
 }
 
 }  // namespace
