@@ -254,6 +254,29 @@ class CudaBackend final : public Backend {
                      int heads) override {
     cuda::routing_stats(stream_, stats, weights, layout, site, heads);
   }
+  bool has_hyper_ops() const override { return true; }
+  void check_hyper(int n, bool dynamic) const override {
+    if (n < 1 || n > cuda::kHyperMaxStreams)
+      fail("residual.hyper_n = ", n, ": the CUDA kernels of residual.mode hyper take 1 to ",
+           cuda::kHyperMaxStreams, " streams; use fewer or run it with --device cpu");
+    if (dynamic)
+      fail("residual.hyper_dynamic = true (dynamic Hyper-Connections, residual.mode hyper) "
+           "has no CUDA kernels yet: run it with --device cpu, or use static (false)");
+  }
+  void hyper_mix(Tensor x, Tensor H, Tensor coef) override { cuda::hyper_mix(stream_, x, H, coef); }
+  void hyper_mix_backward(Tensor dH, Tensor dcoef, Tensor dx, Tensor H, Tensor coef,
+                          bool accumulate) override {
+    cuda::hyper_mix_backward(stream_, dH, dcoef, dx, H, coef, accumulate,
+                             hyper_workspace(dx.numel(), int(dH.ndim ? dH.dim(0) : 0)));
+  }
+  void hyper_update(Tensor out, Tensor in, Tensor v, Tensor Ar, Tensor B) override {
+    cuda::hyper_update(stream_, out, in, v, Ar, B);
+  }
+  void hyper_update_backward(Tensor din, Tensor dv, Tensor dAr, Tensor dB, Tensor dout, Tensor in,
+                             Tensor v, Tensor Ar, Tensor B) override {
+    cuda::hyper_update_backward(stream_, din, dv, dAr, dB, dout, in, v, Ar, B,
+                                hyper_workspace(v.numel(), int(dout.ndim ? dout.dim(0) : 0)));
+  }
   double sum_squares(Tensor t) override { return cuda::sum_squares(stream_, t, scratch_); }
   void adamw(Tensor param, Tensor master, Tensor grad, Tensor m, Tensor v,
              const AdamW& hp) override {
@@ -274,6 +297,14 @@ class CudaBackend final : public Backend {
     if (it == sizes_.end()) return;
     in_use_ -= int64_t(it->second);
     sizes_.erase(it);
+  }
+  // Scratch for the hyper coefficient-gradient partial sums (kernels.h's grow-only slots).
+  cuda::HyperWorkspace hyper_workspace(int64_t M, int n) {
+    const size_t need = n >= 1 && n <= cuda::kHyperMaxStreams && M > 0
+                            ? cuda::hyper_workspace_floats(M, n) : 0;
+    if (need == 0) return {};
+    return {static_cast<float*>(scratch(cuda::ScratchSlot::HyperPartials, need * sizeof(float))),
+            need};
   }
   void put(Tensor dst, const void* host) {
     if (!dst.bytes()) return;

@@ -63,6 +63,7 @@ enum class ScratchSlot {
   RoutingValueGrad,
   RoutingKeyGrad,
   RoutingPairSplit,
+  HyperPartials,
   Count
 };
 using ScratchFn = std::function<void*(ScratchSlot, size_t)>;
@@ -87,6 +88,24 @@ void routing_param_grads(cudaStream_t s, const RoutingParams& params, Tensor gsu
 // routing_stats.cu (the routing probe's device reduction)
 void routing_stats(cudaStream_t s, Tensor stats, Tensor weights, const RoutingLayout& layout,
                    int site, int heads);
+
+// hyper.cu (Hyper-Connections stream ops; n = 1..kHyperMaxStreams streams, bf16 streams
+// and coefficients, F32 coefficient gradients). The backward ops leave per-block partial
+// sums of the coefficient gradients in `ws` (at least hyper_workspace_floats(N*d, n)
+// floats, owned by the caller) before adding them up in a fixed order: no atomics.
+constexpr int kHyperMaxStreams = 8;
+struct HyperWorkspace {
+  float* data = nullptr;
+  size_t floats = 0;
+};
+size_t hyper_workspace_floats(int64_t elements_per_stream, int n);
+void hyper_mix(cudaStream_t s, Tensor x, Tensor H, Tensor coef);
+void hyper_mix_backward(cudaStream_t s, Tensor dH, Tensor dcoef, Tensor dx, Tensor H,
+                        Tensor coef, bool accumulate, const HyperWorkspace& ws);
+void hyper_update(cudaStream_t s, Tensor out, Tensor in, Tensor v, Tensor Ar, Tensor B);
+void hyper_update_backward(cudaStream_t s, Tensor din, Tensor dv, Tensor dAr, Tensor dB,
+                           Tensor dout, Tensor in, Tensor v, Tensor Ar, Tensor B,
+                           const HyperWorkspace& ws);
 
 // reductions.cu. sum_squares accumulates into *scratch (one device double) and returns the
 // host value (synchronises the stream).

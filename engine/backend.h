@@ -241,9 +241,12 @@ class Backend {
   // Streams H [n, N, d] (act dtype), stream i at H[i]. One sublayer's coefficients are
   // parameters (act dtype): a mix vector [n], A_r [n, n] row-major (A_r[r, i] at
   // r * n + i: how much of stream r goes into new stream i), B [n]; their gradients
-  // (grad dtype) are "+=". Only the CPU reference implements these so far: the defaults
-  // fail naming the mode, and has_hyper_ops() says so before a model is built.
+  // (grad dtype) are "+=". The CPU reference and the CUDA backend implement them; the
+  // defaults fail naming the mode, and has_hyper_ops() says so before a model is built.
   virtual bool has_hyper_ops() const { return false; }
+  // Fails, naming the mode and what would run, when this backend cannot run hyper with n
+  // streams (dynamic: per-token coefficients); the scheme calls it when a model is built.
+  virtual void check_hyper(int n, bool dynamic) const;
   //   x = sum_i coef[i] H[i]   (x overwritten; an empty coef is all ones: the head's sum)
   virtual void hyper_mix(Tensor x, Tensor H, Tensor coef);
   //   dH[i] = coef[i] dx   (+= when accumulate);   dcoef[i] += sum_{n,c} dx H[i]
@@ -258,6 +261,29 @@ class Backend {
   //   dAr[r, i] += sum_{n,c} dout[i] in[r],  dB[i] += sum_{n,c} dout[i] v
   virtual void hyper_update_backward(Tensor din, Tensor dv, Tensor dAr, Tensor dB, Tensor dout,
                                      Tensor in, Tensor v, Tensor Ar, Tensor B);
+  // Dynamic Hyper-Connections (residual.hyper_dynamic; engine/cpu/hyper.h for the
+  // equations): per token t and stream r, Q = n + 2 coefficients C[t, r, :] = (mix,
+  // update row A_r[r, :], output share B[r]) = static + s * tanh(rmsnorm(h_r[t]) @ W),
+  // W [d, Q]. C, dC, T (the tanh) [N, n, Q] and rstd [N, n] are stat dtype; s_a, s_b are
+  // one-element parameters. The CPU reference implements them (CUDA: check_hyper refuses).
+  //   C, T, rstd from H and the parameters (overwritten)
+  virtual void hyper_dynamic_coef(Tensor C, Tensor T, Tensor rstd, Tensor H, Tensor W, Tensor Am,
+                                  Tensor Ar, Tensor B, Tensor s_a, Tensor s_b, double eps);
+  //   x[t] = sum_r C[t, r, 0] H[r][t]   (overwritten)
+  virtual void hyper_mix_dynamic(Tensor x, Tensor H, Tensor C);
+  //   dH[r][t] += C[t, r, 0] dx[t];  dC[t, r, 0] = <dx[t], H[r][t]>  (that column overwritten)
+  virtual void hyper_mix_dynamic_backward(Tensor dH, Tensor dC, Tensor dx, Tensor H, Tensor C);
+  //   out[i][t] = C[t, i, n+1] v[t] + sum_r C[t, r, 1+i] in[r][t]   (out overwritten)
+  virtual void hyper_update_dynamic(Tensor out, Tensor in, Tensor v, Tensor C);
+  //   din, dv (overwritten); dC's columns 1..n+1 (overwritten)
+  virtual void hyper_update_dynamic_backward(Tensor din, Tensor dv, Tensor dC, Tensor dout,
+                                             Tensor in, Tensor v, Tensor C);
+  //   from the complete dC: dH += (through C's dependence on H), dW, dAm, dAr, dB, ds_a,
+  //   ds_b += (grad dtype)
+  virtual void hyper_dynamic_coef_backward(Tensor dH, Tensor dW, Tensor dAm, Tensor dAr,
+                                           Tensor dB, Tensor ds_a, Tensor ds_b, Tensor dC,
+                                           Tensor H, Tensor W, Tensor T, Tensor rstd,
+                                           Tensor s_a, Tensor s_b);
 
   // ---- optimizer support
   // Sum of squares of every element (fp64 result, host-synchronising): the global
@@ -286,8 +312,10 @@ inline void Backend::attention_cached(Tensor, Tensor, Tensor, Tensor) {
 // The refusal of every Hyper-Connections op on a backend without them.
 [[noreturn]] inline void hyper_unsupported(const std::string& backend) {
   fail("residual.mode hyper has no kernels on the ", backend,
-       " backend yet (no CUDA kernels; the CPU backend is its reference): run it with "
-       "--device cpu");
+       " backend (the CPU backend is its reference): run it with --device cpu");
+}
+inline void Backend::check_hyper(int, bool) const {
+  if (!has_hyper_ops()) hyper_unsupported(name());
 }
 inline void Backend::hyper_mix(Tensor, Tensor, Tensor) { hyper_unsupported(name()); }
 inline void Backend::hyper_mix_backward(Tensor, Tensor, Tensor, Tensor, Tensor, bool) {
@@ -298,6 +326,27 @@ inline void Backend::hyper_update(Tensor, Tensor, Tensor, Tensor, Tensor) {
 }
 inline void Backend::hyper_update_backward(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
                                            Tensor, Tensor) {
+  hyper_unsupported(name());
+}
+
+inline void Backend::hyper_dynamic_coef(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                        Tensor, Tensor, Tensor, double) {
+  hyper_unsupported(name());
+}
+inline void Backend::hyper_mix_dynamic(Tensor, Tensor, Tensor) { hyper_unsupported(name()); }
+inline void Backend::hyper_mix_dynamic_backward(Tensor, Tensor, Tensor, Tensor, Tensor) {
+  hyper_unsupported(name());
+}
+inline void Backend::hyper_update_dynamic(Tensor, Tensor, Tensor, Tensor) {
+  hyper_unsupported(name());
+}
+inline void Backend::hyper_update_dynamic_backward(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                   Tensor) {
+  hyper_unsupported(name());
+}
+inline void Backend::hyper_dynamic_coef_backward(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                 Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                 Tensor, Tensor) {
   hyper_unsupported(name());
 }
 

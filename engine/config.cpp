@@ -25,6 +25,7 @@ std::string residual_summary(const ResidualConfig& r) {
   if (r.routed()) s += " H=" + std::to_string(r.heads);
   if (r.routed() && r.block_size > 1) s += " block " + std::to_string(r.block_size);
   if (r.mode == ResidualMode::Hyper) s += " n=" + std::to_string(r.hyper_n);
+  if (r.mode == ResidualMode::Hyper && r.hyper_dynamic) s += " dynamic";
   return s;
 }
 
@@ -390,16 +391,19 @@ void Config::validate() const {
         fail(where("residual.heads"), " = ", H,
              " has no meaning in mode \"hyper\" (it mixes residual.hyper_n streams, it does "
              "not route); leave it 0");
-      // The dynamic variant (per-token coefficients, DESIGN.md section 2) is specified
-      // but not built: refusing it beats silently training the static one.
-      if (residual.hyper_dynamic)
-        fail(where("residual.hyper_dynamic"), " = true is not implemented yet (issue 11: "
-             "only static Hyper-Connections exist); valid: false");
-      // No CUDA kernels: a config that asks for the GPU outright is refused here; "auto"
-      // on a GPU machine is refused when the model is built (residual_hyper.cpp).
-      if (train.device == "cuda")
-        fail(where("train.device"), " = \"cuda\": residual.mode hyper has no CUDA kernels yet: "
-             "run it with --device cpu (train.device = \"cpu\")");
+      // The dynamic variant (per-token coefficients) has no CUDA kernels: a config that
+      // asks for the GPU is refused here, "auto" by Backend::check_hyper at model build.
+      if (residual.hyper_dynamic && train.device == "cuda")
+        fail(where("residual.hyper_dynamic"), " = true with train.device = \"cuda\": dynamic "
+             "Hyper-Connections (residual.mode hyper) have no CUDA kernels yet; run them with "
+             "--device cpu (train.device = \"cpu\") or use static (false)");
+      // The CUDA kernels (cuda/hyper.cu) take 1 to 8 streams: a config that asks for the
+      // GPU outright is refused here; "auto" on a GPU machine meets the same check when
+      // the model is built (Backend::check_hyper).
+      if (train.device == "cuda" && residual.hyper_n > 8)
+        fail(where("residual.hyper_n"), " = ", residual.hyper_n, " with train.device = "
+             "\"cuda\": the CUDA kernels of residual.mode hyper take 1 to 8 streams; use "
+             "fewer or run it with --device cpu (train.device = \"cpu\")");
       break;
   }
 
@@ -442,7 +446,7 @@ StepFootprint estimate_footprint(const ModelConfig& m, const ResidualConfig& r, 
   const bool hyper = r.mode == ResidualMode::Hyper;
   const double n = hyper ? r.hyper_n : 0;
   f.parameters = V * d * (m.tie_embeddings ? 1 : 2) + L * per_layer + d + (r.routed() ? 2 * S * d : 0) +
-                 (hyper ? 2 * L * (2 * n + n * n) : 0);
+                 (hyper ? 2 * L * (2 * n + n * n + (r.hyper_dynamic ? d * (n + 2) + 2 : 0)) : 0);
   f.parameter_bytes = 16 * f.parameters;  // value, gradient, two AdamW moments
   // Values per token kept from the forward pass for the backward one (model.cpp's plan).
   double per_token = S * d /* history */ + S * d /* site inputs */ + V + 2 * d /* head */;
@@ -456,6 +460,8 @@ StepFootprint estimate_footprint(const ModelConfig& m, const ResidualConfig& r, 
   // Hyper: the n streams after every sublayer (and before the first), kept for the
   // backward (residual_hyper.cpp's plan).
   if (hyper) per_token += S * n * d;
+  // Dynamic: per sublayer the coefficients, their gradient and tanh [n, n+2], and rstd [n].
+  if (hyper && r.hyper_dynamic) per_token += 2 * L * (3 * n * (n + 2) + n);
   f.activation_bytes = 4 * N * per_token;
   f.kv_cache_bytes = 4 * 2 * L * double(m.context_length) * kvd;
   return f;

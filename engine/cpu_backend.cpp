@@ -338,7 +338,72 @@ class CpuBackend final : public Backend {
     cpu::hyper_update_backward(din.ptr<T>(), dv.ptr<T>(), dAr.ptr<T>(), dB.ptr<T>(),
                                dout.ptr<T>(), in.ptr<T>(), v.ptr<T>(), Ar.ptr<T>(), B.ptr<T>(),
                                n, v.numel());
+  }  // Dynamic: C, T [N, n, n+2], rstd [N, n]; N and d from H [n, N, d].
+  struct DynShape {
+    int n;
+    int64_t N, d;
+  };
+  static DynShape dyn_shape(const Tensor& H, const Tensor& C, const char* what) {
+    MHAR_CHECK(H.ndim == 3 && C.numel() == H.dim(1) * H.dim(0) * (H.dim(0) + 2), what,
+               ": streams ", H.shape_str(), " coefficients ", C.shape_str());
+    return DynShape{int(H.dim(0)), H.dim(1), H.dim(2)};
   }
+  void hyper_dynamic_coef(Tensor C, Tensor Tt, Tensor rstd, Tensor H, Tensor W, Tensor Am,
+                          Tensor Ar, Tensor B, Tensor s_a, Tensor s_b, double eps) override {
+    const DynShape s = dyn_shape(H, C, "hyper_dynamic_coef");
+    MHAR_CHECK(Tt.numel() == C.numel() && rstd.numel() == s.N * s.n &&
+                   W.numel() == s.d * (s.n + 2) && Am.numel() == s.n &&
+                   Ar.numel() == int64_t(s.n) * s.n && B.numel() == s.n && s_a.numel() == 1 &&
+                   s_b.numel() == 1,
+               "hyper_dynamic_coef: shapes");
+    cpu::hyper_dynamic_coef(C.ptr<T>(), Tt.ptr<T>(), rstd.ptr<T>(), H.ptr<T>(), W.ptr<T>(),
+                            Am.ptr<T>(), Ar.ptr<T>(), B.ptr<T>(), s_a.ptr<T>()[0],
+                            s_b.ptr<T>()[0], s.n, s.N, s.d, eps);
+  }
+  void hyper_mix_dynamic(Tensor x, Tensor H, Tensor C) override {
+    const DynShape s = dyn_shape(H, C, "hyper_mix_dynamic");
+    MHAR_CHECK(x.numel() == s.N * s.d, "hyper_mix_dynamic: x ", x.shape_str());
+    cpu::hyper_mix_dynamic(x.ptr<T>(), H.ptr<T>(), C.ptr<T>(), s.n, s.N, s.d);
+  }
+  void hyper_mix_dynamic_backward(Tensor dH, Tensor dC, Tensor dx, Tensor H, Tensor C) override {
+    const DynShape s = dyn_shape(H, C, "hyper_mix_dynamic_backward");
+    MHAR_CHECK(dH.numel() == H.numel() && dC.numel() == C.numel() && dx.numel() == s.N * s.d,
+               "hyper_mix_dynamic_backward: shapes");
+    cpu::hyper_mix_dynamic_backward(dH.ptr<T>(), dC.ptr<T>(), dx.ptr<T>(), H.ptr<T>(),
+                                    C.ptr<T>(), s.n, s.N, s.d);
+  }
+  void hyper_update_dynamic(Tensor out, Tensor in, Tensor v, Tensor C) override {
+    const DynShape s = dyn_shape(in, C, "hyper_update_dynamic");
+    MHAR_CHECK(out.numel() == in.numel() && out.data != in.data && v.numel() == s.N * s.d,
+               "hyper_update_dynamic: out ", out.shape_str(), " must be another buffer of in's shape ",
+               in.shape_str());
+    cpu::hyper_update_dynamic(out.ptr<T>(), in.ptr<T>(), v.ptr<T>(), C.ptr<T>(), s.n, s.N, s.d);
+  }
+  void hyper_update_dynamic_backward(Tensor din, Tensor dv, Tensor dC, Tensor dout, Tensor in,
+                                     Tensor v, Tensor C) override {
+    const DynShape s = dyn_shape(in, C, "hyper_update_dynamic_backward");
+    MHAR_CHECK(din.numel() == in.numel() && dout.numel() == in.numel() && din.data != dout.data &&
+                   dv.numel() == s.N * s.d && v.numel() == s.N * s.d && dC.numel() == C.numel(),
+               "hyper_update_dynamic_backward: shapes");
+    cpu::hyper_update_dynamic_backward(din.ptr<T>(), dv.ptr<T>(), dC.ptr<T>(), dout.ptr<T>(),
+                                       in.ptr<T>(), v.ptr<T>(), C.ptr<T>(), s.n, s.N, s.d);
+  }
+  void hyper_dynamic_coef_backward(Tensor dH, Tensor dW, Tensor dAm, Tensor dAr, Tensor dB,
+                                   Tensor ds_a, Tensor ds_b, Tensor dC, Tensor H, Tensor W,
+                                   Tensor Tt, Tensor rstd, Tensor s_a, Tensor s_b) override {
+    const DynShape s = dyn_shape(H, dC, "hyper_dynamic_coef_backward");
+    MHAR_CHECK(dH.numel() == H.numel() && dW.numel() == W.numel() &&
+                   W.numel() == s.d * (s.n + 2) && dAm.numel() == s.n &&
+                   dAr.numel() == int64_t(s.n) * s.n && dB.numel() == s.n &&
+                   ds_a.numel() == 1 && ds_b.numel() == 1 && Tt.numel() == dC.numel() &&
+                   rstd.numel() == s.N * s.n,
+               "hyper_dynamic_coef_backward: shapes");
+    cpu::hyper_dynamic_coef_backward(dH.ptr<T>(), dW.ptr<T>(), dAm.ptr<T>(), dAr.ptr<T>(),
+                                     dB.ptr<T>(), ds_a.ptr<T>(), ds_b.ptr<T>(), dC.ptr<T>(),
+                                     H.ptr<T>(), W.ptr<T>(), Tt.ptr<T>(), rstd.ptr<T>(),
+                                     s_a.ptr<T>()[0], s_b.ptr<T>()[0], s.n, s.N, s.d);
+  }
+
 
   double sum_squares(Tensor t) override { return cpu::sum_squares(t.ptr<T>(), t.numel()); }
   void adamw(Tensor param, Tensor master, Tensor grad, Tensor m, Tensor v,

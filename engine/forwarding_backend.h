@@ -83,6 +83,10 @@ class ForwardingBackend : public Backend {
     in_.routing_stats(stats, w, lay, site, heads);
   }
   bool has_hyper_ops() const override { return in_.has_hyper_ops(); }
+  void check_hyper(int n, bool dynamic) const override {
+    Backend::check_hyper(n, dynamic);  // this wrapper's own has_hyper_ops() (tests override it)
+    in_.check_hyper(n, dynamic);
+  }
   void hyper_mix(Tensor x, Tensor H, Tensor c) override { in_.hyper_mix(x, H, c); }
   void hyper_mix_backward(Tensor dH, Tensor dc, Tensor dx, Tensor H, Tensor c, bool acc) override {
     in_.hyper_mix_backward(dH, dc, dx, H, c, acc);
@@ -93,7 +97,27 @@ class ForwardingBackend : public Backend {
   void hyper_update_backward(Tensor din, Tensor dv, Tensor dAr, Tensor dB, Tensor dout, Tensor in,
                              Tensor v, Tensor Ar, Tensor B) override {
     in_.hyper_update_backward(din, dv, dAr, dB, dout, in, v, Ar, B);
+  }  void hyper_dynamic_coef(Tensor C, Tensor T, Tensor rstd, Tensor H, Tensor W, Tensor Am, Tensor Ar,
+                          Tensor B, Tensor sa, Tensor sb, double eps) override {
+    in_.hyper_dynamic_coef(C, T, rstd, H, W, Am, Ar, B, sa, sb, eps);
   }
+  void hyper_mix_dynamic(Tensor x, Tensor H, Tensor C) override { in_.hyper_mix_dynamic(x, H, C); }
+  void hyper_mix_dynamic_backward(Tensor dH, Tensor dC, Tensor dx, Tensor H, Tensor C) override {
+    in_.hyper_mix_dynamic_backward(dH, dC, dx, H, C);
+  }
+  void hyper_update_dynamic(Tensor out, Tensor in, Tensor v, Tensor C) override {
+    in_.hyper_update_dynamic(out, in, v, C);
+  }
+  void hyper_update_dynamic_backward(Tensor din, Tensor dv, Tensor dC, Tensor dout, Tensor in,
+                                     Tensor v, Tensor C) override {
+    in_.hyper_update_dynamic_backward(din, dv, dC, dout, in, v, C);
+  }
+  void hyper_dynamic_coef_backward(Tensor dH, Tensor dW, Tensor dAm, Tensor dAr, Tensor dB,
+                                   Tensor dsa, Tensor dsb, Tensor dC, Tensor H, Tensor W, Tensor T,
+                                   Tensor rstd, Tensor sa, Tensor sb) override {
+    in_.hyper_dynamic_coef_backward(dH, dW, dAm, dAr, dB, dsa, dsb, dC, H, W, T, rstd, sa, sb);
+  }
+
   double sum_squares(Tensor t) override { return in_.sum_squares(t); }
   void adamw(Tensor p, Tensor m, Tensor g, Tensor a, Tensor b, const AdamW& hp) override {
     in_.adamw(p, m, g, a, b, hp);

@@ -290,6 +290,7 @@ void Model::init_weights(const UnitDraw& draw) {
                    prm.init_arg, " in ", prm.value.numel(), " elements");
         for (int64_t i = 0; i < prm.init_arg; ++i) host[size_t(i * prm.init_arg + i)] = 1.0;
         break;
+      case Init::HyperScale: std::fill(host.begin(), host.end(), 0.01); break;
       case Init::Normal:
         draw(prm, host);
         for (double& x : host) x = prm.init_std * x;

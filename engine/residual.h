@@ -33,6 +33,7 @@ enum class Init {
   // Hyper-Connections' static coefficients start as the pre-norm residual stream:
   OneHot,    // element Parameter::init_arg is 1, the others 0 (A_m = one-hot(k mod n))
   Identity,  // [m, m] row-major identity, m = Parameter::init_arg (A_r = I_n)
+  HyperScale,  // 0.01: dynamic Hyper-Connections' learned scales s_a, s_b
 };
 
 // The events of one step as the activation plan counts them (DESIGN.md section 4):

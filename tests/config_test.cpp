@@ -113,10 +113,15 @@ TEST(Config, HyperModeReadsItsStreamCountAndRefusesWhatItDoesNotUse) {
   EXPECT_NE(e.find("residual.hyper_n"), std::string::npos) << e;
   e = error_of({{"residual", {{"mode", "hyper"}, {"hyper_dynamic", "yes"}}}});
   EXPECT_NE(e.find("residual.hyper_dynamic"), std::string::npos) << e;
-  e = error_of({{"residual", {{"mode", "hyper"}, {"hyper_dynamic", true}}}});
-  EXPECT_NE(e.find("test.json: residual.hyper_dynamic = true is not implemented yet"),
+  // Dynamic Hyper-Connections: the CPU reference only.
+  c = mhar::config_from_json({{"residual", {{"mode", "hyper"}, {"hyper_dynamic", true}}}});
+  EXPECT_TRUE(c.residual.hyper_dynamic);
+  EXPECT_EQ(mhar::config_from_json(c.to_json(), "again.json").to_json(), c.to_json());
+  e = error_of({{"residual", {{"mode", "hyper"}, {"hyper_dynamic", true}}},
+                {"train", {{"device", "cuda"}}}});
+  EXPECT_NE(e.find("test.json: residual.hyper_dynamic = true with train.device = \"cuda\""),
             std::string::npos) << e;
-  EXPECT_NE(e.find("valid: false"), std::string::npos) << e;
+  EXPECT_NE(e.find("--device cpu"), std::string::npos) << e;
   e = error_of({{"residual", {{"mode", "hyper"}, {"heads", 2}}}});
   EXPECT_NE(e.find("test.json: residual.heads = 2 has no meaning in mode \"hyper\""),
             std::string::npos) << e;
@@ -130,10 +135,15 @@ TEST(Config, HyperModeReadsItsStreamCountAndRefusesWhatItDoesNotUse) {
   e = error_of({{"residual", {{"mode", "standard"}, {"hyper_dynamic", true}}}});
   EXPECT_NE(e.find("residual.hyper_dynamic = true has no meaning in mode \"standard\""),
             std::string::npos) << e;
-  // No CUDA kernels yet: a config that asks for the GPU is refused before anything runs.
-  e = error_of({{"residual", {{"mode", "hyper"}}}, {"train", {{"device", "cuda"}}}});
-  EXPECT_NE(e.find("test.json: train.device = \"cuda\": residual.mode hyper has no CUDA kernels"),
+  // The CUDA kernels take 1 to 8 streams: more, on a config that asks for the GPU, is
+  // refused before anything runs; 8 is accepted.
+  c = mhar::config_from_json({{"residual", {{"mode", "hyper"}, {"hyper_n", 8}}},
+                              {"train", {{"device", "cuda"}}}});
+  EXPECT_EQ(c.train.device, "cuda");
+  e = error_of({{"residual", {{"mode", "hyper"}, {"hyper_n", 9}}}, {"train", {{"device", "cuda"}}}});
+  EXPECT_NE(e.find("test.json: residual.hyper_n = 9 with train.device = \"cuda\""),
             std::string::npos) << e;
+  EXPECT_NE(e.find("1 to 8 streams"), std::string::npos) << e;
   EXPECT_NE(e.find("--device cpu"), std::string::npos) << e;
   e = error_of({{"residual", {{"mode", "hyperconnections"}}}});
   EXPECT_NE(e.find("\"hyper\""), std::string::npos) << "lists hyper as valid: " << e;

@@ -3,7 +3,7 @@
 // float64): weights, one batch, and the expected loss, logits and every parameter
 // gradient, per residual mode, for attnres and mhar with block routing
 // (<mode>_block: blocks of 2 and of 3 sublayers), and for static Hyper-Connections with
-// 3 streams (tied) and 4 (hyper_n4, untied), whose rms_eps is 0.05 (make_golden.py's
+// 3 streams (tied) and 4 (hyper_n4, untied), dynamic with 3 (hyper_dynamic), whose rms_eps is 0.05 (make_golden.py's
 // HYPER_RMS_EPS: site 0's mix coefficients act through the RMSNorm's eps alone). The CPU engine must match per tensor,
 // relative error ||ours - ref|| / ||ref|| (the norm itself where ref is exactly 0):
 //   fp64 engine: <= 1e-10 (the same arithmetic in fp64, different summation orders).
@@ -242,7 +242,37 @@ class Fp32Noise final : public Backend {
                              Tensor v, Tensor Ar, Tensor B) override {
     inner_->hyper_update_backward(din, dv, dAr, dB, dout, in, v, Ar, B);
     for (Tensor t : {din, dv, dAr, dB}) round_all(t);
+  }  // Dynamic Hyper-Connections: the same, each output rounded once (the per-token
+  // coefficients, their tanh and rstd, the mixes, and every gradient).
+  void hyper_dynamic_coef(Tensor C, Tensor T, Tensor rstd, Tensor H, Tensor W, Tensor Am, Tensor Ar,
+                          Tensor B, Tensor sa, Tensor sb, double eps) override {
+    inner_->hyper_dynamic_coef(C, T, rstd, H, W, Am, Ar, B, sa, sb, eps);
+    for (Tensor t : {C, T, rstd}) round_all(t);
   }
+  void hyper_mix_dynamic(Tensor x, Tensor H, Tensor C) override {
+    inner_->hyper_mix_dynamic(x, H, C);
+    round_all(x);
+  }
+  void hyper_mix_dynamic_backward(Tensor dH, Tensor dC, Tensor dx, Tensor H, Tensor C) override {
+    inner_->hyper_mix_dynamic_backward(dH, dC, dx, H, C);
+    for (Tensor t : {dH, dC}) round_all(t);
+  }
+  void hyper_update_dynamic(Tensor out, Tensor in, Tensor v, Tensor C) override {
+    inner_->hyper_update_dynamic(out, in, v, C);
+    round_all(out);
+  }
+  void hyper_update_dynamic_backward(Tensor din, Tensor dv, Tensor dC, Tensor dout, Tensor in,
+                                     Tensor v, Tensor C) override {
+    inner_->hyper_update_dynamic_backward(din, dv, dC, dout, in, v, C);
+    for (Tensor t : {din, dv, dC}) round_all(t);
+  }
+  void hyper_dynamic_coef_backward(Tensor dH, Tensor dW, Tensor dAm, Tensor dAr, Tensor dB,
+                                   Tensor dsa, Tensor dsb, Tensor dC, Tensor H, Tensor W, Tensor T,
+                                   Tensor rstd, Tensor sa, Tensor sb) override {
+    inner_->hyper_dynamic_coef_backward(dH, dW, dAm, dAr, dB, dsa, dsb, dC, H, W, T, rstd, sa, sb);
+    for (Tensor t : {dH, dW, dAm, dAr, dB, dsa, dsb}) round_all(t);
+  }
+
   double sum_squares(Tensor t) override { return inner_->sum_squares(t); }
   void adamw(Tensor param, Tensor master, Tensor grad, Tensor m, Tensor v, const AdamW& hp) override {
     inner_->adamw(param, master, grad, m, v, hp);
@@ -392,13 +422,15 @@ INSTANTIATE_TEST_SUITE_P(
                       GoldenCase{"mhar_block", "mhar", DType::F32},
                       GoldenCase{"hyper", "hyper", DType::F32},
                       GoldenCase{"hyper_n4", "hyper", DType::F32},
+                      GoldenCase{"hyper_dynamic", "hyper", DType::F32},
                       GoldenCase{"standard", "standard", DType::F64},
                       GoldenCase{"attnres", "attnres", DType::F64},
                       GoldenCase{"mhar", "mhar", DType::F64},
                       GoldenCase{"attnres_block", "attnres", DType::F64},
                       GoldenCase{"mhar_block", "mhar", DType::F64},
                       GoldenCase{"hyper", "hyper", DType::F64},
-                      GoldenCase{"hyper_n4", "hyper", DType::F64}),
+                      GoldenCase{"hyper_n4", "hyper", DType::F64},
+                      GoldenCase{"hyper_dynamic", "hyper", DType::F64}),
     [](const ::testing::TestParamInfo<GoldenCase>& i) {
       return std::string(i.param.fixture) + "_" + dtype_name(i.param.dtype);
     });

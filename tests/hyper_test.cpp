@@ -6,8 +6,9 @@
 // - the initialiser writes A_m = one-hot(k mod n), A_r = I_n, B = 1, and then every
 //   sublayer's input is the standard residual bit for bit (n = 4, one-hot wrapping);
 // - the head reads sum_i h_i (checked against the streams summed on the host);
-// - a backend without the stream ops (CUDA today) is refused when the model is built,
-//   naming the mode and the way out;
+// - dynamic at its init (w = 0) is static (loss and the other gradients bit for bit);
+// - a backend without the stream ops is refused when the model is built, naming the mode
+//   and the way out;
 // - each stream op against its equation written as plain loops, with poisoned outputs
 //   (what an op overwrites must not read them) and pre-filled gradients (what it adds
 //   to must keep them): the contract a CUDA implementation will be held to.
@@ -16,6 +17,7 @@
 #include <limits>
 
 #include "engine/forwarding_backend.h"
+#include "tests/model_pair_util.h"
 #include "tests/model_test_util.h"
 
 using namespace mhar;
@@ -135,7 +137,67 @@ TEST(HyperIdentity, HeadReadsTheSumOfTheStreams) {
   }
 }
 
-// A backend that lacks the stream ops, as the CUDA backend does today.
+// Dynamic Hyper-Connections at their init (w = 0) are the static ones: the same loss and
+// the same gradient of every other parameter bit for bit (tanh(0) = 0 leaves every
+// coefficient its static value, and the norm path adds dhbar = w dz = 0), the static
+// coefficients' gradients equal up to the order of their token sums (per token first),
+// s_a and s_b exactly 0 (tanh(0) = 0), and w's nonzero: the only way the dynamic terms
+// can start learning.
+void expect_dynamic_at_init_is_static(DType dt) {
+  const int n = 3;
+  Config s = tiny_config(ResidualMode::Hyper, 0, true, 0, n), dy = s;
+  dy.residual.hyper_dynamic = true;
+  auto be = make_cpu_backend(dt);
+  Model ms(s.model, s.residual, *be, 2, 5), md(dy.model, dy.residual, *be, 2, 5);
+  ms.init_weights(3);
+  md.init_weights(3);
+  randomize_weights(ms, 9);  // the static coefficients off their init too
+  for (auto& p : ms.parameters()) {
+    const auto v = download(*be, p.value);
+    be->upload(md.parameter(p.name).value, v.data());
+  }
+  std::vector<int32_t> tok, tgt;
+  random_tokens(10, s.model.vocab_size, 4, tok, tgt);
+  ms.zero_grads();
+  md.zero_grads();
+  EXPECT_EQ(ms.forward(tok.data(), tgt.data(), 1.0), md.forward(tok.data(), tgt.data(), 1.0));
+  ms.backward();
+  md.backward();
+  // The coefficient gradients: the same products summed per token first. Relative to the
+  // size of their site's sums (|own| + |a_r's|: site 0's a_m alone is a near-total
+  // cancellation, the RMSNorm eps path), one rounding per token sum, N = 10 tokens:
+  // 10 * 2^-53 = 1.1e-15 in fp64 (bound 2e-15; measured 3.7e-16), 10 * 2^-24 = 6e-7 in
+  // fp32 (bound 1e-6; measured 2.3e-8).
+  const double tol = dt == DType::F64 ? 2e-15 : 1e-6;
+  double worst = 0;
+  for (auto& p : ms.parameters()) {
+    const auto a = download(*be, p.grad), b = download(*be, md.parameter(p.name).grad);
+    if (p.name.rfind("model.hyper.", 0) != 0) {
+      EXPECT_EQ(a, b) << dtype_name(dt) << " " << p.name;
+      continue;
+    }
+    const std::string site = p.name.substr(0, p.name.rfind('.'));
+    const double scale = norm(a) + norm(download(*be, ms.parameter(site + ".a_r").grad));
+    const double r = rel_error(b, a) * norm(a) / scale;
+    EXPECT_LE(r, tol) << dtype_name(dt) << " " << p.name;
+    worst = std::max(worst, r);
+  }
+  std::printf("[ hyper ] dynamic at init vs static, %s: coefficient gradients differ by %.2e of "
+              "their site's scale\n", dtype_name(dt), worst);
+  for (int k = 0; k < 2 * s.model.n_layers; ++k) {
+    const std::string pre = "model.hyper." + std::to_string(k);
+    EXPECT_EQ(download(*be, md.parameter(pre + ".s_a").grad), std::vector<double>{0.0}) << pre;
+    EXPECT_EQ(download(*be, md.parameter(pre + ".s_b").grad), std::vector<double>{0.0}) << pre;
+    EXPECT_GT(norm(download(*be, md.parameter(pre + ".w").grad)), 0) << pre;
+    const double s0 = dt == DType::F64 ? 0.01 : double(float(0.01));
+    EXPECT_EQ(download(*be, md.parameter(pre + ".s_a").value), std::vector<double>{s0}) << pre;
+  }
+}
+
+TEST(HyperIdentity, DynamicAtItsInitIsStaticFp64) { expect_dynamic_at_init_is_static(DType::F64); }
+TEST(HyperIdentity, DynamicAtItsInitIsStaticFp32) { expect_dynamic_at_init_is_static(DType::F32); }
+
+// A backend that lacks the stream ops.
 class NoHyperOps final : public ForwardingBackend {
  public:
   using ForwardingBackend::ForwardingBackend;

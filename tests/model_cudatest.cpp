@@ -1,6 +1,7 @@
 // model_cudatest.cpp: the whole model on the CUDA backend against the CPU fp32 reference
 // (issue 5): the loss and every parameter gradient of one forward/backward for standard,
-// attnres and mhar (and both with block routing) on a tiny config with the same weights
+// attnres and mhar (and both with block routing), and hyper (n = 4, static Hyper-
+// Connections, issue 11) on a tiny config with the same weights
 // on both sides, and a short training run on each backend that must reach the same loss
 // within noise.
 //
@@ -160,7 +161,7 @@ TEST_P(ModelParity, LossAndEveryGradient) {
 INSTANTIATE_TEST_SUITE_P(Modes, ModelParity,
                          ::testing::Values(ModeCase{"standard", 0}, ModeCase{"attnres", 1},
                                            ModeCase{"mhar", 2}, ModeCase{"attnres", 1, 2},
-                                           ModeCase{"mhar", 2, 3}),
+                                           ModeCase{"mhar", 2, 3}, ModeCase{"hyper", 0}),
                          [](const ::testing::TestParamInfo<ModeCase>& i) {
                            return i.param.label();
                          });
@@ -224,7 +225,7 @@ TEST_P(GpuTraining, ReachesTheCpuLoss) {
 
 INSTANTIATE_TEST_SUITE_P(Modes, GpuTraining,
                          ::testing::Values(ModeCase{"standard", 0}, ModeCase{"mhar", 2},
-                                           ModeCase{"mhar", 2, 3}),
+                                           ModeCase{"mhar", 2, 3}, ModeCase{"hyper", 0}),
                          [](const ::testing::TestParamInfo<ModeCase>& i) {
                            return i.param.label();
                          });

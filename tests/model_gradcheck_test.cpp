@@ -3,7 +3,8 @@
 // EVERY parameter tensor (embeddings, norms, QK-norms, projections, routing queries and
 // gains, hyper coefficients A_m, A_r, B), in each residual mode, with full and block
 // routing (blocks of 2, of 3 (the last block incomplete) and of all 4 sublayers) and
-// static Hyper-Connections with 1 to 4 streams (3: the one-hot starts wrap around). With h = 1e-5 in fp64 the difference quotient is
+// static Hyper-Connections with 1 to 4 streams (3: the one-hot starts wrap around), and
+// dynamic ones (per-token coefficients: w, s_a, s_b too) with 1 and 3. With h = 1e-5 in fp64 the difference quotient is
 // accurate to ~1e-10 relative (truncation h^2 plus rounding eps/h), so the 1e-6 bound
 // the issue sets leaves room only for that, never for a wrong term.
 #include <gtest/gtest.h>
@@ -24,6 +25,7 @@ struct GradCase {
   bool tied;
   int block_size = 0;
   int hyper_n = 4;
+  bool hyper_dynamic = false;
 };
 
 // The hyper cases' RMSNorm eps. A site that mixes equal streams (site 0 always: every
@@ -40,6 +42,7 @@ TEST_P(ModelGradCheck, EveryParameterMatchesFiniteDifferences) {
   const GradCase& gc = GetParam();
   Config cfg = tiny_config(gc.mode, gc.heads, gc.tied, gc.block_size, gc.hyper_n);
   if (gc.mode == ResidualMode::Hyper) cfg.model.rms_eps = kHyperRmsEps;
+  cfg.residual.hyper_dynamic = gc.hyper_dynamic;
   auto be = make_cpu_backend(DType::F64);
   Model m(cfg.model, cfg.residual, *be, cfg.train.micro_batch, cfg.train.seq_len);
   randomize_weights(m, 7);
@@ -99,7 +102,9 @@ INSTANTIATE_TEST_SUITE_P(
                       GradCase{"hyper_n1", ResidualMode::Hyper, 0, true, 0, 1},
                       GradCase{"hyper_n2", ResidualMode::Hyper, 0, true, 0, 2},
                       GradCase{"hyper_n3_untied", ResidualMode::Hyper, 0, false, 0, 3},
-                      GradCase{"hyper_n4", ResidualMode::Hyper, 0, true, 0, 4}),
+                      GradCase{"hyper_n4", ResidualMode::Hyper, 0, true, 0, 4},
+                      GradCase{"hyper_dynamic_n1", ResidualMode::Hyper, 0, true, 0, 1, true},
+                      GradCase{"hyper_dynamic_n3_untied", ResidualMode::Hyper, 0, false, 0, 3, true}),
     [](const ::testing::TestParamInfo<GradCase>& i) { return std::string(i.param.label); });
 
 }  // namespace

@@ -52,6 +52,7 @@ inline void randomize_weights(Model& m, uint64_t seed) {
         case Init::Normal: x = 0.3 * nd(rng); break;
         case Init::OneHot: x = (int64_t(i) == a ? 1.0 : 0.0) + 0.3 * nd(rng); break;
         case Init::Identity: x = (int64_t(i) % (a + 1) == 0 ? 1.0 : 0.0) + 0.3 * nd(rng); break;
+        case Init::HyperScale: x = 0.5 * nd(rng); break;
       }
     }
     m.backend().upload(p.value, v.data());

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 # make_golden.py: writes the golden fixtures the C++ engine's golden test compares
 # against (tests/fixtures/golden/<name>.safetensors), one per residual mode, one per
-# block-routed mode (<mode>_block) and a second hyper one (hyper_n4), from the
+# block-routed mode (<mode>_block), a second hyper one (hyper_n4) and dynamic
+# Hyper-Connections (hyper_dynamic), from the
 # independent PyTorch reference in mhar_ref.py, and proves the reference first:
 # finite differences against autograd, the routing identities, a loop-by-loop NumPy
 # re-implementation of the forward pass, CPU-vs-GPU agreement and, for `standard`,
@@ -58,10 +59,13 @@ FIXTURES = {
     # Hyper-Connections: heads and block_size are 0; the stream count is in HYPER_N.
     "hyper": ("hyper", True, 0, 1006, 0),
     "hyper_n4": ("hyper", False, 0, 1007, 0),
+    # Dynamic Hyper-Connections (residual.hyper_dynamic): per-token coefficients.
+    "hyper_dynamic": ("hyper", True, 0, 1008, 0),
 }
 # Streams per hyper fixture: 3 (the one-hot starts k mod 3 wrap within the 4 sublayers)
 # and 4, untied.
-HYPER_N = {"hyper": 3, "hyper_n4": 4}
+HYPER_N = {"hyper": 3, "hyper_n4": 4, "hyper_dynamic": 3}
+HYPER_DYNAMIC = {"hyper_dynamic"}  # the others' configs carry no hyper_dynamic (unchanged files)
 # The hyper fixtures' rms_eps. Site 0 mixes n streams that are all v_0, x_0 = (sum a_m) v_0,
 # read only through the first RMSNorm, which is scale-invariant but for its eps: with
 # eps 1e-6 the gradient of model.hyper.0.a_m is ~1e-6 of the others, pure cancellation,
@@ -78,6 +82,8 @@ def fixture_config(name):
     model = dict(TINY_MODEL, tie_embeddings=tie)
     if mode == "hyper":
         residual["hyper_n"] = HYPER_N[name]
+        if name in HYPER_DYNAMIC:
+            residual["hyper_dynamic"] = True
         model["rms_eps"] = HYPER_RMS_EPS
     return {"model": model, "residual": residual}
 
@@ -90,7 +96,8 @@ def random_weights(model, generator):
     std 0.25 (init_std would leave attention and routing almost uniform), norm weights
     and routing gains 1 + 0.1 noise, routing queries std 0.5 (not the zero init, which
     would hide the key path), hyper coefficients their init (one-hot, identity, ones) +
-    0.3 noise, so every stream reaches every other. Returned as float32 tensors, the
+    0.3 noise, so every stream reaches every other (dynamic: w 0 + 0.3 noise, so the
+    tanh terms are neither zero nor saturated, scales 0.01 + 0.3 noise). Returned as float32 tensors, the
     values the engine loads."""
     weights = {}
     init = {n: p.detach().to(torch.float64) for n, p in model.named_parameters()}
@@ -391,19 +398,32 @@ def numpy_forward(cfg, weights, input_ids):
             streams = [W["model.embed_tokens.weight"][seq].copy() for _ in range(n)]
             for k in range(2 * L):
                 l, pre = k // 2, f"model.hyper.{k}."
-                am, ar, b = W[pre + "a_m"], W[pre + "a_r"], W[pre + "b"]
+                # Per token coefficients [T, n] / [T, n, n] (dynamic) or constants.
+                T = streams[0].shape[0]
+                am = np.tile(W[pre + "a_m"], (T, 1))
+                ar = np.tile(W[pre + "a_r"], (T, 1, 1))
+                b = np.tile(W[pre + "b"], (T, 1))
+                if r["hyper_dynamic"]:
+                    w, sa, sb = W[pre + "w"], W[pre + "s_a"][0], W[pre + "s_b"][0]
+                    for t in range(T):
+                        for rr in range(n):
+                            hb = rmsnorm(streams[rr][t])
+                            am[t, rr] += sa * math.tanh(hb @ w[:, 0])
+                            for i in range(n):
+                                ar[t, rr, i] += sa * math.tanh(hb @ w[:, 1 + i])
+                            b[t, rr] += sb * math.tanh(hb @ w[:, n + 1])
                 x = np.zeros_like(streams[0])
                 for i in range(n):
-                    x += am[i] * streams[i]
+                    x += am[:, i : i + 1] * streams[i]
                 if k % 2 == 0:
                     v = attention(l, rmsnorm(x, W[f"model.layers.{l}.input_layernorm.weight"]))
                 else:
                     v = mlp(l, rmsnorm(x, W[f"model.layers.{l}.post_attention_layernorm.weight"]))
                 new = []
                 for i in range(n):
-                    h = b[i] * v
+                    h = b[:, i : i + 1] * v
                     for rr in range(n):
-                        h = h + ar[rr, i] * streams[rr]
+                        h = h + ar[:, rr, i : i + 1] * streams[rr]
                     new.append(h)
                 streams = new
             x = sum(streams)

@@ -1,13 +1,13 @@
 # mhar_ref.py: the independent PyTorch reference of the mhar model (DESIGN.md sections
 # 1-2), written from the equations: a Qwen3-style decoder whose sublayer inputs come
 # from one of the residual modes `standard`, `attnres` or `mhar`, the routed ones with
-# full or block routing (residual.block_size), or `hyper` (static Hyper-Connections with
-# residual.hyper_n streams). It owns the model's
+# full or block routing (residual.block_size), or `hyper` (static or dynamic
+# Hyper-Connections with residual.hyper_n streams). It owns the model's
 # math for the golden fixtures (tools/reference/make_golden.py, run in float64) and for
 # the PyTorch throughput baseline (tools/reference/bench_step.py, bf16 autocast,
 # torch.compile, SDPA). Parameter names are Hugging Face Qwen3's (DESIGN.md section 6)
 # plus model.routing.{j}.query / .gain (routed modes) or model.hyper.{k}.a_m / .a_r / .b
-# (hyper), so a state_dict is a checkpoint of the engine.
+# (hyper; dynamic adds .w / .s_a / .s_b), so a state_dict is a checkpoint of the engine.
 #
 # Nothing here is tied to a dtype or device: build the module, move it with .to(), and
 # every computation follows the parameters' dtype (float64 works end to end).
@@ -72,8 +72,8 @@ def resolve_config(config):
             raise ValueError("residual.heads has no meaning in mode hyper; leave it 0")
         if not isinstance(r["hyper_n"], int) or not 1 <= r["hyper_n"] <= 64:
             raise ValueError(f"residual.hyper_n = {r['hyper_n']!r}; valid: 1..64")
-        if r["hyper_dynamic"]:
-            raise NotImplementedError("dynamic Hyper-Connections (residual.hyper_dynamic) are not built yet")
+        if not isinstance(r["hyper_dynamic"], bool):
+            raise ValueError(f"residual.hyper_dynamic = {r['hyper_dynamic']!r}; valid: true or false")
     if s > 2 * m["n_layers"]:
         raise ValueError(f"residual.block_size = {s} is more than the 2*n_layers = {2 * m['n_layers']} sublayers")
     if m["n_heads"] % m["n_kv_heads"]:
@@ -279,18 +279,26 @@ class RoutingSite(nn.Module):
 
 
 class HyperConnection(nn.Module):
-    """Static Hyper-Connections around sublayer k (DESIGN.md section 2), n streams
+    """Hyper-Connections around sublayer k (DESIGN.md section 2), n streams
     H [n, B, T, d]: the sublayer reads x = sum_i a_m[i] h_i, and its output v makes the
     new streams h'_i = b[i] v + sum_r a_r[r, i] h_r. Init (the pre-norm residual):
-    a_m = one-hot(k mod n), a_r = I_n, b = 1."""
+    a_m = one-hot(k mod n), a_r = I_n, b = 1.
+    Dynamic (d_model given): per token, every coefficient of stream r adds s * tanh of
+    hbar_r @ w, hbar_r = h_r / rms(h_r) (RMSNorm without scale, eps), w [d, n+2]
+    (columns: a_m, a_r[r, :], b; init 0), s = s_a for a_m and a_r, s_b for b (init 0.01)."""
 
-    def __init__(self, n, k, device=None, dtype=None):
+    def __init__(self, n, k, d_model=None, eps=None, device=None, dtype=None):
         super().__init__()
-        self.k = k
+        self.k, self.eps = k, eps
         kw = dict(device=device, dtype=dtype)
         self.a_m = nn.Parameter(torch.zeros(n, **kw))
         self.a_r = nn.Parameter(torch.zeros(n, n, **kw))
         self.b = nn.Parameter(torch.zeros(n, **kw))
+        self.dynamic = d_model is not None
+        if self.dynamic:
+            self.w = nn.Parameter(torch.zeros(d_model, n + 2, **kw))
+            self.s_a = nn.Parameter(torch.zeros(1, **kw))
+            self.s_b = nn.Parameter(torch.zeros(1, **kw))
         self.reset()
 
     @torch.no_grad()
@@ -299,12 +307,34 @@ class HyperConnection(nn.Module):
         self.a_m.zero_()[self.k % n] = 1.0
         self.a_r.copy_(torch.eye(n, dtype=self.a_r.dtype, device=self.a_r.device))
         self.b.fill_(1.0)
+        if self.dynamic:
+            self.w.zero_()
+            self.s_a.fill_(0.01)
+            self.s_b.fill_(0.01)
+
+    def coef(self, H):
+        """[n, ..., n+2]: per stream r and token, (a_m[r], a_r[r, :], b[r]) (dynamic or not)."""
+        n = self.a_m.numel()
+        base = torch.cat([self.a_m[:, None], self.a_r, self.b[:, None]], dim=1)  # [n, n+2]
+        base = base.view(n, *([1] * (H.dim() - 2)), n + 2)
+        if not self.dynamic:
+            return base
+        hbar = H * torch.rsqrt(H.pow(2).mean(-1, keepdim=True) + self.eps)
+        s = torch.cat([self.s_a.expand(n + 1), self.s_b])
+        return base + s * torch.tanh(hbar @ self.w)
 
     def mix(self, H):
-        return torch.einsum("i,i...->...", self.a_m, H)
+        if not self.dynamic:  # static: the original fixtures' exact arithmetic
+            return torch.einsum("i,i...->...", self.a_m, H)
+        self._c = self.coef(H)  # the update of the same sublayer reads these H's coefficients
+        return (self._c[..., 0:1] * H).sum(dim=0)
 
     def update(self, H, v):
-        return self.b.view(-1, *([1] * v.dim())) * v + torch.einsum("ri,r...->i...", self.a_r, H)
+        if not self.dynamic:
+            return self.b.view(-1, *([1] * v.dim())) * v + torch.einsum("ri,r...->i...", self.a_r, H)
+        c, n = self._c, self.a_m.numel()
+        out = c[..., n + 1 : n + 2] * v  # [n, ..., 1] * [..., d]: b[i] v
+        return out + torch.einsum("r...i,r...c->i...c", c[..., 1 : n + 1].expand(*H.shape[:-1], n), H)
 
 
 class Backbone(nn.Module):
@@ -320,7 +350,9 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(m["d_model"], m["rms_eps"], device=device, dtype=dtype)
         if r["mode"] == "hyper":
             self.hyper = nn.ModuleList(
-                HyperConnection(r["hyper_n"], k, device=device, dtype=dtype) for k in range(2 * m["n_layers"])
+                HyperConnection(r["hyper_n"], k, m["d_model"] if r["hyper_dynamic"] else None, m["rms_eps"],
+                                device=device, dtype=dtype)
+                for k in range(2 * m["n_layers"])
             )
         if r["mode"] in ROUTED_MODES:
             n_sites = 2 * m["n_layers"] + 1
