@@ -17,6 +17,7 @@
 //   and logits bit for bit (max |logit difference| = 0).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <fstream>
 #include <iterator>
 
@@ -148,7 +149,7 @@ TEST(DeltaGpuIdentity, ZeroGatesGiveTheStandardLogitsExactlyOnRealText) {
   }
   double worst = 0;
   for (int batch = 0; batch < 8; ++batch) {
-    std::vector<int32_t> tok(size_t(N)), tgt(size_t(N));
+    std::vector<int32_t> tok(static_cast<size_t>(N)), tgt(static_cast<size_t>(N));
     for (int i = 0; i < N; ++i) {
       tok[size_t(i)] = int32_t(uint8_t(text[size_t(batch * N + i)]));
       tgt[size_t(i)] = int32_t(uint8_t(text[size_t(batch * N + i + 1)]));
@@ -165,7 +166,7 @@ TEST(DeltaGpuIdentity, ZeroGatesGiveTheStandardLogitsExactlyOnRealText) {
   // An open gate changes the logits (the routed term is live on the GPU).
   const double alpha = 0.5;
   gpu->upload(md.parameter("model.delta.5.alpha").value, &alpha);
-  std::vector<int32_t> tok(size_t(N)), tgt(size_t(N));
+  std::vector<int32_t> tok(static_cast<size_t>(N)), tgt(static_cast<size_t>(N));
   for (int i = 0; i < N; ++i) tok[size_t(i)] = int32_t(uint8_t(text[size_t(i)])), tgt[size_t(i)] = int32_t(uint8_t(text[size_t(i + 1)]));
   EXPECT_NE(ms.forward(tok.data(), tgt.data(), 0.0), md.forward(tok.data(), tgt.data(), 0.0));
 }
