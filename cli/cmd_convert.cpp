@@ -11,7 +11,7 @@ namespace mhar::cli {
 
 void register_convert(CLI::App& app) {
   auto* cmd = app.add_subcommand(
-      "convert", "Convert a trained standard checkpoint into a delta-mode model (DESIGN.md section 4)");
+      "convert", "Convert a trained standard checkpoint into a delta-mode model (DESIGN.md section 2)");
   cmd->footer(
       "Writes the run directory DIR with config.json (residual.mode delta) and a step-0 checkpoint:\n"
       "the original weights bit for bit, plus per site a gate alpha_j (0), a routing query (0) and\n"

@@ -1,4 +1,4 @@
-// delta.cu: the delta-mode ops (engine/backend.h, DESIGN.md section 4; the CPU reference
+// delta.cu: the delta-mode ops (engine/backend.h, DESIGN.md section 2; the CPU reference
 // is engine/cpu/delta.h): the gated add of the routed term, its backward, and the null
 // source's broadcast and token sum. Storage BF16 or F32, fp32 math.
 // - delta_gate: x = base + alpha r, one fp32 fma-free multiply-add per element rounded
@@ -8,6 +8,8 @@
 //   partial sums into the caller's scratch (the gate: one per block of a fixed grid; the
 //   null: one row per slab of tokens), a second sums them in a fixed order and adds the
 //   result into the gradient. The same shapes give the same bits on every run.
+#include <algorithm>
+
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
 

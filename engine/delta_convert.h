@@ -1,4 +1,4 @@
-// delta_convert.h: `mhar convert --mode delta` (DESIGN.md section 4): a trained `standard`
+// delta_convert.h: `mhar convert --mode delta` (DESIGN.md section 2): a trained `standard`
 // checkpoint becomes a run directory whose step-0 checkpoint is the same model in mode
 // `delta`: every original weight bit for bit, the delta parameters at their init (gates,
 // null and queries 0, gains 1), so its logits equal the original's exactly, and a fresh

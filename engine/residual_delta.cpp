@@ -1,4 +1,4 @@
-// residual_delta.cpp: the `delta` residual scheme (DESIGN.md section 4), the mode a trained
+// residual_delta.cpp: the `delta` residual scheme (DESIGN.md section 2), the mode a trained
 // `standard` model is converted into (`mhar convert`). Site j's input is the standard
 // residual input plus a gated routed term:
 //

@@ -1,4 +1,4 @@
-// delta_test.cpp: residual.mode delta on the CPU reference (DESIGN.md section 4,
+// delta_test.cpp: residual.mode delta on the CPU reference (DESIGN.md section 2,
 // residual_delta.cpp):
 // - the conversion identity: with every gate alpha_j = 0 a delta model is its standard
 //   model bit for bit (loss, logits, every site input, the gradient of every shared

@@ -1,4 +1,4 @@
-// delta.h: CPU reference of the delta-mode ops (backend.h, DESIGN.md section 4): the gated
+// delta.h: CPU reference of the delta-mode ops (backend.h, DESIGN.md section 2): the gated
 // add of the routed term, its backward, and the null source's broadcast and column sum.
 // Every element is computed in double and rounded once, so with alpha = 0 the gated add
 // returns base exactly (base + 0 * r, r finite): the conversion identity rests on it.

@@ -3,7 +3,7 @@
 # from one of the residual modes `standard`, `attnres` or `mhar`, the routed ones with
 # full or block routing (residual.block_size), or `hyper` (static Hyper-Connections with
 # residual.hyper_n streams), or `delta` (the standard stream plus a gated routed term over
-# the null source and block sums, DESIGN.md section 4). It owns the model's
+# the null source and block sums, DESIGN.md section 2). It owns the model's
 # math for the golden fixtures (tools/reference/make_golden.py, run in float64) and for
 # the PyTorch throughput baseline (tools/reference/bench_step.py, bf16 autocast,
 # torch.compile, SDPA). Parameter names are Hugging Face Qwen3's (DESIGN.md section 6)
@@ -289,7 +289,7 @@ class RoutingSite(nn.Module):
 
 
 class DeltaSites(nn.ModuleList):
-    """Mode delta's routed term (DESIGN.md section 4): one DeltaSite per site j and the
+    """Mode delta's routed term (DESIGN.md section 2): one DeltaSite per site j and the
     null source `null` [d] (init 0), the slot-0 source of every site in place of v_0."""
 
     def __init__(self, n_sites, d, heads, eps, device=None, dtype=None):
