@@ -8,7 +8,8 @@
 // - the initialiser: gates, null and queries 0, gains 1, in the bucket "delta";
 // - the config: mode delta's fields validated with errors naming field and value;
 // - each delta op against its equation, poisoned outputs and pre-filled gradients;
-// - a backend without the delta ops is refused when the model is built.
+// - a backend without the delta ops is refused when the model is built;
+// - the activation plan at the 350M and 1B shapes: standard's plus what delta keeps.
 #include <gtest/gtest.h>
 
 #include <limits>
@@ -217,6 +218,48 @@ TEST(DeltaOps, EachOpIsItsEquation) {
     EXPECT_NEAR(got[size_t(c)], s, 1e-13) << c;
   }
   for (void* p : owned) be->release(p);
+}
+
+// Plans a model at the CUDA backend's dtypes without touching memory (as allocator_test).
+class PlanOnly final : public ForwardingBackend {
+ public:
+  using ForwardingBackend::ForwardingBackend;
+  DType act_dtype() const override { return DType::BF16; }
+  DType stat_dtype() const override { return DType::F32; }
+  DType grad_dtype() const override { return DType::F32; }
+  void* allocate(size_t) override { return reinterpret_cast<void*>(uintptr_t(1) << 20); }
+  void release(void*) override {}
+};
+
+// At the shapes of configs/{350m,1b}_delta.json the activation plan is the standard one
+// plus the block-routing statistics (pairs, inv_rms, ubar, key-gradient slabs, the
+// reduction scratch), the routed terms r_j of every site (kept from site j to its
+// backward, next to x_j: ubar_j needs r_j, sublayer j's backward x_j) and the running
+// standard stream; the input gradients dr_j the source-stationary backward keeps must
+// fit in memory the backward has freed, as the routed modes' do.
+TEST(DeltaMemory, PlanIsStandardPlusRoutedTermsAndRoutingStatistics) {
+  auto cpu = make_cpu_backend(DType::F32);
+  PlanOnly be(*cpu);
+  for (const char* size : {"350m", "1b"}) {
+    const std::string dir = std::string(MHAR_SOURCE_DIR) + "/configs/";
+    const Config sc = load_config(dir + size + "_standard.json");
+    const Config c = load_config(dir + size + "_delta.json");
+    const int B = sc.train.micro_batch, T = sc.train.seq_len;
+    ASSERT_EQ(c.train.micro_batch, B);
+    const double standard = double(Model(sc.model, sc.residual, be, B, T).activation_plan().total_bytes());
+    Model m(c.model, c.residual, be, B, T);
+    const int S = c.model.n_sites(), H = c.residual.heads;
+    const double N = double(B) * T, d = c.model.d_model, row = 2 * N * d;
+    const double stats = 4 * (double(RoutingLayout::blocks(S, c.residual.delta_block()).pairs()) * H * N +
+                              S * N + S * H * N + 64.0 * S * d + 64.0 * d);
+    const double routed = S * row, stream = row;
+    const double got = double(m.activation_plan().total_bytes());
+    std::printf("[ memory ] %s_delta: activations %.3f GB, standard %.3f GB (+%.1f%%), routing statistics "
+                "%.3f GB, routed terms %.3f GB\n", size, got / 1e9, standard / 1e9,
+                100 * (got / standard - 1), stats / 1e9, routed / 1e9);
+    EXPECT_LE(got, standard + stats + routed + stream) << size;
+    EXPECT_GT(got, standard + routed) << size << ": the routed terms must be planned, not aliased";
+  }
 }
 
 class NoDeltaOps final : public ForwardingBackend {
