@@ -254,6 +254,17 @@ TEST_F(DeltaConvert, RefusalsNameWhatIsWrong) {
   EXPECT_EQ(ok.rc, 0) << ok.out;
   EXPECT_EQ(open_checkpoint((dir / "cli").string()).config.residual.block_layers, 2);
   EXPECT_EQ(open_checkpoint((dir / "cli").string()).config.residual.heads, 4);
+  // The documented next step: a new run from the converted directory's own config.
+  auto cont = run_command(bin + " --log-level error train " + (dir / "cli" / "config.json").string() +
+                          " --init-from " + (dir / "cli").string() + " --run-dir " +
+                          (dir / "cli_run").string() + " --steps 2 --device cpu 2>&1");
+  EXPECT_EQ(cont.rc, 0) << cont.out;
+  EXPECT_EQ(read_metrics(dir / "cli_run", "train").size(), 2u) << cont.out;
+  // --resume of the converted directory itself is refused (a new run: no data position).
+  auto resume = run_command(bin + " --log-level error train --resume " + (dir / "cli").string() + " 2>&1");
+  EXPECT_EQ(resume.rc, 1) << resume.out;
+  EXPECT_NE(resume.out.find("no data position (an `mhar convert`"), std::string::npos) << resume.out;
+  EXPECT_NE(resume.out.find("--init-from"), std::string::npos) << resume.out;
   auto bad = run_command(bin + " --log-level error convert --checkpoint " + ckpt + " --out " +
                          (dir / "cli2").string() + " --mode hyper 2>&1");
   EXPECT_NE(bad.rc, 0);
