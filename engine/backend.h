@@ -259,7 +259,7 @@ class Backend {
   virtual void hyper_update_backward(Tensor din, Tensor dv, Tensor dAr, Tensor dB, Tensor dout,
                                      Tensor in, Tensor v, Tensor Ar, Tensor B);
 
-  // ---- delta mode (residual.mode delta, DESIGN.md section 4; residual_delta.cpp): the
+  // ---- delta mode (residual.mode delta, DESIGN.md section 2; residual_delta.cpp): the
   // gated routed term and the learned null source. alpha [1] and row [d] are parameters
   // (act dtype); dalpha and drow are their gradients (grad dtype, "+="). The reductions
   // are deterministic (no float atomics). `scratch` [C, d] (grad dtype, C >= 1) is the

@@ -51,7 +51,7 @@ struct ResidualConfig {
   // the mixing coefficients get the per-token dynamic term (not implemented yet).
   int hyper_n = 4;
   bool hyper_dynamic = false;
-  // Delta conversion (mode delta, DESIGN.md section 4): the routed term's sources are the
+  // Delta conversion (mode delta, DESIGN.md section 2): the routed term's sources are the
   // block sums of the sublayer outputs over blocks of block_layers layers (2 *
   // block_layers sublayers), routed with `heads` heads (0 in a file: n_kv_heads).
   int block_layers = 4;
