@@ -254,6 +254,7 @@ void run_bench(const BenchOptions& o) {
       {"mode", residual_mode_name(cfg.residual.mode)},
       {"heads", cfg.residual.heads},
       {"hyper_n", cfg.residual.mode == ResidualMode::Hyper ? cfg.residual.hyper_n : 0},
+      {"block_layers", cfg.residual.mode == ResidualMode::Delta ? cfg.residual.block_layers : 0},
       {"device", on_gpu ? cuda::describe_device(dist_info.local_rank) : std::string("cpu")},
       {"backend", r.backend_name},
       {"ranks", W},

@@ -44,6 +44,7 @@ void register_bench_command(CLI::App& app);  // `mhar bench` (cmd_bench.cpp)
 void register_probe(CLI::App& app);          // `mhar probe` (cmd_probe.cpp)
 void register_export(CLI::App& app);         // `mhar export` (cmd_export.cpp)
 void register_import(CLI::App& app);         // `mhar import` (cmd_import.cpp)
+void register_convert(CLI::App& app);        // `mhar convert` (cmd_convert.cpp)
 
 // The checkpoint's data.tokenizer, or the one `tokenizer_option` (--tokenizer) names
 // when given (run_tokenizer.cpp).

@@ -40,6 +40,7 @@ int main(int argc, char** argv) {
   mhar::cli::register_probe(app);
   mhar::cli::register_export(app);
   mhar::cli::register_import(app);
+  mhar::cli::register_convert(app);
 
   app.parse_complete_callback([&] {
     spdlog::set_default_logger(spdlog::stderr_color_mt("mhar"));

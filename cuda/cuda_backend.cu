@@ -277,6 +277,20 @@ class CudaBackend final : public Backend {
     cuda::hyper_update_backward(stream_, din, dv, dAr, dB, dout, in, v, Ar, B,
                                 hyper_workspace(v.numel(), int(dout.ndim ? dout.dim(0) : 0)));
   }
+  bool has_delta_ops() const override { return true; }
+  void delta_gate(Tensor x, Tensor base, Tensor alpha, Tensor r) override {
+    cuda::delta_gate(stream_, x, base, alpha, r);
+  }
+  void delta_gate_backward(Tensor dr, Tensor dalpha, Tensor dx, Tensor r, Tensor alpha,
+                           Tensor scratch) override {
+    cuda::delta_gate_backward(stream_, dr, dalpha, dx, r, alpha, scratch);
+  }
+  void delta_null_forward(Tensor out, Tensor row) override {
+    cuda::delta_null_forward(stream_, out, row);
+  }
+  void delta_null_backward(Tensor drow, Tensor dout, Tensor scratch) override {
+    cuda::delta_null_backward(stream_, drow, dout, scratch);
+  }
   double sum_squares(Tensor t) override { return cuda::sum_squares(stream_, t, scratch_); }
   void adamw(Tensor param, Tensor master, Tensor grad, Tensor m, Tensor v,
              const AdamW& hp) override {

@@ -113,6 +113,14 @@ double sum_squares(cudaStream_t s, Tensor t, double* scratch);
 void add(cudaStream_t s, Tensor out, Tensor a, Tensor b);
 void add_inplace(cudaStream_t s, Tensor y, Tensor x);
 
+// delta.cu (residual.mode delta): scratch is F32 workspace of at least 1 (gate) or d
+// (null) floats; its contents are undefined before and after.
+void delta_gate(cudaStream_t s, Tensor x, Tensor base, Tensor alpha, Tensor r);
+void delta_gate_backward(cudaStream_t s, Tensor dr, Tensor dalpha, Tensor dx, Tensor r,
+                         Tensor alpha, Tensor scratch);
+void delta_null_forward(cudaStream_t s, Tensor out, Tensor row);
+void delta_null_backward(cudaStream_t s, Tensor drow, Tensor dout, Tensor scratch);
+
 // optimizer.cu
 void adamw(cudaStream_t s, Tensor param, Tensor master, Tensor grad, Tensor m, Tensor v,
            const Backend::AdamW& hp);

@@ -285,6 +285,23 @@ class Backend {
                                            Tensor H, Tensor W, Tensor T, Tensor rstd,
                                            Tensor s_a, Tensor s_b);
 
+  // ---- delta mode (residual.mode delta, DESIGN.md section 2; residual_delta.cpp): the
+  // gated routed term and the learned null source. alpha [1] and row [d] are parameters
+  // (act dtype); dalpha and drow are their gradients (grad dtype, "+="). The reductions
+  // are deterministic (no float atomics). `scratch` [C, d] (grad dtype, C >= 1) is the
+  // op's own workspace: its contents before and after are undefined. The defaults fail
+  // naming the mode; has_delta_ops() says so before a model is built.
+  virtual bool has_delta_ops() const { return false; }
+  //   x = base + alpha[0] * r                     (x overwritten; may alias base)
+  virtual void delta_gate(Tensor x, Tensor base, Tensor alpha, Tensor r);
+  //   dr = alpha[0] * dx (overwritten);  dalpha[0] += sum_{n,c} dx[n,c] r[n,c]
+  virtual void delta_gate_backward(Tensor dr, Tensor dalpha, Tensor dx, Tensor r, Tensor alpha,
+                                   Tensor scratch);
+  //   out[n, c] = row[c] for every row n of out [N, d]   (overwritten)
+  virtual void delta_null_forward(Tensor out, Tensor row);
+  //   drow[c] += sum_n dout[n, c]
+  virtual void delta_null_backward(Tensor drow, Tensor dout, Tensor scratch);
+
   // ---- optimizer support
   // Sum of squares of every element (fp64 result, host-synchronising): the global
   // gradient norm is sqrt(sum_squares(all gradients)), one call over the gradient arena.
@@ -349,6 +366,16 @@ inline void Backend::hyper_dynamic_coef_backward(Tensor, Tensor, Tensor, Tensor,
                                                  Tensor, Tensor) {
   hyper_unsupported(name());
 }
+[[noreturn]] inline void delta_unsupported(const std::string& backend) {
+  fail("residual.mode delta has no kernels on the ", backend,
+       " backend (the CPU backend is its reference): run it with --device cpu");
+}
+inline void Backend::delta_gate(Tensor, Tensor, Tensor, Tensor) { delta_unsupported(name()); }
+inline void Backend::delta_gate_backward(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor) {
+  delta_unsupported(name());
+}
+inline void Backend::delta_null_forward(Tensor, Tensor) { delta_unsupported(name()); }
+inline void Backend::delta_null_backward(Tensor, Tensor, Tensor) { delta_unsupported(name()); }
 
 // The CPU reference backend in fp32 (dtype F32) or fp64 (F64, for gradient checks).
 std::unique_ptr<Backend> make_cpu_backend(DType dtype = DType::F32);

@@ -26,6 +26,8 @@ std::string residual_summary(const ResidualConfig& r) {
   if (r.routed() && r.block_size > 1) s += " block " + std::to_string(r.block_size);
   if (r.mode == ResidualMode::Hyper) s += " n=" + std::to_string(r.hyper_n);
   if (r.mode == ResidualMode::Hyper && r.hyper_dynamic) s += " dynamic";
+  if (r.mode == ResidualMode::Delta)
+    s += " H=" + std::to_string(r.heads) + " block_layers " + std::to_string(r.block_layers);
   return s;
 }
 
@@ -35,6 +37,7 @@ const char* residual_mode_name(ResidualMode m) {
     case ResidualMode::AttnRes: return "attnres";
     case ResidualMode::Mhar: return "mhar";
     case ResidualMode::Hyper: return "hyper";
+    case ResidualMode::Delta: return "delta";
   }
   return "?";
 }
@@ -98,6 +101,9 @@ template <class V> void visit_fields(ResidualConfig& c, V& v) {
     IntRange{1, 64, "residual streams of mode hyper (the paper uses 1 to 8); a plausibility "
                     "bound, each stream costs one more [tokens, d_model] per sublayer"});
   v("hyper_dynamic", c.hyper_dynamic);
+  v("block_layers", c.block_layers,
+    IntRange{1, 1 << 20, "layers per block of mode delta's routed sources; at most "
+                         "model.n_layers"});
 }
 template <class V> void visit_fields(TrainConfig& c, V& v) {
   v("micro_batch", c.micro_batch, IntRange{1, 65536, "a size cap; one step holds micro_batch x seq_len tokens"});
@@ -247,13 +253,14 @@ struct FieldReader {
     if (!val) return;
     if (val->is_string())
       for (ResidualMode m : {ResidualMode::Standard, ResidualMode::AttnRes, ResidualMode::Mhar,
-                             ResidualMode::Hyper})
+                             ResidualMode::Hyper, ResidualMode::Delta})
         if (val->get_ref<const std::string&>() == residual_mode_name(m)) {
           out = m;
           return;
         }
     fail(where(key), " = ", json_excerpt(*val),
-         " is not a residual mode; valid: \"standard\", \"attnres\", \"mhar\", \"hyper\"");
+         " is not a residual mode; valid: \"standard\", \"attnres\", \"mhar\", \"hyper\", "
+         "\"delta\"");
   }
   void reject_unknown() {
     std::set<std::string> ok(known.begin(), known.end());
@@ -367,6 +374,17 @@ void Config::validate() const {
       fail(where("residual.hyper_dynamic"), " = true has no meaning in mode \"", mode_name,
            "\" (it selects dynamic Hyper-Connections in mode \"hyper\"); leave it out");
   }
+  if (residual.mode != ResidualMode::Delta) {
+    if (residual.block_layers != ResidualConfig{}.block_layers)
+      fail(where("residual.block_layers"), " = ", residual.block_layers,
+           " has no meaning in mode \"", mode_name,
+           "\" (it is the block of mode \"delta\"'s routed sources; block routing in attnres "
+           "and mhar is residual.block_size); leave it out");
+  } else if (residual.block_layers > m.n_layers) {
+    fail(where("residual.block_layers"), " = ", residual.block_layers,
+         " is more than model.n_layers = ", m.n_layers, "; valid: 1..", m.n_layers,
+         " layers per block");
+  }
   if (residual.routed() && s > 2 * m.n_layers)
     fail(where("residual.block_size"), " = ", s, " is more than the 2 * model.n_layers = ",
          2 * m.n_layers, " sublayers; valid: 0 (full routing) or 1..", 2 * m.n_layers,
@@ -382,6 +400,7 @@ void Config::validate() const {
              " but mode \"attnres\" is routing with 1 head; use mode \"mhar\" for more heads");
       break;
     case ResidualMode::Mhar:
+    case ResidualMode::Delta:
       if (H <= 0) fail(where("residual.heads"), " = ", H, " must be >= 1");
       if (m.d_model % H)
         fail(where("residual.heads"), " = ", H, " does not divide model.d_model = ", m.d_model);
@@ -445,8 +464,10 @@ StepFootprint estimate_footprint(const ModelConfig& m, const ResidualConfig& r, 
   const double per_layer = 2 * d + 2 * hd + 2 * d * qd + 2 * d * kvd + 3 * d * F;
   const bool hyper = r.mode == ResidualMode::Hyper;
   const double n = hyper ? r.hyper_n : 0;
+  const bool delta = r.mode == ResidualMode::Delta;
   f.parameters = V * d * (m.tie_embeddings ? 1 : 2) + L * per_layer + d + (r.routed() ? 2 * S * d : 0) +
-                 (hyper ? 2 * L * (2 * n + n * n + (r.hyper_dynamic ? d * (n + 2) + 2 : 0)) : 0);
+                 (hyper ? 2 * L * (2 * n + n * n + (r.hyper_dynamic ? d * (n + 2) + 2 : 0)) : 0) +
+                 (delta ? S * (2 * d + 1) + d : 0);
   f.parameter_bytes = 16 * f.parameters;  // value, gradient, two AdamW moments
   // Values per token kept from the forward pass for the backward one (model.cpp's plan).
   double per_token = S * d /* history */ + S * d /* site inputs */ + V + 2 * d /* head */;
@@ -454,9 +475,12 @@ StepFootprint estimate_footprint(const ModelConfig& m, const ResidualConfig& r, 
   per_token += L * (d + 1 + 3 * F);                                            // MLP
   // Routing: the per-pair statistics (backend.h's RoutingLayout::pairs, in closed form:
   // c = ceil(S/s) closed slots, S - c partial ones), site input gradients, ubar, inv_rms.
-  const double s = r.routing_block(), c = std::ceil(S / s);
+  const double s = delta ? r.delta_block() : r.routing_block(), c = std::ceil(S / s);
   const double pairs = c * S - s * c * (c - 1) / 2 + (S - c);
   if (r.routed()) per_token += pairs * H + S * d + S * H + S;
+  // Delta: the same routing statistics, plus each site's routed term and its gradient
+  // and the running standard stream (residual_delta.cpp's plan).
+  if (delta) per_token += (pairs + S) * std::max(1, r.heads) + 3 * S * d + S + d;
   // Hyper: the n streams after every sublayer (and before the first), kept for the
   // backward (residual_hyper.cpp's plan).
   if (hyper) per_token += S * n * d;
@@ -514,7 +538,8 @@ Config config_from_json(const json& j, const std::string& source) {
   // shows the value actually used.
   if (c.residual.heads == 0) {
     if (c.residual.mode == ResidualMode::AttnRes) c.residual.heads = 1;
-    if (c.residual.mode == ResidualMode::Mhar) c.residual.heads = c.model.n_kv_heads;
+    if (c.residual.mode == ResidualMode::Mhar || c.residual.mode == ResidualMode::Delta)
+      c.residual.heads = c.model.n_kv_heads;
   }
   c.validate();
   return c;

@@ -14,10 +14,10 @@
 
 namespace mhar {
 
-enum class ResidualMode { Standard, AttnRes, Mhar, Hyper };
+enum class ResidualMode { Standard, AttnRes, Mhar, Hyper, Delta };
 const char* residual_mode_name(ResidualMode m);
 struct ResidualConfig;
-// "standard", "mhar H=4", "mhar H=4 block 3", "hyper n=4": the mode and what shapes it,
+// "standard", "mhar H=4", "mhar H=4 block 3", "hyper n=4", "delta H=4 block_layers 4": the mode and what shapes it,
 // for log lines.
 std::string residual_summary(const ResidualConfig& r);
 
@@ -51,9 +51,15 @@ struct ResidualConfig {
   // the mixing coefficients get the per-token dynamic term (not implemented yet).
   int hyper_n = 4;
   bool hyper_dynamic = false;
+  // Delta conversion (mode delta, DESIGN.md section 2): the routed term's sources are the
+  // block sums of the sublayer outputs over blocks of block_layers layers (2 *
+  // block_layers sublayers), routed with `heads` heads (0 in a file: n_kv_heads).
+  int block_layers = 4;
   // Depth routing over the sources (attnres, mhar); standard and hyper are unrouted.
   bool routed() const { return mode == ResidualMode::AttnRes || mode == ResidualMode::Mhar; }
   int routing_block() const { return block_size > 0 ? block_size : 1; }
+  // The routing block (sublayers) of mode delta's routed term.
+  int delta_block() const { return 2 * block_layers; }
 };
 
 struct TrainConfig {

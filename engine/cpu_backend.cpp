@@ -8,6 +8,7 @@
 #include "engine/cpu/attention.h"
 #include "engine/cpu/classifier.h"
 #include "engine/cpu/embedding.h"
+#include "engine/cpu/delta.h"
 #include "engine/cpu/hyper.h"
 #include "engine/cpu/matmul.h"
 #include "engine/cpu/optimizer.h"
@@ -404,6 +405,36 @@ class CpuBackend final : public Backend {
                                      s_a.ptr<T>()[0], s_b.ptr<T>()[0], s.n, s.N, s.d);
   }
 
+
+  // Delta mode: alpha [1], the null row [d]; the CPU needs no scratch.
+  bool has_delta_ops() const override { return true; }
+  void delta_gate(Tensor x, Tensor base, Tensor alpha, Tensor r) override {
+    MHAR_CHECK(x.numel() == base.numel() && r.numel() == x.numel() && alpha.numel() == 1,
+               "delta_gate: x ", x.shape_str(), " base ", base.shape_str(), " r ", r.shape_str(),
+               " alpha ", alpha.shape_str());
+    cpu::delta_gate(x.ptr<T>(), base.ptr<T>(), double(alpha.ptr<T>()[0]), r.ptr<T>(), x.numel());
+  }
+  void delta_gate_backward(Tensor dr, Tensor dalpha, Tensor dx, Tensor r, Tensor alpha,
+                           Tensor) override {
+    MHAR_CHECK(dr.numel() == dx.numel() && r.numel() == dx.numel() && alpha.numel() == 1 &&
+                   dalpha.numel() == 1,
+               "delta_gate_backward: dr ", dr.shape_str(), " dx ", dx.shape_str(), " r ",
+               r.shape_str());
+    const double g =
+        cpu::delta_gate_backward(dr.ptr<T>(), dx.ptr<T>(), r.ptr<T>(), double(alpha.ptr<T>()[0]),
+                                 dx.numel());
+    dalpha.ptr<T>()[0] = T(double(dalpha.ptr<T>()[0]) + g);
+  }
+  void delta_null_forward(Tensor out, Tensor row) override {
+    MHAR_CHECK(out.ndim == 2 && row.numel() == out.dim(1), "delta_null_forward: out ",
+               out.shape_str(), " row ", row.shape_str());
+    cpu::delta_null_forward(out.ptr<T>(), row.ptr<T>(), out.dim(0), out.dim(1));
+  }
+  void delta_null_backward(Tensor drow, Tensor dout, Tensor) override {
+    MHAR_CHECK(dout.ndim == 2 && drow.numel() == dout.dim(1), "delta_null_backward: dout ",
+               dout.shape_str(), " drow ", drow.shape_str());
+    cpu::delta_null_backward(drow.ptr<T>(), dout.ptr<T>(), dout.dim(0), dout.dim(1));
+  }
 
   double sum_squares(Tensor t) override { return cpu::sum_squares(t.ptr<T>(), t.numel()); }
   void adamw(Tensor param, Tensor master, Tensor grad, Tensor m, Tensor v,

@@ -118,6 +118,18 @@ class ForwardingBackend : public Backend {
     in_.hyper_dynamic_coef_backward(dH, dW, dAm, dAr, dB, dsa, dsb, dC, H, W, T, rstd, sa, sb);
   }
 
+  bool has_delta_ops() const override { return in_.has_delta_ops(); }
+  void delta_gate(Tensor x, Tensor base, Tensor alpha, Tensor r) override {
+    in_.delta_gate(x, base, alpha, r);
+  }
+  void delta_gate_backward(Tensor dr, Tensor da, Tensor dx, Tensor r, Tensor alpha,
+                           Tensor scratch) override {
+    in_.delta_gate_backward(dr, da, dx, r, alpha, scratch);
+  }
+  void delta_null_forward(Tensor out, Tensor row) override { in_.delta_null_forward(out, row); }
+  void delta_null_backward(Tensor drow, Tensor dout, Tensor scratch) override {
+    in_.delta_null_backward(drow, dout, scratch);
+  }
   double sum_squares(Tensor t) override { return in_.sum_squares(t); }
   void adamw(Tensor p, Tensor m, Tensor g, Tensor a, Tensor b, const AdamW& hp) override {
     in_.adamw(p, m, g, a, b, hp);

@@ -254,6 +254,23 @@ void OpProfiler::hyper_update_backward(Tensor din, Tensor dv, Tensor dAr, Tensor
   Span s(*this, OpFamily::Elementwise, bytes_of({din, dv, dout, in, v}));
   in_.hyper_update_backward(din, dv, dAr, dB, dout, in, v, Ar, B);
 }
+void OpProfiler::delta_gate(Tensor x, Tensor base, Tensor alpha, Tensor r) {
+  Span s(*this, OpFamily::Elementwise, bytes_of({x, base, r}));
+  in_.delta_gate(x, base, alpha, r);
+}
+void OpProfiler::delta_gate_backward(Tensor dr, Tensor dalpha, Tensor dx, Tensor r, Tensor alpha,
+                                     Tensor scratch) {
+  Span s(*this, OpFamily::Elementwise, bytes_of({dr, dx, r}));
+  in_.delta_gate_backward(dr, dalpha, dx, r, alpha, scratch);
+}
+void OpProfiler::delta_null_forward(Tensor out, Tensor row) {
+  Span s(*this, OpFamily::Elementwise, bytes_of({out}));
+  in_.delta_null_forward(out, row);
+}
+void OpProfiler::delta_null_backward(Tensor drow, Tensor dout, Tensor scratch) {
+  Span s(*this, OpFamily::Elementwise, bytes_of({dout}));
+  in_.delta_null_backward(drow, dout, scratch);
+}
 double OpProfiler::sum_squares(Tensor t) {
   Span s(*this, OpFamily::Optimizer, bytes_of({t}));
   return in_.sum_squares(t);

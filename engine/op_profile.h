@@ -92,6 +92,12 @@ class OpProfiler final : public ForwardingBackend {
   void hyper_update(Tensor out, Tensor in, Tensor v, Tensor Ar, Tensor B) override;
   void hyper_update_backward(Tensor din, Tensor dv, Tensor dAr, Tensor dB, Tensor dout, Tensor in,
                              Tensor v, Tensor Ar, Tensor B) override;
+  // Delta mode's gated add and null source: streaming, counted as Elementwise.
+  void delta_gate(Tensor x, Tensor base, Tensor alpha, Tensor r) override;
+  void delta_gate_backward(Tensor dr, Tensor dalpha, Tensor dx, Tensor r, Tensor alpha,
+                           Tensor scratch) override;
+  void delta_null_forward(Tensor out, Tensor row) override;
+  void delta_null_backward(Tensor drow, Tensor dout, Tensor scratch) override;
   double sum_squares(Tensor t) override;
   void adamw(Tensor param, Tensor master, Tensor grad, Tensor m, Tensor v, const AdamW& hp) override;
   void zero(Tensor t) override;

@@ -7,7 +7,7 @@
 // runs the same events in reverse, the sublayers reading source_grad() and writing
 // site_grad(). Everything that differs between modes lives behind this interface, one
 // implementation per scheme (residual_standard.cpp; residual_routed.cpp for attnres and
-// mhar, full or block routing; residual_hyper.cpp for Hyper-Connections): its parameters (declared with their init kind, so that
+// mhar, full or block routing; residual_hyper.cpp for Hyper-Connections; residual_delta.cpp for the converted delta mode): its parameters (declared with their init kind, so that
 // every initialiser reads the kind instead of matching names), its buffers in the
 // activation plan (including the site inputs, whose lifetime is the scheme's business),
 // its site forward and backward and the gradients of the sources.

@@ -10,6 +10,7 @@ namespace mhar {
 
 std::unique_ptr<ResidualScheme> make_routed_scheme(const SchemeContext& ctx);  // residual_routed.cpp
 std::unique_ptr<ResidualScheme> make_hyper_scheme(const SchemeContext& ctx);   // residual_hyper.cpp
+std::unique_ptr<ResidualScheme> make_delta_scheme(const SchemeContext& ctx);   // residual_delta.cpp
 
 namespace {
 
@@ -74,6 +75,7 @@ std::unique_ptr<ResidualScheme> make_residual_scheme(const SchemeContext& ctx) {
     case ResidualMode::AttnRes:
     case ResidualMode::Mhar: return make_routed_scheme(ctx);
     case ResidualMode::Hyper: return make_hyper_scheme(ctx);
+    case ResidualMode::Delta: return make_delta_scheme(ctx);
   }
   fail("unknown residual mode ", int(ctx.res.mode));
 }

@@ -330,8 +330,8 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
                    "re-sharded, data position kept in windows", ckpt_world, W);
     // The values open_checkpoint validated (engine/checkpoint_state.h), not raw JSON.
     if (resume_from.loader.empty())
-      fail(resume_from.dir, " holds no data position (an import made without --set data.train/"
-           "data.val): start a new run from it with `mhar train CONFIG --init-from ", opt.run_dir, "`");
+      fail(resume_from.dir, " holds no data position (an `mhar convert`, or an import made without "
+           "--set data.train/data.val): start a new run from it with `mhar train CONFIG --init-from ", opt.run_dir, "`");
     train_data.restore(convert_loader_state(resume_from.loader, ckpt_world, W, train_data));
     step = resume_from.step;
     tokens_seen = resume_from.trainer.tokens_seen;

@@ -56,9 +56,11 @@ TEST(MemoryPlan, DisjointLifetimesShareMemory) {
 
 TEST(MemoryPlan, ModelPlansAreSafeAndReuseAcrossLayers) {
   for (int block : {0, 3})
-  for (auto mode : {ResidualMode::Standard, ResidualMode::Mhar, ResidualMode::Hyper}) {
+  for (auto mode : {ResidualMode::Standard, ResidualMode::Mhar, ResidualMode::Hyper,
+                    ResidualMode::Delta}) {
     if (block && mode != ResidualMode::Mhar) continue;
-    Config c = test::tiny_config(mode, mode == ResidualMode::Mhar ? 2 : 0, true, block);
+    const bool heads = mode == ResidualMode::Mhar || mode == ResidualMode::Delta;
+    Config c = test::tiny_config(mode, heads ? 2 : 0, true, block);
     c.model.n_layers = 6;
     auto be = make_cpu_backend(DType::F32);
     Model m(c.model, c.residual, *be, 4, 8);

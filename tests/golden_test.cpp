@@ -3,8 +3,10 @@
 // float64): weights, one batch, and the expected loss, logits and every parameter
 // gradient, per residual mode, for attnres and mhar with block routing
 // (<mode>_block: blocks of 2 and of 3 sublayers), and for static Hyper-Connections with
-// 3 streams (tied) and 4 (hyper_n4, untied), dynamic with 3 (hyper_dynamic), whose rms_eps is 0.05 (make_golden.py's
-// HYPER_RMS_EPS: site 0's mix coefficients act through the RMSNorm's eps alone). The CPU engine must match per tensor,
+// 3 streams (tied) and 4 (hyper_n4, untied), dynamic with 3 (hyper_dynamic), whose rms_eps
+// is 0.05 (make_golden.py's HYPER_RMS_EPS: site 0's mix coefficients act through the
+// RMSNorm's eps alone), and for the delta mode (blocks of 1 layer, tied; delta_l2: blocks of
+// 2 layers, untied) at non-zero gates, null and queries. The CPU engine must match per tensor,
 // relative error ||ours - ref|| / ||ref|| (the norm itself where ref is exactly 0):
 //   fp64 engine: <= 1e-10 (the same arithmetic in fp64, different summation orders).
 //   fp32 engine: <= max(kF32Floor, kF32Sigmas * s_t), s_t measured per tensor t (loss,
@@ -273,6 +275,24 @@ class Fp32Noise final : public Backend {
     for (Tensor t : {dH, dW, dAm, dAr, dB, dsa, dsb}) round_all(t);
   }
 
+  // Delta: each element (the gate's and the null's token sums included) accumulated in
+  // double and rounded once (engine/cpu/delta.h); the null's broadcast is a copy.
+  bool has_delta_ops() const override { return true; }
+  void delta_gate(Tensor x, Tensor base, Tensor alpha, Tensor r) override {
+    inner_->delta_gate(x, base, alpha, r);
+    round_all(x);
+  }
+  void delta_gate_backward(Tensor dr, Tensor da, Tensor dx, Tensor r, Tensor alpha,
+                           Tensor scratch) override {
+    inner_->delta_gate_backward(dr, da, dx, r, alpha, scratch);
+    round_all(dr);
+    round_all(da);
+  }
+  void delta_null_forward(Tensor out, Tensor row) override { inner_->delta_null_forward(out, row); }
+  void delta_null_backward(Tensor drow, Tensor dout, Tensor scratch) override {
+    inner_->delta_null_backward(drow, dout, scratch);
+    round_all(drow);
+  }
   double sum_squares(Tensor t) override { return inner_->sum_squares(t); }
   void adamw(Tensor param, Tensor master, Tensor grad, Tensor m, Tensor v, const AdamW& hp) override {
     inner_->adamw(param, master, grad, m, v, hp);
@@ -423,6 +443,8 @@ INSTANTIATE_TEST_SUITE_P(
                       GoldenCase{"hyper", "hyper", DType::F32},
                       GoldenCase{"hyper_n4", "hyper", DType::F32},
                       GoldenCase{"hyper_dynamic", "hyper", DType::F32},
+                      GoldenCase{"delta", "delta", DType::F32},
+                      GoldenCase{"delta_l2", "delta", DType::F32},
                       GoldenCase{"standard", "standard", DType::F64},
                       GoldenCase{"attnres", "attnres", DType::F64},
                       GoldenCase{"mhar", "mhar", DType::F64},
@@ -431,6 +453,8 @@ INSTANTIATE_TEST_SUITE_P(
                       GoldenCase{"hyper", "hyper", DType::F64},
                       GoldenCase{"hyper_n4", "hyper", DType::F64},
                       GoldenCase{"hyper_dynamic", "hyper", DType::F64}),
+                      GoldenCase{"delta", "delta", DType::F64},
+                      GoldenCase{"delta_l2", "delta", DType::F64}),
     [](const ::testing::TestParamInfo<GoldenCase>& i) {
       return std::string(i.param.fixture) + "_" + dtype_name(i.param.dtype);
     });

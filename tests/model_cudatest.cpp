@@ -1,8 +1,8 @@
 // model_cudatest.cpp: the whole model on the CUDA backend against the CPU fp32 reference
 // (issue 5): the loss and every parameter gradient of one forward/backward for standard,
-// attnres and mhar (and both with block routing), and hyper (n = 4, static Hyper-
-// Connections, issue 11) on a tiny config with the same weights
-// on both sides, and a short training run on each backend that must reach the same loss
+// attnres and mhar (and both with block routing), hyper (n = 4, static Hyper-Connections,
+// issue 11) and delta (blocks of 1 layer, gates, null and queries non-zero) on a tiny
+// config with the same weights on both sides, and a short training run on each backend that must reach the same loss
 // within noise.
 //
 // Tolerances (on ||gpu - cpu|| / ||cpu|| per tensor; the GPU stores every activation and
@@ -78,6 +78,10 @@ Config tiny_gpu_config(const std::string& mode, int heads, int vocab = 256, int 
                  {"rope_theta", 10000.0}, {"tie_embeddings", true}}},
       {"residual", {{"mode", mode}, {"heads", heads}, {"block_size", block_size}}},
       {"train", {{"micro_batch", 2}, {"seq_len", 80}, {"warmup_steps", 0}}}};
+  if (mode == "delta") {  // block_size names residual.block_layers (1..2) in mode delta
+    j["residual"]["block_size"] = 0;
+    j["residual"]["block_layers"] = block_size;
+  }
   return config_from_json(j, "model_cudatest");
 }
 
@@ -161,7 +165,8 @@ TEST_P(ModelParity, LossAndEveryGradient) {
 INSTANTIATE_TEST_SUITE_P(Modes, ModelParity,
                          ::testing::Values(ModeCase{"standard", 0}, ModeCase{"attnres", 1},
                                            ModeCase{"mhar", 2}, ModeCase{"attnres", 1, 2},
-                                           ModeCase{"mhar", 2, 3}, ModeCase{"hyper", 0}),
+                                           ModeCase{"mhar", 2, 3}, ModeCase{"hyper", 0},
+                                           ModeCase{"delta", 2, 1}),
                          [](const ::testing::TestParamInfo<ModeCase>& i) {
                            return i.param.label();
                          });

@@ -3,8 +3,10 @@
 // EVERY parameter tensor (embeddings, norms, QK-norms, projections, routing queries and
 // gains, hyper coefficients A_m, A_r, B), in each residual mode, with full and block
 // routing (blocks of 2, of 3 (the last block incomplete) and of all 4 sublayers) and
-// static Hyper-Connections with 1 to 4 streams (3: the one-hot starts wrap around), and
-// dynamic ones (per-token coefficients: w, s_a, s_b too) with 1 and 3. With h = 1e-5 in fp64 the difference quotient is
+// static Hyper-Connections with 1 to 4 streams (3: the one-hot starts wrap around),
+// dynamic ones (per-token coefficients: w, s_a, s_b too) with 1 and 3, and the delta mode
+// (gates, null source, block queries and gains at non-zero values) with blocks of 1 and 2
+// layers. With h = 1e-5 in fp64 the difference quotient is
 // accurate to ~1e-10 relative (truncation h^2 plus rounding eps/h), so the 1e-6 bound
 // the issue sets leaves room only for that, never for a wrong term.
 #include <gtest/gtest.h>
@@ -26,6 +28,7 @@ struct GradCase {
   int block_size = 0;
   int hyper_n = 4;
   bool hyper_dynamic = false;
+  int block_layers = 1;  // mode delta
 };
 
 // The hyper cases' RMSNorm eps. A site that mixes equal streams (site 0 always: every
@@ -40,7 +43,8 @@ class ModelGradCheck : public ::testing::TestWithParam<GradCase> {};
 
 TEST_P(ModelGradCheck, EveryParameterMatchesFiniteDifferences) {
   const GradCase& gc = GetParam();
-  Config cfg = tiny_config(gc.mode, gc.heads, gc.tied, gc.block_size, gc.hyper_n);
+  Config cfg = tiny_config(gc.mode, gc.heads, gc.tied, gc.block_size, gc.hyper_n,
+                           gc.block_layers);
   if (gc.mode == ResidualMode::Hyper) cfg.model.rms_eps = kHyperRmsEps;
   cfg.residual.hyper_dynamic = gc.hyper_dynamic;
   auto be = make_cpu_backend(DType::F64);
@@ -73,10 +77,11 @@ TEST_P(ModelGradCheck, EveryParameterMatchesFiniteDifferences) {
     be->upload(p.value, w.data());
     double norm = 0;
     for (double x : analytic) norm += x * x;
-    // Site 0 routes a single source (v_0): its softmax weight is 1 whatever the query, so
-    // its query and gain truly have zero gradient. Every other tensor must have signal,
-    // or the comparison would prove nothing.
-    const bool dead_by_design = p.name.rfind("model.routing.0.", 0) == 0;
+    // Site 0 routes a single source (v_0; the null in mode delta): its softmax weight is 1
+    // whatever the query, so its query and gain truly have zero gradient. Every other
+    // tensor must have signal, or the comparison would prove nothing.
+    const bool dead_by_design = p.name.rfind("model.routing.0.", 0) == 0 ||
+                                p.name == "model.delta.0.query" || p.name == "model.delta.0.gain";
     if (dead_by_design) EXPECT_EQ(norm, 0) << p.name;
     else EXPECT_GT(norm, 0) << p.name << " has an all-zero gradient: the check would be vacuous";
     const double err = rel_error(analytic, numeric);
@@ -104,7 +109,10 @@ INSTANTIATE_TEST_SUITE_P(
                       GradCase{"hyper_n3_untied", ResidualMode::Hyper, 0, false, 0, 3},
                       GradCase{"hyper_n4", ResidualMode::Hyper, 0, true, 0, 4},
                       GradCase{"hyper_dynamic_n1", ResidualMode::Hyper, 0, true, 0, 1, true},
-                      GradCase{"hyper_dynamic_n3_untied", ResidualMode::Hyper, 0, false, 0, 3, true}),
+                      GradCase{"hyper_dynamic_n3_untied", ResidualMode::Hyper, 0, false, 0, 3, true},
+                      GradCase{"delta_h2_block1", ResidualMode::Delta, 2, true, 0, 4, false, 1},
+                      GradCase{"delta_h4_block2_untied", ResidualMode::Delta, 4, false, 0, 4, false, 2},
+                      GradCase{"delta_h1_block2", ResidualMode::Delta, 1, true, 0, 4, false, 2}),
     [](const ::testing::TestParamInfo<GradCase>& i) { return std::string(i.param.label); });
 
 }  // namespace

@@ -15,9 +15,9 @@ namespace mhar::test {
 // A config small enough for exhaustive finite differences, with GQA (4 query heads on
 // 2 KV heads) and an uneven head/feature split so indexing mistakes show. `block_size`:
 // residual.block_size (2 layers: 4 sublayers, so 1..4). `hyper_n`: residual.hyper_n
-// (mode hyper only).
+// (mode hyper only). `block_layers`: residual.block_layers (mode delta only; 1..2).
 inline Config tiny_config(ResidualMode mode, int heads = 0, bool tied = true, int block_size = 0,
-                          int hyper_n = 4) {
+                          int hyper_n = 4, int block_layers = 1) {
   nlohmann::json j = {
       {"model", {{"vocab_size", 23}, {"d_model", 16}, {"n_layers", 2}, {"n_heads", 4},
                  {"n_kv_heads", 2}, {"head_dim", 4}, {"d_ff", 24}, {"context_length", 8},
@@ -25,6 +25,7 @@ inline Config tiny_config(ResidualMode mode, int heads = 0, bool tied = true, in
       {"residual", {{"mode", residual_mode_name(mode)}, {"heads", heads}, {"block_size", block_size}}},
       {"train", {{"micro_batch", 2}, {"seq_len", 5}, {"warmup_steps", 0}}}};
   if (mode == ResidualMode::Hyper) j["residual"]["hyper_n"] = hyper_n;
+  if (mode == ResidualMode::Delta) j["residual"]["block_layers"] = block_layers;
   return config_from_json(j, "tiny");
 }
 

@@ -100,7 +100,8 @@ INSTANTIATE_TEST_SUITE_P(Modes, CachedDecode,
                                            ModeCase{"attnres", ResidualMode::AttnRes, 0},
                                            ModeCase{"mhar", ResidualMode::Mhar, 4},
                                            ModeCase{"mhar_block3", ResidualMode::Mhar, 4, 3},
-                                           ModeCase{"hyper", ResidualMode::Hyper, 0}),
+                                           ModeCase{"hyper", ResidualMode::Hyper, 0},
+                                           ModeCase{"delta", ResidualMode::Delta, 2}),
                          [](const auto& info) { return std::string(info.param.label); });
 
 TEST(Sampling, GreedyIsDeterministicAndEqualsArgmaxOfFullForwards) {

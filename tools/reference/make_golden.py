@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 # make_golden.py: writes the golden fixtures the C++ engine's golden test compares
 # against (tests/fixtures/golden/<name>.safetensors), one per residual mode, one per
-# block-routed mode (<mode>_block), a second hyper one (hyper_n4) and dynamic
-# Hyper-Connections (hyper_dynamic), from the
+# block-routed mode (<mode>_block), a second hyper one (hyper_n4), dynamic
+# Hyper-Connections (hyper_dynamic) and a second delta one (delta_l2, blocks of 2 layers),
+# from the
 # independent PyTorch reference in mhar_ref.py, and proves the reference first:
 # finite differences against autograd, the routing identities, a loop-by-loop NumPy
 # re-implementation of the forward pass, CPU-vs-GPU agreement and, for `standard`,
@@ -61,7 +62,13 @@ FIXTURES = {
     "hyper_n4": ("hyper", False, 0, 1007, 0),
     # Dynamic Hyper-Connections (residual.hyper_dynamic): per-token coefficients.
     "hyper_dynamic": ("hyper", True, 0, 1008, 0),
+    # Delta: the routed term's blocks are in DELTA_BLOCK_LAYERS (block_size stays 0).
+    "delta": ("delta", True, 4, 1008, 0),
+    "delta_l2": ("delta", False, 2, 1009, 0),
 }
+# Layers per block of the delta fixtures: 1 (blocks of 2 sublayers: closed and partial
+# blocks) and 2 (all 4 sublayers in one block: partial sums, then one closed block).
+DELTA_BLOCK_LAYERS = {"delta": 1, "delta_l2": 2}
 # Streams per hyper fixture: 3 (the one-hot starts k mod 3 wrap within the 4 sublayers)
 # and 4, untied.
 HYPER_N = {"hyper": 3, "hyper_n4": 4, "hyper_dynamic": 3}
@@ -85,6 +92,8 @@ def fixture_config(name):
         if name in HYPER_DYNAMIC:
             residual["hyper_dynamic"] = True
         model["rms_eps"] = HYPER_RMS_EPS
+    if mode == "delta":
+        residual["block_layers"] = DELTA_BLOCK_LAYERS[name]
     return {"model": model, "residual": residual}
 
 
@@ -97,7 +106,8 @@ def random_weights(model, generator):
     and routing gains 1 + 0.1 noise, routing queries std 0.5 (not the zero init, which
     would hide the key path), hyper coefficients their init (one-hot, identity, ones) +
     0.3 noise, so every stream reaches every other (dynamic: w 0 + 0.3 noise, so the
-    tanh terms are neither zero nor saturated, scales 0.01 + 0.3 noise). Returned as float32 tensors, the
+    tanh terms are neither zero nor saturated, scales 0.01 + 0.3 noise); delta gates and
+    null std 0.25 (not the zero init, which would cut the routed term off). Returned as float32 tensors, the
     values the engine loads."""
     weights = {}
     init = {n: p.detach().to(torch.float64) for n, p in model.named_parameters()}
@@ -306,6 +316,30 @@ def check_hyper_identities(weights_standard, input_ids, targets):
     return True
 
 
+def check_delta_identities(weights_standard, input_ids, targets):
+    """Mode delta with every gate 0 is `standard` exactly (loss and logits), whatever its
+    routing queries, gains and null (random here, so the gated-off term is not 0), with
+    blocks of 1 and 2 layers; and a non-zero gate changes the loss."""
+    cfg_std = fixture_config("standard")
+    std = build_reference(cfg_std, weights_standard, "cpu")
+    logits_s, loss_s = std(input_ids, targets)
+    gen = torch.Generator().manual_seed(77)
+    for b in (1, 2):
+        cfg = {"model": cfg_std["model"], "residual": {"mode": "delta", "block_layers": b}}
+        model = mhar_ref.MharModel(cfg, attn_impl="manual", dtype=torch.float64)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name in weights_standard:
+                    p.copy_(weights_standard[name].to(torch.float64))
+                elif not name.endswith(".alpha"):
+                    p.normal_(generator=gen)
+        logits_d, loss_d = model(input_ids, targets)
+        assert torch.equal(loss_d, loss_s) and torch.equal(logits_d, logits_s), f"delta b={b} differs at alpha 0"
+        with torch.no_grad():
+            model.model.delta[3].alpha.fill_(0.5)
+        assert not torch.equal(model(input_ids, targets)[1], loss_s), f"delta b={b}: the gate does nothing"
+
+
 def check_no_future_sources(cfg, weights, input_ids):
     """Nothing reads the future: recomputing site j from v_0..v_j alone reproduces the
     input it had in the full forward pass."""
@@ -345,15 +379,24 @@ def numpy_forward(cfg, weights, input_ids):
     def site(j, outputs):
         if r["mode"] == "standard":
             return sum(outputs)
+        if r["mode"] == "delta":
+            # The standard sum plus alpha_j times the routing of the null source (a row
+            # per token in v_0's place) and the block sums of 2 * block_layers outputs.
+            null = np.broadcast_to(W["model.delta.null"], outputs[0].shape)
+            routed = route(j, [null] + list(outputs[1:]), 2 * r["block_layers"], "model.delta")
+            return sum(outputs) + W[f"model.delta.{j}.alpha"][0] * routed
+        return route(j, outputs, r["block_size"], "model.routing")
+
+    def route(j, outputs, s, prefix):
         # Block routing: v_0, then the running sum of each block, each restarted after
         # every s-th output (the last one the current block's partial sum).
-        s, sources = r["block_size"], [outputs[0]]
+        sources = [outputs[0]]
         for i, v in enumerate(outputs[1:], start=1):
             if s and (i - 1) % s:
                 sources[-1] = sources[-1] + v
             else:
                 sources.append(v)
-        H, q, g = r["heads"], W[f"model.routing.{j}.query"], W[f"model.routing.{j}.gain"]
+        H, q, g = r["heads"], W[f"{prefix}.{j}.query"], W[f"{prefix}.{j}.gain"]
         T = sources[0].shape[0]
         out = np.zeros_like(sources[0])
         for t in range(T):
@@ -535,10 +578,10 @@ def make_fixture(name, device, out_dir, log):
 
     # Dead-path guard: every gradient tensor must be non-trivial, or the fixture would
     # not catch a wrong backward term there.
-    # Site 0 mixes the single source v_0 with weight 1, so its query and gain get
-    # exactly zero gradient: the engine must reproduce those zeros, nothing more.
+    # Site 0 mixes the single source v_0 (the null in mode delta) with weight 1, so its
+    # query and gain get exactly zero gradient: the engine must reproduce those zeros.
     for name, g in grads.items():
-        if name.startswith("model.routing.0."):
+        if name.startswith(("model.routing.0.", "model.delta.0.query", "model.delta.0.gain")):
             assert g.abs().max() == 0, f"gradient of {name} should be exactly 0"
         else:
             assert g.abs().max() > 1e-6, f"gradient of {name} is ~0: the fixture would not test it"
@@ -595,6 +638,11 @@ def main():
         check_hyper_identities(w, ids, tg)
         log("hyper identities: n=1 at init == standard (loss, logits exactly; shared gradients to 1e-13); "
             "n=1,3,4 at init: every sublayer input == standard's exactly")
+    if "standard" in made:
+        w, ids, tg = made["standard"]
+        check_delta_identities(w, ids, tg)
+        log("delta identities: every gate 0 == standard exactly (loss, logits; random queries, gains "
+            "and null; blocks of 1 and 2 layers); a non-zero gate changes the loss")
     untied = [n for n in ("attnres_block", "attnres") if n in made]
     if untied:
         w, ids, tg = made[untied[0]]

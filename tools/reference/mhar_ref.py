@@ -2,12 +2,14 @@
 # 1-2), written from the equations: a Qwen3-style decoder whose sublayer inputs come
 # from one of the residual modes `standard`, `attnres` or `mhar`, the routed ones with
 # full or block routing (residual.block_size), or `hyper` (static or dynamic
-# Hyper-Connections with residual.hyper_n streams). It owns the model's
+# Hyper-Connections with residual.hyper_n streams), or `delta` (the standard stream plus a
+# gated routed term over the null source and block sums, DESIGN.md section 2). It owns the model's
 # math for the golden fixtures (tools/reference/make_golden.py, run in float64) and for
 # the PyTorch throughput baseline (tools/reference/bench_step.py, bf16 autocast,
 # torch.compile, SDPA). Parameter names are Hugging Face Qwen3's (DESIGN.md section 6)
 # plus model.routing.{j}.query / .gain (routed modes) or model.hyper.{k}.a_m / .a_r / .b
-# (hyper; dynamic adds .w / .s_a / .s_b), so a state_dict is a checkpoint of the engine.
+# (hyper; dynamic adds .w / .s_a / .s_b) or model.delta.{j}.alpha / .query / .gain and
+# model.delta.null (delta), so a state_dict is a checkpoint of the engine.
 #
 # Nothing here is tied to a dtype or device: build the module, move it with .to(), and
 # every computation follows the parameters' dtype (float64 works end to end).
@@ -19,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-RESIDUAL_MODES = ("standard", "attnres", "mhar", "hyper")
+RESIDUAL_MODES = ("standard", "attnres", "mhar", "hyper", "delta")
 ROUTED_MODES = ("attnres", "mhar")
 
 # Defaults of the engine's config (engine/config.h), so a partial config file means the
@@ -39,7 +41,8 @@ DEFAULT_CONFIG = {
         "tie_embeddings": True,
         "init_std": 0.02,
     },
-    "residual": {"mode": "standard", "heads": 0, "block_size": 0, "hyper_n": 4, "hyper_dynamic": False},
+    "residual": {"mode": "standard", "heads": 0, "block_size": 0, "hyper_n": 4, "hyper_dynamic": False,
+                 "block_layers": 4},
 }
 
 
@@ -57,10 +60,11 @@ def resolve_config(config):
     if r["mode"] not in RESIDUAL_MODES:
         raise ValueError(f"residual.mode = {r['mode']!r}; valid: {RESIDUAL_MODES}")
     if r["heads"] == 0:
-        r["heads"] = {"standard": 0, "attnres": 1, "mhar": m["n_kv_heads"], "hyper": 0}[r["mode"]]
+        r["heads"] = {"standard": 0, "attnres": 1, "mhar": m["n_kv_heads"], "hyper": 0,
+                      "delta": m["n_kv_heads"]}[r["mode"]]
     if r["mode"] == "attnres" and r["heads"] != 1:
         raise ValueError("residual.mode attnres is routing with exactly 1 head")
-    if r["mode"] in ROUTED_MODES and m["d_model"] % r["heads"]:
+    if r["mode"] in ROUTED_MODES + ("delta",) and m["d_model"] % r["heads"]:
         raise ValueError(f"residual.heads = {r['heads']} does not divide d_model = {m['d_model']}")
     s = r["block_size"]
     if not isinstance(s, int) or s < 0:
@@ -74,6 +78,12 @@ def resolve_config(config):
             raise ValueError(f"residual.hyper_n = {r['hyper_n']!r}; valid: 1..64")
         if not isinstance(r["hyper_dynamic"], bool):
             raise ValueError(f"residual.hyper_dynamic = {r['hyper_dynamic']!r}; valid: true or false")
+    b = r["block_layers"]
+    if r["mode"] == "delta":
+        if not isinstance(b, int) or not 1 <= b <= m["n_layers"]:
+            raise ValueError(f"residual.block_layers = {b!r}; valid: 1..n_layers = {m['n_layers']}")
+    elif b != DEFAULT_CONFIG["residual"]["block_layers"]:
+        raise ValueError(f"residual.block_layers has no meaning in mode {r['mode']}; leave it out")
     if s > 2 * m["n_layers"]:
         raise ValueError(f"residual.block_size = {s} is more than the 2*n_layers = {2 * m['n_layers']} sublayers")
     if m["n_heads"] % m["n_kv_heads"]:
@@ -278,6 +288,24 @@ class RoutingSite(nn.Module):
         return mixed.reshape(B, T, d).to(V.dtype)
 
 
+class DeltaSites(nn.ModuleList):
+    """Mode delta's routed term (DESIGN.md section 2): one DeltaSite per site j and the
+    null source `null` [d] (init 0), the slot-0 source of every site in place of v_0."""
+
+    def __init__(self, n_sites, d, heads, eps, device=None, dtype=None):
+        super().__init__(DeltaSite(d, heads, eps, device=device, dtype=dtype) for _ in range(n_sites))
+        self.null = nn.Parameter(torch.zeros(d, device=device, dtype=dtype))
+
+
+class DeltaSite(RoutingSite):
+    """Site j of mode delta: routing (query init 0, gain init 1) plus the scalar gate
+    alpha_j (init 0) that scales the routed term added to the standard stream."""
+
+    def __init__(self, d, heads, eps, device=None, dtype=None):
+        super().__init__(d, heads, eps, device=device, dtype=dtype)
+        self.alpha = nn.Parameter(torch.zeros(1, device=device, dtype=dtype))
+
+
 class HyperConnection(nn.Module):
     """Hyper-Connections around sublayer k (DESIGN.md section 2), n streams
     H [n, B, T, d]: the sublayer reads x = sum_i a_m[i] h_i, and its output v makes the
@@ -354,6 +382,9 @@ class Backbone(nn.Module):
                                 device=device, dtype=dtype)
                 for k in range(2 * m["n_layers"])
             )
+        if r["mode"] == "delta":
+            self.delta = DeltaSites(2 * m["n_layers"] + 1, m["d_model"], r["heads"], m["rms_eps"],
+                                    device=device, dtype=dtype)
         if r["mode"] in ROUTED_MODES:
             n_sites = 2 * m["n_layers"] + 1
             self.routing = nn.ModuleList(
@@ -375,7 +406,8 @@ class MharModel(nn.Module):
         self.config = resolve_config(config)
         m, r = self.config["model"], self.config["residual"]
         self.mode = r["mode"]
-        self.block_size = r["block_size"]
+        # Mode delta routes block sums of 2 * block_layers sublayer outputs.
+        self.block_size = 2 * r["block_layers"] if r["mode"] == "delta" else r["block_size"]
         self.n_layers = m["n_layers"]
         self.model = Backbone(self.config, attn_impl, sdpa_gqa, device=device, dtype=dtype)
         if not m["tie_embeddings"]:
@@ -389,13 +421,14 @@ class MharModel(nn.Module):
     def init_weights(self, generator=None):
         """DESIGN.md section 1-2 init: matrices normal(0, init_std), output projections
         (o_proj, down_proj) scaled by 1/sqrt(2L), norms 1, routing queries 0, gains 1,
-        hyper coefficients the pre-norm residual (HyperConnection.reset)."""
+        hyper coefficients the pre-norm residual (HyperConnection.reset), delta gates and
+        null 0."""
         std = self.config["model"]["init_std"]
         out_std = std / math.sqrt(2 * self.n_layers)
         for name, p in self.named_parameters():
             if name.endswith(("o_proj.weight", "down_proj.weight")):
                 p.normal_(0.0, out_std, generator=generator)
-            elif name.endswith(".query"):
+            elif name.endswith((".query", ".alpha")) or name == "model.delta.null":
                 p.zero_()
             elif name.endswith(("norm.weight", ".gain")):
                 p.fill_(1.0)
@@ -414,6 +447,13 @@ class MharModel(nn.Module):
         """Input of site j (0..2L) from the outputs v_0..v_j."""
         if self.mode == "standard":
             return running_sum
+        if self.mode == "delta":
+            # The standard stream plus alpha_j times the routing of the null source (in
+            # v_0's place) and the block sums, the current partial block included.
+            routed = self.routed_sources(sources)
+            routed[0] = self.model.delta.null.expand_as(sources[0]).to(sources[0].dtype)
+            site = self.model.delta[j]
+            return running_sum + site.alpha * site(routed)
         return self.model.routing[j](self.routed_sources(sources))
 
     def forward(self, input_ids, targets=None, return_logits=True, capture=None):
@@ -440,7 +480,7 @@ class MharModel(nn.Module):
                 site_inputs.append(x)
                 v = sub(x).to(h.dtype)
                 sources.append(v)
-                if self.mode == "standard":
+                if self.mode in ("standard", "delta"):
                     running_sum = running_sum + v
                 if self.mode == "hyper":
                     streams = self.model.hyper[j].update(streams, v)

@@ -1,0 +1,194 @@
+// residual_delta.cpp: the `delta` residual scheme (DESIGN.md section 2), the mode a trained
+// `standard` model is converted into (`mhar convert`). Site j's input is the standard
+// residual input plus a gated routed term:
+//
+//   x_j = (v_0 + ... + v_j) + alpha_j * route_j(null, block sums)
+//
+// with a scalar gate alpha_j per site (init 0), a learned null source n [d] (init 0,
+// broadcast over the tokens) and, as the other sources, the block sums of the sublayer
+// outputs over blocks of residual.block_layers layers (s = 2 * block_layers sublayers),
+// mixed by MHAR routing with residual.heads heads (queries init 0, gains init 1).
+// Parameters, in the gradient bucket "delta": model.delta.<j>.alpha [1],
+// model.delta.<j>.query [d], model.delta.<j>.gain [d] per site and model.delta.null [d].
+//
+// The routed term reuses the block routing of residual_routed.cpp unchanged: backend.h's
+// RoutingLayout::blocks(S, s) over the model's history, whose slot j (j >= 1) becomes the
+// current block's sum up to v_j as sublayer j-1 finishes, and whose slot 0 holds the null
+// source instead of v_0 (materialised as [N, d] rows when site 0 runs, after v_0 has been
+// copied into the running standard stream: the routing ops read a slot as [N, d]).
+// The current partial block IS a source (the layout's own choice, kept): it lets a site
+// weigh the newest outputs of its block against the closed blocks and the null, and it
+// needs no layout and no kernel beyond the ones block routing already has. At init it
+// makes no difference: alpha = 0 multiplies the whole routed term.
+//
+// The conversion identity: with every alpha_j = 0 the gated add computes std_j + 0 * r_j,
+// which is std_j exactly in floating point (r_j is finite), and std_j is the running sum
+// of the standard scheme, made by the same additions in the same order; so logits and
+// losses equal a standard model's bit for bit, and so do the gradients of the shared
+// weights (the routed term's backward then only adds zeros).
+//
+// Backward: dresid = sum_{k >= j} dx_k is the standard part of v_j's gradient (as in
+// residual_standard.cpp). Site j's backward also makes dr_j = alpha_j dx_j (the routed
+// term's input gradient) and alpha_j's gradient, then runs slot j's source-stationary
+// routing backward (as residual_routed.cpp); v_j's gradient is dresid plus the slot
+// gradients of the slots that hold v_j (the running block sum); slot 0's gradient summed
+// over the tokens is the null's.
+#include "engine/model.h"
+#include "engine/residual.h"
+
+namespace mhar {
+
+namespace {
+
+class DeltaScheme final : public ResidualScheme {
+ public:
+  explicit DeltaScheme(const SchemeContext& ctx)
+      : c_(ctx),
+        layout_(RoutingLayout::blocks(ctx.cfg.n_sites(), ctx.res.delta_block())),
+        H_(ctx.res.heads) {
+    if (!c_.be.has_delta_ops()) delta_unsupported(c_.be.name());
+    MHAR_CHECK(H_ >= 1 && c_.cfg.d_model % H_ == 0, "delta routing heads ", H_);
+    MHAR_CHECK(c_.res.block_layers >= 1 && c_.res.block_layers <= c_.cfg.n_layers,
+               "residual.block_layers ", c_.res.block_layers);
+  }
+
+  const char* bucket() const override { return "delta"; }
+  void add_parameters(const AddParameter& add) override {
+    const int64_t d = c_.cfg.d_model;
+    for (int j = 0; j < layout_.sites; ++j) {
+      const std::string pre = "model.delta." + std::to_string(j);
+      alpha_.push_back(add(pre + ".alpha", 1, Init::Zero, 0));
+      query_.push_back(add(pre + ".query", d, Init::Zero, 0));
+      gain_.push_back(add(pre + ".gain", d, Init::One, 0));
+    }
+    null_ = add("model.delta.null", d, Init::Zero, 0);
+  }
+  void bind_parameters() override {
+    params_ = RoutingParams{};
+    for (size_t j = 0; j < query_.size(); ++j) {
+      params_.query.push_back(c_.params[size_t(query_[j])].value);
+      params_.gain.push_back(c_.params[size_t(gain_[j])].value);
+      params_.dquery.push_back(c_.params[size_t(query_[j])].grad);
+      params_.dgain.push_back(c_.params[size_t(gain_[j])].grad);
+    }
+  }
+
+  void plan(MemoryPlan& P, const Timeline& t, int64_t N, int history,
+            std::vector<int>& site_x) override;
+  void site_forward(int j) override;
+  void sublayer_done(int j) override {
+    Tensor hist = c_.act(history_);
+    // v_{j+1} joins the standard stream first, then its slot becomes the block's sum.
+    c_.be.add_inplace(c_.act(std_), hist[j + 1]);
+    if (continues_block(j + 1)) c_.be.add_inplace(hist[j + 1], hist[j]);
+  }
+
+  void begin_backward() override {
+    c_.be.zero(c_.act(dresid_));
+    c_.be.zero(c_.act(gsum_));
+  }
+  Tensor site_grad(int j) override { return c_.act(site_dx_[size_t(j)]); }
+  void site_backward(int j) override;
+  Tensor source_grad(int i) override {
+    return i == 0 ? c_.act(dresid_) : c_.act(source_dx_[size_t(i)]);
+  }
+  bool finish_backward() override {
+    c_.be.routing_param_grads(params_, c_.act(gsum_));
+    return true;  // the gates and the null were done at their sites' backward
+  }
+
+ private:
+  bool continues_block(int i) const { return i >= 2 && (i - 1) % layout_.block != 0; }
+  Tensor p(int id) const { return c_.params[size_t(id)].value; }
+  Tensor g(int id) const { return c_.params[size_t(id)].grad; }
+
+  static constexpr int kKeyGradSlabs = 64;  // as residual_routed.cpp
+  static constexpr int kScratchRows = 64;   // the gate and null reductions' partial sums
+
+  SchemeContext c_;
+  RoutingLayout layout_;
+  int H_;
+  std::vector<int> alpha_, query_, gain_;  // parameter indices, per site
+  int null_ = -1;
+  RoutingParams params_;
+  // Plan ids.
+  int history_ = -1, std_ = -1, dresid_ = -1, inv_rms_ = -1, route_w_ = -1, ubar_ = -1,
+      gsum_ = -1, scratch_ = -1;
+  std::vector<int> site_x_, site_dx_, route_x_, route_dx_, slot_dx_, source_dx_;
+};
+
+void DeltaScheme::plan(MemoryPlan& P, const Timeline& t, int64_t N, int history,
+                       std::vector<int>& site_x) {
+  const int S = layout_.sites, L2 = 2 * c_.cfg.n_layers, last = t.last();
+  const int64_t d = c_.cfg.d_model;
+  const DType at = c_.be.act_dtype(), st = c_.be.stat_dtype(), gt = c_.be.grad_dtype();
+  history_ = history;
+  for (auto* v : {&site_x_, &site_dx_, &route_x_, &route_dx_, &slot_dx_, &source_dx_}) v->clear();
+  // The running standard stream std_j, advanced as each sublayer finishes.
+  std_ = P.add("delta.stream", at, {N, d}, t.site(0), t.site(L2));
+  dresid_ = P.add("delta.stream.grad", at, {N, d}, t.back(t.head()), last);
+  inv_rms_ = P.add("delta.inv_rms", st, {layout_.sources, N}, 0, last);
+  route_w_ = P.add("delta.weights", st, {layout_.pairs(), H_, N}, 0, last);
+  ubar_ = P.add("delta.ubar", st, {S, H_, N}, t.back(t.head()), last);
+  gsum_ = P.add("delta.key_grad", gt, {kKeyGradSlabs, S, d}, t.back(t.head()), last);
+  scratch_ = P.add("delta.scratch", gt, {kScratchRows, d}, t.back(t.head()), last);
+  for (int j = 0; j < S; ++j) {
+    const std::string name = "site." + std::to_string(j);
+    const int consumer = j < L2 ? t.sublayer(j) : t.head();
+    site_x_.push_back(P.add(name + ".x", at, {N, d}, t.site(j), t.back(consumer)));
+    site_dx_.push_back(P.add(name + ".x.grad", at, {N, d}, t.back(consumer), t.back(t.site(j))));
+    // The routed term r_j: slot j's backward reads it (ubar_j).
+    route_x_.push_back(P.add(name + ".route", at, {N, d}, t.site(j), t.back(t.site(j))));
+    // dr_j: read by the backward of every slot site j reads, slot 0's the last.
+    route_dx_.push_back(P.add(name + ".route.grad", at, {N, d}, t.back(t.site(j)), last));
+  }
+  for (int i = 0; i < layout_.sources; ++i) {
+    const std::string name = "source." + std::to_string(i);
+    // Slot i's routing gradient; inside a block slot i-1's backward adds it to its own.
+    slot_dx_.push_back(P.add(name + ".slot.grad", at, {N, d}, t.back(t.site(i)),
+                             continues_block(i) ? t.back(t.site(i - 1)) : t.back(t.site(i))));
+    // v_i's whole gradient (i >= 1; v_0's is dresid), read by the sublayer that wrote it.
+    source_dx_.push_back(i == 0 ? -1
+                                : P.add(name + ".grad", at, {N, d}, t.back(t.site(i)),
+                                        t.back(t.sublayer(i - 1))));
+  }
+  site_x = site_x_;
+}
+
+void DeltaScheme::site_forward(int j) {
+  Tensor hist = c_.act(history_), w = c_.act(route_w_), r = c_.act(route_x_[size_t(j)]);
+  if (j == 0) {
+    // v_0 starts the standard stream; its slot then holds the null source.
+    c_.be.copy(c_.act(std_), hist[0]);
+    c_.be.delta_null_forward(hist[0], p(null_));
+  }
+  c_.be.routing_source_logits(w, c_.act(inv_rms_)[j], hist[j], params_, layout_, j, H_,
+                              c_.cfg.rms_eps);
+  c_.be.routing_mix(r, w, hist, layout_, j, H_);
+  c_.be.delta_gate(c_.act(site_x_[size_t(j)]), c_.act(std_), p(alpha_[size_t(j)]), r);
+}
+
+void DeltaScheme::site_backward(int j) {
+  Tensor dx = site_grad(j), dresid = c_.act(dresid_), scratch = c_.act(scratch_);
+  c_.be.add_inplace(dresid, dx);
+  c_.be.delta_gate_backward(c_.act(route_dx_[size_t(j)]), g(alpha_[size_t(j)]), dx,
+                            c_.act(route_x_[size_t(j)]), p(alpha_[size_t(j)]), scratch);
+  std::vector<Tensor> dr;
+  for (int id : route_dx_) dr.push_back(c_.act(id));
+  Tensor slot = c_.act(slot_dx_[size_t(j)]);
+  c_.be.routing_source_backward(slot, c_.act(route_w_), c_.act(ubar_), c_.act(gsum_), dr,
+                                c_.act(route_x_[size_t(j)]), c_.act(history_)[j],
+                                c_.act(inv_rms_)[j], params_, layout_, j, H_);
+  if (j + 1 < layout_.sources && continues_block(j + 1))
+    c_.be.add_inplace(slot, c_.act(slot_dx_[size_t(j + 1)]));
+  if (j == 0) c_.be.delta_null_backward(g(null_), slot, scratch);
+  else c_.be.add(c_.act(source_dx_[size_t(j)]), dresid, slot);
+}
+
+}  // namespace
+
+std::unique_ptr<ResidualScheme> make_delta_scheme(const SchemeContext& ctx) {
+  return std::make_unique<DeltaScheme>(ctx);
+}
+
+}  // namespace mhar
