@@ -452,7 +452,7 @@ INSTANTIATE_TEST_SUITE_P(
                       GoldenCase{"mhar_block", "mhar", DType::F64},
                       GoldenCase{"hyper", "hyper", DType::F64},
                       GoldenCase{"hyper_n4", "hyper", DType::F64},
-                      GoldenCase{"hyper_dynamic", "hyper", DType::F64}),
+                      GoldenCase{"hyper_dynamic", "hyper", DType::F64},
                       GoldenCase{"delta", "delta", DType::F64},
                       GoldenCase{"delta_l2", "delta", DType::F64}),
     [](const ::testing::TestParamInfo<GoldenCase>& i) {
