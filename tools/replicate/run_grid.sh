@@ -1,0 +1,255 @@
+#!/usr/bin/env bash
+# run_grid.sh: runs one slice of the Table 1 replication grid (issue 15, REPLICATION.md) on
+# the GPU machine, one device call (<= 10 minutes) at a time, and packs what the runs wrote
+# into $OUT. It owns the grid's run protocol: build, data, the learning-rate sweep, train
+# (resuming a cut run), held-out evaluation, routing probe, per-run timings.
+#   tools/replicate/run_grid.sh SIZE sweep                 the lr sweep of `standard` at SIZE
+#   tools/replicate/run_grid.sh SIZE sSEED [MODE ...]      full runs (default: all five modes)
+#   tools/replicate/run_grid.sh data                       only build + shards + task files
+# SIZE: small | large (configs/replicate/SIZE_MODE.json); MODE: standard hyper attnres mhar
+# block_mhar; SEED: 0, 1, ... (train.seed = 1234 + SEED, the same for every mode, so a seed
+# fixes the init draw and the data order for the whole size).
+# Every stage is idempotent: a finished run (its DONE file) is skipped, a cut run resumes
+# from its newest checkpoint (`mhar train --resume`), a finished run missing its evaluation
+# gets only that. So the same command, called again, continues where the last call stopped.
+# Environment:
+#   DEADLINE_S   seconds after start at which training is told to stop (SIGTERM: it finishes
+#                the step, checkpoints and exits 0) so that packing fits the device call
+#                (default 540; the device tool stops a command at 600)
+#   LR_SMALL / LR_LARGE   the learning rate of every full run of a size; else the rate the
+#                sweep wrote into $RUNS/lr_SIZE.txt; a full run refuses to start without one
+#   MHAR         the binary (default: build-gpu/mhar, built here with CUDA when missing)
+#   DEVICE       cuda | cpu | auto (default auto)
+#   RUNS         run folders (default runs/replicate); SHARDS (default assets/shards/gpt2)
+#   REPLICATE_TINY=1   the same code path with tiny models, steps, data and evaluation
+#                (the CPU smoke test, tools/replicate/smoke.sh)
+# Data: the shards are made here when missing, from .replicate/assets.tar.xz (carry it:
+# tools/replicate/pack_assets.sh makes it from $MHAR_ASSETS: the corpus and the GPT-2
+# tokenizer; the GPU machine has no network) or from ${MHAR_ASSETS:-assets}/corpus/train.
+# Output ($OUT or runs/replicate/out): replicate_runs.tar.gz (every run folder of $RUNS
+# without checkpoints: config.json, metrics.jsonl, eval_*.json, probe/probe.json,
+# timing.jsonl, DONE; lr_*.txt and sweep_*.txt) and grid.log: 2 files, within the 8.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+T0=$(date +%s)
+now() { echo $(( $(date +%s) - T0 )); }
+DEADLINE_S="${DEADLINE_S:-540}"
+TINY="${REPLICATE_TINY:-0}"
+RUNS="${RUNS:-runs/replicate}"
+SHARDS="${SHARDS:-assets/shards/gpt2}"
+DEVICE="${DEVICE:-auto}"
+OUT_DIR="${OUT:-$RUNS/out}"
+export MHAR_ASSETS="${MHAR_ASSETS:-$PWD/assets}"
+mkdir -p "$RUNS" "$OUT_DIR" "$SHARDS"
+SHARDS="$(cd "$SHARDS" && pwd)"
+LOG="$OUT_DIR/grid.log"
+exec > >(tee -a "$LOG") 2>&1
+say() { echo "[grid $(now)s] $*"; }
+[ $# -ge 1 ] || { echo "usage: tools/replicate/run_grid.sh SIZE sweep | SIZE sSEED [MODE ...] | data" >&2; exit 2; }
+
+pack() {
+  tar -czf "$OUT_DIR/replicate_runs.tar.gz" -C "$RUNS" --exclude=checkpoints --exclude=out . \
+    && say "packed $(du -h "$OUT_DIR/replicate_runs.tar.gz" | cut -f1) into $OUT_DIR/replicate_runs.tar.gz"
+}
+trap pack EXIT
+
+# ---- build (the GPU machine is bare: configure and build `mhar` with CUDA, ICU carried)
+if [ -z "${MHAR:-}" ]; then
+  MHAR="$PWD/build-gpu/mhar"
+  export PATH="/usr/local/cuda/bin:$PATH"
+  if ! command -v mpicxx >/dev/null; then
+    for d in /usr/local/mpi/bin /opt/hpcx/ompi/bin /opt/openmpi/bin; do
+      [ -x "$d/mpicxx" ] && export PATH="$d:$PATH" && break
+    done
+  fi
+  icu_args=()
+  if [ ! -e /usr/include/unicode/utypes.h ] && [ -e .icu/icu72.tar.xz ]; then
+    icu=/tmp/mhar-icu
+    [ -d "$icu/lib" ] || { mkdir -p "$icu" && tar -xJf .icu/icu72.tar.xz -C "$icu"; }
+    icu_args=("-DICU_ROOT=$icu")
+    export LD_LIBRARY_PATH="$icu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  fi
+  say "building $MHAR"
+  if ! { cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DMHAR_BUILD_TESTS=OFF \
+           -DCMAKE_CUDA_COMPILER="$(command -v nvcc)" "${icu_args[@]}" &&
+         cmake --build build-gpu -j "$(nproc)" --target mhar; } >"$RUNS/build.log" 2>&1; then
+    grep -E "error|FAILED" "$RUNS/build.log" | head -30; say "BUILD FAILED"; exit 1
+  fi
+  say "built"
+fi
+[ -x "$MHAR" ] || { say "no mhar binary at $MHAR"; exit 1; }
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+
+# ---- data: GPT-2 shards (2% of the documents held out whole) and the task files made from
+# the held-out documents minus any passage sharing a 13-word run with training text.
+if [ ! -e "$SHARDS/prepare.json" ]; then
+  if [ -e .replicate/assets.tar.xz ] && [ ! -e "$MHAR_ASSETS/corpus/train" ]; then
+    say "unpacking .replicate/assets.tar.xz into $MHAR_ASSETS"
+    mkdir -p "$MHAR_ASSETS" && tar -xJf .replicate/assets.tar.xz -C "$MHAR_ASSETS" || exit 1
+  fi
+  input="$MHAR_ASSETS/corpus/train"
+  [ "$TINY" = 1 ] && input="$MHAR_ASSETS/corpus/train/brown.jsonl"
+  say "preparing $SHARDS from $input"
+  "$MHAR" data prepare --tokenizer gpt2 --input "$input" --out "$SHARDS" --val-fraction 0.02 \
+    --no-progress || { say "DATA PREPARE FAILED"; exit 1; }
+fi
+EVALSETS="$SHARDS/eval-sets"
+if [ ! -e "$EVALSETS/wikitext.raw" ]; then
+  items=1000; [ "$TINY" = 1 ] && items=10
+  "$MHAR" data make-eval --shards "$SHARDS" --out "$EVALSETS" --items "$items" ||
+    say "make-eval failed: the runs get validation loss only"
+fi
+[ "$1" = data ] && exit 0
+
+size="$1"; shift
+[ -e "configs/replicate/${size}_standard.json" ] || { say "unknown size '$size' (small or large)"; exit 2; }
+[ $# -ge 1 ] || { say "say 'sweep' or a seed (s0, s1, ...) after the size"; exit 2; }
+
+# Tiny: the same stages on a model the CPU trains in seconds (heads stay a divisor of d_model).
+tiny_set=()
+if [ "$TINY" = 1 ]; then
+  tiny_set=(--set model.d_model=64 --set model.n_layers=4 --set model.n_heads=4 --set model.n_kv_heads=2
+            --set model.head_dim=16 --set model.d_ff=128 --set model.context_length=64
+            --set train.seq_len=64 --set train.micro_batch=4 --set train.batch_tokens=512
+            --set "train.steps=${TINY_STEPS:-8}" --set train.warmup_steps=3 --set train.eval_every=4
+            --set train.eval_batches=2 --set train.log_every=4 --set checkpoint.every=4)
+fi
+cfg_value() {  # cfg_value FILE section.field: the value in the config file (no default)
+  python3 -c 'import json,sys; s,f=sys.argv[2].split("."); print(json.load(open(sys.argv[1]))[s].get(f, 0))' "$1" "$2"
+}
+done_step() {  # the step of the newest complete checkpoint of a run folder (0: none)
+  python3 - "$1" <<'PY'
+import glob, json, sys
+best = 0
+for p in glob.glob(sys.argv[1] + "/checkpoints/step_*/state.json"):
+    try:
+        best = max(best, int(json.load(open(p))["step"]))
+    except Exception:
+        pass
+print(best)
+PY
+}
+
+# One run: train (or resume) under the deadline, then evaluation and probe when finished.
+# Returns 0 when the run is complete, 1 when it was cut or failed (the caller stops there).
+one_run() {
+  local name="$1" cfg="$2" steps="$3"; shift 3
+  local dir="$RUNS/$name" mode; mode=$(cfg_value "$cfg" residual.mode)
+  local tiny_heads=()
+  [ "$TINY" = 1 ] && [ "$mode" = mhar ] && tiny_heads=(--set residual.heads=2)
+  [ -e "$dir/DONE" ] && { say "$name: done already"; return 0; }
+  local step; step=$(done_step "$dir")
+  if [ "$step" -lt "$steps" ]; then
+    local left=$(( DEADLINE_S - $(now) ))
+    [ "$left" -gt 30 ] || { say "$name: no time left in this call; call again to continue"; return 1; }
+    local args
+    if [ "$step" -gt 0 ]; then
+      say "$name: resuming from step $step (train stops at +${left}s)"
+      args=(train --resume "$dir")
+    else
+      rm -rf "$dir"; mkdir -p "$(dirname "$dir")"
+      say "$name: training $cfg $* (train stops at +${left}s)"
+      args=(train "$cfg" --run-dir "$dir" --device "$DEVICE" --set "data.train=$SHARDS/train_*.bin"
+            --set "data.val=$SHARDS/val_*.bin" "${tiny_set[@]}" "${tiny_heads[@]}" "$@")
+    fi
+    local t=$(date +%s)
+    timeout -s TERM -k 90 "$left" "$MHAR" --log-level warn "${args[@]}" >"$RUNS/$name.train.log" 2>&1
+    local rc=$? secs=$(( $(date +%s) - t ))
+    cat "$RUNS/$name.train.log" >>"$dir/train.log" 2>/dev/null
+    local end; end=$(done_step "$dir")
+    echo "{\"phase\":\"train\",\"seconds\":$secs,\"exit\":$rc,\"from_step\":$step,\"to_step\":$end}" >>"$dir/timing.jsonl"
+    say "$name: train exit $rc after ${secs}s, step $step -> $end of $steps"
+    if [ "$end" -lt "$steps" ]; then
+      tail -5 "$RUNS/$name.train.log"
+      if [ "$rc" = 0 ] || [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+        say "$name: CUT at step $end; the same command resumes it"
+      else
+        say "$name: FAILED (exit $rc, log $dir/train.log)"
+      fi
+      return 1
+    fi
+  fi
+  # Held-out evaluation: the validation shards whole, then the task files.
+  local ev_batches=(); [ "$TINY" = 1 ] && ev_batches=(--batches 4)
+  local t=$(date +%s)
+  if [ ! -s "$dir/eval_val.json" ]; then
+    "$MHAR" --log-level warn eval --checkpoint "$dir" --data "$SHARDS/val_*.bin" --device "$DEVICE" \
+      "${ev_batches[@]}" >"$dir/eval_val.tmp" 2>>"$dir/eval.log" && mv "$dir/eval_val.tmp" "$dir/eval_val.json" ||
+      { say "$name: eval FAILED (see eval.log)"; return 1; }
+  fi
+  if [ -e "$EVALSETS/wikitext.raw" ] && [ "${SWEEP:-0}" = 0 ]; then
+    for task in lambada:lambada.jsonl hellaswag:hellaswag.jsonl wikitext:wikitext.raw; do
+      local tn="${task%%:*}"
+      [ -s "$dir/eval_$tn.json" ] && continue
+      "$MHAR" --log-level warn eval --checkpoint "$dir" --task "$tn" "$EVALSETS/${task#*:}" --device "$DEVICE" \
+        >"$dir/eval_$tn.tmp" 2>>"$dir/eval.log" && mv "$dir/eval_$tn.tmp" "$dir/eval_$tn.json" ||
+        { say "$name: task $tn FAILED (see eval.log)"; return 1; }
+    done
+  fi
+  if [ "${SWEEP:-0}" = 0 ] && { [ "$mode" = attnres ] || [ "$mode" = mhar ]; } && [ ! -s "$dir/probe/probe.json" ]; then
+    local pb=20; [ "$TINY" = 1 ] && pb=2
+    "$MHAR" --log-level warn probe --checkpoint "$dir" --data "$SHARDS/val_*.bin" --batches "$pb" \
+      --out "$dir/probe" --device "$DEVICE" >>"$dir/eval.log" 2>&1 ||
+      { say "$name: probe FAILED (see eval.log)"; return 1; }
+  fi
+  echo "{\"phase\":\"eval\",\"seconds\":$(( $(date +%s) - t ))}" >>"$dir/timing.jsonl"
+  date -u +%FT%TZ >"$dir/DONE"
+  say "$name: DONE: $(cat "$dir/eval_val.json")"
+  return 0
+}
+
+steps=$(cfg_value "configs/replicate/${size}_standard.json" train.steps)
+[ "$TINY" = 1 ] && steps="${TINY_STEPS:-8}"
+if [ "$1" = sweep ]; then
+  # The lr sweep: `standard` at a quarter of the steps (warmup and cosine scaled with them),
+  # each rate once; the chosen rate is the one with the lowest final validation loss.
+  var="SWEEP_LRS_$size"
+  default_lrs="0.001 0.002 0.003 0.005"; [ "$size" = large ] && default_lrs="0.0005 0.001 0.002 0.003"
+  read -r -a lrs <<<"${!var:-$default_lrs}"
+  sweep_steps=$(( steps / 4 ))
+  warm=$(cfg_value "configs/replicate/${size}_standard.json" train.warmup_steps)
+  [ "$TINY" = 1 ] && warm=3
+  sweep_warm=$(( warm / 4 > 1 ? warm / 4 : 1 ))
+  all=0 SWEEP=1
+  for lr in "${lrs[@]}"; do
+    one_run "sweep/${size}_lr$lr" "configs/replicate/${size}_standard.json" "$sweep_steps" \
+      --set "train.lr=$lr" --set "train.steps=$sweep_steps" --set "train.warmup_steps=$sweep_warm" || { all=1; break; }
+  done
+  [ "$all" = 0 ] || exit 1
+  python3 - "$RUNS" "$size" "${lrs[@]}" <<'PY' || exit 1
+import json, sys
+runs, size, lrs = sys.argv[1], sys.argv[2], sys.argv[3:]
+rows = []
+for lr in lrs:
+    loss = json.load(open(f"{runs}/sweep/{size}_lr{lr}/eval_val.json"))["loss"]
+    rows.append((loss, lr))
+best = min(rows)
+with open(f"{runs}/sweep_{size}.txt", "w") as f:
+    for loss, lr in sorted(rows, key=lambda r: float(r[1])):
+        f.write(f"{lr} {loss:.4f}\n")
+with open(f"{runs}/lr_{size}.txt", "w") as f:
+    f.write(best[1] + "\n")
+edge = best[1] in (min(lrs, key=float), max(lrs, key=float))
+print(f"SWEEP {size}: " + ", ".join(f"lr {lr}: {loss:.4f}" for loss, lr in sorted(rows, key=lambda r: float(r[1]))))
+print(f"LR_CHOSEN {size} {best[1]}" + (" (AT THE EDGE of the swept range: extend SWEEP_LRS_" + size + ")" if edge else ""))
+PY
+  exit 0
+fi
+
+seed_arg="$1"; shift
+[[ "$seed_arg" =~ ^s([0-9]+)$ ]] || { say "seed must look like s0, s1: got '$seed_arg'"; exit 2; }
+seed="${BASH_REMATCH[1]}"
+modes=("$@"); [ ${#modes[@]} -gt 0 ] || modes=(standard hyper attnres mhar block_mhar)
+var="LR_${size^^}"
+lr="${!var:-}"
+[ -n "$lr" ] || lr=$(cat "$RUNS/lr_$size.txt" 2>/dev/null || true)
+[ -n "$lr" ] || { say "no learning rate for $size: run 'run_grid.sh $size sweep' first or set $var"; exit 2; }
+say "$size seed $seed: lr $lr, modes ${modes[*]}"
+rc=0
+for mode in "${modes[@]}"; do
+  cfg="configs/replicate/${size}_$mode.json"
+  [ -e "$cfg" ] || { say "no $cfg (modes: standard hyper attnres mhar block_mhar)"; rc=2; continue; }
+  one_run "${size}_${mode}_s$seed" "$cfg" "$steps" --set "train.lr=$lr" --set "train.seed=$(( 1234 + seed ))" ||
+    { rc=1; break; }
+done
+exit "$rc"
