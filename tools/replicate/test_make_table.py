@@ -80,7 +80,7 @@ class MakeTableTest(unittest.TestCase):
 
     def run_tool(self, *paths):
         self.assertEqual(make_table.main(["--out", self.out, *paths]), 0)
-            with open(os.path.join(self.out, "table.md")) as f:
+        with open(os.path.join(self.out, "table.md")) as f:
             return f.read()
 
     def row(self, md, size, label):
