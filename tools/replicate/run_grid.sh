@@ -19,6 +19,7 @@
 #   LR_SMALL / LR_LARGE   the learning rate of every full run of a size; else the rate the
 #                sweep wrote into $RUNS/lr_SIZE.txt; a full run refuses to start without one
 #   MHAR         the binary (default: build-gpu/mhar, built here with CUDA when missing)
+#   MIN_TRAIN_S  a run is not started (or resumed) with fewer seconds than this left (30)
 #   DEVICE       cuda | cpu | auto (default auto)
 #   RUNS         run folders (default runs/replicate); SHARDS (default assets/shards/gpt2)
 #   REPLICATE_TINY=1   the same code path with tiny models, steps, data and evaluation
@@ -26,6 +27,8 @@
 # Data: the shards are made here when missing, from .replicate/assets.tar.xz (carry it:
 # tools/replicate/pack_assets.sh makes it from $MHAR_ASSETS: the corpus and the GPT-2
 # tokenizer; the GPU machine has no network) or from ${MHAR_ASSETS:-assets}/corpus/train.
+# Earlier calls: carried .replicate/results/*.tar.gz (their replicate_runs.tar.gz) are unpacked
+# into $RUNS first, so finished runs and the chosen rates survive a fresh machine.
 # Output ($OUT or runs/replicate/out): replicate_runs.tar.gz (every run folder of $RUNS
 # without checkpoints: config.json, metrics.jsonl, eval_*.json, probe/probe.json,
 # timing.jsonl, DONE; lr_*.txt and sweep_*.txt) and grid.log: 2 files, within the 8.
@@ -46,6 +49,14 @@ LOG="$OUT_DIR/grid.log"
 exec > >(tee -a "$LOG") 2>&1
 say() { echo "[grid $(now)s] $*"; }
 [ $# -ge 1 ] || { echo "usage: tools/replicate/run_grid.sh SIZE sweep | SIZE sSEED [MODE ...] | data" >&2; exit 2; }
+
+# Results of earlier calls: a fresh machine has no runs/, so the archives earlier calls returned
+# (copied by the session into .replicate/results/, carried) put back every run's record, and
+# finished runs (DONE) are not trained again. Files already here (a warm machine) are kept.
+for f in .replicate/results/*.tar.gz; do
+  [ -e "$f" ] || continue
+  tar -xzf "$f" -C "$RUNS" --skip-old-files || echo "[grid] could not unpack $f"
+done
 
 pack() {
   tar -czf "$OUT_DIR/replicate_runs.tar.gz" -C "$RUNS" --exclude=checkpoints --exclude=out . \
@@ -141,7 +152,7 @@ one_run() {
   local step; step=$(done_step "$dir")
   if [ "$step" -lt "$steps" ]; then
     local left=$(( DEADLINE_S - $(now) ))
-    [ "$left" -gt 30 ] || { say "$name: no time left in this call; call again to continue"; return 1; }
+    [ "$left" -gt "${MIN_TRAIN_S:-30}" ] || { say "$name: no time left in this call; call again to continue"; return 1; }
     local args
     if [ "$step" -gt 0 ]; then
       say "$name: resuming from step $step (train stops at +${left}s)"
