@@ -19,6 +19,7 @@
 #   LR_SMALL / LR_LARGE   the learning rate of every full run of a size; else the rate the
 #                sweep wrote into $RUNS/lr_SIZE.txt; a full run refuses to start without one
 #   MHAR         the binary (default: build-gpu/mhar, built here with CUDA when missing)
+#   EVAL_MIN_S   a finished run's evaluation is not started with fewer seconds left (60)
 #   MIN_TRAIN_S  a run is not started (or resumed) with fewer seconds than this left (30)
 #   DEVICE       cuda | cpu | auto (default auto)
 #   RUNS         run folders (default runs/replicate); SHARDS (default assets/shards/gpt2)
@@ -180,7 +181,11 @@ one_run() {
       return 1
     fi
   fi
-  # Held-out evaluation: the validation shards whole, then the task files.
+  # Held-out evaluation: the validation shards whole, then the task files. Not started when
+  # the call is nearly over: a command killed at the device's limit would return nothing.
+  if [ "$(( DEADLINE_S - $(now) ))" -lt "${EVAL_MIN_S:-60}" ]; then
+    say "$name: trained; no time left in this call for its evaluation; call again"; return 1
+  fi
   local ev_batches=(); [ "$TINY" = 1 ] && ev_batches=(--batches 4)
   local t=$(date +%s)
   if [ ! -s "$dir/eval_val.json" ]; then
