@@ -6,6 +6,9 @@
 #   tools/replicate/run_grid.sh SIZE sweep                 the lr sweep of `standard` at SIZE
 #   tools/replicate/run_grid.sh SIZE sSEED [MODE ...]      full runs (default: all five modes)
 #   tools/replicate/run_grid.sh data                       only build + shards + task files
+#   tools/replicate/run_grid.sh next                       the whole grid in order (small sweep,
+#       large sweep, small s0, small s1, large s0), as far as the call's time allows; call it
+#       again until it prints GRID COMPLETE (exit 3: a sweep's best rate is at its range's edge)
 # SIZE: small | large (configs/replicate/SIZE_MODE.json); MODE: standard hyper attnres mhar
 # block_mhar; SEED: 0, 1, ... (train.seed = 1234 + SEED, the same for every mode, so a seed
 # fixes the init draw and the data order for the whole size).
@@ -23,6 +26,8 @@
 #   MIN_TRAIN_S  a run is not started (or resumed) with fewer seconds than this left (30)
 #   DEVICE       cuda | cpu | auto (default auto)
 #   RUNS         run folders (default runs/replicate); SHARDS (default assets/shards/gpt2)
+#   GRID_STAGES  the stages of `next`, ';'-separated (default
+#                "small sweep;large sweep;small s0;small s1;large s0"; a stage may name modes)
 #   REPLICATE_TINY=1   the same code path with tiny models, steps, data and evaluation
 #                (the CPU smoke test, tools/replicate/smoke.sh)
 # Data: the shards are made here when missing, from .replicate/assets.tar.xz (carry it:
@@ -49,7 +54,7 @@ SHARDS="$(cd "$SHARDS" && pwd)"
 LOG="$OUT_DIR/grid.log"
 exec > >(tee -a "$LOG") 2>&1
 say() { echo "[grid $(now)s] $*"; }
-[ $# -ge 1 ] || { echo "usage: tools/replicate/run_grid.sh SIZE sweep | SIZE sSEED [MODE ...] | data" >&2; exit 2; }
+[ $# -ge 1 ] || { echo "usage: tools/replicate/run_grid.sh next | SIZE sweep | SIZE sSEED [MODE ...] | data" >&2; exit 2; }
 
 # Results of earlier calls: a fresh machine has no runs/, so the archives earlier calls returned
 # (copied by the session into .replicate/results/, carried) put back every run's record, and
@@ -112,10 +117,6 @@ if [ ! -e "$EVALSETS/wikitext.raw" ]; then
     say "make-eval failed: the runs get validation loss only"
 fi
 [ "$1" = data ] && exit 0
-
-size="$1"; shift
-[ -e "configs/replicate/${size}_standard.json" ] || { say "unknown size '$size' (small or large)"; exit 2; }
-[ $# -ge 1 ] || { say "say 'sweep' or a seed (s0, s1, ...) after the size"; exit 2; }
 
 # Tiny: the same stages on a model the CPU trains in seconds (heads stay a divisor of d_model).
 tiny_set=()
@@ -214,58 +215,86 @@ one_run() {
   return 0
 }
 
-steps=$(cfg_value "configs/replicate/${size}_standard.json" train.steps)
-[ "$TINY" = 1 ] && steps="${TINY_STEPS:-8}"
-if [ "$1" = sweep ]; then
-  # The lr sweep: `standard` at a quarter of the steps (warmup and cosine scaled with them),
-  # each rate once; the chosen rate is the one with the lowest final validation loss.
-  var="SWEEP_LRS_$size"
-  default_lrs="0.001 0.002 0.003 0.005"; [ "$size" = large ] && default_lrs="0.0005 0.001 0.002 0.003"
-  read -r -a lrs <<<"${!var:-$default_lrs}"
-  sweep_steps=$(( steps / 4 ))
+size_steps() {
+  if [ "$TINY" = 1 ]; then echo "${TINY_STEPS:-8}"; else cfg_value "configs/replicate/$1_standard.json" train.steps; fi
+}
+
+# The lr sweep: `standard` at a quarter of the steps (warmup and cosine scaled with them), each
+# rate once; the chosen rate is the one with the lowest final validation loss. It is written to
+# lr_SIZE.txt only when it is inside the swept range (ACCEPT_EDGE_LR=1 takes an edge rate):
+# exit 0 chosen, 1 cut or failed, 3 at the edge.
+run_sweep() {
+  local size="$1" var="SWEEP_LRS_$1" steps; steps=$(size_steps "$1")
+  local default_lrs="0.001 0.002 0.003 0.005"; [ "$size" = large ] && default_lrs="0.0005 0.001 0.002 0.003"
+  local lrs; read -r -a lrs <<<"${!var:-$default_lrs}"
+  local sweep_steps=$(( steps / 4 )) warm
   warm=$(cfg_value "configs/replicate/${size}_standard.json" train.warmup_steps)
   [ "$TINY" = 1 ] && warm=3
-  sweep_warm=$(( warm / 4 > 1 ? warm / 4 : 1 ))
-  all=0 SWEEP=1
+  local sweep_warm=$(( warm / 4 > 1 ? warm / 4 : 1 ))
   for lr in "${lrs[@]}"; do
-    one_run "sweep/${size}_lr$lr" "configs/replicate/${size}_standard.json" "$sweep_steps" \
-      --set "train.lr=$lr" --set "train.steps=$sweep_steps" --set "train.warmup_steps=$sweep_warm" || { all=1; break; }
+    SWEEP=1 one_run "sweep/${size}_lr$lr" "configs/replicate/${size}_standard.json" "$sweep_steps" \
+      --set "train.lr=$lr" --set "train.steps=$sweep_steps" --set "train.warmup_steps=$sweep_warm" || return 1
   done
-  [ "$all" = 0 ] || exit 1
-  python3 - "$RUNS" "$size" "${lrs[@]}" <<'PY' || exit 1
-import json, sys
+  ACCEPT_EDGE_LR="${ACCEPT_EDGE_LR:-0}" python3 - "$RUNS" "$size" "${lrs[@]}" <<'PY'
+import json, os, sys
 runs, size, lrs = sys.argv[1], sys.argv[2], sys.argv[3:]
-rows = []
-for lr in lrs:
-    loss = json.load(open(f"{runs}/sweep/{size}_lr{lr}/eval_val.json"))["loss"]
-    rows.append((loss, lr))
+rows = sorted(((json.load(open(f"{runs}/sweep/{size}_lr{lr}/eval_val.json"))["loss"], lr) for lr in lrs),
+              key=lambda r: float(r[1]))
 best = min(rows)
 with open(f"{runs}/sweep_{size}.txt", "w") as f:
-    for loss, lr in sorted(rows, key=lambda r: float(r[1])):
-        f.write(f"{lr} {loss:.4f}\n")
+    f.writelines(f"{lr} {loss:.4f}\n" for loss, lr in rows)
+edge = len(lrs) > 1 and best[1] in (rows[0][1], rows[-1][1])
+print(f"SWEEP {size}: " + ", ".join(f"lr {lr}: {loss:.4f}" for loss, lr in rows))
+if edge and os.environ["ACCEPT_EDGE_LR"] != "1":
+    print(f"LR_AT_EDGE {size} {best[1]}: the best rate is at the edge of the swept range; sweep more rates "
+          f"(SWEEP_LRS_{size}=\"...\", the finished ones are kept) or set ACCEPT_EDGE_LR=1")
+    sys.exit(3)
 with open(f"{runs}/lr_{size}.txt", "w") as f:
     f.write(best[1] + "\n")
-edge = best[1] in (min(lrs, key=float), max(lrs, key=float))
-print(f"SWEEP {size}: " + ", ".join(f"lr {lr}: {loss:.4f}" for loss, lr in sorted(rows, key=lambda r: float(r[1]))))
-print(f"LR_CHOSEN {size} {best[1]}" + (" (AT THE EDGE of the swept range: extend SWEEP_LRS_" + size + ")" if edge else ""))
+print(f"LR_CHOSEN {size} {best[1]}" + (" (at the edge of the swept range, accepted)" if edge else ""))
 PY
+}
+
+# Full runs of one seed: exit 0 all finished, 1 one was cut or failed, 2 bad arguments.
+run_seed() {
+  local size="$1" seed="$2"; shift 2
+  local modes=("$@"); [ ${#modes[@]} -gt 0 ] || modes=(standard hyper attnres mhar block_mhar)
+  local var="LR_${size^^}" steps; steps=$(size_steps "$size")
+  local lr="${!var:-}"
+  [ -n "$lr" ] || lr=$(cat "$RUNS/lr_$size.txt" 2>/dev/null || true)
+  [ -n "$lr" ] || { say "no learning rate for $size: run 'run_grid.sh $size sweep' first or set $var"; return 2; }
+  say "$size seed $seed: lr $lr, modes ${modes[*]}"
+  for mode in "${modes[@]}"; do
+    local cfg="configs/replicate/${size}_$mode.json"
+    [ -e "$cfg" ] || { say "no $cfg (modes: standard hyper attnres mhar block_mhar)"; return 2; }
+    one_run "${size}_${mode}_s$seed" "$cfg" "$steps" --set "train.lr=$lr" --set "train.seed=$(( 1234 + seed ))" ||
+      return 1
+  done
+}
+
+if [ "$1" = next ]; then
+  # The whole grid in its order; each call does what its time allows and the next call goes on.
+  IFS=';' read -r -a stages <<<"${GRID_STAGES:-small sweep;large sweep;small s0;small s1;large s0}"
+  for stage in "${stages[@]}"; do
+    set -- $stage
+    if [ "$2" = sweep ]; then
+      [ -s "$RUNS/lr_$1.txt" ] && continue
+      run_sweep "$1" || exit $?
+    else
+      size="$1" seed="${2#s}"; shift 2
+      run_seed "$size" "$seed" "$@" || exit $?
+    fi
+  done
+  say "GRID COMPLETE"
   exit 0
 fi
-
-seed_arg="$1"; shift
-[[ "$seed_arg" =~ ^s([0-9]+)$ ]] || { say "seed must look like s0, s1: got '$seed_arg'"; exit 2; }
-seed="${BASH_REMATCH[1]}"
-modes=("$@"); [ ${#modes[@]} -gt 0 ] || modes=(standard hyper attnres mhar block_mhar)
-var="LR_${size^^}"
-lr="${!var:-}"
-[ -n "$lr" ] || lr=$(cat "$RUNS/lr_$size.txt" 2>/dev/null || true)
-[ -n "$lr" ] || { say "no learning rate for $size: run 'run_grid.sh $size sweep' first or set $var"; exit 2; }
-say "$size seed $seed: lr $lr, modes ${modes[*]}"
-rc=0
-for mode in "${modes[@]}"; do
-  cfg="configs/replicate/${size}_$mode.json"
-  [ -e "$cfg" ] || { say "no $cfg (modes: standard hyper attnres mhar block_mhar)"; rc=2; continue; }
-  one_run "${size}_${mode}_s$seed" "$cfg" "$steps" --set "train.lr=$lr" --set "train.seed=$(( 1234 + seed ))" ||
-    { rc=1; break; }
-done
-exit "$rc"
+size="$1"; shift
+[ -e "configs/replicate/${size}_standard.json" ] || { say "unknown size '$size' (small or large)"; exit 2; }
+[ $# -ge 1 ] || { say "say 'sweep' or a seed (s0, s1, ...) after the size"; exit 2; }
+if [ "$1" = sweep ]; then
+  run_sweep "$size"; exit $?
+fi
+[[ "$1" =~ ^s([0-9]+)$ ]] || { say "seed must look like s0, s1: got '$1'"; exit 2; }
+seed="${BASH_REMATCH[1]}"; shift
+run_seed "$size" "$seed" "$@"
+exit $?

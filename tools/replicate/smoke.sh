@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # smoke.sh: the replication pipeline end to end on the CPU at a tiny scale (REPLICATE_TINY=1:
 # the same run_grid.sh stages with a 4-layer d=64 model, 8 steps, shards from one corpus
-# file): a 2-rate sweep, seed 0 of all five modes with the first run cut by the deadline and
-# resumed by a second call, seed 1 of two modes, then make_table.py on the packed archive.
+# file): a 2-rate sweep (refused at the range's edge, then accepted), seed 0 of all five modes
+# with the first run cut by a call's deadline and resumed by `next`, seed 1 of two modes, then
+# make_table.py on the packed archive.
 # Checks what each stage must leave behind and prints SMOKE ok / SMOKE FAILED.
 #   MHAR=build-cpu/mhar MHAR_ASSETS=/work/main/assets tools/replicate/smoke.sh [WORK]
 # (WORK default /tmp/mhar-replicate-smoke; about 3-5 minutes on 2 shared cores)
@@ -18,21 +19,30 @@ fail() { echo "SMOKE FAILED: $*"; exit 1; }
 G=tools/replicate/run_grid.sh
 t0=$(date +%s)
 
-SWEEP_LRS_small="0.002 0.005" $G small sweep >"$W/sweep.log" 2>&1 || { tail -20 "$W/sweep.log"; fail "sweep"; }
-grep -q "^LR_CHOSEN small" "$W/sweep.log" || fail "sweep printed no LR_CHOSEN"
+# Two rates: the better is always at the range's edge, so the sweep must refuse to choose
+# (exit 3) until told to accept it; accepting retrains nothing.
+SWEEP_LRS_small="0.002 0.005" $G small sweep >"$W/sweep.log" 2>&1
+rc=$?; [ "$rc" = 3 ] || { tail -20 "$W/sweep.log"; fail "sweep at the edge: exit $rc, not 3"; }
+grep -q "^LR_AT_EDGE small" "$W/sweep.log" || fail "sweep printed no LR_AT_EDGE"
+[ -e "$RUNS/lr_small.txt" ] && fail "an edge rate was written without ACCEPT_EDGE_LR"
+ACCEPT_EDGE_LR=1 SWEEP_LRS_small="0.002 0.005" $G small sweep >"$W/sweep2.log" 2>&1 || fail "accepted sweep"
+grep -q "^LR_CHOSEN small" "$W/sweep2.log" || fail "sweep printed no LR_CHOSEN"
+[ "$(grep -c 'done already' "$W/sweep2.log")" = 2 ] || fail "the accepted sweep trained again"
 [ -s "$RUNS/lr_small.txt" ] || fail "no lr_small.txt"
-echo "sweep: $(grep '^SWEEP' "$W/sweep.log")"
+echo "sweep: $(grep '^SWEEP' "$W/sweep2.log"); $(grep '^LR_CHOSEN' "$W/sweep2.log")"
 
 # A call whose deadline cuts the first run (SIGTERM: the step finishes, a checkpoint is written).
 DEADLINE_S=12 MIN_TRAIN_S=5 $G small s0 standard >"$W/cut.log" 2>&1 && fail "the 12 s call was not cut"
 grep -q "CUT at step" "$W/cut.log" || { tail -20 "$W/cut.log"; fail "no CUT line"; }
 echo "cut: $(grep 'CUT at step' "$W/cut.log")"
-$G small s0 >"$W/s0.log" 2>&1 || { tail -30 "$W/s0.log"; fail "seed 0"; }
-grep -q "resuming from step" "$W/s0.log" || fail "the cut run was not resumed"
+# The rest through `next` (the next session's command), on a shortened stage list.
+export GRID_STAGES="small sweep;small s0;small s1 standard mhar"
+$G next >"$W/next.log" 2>&1 || { tail -30 "$W/next.log"; fail "next"; }
+grep -q "GRID COMPLETE" "$W/next.log" || fail "next did not complete the grid"
+grep -q "small_standard_s0: resuming from step" "$W/next.log" || fail "the cut run was not resumed"
 [ "$(grep -c '"phase":"train"' "$RUNS/small_standard_s0/timing.jsonl")" = 2 ] || fail "timing.jsonl lacks the two train phases"
-$G small s1 standard mhar >"$W/s1.log" 2>&1 || { tail -30 "$W/s1.log"; fail "seed 1"; }
-$G small s1 standard mhar >"$W/again.log" 2>&1 || fail "a finished slice called again"
-[ "$(grep -c 'done already' "$W/again.log")" = 2 ] || fail "finished runs were not skipped"
+$G next >"$W/again.log" 2>&1 || fail "a finished grid called again"
+[ "$(grep -c 'done already' "$W/again.log")" = 7 ] || fail "finished runs were not skipped"
 
 for m in standard hyper attnres mhar block_mhar; do
   d="$RUNS/small_${m}_s0"
