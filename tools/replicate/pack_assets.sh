@@ -3,7 +3,7 @@
 # as one git-ignored file to name in the device call's `carry`: .replicate/assets.tar.xz with
 # corpus/train/*.jsonl and tokenizers/gpt2/ from $MHAR_ASSETS (default assets/; fetch them with
 # tools/fetch_assets.sh). run_grid.sh unpacks it and makes the GPT-2 shards there (~30 s).
-#   tools/replicate/pack_assets.sh      (about 25 MB; xz -6 takes a minute or two on one core)
+#   tools/replicate/pack_assets.sh      (29 MB; 75 s on the 2-core VM)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 A="${MHAR_ASSETS:-$PWD/assets}"

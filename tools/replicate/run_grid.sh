@@ -26,6 +26,7 @@
 #   MIN_TRAIN_S  a run is not started (or resumed) with fewer seconds than this left (30)
 #   DEVICE       cuda | cpu | auto (default auto)
 #   RUNS         run folders (default runs/replicate); SHARDS (default assets/shards/gpt2)
+#   CUT_AFTER_FIRST_STEP=1   (tests) stop each training like a deadline after its first step
 #   GRID_STAGES  the stages of `next`, ';'-separated (default
 #                "small sweep;large sweep;small s0;small s1;large s0"; a stage may name modes)
 #   REPLICATE_TINY=1   the same code path with tiny models, steps, data and evaluation
@@ -143,6 +144,23 @@ print(best)
 PY
 }
 
+expected_s() {  # the longest train + evaluation time of the finished runs of NAME's size (0: none)
+  python3 - "$RUNS" "$1" <<'PY'
+import glob, json, os, sys
+runs, name = sys.argv[1], sys.argv[2]
+size = name.split("/")[-1].split("_")[0]
+pattern = f"{runs}/sweep/{size}_lr*" if "/" in name else f"{runs}/{size}_*_s*"
+best = 0
+for d in glob.glob(pattern):
+    if os.path.exists(d + "/DONE"):
+        try:
+            best = max(best, sum(json.loads(l).get("seconds", 0) for l in open(d + "/timing.jsonl") if l.strip()))
+        except (OSError, ValueError):
+            pass
+print(int(best * 1.1))
+PY
+}
+
 # One run: train (or resume) under the deadline, then evaluation and probe when finished.
 # Returns 0 when the run is complete, 1 when it was cut or failed (the caller stops there).
 one_run() {
@@ -155,6 +173,13 @@ one_run() {
   if [ "$step" -lt "$steps" ]; then
     local left=$(( DEADLINE_S - $(now) ))
     [ "$left" -gt "${MIN_TRAIN_S:-30}" ] || { say "$name: no time left in this call; call again to continue"; return 1; }
+    # A fresh run that the finished runs of its size say will not fit is left to the next call:
+    # a run cut and resumed costs a restart, and its checkpoints do not survive a fresh machine.
+    local need; need=$(expected_s "$name")
+    if [ "$step" = 0 ] && [ "$need" -gt 0 ] && [ "$left" -lt "$need" ]; then
+      say "$name: its size's finished runs took up to ${need}s with evaluation, ${left}s left: call again to start it"
+      return 1
+    fi
     local args
     if [ "$step" -gt 0 ]; then
       say "$name: resuming from step $step (train stops at +${left}s)"
@@ -166,7 +191,17 @@ one_run() {
             --set "data.val=$SHARDS/val_*.bin" "${tiny_set[@]}" "${tiny_heads[@]}" "$@")
     fi
     local t=$(date +%s)
-    timeout -s TERM -k 90 "$left" "$MHAR" --log-level warn "${args[@]}" >"$RUNS/$name.train.log" 2>&1
+    timeout -s TERM -k 90 "$left" "$MHAR" --log-level warn "${args[@]}" >"$RUNS/$name.train.log" 2>&1 &
+    local tpid=$!
+    if [ "${CUT_AFTER_FIRST_STEP:-0}" = 1 ]; then
+      # Test hook (smoke.sh): a call's deadline arriving right after the first logged step, by the
+      # same signal (timeout passes SIGTERM on to the trainer), whatever the machine's speed.
+      while kill -0 "$tpid" 2>/dev/null; do
+        grep -q '"kind":"train"' "$dir/metrics.jsonl" 2>/dev/null && { kill -TERM "$tpid"; break; }
+        sleep 0.1
+      done
+    fi
+    wait "$tpid"
     local rc=$? secs=$(( $(date +%s) - t ))
     cat "$RUNS/$name.train.log" >>"$dir/train.log" 2>/dev/null
     local end; end=$(done_step "$dir")
@@ -174,7 +209,7 @@ one_run() {
     say "$name: train exit $rc after ${secs}s, step $step -> $end of $steps"
     if [ "$end" -lt "$steps" ]; then
       tail -5 "$RUNS/$name.train.log"
-      if [ "$rc" = 0 ] || [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+      if [ "$rc" = 0 ] || [ "$rc" = 124 ] || [ "$rc" = 137 ] || [ "$rc" = 143 ]; then
         say "$name: CUT at step $end; the same command resumes it"
       else
         say "$name: FAILED (exit $rc, log $dir/train.log)"

@@ -31,8 +31,9 @@ grep -q "^LR_CHOSEN small" "$W/sweep2.log" || fail "sweep printed no LR_CHOSEN"
 [ -s "$RUNS/lr_small.txt" ] || fail "no lr_small.txt"
 echo "sweep: $(grep '^SWEEP' "$W/sweep2.log"); $(grep '^LR_CHOSEN' "$W/sweep2.log")"
 
-# A call whose deadline cuts the first run (SIGTERM: the step finishes, a checkpoint is written).
-DEADLINE_S=12 MIN_TRAIN_S=5 $G small s0 standard >"$W/cut.log" 2>&1 && fail "the 12 s call was not cut"
+# A call whose deadline cuts the first run (SIGTERM after its first step: the step finishes, a
+# checkpoint is written, and the next call resumes it).
+CUT_AFTER_FIRST_STEP=1 $G small s0 standard >"$W/cut.log" 2>&1 && fail "the call was not cut"
 grep -q "CUT at step" "$W/cut.log" || { tail -20 "$W/cut.log"; fail "no CUT line"; }
 echo "cut: $(grep 'CUT at step' "$W/cut.log")"
 # The rest through `next` (the next session's command), on a shortened stage list.
@@ -43,6 +44,10 @@ grep -q "small_standard_s0: resuming from step" "$W/next.log" || fail "the cut r
 [ "$(grep -c '"phase":"train"' "$RUNS/small_standard_s0/timing.jsonl")" = 2 ] || fail "timing.jsonl lacks the two train phases"
 $G next >"$W/again.log" 2>&1 || fail "a finished grid called again"
 [ "$(grep -c 'done already' "$W/again.log")" = 7 ] || fail "finished runs were not skipped"
+# A fresh run that the finished runs say will not fit the time left is not started.
+DEADLINE_S=8 MIN_TRAIN_S=1 $G small s2 standard >"$W/nofit.log" 2>&1 && fail "a run that cannot fit was started"
+grep -q "small_standard_s2: its size's finished runs took up to" "$W/nofit.log" || { tail "$W/nofit.log"; fail "no fit message"; }
+[ -e "$RUNS/small_standard_s2" ] && fail "the run that cannot fit left a folder"
 
 for m in standard hyper attnres mhar block_mhar; do
   d="$RUNS/small_${m}_s0"
