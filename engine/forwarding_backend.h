@@ -97,7 +97,8 @@ class ForwardingBackend : public Backend {
   void hyper_update_backward(Tensor din, Tensor dv, Tensor dAr, Tensor dB, Tensor dout, Tensor in,
                              Tensor v, Tensor Ar, Tensor B) override {
     in_.hyper_update_backward(din, dv, dAr, dB, dout, in, v, Ar, B);
-  }  void hyper_dynamic_coef(Tensor C, Tensor T, Tensor rstd, Tensor H, Tensor W, Tensor Am, Tensor Ar,
+  }
+  void hyper_dynamic_coef(Tensor C, Tensor T, Tensor rstd, Tensor H, Tensor W, Tensor Am, Tensor Ar,
                           Tensor B, Tensor sa, Tensor sb, double eps) override {
     in_.hyper_dynamic_coef(C, T, rstd, H, W, Am, Ar, B, sa, sb, eps);
   }

@@ -244,7 +244,8 @@ class Fp32Noise final : public Backend {
                              Tensor v, Tensor Ar, Tensor B) override {
     inner_->hyper_update_backward(din, dv, dAr, dB, dout, in, v, Ar, B);
     for (Tensor t : {din, dv, dAr, dB}) round_all(t);
-  }  // Dynamic Hyper-Connections: the same, each output rounded once (the per-token
+  }
+  // Dynamic Hyper-Connections: the same, each output rounded once (the per-token
   // coefficients, their tanh and rstd, the mixes, and every gradient).
   void hyper_dynamic_coef(Tensor C, Tensor T, Tensor rstd, Tensor H, Tensor W, Tensor Am, Tensor Ar,
                           Tensor B, Tensor sa, Tensor sb, double eps) override {

@@ -1,0 +1,138 @@
+// bf16_storage_backend.h: the fp32 CPU engine storing what the CUDA backend stores in
+// bf16 (its act dtype) rounded to bf16 (round to nearest even): every activation and
+// activation gradient an op writes. Statistics (rstd, lse, inv_rms, routing weights,
+// ubar, losses) and parameter gradients stay fp32, as on the GPU. Used by
+// tests/model_cudatest.cpp to measure how much bf16 storage itself moves each gradient
+// (the GPU's deviation from the fp32 CPU comes from that storage, not from its summation
+// orders), which perturbing the weights alone does not capture where a gradient is a sum
+// that cancels (e.g. Hyper-Connections' mixing coefficients at equal streams).
+// Covers the ops the CUDA backend has; others (dynamic Hyper-Connections, decoding) pass
+// through unrounded.
+#pragma once
+#include <cstdint>
+#include <cstring>
+
+#include "engine/forwarding_backend.h"
+
+namespace mhar::test {
+
+class Bf16Storage final : public ForwardingBackend {
+ public:
+  explicit Bf16Storage(Backend& fp32_cpu) : ForwardingBackend(fp32_cpu) {}
+  std::string name() const override { return "bf16-storage(" + in_.name() + ")"; }
+
+  void embedding_forward(Tensor o, Tensor t, Tensor w) override {
+    in_.embedding_forward(o, t, w);
+    round(o);
+  }
+  void rmsnorm_forward(Tensor y, Tensor r, Tensor x, Tensor w, double eps) override {
+    in_.rmsnorm_forward(y, r, x, w, eps);
+    round(y);
+  }
+  void rmsnorm_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor r,
+                        bool acc) override {
+    in_.rmsnorm_backward(dx, dw, dy, x, w, r, acc);
+    round(dx);
+  }
+  // A transposed first operand is the weight gradient dW += dy^T x (fp32 on the GPU);
+  // every other product is an activation or an activation gradient.
+  void matmul(Tensor c, Tensor a, Tensor b, bool ta, bool tb, bool acc) override {
+    in_.matmul(c, a, b, ta, tb, acc);
+    if (!ta) round(c);
+  }
+  void rope(Tensor x, double theta, bool backward) override {
+    in_.rope(x, theta, backward);
+    round(x);
+  }
+  void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v) override {
+    in_.attention_forward(out, lse, q, k, v);
+    round(out);
+  }
+  void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k,
+                          Tensor v, Tensor out, Tensor lse) override {
+    in_.attention_backward(dq, dk, dv, dout, q, k, v, out, lse);
+    for (Tensor t : {dq, dk, dv}) round(t);
+  }
+  void swiglu_forward(Tensor h, Tensor g, Tensor u) override {
+    in_.swiglu_forward(h, g, u);
+    round(h);
+  }
+  void swiglu_backward(Tensor dg, Tensor du, Tensor dh, Tensor g, Tensor u) override {
+    in_.swiglu_backward(dg, du, dh, g, u);
+    round(dg);
+    round(du);
+  }
+  void add(Tensor out, Tensor a, Tensor b) override {
+    in_.add(out, a, b);
+    round(out);
+  }
+  void add_inplace(Tensor y, Tensor x) override {
+    in_.add_inplace(y, x);
+    round(y);
+  }
+  void cross_entropy(Tensor losses, Tensor logits, Tensor targets, double scale,
+                     bool grad) override {
+    in_.cross_entropy(losses, logits, targets, scale, grad);
+    if (grad) round(logits);  // the logits' gradient overwrites the bf16 logits
+  }
+  void routing_mix(Tensor x, Tensor w, Tensor history, const RoutingLayout& lay, int site,
+                   int heads) override {
+    in_.routing_mix(x, w, history, lay, site, heads);
+    round(x);
+  }
+  void routing_source_backward(Tensor dv, Tensor w, Tensor ubar, Tensor gsum,
+                               const std::vector<Tensor>& site_dx, Tensor x, Tensor v,
+                               Tensor inv_rms, const RoutingParams& p, const RoutingLayout& lay,
+                               int source, int heads) override {
+    in_.routing_source_backward(dv, w, ubar, gsum, site_dx, x, v, inv_rms, p, lay, source, heads);
+    round(dv);
+  }
+  void hyper_mix(Tensor x, Tensor H, Tensor c) override {
+    in_.hyper_mix(x, H, c);
+    round(x);
+  }
+  void hyper_mix_backward(Tensor dH, Tensor dc, Tensor dx, Tensor H, Tensor c, bool acc) override {
+    in_.hyper_mix_backward(dH, dc, dx, H, c, acc);
+    round(dH);
+  }
+  void hyper_update(Tensor out, Tensor in, Tensor v, Tensor Ar, Tensor B) override {
+    in_.hyper_update(out, in, v, Ar, B);
+    round(out);
+  }
+  void hyper_update_backward(Tensor din, Tensor dv, Tensor dAr, Tensor dB, Tensor dout, Tensor in,
+                             Tensor v, Tensor Ar, Tensor B) override {
+    in_.hyper_update_backward(din, dv, dAr, dB, dout, in, v, Ar, B);
+    round(din);
+    round(dv);
+  }
+  void delta_gate(Tensor x, Tensor base, Tensor alpha, Tensor r) override {
+    in_.delta_gate(x, base, alpha, r);
+    round(x);
+  }
+  void delta_gate_backward(Tensor dr, Tensor da, Tensor dx, Tensor r, Tensor alpha,
+                           Tensor scratch) override {
+    in_.delta_gate_backward(dr, da, dx, r, alpha, scratch);
+    round(dr);
+  }
+  void delta_null_forward(Tensor out, Tensor row) override {
+    in_.delta_null_forward(out, row);
+    round(out);
+  }
+
+ private:
+  static void round(Tensor t) {
+    MHAR_CHECK(t.dtype == DType::F32, "Bf16Storage wraps the fp32 CPU backend, got ",
+               dtype_name(t.dtype));
+    float* p = t.ptr<float>();
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, &p[i], 4);
+      if ((bits & 0x7fffffffu) > 0x7f800000u) continue;  // NaN stays NaN
+      bits += 0x7fffu + ((bits >> 16) & 1u);             // round to nearest even
+      bits &= 0xffff0000u;
+      std::memcpy(&p[i], &bits, 4);
+    }
+  }
+};
+
+}  // namespace mhar::test
