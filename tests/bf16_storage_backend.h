@@ -1,16 +1,19 @@
-// bf16_storage_backend.h: the fp32 CPU engine storing what the CUDA backend stores in
-// bf16 (its act dtype) rounded to bf16 (round to nearest even): every activation and
-// activation gradient an op writes. Statistics (rstd, lse, inv_rms, routing weights,
-// ubar, losses) and parameter gradients stay fp32, as on the GPU. Used by
-// tests/model_cudatest.cpp to measure how much bf16 storage itself moves each gradient
-// (the GPU's deviation from the fp32 CPU comes from that storage, not from its summation
-// orders), which perturbing the weights alone does not capture where a gradient is a sum
-// that cancels (e.g. Hyper-Connections' mixing coefficients at equal streams).
+// bf16_storage_backend.h: the fp32 CPU engine with bf16 storage noise on what the CUDA
+// backend stores in bf16 (its act dtype): every activation and activation gradient an op
+// writes gets one rounding error drawn uniformly within half a bf16 ulp (the distribution
+// of round-to-nearest's error; drawn, so that seeds give independent samples, as
+// tests/golden_test.cpp's Fp32Noise does for fp32). Statistics (rstd, lse, inv_rms,
+// routing weights, ubar, losses) and parameter gradients stay fp32, as on the GPU. Used
+// by tests/model_cudatest.cpp to measure how much bf16 storage moves each gradient (the
+// GPU's deviation from the fp32 CPU comes from that storage, not from its summation
+// orders), which perturbing the weights does not capture where a gradient is a sum that
+// cancels (e.g. Hyper-Connections' mixing coefficients at equal streams).
 // Covers the ops the CUDA backend has; others (dynamic Hyper-Connections, decoding) pass
 // through unrounded.
 #pragma once
+#include <cmath>
 #include <cstdint>
-#include <cstring>
+#include <random>
 
 #include "engine/forwarding_backend.h"
 
@@ -18,7 +21,7 @@ namespace mhar::test {
 
 class Bf16Storage final : public ForwardingBackend {
  public:
-  explicit Bf16Storage(Backend& fp32_cpu) : ForwardingBackend(fp32_cpu) {}
+  Bf16Storage(Backend& fp32_cpu, uint64_t seed) : ForwardingBackend(fp32_cpu), rng_(seed) {}
   std::string name() const override { return "bf16-storage(" + in_.name() + ")"; }
 
   void embedding_forward(Tensor o, Tensor t, Tensor w) override {
@@ -120,19 +123,21 @@ class Bf16Storage final : public ForwardingBackend {
   }
 
  private:
-  static void round(Tensor t) {
+  // x + u * half_ulp(x), u uniform in [-1, 1): for |x| in [2^E, 2^(E+1)) a bf16 ulp is
+  // 2^(E-7). Zeros, fp32 denormals and non-finite values stay as they are.
+  void round(Tensor t) {
     MHAR_CHECK(t.dtype == DType::F32, "Bf16Storage wraps the fp32 CPU backend, got ",
                dtype_name(t.dtype));
     float* p = t.ptr<float>();
     for (int64_t i = 0; i < t.numel(); ++i) {
-      uint32_t bits;
-      std::memcpy(&bits, &p[i], 4);
-      if ((bits & 0x7fffffffu) > 0x7f800000u) continue;  // NaN stays NaN
-      bits += 0x7fffu + ((bits >> 16) & 1u);             // round to nearest even
-      bits &= 0xffff0000u;
-      std::memcpy(&p[i], &bits, 4);
+      if (!std::isnormal(p[i])) continue;
+      int e = 0;
+      std::frexp(p[i], &e);  // |x| in [2^(e-1), 2^e)
+      const double half_ulp = std::ldexp(1.0, e - 1 - 8);
+      p[i] = float(double(p[i]) + half_ulp * (double(int64_t(rng_()) >> 11) * 0x1p-52));
     }
   }
+  std::mt19937_64 rng_;
 };
 
 }  // namespace mhar::test
