@@ -135,6 +135,16 @@ class Backend {
   // dtype; C may be grad_dtype() (fp32 accumulation into a weight gradient).
   virtual void matmul(Tensor c, Tensor a, Tensor b, bool trans_a, bool trans_b,
                       bool accumulate) = 0;
+  // The model's three uses of matmul, named (llm.c's matmul_forward / matmul_backward
+  // split), so that call sites say what they compute instead of passing three booleans:
+  //   y = x W^T                 a linear layer (x [M, K], W [N, K] as stored)
+  void matmul_forward(Tensor y, Tensor x, Tensor w) { matmul(y, x, w, false, true, false); }
+  //   dx = dy W  (dx += dy W when accumulate: a layer input read by several products)
+  void matmul_input_grad(Tensor dx, Tensor dy, Tensor w, bool accumulate) {
+    matmul(dx, dy, w, false, false, accumulate);
+  }
+  //   dW += dy^T x              the weight gradient, accumulated into its grad buffer
+  void matmul_weight_grad(Tensor dw, Tensor dy, Tensor x) { matmul(dw, dy, x, true, false, true); }
 
   // ---- RoPE in place on x [B, T, heads, head_dim], position = t, Hugging Face's
   // rotate-half pairing (i, i + head_dim/2). backward=true applies the inverse rotation

@@ -366,7 +366,7 @@ void Model::run_layers(const int32_t* tokens) {
   be_.rmsnorm_forward(act(s.xfn), act(s.rstd_f), act(s.site_x[last_site]), p(final_norm_),
                       cfg_.rms_eps);
   Tensor head_w = lm_head_ >= 0 ? p(lm_head_) : p(embed_);
-  be_.matmul(act(s.logits), act(s.xfn), head_w, false, true, false);
+  be_.matmul_forward(act(s.logits), act(s.xfn), head_w);
 }
 
 // ---------------------------------------------------------------- decode mode
@@ -428,9 +428,9 @@ void Model::attention_forward(int l) {
   const LayerParams& lp = layers_[l];
   const int64_t hq = cfg_.n_heads, hkv = cfg_.n_kv_heads, hd = cfg_.head_dim;
   be_.rmsnorm_forward(act(A.xn), act(A.rstd), site_input(j), p(lp.attn_norm), cfg_.rms_eps);
-  be_.matmul(act(A.q_pre), act(A.xn), p(lp.wq), false, true, false);
-  be_.matmul(act(A.k_pre), act(A.xn), p(lp.wk), false, true, false);
-  be_.matmul(act(A.v), act(A.xn), p(lp.wv), false, true, false);
+  be_.matmul_forward(act(A.q_pre), act(A.xn), p(lp.wq));
+  be_.matmul_forward(act(A.k_pre), act(A.xn), p(lp.wk));
+  be_.matmul_forward(act(A.v), act(A.xn), p(lp.wv));
   be_.rmsnorm_forward(act(A.q), act(A.q_rstd), act(A.q_pre), p(lp.q_norm), cfg_.rms_eps);
   be_.rmsnorm_forward(act(A.k), act(A.k_rstd), act(A.k_pre), p(lp.k_norm), cfg_.rms_eps);
   Tensor q4 = act(A.q).view({B_, T_, hq, hd}), k4 = act(A.k).view({B_, T_, hkv, hd});
@@ -453,7 +453,7 @@ void Model::attention_forward(int l) {
     const int64_t seen = decode_position_ + T_;
     be_.attention_cached(att4, q4, cache_rows(kv_->k[l], 0, seen), cache_rows(kv_->v[l], 0, seen));
   }
-  be_.matmul(history()[j + 1], act(A.att), p(lp.wo), false, true, false);
+  be_.matmul_forward(history()[j + 1], act(A.att), p(lp.wo));
 }
 
 void Model::mlp_forward(int l) {
@@ -461,10 +461,10 @@ void Model::mlp_forward(int l) {
   const SublayerActs& A = *acts_[j];
   const LayerParams& lp = layers_[l];
   be_.rmsnorm_forward(act(A.xn), act(A.rstd), site_input(j), p(lp.mlp_norm), cfg_.rms_eps);
-  be_.matmul(act(A.gate), act(A.xn), p(lp.w_gate), false, true, false);
-  be_.matmul(act(A.up), act(A.xn), p(lp.w_up), false, true, false);
+  be_.matmul_forward(act(A.gate), act(A.xn), p(lp.w_gate));
+  be_.matmul_forward(act(A.up), act(A.xn), p(lp.w_up));
   be_.swiglu_forward(act(A.h), act(A.gate), act(A.up));
-  be_.matmul(history()[j + 1], act(A.h), p(lp.w_down), false, true, false);
+  be_.matmul_forward(history()[j + 1], act(A.h), p(lp.w_down));
 }
 
 // ---------------------------------------------------------------- backward
@@ -483,8 +483,8 @@ void Model::backward(const BucketHook& bucket_done) {
   // Head: the logits buffer now holds d(loss)/d(logits).
   Tensor head_w = lm_head_ >= 0 ? p(lm_head_) : p(embed_);
   Tensor head_g = lm_head_ >= 0 ? g(lm_head_) : g(embed_);
-  be_.matmul(act(s.d_xfn), act(s.logits), head_w, false, false, false);
-  be_.matmul(head_g, act(s.logits), act(s.xfn), true, false, true);
+  be_.matmul_input_grad(act(s.d_xfn), act(s.logits), head_w, false);
+  be_.matmul_weight_grad(head_g, act(s.logits), act(s.xfn));
   be_.rmsnorm_backward(rs.site_grad(last_site), g(final_norm_), act(s.d_xfn),
                        site_input(last_site), p(final_norm_), act(s.rstd_f), false);
   done(head_bucket);  // final norm, and the LM head unless it is the (tied) embedding
@@ -511,8 +511,8 @@ void Model::attention_backward(int l) {
   const LayerParams& lp = layers_[l];
   const int64_t hq = cfg_.n_heads, hkv = cfg_.n_kv_heads, hd = cfg_.head_dim;
   Tensor dout = scheme_->source_grad(j + 1);
-  be_.matmul(act(A.d_att), dout, p(lp.wo), false, false, false);
-  be_.matmul(g(lp.wo), dout, act(A.att), true, false, true);
+  be_.matmul_input_grad(act(A.d_att), dout, p(lp.wo), false);
+  be_.matmul_weight_grad(g(lp.wo), dout, act(A.att));
   Tensor dq4 = act(A.dq).view({B_, T_, hq, hd}), dk4 = act(A.dk).view({B_, T_, hkv, hd});
   be_.attention_backward(dq4, dk4, act(A.dv).view({B_, T_, hkv, hd}),
                          act(A.d_att).view({B_, T_, hq, hd}), act(A.q).view({B_, T_, hq, hd}),
@@ -524,12 +524,12 @@ void Model::attention_backward(int l) {
                        act(A.q_rstd), false);
   be_.rmsnorm_backward(act(A.dk_pre), g(lp.k_norm), act(A.dk), act(A.k_pre), p(lp.k_norm),
                        act(A.k_rstd), false);
-  be_.matmul(act(A.d_xn), act(A.dq_pre), p(lp.wq), false, false, false);
-  be_.matmul(act(A.d_xn), act(A.dk_pre), p(lp.wk), false, false, true);
-  be_.matmul(act(A.d_xn), act(A.dv), p(lp.wv), false, false, true);
-  be_.matmul(g(lp.wq), act(A.dq_pre), act(A.xn), true, false, true);
-  be_.matmul(g(lp.wk), act(A.dk_pre), act(A.xn), true, false, true);
-  be_.matmul(g(lp.wv), act(A.dv), act(A.xn), true, false, true);
+  be_.matmul_input_grad(act(A.d_xn), act(A.dq_pre), p(lp.wq), false);
+  be_.matmul_input_grad(act(A.d_xn), act(A.dk_pre), p(lp.wk), true);
+  be_.matmul_input_grad(act(A.d_xn), act(A.dv), p(lp.wv), true);
+  be_.matmul_weight_grad(g(lp.wq), act(A.dq_pre), act(A.xn));
+  be_.matmul_weight_grad(g(lp.wk), act(A.dk_pre), act(A.xn));
+  be_.matmul_weight_grad(g(lp.wv), act(A.dv), act(A.xn));
   be_.rmsnorm_backward(scheme_->site_grad(j), g(lp.attn_norm), act(A.d_xn), site_input(j),
                        p(lp.attn_norm), act(A.rstd), false);
 }
@@ -539,13 +539,13 @@ void Model::mlp_backward(int l) {
   const SublayerActs& A = *acts_[j];
   const LayerParams& lp = layers_[l];
   Tensor dout = scheme_->source_grad(j + 1);
-  be_.matmul(act(A.d_h), dout, p(lp.w_down), false, false, false);
-  be_.matmul(g(lp.w_down), dout, act(A.h), true, false, true);
+  be_.matmul_input_grad(act(A.d_h), dout, p(lp.w_down), false);
+  be_.matmul_weight_grad(g(lp.w_down), dout, act(A.h));
   be_.swiglu_backward(act(A.d_gate), act(A.d_up), act(A.d_h), act(A.gate), act(A.up));
-  be_.matmul(act(A.d_xn), act(A.d_gate), p(lp.w_gate), false, false, false);
-  be_.matmul(act(A.d_xn), act(A.d_up), p(lp.w_up), false, false, true);
-  be_.matmul(g(lp.w_gate), act(A.d_gate), act(A.xn), true, false, true);
-  be_.matmul(g(lp.w_up), act(A.d_up), act(A.xn), true, false, true);
+  be_.matmul_input_grad(act(A.d_xn), act(A.d_gate), p(lp.w_gate), false);
+  be_.matmul_input_grad(act(A.d_xn), act(A.d_up), p(lp.w_up), true);
+  be_.matmul_weight_grad(g(lp.w_gate), act(A.d_gate), act(A.xn));
+  be_.matmul_weight_grad(g(lp.w_up), act(A.d_up), act(A.xn));
   be_.rmsnorm_backward(scheme_->site_grad(j), g(lp.mlp_norm), act(A.d_xn), site_input(j),
                        p(lp.mlp_norm), act(A.rstd), false);
 }
