@@ -59,6 +59,12 @@ struct SchemeContext {
   const std::vector<Parameter>& params;
 };
 
+// The routing ops' view of per-site query and gain parameters (indices into
+// SchemeContext::params, one each per site): values and gradients, in site order. Shared
+// by the schemes that route (routed, delta).
+RoutingParams bind_routing_params(const SchemeContext& c, const std::vector<int>& query,
+                                  const std::vector<int>& gain);  // residual_routed.cpp
+
 class ResidualScheme {
  public:
   virtual ~ResidualScheme() = default;

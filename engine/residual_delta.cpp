@@ -63,15 +63,7 @@ class DeltaScheme final : public ResidualScheme {
     }
     null_ = add("model.delta.null", d, Init::Zero, 0);
   }
-  void bind_parameters() override {
-    params_ = RoutingParams{};
-    for (size_t j = 0; j < query_.size(); ++j) {
-      params_.query.push_back(c_.params[size_t(query_[j])].value);
-      params_.gain.push_back(c_.params[size_t(gain_[j])].value);
-      params_.dquery.push_back(c_.params[size_t(query_[j])].grad);
-      params_.dgain.push_back(c_.params[size_t(gain_[j])].grad);
-    }
-  }
+  void bind_parameters() override { params_ = bind_routing_params(c_, query_, gain_); }
 
   void plan(MemoryPlan& P, const Timeline& t, int64_t N, int history,
             std::vector<int>& site_x) override;

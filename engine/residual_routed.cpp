@@ -43,7 +43,7 @@ class RoutedScheme final : public ResidualScheme {
       gain_.push_back(add(pre + ".gain", c_.cfg.d_model, Init::One, 0));
     }
   }
-  void bind_parameters() override;
+  void bind_parameters() override { params_ = bind_routing_params(c_, query_, gain_); }
 
   void plan(MemoryPlan& P, const Timeline& t, int64_t N, int history,
             std::vector<int>& site_x) override;
@@ -85,16 +85,6 @@ class RoutedScheme final : public ResidualScheme {
   int history_ = -1, inv_rms_ = -1, route_w_ = -1, ubar_ = -1, gsum_ = -1;
   std::vector<int> site_x_, site_dx_, source_dx_;
 };
-
-void RoutedScheme::bind_parameters() {
-  params_ = RoutingParams{};
-  for (size_t j = 0; j < query_.size(); ++j) {
-    params_.query.push_back(c_.params[size_t(query_[j])].value);
-    params_.gain.push_back(c_.params[size_t(gain_[j])].value);
-    params_.dquery.push_back(c_.params[size_t(query_[j])].grad);
-    params_.dgain.push_back(c_.params[size_t(gain_[j])].grad);
-  }
-}
 
 void RoutedScheme::plan(MemoryPlan& P, const Timeline& t, int64_t N, int history,
                         std::vector<int>& site_x) {
@@ -171,6 +161,18 @@ std::vector<double> RoutedScheme::routing_weights(int site) const {
 }
 
 }  // namespace
+
+RoutingParams bind_routing_params(const SchemeContext& c, const std::vector<int>& query,
+                                  const std::vector<int>& gain) {
+  RoutingParams p;
+  for (size_t j = 0; j < query.size(); ++j) {
+    p.query.push_back(c.params[size_t(query[j])].value);
+    p.gain.push_back(c.params[size_t(gain[j])].value);
+    p.dquery.push_back(c.params[size_t(query[j])].grad);
+    p.dgain.push_back(c.params[size_t(gain[j])].grad);
+  }
+  return p;
+}
 
 std::unique_ptr<ResidualScheme> make_routed_scheme(const SchemeContext& ctx) {
   return std::make_unique<RoutedScheme>(ctx);
