@@ -42,6 +42,20 @@ __device__ __forceinline__ double warp_sum(double v) {
   return v;
 }
 
+// Sum of v over the block, valid in thread 0 (warp sums, then warp 0 sums those in
+// warp order: a fixed order, so the same bits every run). blockDim.x a multiple of 32;
+// every thread must call it, once per kernel (its shared array is not reset for reuse).
+template <class T>
+__device__ __forceinline__ T block_sum(T v) {
+  __shared__ T warp_sums[32];
+  v = warp_sum(v);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) warp_sums[warp] = v;
+  __syncthreads();
+  if (warp == 0) v = warp_sum(lane < int(blockDim.x >> 5) ? warp_sums[lane] : T(0));
+  return v;
+}
+
 __host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Calls f(T{}) with T the storage type of dtype (BF16 or F32).

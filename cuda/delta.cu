@@ -30,7 +30,6 @@ __global__ void gate_kernel(TX* x, const TB* base, const TA* alpha, const TR* r,
 template <class TD, class TA>
 __global__ void gate_backward_kernel(TD* dr, float* partial, const TD* dx, const TD* r,
                                      const TA* alpha, int64_t n) {
-  __shared__ float warp_sums[kThreads / 32];
   const float a = load(alpha[0]);
   float acc = 0.f;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
@@ -39,32 +38,17 @@ __global__ void gate_backward_kernel(TD* dr, float* partial, const TD* dx, const
     dr[i] = store<TD>(a * g);
     acc += g * load(r[i]);
   }
-  acc = warp_sum(acc);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if (lane == 0) warp_sums[warp] = acc;
-  __syncthreads();
-  if (warp == 0) {
-    acc = lane < int(blockDim.x >> 5) ? warp_sums[lane] : 0.f;
-    acc = warp_sum(acc);
-    if (lane == 0) partial[blockIdx.x] = acc;
-  }
+  acc = block_sum(acc);
+  if (threadIdx.x == 0) partial[blockIdx.x] = acc;
 }
 
 // out[0] += sum of partial[0..count) (one block; each thread a strided run, then a tree).
 template <class TO>
 __global__ void sum_partials_kernel(TO* out, const float* partial, int count) {
-  __shared__ float warp_sums[kThreads / 32];
   float acc = 0.f;
   for (int i = threadIdx.x; i < count; i += blockDim.x) acc += partial[i];
-  acc = warp_sum(acc);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if (lane == 0) warp_sums[warp] = acc;
-  __syncthreads();
-  if (warp == 0) {
-    acc = lane < int(blockDim.x >> 5) ? warp_sums[lane] : 0.f;
-    acc = warp_sum(acc);
-    if (lane == 0) out[0] = store<TO>(load(out[0]) + acc);
-  }
+  acc = block_sum(acc);
+  if (threadIdx.x == 0) out[0] = store<TO>(load(out[0]) + acc);
 }
 
 template <class TO, class TR>

@@ -28,22 +28,14 @@ __global__ void add_inplace_kernel(TY* y, const TX* x, int64_t n) {
 
 template <class T>
 __global__ void sum_squares_kernel(double* result, const T* x, int64_t n) {
-  __shared__ double warp_sums[32];
   double acc = 0.0;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
     const double v = load(x[i]);
     acc += v * v;
   }
-  acc = warp_sum(acc);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if (lane == 0) warp_sums[warp] = acc;
-  __syncthreads();
-  if (warp == 0) {
-    acc = lane < int(blockDim.x >> 5) ? warp_sums[lane] : 0.0;
-    acc = warp_sum(acc);
-    if (lane == 0) atomicAdd(result, acc);
-  }
+  acc = block_sum(acc);
+  if (threadIdx.x == 0) atomicAdd(result, acc);
 }
 
 }  // namespace
