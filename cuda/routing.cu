@@ -261,6 +261,13 @@ __device__ __forceinline__ void load_per_head(float (&out)[NT][kHeadVals<ALIGNED
 // carry the fp32 product q*g as the CPU reference does, not its bf16 rounding. Then
 // every logit is multiplied by its token's inv_rms.
 
+// x as bf16 hi + lo parts: hi = bf16(x), lo = bf16(x - hi) (x to ~2^-17 relative).
+__device__ __forceinline__ void split_bf16(float x, bf16& hi, bf16& lo) {
+  const bf16 h = __float2bfloat16_rn(x);
+  hi = h;
+  lo = __float2bfloat16_rn(x - __bfloat162float(h));
+}
+
 // The per-site tables for sites first .. first+ns-1, [ns, d] each: hi/lo bf16 parts of
 // q*g (for the logits) or q*g in fp32 (for the backward's key path). q*g of two bf16
 // values is exact in fp32.
@@ -271,13 +278,8 @@ __global__ void qg_tables_kernel(bf16* __restrict__ hi, bf16* __restrict__ lo,
        e += int64_t(gridDim.x) * blockDim.x) {
     const int k = first + int(e / d), c = int(e % d);
     const float qg = load(sp.q[k][c]) * load(sp.g[k][c]);
-    if (f32) {
-      f32[e] = qg;
-    } else {
-      const bf16 h = __float2bfloat16_rn(qg);
-      hi[e] = h;
-      lo[e] = __float2bfloat16_rn(qg - __bfloat162float(h));
-    }
+    if (f32) f32[e] = qg;
+    else split_bf16(qg, hi[e], lo[e]);
   }
 }
 
@@ -779,11 +781,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, FUSED ? 2 : span_blocks_p
 __global__ void split_bf16_kernel(bf16* __restrict__ hi, bf16* __restrict__ lo,
                                   const float* __restrict__ x, int64_t n) {
   for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
-       e += int64_t(gridDim.x) * blockDim.x) {
-    const bf16 h = __float2bfloat16_rn(x[e]);
-    hi[e] = h;
-    lo[e] = __float2bfloat16_rn(x[e] - __bfloat162float(h));
-  }
+       e += int64_t(gridDim.x) * blockDim.x)
+    split_bf16(x[e], hi[e], lo[e]);
 }
 
 __global__ void param_grads_kernel(const SiteGrads sg, const SiteParams sp,
@@ -1022,36 +1021,33 @@ void routing_source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Ten
   auto* dv_out = static_cast<bf16*>(dv.data);
   const auto* x_in = static_cast<const bf16*>(x.data);
   const auto* v_in = static_cast<const bf16*>(v.data);
-  if (span_layout(g) && ns <= kFusedKeyMaxSites) {
+  // Slots read by few sites take the fused span kernel (key path inside, dv written);
+  // the others write the fp32 value row for the key GEMM and finish kernel below.
+  const bool fused = span_layout(g) && ns <= kFusedKeyMaxSites;
+  float* val = fused ? nullptr
+                     : static_cast<float*>(ctx.scratch(ScratchSlot::RoutingValueGrad, N * g.d * 4));
+  if (span_layout(g)) {
     dispatch_span(g, [&](auto nt) {
-      source_value_span_kernel<decltype(nt)::value, true>
-          <<<token_blocks(N), 32 * kWarpsPerBlock, 0, s>>>(
-              nullptr, dv_out, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in,
-              inv_rms.ptr<float>(), qg, g, source);
+      constexpr int NT = decltype(nt)::value;
+      auto kernel = fused ? source_value_span_kernel<NT, true> : source_value_span_kernel<NT, false>;
+      kernel<<<token_blocks(N), 32 * kWarpsPerBlock, 0, s>>>(
+          val, fused ? dv_out : nullptr, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in,
+          v_in, inv_rms.ptr<float>(), fused ? qg : nullptr, g, source);
       CUDA_CHECK_LAUNCH();
     });
   } else {
-    auto* val = static_cast<float*>(ctx.scratch(ScratchSlot::RoutingValueGrad, N * g.d * 4));
+    const size_t smem = sizeof(float) * kWarpsPerBlock * heads;
+    dispatch_rows(g, [&](auto nt, auto al) {
+      auto kernel = source_value_kernel<decltype(nt)::value, decltype(al)::value>;
+      allow_smem(kernel, smem);
+      kernel<<<token_blocks(N), 32 * kWarpsPerBlock, smem, s>>>(
+          val, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in, inv_rms.ptr<float>(),
+          g, source);
+      CUDA_CHECK_LAUNCH();
+    });
+  }
+  if (!fused) {
     auto* key = static_cast<float*>(ctx.scratch(ScratchSlot::RoutingKeyGrad, N * g.d * 4));
-    if (span_layout(g)) {
-      dispatch_span(g, [&](auto nt) {
-        source_value_span_kernel<decltype(nt)::value, false>
-            <<<token_blocks(N), 32 * kWarpsPerBlock, 0, s>>>(
-                val, nullptr, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in,
-                inv_rms.ptr<float>(), nullptr, g, source);
-        CUDA_CHECK_LAUNCH();
-      });
-    } else {
-      const size_t smem = sizeof(float) * kWarpsPerBlock * heads;
-      dispatch_rows(g, [&](auto nt, auto al) {
-        auto kernel = source_value_kernel<decltype(nt)::value, decltype(al)::value>;
-        allow_smem(kernel, smem);
-        kernel<<<token_blocks(N), 32 * kWarpsPerBlock, smem, s>>>(
-            val, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in,
-            inv_rms.ptr<float>(), g, source);
-        CUDA_CHECK_LAUNCH();
-      });
-    }
     // The key path: key = (ds r) qg per head, from the pairs the value kernel just wrote.
     head_gemm(s, ctx.blas, CUBLAS_OP_N, CUBLAS_OP_T, g.dh, N, ns, qg, CUDA_R_32F, g.d, g.dh,
               w_src, CUDA_R_32F, int64_t(g.H) * N, N, 0.f, key, g.d, g.dh, g.H);
