@@ -6,7 +6,6 @@
 #include <random>
 
 #include "engine/allocator.h"
-#include "engine/forwarding_backend.h"
 #include "tests/model_test_util.h"
 
 using namespace mhar;
@@ -75,18 +74,6 @@ TEST(MemoryPlan, ModelPlansAreSafeAndReuseAcrossLayers) {
   }
 }
 
-// Plans a model at the CUDA backend's dtypes without memory: allocations are never
-// touched while a model is built, so every arena gets the same dummy address.
-class PlanOnly final : public ForwardingBackend {
- public:
-  using ForwardingBackend::ForwardingBackend;
-  DType act_dtype() const override { return DType::BF16; }
-  DType stat_dtype() const override { return DType::F32; }
-  DType grad_dtype() const override { return DType::F32; }
-  void* allocate(size_t) override { return reinterpret_cast<void*>(uintptr_t(1) << 20); }
-  void release(void*) override {}
-};
-
 // At the shapes of configs/{350m,1b}_*.json: the routed activation plan is the standard
 // one plus at most the routing statistics (pairs, inv_rms, ubar, key-gradient slabs);
 // the site input gradients the source-stationary backward keeps must fit in memory the
@@ -94,7 +81,7 @@ class PlanOnly final : public ForwardingBackend {
 // 1B).
 TEST(MemoryPlan, RoutingAddsOnlyItsStatisticsToTheActivationPlan) {
   auto cpu = make_cpu_backend(DType::F32);
-  PlanOnly be(*cpu);
+  test::PlanOnly be(*cpu);
   for (const char* size : {"350m", "1b"}) {
     const std::string dir = std::string(MHAR_SOURCE_DIR) + "/configs/";
     const Config std_cfg = load_config(dir + size + "_standard.json");
@@ -125,7 +112,7 @@ TEST(MemoryPlan, RoutingAddsOnlyItsStatisticsToTheActivationPlan) {
 // site inputs and their gradients having standard's lifetimes.
 TEST(MemoryPlan, HyperAddsOnlyItsStreamsToTheActivationPlan) {
   auto cpu = make_cpu_backend(DType::F32);
-  PlanOnly be(*cpu);
+  test::PlanOnly be(*cpu);
   const std::string dir = std::string(MHAR_SOURCE_DIR) + "/configs/";
   const Config std_cfg = load_config(dir + "350m_standard.json");
   const int B = std_cfg.train.micro_batch, T = std_cfg.train.seq_len;

@@ -158,17 +158,6 @@ TEST(DeltaConfig, FieldsAreValidatedWithTheirValues) {
   EXPECT_EQ(residual_summary(back.residual), "delta H=4 block_layers 2");
 }
 
-std::vector<double> fill(Backend& be, Tensor t, std::mt19937_64& rng) {
-  std::uniform_real_distribution<double> u(-1, 1);
-  std::vector<double> v(size_t(t.numel()));
-  for (double& x : v) x = u(rng);
-  be.upload(t, v.data());
-  return v;
-}
-void poison(Backend& be, Tensor t) {
-  std::vector<double> v(size_t(t.numel()), std::numeric_limits<double>::quiet_NaN());
-  be.upload(t, v.data());
-}
 
 TEST(DeltaOps, EachOpIsItsEquation) {
   auto be = make_cpu_backend(DType::F64);
@@ -219,17 +208,6 @@ TEST(DeltaOps, EachOpIsItsEquation) {
   }
   for (void* p : owned) be->release(p);
 }
-
-// Plans a model at the CUDA backend's dtypes without touching memory (as allocator_test).
-class PlanOnly final : public ForwardingBackend {
- public:
-  using ForwardingBackend::ForwardingBackend;
-  DType act_dtype() const override { return DType::BF16; }
-  DType stat_dtype() const override { return DType::F32; }
-  DType grad_dtype() const override { return DType::F32; }
-  void* allocate(size_t) override { return reinterpret_cast<void*>(uintptr_t(1) << 20); }
-  void release(void*) override {}
-};
 
 // At the shapes of configs/{350m,1b}_delta.json the activation plan is the standard one
 // plus the block-routing statistics (pairs, inv_rms, ubar, key-gradient slabs, the

@@ -226,18 +226,6 @@ TEST(HyperRefusal, BackendWithoutStreamOpsFailsWhenTheModelIsBuilt) {
   EXPECT_THROW(bare.hyper_mix(Tensor(), Tensor(), Tensor()), std::exception);
 }
 
-// Random host values in [-1, 1), uploaded.
-std::vector<double> fill(Backend& be, Tensor t, std::mt19937_64& rng) {
-  std::uniform_real_distribution<double> u(-1, 1);
-  std::vector<double> v(size_t(t.numel()));
-  for (double& x : v) x = u(rng);
-  be.upload(t, v.data());
-  return v;
-}
-void poison(Backend& be, Tensor t) {
-  std::vector<double> v(size_t(t.numel()), std::numeric_limits<double>::quiet_NaN());
-  be.upload(t, v.data());
-}
 void expect_close(const std::vector<double>& got, const std::vector<double>& want, const char* what) {
   ASSERT_EQ(got.size(), want.size()) << what;
   for (size_t i = 0; i < got.size(); ++i)

@@ -2,12 +2,15 @@
 // by the model tests (gradient checks, routing identities, golden, allocator).
 #pragma once
 #include <cmath>
+#include <cstdint>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "engine/backend.h"
 #include "engine/config.h"
+#include "engine/forwarding_backend.h"
 #include "engine/model.h"
 
 namespace mhar::test {
@@ -95,6 +98,32 @@ inline std::vector<int32_t> markov_tokens(size_t n, uint64_t seed) {
 // or fp64. Weights already on the bf16 grid need rel = 2^-8: a change of 2^-9 or less
 // never crosses half a bf16 ulp (2^-9 to 2^-8 of the value), so it would round back to
 // the same weights; 2^-8 moves a share of them by one ulp, never more.
+// Plans a model at the CUDA backend's dtypes without memory: allocations are never
+// touched while a model is built, so every arena gets the same dummy address.
+class PlanOnly final : public ForwardingBackend {
+ public:
+  using ForwardingBackend::ForwardingBackend;
+  DType act_dtype() const override { return DType::BF16; }
+  DType stat_dtype() const override { return DType::F32; }
+  DType grad_dtype() const override { return DType::F32; }
+  void* allocate(size_t) override { return reinterpret_cast<void*>(uintptr_t(1) << 20); }
+  void release(void*) override {}
+};
+
+// Random host values in [-1, 1), uploaded into t; returned for the reference.
+inline std::vector<double> fill(Backend& be, Tensor t, std::mt19937_64& rng) {
+  std::uniform_real_distribution<double> u(-1, 1);
+  std::vector<double> v(size_t(t.numel()));
+  for (double& x : v) x = u(rng);
+  be.upload(t, v.data());
+  return v;
+}
+// Every element NaN: an op that should overwrite t and skips an element shows it.
+inline void poison(Backend& be, Tensor t) {
+  std::vector<double> v(size_t(t.numel()), std::numeric_limits<double>::quiet_NaN());
+  be.upload(t, v.data());
+}
+
 inline void perturb_parameters(Model& m, uint64_t seed, double rel = 0x1p-9) {
   std::mt19937_64 rng(seed);
   std::uniform_real_distribution<double> u(-rel, rel);
