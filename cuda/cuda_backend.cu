@@ -237,7 +237,14 @@ class CudaBackend final : public Backend {
   }
   void routing_mix(Tensor x, Tensor weights, Tensor history, const RoutingLayout& layout,
                    int site, int heads) override {
-    cuda::routing_mix(stream_, x, weights, history, layout, site, heads);
+    cuda::routing_mix(stream_, routing_ctx_, x, weights, history, layout, site, heads);
+  }
+  void routing_mix_tile(Tensor x, Tensor weights, Tensor history, const RoutingLayout& layout,
+                        int site, int count, int heads) override {
+    cuda::routing_mix_tile(stream_, routing_ctx_, x, weights, history, layout, site, count, heads);
+  }
+  int routing_tile_sites(const RoutingLayout& layout, int64_t d, int heads) const override {
+    return cuda::routing_tile_sites(layout, d, heads);
   }
   void routing_source_backward(Tensor dv, Tensor weights, Tensor ubar, Tensor gsum,
                                const std::vector<Tensor>& site_dx, Tensor x, Tensor v,

@@ -63,6 +63,7 @@ enum class ScratchSlot {
   RoutingValueGrad,
   RoutingKeyGrad,
   RoutingPairSplit,
+  RoutingTile,
   HyperPartials,
   Count
 };
@@ -71,15 +72,31 @@ using ScratchFn = std::function<void*(ScratchSlot, size_t)>;
 // routing.cu. The logits and the key path of the backward are small GEMMs per head
 // (cuBLAS, on the backend's stream) around the token kernels; their temporaries come from
 // the backend's scratch.
+// The depth tile in flight (routing_mix_tile): the fp32 partial sums of sites
+// first+1 .. first+count-1 over the slots <= first, in the RoutingTile scratch, valid for
+// this weights/history pair until the tile's last site is mixed or a slot <= first gets
+// new logits (the next forward).
+struct MixTile {
+  const void* weights = nullptr;
+  const void* history = nullptr;
+  RoutingLayout layout;
+  int heads = 0;
+  int first = -1, count = 0;
+  int next = -1;  // the site whose routing_mix may use the tile next
+};
 struct RoutingContext {
   cublasHandle_t blas = nullptr;
   ScratchFn scratch;
+  MixTile tile;
 };
 void routing_source_logits(cudaStream_t s, RoutingContext& ctx, Tensor weights, Tensor inv_rms,
                            Tensor v, const RoutingParams& params, const RoutingLayout& layout,
                            int source, int heads, double eps);
-void routing_mix(cudaStream_t s, Tensor x, Tensor weights, Tensor history,
+void routing_mix(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weights, Tensor history,
                  const RoutingLayout& layout, int site, int heads);
+void routing_mix_tile(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weights,
+                      Tensor history, const RoutingLayout& layout, int site, int count, int heads);
+int routing_tile_sites(const RoutingLayout& layout, int64_t d, int heads);
 void routing_source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weights,
                              Tensor ubar, Tensor gsum, const std::vector<Tensor>& site_dx,
                              Tensor x, Tensor v, Tensor inv_rms, const RoutingParams& params,

@@ -34,6 +34,7 @@
 //   rows; otherwise every feature is added into a per-warp shared array of H sums.
 // Temporaries (qg tables, the backward's fp32 value and key rows, ds*r's bf16 parts) are
 // the backend's grow-only scratch (kernels.h); nothing here allocates.
+#include <algorithm>
 #include <type_traits>
 
 #include "cuda/common.cuh"
@@ -415,6 +416,205 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
     }
     store_row(x + n * g.d, acc, g.nchunks);
     __syncwarp();  // m_sh/linv_sh are rewritten for the next token
+  }
+}
+
+// ---------------------------------------------------------------- depth tiling (mix)
+// routing_mix_tile (backend.h) for full routing: the sites j0 .. j0+count-1 all read the
+// slots 0 .. j0, so the tile kernel reads each of those rows once and keeps, per later
+// site j0+m, the unnormalised sum P_m = sum_{i<=j0} exp(s_i - M_m) v_i (fp32 row) with its
+// per-head max M_m and sum L_m; site j0's own mix is finished there. Site j0+m's finish
+// kernel then merges the slots j0+1 .. j0+m: with M = max(M_m, new logits) and
+// L = L_m e^(M_m - M) + sum_new e^(s - M), x = P_m e^(M_m - M) / L + sum_new a_i v_i, and
+// every weight a_i = e^(s_i - M) / L is written as the plain mix writes it. Bytes for a
+// tile of k sites from j0 (rows R = N d 2): (j0 + 1) + 1 + 2 (k - 1) rows in the tile
+// kernel, 2 + m + 1 in site j0+m's finish; the plain mixes read sum_m (j0 + m + 1) + k.
+// routing_tile_sites picks the k <= kTileSites that moves the fewest bytes for the depth
+// (cuda/NOTES.md has the model per size).
+constexpr int kTileSites = 8;
+constexpr int kTilePrefetch = 4;  // slot rows in flight per lane in the tile kernel
+
+__device__ __forceinline__ int64_t full_pair_base(int i, int S) {
+  return int64_t(i) * S - int64_t(i) * (i - 1) / 2;
+}
+
+// One warp per token. Statistics: head h's G = 32/H lanes take every G-th slot, one
+// online (max, sum) per tile site, merged by shuffles. Rows: in passes of 256 features
+// (lane l: chunk l + 32 p, inside one head since dh % 8 == 0), each slot's chunk is read
+// once and added into the k accumulators (k x 8 fp32 registers), with the weights from
+// a per-warp shared-memory table of the pass's heads (NH: the most heads a pass spans).
+template <int K>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock)
+    mix_tile_kernel(bf16* __restrict__ x, float* __restrict__ weights,
+                    const bf16* __restrict__ hist, float* __restrict__ partial,
+                    float* __restrict__ pstat, const Geometry g, int site0, int count, int NH) {
+  __shared__ float st_max[kWarpsPerBlock][K][32], st_sum[kWarpsPerBlock][K][32];
+  extern __shared__ float tile_tables[];  // per warp: (site0 + 1) K NH floats
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float* table = tile_tables + int64_t(warp) * (site0 + 1) * K * NH;
+  const int G = 32 / g.H, h = lane / G, sub = lane % G, cph = g.dh / 8;
+  const int S = g.lay.sites, nsrc = site0 + 1;
+  const int64_t HN = int64_t(g.H) * g.N, Nd = g.N * g.d;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
+  for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + warp; n < g.N; n += warps) {
+    // logit of slot i for site site0 + m, head hh: pair(i, site0 + m) = pair(i, site0) + m
+    auto logit = [&](int i, int m, int hh) {
+      return weights + (full_pair_base(i, S) + site0 - i + m) * HN + int64_t(hh) * g.N + n;
+    };
+#pragma unroll
+    for (int m = 0; m < K; ++m) {
+      if (m >= count) break;
+      float mx = -INFINITY, l = 0.f;
+      for (int i = sub; i < nsrc; i += G) {
+        const float s = *logit(i, m, h);
+        if (s > mx) l = l * __expf(mx - s) + 1.f, mx = s;  // exp(-inf) = 0 on the first
+        else l += __expf(s - mx);
+      }
+      for (int o = G >> 1; o > 0; o >>= 1) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, mx, o), l2 = __shfl_xor_sync(0xffffffffu, l, o);
+        const float M = fmaxf(mx, m2);
+        l = (mx == -INFINITY ? 0.f : l * __expf(mx - M)) + (m2 == -INFINITY ? 0.f : l2 * __expf(m2 - M));
+        mx = M;
+      }
+      if (sub == 0) st_max[warp][m][h] = mx, st_sum[warp][m][h] = l;
+    }
+    __syncwarp();
+    for (int pass = 0; 32 * pass < g.nchunks; ++pass) {
+      // The weights this pass needs, e^(s - M_m) (over L_0 for site0), once per warp in
+      // shared memory: the heads of features [256 pass, 256 pass + 256), at
+      // table[(i K + m) NH + head - h0]. Lane q of the count x nh (m, head) pairs walks
+      // the slots, so the pass's row loop reads them back instead of every lane
+      // loading and exponentiating k logits per slot.
+      const int h0 = 256 * pass / g.dh, nh = min(g.H - 1, (256 * pass + 255) / g.dh) - h0 + 1;
+      __syncwarp();  // the previous pass (or token) has read the table
+      for (int q = lane; q < count * nh; q += 32) {
+        const int m = q / nh, hh = h0 + q % nh;
+        const float M = st_max[warp][m][hh], scale = m == 0 ? 1.f / st_sum[warp][0][hh] : 1.f;
+        float* t = table + m * NH + (hh - h0);
+        for (int i = 0; i < nsrc; ++i) t[i * K * NH] = __expf(*logit(i, m, hh) - M) * scale;
+      }
+      __syncwarp();
+      const int ch = lane + 32 * pass;
+      const bool on = ch < g.nchunks;
+      const float* tw = table + (on ? ch / cph - h0 : 0);
+      float acc[K][8];
+#pragma unroll
+      for (int m = 0; m < K; ++m)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[m][e] = 0.f;
+      const uint4* row = reinterpret_cast<const uint4*>(hist + n * g.d) + ch;
+      for (int i0 = 0; i0 < nsrc; i0 += kTilePrefetch) {
+        uint4 v[kTilePrefetch];
+#pragma unroll
+        for (int u = 0; u < kTilePrefetch; ++u)
+          v[u] = on && i0 + u < nsrc ? row[(i0 + u) * (Nd / 8)] : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int u = 0; u < kTilePrefetch; ++u) {
+          const int i = i0 + u;
+          if (i >= nsrc) break;
+#pragma unroll
+          for (int m = 0; m < K; ++m) {
+            if (m >= count) break;
+            const float a = tw[(i * K + m) * NH];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[m][e] += a * elem(v[u], e);
+          }
+        }
+      }
+      if (!on) continue;
+      reinterpret_cast<uint4*>(x + n * g.d)[ch] =
+          make_uint4(pack2(acc[0][0], acc[0][1]), pack2(acc[0][2], acc[0][3]),
+                     pack2(acc[0][4], acc[0][5]), pack2(acc[0][6], acc[0][7]));
+#pragma unroll
+      for (int m = 1; m < K; ++m) {
+        if (m >= count) break;
+        float4* p = reinterpret_cast<float4*>(partial + (m - 1) * Nd + n * g.d) + 2 * ch;
+        p[0] = make_float4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]);
+        p[1] = make_float4(acc[m][4], acc[m][5], acc[m][6], acc[m][7]);
+      }
+    }
+    __syncwarp();  // every lane has read the raw logits of site0
+    {
+      const float M = st_max[warp][0][h], linv = 1.f / st_sum[warp][0][h];
+      for (int i = sub; i < nsrc; i += G) {
+        float* p = logit(i, 0, h);
+        *p = __expf(*p - M) * linv;
+      }
+    }
+    if (sub == 0)
+      for (int m = 1; m < count; ++m) {
+        pstat[(int64_t(m - 1) * 2) * HN + int64_t(h) * g.N + n] = st_max[warp][m][h];
+        pstat[(int64_t(m - 1) * 2 + 1) * HN + int64_t(h) * g.N + n] = st_sum[warp][m][h];
+      }
+    __syncwarp();  // st_* are rewritten for the next token
+  }
+}
+
+// Site site0 + m of a tile (m >= 1): P, M_m, L_m from the tile kernel (partial, pstat
+// already offset to this site), the slots site0+1 .. site merged in.
+template <int NT>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock)
+    mix_tile_finish_kernel(bf16* __restrict__ x, float* __restrict__ weights,
+                           const bf16* __restrict__ hist, const float* __restrict__ partial,
+                           const float* __restrict__ pstat, const Geometry g, int site0, int site) {
+  __shared__ float st_scale[kWarpsPerBlock][32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int G = 32 / g.H, h = lane / G, sub = lane % G;
+  const LaneHeads<NT> L = lane_heads<NT>(g);
+  const int S = g.lay.sites;
+  const int64_t HN = int64_t(g.H) * g.N;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
+  for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + warp; n < g.N; n += warps) {
+    auto logit = [&](int i) {
+      return weights + (full_pair_base(i, S) + site - i) * HN + int64_t(h) * g.N + n;
+    };
+    const float m_old = pstat[int64_t(h) * g.N + n], l_old = pstat[HN + int64_t(h) * g.N + n];
+    float mx = sub == 0 ? m_old : -INFINITY, l = sub == 0 ? l_old : 0.f;
+    for (int i = site0 + 1 + sub; i <= site; i += G) {
+      const float s = *logit(i);
+      if (s > mx) l = l * __expf(mx - s) + 1.f, mx = s;
+      else l += __expf(s - mx);
+    }
+    for (int o = G >> 1; o > 0; o >>= 1) {
+      const float m2 = __shfl_xor_sync(0xffffffffu, mx, o), l2 = __shfl_xor_sync(0xffffffffu, l, o);
+      const float M = fmaxf(mx, m2);
+      l = (mx == -INFINITY ? 0.f : l * __expf(mx - M)) + (m2 == -INFINITY ? 0.f : l2 * __expf(m2 - M));
+      mx = M;
+    }
+    const float linv = 1.f / l;
+    for (int i = sub; i <= site; i += G) {  // every weight of the site, normalised in place
+      float* p = logit(i);
+      *p = __expf(*p - mx) * linv;
+    }
+    if (sub == 0) st_scale[warp][h] = __expf(m_old - mx) * linv;
+    __syncwarp();  // the normalised weights and the scales are visible to the warp
+    float acc[NT][8];
+    {
+      const float4* p = reinterpret_cast<const float4*>(partial + n * g.d);
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        const int ch = lane + 32 * t;
+        if (ch >= g.nchunks) continue;
+        const float sc = st_scale[warp][L.head[t]];
+        const float4 a = p[2 * ch], b = p[2 * ch + 1];
+        acc[t][0] = a.x * sc, acc[t][1] = a.y * sc, acc[t][2] = a.z * sc, acc[t][3] = a.w * sc;
+        acc[t][4] = b.x * sc, acc[t][5] = b.y * sc, acc[t][6] = b.z * sc, acc[t][7] = b.w * sc;
+      }
+    }
+    for (int i = site0 + 1; i <= site; ++i) {
+      Row<NT> v;
+      load_row(v, hist + (int64_t(i) * g.N + n) * g.d, g.nchunks);
+      const float* w = weights + (full_pair_base(i, S) + site - i) * HN + n;
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        if (L.head[t] < 0) continue;
+        const float a = w[int64_t(L.head[t]) * g.N];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[t][e] += a * elem(v.raw[t], e);
+      }
+    }
+    store_row(x + n * g.d, acc, g.nchunks);
+    __syncwarp();  // st_scale is rewritten for the next token
   }
 }
 
@@ -930,6 +1130,7 @@ void routing_source_logits(cudaStream_t s, RoutingContext& ctx, Tensor weights, 
                            int source, int heads, double eps) {
   const char* what = "routing_source_logits";
   const Geometry g = source_geometry(what, weights, inv_rms, v, params, layout, source, heads);
+  if (source <= ctx.tile.first) ctx.tile = MixTile{};  // new logits for a tile's old slot
   const int64_t N = g.N;
   const SiteParams sp = site_params(what, params, g.d);
   const int ns = layout.last_site(source) - source + 1;
@@ -954,7 +1155,7 @@ void routing_source_logits(cudaStream_t s, RoutingContext& ctx, Tensor weights, 
   CUDA_CHECK_LAUNCH();
 }
 
-void routing_mix(cudaStream_t s, Tensor x, Tensor weights, Tensor history,
+void routing_mix(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weights, Tensor history,
                  const RoutingLayout& layout, int site, int heads) {
   const char* what = "routing_mix";
   MHAR_CHECK(history.ndim == 3 && history.dim(0) == layout.sources, what, ": history must be [",
@@ -965,6 +1166,28 @@ void routing_mix(cudaStream_t s, Tensor x, Tensor weights, Tensor history,
   check_dtype(history, DType::BF16, what, "history");
   check_dtype(x, DType::BF16, what, "x");
   check_numel(x, g.N * g.d, what, "x");
+  // The next site of the depth tile in flight (routing_mix_tile): its partial sums hold
+  // the older slots. Any other call ends the tile (the plain mix reads every slot).
+  const MixTile tile = ctx.tile;
+  ctx.tile = MixTile{};
+  if (tile.first >= 0 && site == tile.next && weights.data == tile.weights &&
+      history.data == tile.history && layout == tile.layout && heads == tile.heads && g.N > 0) {
+    const int m = site - tile.first;
+    const int64_t partial_floats = int64_t(tile.count - 1) * g.N * g.d;
+    auto* partial = static_cast<float*>(ctx.scratch(ScratchSlot::RoutingTile, 0));
+    const float* pstat = partial + partial_floats + int64_t(m - 1) * 2 * g.H * g.N;
+    dispatch_rows(g, [&](auto nt, auto) {
+      mix_tile_finish_kernel<decltype(nt)::value><<<token_blocks(g.N), 32 * kWarpsPerBlock, 0, s>>>(
+          static_cast<bf16*>(x.data), weights.ptr<float>(), static_cast<const bf16*>(history.data),
+          partial + int64_t(m - 1) * g.N * g.d, pstat, g, tile.first, site);
+      CUDA_CHECK_LAUNCH();
+    });
+    if (site + 1 < tile.first + tile.count) {
+      ctx.tile = tile;
+      ctx.tile.next = site + 1;
+    }
+    return;
+  }
   if (g.N == 0) return;
   if (span_layout(g)) {
     dispatch_span(g, [&](auto nt) {
@@ -984,6 +1207,87 @@ void routing_mix(cudaStream_t s, Tensor x, Tensor weights, Tensor history,
         static_cast<const bf16*>(history.data), g, site);
     CUDA_CHECK_LAUNCH();
   });
+}
+
+// Row-sized reads and writes of every site's mix with depth tiles of k (the traffic
+// model above; k = 1: the plain mixes).
+int64_t tiled_mix_rows(int S, int k) {
+  int64_t rows = 0;
+  for (int j0 = 0; j0 < S; j0 += k) {
+    const int kk = std::min(k, S - j0);
+    rows += (j0 + 1) + 1 + 2 * (kk - 1);
+    for (int m = 1; m < kk; ++m) rows += 2 + m + 1;
+  }
+  return rows;
+}
+
+// The most heads that one pass of 256 features spans (mix_tile_kernel's NH).
+int tile_heads_per_pass(int64_t d, int heads) {
+  const int64_t dh = d / heads;
+  int most = 1;
+  for (int64_t f = 0; f < d; f += 256)
+    most = std::max(most, int(std::min<int64_t>(heads - 1, (f + 255) / dh) - f / dh + 1));
+  return most;
+}
+
+// mix_tile_kernel's shared weight tables: one per warp, `slots` x K x NH floats.
+size_t tile_table_bytes(int slots, int K, int NH) {
+  return size_t(kWarpsPerBlock) * size_t(slots) * size_t(K) * size_t(NH) * sizeof(float);
+}
+constexpr size_t kTileTableMaxBytes = 96 * 1024;  // leaves room for 2 blocks per SM
+
+int routing_tile_sites(const RoutingLayout& layout, int64_t d, int heads) {
+  // Full routing only: in block layouts a tile's later sites read few closed slots and
+  // their own partial block sum, so the fp32 partial rows would cost about what they save
+  // (cuda/NOTES.md). The kernels need every 16-byte chunk inside one head and the heads'
+  // lanes to tile the warp.
+  const bool shape = heads >= 1 && heads <= 32 && 32 % heads == 0 && d % heads == 0 &&
+                     (d / heads) % 8 == 0 && d <= 256 * kMaxNT;
+  if (layout.block != 1 || !shape ||
+      tile_table_bytes(layout.sites, kTileSites, tile_heads_per_pass(d, heads)) > kTileTableMaxBytes)
+    return 1;
+  int best = 1;  // the k with the fewest rows moved (S = 25: 4; 49 and 73: 8)
+  for (int k = 2; k <= kTileSites; ++k)
+    if (tiled_mix_rows(layout.sites, k) < tiled_mix_rows(layout.sites, best)) best = k;
+  return best;
+}
+
+void routing_mix_tile(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weights,
+                      Tensor history, const RoutingLayout& layout, int site, int count,
+                      int heads) {
+  const char* what = "routing_mix_tile";
+  ctx.tile = MixTile{};
+  MHAR_CHECK(count >= 1 && site >= 0 && site + count <= layout.sites, what, ": sites ", site,
+             " + ", count, " of ", layout.sites);
+  MHAR_CHECK(history.ndim == 3 && history.dim(0) == layout.sources, what, ": history must be [",
+             layout.sources, ", N, d], got ", history.shape_str());
+  const int k = std::min(count, routing_tile_sites(layout, history.dim(2), heads));
+  if (k <= 1 || history.dim(1) == 0) {
+    routing_mix(s, ctx, x, weights, history, layout, site, heads);
+    return;
+  }
+  const Geometry g = geometry(what, history.dim(1), history.dim(2), heads, layout);
+  check_weights(what, weights, g);
+  check_dtype(history, DType::BF16, what, "history");
+  check_dtype(x, DType::BF16, what, "x");
+  check_numel(x, g.N * g.d, what, "x");
+  const int64_t partial_floats = int64_t(k - 1) * g.N * g.d;
+  const int64_t stat_floats = int64_t(k - 1) * 2 * g.H * g.N;
+  auto* partial = static_cast<float*>(
+      ctx.scratch(ScratchSlot::RoutingTile, size_t(partial_floats + stat_floats) * sizeof(float)));
+  // Accumulators for 4 sites where that is enough (fewer registers, no idle predicates).
+  const int NH = tile_heads_per_pass(g.d, g.H);
+  auto launch = [&](auto kernel, int K) {
+    const size_t smem = tile_table_bytes(site + 1, K, NH);
+    allow_smem(kernel, smem);
+    kernel<<<token_blocks(g.N), 32 * kWarpsPerBlock, smem, s>>>(
+        static_cast<bf16*>(x.data), weights.ptr<float>(), static_cast<const bf16*>(history.data),
+        partial, partial + partial_floats, g, site, k, NH);
+    CUDA_CHECK_LAUNCH();
+  };
+  if (k <= 4) launch(mix_tile_kernel<4>, 4);
+  else launch(mix_tile_kernel<kTileSites>, kTileSites);
+  ctx.tile = MixTile{weights.data, history.data, layout, heads, site, k, site + 1};
 }
 
 void routing_source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weights,

@@ -209,6 +209,23 @@ class Backend {
   // [layout.sources, N, d]; only the site's own slots are read.
   virtual void routing_mix(Tensor x, Tensor weights, Tensor history, const RoutingLayout& layout,
                            int site, int heads) = 0;
+  // Depth tiling (DESIGN.md section 3), a speed-up of the mix with the same results:
+  // routing_mix_tile(..., site, count, ...) is routing_mix(..., site, ...) plus a promise
+  // that sites site+1 .. site+count-1 are mixed next, in order, by routing_mix with the
+  // same weights and history, and that until then only slots > site and their pairs are
+  // written. A backend may then read the slots <= site once for the whole tile, keeping
+  // each later site's partial softmax sums in its own memory, so that those sites read
+  // only their newer slots. routing_tile_sites() is the tile this backend wants for a
+  // layout and width (1: it does not tile; the default and the CPU reference).
+  virtual void routing_mix_tile(Tensor x, Tensor weights, Tensor history,
+                                const RoutingLayout& layout, int site, int count, int heads) {
+    (void)count;
+    routing_mix(x, weights, history, layout, site, heads);
+  }
+  virtual int routing_tile_sites(const RoutingLayout& layout, int64_t d, int heads) const {
+    (void)layout, (void)d, (void)heads;
+    return 1;
+  }
   // Slot i's gradient, source-stationary: once the input gradient of every site k in
   // [i, last_site(i)] exists in site_dx[k] [N, d] (one tensor per site, so that the model
   // can give each its own lifetime; entries of other sites are not read). With

@@ -69,6 +69,13 @@ class ForwardingBackend : public Backend {
                    int heads) override {
     in_.routing_mix(x, w, h, lay, site, heads);
   }
+  void routing_mix_tile(Tensor x, Tensor w, Tensor h, const RoutingLayout& lay, int site,
+                        int count, int heads) override {
+    in_.routing_mix_tile(x, w, h, lay, site, count, heads);
+  }
+  int routing_tile_sites(const RoutingLayout& lay, int64_t d, int heads) const override {
+    return in_.routing_tile_sites(lay, d, heads);
+  }
   void routing_source_backward(Tensor dv, Tensor w, Tensor ub, Tensor gs,
                                const std::vector<Tensor>& dx, Tensor x,
                                Tensor v, Tensor r, const RoutingParams& p,

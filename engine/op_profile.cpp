@@ -215,11 +215,28 @@ void OpProfiler::routing_mix(Tensor x, Tensor weights, Tensor history, const Rou
                              int heads) {
   // Each of the site's sources read once, the mix written once, the weights read and
   // written back (softmax in place).
+  // Inside a depth tile: the site's fp32 partial (two rows' bytes) and the slots after
+  // the tile's first site instead of the older ones.
   const int src = layout.site_sources(site);
   const double row = double(x.bytes());
   const double w = 2.0 * src * heads * double(x.dim(0)) * dtype_size(weights.dtype);
-  Span s(*this, OpFamily::Routing, (src + 1) * row + w);
+  const bool tiled = site > tile_first_ && site < tile_end_;
+  const double rows = tiled ? 2.0 + (site - tile_first_) + 1 : src + 1.0;
+  if (site + 1 >= tile_end_) tile_first_ = tile_end_ = -1;
+  Span s(*this, OpFamily::Routing, rows * row + w);
   in_.routing_mix(x, weights, history, layout, site, heads);
+}
+void OpProfiler::routing_mix_tile(Tensor x, Tensor weights, Tensor history,
+                                  const RoutingLayout& layout, int site, int count, int heads) {
+  // The first site's mix (its sources read once) plus the fp32 partial sums (two rows'
+  // bytes each) of the tile's count - 1 later sites over the same sources.
+  const int src = layout.site_sources(site);
+  const double row = double(x.bytes());
+  const double w = 2.0 * src * heads * double(x.dim(0)) * dtype_size(weights.dtype) * count;
+  tile_first_ = site;
+  tile_end_ = site + count;
+  Span s(*this, OpFamily::Routing, (src + 1 + 2.0 * (count - 1)) * row + w);
+  in_.routing_mix_tile(x, weights, history, layout, site, count, heads);
 }
 void OpProfiler::routing_source_backward(Tensor dv, Tensor weights, Tensor ubar, Tensor gsum,
                                          const std::vector<Tensor>& site_dx, Tensor x, Tensor v, Tensor inv_rms,

@@ -80,6 +80,8 @@ class OpProfiler final : public ForwardingBackend {
                              const RoutingLayout& layout, int source, int heads, double eps) override;
   void routing_mix(Tensor x, Tensor weights, Tensor history, const RoutingLayout& layout, int site,
                    int heads) override;
+  void routing_mix_tile(Tensor x, Tensor weights, Tensor history, const RoutingLayout& layout,
+                        int site, int count, int heads) override;
   void routing_source_backward(Tensor dv, Tensor weights, Tensor ubar, Tensor gsum,
                                const std::vector<Tensor>& site_dx, Tensor x, Tensor v, Tensor inv_rms,
                                const RoutingParams& params, const RoutingLayout& layout, int source,
@@ -127,6 +129,9 @@ class OpProfiler final : public ForwardingBackend {
   std::array<OpFamilyTotals, size_t(OpFamily::kCount)> totals_{};
   double wall_ms_ = 0;
   int steps_ = 0;
+  // The depth tile in flight (routing_mix_tile): sites (tile_first_, tile_end_) read
+  // their partial sums and newer slots only, which their bytes count.
+  int tile_first_ = -1, tile_end_ = -1;
 };
 
 }  // namespace mhar

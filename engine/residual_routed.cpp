@@ -11,7 +11,8 @@
 //
 // Forward: when site j runs, slot j has just been written: its RMS and its logits for
 // every later site that reads it are computed once (routing_source_logits; the queries
-// are parameters), then site j's sources are mixed (routing_mix). The backward is
+// are parameters), then site j's sources are mixed (routing_mix; at the start of each
+// depth tile routing_mix_tile, when the backend tiles). The backward is
 // source-stationary: site j's backward event builds the whole gradient of slot j from
 // the input gradients of the sites that read it, so every site's input gradient stays
 // alive until the end of the backward (one [N, d] buffer per site, each planned from
@@ -19,6 +20,8 @@
 // v_j is in every slot from j to the end of its block, so its gradient is slot j's plus
 // v_{j+1}'s when v_{j+1} continues the block (added at site j's backward: a running sum
 // from the block's end down).
+#include <algorithm>
+
 #include "engine/model.h"
 #include "engine/residual.h"
 
@@ -130,7 +133,14 @@ void RoutedScheme::site_forward(int j) {
   Tensor hist = c_.act(history_), w = c_.act(route_w_);
   c_.be.routing_source_logits(w, c_.act(inv_rms_)[j], hist[j], params_, layout_, j, H_,
                               c_.cfg.rms_eps);
-  c_.be.routing_mix(c_.act(site_x_[size_t(j)]), w, hist, layout_, j, H_);
+  // Depth tiles start at sites 0, k, 2k, ...: the backend reads the slots <= j once for
+  // the tile's sites (backend.h, routing_mix_tile).
+  const int k = c_.be.routing_tile_sites(layout_, c_.cfg.d_model, H_);
+  if (k > 1 && j % k == 0)
+    c_.be.routing_mix_tile(c_.act(site_x_[size_t(j)]), w, hist, layout_, j,
+                           std::min(k, layout_.sites - j), H_);
+  else
+    c_.be.routing_mix(c_.act(site_x_[size_t(j)]), w, hist, layout_, j, H_);
 }
 
 void RoutedScheme::site_backward(int j) {

@@ -5,6 +5,7 @@
 // Inputs are random (never zeros: zeros can run faster than real data).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <functional>
 
@@ -103,7 +104,8 @@ TEST_F(OpTiming, DISABLED_ModelShapes) {
     int64_t d;
     int S, H, block;
   };
-  for (const Shape sh : {Shape{"350M", 1024, 49, 8, 1}, Shape{"1B", 1280, 73, 8, 1},
+  for (const Shape sh : {Shape{"100M", 512, 25, 4, 1}, Shape{"350M", 1024, 49, 8, 1},
+                         Shape{"1B", 1280, 73, 8, 1},
                          Shape{"1B block9", 1280, 73, 8, 9}}) {
     const RoutingLayout lay = RoutingLayout::blocks(sh.S, sh.block);
     const int64_t d = sh.d, P = lay.pairs();
@@ -141,6 +143,27 @@ TEST_F(OpTiming, DISABLED_ModelShapes) {
     // logits: time both and subtract the logits alone.
     report("routing_mix, all sites " + tag, time_ms([&] { logits(); mixes(); }, 2) -
                time_ms(logits, 2), 0, row * (double(P) + S) + 2 * stats);
+    // Depth tiles of k sites (routing_mix_tile) as the layer loop runs them. Bytes: per
+    // tile from j0, the tile kernel's j0 + 1 slots, x and k - 1 fp32 partial rows, then
+    // each later site's partial, newer slots and x (backend.h; cuda/routing.cu).
+    if (const int k = gpu->routing_tile_sites(lay, d, H); k > 1) {
+      auto tiled = [&] {
+        for (int i = 0; i < S; ++i)
+          if (i % k == 0)
+            gpu->routing_mix_tile(xs.t()[i], weights, hist, lay, i, std::min(k, S - i), H);
+          else
+            gpu->routing_mix(xs.t()[i], weights, hist, lay, i, H);
+      };
+      double rows = 0;
+      for (int j0 = 0; j0 < S; j0 += k) {
+        const int kk = std::min(k, S - j0);
+        rows += (j0 + 1) + 1 + 2.0 * (kk - 1);
+        for (int m = 1; m < kk; ++m) rows += 2 + m + 1;
+      }
+      report("routing_mix, all sites, depth tiles of " + std::to_string(k) + " " + tag,
+             time_ms([&] { logits(); tiled(); }, 2) - time_ms(logits, 2), 0,
+             row * rows + 2 * stats);
+    }
     logits();
     mixes();
     auto backward = [&] {

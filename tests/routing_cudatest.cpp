@@ -10,6 +10,8 @@
 // span layout (d % 256 == 0, H dividing 32) for every H and row width it covers.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "tests/cuda_test_util.h"
 
 namespace mhar::test {
@@ -17,6 +19,52 @@ namespace {
 
 class RoutingParity : public CudaParity {
  protected:
+  // Depth tiles (routing_mix_tile, k sites from 0, k, 2k, ...) as the layer loop runs
+  // them: slot j is written just before site j's mix and the later slots hold NaN, so a
+  // tile that read ahead would show; x and the normalised weights against the CPU's plain
+  // mixes (xs.c, weights.c). Then a tile cut short: slot 0 rewritten and its logits made
+  // again (the next forward) before site 1's mix, which must see the new slot.
+  void check_tiles(const std::string& tag, int k, const RoutingLayout& lay, int64_t N, int64_t d,
+                   int H, Pair& history, const std::vector<double>& raw_logits, Pair& xs,
+                   Pair& weights, const RoutingParams& pc, const RoutingParams& pg, double eps) {
+    const int S = lay.sites;
+    const std::vector<double> clean = history.c.get();
+    Buffer hist(*gpu, DType::BF16, {S, N, d}), x(*gpu, DType::BF16, {S, N, d});
+    Buffer w(*gpu, DType::F32, {lay.pairs(), H, N});
+    hist.poison();
+    x.poison();
+    w.set(raw_logits);
+    for (int j = 0; j < S; ++j) {
+      gpu->upload(hist.t()[j], clean.data() + size_t(j) * size_t(N * d));
+      if (j % k == 0)
+        gpu->routing_mix_tile(x.t()[j], w, hist, lay, j, std::min(k, S - j), H);
+      else
+        gpu->routing_mix(x.t()[j], w, hist, lay, j, H);
+    }
+    expect_close("routing_mix_tile x " + tag, x, xs.c, kTolBf16Output);
+    expect_close("routing_mix_tile weights " + tag, w, weights.c, kTolF32Output);
+    if (S < 2) return;
+    // Cut short: slot 0 scaled by 3 (its RMS, logits and share of every mix change).
+    std::vector<double> changed = clean;
+    for (int64_t e = 0; e < N * d; ++e) changed[size_t(e)] *= 3.0;
+    Buffer inv_rms_g(*gpu, DType::F32, {N}), inv_rms_c(*cpu, DType::F32, {N});
+    Buffer x1(*cpu, DType::F32, {N, d}), wc(*cpu, DType::F32, {lay.pairs(), H, N});
+    Buffer hc(*cpu, DType::F32, {S, N, d});
+    hc.set(changed);
+    wc.set(raw_logits);
+    hist.set(clean);
+    w.set(raw_logits);
+    gpu->routing_mix_tile(x.t()[0], w, hist, lay, 0, std::min(k, S), H);
+    gpu->upload(hist.t()[0], changed.data());
+    gpu->routing_source_logits(w, inv_rms_g, hist.t()[0], pg, lay, 0, H, eps);
+    cpu->routing_source_logits(wc, inv_rms_c, hc.t()[0], pc, lay, 0, H, eps);
+    gpu->routing_mix(x.t()[1], w, hist, lay, 1, H);
+    cpu->routing_mix(x1, wc, hc, lay, 1, H);
+    std::vector<double> got(size_t(N * d));
+    gpu->download(got.data(), x.t()[1]);
+    expect_close("routing_mix after a tile cut short " + tag, got, x1.get(), kTolBf16Output);
+  }
+
   // `block` s: block routing's layout (1: full routing).
   void check(int64_t N, int64_t d, int S, int H, int block = 1) {
     const std::string tag = "N" + std::to_string(N) + " d" + std::to_string(d) + " S" +
@@ -94,6 +142,8 @@ class RoutingParity : public CudaParity {
       EXPECT_EQ(x_poisoned.g.get(), x_clean.g.get())
           << "routing_mix read a source after site " << j << " " << tag;
     }
+    if (const int k = gpu->routing_tile_sites(lay, d, H); k > 1)
+      check_tiles(tag, k, lay, N, d, H, history, raw_logits, xs, weights, pc, pg, eps);
     weights.g.set(weights.c.get());
     xs.c.set(xs.g.get());  // the GPU's bf16 site inputs on both sides
 
@@ -146,6 +196,8 @@ TEST_F(RoutingParity, HeadsSpanningChunkRows) {
 
 TEST_F(RoutingParity, ModelWidths) {
   check(21, 1280, 9, 8);   // the 1B config: 5 chunk rows, heads of 160
+  check(21, 1280, 73, 8);  // the 1B config's depth: nine depth tiles of 8 sites, the last of 1
+  check(24, 1024, 49, 8);  // the 350M config's depth
   check(16, 2048, 5, 16);  // 8 chunk rows, heads of 128
   check(24, 1024, 7, 8);   // the 350M config
 }

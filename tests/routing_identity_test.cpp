@@ -15,6 +15,8 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <string>
+#include <utility>
 
 #include "engine/forwarding_backend.h"
 #include "tests/model_test_util.h"
@@ -187,6 +189,107 @@ TEST(RoutingIdentity, BlocksOfOneAreFullRouting) {
     for (auto& p : mf.parameters())
       EXPECT_EQ(download(*be, p.grad), download(*be, mb.parameter(p.name).grad)) << p.name;
   }
+}
+
+// A backend that asks for depth tiles of k sites (backend.h, routing_mix_tile) and holds
+// the layer loop to the promise a tiling backend relies on: tiles start at sites 0, k,
+// 2k, ... with count min(k, sites - site); the tile's later sites come next, in order,
+// through routing_mix with the same tensors; until then the slots <= the tile's first
+// site and their pairs for the tile's sites are left as they were. The mixes themselves
+// are the inner backend's.
+class TileAuditor final : public ForwardingBackend {
+ public:
+  TileAuditor(Backend& inner, int k) : ForwardingBackend(inner), k_(k) {}
+  int tiles = 0, tiled_sites = 0;
+
+  int routing_tile_sites(const RoutingLayout&, int64_t, int) const override { return k_; }
+  void routing_mix_tile(Tensor x, Tensor w, Tensor h, const RoutingLayout& lay, int site,
+                        int count, int heads) override {
+    EXPECT_EQ(next_, -1) << "a tile began at site " << site << " before site " << next_;
+    EXPECT_EQ(site % k_, 0) << "tile at site " << site;
+    EXPECT_EQ(count, std::min(k_, lay.sites - site)) << "tile at site " << site;
+    ++tiles;
+    first_ = site;
+    end_ = site + count;
+    next_ = count > 1 ? site + 1 : -1;
+    w_ = w.data;
+    h_ = h.data;
+    snapshot_ = old_state(w, h, lay);
+    in_.routing_mix_tile(x, w, h, lay, site, count, heads);
+  }
+  void routing_mix(Tensor x, Tensor w, Tensor h, const RoutingLayout& lay, int site,
+                   int heads) override {
+    EXPECT_NE(site % k_, 0) << "site " << site << " starts a tile but came as a plain mix";
+    EXPECT_EQ(site, next_) << "site " << site << " out of its tile's order";
+    if (site == next_) {
+      EXPECT_EQ(w.data, w_);
+      EXPECT_EQ(h.data, h_);
+      // Slot rows, and the pairs of this site and the later ones (earlier sites'
+      // pairs have been normalised by their mixes).
+      const auto now = old_state(w, h, lay);
+      for (const auto& [key, value] : snapshot_)
+        if (key.second < 0 || key.second >= site)
+          EXPECT_EQ(now.at(key), value) << "slot " << key.first << (key.second < 0 ? "" : " pair for site ")
+                                       << (key.second < 0 ? "" : std::to_string(key.second))
+                                       << " changed before site " << site << " of the tile at "
+                                       << first_;
+      ++tiled_sites;
+      next_ = site + 1 < end_ ? site + 1 : -1;
+    }
+    in_.routing_mix(x, w, h, lay, site, heads);
+  }
+
+ private:
+  // The slots <= first_ (key (i, -1)) and their pairs for the tile's later sites (key
+  // (i, k): raw logits until site k's mix).
+  using State = std::map<std::pair<int, int>, std::vector<double>>;
+  State old_state(Tensor w, Tensor h, const RoutingLayout& lay) {
+    State out;
+    for (int i = 0; i <= first_; ++i) {
+      if (lay.last_site(i) < first_) continue;  // a partial slot of an earlier site
+      out[{i, -1}] = mhar::test::download(in_, h[i]);
+      for (int k = first_ + 1; k < end_ && k <= lay.last_site(i); ++k)
+        out[{i, k}] = mhar::test::download(in_, w[lay.pair(i, k)]);
+    }
+    return out;
+  }
+  int k_, first_ = -1, end_ = -1, next_ = -1;
+  const void *w_ = nullptr, *h_ = nullptr;
+  State snapshot_;
+};
+
+// Depth tiles change nothing a model computes: with a backend that tiles (its contract
+// audited above), loss, logits and every gradient equal the untiled model's bit for bit,
+// for tiles of 2 and 3 sites, full and block routing, one and several heads.
+TEST(RoutingIdentity, DepthTilesKeepTheLayerLoopsPromise) {
+  for (int k : {2, 3})
+    for (int s : {0, 2, 3})
+      for (int heads : {1, 4}) {
+        const ResidualMode mode = heads == 1 ? ResidualMode::AttnRes : ResidualMode::Mhar;
+        Config c = tiny_config(mode, heads, false, s);
+        auto cpu = make_cpu_backend(DType::F64);
+        TileAuditor tiled_be(*cpu, k);
+        Model plain(c.model, c.residual, *cpu, 2, 5), tiled(c.model, c.residual, tiled_be, 2, 5);
+        randomize_weights(plain, 31);
+        copy_weights(plain, tiled);
+        std::vector<int32_t> tok, tgt;
+        random_tokens(10, c.model.vocab_size, 8, tok, tgt);
+        plain.zero_grads();
+        tiled.zero_grads();
+        const std::string tag = "k " + std::to_string(k) + " block " + std::to_string(s) +
+                                " heads " + std::to_string(heads);
+        EXPECT_EQ(plain.forward(tok.data(), tgt.data(), 1.0),
+                  tiled.forward(tok.data(), tgt.data(), 1.0)) << tag;
+        const int S = c.model.n_sites();
+        EXPECT_EQ(tiled_be.tiles, (S + k - 1) / k) << tag;
+        EXPECT_EQ(tiled_be.tiles + tiled_be.tiled_sites, S) << tag;
+        EXPECT_EQ(download(*cpu, plain.logits()), download(*cpu, tiled.logits())) << tag;
+        plain.backward();
+        tiled.backward();
+        for (auto& p : plain.parameters())
+          EXPECT_EQ(download(*cpu, p.grad), download(*cpu, tiled.parameter(p.name).grad))
+              << p.name << " " << tag;
+      }
 }
 
 // Op-level fixture: S sources/sites, history [S, N, d], one query and gain per site, on the
