@@ -432,7 +432,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
 // routing_tile_sites picks the k <= kTileSites that moves the fewest bytes for the depth
 // (cuda/NOTES.md has the model per size).
 constexpr int kTileSites = 8;
-constexpr int kTilePrefetch = 4;  // slot rows in flight per lane in the tile kernel
+constexpr int kTilePrefetch = 8;  // slot rows in flight per lane in the tile kernel
 
 __device__ __forceinline__ int64_t full_pair_base(int i, int S) {
   return int64_t(i) * S - int64_t(i) * (i - 1) / 2;
@@ -444,7 +444,7 @@ __device__ __forceinline__ int64_t full_pair_base(int i, int S) {
 // once and added into the k accumulators (k x 8 fp32 registers), with the weights from
 // a per-warp shared-memory table of the pass's heads (NH: the most heads a pass spans).
 template <int K>
-__global__ void __launch_bounds__(32 * kWarpsPerBlock)
+__global__ void __launch_bounds__(32 * kWarpsPerBlock, 4)
     mix_tile_kernel(bf16* __restrict__ x, float* __restrict__ weights,
                     const bf16* __restrict__ hist, float* __restrict__ partial,
                     float* __restrict__ pstat, const Geometry g, int site0, int count, int NH) {
@@ -465,6 +465,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
     for (int m = 0; m < K; ++m) {
       if (m >= count) break;
       float mx = -INFINITY, l = 0.f;
+#pragma unroll 4
       for (int i = sub; i < nsrc; i += G) {
         const float s = *logit(i, m, h);
         if (s > mx) l = l * __expf(mx - s) + 1.f, mx = s;  // exp(-inf) = 0 on the first
@@ -491,6 +492,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
         const int m = q / nh, hh = h0 + q % nh;
         const float M = st_max[warp][m][hh], scale = m == 0 ? 1.f / st_sum[warp][0][hh] : 1.f;
         float* t = table + m * NH + (hh - h0);
+#pragma unroll 8
         for (int i = 0; i < nsrc; ++i) t[i * K * NH] = __expf(*logit(i, m, hh) - M) * scale;
       }
       __syncwarp();

@@ -211,5 +211,29 @@ TEST_F(OpTiming, DISABLED_ModelShapes) {
   }
 }
 
+// One pass of the 1B model's depth-tiled mixes (full routing, S 73, d 1280, H 8) and
+// nothing else, for a kernel profiler: `ncu -k regex:mix_tile ... --gtest_filter=
+// OpTiming.DISABLED_RoutingTiles1B --gtest_also_run_disabled_tests`. Random logits
+// stand in for the real ones (the kernels' work does not depend on their values).
+TEST_F(OpTiming, DISABLED_RoutingTiles1B) {
+  const int64_t N = 16384, d = 1280;
+  const int S = 73, H = 8;
+  const RoutingLayout lay = RoutingLayout::full(S);
+  const int k = gpu->routing_tile_sites(lay, d, H);
+  Buffer hist = random_gpu(DType::BF16, {S, N, d});
+  Buffer weights = random_gpu(DType::F32, {lay.pairs(), H, N}, 3.0);
+  Buffer xs(*gpu, DType::BF16, {S, N, d});
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < S; ++i)
+    if (i % k == 0)
+      gpu->routing_mix_tile(xs.t()[i], weights, hist, lay, i, std::min(k, S - i), H);
+    else
+      gpu->routing_mix(xs.t()[i], weights, hist, lay, i, H);
+  gpu->synchronize();
+  const auto t1 = std::chrono::steady_clock::now();
+  report("routing_mix, all sites, tiles of " + std::to_string(k) + " (one cold pass)",
+         std::chrono::duration<double, std::milli>(t1 - t0).count(), 0, 0);
+}
+
 }  // namespace
 }  // namespace mhar::test
