@@ -1,7 +1,8 @@
 // cmd_export.cpp: `mhar export --checkpoint DIR --out HF_DIR [--dtype fp32|bf16]
 // [--max-shard-size SIZE] [--tokenizer NAME] [--overwrite]` writes a Hugging Face model
 // directory (engine/hf_export.h): a stock Qwen3ForCausalLM for `standard` runs, a
-// trust_remote_code model (model_type "mhar") for routed ones, with the run's tokenizer.
+// trust_remote_code model (model_type "mhar") for every other residual mode, with the
+// run's tokenizer.
 #include <cstdio>
 
 #include "cli/commands.h"
@@ -16,8 +17,9 @@ void register_export(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "export", "Write a checkpoint as a Hugging Face model directory (transformers, lm-evaluation-harness)");
   cmd->footer(
-      "standard models load as a stock Qwen3ForCausalLM; attnres and mhar models carry their own\n"
-      "modeling code (model_type \"mhar\"): load them with trust_remote_code=True. The run's\n"
+      "standard models load as a stock Qwen3ForCausalLM; attnres, mhar (full or block routing),\n"
+      "hyper and delta models carry their own modeling code (model_type \"mhar\"): load them with\n"
+      "trust_remote_code=True. The run's\n"
       "tokenizer (tokenizer.json) goes along. The directory is written under a temporary name\n"
       "and renamed when complete.");
   static std::string checkpoint, out, dtype = "fp32", shard_size = "5GB", tokenizer_name;
@@ -68,7 +70,7 @@ void register_export(CLI::App& app) {
       }
     }
     const HfExportResult r = export_hf(ckpt, opt);
-    const bool routed = cfg.residual.routed();
+    const bool routed = r.model_type == "mhar";
     std::printf("exported   %s (step %lld, residual %s) -> %s\n", ckpt.dir.c_str(),
                 static_cast<long long>(ckpt.step), residual_mode_name(cfg.residual.mode), out.c_str());
     std::printf("model      model_type %s (%s)\n", r.model_type.c_str(),

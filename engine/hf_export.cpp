@@ -59,30 +59,58 @@ std::vector<HfTensorSpec> hf_tensor_layout(const ModelConfig& m, const ResidualC
   }
   out.push_back({"model.norm.weight", {d}});
   if (!m.tie_embeddings) out.push_back({"lm_head.weight", {V, d}});
-  if (r.routed())
+  // The residual scheme's own parameters, 1-D as the scheme declares them (engine/residual_*.cpp).
+  auto site_params = [&](const std::string& prefix, bool gate) {
     for (int j = 0; j < m.n_sites(); ++j) {
-      out.push_back({"model.routing." + std::to_string(j) + ".query", {d}});
-      out.push_back({"model.routing." + std::to_string(j) + ".gain", {d}});
+      const std::string pre = prefix + std::to_string(j);
+      if (gate) out.push_back({pre + ".alpha", {1}});
+      out.push_back({pre + ".query", {d}});
+      out.push_back({pre + ".gain", {d}});
     }
+  };
+  switch (r.mode) {
+    case ResidualMode::Standard:
+      break;
+    case ResidualMode::AttnRes:
+    case ResidualMode::Mhar:
+      site_params("model.routing.", false);
+      break;
+    case ResidualMode::Hyper: {
+      const int64_t n = r.hyper_n;
+      for (int k = 0; k < 2 * m.n_layers; ++k) {
+        const std::string pre = "model.hyper." + std::to_string(k);
+        out.push_back({pre + ".a_m", {n}});
+        out.push_back({pre + ".a_r", {n * n}});  // row-major [n, n]
+        out.push_back({pre + ".b", {n}});
+        if (r.hyper_dynamic) {
+          out.push_back({pre + ".w", {d * (n + 2)}});  // row-major [d, n + 2]
+          out.push_back({pre + ".s_a", {1}});
+          out.push_back({pre + ".s_b", {1}});
+        }
+      }
+      break;
+    }
+    case ResidualMode::Delta:
+      site_params("model.delta.", true);
+      out.push_back({"model.delta.null", {d}});
+      break;
+  }
   return out;
 }
 
 void require_exportable(const ResidualConfig& r, const std::string& where) {
-  // modeling_mhar.py routes over every sublayer output; a block model would load and run
-  // with the wrong sources.
-  if (r.routed() && r.routing_block() > 1)
-    fail(where, ": residual.block_size = ", r.block_size,
-         " (block routing) has no Hugging Face export yet (exportable: full routing, "
-         "block_size 0 or 1)");
+  // modeling_mhar.py has one function per residual scheme; a mode added to the engine
+  // without one must not export as something else.
   switch (r.mode) {
     case ResidualMode::Standard:
     case ResidualMode::AttnRes:
     case ResidualMode::Mhar:
+    case ResidualMode::Hyper:
+    case ResidualMode::Delta:
       return;
-    default:
-      fail(where, ": residual.mode \"", residual_mode_name(r.mode),
-           "\" has no Hugging Face export yet (exportable: standard, attnres, mhar)");
   }
+  fail(where, ": residual.mode \"", residual_mode_name(r.mode),
+       "\" has no Hugging Face export (exportable: standard, attnres, mhar, hyper, delta)");
 }
 
 uint16_t f32_to_bf16_rne(float x) {
@@ -233,7 +261,8 @@ json hf_config_json(const Config& cfg, HfDType dtype, const HfTokenizerInfo& tok
       {"torch_dtype", torch_dtype},
       {"transformers_version", kTransformersVersion},
   };
-  if (!cfg.residual.routed()) {
+  const ResidualConfig& r = cfg.residual;
+  if (r.mode == ResidualMode::Standard) {
     j["architectures"] = {"Qwen3ForCausalLM"};
     j["model_type"] = "qwen3";
     j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", m.rope_theta}};
@@ -246,8 +275,27 @@ json hf_config_json(const Config& cfg, HfDType dtype, const HfTokenizerInfo& tok
     j["auto_map"] = {{"AutoConfig", "configuration_mhar.MharConfig"},
                      {"AutoModel", "modeling_mhar.MharModel"},
                      {"AutoModelForCausalLM", "modeling_mhar.MharForCausalLM"}};
-    j["residual_mode"] = residual_mode_name(cfg.residual.mode);
-    j["routing_heads"] = cfg.residual.heads;
+    // Every field modeling_mhar.py reads, under the engine's residual.* names (only the
+    // mode's own: configuration_mhar.py gives the others their defaults and refuses a
+    // field that contradicts the mode, as the engine's config does).
+    j["residual_mode"] = residual_mode_name(r.mode);
+    switch (r.mode) {
+      case ResidualMode::AttnRes:
+      case ResidualMode::Mhar:
+        j["routing_heads"] = r.heads;
+        j["block_size"] = r.block_size;
+        break;
+      case ResidualMode::Hyper:
+        j["hyper_n"] = r.hyper_n;
+        j["hyper_dynamic"] = r.hyper_dynamic;
+        break;
+      case ResidualMode::Delta:
+        j["routing_heads"] = r.heads;
+        j["block_layers"] = r.block_layers;
+        break;
+      case ResidualMode::Standard:
+        break;
+    }
   }
   return j;
 }
@@ -287,7 +335,7 @@ HfExportResult export_hf(const CheckpointInfo& ckpt, const HfExportOptions& opt)
   const std::vector<HfTensorSpec> layout = hf_tensor_layout(cfg.model, cfg.residual);
 
   HfExportResult result;
-  result.model_type = cfg.residual.routed() ? "mhar" : "qwen3";
+  result.model_type = cfg.residual.mode == ResidualMode::Standard ? "qwen3" : "mhar";
   std::set<std::string> expected;
   std::vector<HfTensorData> tensors;
   for (const HfTensorSpec& spec : layout) {
@@ -343,7 +391,7 @@ HfExportResult export_hf(const CheckpointInfo& ckpt, const HfExportOptions& opt)
   put("generation_config.json", hf_generation_config_json(cfg, opt.tokenizer).dump(2) + "\n");
   put("tokenizer.json", tokenizer_text);
   put("tokenizer_config.json", hf_tokenizer_config_json(cfg, opt.tokenizer).dump(2) + "\n");
-  if (cfg.residual.routed()) {
+  if (result.model_type == "mhar") {
     put("configuration_mhar.py", kHfConfigurationPy);
     put("modeling_mhar.py", kHfModelingPy);
   }

@@ -5,11 +5,13 @@
 // model.safetensors.index.json above --max-shard-size; header metadata {"format": "pt"}),
 // config.json, generation_config.json, and the run's tokenizer (tokenizer.json copied
 // byte for byte, tokenizer_config.json). `standard` models are a stock Qwen3ForCausalLM
-// (model_type "qwen3"); routed models have model_type "mhar", an auto_map, and the
-// modeling files tools/hf/configuration_mhar.py and modeling_mhar.py, which the build
-// compiles into the engine (engine/hf_code.cpp.in) so an export carries exactly the
-// files kept in the repo. A routed model never gets model_type "qwen3": a stock type would
-// load silently without its routing tensors.
+// (model_type "qwen3"); every other residual mode (attnres and mhar, full or block
+// routing; hyper, static or dynamic; delta) has model_type "mhar", an auto_map, the
+// fields of its residual scheme in config.json, its scheme's tensors under the
+// checkpoint's names and shapes, and the modeling files tools/hf/configuration_mhar.py
+// and modeling_mhar.py, which the build compiles into the engine (engine/hf_code.cpp.in)
+// so an export carries exactly the files kept in the repo. Such a model never gets
+// model_type "qwen3": a stock type would load silently without its scheme's tensors.
 //
 // The directory is built under a hidden temporary name beside --out and renamed into
 // place when complete (StagedDirectory): a failure, a full disk included, leaves nothing
@@ -34,7 +36,8 @@ struct HfTensorSpec {
 };
 std::vector<HfTensorSpec> hf_tensor_layout(const ModelConfig& model, const ResidualConfig& residual);
 
-// The residual modes an export can describe; others fail naming the mode.
+// The residual modes an export can describe (all five today; a mode added to the engine
+// fails here, naming it, until modeling_mhar.py has its scheme).
 void require_exportable(const ResidualConfig& residual, const std::string& where);
 
 // fp32 -> bf16 with round-to-nearest-even (NaN stays NaN, overflow becomes inf), as
@@ -72,7 +75,9 @@ struct HfTokenizerInfo {
 
 enum class HfDType { F32, BF16 };
 
-// config.json of the export (stock Qwen3 for standard, model_type "mhar" otherwise).
+// config.json of the export (stock Qwen3 for standard, model_type "mhar" otherwise, with
+// residual_mode and the mode's fields: routing_heads + block_size (attnres, mhar),
+// hyper_n + hyper_dynamic (hyper), routing_heads + block_layers (delta)).
 nlohmann::json hf_config_json(const Config& cfg, HfDType dtype, const HfTokenizerInfo& tok);
 // generation_config.json: bos/eos/pad ids, and suppress_tokens for the embedding's rows
 // past the tokenizer's vocabulary (never sampled by `mhar sample` either).

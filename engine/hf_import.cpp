@@ -50,7 +50,11 @@ std::string extra_tensor_hint(const std::string& name, const Config& cfg) {
   if (name.find(".experts.") != std::string::npos || name.find(".gate.weight") != std::string::npos)
     return "; mixture-of-experts weights are not supported";
   if (name.rfind("model.routing.", 0) == 0 && !cfg.residual.routed())
-    return "; routing tensors belong to a routed model (model_type \"mhar\")";
+    return "; routing tensors belong to an attnres or mhar model (model_type \"mhar\")";
+  if (name.rfind("model.hyper.", 0) == 0 && cfg.residual.mode != ResidualMode::Hyper)
+    return "; model.hyper.* tensors belong to a hyper model (model_type \"mhar\", residual_mode \"hyper\")";
+  if (name.rfind("model.delta.", 0) == 0 && cfg.residual.mode != ResidualMode::Delta)
+    return "; model.delta.* tensors belong to a delta model (model_type \"mhar\", residual_mode \"delta\")";
   return "";
 }
 
@@ -201,7 +205,14 @@ json engine_model_from_hf_config(const json& hf, const std::string& where) {
   if (type == "mhar") {
     if (!has("residual_mode")) fail(where, ": missing field \"residual_mode\" (an mhar export names its residual mode)");
     residual["mode"] = json_to_string(hf.at("residual_mode"), field("residual_mode"));
+    // The residual scheme's fields as hf_config_json writes them (engine names); a field
+    // left out takes configuration_mhar.py's default, which is the engine's, and the
+    // engine's config validation below judges the combination.
     if (has("routing_heads")) residual["heads"] = get_int("routing_heads", 0, 1 << 20);
+    if (has("block_size")) residual["block_size"] = get_int("block_size", 0, 1 << 20);
+    if (has("hyper_n")) residual["hyper_n"] = get_int("hyper_n", 1, 1 << 20);
+    if (has("hyper_dynamic")) residual["hyper_dynamic"] = json_to_bool(hf.at("hyper_dynamic"), field("hyper_dynamic"));
+    if (has("block_layers")) residual["block_layers"] = get_int("block_layers", 1, 1 << 20);
   }
   return {{"model", model}, {"residual", residual}};
 }

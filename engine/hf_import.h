@@ -2,7 +2,8 @@
 // as a run directory whose checkpoint `mhar train --resume`, `train --init-from`, `eval`
 // and `sample` accept (issue 9).
 //
-// Input: config.json (model_type "qwen3", or "mhar" from `mhar export`) and the weights
+// Input: config.json (model_type "qwen3", or "mhar" from `mhar export` of any residual
+// mode: residual_mode and the mode's fields become the run's residual section) and the weights
 // as model.safetensors or shards listed by model.safetensors.index.json (F32, BF16 or
 // F16; tied or untied embeddings). What the engine cannot run is refused naming the
 // field: sliding-window attention, RoPE scaling, biases, MoE, activations other than

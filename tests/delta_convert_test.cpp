@@ -238,10 +238,9 @@ TEST_F(DeltaConvert, RefusalsNameWhatIsWrong) {
   expect_error([&] { convert(ckpt, "h3", 1, 3); }, {"--heads 3", "model.d_model = 32"});
   expect_error([&] { convert(ckpt, "standard"); }, {"overlaps"});
   for (const char* d : {"b3", "b0", "h3"}) EXPECT_FALSE(fs::exists(dir / d)) << d;
-  // `mhar export` has no delta model yet: refused naming the mode.
+  // A converted model exports to Hugging Face like any delta model (tests/hf_export_test.cpp).
   const CheckpointInfo converted = open_checkpoint(conv.run_dir);
-  expect_error([&] { require_exportable(converted.config.residual, converted.dir); },
-               {"residual.mode \"delta\"", "no Hugging Face export"});
+  EXPECT_NO_THROW(require_exportable(converted.config.residual, converted.dir));
 
   // The command line: --help, success and a refusal with exit code 1.
   const std::string bin = MHAR_BINARY;

@@ -204,10 +204,13 @@ class HfExportTest : public ::testing::Test {
     fs::remove_all(dir);
   }
 
-  json run_config(const char* mode, bool tied, int heads, int steps = 4) const {
+  // `residual`: further residual.* fields (block_size, hyper_n, ...).
+  json run_config(const char* mode, bool tied, int heads, int steps = 4, const json& residual = json::object()) const {
+    json r = {{"mode", mode}, {"heads", heads}};
+    r.update(residual);
     return {{"model", {{"vocab_size", 4096}, {"d_model", 16}, {"n_layers", 2}, {"n_heads", 4}, {"n_kv_heads", 2},
                        {"head_dim", 4}, {"d_ff", 24}, {"context_length", 16}, {"tie_embeddings", tied}}},
-            {"residual", {{"mode", mode}, {"heads", heads}}},
+            {"residual", r},
             {"train", {{"micro_batch", 4}, {"seq_len", 16}, {"steps", steps}, {"lr", 1e-2}, {"warmup_steps", 1},
                        {"eval_every", 100}, {"eval_batches", 2}, {"device", "cpu"}, {"seed", 3}}},
             {"data", {{"train", (dir / "data/train_*.bin").string()}, {"val", (dir / "data/val_*.bin").string()},
@@ -216,11 +219,12 @@ class HfExportTest : public ::testing::Test {
   }
   // Trains a tiny model for a few steps (so no weight is at its initial value) and returns
   // its checkpoint directory.
-  std::string train_tiny(const std::string& name, const char* mode, bool tied, int heads = 0) {
+  std::string train_tiny(const std::string& name, const char* mode, bool tied, int heads = 0,
+                         const json& residual = json::object()) {
     TrainOptions o;
     o.run_dir = (dir / name).string();
     o.quiet = true;
-    return train(config_from_json(run_config(mode, tied, heads), "hf_export_test"), o).last_checkpoint;
+    return train(config_from_json(run_config(mode, tied, heads, 4, residual), "hf_export_test"), o).last_checkpoint;
   }
   std::string val() const { return q(dir / "data/val_*.bin"); }
 
@@ -239,14 +243,34 @@ class HfExportTest : public ::testing::Test {
 
 // ------------------------------------------------------------------ units
 
+// Every residual configuration the engine trains, as the tests below export it.
+std::vector<std::pair<std::string, Config>> every_residual_config(bool tied) {
+  using test::tiny_config;
+  std::vector<std::pair<std::string, Config>> out = {
+      {"standard", tiny_config(ResidualMode::Standard, 0, tied)},
+      {"attnres", tiny_config(ResidualMode::AttnRes, 1, tied)},
+      {"mhar", tiny_config(ResidualMode::Mhar, 4, tied)},
+      {"mhar block 3", tiny_config(ResidualMode::Mhar, 2, tied, 3)},
+      {"attnres block 4", tiny_config(ResidualMode::AttnRes, 1, tied, 4)},
+      {"hyper n=1", tiny_config(ResidualMode::Hyper, 0, tied, 0, 1)},
+      {"hyper n=3", tiny_config(ResidualMode::Hyper, 0, tied, 0, 3)},
+      {"delta block_layers 1", tiny_config(ResidualMode::Delta, 2, tied, 0, 4, 1)},
+      {"delta block_layers 2", tiny_config(ResidualMode::Delta, 4, tied, 0, 4, 2)},
+  };
+  Config dyn = tiny_config(ResidualMode::Hyper, 0, tied, 0, 2);
+  dyn.residual.hyper_dynamic = true;
+  out.push_back({"hyper n=2 dynamic", dyn});
+  return out;
+}
+
 TEST(HfExportUnit, LayoutIsTheModelsParameterList) {
   auto be = make_cpu_backend(DType::F32);
-  for (ResidualMode mode : {ResidualMode::Standard, ResidualMode::AttnRes, ResidualMode::Mhar})
-    for (bool tied : {true, false}) {
-      const Config cfg = test::tiny_config(mode, 0, tied);
+  for (bool tied : {true, false})
+    for (const auto& [what, cfg] : every_residual_config(tied)) {
+      SCOPED_TRACE(what + (tied ? " tied" : " untied"));
       Model m(cfg.model, cfg.residual, *be, 1, 1);
       const auto layout = hf_tensor_layout(cfg.model, cfg.residual);
-      ASSERT_EQ(layout.size(), m.parameters().size()) << residual_mode_name(mode);
+      ASSERT_EQ(layout.size(), m.parameters().size());
       for (size_t i = 0; i < layout.size(); ++i) {
         const Tensor& t = m.parameters()[i].value;
         EXPECT_EQ(layout[i].name, m.parameters()[i].name);
@@ -255,36 +279,135 @@ TEST(HfExportUnit, LayoutIsTheModelsParameterList) {
     }
 }
 
-// modeling_mhar.py routes over every sublayer output: a block model is refused, naming
-// the field; blocks of one are full routing and export as such.
-TEST(HfExportUnit, BlockRoutingIsRefusedNamingTheField) {
-  ResidualConfig r = test::tiny_config(ResidualMode::Mhar, 4, true, 3).residual;
-  try {
-    require_exportable(r, "ckpt");
-    ADD_FAILURE() << "a block-routed model was accepted for export";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("ckpt: residual.block_size = 3 (block routing) has no "
-                                         "Hugging Face export yet"),
-              std::string::npos)
-        << e.what();
-  }
-  r.block_size = 1;
-  EXPECT_NO_THROW(require_exportable(r, "ckpt"));
+// The scheme tensors under the names and shapes modeling_mhar.py declares (its header
+// lists them; a rename on either side must show up here).
+TEST(HfExportUnit, SchemeTensorNamesAndShapes) {
+  auto names = [](const Config& c) {
+    std::map<std::string, std::vector<int64_t>> out;
+    for (const auto& t : hf_tensor_layout(c.model, c.residual))
+      if (t.name.rfind("model.layers.", 0) != 0 && t.name.rfind("model.embed", 0) != 0 && t.name != "model.norm.weight" &&
+          t.name != "lm_head.weight")
+        out[t.name] = t.shape;
+    return out;
+  };
+  const auto cfgs = every_residual_config(true);
+  auto find = [&](const std::string& what) {
+    for (const auto& [w, c] : cfgs)
+      if (w == what) return c;
+    ADD_FAILURE() << what;
+    return cfgs[0].second;
+  };
+  EXPECT_TRUE(names(find("standard")).empty());
+  auto block = names(find("mhar block 3"));  // 2 layers: 5 sites, d = 16
+  EXPECT_EQ(block.size(), 10u);
+  EXPECT_EQ(block.at("model.routing.4.query"), std::vector<int64_t>{16});
+  EXPECT_EQ(block.at("model.routing.0.gain"), std::vector<int64_t>{16});
+  auto hyper = names(find("hyper n=3"));  // 4 sublayers x (a_m, a_r, b)
+  EXPECT_EQ(hyper.size(), 12u);
+  EXPECT_EQ(hyper.at("model.hyper.0.a_m"), std::vector<int64_t>{3});
+  EXPECT_EQ(hyper.at("model.hyper.3.a_r"), std::vector<int64_t>{9});
+  EXPECT_EQ(hyper.at("model.hyper.2.b"), std::vector<int64_t>{3});
+  EXPECT_FALSE(hyper.count("model.hyper.4.a_m"));  // no connection around the head
+  auto dyn = names(find("hyper n=2 dynamic"));  // + w, s_a, s_b
+  EXPECT_EQ(dyn.size(), 24u);
+  EXPECT_EQ(dyn.at("model.hyper.1.w"), std::vector<int64_t>{16 * 4});
+  EXPECT_EQ(dyn.at("model.hyper.1.s_a"), std::vector<int64_t>{1});
+  EXPECT_EQ(dyn.at("model.hyper.3.s_b"), std::vector<int64_t>{1});
+  auto delta = names(find("delta block_layers 1"));  // 5 sites x 3 + null
+  EXPECT_EQ(delta.size(), 16u);
+  EXPECT_EQ(delta.at("model.delta.4.alpha"), std::vector<int64_t>{1});
+  EXPECT_EQ(delta.at("model.delta.0.query"), std::vector<int64_t>{16});
+  EXPECT_EQ(delta.at("model.delta.2.gain"), std::vector<int64_t>{16});
+  EXPECT_EQ(delta.at("model.delta.null"), std::vector<int64_t>{16});
 }
 
-// Neither modeling_mhar.py nor Qwen3 has Hyper-Connections: a hyper model is refused,
-// naming the mode, whatever its stream count.
-TEST(HfExportUnit, HyperConnectionsAreRefusedNamingTheMode) {
-  for (int n : {1, 4}) {
-    const ResidualConfig r = test::tiny_config(ResidualMode::Hyper, 0, true, 0, n).residual;
+// config.json carries every field modeling_mhar.py reads, and only the mode's own (the
+// configuration class refuses a field that contradicts the mode); `mhar import` reads
+// them back into the same residual config.
+TEST(HfExportUnit, ConfigCarriesTheSchemeAndImportReadsItBack) {
+  HfTokenizerInfo tok;
+  const std::vector<std::string> scheme_keys = {"residual_mode", "routing_heads", "block_size", "hyper_n",
+                                                "hyper_dynamic", "block_layers"};
+  for (const auto& [what, cfg] : every_residual_config(false)) {
+    SCOPED_TRACE(what);
+    EXPECT_NO_THROW(require_exportable(cfg.residual, "ckpt"));
+    const json j = hf_config_json(cfg, HfDType::F32, tok);
+    const ResidualConfig& r = cfg.residual;
+    std::map<std::string, json> want;
+    switch (r.mode) {
+      case ResidualMode::Standard:
+        break;
+      case ResidualMode::AttnRes:
+      case ResidualMode::Mhar:
+        want = {{"residual_mode", residual_mode_name(r.mode)}, {"routing_heads", r.heads}, {"block_size", r.block_size}};
+        break;
+      case ResidualMode::Hyper:
+        want = {{"residual_mode", "hyper"}, {"hyper_n", r.hyper_n}, {"hyper_dynamic", r.hyper_dynamic}};
+        break;
+      case ResidualMode::Delta:
+        want = {{"residual_mode", "delta"}, {"routing_heads", r.heads}, {"block_layers", r.block_layers}};
+        break;
+    }
+    for (const std::string& k : scheme_keys) {
+      if (want.count(k)) {
+        EXPECT_EQ(j.value(k, json()), want.at(k)) << k;
+      } else {
+        EXPECT_FALSE(j.contains(k)) << k << " = " << j.value(k, json());
+      }
+    }
+    EXPECT_EQ(j["model_type"], r.mode == ResidualMode::Standard ? "qwen3" : "mhar");
+    json engine = engine_model_from_hf_config(j, "exp/config.json");
+    engine["train"] = {{"seq_len", 8}};
+    const Config back = config_from_json(engine, "imported");
+    EXPECT_EQ(back.residual.mode, r.mode);
+    EXPECT_EQ(back.residual.heads, r.heads);
+    EXPECT_EQ(back.residual.block_size, r.block_size);
+    EXPECT_EQ(back.residual.hyper_n, r.hyper_n);
+    EXPECT_EQ(back.residual.hyper_dynamic, r.hyper_dynamic);
+    EXPECT_EQ(back.residual.block_layers, r.block_layers);
+  }
+}
+
+// An mhar config.json whose scheme fields contradict each other or the model is refused
+// on import naming the field (the engine's config validation judges them).
+TEST(HfImportConfig, BadSchemeFieldsAreRefusedNamingTheField) {
+  HfTokenizerInfo tok;
+  struct Case {
+    const char* base;
+    std::function<void(json&)> edit;
+    std::vector<std::string> needles;
+  };
+  const std::vector<Case> cases = {
+      {"mhar block 3", [](json& j) { j["block_size"] = 5; }, {"block_size", "5"}},
+      {"mhar block 3", [](json& j) { j["block_size"] = -1; }, {"block_size", "-1"}},
+      {"mhar block 3", [](json& j) { j["hyper_n"] = 2; }, {"hyper_n", "2"}},
+      {"hyper n=3", [](json& j) { j["hyper_n"] = 65; }, {"hyper_n", "65"}},
+      {"hyper n=3", [](json& j) { j["hyper_n"] = 0; }, {"hyper_n", "0"}},
+      {"hyper n=3", [](json& j) { j["block_size"] = 2; }, {"block_size", "hyper"}},
+      {"hyper n=3", [](json& j) { j["routing_heads"] = 2; }, {"heads", "hyper"}},
+      {"hyper n=3", [](json& j) { j["hyper_dynamic"] = "yes"; }, {"hyper_dynamic", "yes"}},
+      {"delta block_layers 1", [](json& j) { j["block_layers"] = 3; }, {"block_layers", "3"}},
+      {"delta block_layers 1", [](json& j) { j["block_size"] = 2; }, {"block_size", "delta"}},
+      {"delta block_layers 1", [](json& j) { j["routing_heads"] = 3; }, {"heads", "3"}},
+      {"mhar", [](json& j) { j["block_layers"] = 1; }, {"block_layers", "mhar"}},
+  };
+  const auto cfgs = every_residual_config(true);
+  for (const auto& c : cases) {
+    const Config* base = nullptr;
+    for (const auto& [w, cfg] : cfgs)
+      if (w == c.base) base = &cfg;
+    ASSERT_TRUE(base) << c.base;
+    json j = hf_config_json(*base, HfDType::F32, tok);
+    c.edit(j);
     try {
-      require_exportable(r, "ckpt");
-      ADD_FAILURE() << "a hyper model (n = " << n << ") was accepted for export";
+      json engine = engine_model_from_hf_config(j, "dir/config.json");
+      engine["train"] = {{"seq_len", 8}};
+      config_from_json(engine, "dir/config.json (imported)");
+      ADD_FAILURE() << "accepted " << j.dump();
     } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("ckpt: residual.mode \"hyper\" has no Hugging Face "
-                                           "export yet"),
-                std::string::npos)
-          << e.what();
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("dir/config.json"), std::string::npos) << msg;
+      for (const auto& n : c.needles) EXPECT_NE(msg.find(n), std::string::npos) << "\"" << n << "\" not in: " << msg;
     }
   }
 }
@@ -437,13 +560,14 @@ TEST(HfImportConfig, UnsupportedConfigurationsAreRefusedNamingTheField) {
 TEST(HfImportConfig, FuzzedConfigsFailCleanly) {
   std::mt19937_64 rng(2024);
   const std::vector<json> values = {nullptr, true, false, 0, -1, 1, 3, 7, 1e300, -1e-300, 0.5, 2147483648LL,
-                                    "", "silu", "default", "qwen3", "mhar", "attnres", json::array(),
+                                    "", "silu", "default", "qwen3", "mhar", "attnres", "hyper", "delta", json::array(),
                                     json::array({1, 2}), json::object(), json({{"rope_type", "default"}})};
   std::vector<std::string> keys;
   const json base = qwen3_config();
   for (auto it = base.begin(); it != base.end(); ++it) keys.push_back(it.key());
   for (const char* k : {"rope_parameters", "rope_scaling", "residual_mode", "routing_heads", "num_experts",
-                        "layer_types", "initializer_range", "partial_rotary_factor"})
+                        "layer_types", "initializer_range", "partial_rotary_factor", "block_size", "hyper_n",
+                        "hyper_dynamic", "block_layers"})
     keys.push_back(k);
   int accepted = 0, refused = 0;
   const auto t0 = std::chrono::steady_clock::now();
@@ -686,6 +810,92 @@ TEST_F(HfExportTest, RoutedModelsCarryTheirModelingCode) {
     const auto a = read_raw(fs::path(ck) / "model.safetensors", false);
     const auto b = read_raw(fs::path(info.dir) / "model.safetensors", false);
     for (const auto& [name, t] : a) EXPECT_EQ(b.at(name).bytes, t.bytes) << name;
+  }
+}
+
+// Block routing, Hyper-Connections (static and dynamic) and delta: trained, exported
+// with their scheme's config fields, tensors and modeling code, and imported back bit for
+// bit (a run whose eval equals the original's exactly).
+TEST_F(HfExportTest, EveryResidualSchemeExportsAndImportsBitForBit) {
+  struct Run {
+    const char* name;
+    const char* mode;
+    bool tied;
+    int heads;
+    json residual;
+    const char* prefix;  // the scheme's tensors
+  };
+  const std::vector<Run> runs = {
+      {"block_mhar", "mhar", false, 2, {{"block_size", 3}}, "model.routing."},
+      {"hyper", "hyper", true, 0, {{"hyper_n", 3}}, "model.hyper."},
+      {"hyper_dynamic", "hyper", false, 0, {{"hyper_n", 2}, {"hyper_dynamic", true}}, "model.hyper."},
+      {"delta", "delta", true, 2, {{"block_layers", 1}}, "model.delta."},
+  };
+  for (const Run& run : runs) {
+    SCOPED_TRACE(run.name);
+    const std::string ck = train_tiny(std::string("run_") + run.name, run.mode, run.tied, run.heads, run.residual);
+    const fs::path exp = dir / (std::string("exp_") + run.name);
+    const CmdResult ex = run_mhar("export --checkpoint " + q(ck) + " --out " + q(exp));
+    ASSERT_EQ(ex.code, 0) << ex.output;
+    EXPECT_NE(ex.output.find("trust_remote_code"), std::string::npos) << ex.output;
+    const json c = read_json(exp / "config.json");
+    EXPECT_EQ(c["model_type"], "mhar");
+    EXPECT_EQ(c["architectures"], json({"MharForCausalLM"}));
+    EXPECT_EQ(c["residual_mode"], run.mode);
+    for (auto it = run.residual.begin(); it != run.residual.end(); ++it) EXPECT_EQ(c[it.key()], it.value()) << it.key();
+    if (std::string(run.mode) != "hyper") {
+      EXPECT_EQ(c["routing_heads"], run.heads);
+    }
+    for (const char* f : {"configuration_mhar.py", "modeling_mhar.py"})
+      EXPECT_EQ(read_bytes(exp / f), read_bytes(fs::path(MHAR_SOURCE_DIR) / "tools/hf" / f)) << f;
+
+    // The export's tensors are the checkpoint's, byte for byte, and include the scheme's,
+    // some of which training moved from their init.
+    const auto src = read_raw(fs::path(ck) / "model.safetensors", false);
+    const auto out = read_raw(exp / "model.safetensors");
+    ASSERT_EQ(src.size(), out.size());
+    const Config cfg = open_checkpoint(ck).config;
+    auto be = make_cpu_backend(DType::F32);
+    Model fresh(cfg.model, cfg.residual, *be, 1, 1);
+    fresh.init_weights(cfg.train.seed);
+    int scheme = 0, moved = 0;
+    for (const auto& [name, t] : src) {
+      ASSERT_TRUE(out.count(name)) << name;
+      EXPECT_EQ(out.at(name).shape, t.shape) << name;
+      EXPECT_EQ(out.at(name).bytes, t.bytes) << name;
+      if (name.rfind(run.prefix, 0) != 0) continue;
+      ++scheme;
+      const std::vector<double> init = test::download(*be, fresh.parameter(name).value);
+      const std::vector<float> now = as_f32(out.at(name));
+      for (size_t i = 0; i < now.size(); ++i)
+        if (double(now[i]) != init[i]) {
+          ++moved;
+          break;
+        }
+    }
+    EXPECT_GT(scheme, 0);
+    EXPECT_GT(moved, scheme / 2) << moved << " of " << scheme << " scheme tensors left their init";
+
+    // Import: the same residual config, the same weights bit for bit, the same eval loss.
+    const fs::path imp = dir / (std::string("imp_") + run.name);
+    const CmdResult im = run_mhar("import --hf " + q(exp) + " --out " + q(imp));
+    ASSERT_EQ(im.code, 0) << im.output;
+    const CheckpointInfo info = open_checkpoint(imp.string());
+    EXPECT_EQ(info.config.residual.mode, cfg.residual.mode);
+    EXPECT_EQ(info.config.residual.heads, cfg.residual.heads);
+    EXPECT_EQ(info.config.residual.block_size, cfg.residual.block_size);
+    EXPECT_EQ(info.config.residual.hyper_n, cfg.residual.hyper_n);
+    EXPECT_EQ(info.config.residual.hyper_dynamic, cfg.residual.hyper_dynamic);
+    EXPECT_EQ(info.config.residual.block_layers, cfg.residual.block_layers);
+    const auto back = read_raw(fs::path(info.dir) / "model.safetensors", false);
+    ASSERT_EQ(back.size(), src.size());
+    for (const auto& [name, t] : src) EXPECT_EQ(back.at(name).bytes, t.bytes) << name;
+    const std::string eval_args = " --data " + val() + " --device cpu --batch-size 4 --seq-len 16 --batches 2";
+    const CmdResult e0 = run_mhar("eval --checkpoint " + q(ck) + eval_args);
+    const CmdResult e1 = run_mhar("eval --checkpoint " + q(imp) + eval_args);
+    ASSERT_EQ(e0.code, 0) << e0.output;
+    ASSERT_EQ(e1.code, 0) << e1.output;
+    EXPECT_EQ(json::parse(e0.output)["loss"].get<double>(), json::parse(e1.output)["loss"].get<double>());
   }
 }
 

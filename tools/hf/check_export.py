@@ -5,14 +5,20 @@
 #
 #   1. A small corpus (Python's own docstrings, deterministic) -> three tokenizers (GPT-2,
 #      Qwen3, and one trained by `mhar data train-tokenizer`) -> shards (`mhar data prepare`)
-#      -> three tiny models trained for 30 steps on the CPU: standard (GPT-2, tied),
-#      attnres (Qwen3, untied), mhar (H=4, trained tokenizer, tied).
-#   2. Each exported (fp32; attnres also sharded; bf16) and loaded with transformers
-#      (stock Qwen3ForCausalLM without trust_remote_code for standard; the exported
-#      modeling_mhar.py with trust_remote_code=True for routed ones):
+#      -> tiny models trained for 30 steps on the CPU, one per residual scheme (RUNS):
+#      standard (GPT-2, tied), attnres (Qwen3, untied), mhar (H=4, trained tokenizer, tied),
+#      block_mhar (H=2, block_size 3, untied), hyper (n=4 static, tied), hyper_dynamic
+#      (n=3 dynamic, untied), delta (H=2, block_layers 1, tied), the last four on the
+#      trained tokenizer.
+#   2. Each exported (fp32; attnres also sharded; bf16; every model_type "mhar" export
+#      also imported back by `mhar import`, tensors bit for bit) and loaded with
+#      transformers (stock Qwen3ForCausalLM without trust_remote_code for standard; the
+#      exported modeling_mhar.py with trust_remote_code=True for the others):
 #      - every tensor loaded bit for bit;
 #      - fp32 logits vs `mhar eval --logits-out` (the engine's CPU forward): max over
-#        positions of max|diff| / max|mhar logit| <= 1e-5;
+#        positions of max|diff| / max|mhar logit| <= 1e-5 (SDPA and eager attention);
+#        the check sees the scheme: its own parameters put back at their init (queries,
+#        delta gates zeroed; Hyper-Connection coefficients reset) move the logits > 1e-3;
 #      - mean loss over the validation windows vs `mhar eval`: |diff| <= 1e-5;
 #      - 32 greedy tokens of generate() (KV cache) vs `mhar sample --temperature 0` on the
 #        CPU for three prompts; a divergence is allowed only where transformers' top two
@@ -129,6 +135,17 @@ def read_safetensors(path):
     return out, meta
 
 
+def raw_tensors(path):
+    """A single safetensors file as {name: (dtype, shape, bytes)}, without torch."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    header.pop("__metadata__", None)
+    return {k: (e["dtype"], tuple(e["shape"]), raw[8 + n + e["data_offsets"][0]:8 + n + e["data_offsets"][1]])
+            for k, e in header.items()}
+
+
 def read_shard_tokens(paths):
     """The llm.c shards (256 int32 header; uint16 or uint32 tokens) as one stream."""
     stream = []
@@ -243,10 +260,15 @@ def build_corpus(work):
     return corpus, paths
 
 
-RUNS = [  # mode, tokenizer, model vocab, tied, residual.heads
-    ("standard", "gpt2", 50304, True, 0),
-    ("attnres", "qwen3", 151936, False, 1),
-    ("mhar", "trained", 512, True, 4),
+RUNS = [  # name, residual.mode, tokenizer, model vocab, tied, further residual.* fields
+    ("standard", "standard", "gpt2", 50304, True, {}),
+    ("attnres", "attnres", "qwen3", 151936, False, {"heads": 1}),
+    ("mhar", "mhar", "trained", 512, True, {"heads": 4}),
+    # 2 layers = 4 sublayers: blocks of 3 give a closed block and a partial one.
+    ("block_mhar", "mhar", "trained", 512, False, {"heads": 2, "block_size": 3}),
+    ("hyper", "hyper", "trained", 512, True, {"hyper_n": 4}),
+    ("hyper_dynamic", "hyper", "trained", 512, False, {"hyper_n": 3, "hyper_dynamic": True}),
+    ("delta", "delta", "trained", 512, True, {"heads": 2, "block_layers": 1}),
 ]
 T_SEQ, B_EVAL, MAX_EVAL_BATCHES = 64, 4, 32
 
@@ -262,35 +284,36 @@ def prepare_tokenizers(work, corpus):
     return tokenizers
 
 
-def train_run(work, tokenizers, mode, tok, vocab, tied, heads):
+def train_run(work, tokenizers, name, mode, tok, vocab, tied, residual):
     shards = os.path.join(work, f"shards_{tok}")
     cfg = {
         "model": {"vocab_size": vocab, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
                   "head_dim": 16, "d_ff": 128, "context_length": 128, "tie_embeddings": tied},
-        "residual": {"mode": mode, "heads": heads},
+        "residual": {"mode": mode, **residual},
         "train": {"micro_batch": 4, "seq_len": T_SEQ, "steps": 30, "lr": 1e-2, "warmup_steps": 3,
                   "eval_every": 30, "eval_batches": 2, "log_every": 10, "device": "cpu", "seed": 7},
         "data": {"train": os.path.join(shards, "train_*.bin"), "val": os.path.join(shards, "val_*.bin"),
                  "tokenizer": tokenizers[tok]},
         "checkpoint": {"every": 0, "keep": 1},
     }
-    cfg_path = os.path.join(work, f"{mode}.json")
+    cfg_path = os.path.join(work, f"{name}.json")
     json.dump(cfg, open(cfg_path, "w"), indent=2)
-    run_dir = os.path.join(work, "runs", mode)
+    run_dir = os.path.join(work, "runs", name)
     shutil.rmtree(run_dir, ignore_errors=True)
     t0 = time.time()
     mhar("train", cfg_path, "--run-dir", run_dir)
     evals = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl")) if '"eval"' in l]
-    log(f"trained {mode}: {time.time() - t0:.1f} s, val loss {evals[0]['val_loss']:.4f} -> "
+    log(f"trained {name} ({mode} {residual}): {time.time() - t0:.1f} s, val loss {evals[0]['val_loss']:.4f} -> "
         f"{evals[-1]['val_loss']:.4f}")
-    record(mode, "training lowered the validation loss", evals[-1]["val_loss"] < evals[0]["val_loss"],
+    record(name, "training lowered the validation loss", evals[-1]["val_loss"] < evals[0]["val_loss"],
            f"{evals[0]['val_loss']:.4f} -> {evals[-1]['val_loss']:.4f} in 30 steps")
-    return {"mode": mode, "tok_name": tok, "tokenizer": tokenizers[tok], "vocab": vocab, "tied": tied,
+    return {"name": name, "mode": mode, "remote": mode != "standard", "tok_name": tok,
+            "tokenizer": tokenizers[tok], "vocab": vocab, "tied": tied,
             "run": run_dir, "val": cfg["data"]["val"]}
 
 
 def export_run(work, r):
-    mode = r["mode"]
+    mode = r["name"]
     exp = os.path.join(work, "exports")
     r["fp32"] = os.path.join(exp, f"{mode}_fp32")
     r["bf16"] = os.path.join(exp, f"{mode}_bf16")
@@ -315,6 +338,16 @@ def export_run(work, r):
          "--seq-len", T_SEQ, "--batches", 2, "--logits-out", logits_file)
     r["logits_file"] = logits_file
     log(f"{mode}: mhar eval loss {r['eval']['loss']:.6f} over {r['eval']['tokens']} tokens")
+    if r["remote"]:  # an mhar export imports back to the checkpoint it came from
+        imp = os.path.join(work, "imports", mode)
+        shutil.rmtree(imp, ignore_errors=True)
+        mhar("import", "--hf", r["fp32"], "--out", imp)
+        ckpts = sorted(glob.glob(os.path.join(r["run"], "checkpoints", "step_*")))
+        src = raw_tensors(os.path.join(ckpts[-1], "model.safetensors"))
+        back = raw_tensors(os.path.join(imp, "checkpoints", "step_00000000", "model.safetensors"))
+        bad = sorted(n for n in src if back.get(n) != src[n]) + sorted(set(back) - set(src))
+        record(mode, "mhar import of the export == checkpoint, bit for bit", not bad, f"{len(src)} tensors",
+               note=f"differ: {bad[:5]}" if bad else "")
 
 
 # ------------------------------------------------------------------ transformers side
@@ -327,6 +360,25 @@ def load_hf(path, dtype, remote, **kw):
         if "dtype" not in str(e):
             raise
         return AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype, trust_remote_code=remote, **kw)
+
+
+def scheme_to_init(model, mode):
+    """Puts the residual scheme's own parameters of a loaded mhar model back at their
+    init (where they carry no information): routing queries zeroed (uniform mixing),
+    delta gates zeroed (the standard model), Hyper-Connection coefficients reset (the
+    pre-norm residual). Returns what was done, for the record."""
+    import torch
+    with torch.no_grad():
+        if mode == "hyper":
+            for m in model.modules():
+                if type(m).__name__ == "MharHyperConnection":
+                    m.reset_parameters()
+            return "Hyper-Connection coefficients reset to their init"
+        suffix = ".alpha" if mode == "delta" else ".query"
+        for n, p in model.named_parameters():
+            if n.endswith(suffix):
+                p.zero_()
+        return "delta gates alpha zeroed" if mode == "delta" else "queries zeroed"
 
 
 def loading_info_problems(info, tied):
@@ -375,7 +427,7 @@ def engine_logits(r):
 def check_load_and_logits(r):
     import torch
     from transformers import AutoConfig
-    mode, routed, tied = r["mode"], r["mode"] != "standard", r["tied"]
+    mode, routed, tied = r["name"], r["remote"], r["tied"]
     exp = r["fp32"]
     cfg = json.load(open(os.path.join(exp, "config.json")))
     record(mode, "config model_type", cfg["model_type"] == ("mhar" if routed else "qwen3"),
@@ -421,14 +473,11 @@ def check_load_and_logits(r):
         eager = load_hf(exp, torch.float32, True, attn_implementation="eager").eval()
         rel_e = rel_err_per_position(hf_logits(eager, ids), ref)
         record(mode, "eager attention logits vs mhar", rel_e.max().item() <= 1e-5, f"{rel_e.max().item():.3e}", "1e-5")
-        # The comparison sees the routing: with every query zeroed (uniform mixing) the
+        # The comparison sees the scheme: with its own parameters back at their init the
         # logits move far beyond the tolerance.
-        with torch.no_grad():
-            for n, p in eager.named_parameters():
-                if n.endswith(".query"):
-                    p.zero_()
+        what = scheme_to_init(eager, r["mode"])
         rel_z = rel_err_per_position(hf_logits(eager, ids), ref).max().item()
-        record(mode, "sensitivity: queries zeroed move the logits by", rel_z > 1e-3, f"{rel_z:.3e}", "> 1e-3")
+        record(mode, f"sensitivity: {what} move the logits by", rel_z > 1e-3, f"{rel_z:.3e}", "> 1e-3")
         del eager
 
     # Mean loss over the validation windows vs `mhar eval`.
@@ -444,7 +493,7 @@ def check_load_and_logits(r):
 def check_generate(r):
     import torch
     from transformers import LogitsProcessor, LogitsProcessorList
-    mode, routed = r["mode"], r["mode"] != "standard"
+    mode, routed = r["name"], r["remote"]
     exp = r["fp32"]
     cfg = json.load(open(os.path.join(exp, "config.json")))
     model = load_hf(exp, torch.float32, routed).eval()
@@ -527,10 +576,10 @@ def check_generate(r):
 
 def check_tokenizer(r):
     from transformers import AutoTokenizer
-    mode, exp = r["mode"], r["fp32"]
+    mode, exp = r["name"], r["fp32"]
     eot = json.load(open(os.path.join(exp, "config.json"))).get("eos_token_id")
-    # As lm_eval loads it: trust_remote_code for a routed export (its config.json needs it).
-    hf_tok = AutoTokenizer.from_pretrained(exp, trust_remote_code=mode != "standard")
+    # As lm_eval loads it: trust_remote_code for an mhar export (its config.json needs it).
+    hf_tok = AutoTokenizer.from_pretrained(exp, trust_remote_code=r["remote"])
     mismatches, total = [], 0
     for p in r["heldout"]:
         text = open(p, encoding="utf-8", newline="").read()
@@ -583,7 +632,7 @@ def stochastic_bf16(t, gen):
 
 def check_bf16(r):
     import torch
-    mode, routed = r["mode"], r["mode"] != "standard"
+    mode, routed = r["name"], r["remote"]
     ids, targets, ref = engine_logits(r)
     w32, _ = read_safetensors(r["fp32"])
     w16, meta = read_safetensors(r["bf16"])
@@ -781,12 +830,12 @@ def main():
     corpus, heldout = build_corpus(WORK)
     tokenizers = section("tokenizers and shards", prepare_tokenizers, WORK, corpus)
     runs = {}
-    for mode, tok, vocab, tied, heads in (RUNS if tokenizers else []):
-        r = section(f"train {mode}", train_run, WORK, tokenizers, mode, tok, vocab, tied, heads)
+    for name, mode, tok, vocab, tied, residual in (RUNS if tokenizers else []):
+        r = section(f"train {name}", train_run, WORK, tokenizers, name, mode, tok, vocab, tied, residual)
         if r:
             r["heldout"] = heldout
-            section(f"export {mode}", export_run, WORK, r)
-            runs[mode] = r
+            section(f"export {name}", export_run, WORK, r)
+            runs[name] = r
     if not args.skip_hf:
         for mode, r in runs.items():
             if "logits_file" not in r:

@@ -2,10 +2,10 @@
 # check_export.sh: the Hugging Face export/import checks of issue 9, for a machine with
 # PyTorch and transformers 5 (the GPU machine; no GPU is needed). Builds a CPU-only
 # `mhar` (or takes $MHAR_BIN, e.g. build-gpu/mhar from tools/gpu_check.sh), then runs
-# tools/hf/check_export.py: tiny standard/attnres/mhar models trained for 30 steps,
-# exported and loaded with transformers, compared with the engine (logits, loss, greedy
-# text, bf16, tokenizer), and Qwen3 models made by transformers imported and exported
-# back. Prints a table of figures last; exits non-zero on any failure.
+# tools/hf/check_export.py: tiny models of every residual scheme (standard, attnres, mhar,
+# block mhar, static and dynamic hyper, delta) trained for 30 steps, exported and loaded
+# with transformers, compared with the engine (logits, loss, greedy text, bf16,
+# tokenizer), and Qwen3 models made by transformers imported and exported back. Prints a table of figures last; exits non-zero on any failure.
 #   MHAR_BIN     an mhar binary to use instead of building one
 #   BUILD_DIR    build directory (default build-hf)
 #   JOBS         build parallelism (default nproc)
