@@ -438,67 +438,69 @@ __device__ __forceinline__ int64_t full_pair_base(int i, int S) {
   return int64_t(i) * S - int64_t(i) * (i - 1) / 2;
 }
 
-// One warp per token. Statistics: head h's G = 32/H lanes take every G-th slot, one
-// online (max, sum) per tile site, merged by shuffles. Rows: in passes of 256 features
-// (lane l: chunk l + 32 p, inside one head since dh % 8 == 0), each slot's chunk is read
-// once and added into the k accumulators (k x 8 fp32 registers), with the weights from
-// a per-warp shared-memory table of the pass's heads (NH: the most heads a pass spans).
+// One warp per token, in three phases. (1) The tile's raw logits, every slot i <= j0,
+// tile site m and head h, into this warp's shared table T[(i count + m) H + h]: all 32
+// lanes load independent entries, so the logits' latency is paid a few times per token
+// rather than once per slot. (2) Lane c = (m, h) turns its column into e^(s - M) (over
+// L for site j0) with its online max M and sum L, kept for the partial statistics.
+// (3) Passes of 256 features (lane l: chunk l + 32 p, inside one head since
+// dh % 8 == 0): each slot's chunk is read once and added into the k accumulators
+// (k x 8 fp32 registers) with its weights from T.
 template <int K>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, 4)
     mix_tile_kernel(bf16* __restrict__ x, float* __restrict__ weights,
                     const bf16* __restrict__ hist, float* __restrict__ partial,
-                    float* __restrict__ pstat, const Geometry g, int site0, int count, int NH) {
-  __shared__ float st_max[kWarpsPerBlock][K][32], st_sum[kWarpsPerBlock][K][32];
-  extern __shared__ float tile_tables[];  // per warp: (site0 + 1) K NH floats
+                    float* __restrict__ pstat, const Geometry g, int site0, int count) {
+  extern __shared__ float tile_tables[];  // per warp: (site0 + 1) count H floats
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  float* table = tile_tables + int64_t(warp) * (site0 + 1) * K * NH;
-  const int G = 32 / g.H, h = lane / G, sub = lane % G, cph = g.dh / 8;
-  const int S = g.lay.sites, nsrc = site0 + 1;
+  const int S = g.lay.sites, nsrc = site0 + 1, cph = g.dh / 8, CH = count * g.H;
+  float* T = tile_tables + int64_t(warp) * nsrc * CH;
   const int64_t HN = int64_t(g.H) * g.N, Nd = g.N * g.d;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
   for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + warp; n < g.N; n += warps) {
-    // logit of slot i for site site0 + m, head hh: pair(i, site0 + m) = pair(i, site0) + m
-    auto logit = [&](int i, int m, int hh) {
-      return weights + (full_pair_base(i, S) + site0 - i + m) * HN + int64_t(hh) * g.N + n;
+    // logit of slot i for site site0 + m, head h: pair(i, site0 + m) = pair(i, site0) + m
+    auto logit = [&](int i, int m, int h) {
+      return weights + (full_pair_base(i, S) + site0 - i + m) * HN + int64_t(h) * g.N + n;
     };
-#pragma unroll
-    for (int m = 0; m < K; ++m) {
-      if (m >= count) break;
+    __syncwarp();  // the previous token's passes have read T
+    // (1) entry e = (i count + m) H + h; H divides 32, so a step of 32 keeps h.
+    {
+      int i = lane / CH, m = (lane % CH) / g.H;
+      const int h = lane % g.H, dm = 32 / g.H;
+#pragma unroll 8
+      for (int e = lane; e < nsrc * CH; e += 32) {
+        T[e] = *logit(i, m, h);
+        for (m += dm; m >= count; m -= count) ++i;
+      }
+    }
+    __syncwarp();
+    // (2) column c = (m, h)
+    for (int c = lane; c < CH; c += 32) {
+      const int m = c / g.H, h = c % g.H;
       float mx = -INFINITY, l = 0.f;
-#pragma unroll 4
-      for (int i = sub; i < nsrc; i += G) {
-        const float s = *logit(i, m, h);
+      for (int i = 0; i < nsrc; ++i) {
+        const float s = T[i * CH + c];
         if (s > mx) l = l * __expf(mx - s) + 1.f, mx = s;  // exp(-inf) = 0 on the first
         else l += __expf(s - mx);
       }
-      for (int o = G >> 1; o > 0; o >>= 1) {
-        const float m2 = __shfl_xor_sync(0xffffffffu, mx, o), l2 = __shfl_xor_sync(0xffffffffu, l, o);
-        const float M = fmaxf(mx, m2);
-        l = (mx == -INFINITY ? 0.f : l * __expf(mx - M)) + (m2 == -INFINITY ? 0.f : l2 * __expf(m2 - M));
-        mx = M;
+      const float scale = m == 0 ? 1.f / l : 1.f;
+      for (int i = 0; i < nsrc; ++i) T[i * CH + c] = __expf(T[i * CH + c] - mx) * scale;
+      if (m > 0) {
+        pstat[int64_t(m - 1) * 2 * HN + int64_t(h) * g.N + n] = mx;
+        pstat[(int64_t(m - 1) * 2 + 1) * HN + int64_t(h) * g.N + n] = l;
       }
-      if (sub == 0) st_max[warp][m][h] = mx, st_sum[warp][m][h] = l;
     }
     __syncwarp();
+    // Site j0's weights are final: write them back (entries (i, 0, h)).
+    for (int e = lane; e < nsrc * g.H; e += 32) {
+      const int i = e / g.H, h = e % g.H;
+      *logit(i, 0, h) = T[i * CH + h];
+    }
+    // (3)
     for (int pass = 0; 32 * pass < g.nchunks; ++pass) {
-      // The weights this pass needs, e^(s - M_m) (over L_0 for site0), once per warp in
-      // shared memory: the heads of features [256 pass, 256 pass + 256), at
-      // table[(i K + m) NH + head - h0]. Lane q of the count x nh (m, head) pairs walks
-      // the slots, so the pass's row loop reads them back instead of every lane
-      // loading and exponentiating k logits per slot.
-      const int h0 = 256 * pass / g.dh, nh = min(g.H - 1, (256 * pass + 255) / g.dh) - h0 + 1;
-      __syncwarp();  // the previous pass (or token) has read the table
-      for (int q = lane; q < count * nh; q += 32) {
-        const int m = q / nh, hh = h0 + q % nh;
-        const float M = st_max[warp][m][hh], scale = m == 0 ? 1.f / st_sum[warp][0][hh] : 1.f;
-        float* t = table + m * NH + (hh - h0);
-#pragma unroll 8
-        for (int i = 0; i < nsrc; ++i) t[i * K * NH] = __expf(*logit(i, m, hh) - M) * scale;
-      }
-      __syncwarp();
       const int ch = lane + 32 * pass;
       const bool on = ch < g.nchunks;
-      const float* tw = table + (on ? ch / cph - h0 : 0);
+      const float* tw = T + (on ? ch / cph : 0);
       float acc[K][8];
 #pragma unroll
       for (int m = 0; m < K; ++m)
@@ -517,7 +519,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, 4)
 #pragma unroll
           for (int m = 0; m < K; ++m) {
             if (m >= count) break;
-            const float a = tw[(i * K + m) * NH];
+            const float a = tw[(i * count + m) * g.H];
 #pragma unroll
             for (int e = 0; e < 8; ++e) acc[m][e] += a * elem(v[u], e);
           }
@@ -535,20 +537,6 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, 4)
         p[1] = make_float4(acc[m][4], acc[m][5], acc[m][6], acc[m][7]);
       }
     }
-    __syncwarp();  // every lane has read the raw logits of site0
-    {
-      const float M = st_max[warp][0][h], linv = 1.f / st_sum[warp][0][h];
-      for (int i = sub; i < nsrc; i += G) {
-        float* p = logit(i, 0, h);
-        *p = __expf(*p - M) * linv;
-      }
-    }
-    if (sub == 0)
-      for (int m = 1; m < count; ++m) {
-        pstat[(int64_t(m - 1) * 2) * HN + int64_t(h) * g.N + n] = st_max[warp][m][h];
-        pstat[(int64_t(m - 1) * 2 + 1) * HN + int64_t(h) * g.N + n] = st_sum[warp][m][h];
-      }
-    __syncwarp();  // st_* are rewritten for the next token
   }
 }
 
@@ -1223,18 +1211,9 @@ int64_t tiled_mix_rows(int S, int k) {
   return rows;
 }
 
-// The most heads that one pass of 256 features spans (mix_tile_kernel's NH).
-int tile_heads_per_pass(int64_t d, int heads) {
-  const int64_t dh = d / heads;
-  int most = 1;
-  for (int64_t f = 0; f < d; f += 256)
-    most = std::max(most, int(std::min<int64_t>(heads - 1, (f + 255) / dh) - f / dh + 1));
-  return most;
-}
-
-// mix_tile_kernel's shared weight tables: one per warp, `slots` x K x NH floats.
-size_t tile_table_bytes(int slots, int K, int NH) {
-  return size_t(kWarpsPerBlock) * size_t(slots) * size_t(K) * size_t(NH) * sizeof(float);
+// mix_tile_kernel's shared weight tables: one per warp, `slots` x count x H floats.
+size_t tile_table_bytes(int slots, int count, int heads) {
+  return size_t(kWarpsPerBlock) * size_t(slots) * size_t(count) * size_t(heads) * sizeof(float);
 }
 constexpr size_t kTileTableMaxBytes = 96 * 1024;  // leaves room for 2 blocks per SM
 
@@ -1246,7 +1225,7 @@ int routing_tile_sites(const RoutingLayout& layout, int64_t d, int heads) {
   const bool shape = heads >= 1 && heads <= 32 && 32 % heads == 0 && d % heads == 0 &&
                      (d / heads) % 8 == 0 && d <= 256 * kMaxNT;
   if (layout.block != 1 || !shape ||
-      tile_table_bytes(layout.sites, kTileSites, tile_heads_per_pass(d, heads)) > kTileTableMaxBytes)
+      tile_table_bytes(layout.sites, kTileSites, heads) > kTileTableMaxBytes)
     return 1;
   int best = 1;  // the k with the fewest rows moved (S = 25: 4; 49 and 73: 8)
   for (int k = 2; k <= kTileSites; ++k)
@@ -1278,17 +1257,16 @@ void routing_mix_tile(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weig
   auto* partial = static_cast<float*>(
       ctx.scratch(ScratchSlot::RoutingTile, size_t(partial_floats + stat_floats) * sizeof(float)));
   // Accumulators for 4 sites where that is enough (fewer registers, no idle predicates).
-  const int NH = tile_heads_per_pass(g.d, g.H);
-  auto launch = [&](auto kernel, int K) {
-    const size_t smem = tile_table_bytes(site + 1, K, NH);
+  const size_t smem = tile_table_bytes(site + 1, k, g.H);
+  auto launch = [&](auto kernel) {
     allow_smem(kernel, smem);
     kernel<<<token_blocks(g.N), 32 * kWarpsPerBlock, smem, s>>>(
         static_cast<bf16*>(x.data), weights.ptr<float>(), static_cast<const bf16*>(history.data),
-        partial, partial + partial_floats, g, site, k, NH);
+        partial, partial + partial_floats, g, site, k);
     CUDA_CHECK_LAUNCH();
   };
-  if (k <= 4) launch(mix_tile_kernel<4>, 4);
-  else launch(mix_tile_kernel<kTileSites>, kTileSites);
+  if (k <= 4) launch(mix_tile_kernel<4>);
+  else launch(mix_tile_kernel<kTileSites>);
   ctx.tile = MixTile{weights.data, history.data, layout, heads, site, k, site + 1};
 }
 
