@@ -499,7 +499,8 @@ __global__ void __launch_bounds__(kThreads) dyn_coef_backward_kernel(
       for (int q = 0; q < Q; ++q) {
         const int64_t p = (t * NS + r) * Q + q;
         const float th = Tt[p];
-        dz[r][q] = dC[p] * (q <= NS ? s_a : s_b) * (1.0f - th * th);
+        // 1 - T^2 rounded once (fma): no cancellation error near |T| = 1.
+        dz[r][q] = dC[p] * (q <= NS ? s_a : s_b) * fmaf(-th, th, 1.0f);
       }
     }
     for (int64_t j = lane; j < chunks; j += 32) {
