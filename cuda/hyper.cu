@@ -23,6 +23,22 @@
 // for n <= 4 its launch bounds ask for two 256-thread blocks per SM, which ptxas meets
 // at n = 4 with 128 registers and no spills (144 unbounded, one block per SM); n >= 6
 // uses 255 with small spills. The other kernels stay under 100.
+// Dynamic Hyper-Connections (residual.hyper_dynamic; per token t and stream r, Q = n + 2
+// coefficients C[t, r, :] = static + s tanh(rmsnorm(h_r[t]) . W), F32 [N, n, Q]):
+//   hyper_dynamic_coef             C, T (the tanh), rstd from H      (n rows read)
+//   hyper_mix_dynamic              x = sum_r C[t,r,0] h_r            (n+1)
+//   hyper_mix_dynamic_backward     dH += C dx, dC[:, :, 0] = <dx, h_r>   (3n+1)
+//   hyper_update_dynamic           out_i = C[t,i,n+1] v + sum_r C[t,r,1+i] in_r   (2n+1)
+//   hyper_update_dynamic_backward  din, dv, dC[:, :, 1..n+1]         (3n+2)
+//   hyper_dynamic_coef_backward    dH += through the norm; dW, dA_m, dA_r, dB, ds_a, ds_b +=
+// Their coefficients change per token, so one warp owns a token (its lanes the token's
+// 16-byte chunks) and keeps that token's coefficients in registers; every per-token sum
+// is a lane's chunks in order and then a warp butterfly, whatever the grid. The
+// coefficients' backward: a token kernel (two passes over the token: the norm's dot,
+// then dH; it leaves U = rstd dz per token and stream in the scratch), dW = sum over
+// tokens and streams of h U^T as [splits, d, Q] block partial sums added in split order,
+// and the static coefficients' and scales' sums over tokens, one block per column of
+// dC, added in column order. W is read through L1 (d (n+2) bf16, shared by every warp).
 // Not measured on a GPU yet (the lead's H200 run): bandwidth against the copy's is open.
 #include <algorithm>
 #include <cstdint>
@@ -656,6 +672,8 @@ __global__ void dyn_param_finish_kernel(float* dAm, float* dAr, float* dB, float
   }
 }
 
+#undef MHAR_FOR_EACH_TOKEN
+
 // Calls f(std::integral_constant<int, n>) for n = 1..kMaxStreams.
 template <class F> void dispatch_streams(int n, const char* what, F&& f) {
   switch (n) {
@@ -856,7 +874,7 @@ int dyn_blocks(int64_t N) { return grid_stride_blocks(N, kWarps); }  // a warp p
 
 // dW's token splits (rows of its partial sums): about 4 blocks per SM over all column
 // groups, each warp at least one token. Depends only on N, d and the device.
-int64_t dyn_dw_groups(int64_t d) { return ceil_div(d / 8, 32); }
+int64_t dyn_dw_groups(int64_t d) { return std::max<int64_t>(1, ceil_div(d / 8, 32)); }
 int64_t dyn_dw_splits(int64_t N, int64_t d) {
   const int64_t sms8 = grid_stride_blocks(int64_t(1) << 40, 1);  // 8 x the SM count
   const int64_t want = ceil_div(sms8 / 2, dyn_dw_groups(d));
