@@ -492,7 +492,7 @@ __global__ void __launch_bounds__(kThreads) dyn_update_backward_kernel(
 // The coefficients' backward, per token (the parameter sums are the two kernels below):
 //   dz = dC s (1 - T^2);  dhbar[c] = sum_q dz_q W[c, q]
 //   dh_r += rs dhbar - h rs^3 <dhbar, h> / d           (RMSNorm without scale)
-//   U[t, r, q] = rs dz_q  (the factor of hbar's... dW[c, q] = sum_{t,r} h[c] U[t, r, q])
+//   U[t, r, q] = rs dz_q, written for dW[c, q] = sum_{t,r} hbar[c] dz_q = sum h[c] U
 // Two passes over the token's chunks: the first for <dhbar, h>, the second recomputes
 // dhbar (Q FMAs per element: cheaper than keeping d/32 values per lane and stream).
 template <int NS>
@@ -580,8 +580,8 @@ __global__ void __launch_bounds__(kThreads) dyn_coef_backward_kernel(
   }
 }
 
-// dW's partial sums: block (x, y) owns columns [256 x, 256 x + 256) (lane: 8 of them)
-// and tokens y, y + splits, ... per warp (t = y * kWarps + warp, stride splits * kWarps):
+// dW's partial sums: block (x, y) owns columns [256 x, 256 x + 256) (lane: 8 of them);
+// its warp w takes tokens t = y * kWarps + w, stepping splits * kWarps:
 // acc[c, q] = sum over its tokens t and streams r of h_r[t, c] U[t, r, q]. The block's
 // warps then add up in warp order in shared memory, and the block writes row y of
 // partial [splits, d * Q] (its column range). Every sum has a fixed order.
