@@ -262,13 +262,11 @@ class CudaBackend final : public Backend {
     cuda::routing_stats(stream_, stats, weights, layout, site, heads);
   }
   bool has_hyper_ops() const override { return true; }
-  void check_hyper(int n, bool dynamic) const override {
+  // Static and dynamic Hyper-Connections take the same stream counts.
+  void check_hyper(int n, bool /*dynamic*/) const override {
     if (n < 1 || n > cuda::kHyperMaxStreams)
       fail("residual.hyper_n = ", n, ": the CUDA kernels of residual.mode hyper take 1 to ",
            cuda::kHyperMaxStreams, " streams; use fewer or run it with --device cpu");
-    if (dynamic)
-      fail("residual.hyper_dynamic = true (dynamic Hyper-Connections, residual.mode hyper) "
-           "has no CUDA kernels yet: run it with --device cpu, or use static (false)");
   }
   void hyper_mix(Tensor x, Tensor H, Tensor coef) override { cuda::hyper_mix(stream_, x, H, coef); }
   void hyper_mix_backward(Tensor dH, Tensor dcoef, Tensor dx, Tensor H, Tensor coef,
@@ -283,6 +281,35 @@ class CudaBackend final : public Backend {
                              Tensor v, Tensor Ar, Tensor B) override {
     cuda::hyper_update_backward(stream_, din, dv, dAr, dB, dout, in, v, Ar, B,
                                 hyper_workspace(v.numel(), int(dout.ndim ? dout.dim(0) : 0)));
+  }
+  void hyper_dynamic_coef(Tensor C, Tensor T, Tensor rstd, Tensor H, Tensor W, Tensor Am,
+                          Tensor Ar, Tensor B, Tensor s_a, Tensor s_b, double eps) override {
+    cuda::hyper_dynamic_coef(stream_, C, T, rstd, H, W, Am, Ar, B, s_a, s_b, eps);
+  }
+  void hyper_mix_dynamic(Tensor x, Tensor H, Tensor C) override {
+    cuda::hyper_mix_dynamic(stream_, x, H, C);
+  }
+  void hyper_mix_dynamic_backward(Tensor dH, Tensor dC, Tensor dx, Tensor H, Tensor C) override {
+    cuda::hyper_mix_dynamic_backward(stream_, dH, dC, dx, H, C);
+  }
+  void hyper_update_dynamic(Tensor out, Tensor in, Tensor v, Tensor C) override {
+    cuda::hyper_update_dynamic(stream_, out, in, v, C);
+  }
+  void hyper_update_dynamic_backward(Tensor din, Tensor dv, Tensor dC, Tensor dout, Tensor in,
+                                     Tensor v, Tensor C) override {
+    cuda::hyper_update_dynamic_backward(stream_, din, dv, dC, dout, in, v, C);
+  }
+  void hyper_dynamic_coef_backward(Tensor dH, Tensor dW, Tensor dAm, Tensor dAr, Tensor dB,
+                                   Tensor ds_a, Tensor ds_b, Tensor dC, Tensor H, Tensor W,
+                                   Tensor T, Tensor rstd, Tensor s_a, Tensor s_b) override {
+    cuda::HyperWorkspace ws;
+    if (H.ndim == 3 && H.dim(0) >= 1 && H.dim(0) <= cuda::kHyperMaxStreams && H.numel() > 0) {
+      const size_t need = cuda::hyper_dynamic_workspace_floats(H.dim(1), H.dim(2), int(H.dim(0)));
+      ws = {static_cast<float*>(scratch(cuda::ScratchSlot::HyperPartials, need * sizeof(float))),
+            need};
+    }
+    cuda::hyper_dynamic_coef_backward(stream_, dH, dW, dAm, dAr, dB, ds_a, ds_b, dC, H, W, T,
+                                      rstd, s_a, s_b, ws);
   }
   bool has_delta_ops() const override { return true; }
   void delta_gate(Tensor x, Tensor base, Tensor alpha, Tensor r) override {

@@ -123,6 +123,22 @@ void hyper_update(cudaStream_t s, Tensor out, Tensor in, Tensor v, Tensor Ar, Te
 void hyper_update_backward(cudaStream_t s, Tensor din, Tensor dv, Tensor dAr, Tensor dB,
                            Tensor dout, Tensor in, Tensor v, Tensor Ar, Tensor B,
                            const HyperWorkspace& ws);
+// Dynamic (residual.hyper_dynamic): C, T, dC [N, n, n+2] and rstd [N, n] F32, H [n, N, d]
+// with d % 8 == 0, W [d, n+2], s_a, s_b [1] bf16 parameters. The coefficients' backward
+// needs hyper_dynamic_workspace_floats(N, d, n) floats in `ws`.
+size_t hyper_dynamic_workspace_floats(int64_t N, int64_t d, int n);
+void hyper_dynamic_coef(cudaStream_t s, Tensor C, Tensor T, Tensor rstd, Tensor H, Tensor W,
+                        Tensor Am, Tensor Ar, Tensor B, Tensor s_a, Tensor s_b, double eps);
+void hyper_mix_dynamic(cudaStream_t s, Tensor x, Tensor H, Tensor C);
+void hyper_mix_dynamic_backward(cudaStream_t s, Tensor dH, Tensor dC, Tensor dx, Tensor H,
+                                Tensor C);
+void hyper_update_dynamic(cudaStream_t s, Tensor out, Tensor in, Tensor v, Tensor C);
+void hyper_update_dynamic_backward(cudaStream_t s, Tensor din, Tensor dv, Tensor dC, Tensor dout,
+                                   Tensor in, Tensor v, Tensor C);
+void hyper_dynamic_coef_backward(cudaStream_t s, Tensor dH, Tensor dW, Tensor dAm, Tensor dAr,
+                                 Tensor dB, Tensor ds_a, Tensor ds_b, Tensor dC, Tensor H,
+                                 Tensor W, Tensor T, Tensor rstd, Tensor s_a, Tensor s_b,
+                                 const HyperWorkspace& ws);
 
 // reductions.cu. sum_squares accumulates into *scratch (one device double) and returns the
 // host value (synchronises the stream).

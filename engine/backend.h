@@ -292,7 +292,7 @@ class Backend {
   // equations): per token t and stream r, Q = n + 2 coefficients C[t, r, :] = (mix,
   // update row A_r[r, :], output share B[r]) = static + s * tanh(rmsnorm(h_r[t]) @ W),
   // W [d, Q]. C, dC, T (the tanh) [N, n, Q] and rstd [N, n] are stat dtype; s_a, s_b are
-  // one-element parameters. The CPU reference implements them (CUDA: check_hyper refuses).
+  // one-element parameters. The CPU reference and the CUDA backend implement them.
   //   C, T, rstd from H and the parameters (overwritten)
   virtual void hyper_dynamic_coef(Tensor C, Tensor T, Tensor rstd, Tensor H, Tensor W, Tensor Am,
                                   Tensor Ar, Tensor B, Tensor s_a, Tensor s_b, double eps);

@@ -410,13 +410,7 @@ void Config::validate() const {
         fail(where("residual.heads"), " = ", H,
              " has no meaning in mode \"hyper\" (it mixes residual.hyper_n streams, it does "
              "not route); leave it 0");
-      // The dynamic variant (per-token coefficients) has no CUDA kernels: a config that
-      // asks for the GPU is refused here, "auto" by Backend::check_hyper at model build.
-      if (residual.hyper_dynamic && train.device == "cuda")
-        fail(where("residual.hyper_dynamic"), " = true with train.device = \"cuda\": dynamic "
-             "Hyper-Connections (residual.mode hyper) have no CUDA kernels yet; run them with "
-             "--device cpu (train.device = \"cpu\") or use static (false)");
-      // The CUDA kernels (cuda/hyper.cu) take 1 to 8 streams: a config that asks for the
+      // The CUDA kernels (cuda/hyper.cu, static and dynamic) take 1 to 8 streams: a config that asks for the
       // GPU outright is refused here; "auto" on a GPU machine meets the same check when
       // the model is built (Backend::check_hyper).
       if (train.device == "cuda" && residual.hyper_n > 8)

@@ -24,7 +24,8 @@
 // are. At init (w = 0) the coefficients are the static ones exactly. Site k computes C^k
 // from H^k once (hyper_dynamic_coef); its mix and sublayer k's update read it. Backward:
 // site k+1 fills the update's columns of dC^k, site k the mix's, then turns dC^k into
-// the parameter gradients and dH^k's share through the norm. CPU only for now.
+// the parameter gradients and dH^k's share through the norm. CPU reference and CUDA
+// (cuda/hyper.cu), as the static ops.
 //
 // The stream ops are Backend::hyper_* (CPU reference, CUDA cuda/hyper.cu); the scheme
 // asks the backend (check_hyper) when it is built, so a backend without them, or without

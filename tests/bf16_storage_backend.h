@@ -8,8 +8,8 @@
 // GPU's deviation from the fp32 CPU comes from that storage, not from its summation
 // orders), which perturbing the weights does not capture where a gradient is a sum that
 // cancels (e.g. Hyper-Connections' mixing coefficients at equal streams).
-// Covers the ops the CUDA backend has; others (dynamic Hyper-Connections, decoding) pass
-// through unrounded.
+// Covers the ops the CUDA backend has (dynamic Hyper-Connections included); others
+// (decoding) pass through unrounded.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -107,6 +107,32 @@ class Bf16Storage final : public ForwardingBackend {
     in_.hyper_update_backward(din, dv, dAr, dB, dout, in, v, Ar, B);
     round(din);
     round(dv);
+  }
+  // Dynamic: the streams, x and their gradients are bf16 on the GPU; C, T, rstd and dC
+  // are F32 there (stat dtype) and stay unrounded.
+  void hyper_mix_dynamic(Tensor x, Tensor H, Tensor C) override {
+    in_.hyper_mix_dynamic(x, H, C);
+    round(x);
+  }
+  void hyper_mix_dynamic_backward(Tensor dH, Tensor dC, Tensor dx, Tensor H, Tensor C) override {
+    in_.hyper_mix_dynamic_backward(dH, dC, dx, H, C);
+    round(dH);
+  }
+  void hyper_update_dynamic(Tensor out, Tensor in, Tensor v, Tensor C) override {
+    in_.hyper_update_dynamic(out, in, v, C);
+    round(out);
+  }
+  void hyper_update_dynamic_backward(Tensor din, Tensor dv, Tensor dC, Tensor dout, Tensor in,
+                                     Tensor v, Tensor C) override {
+    in_.hyper_update_dynamic_backward(din, dv, dC, dout, in, v, C);
+    round(din);
+    round(dv);
+  }
+  void hyper_dynamic_coef_backward(Tensor dH, Tensor dW, Tensor dAm, Tensor dAr, Tensor dB,
+                                   Tensor dsa, Tensor dsb, Tensor dC, Tensor H, Tensor W,
+                                   Tensor T, Tensor rstd, Tensor sa, Tensor sb) override {
+    in_.hyper_dynamic_coef_backward(dH, dW, dAm, dAr, dB, dsa, dsb, dC, H, W, T, rstd, sa, sb);
+    round(dH);
   }
   void delta_gate(Tensor x, Tensor base, Tensor alpha, Tensor r) override {
     in_.delta_gate(x, base, alpha, r);

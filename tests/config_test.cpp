@@ -113,13 +113,16 @@ TEST(Config, HyperModeReadsItsStreamCountAndRefusesWhatItDoesNotUse) {
   EXPECT_NE(e.find("residual.hyper_n"), std::string::npos) << e;
   e = error_of({{"residual", {{"mode", "hyper"}, {"hyper_dynamic", "yes"}}}});
   EXPECT_NE(e.find("residual.hyper_dynamic"), std::string::npos) << e;
-  // Dynamic Hyper-Connections: the CPU reference only.
+  // Dynamic Hyper-Connections: CPU and CUDA (1 to 8 streams there, as static).
   c = mhar::config_from_json({{"residual", {{"mode", "hyper"}, {"hyper_dynamic", true}}}});
   EXPECT_TRUE(c.residual.hyper_dynamic);
   EXPECT_EQ(mhar::config_from_json(c.to_json(), "again.json").to_json(), c.to_json());
-  e = error_of({{"residual", {{"mode", "hyper"}, {"hyper_dynamic", true}}},
+  c = mhar::config_from_json({{"residual", {{"mode", "hyper"}, {"hyper_dynamic", true}}},
+                              {"train", {{"device", "cuda"}}}});
+  EXPECT_TRUE(c.residual.hyper_dynamic);
+  e = error_of({{"residual", {{"mode", "hyper"}, {"hyper_dynamic", true}, {"hyper_n", 9}}},
                 {"train", {{"device", "cuda"}}}});
-  EXPECT_NE(e.find("test.json: residual.hyper_dynamic = true with train.device = \"cuda\""),
+  EXPECT_NE(e.find("test.json: residual.hyper_n = 9 with train.device = \"cuda\""),
             std::string::npos) << e;
   EXPECT_NE(e.find("--device cpu"), std::string::npos) << e;
   e = error_of({{"residual", {{"mode", "hyper"}, {"heads", 2}}}});

@@ -1,7 +1,7 @@
 // model_cudatest.cpp: the whole model on the CUDA backend against the CPU fp32 reference
 // (issue 5): the loss and every parameter gradient of one forward/backward for standard,
-// attnres and mhar (and both with block routing), hyper (n = 4, static Hyper-Connections,
-// issue 11) and delta (blocks of 1 layer, gates, null and queries non-zero) on a tiny
+// attnres and mhar (and both with block routing), hyper (n = 4, static and dynamic
+// Hyper-Connections, issue 11) and delta (blocks of 1 layer, gates, null and queries non-zero) on a tiny
 // config with the same weights on both sides, and a short training run on each backend that must reach the same loss
 // within noise.
 //
@@ -77,13 +77,15 @@ constexpr double kZeroGradNorm = 1e-5;
 
 // Tiny, but with the shapes the GPU kernels special-case: head_dim 64 (attention supports
 // 64 and 128), GQA 2, T not a multiple of the attention tiles (64), routing H = 2.
-Config tiny_gpu_config(const std::string& mode, int heads, int vocab = 256, int block_size = 0) {
+Config tiny_gpu_config(const std::string& mode, int heads, int vocab = 256, int block_size = 0,
+                       bool hyper_dynamic = false) {
   nlohmann::json j = {
       {"model", {{"vocab_size", vocab}, {"d_model", 128}, {"n_layers", 2}, {"n_heads", 4},
                  {"n_kv_heads", 2}, {"head_dim", 64}, {"d_ff", 256}, {"context_length", 128},
                  {"rope_theta", 10000.0}, {"tie_embeddings", true}}},
       {"residual", {{"mode", mode}, {"heads", heads}, {"block_size", block_size}}},
       {"train", {{"micro_batch", 2}, {"seq_len", 80}, {"warmup_steps", 0}}}};
+  if (hyper_dynamic) j["residual"]["hyper_dynamic"] = true;  // mode hyper only
   if (mode == "delta") {  // block_size names residual.block_layers (1..2) in mode delta
     j["residual"]["block_size"] = 0;
     j["residual"]["block_layers"] = block_size;
@@ -95,8 +97,10 @@ struct ModeCase {
   const char* mode;
   int heads;
   int block_size = 0;  // residual.block_size: 2 layers have 4 sublayers
+  bool hyper_dynamic = false;  // residual.hyper_dynamic (mode hyper)
   std::string label() const {
-    return std::string(mode) + (block_size ? "_block" + std::to_string(block_size) : "");
+    return std::string(mode) + (block_size ? "_block" + std::to_string(block_size) : "") +
+           (hyper_dynamic ? "_dynamic" : "");
   }
 };
 
@@ -105,7 +109,7 @@ class ModelParity : public ::testing::TestWithParam<ModeCase> {};
 TEST_P(ModelParity, LossAndEveryGradient) {
   if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
   const ModeCase mc = GetParam();
-  const Config cfg = tiny_gpu_config(mc.mode, mc.heads, 256, mc.block_size);
+  const Config cfg = tiny_gpu_config(mc.mode, mc.heads, 256, mc.block_size, mc.hyper_dynamic);
   const int B = cfg.train.micro_batch, T = cfg.train.seq_len;
   auto cpu = make_cpu_backend(DType::F32);
   auto gpu = make_cuda_backend(0);
@@ -174,6 +178,7 @@ INSTANTIATE_TEST_SUITE_P(Modes, ModelParity,
                          ::testing::Values(ModeCase{"standard", 0}, ModeCase{"attnres", 1},
                                            ModeCase{"mhar", 2}, ModeCase{"attnres", 1, 2},
                                            ModeCase{"mhar", 2, 3}, ModeCase{"hyper", 0},
+                                           ModeCase{"hyper", 0, 0, true},
                                            ModeCase{"delta", 2, 1}),
                          [](const ::testing::TestParamInfo<ModeCase>& i) {
                            return i.param.label();
@@ -186,7 +191,7 @@ class GpuTraining : public ::testing::TestWithParam<ModeCase> {};
 TEST_P(GpuTraining, ReachesTheCpuLoss) {
   if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
   const ModeCase mc = GetParam();
-  Config cfg = tiny_gpu_config(mc.mode, mc.heads, 32, mc.block_size);
+  Config cfg = tiny_gpu_config(mc.mode, mc.heads, 32, mc.block_size, mc.hyper_dynamic);
   cfg.train.micro_batch = 4;
   cfg.train.seq_len = 64;
   cfg.train.steps = 60;
@@ -238,7 +243,8 @@ TEST_P(GpuTraining, ReachesTheCpuLoss) {
 
 INSTANTIATE_TEST_SUITE_P(Modes, GpuTraining,
                          ::testing::Values(ModeCase{"standard", 0}, ModeCase{"mhar", 2},
-                                           ModeCase{"mhar", 2, 3}, ModeCase{"hyper", 0}),
+                                           ModeCase{"mhar", 2, 3}, ModeCase{"hyper", 0},
+                                           ModeCase{"hyper", 0, 0, true}),
                          [](const ::testing::TestParamInfo<ModeCase>& i) {
                            return i.param.label();
                          });

@@ -4,6 +4,7 @@
 # peak memory of each mode against standard's (the ratios the issues' bars are stated
 # in), and with PROFILE=N the op-family profile of each (`mhar bench --profile N`).
 #   tools/bench_modes.sh SIZE [MODE ...]   e.g. tools/bench_modes.sh 1b standard mhar block_mhar
+# (MODE names a config: standard attnres mhar block_mhar hyper hyper_dynamic delta)
 # The first mode is the reference (default modes: standard mhar block_mhar). Writes
 # bench.jsonl (one bench JSON line per mode) and profile.txt (the tables) into $OUT (or
 # the current folder); prints BENCH_MODES lines.
