@@ -193,7 +193,7 @@ class CudaBackend final : public Backend {
   }
   void rmsnorm_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor rstd,
                         bool accumulate_dx) override {
-    cuda::rmsnorm_backward(stream_, dx, dw, dy, x, w, rstd, accumulate_dx);
+    cuda::rmsnorm_backward(stream_, dx, dw, dy, x, w, rstd, accumulate_dx, routing_ctx_.scratch);
   }
   void matmul(Tensor c, Tensor a, Tensor b, bool trans_a, bool trans_b, bool accumulate) override {
     cuda::matmul(stream_, mm_, c, a, b, trans_a, trans_b, accumulate);
@@ -382,13 +382,17 @@ int backend_device(Backend& backend) {
   return b->device();
 }
 
-int grid_stride_blocks(int64_t work_items, int threads) {
+int sm_count() {
   static int sms = [] {
     int dev = 0, n = 0;
     CUDA_CHECK(cudaGetDevice(&dev));
     CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
     return n;
   }();
+  return sms;
+}
+int grid_stride_blocks(int64_t work_items, int threads) {
+  const int sms = sm_count();
   int64_t want = ceil_div(work_items, threads);
   int64_t cap = int64_t(sms) * 8;
   return int(want < 1 ? 1 : (want < cap ? want : cap));
