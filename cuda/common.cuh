@@ -65,6 +65,27 @@ __device__ __forceinline__ void store8(float* p, const float (&f)[8]) {
   reinterpret_cast<float4*>(p)[1] = make_float4(f[4], f[5], f[6], f[7]);
 }
 
+// RoPE's cos/sin (rope.cu; also the fused QK-norm + RoPE in norm.cu): inv_freq_i =
+// base^i with base = theta^(-2/head_dim) from the host (fp64, by squaring), angle
+// t * inv_freq in fp64 reduced to [-pi, pi], then fp32 sincosf. backward negates sin.
+__device__ __forceinline__ double ipow(double base, int i) {
+  double r = 1.0;
+  while (i) {
+    if (i & 1) r *= base;
+    base *= base;
+    i >>= 1;
+  }
+  return r;
+}
+__device__ __forceinline__ void rope_cos_sin(double inv_freq, int64_t t, bool backward,
+                                             float& cs, float& sn) {
+  constexpr double kTwoPi = 6.283185307179586476925286766559;
+  const double a = double(t) * inv_freq;
+  const double r = fma(-rint(a * (1.0 / kTwoPi)), kTwoPi, a);
+  sincosf(float(r), &sn, &cs);
+  if (backward) sn = -sn;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

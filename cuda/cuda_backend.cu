@@ -198,6 +198,15 @@ class CudaBackend final : public Backend {
   void matmul(Tensor c, Tensor a, Tensor b, bool trans_a, bool trans_b, bool accumulate) override {
     cuda::matmul(stream_, mm_, c, a, b, trans_a, trans_b, accumulate);
   }
+  void qk_norm_rope_forward(Tensor y, Tensor rstd, Tensor x, Tensor w, double eps,
+                            double theta, int64_t first_position) override {
+    cuda::qk_norm_rope_forward(stream_, y, rstd, x, w, eps, theta, first_position);
+  }
+  void qk_norm_rope_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor rstd,
+                             double theta, bool accumulate_dx) override {
+    cuda::qk_norm_rope_backward(stream_, dx, dw, dy, x, w, rstd, theta, accumulate_dx,
+                                routing_ctx_.scratch);
+  }
   void rope(Tensor x, double theta, bool backward) override {
     cuda::rope(stream_, x, theta, backward);
   }

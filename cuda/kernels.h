@@ -71,6 +71,13 @@ using ScratchFn = std::function<void*(ScratchSlot, size_t)>;
 // norm.cu (continued)
 void rmsnorm_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,
                       Tensor rstd, bool accumulate_dx, const ScratchFn& scratch);
+// QK-norm + RoPE (Backend::qk_norm_rope_forward/backward): one pass where head_dim is 64,
+// 128 or 256 (BF16, aligned), else the two ops in turn.
+void qk_norm_rope_forward(cudaStream_t s, Tensor y, Tensor rstd, Tensor x, Tensor w, double eps,
+                          double theta, int64_t first_position);
+void qk_norm_rope_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,
+                           Tensor rstd, double theta, bool accumulate_dx,
+                           const ScratchFn& scratch);
 
 // routing.cu. The logits and the key path of the backward are small GEMMs per head
 // (cuBLAS, on the backend's stream) around the token kernels; their temporaries come from

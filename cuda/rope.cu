@@ -17,26 +17,6 @@
 namespace mhar::cuda {
 namespace {
 
-// base^i by squaring (fp64).
-__device__ __forceinline__ double ipow(double base, int i) {
-  double r = 1.0;
-  while (i) {
-    if (i & 1) r *= base;
-    base *= base;
-    i >>= 1;
-  }
-  return r;
-}
-
-__device__ __forceinline__ void rope_cos_sin(double inv_freq, int64_t t, bool backward,
-                                             float& cs, float& sn) {
-  constexpr double kTwoPi = 6.283185307179586476925286766559;
-  const double a = double(t) * inv_freq;
-  const double r = fma(-rint(a * (1.0 / kTwoPi)), kTwoPi, a);  // in [-pi, pi]
-  sincosf(float(r), &sn, &cs);
-  if (backward) sn = -sn;
-}
-
 template <class T>
 __global__ void rope_kernel(T* x, int64_t rows, int64_t T_len, int64_t heads, int half,
                             double base, bool backward, int64_t first_position) {

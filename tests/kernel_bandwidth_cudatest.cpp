@@ -1,5 +1,5 @@
 // kernel_bandwidth_cudatest.cpp: achieved bandwidth of the memory-bound kernels (RMSNorm
-// and QK-norm forward/backward, RoPE, SwiGLU, add/add_inplace) at the 100M / 350M / 1B
+// and QK-norm forward/backward, the fused QK-norm + RoPE, RoPE, SwiGLU, add/add_inplace) at the 100M / 350M / 1B
 // standard shapes (16384 tokens a step). Not a parity test and no pass/fail on speed:
 // DISABLED_ so plain runs skip it; run with --gtest_also_run_disabled_tests on the GPU.
 // Each line: the bytes the op must move (each input read once, each output written once;
@@ -111,6 +111,33 @@ TEST_F(KernelBandwidth, DISABLED_MemoryBoundKernels) {
                                        acc);
                }, sets));
     };
+    // Fused QK-norm + RoPE on [B, T, heads, hd]: the norm's bytes (the rotation is free).
+    auto qk = [&](const std::string& what, int64_t heads) {
+      const int64_t R = N * heads, D = sh.hd;
+      const double row = 2.0 * R * D, fwd = 2 * row + 4.0 * R, bwd = 3 * row + 4.0 * R + 8.0 * D;
+      const int sets = sets_for(fwd);
+      std::vector<Buffer> x, y, dy, dx;
+      for (int i = 0; i < sets; ++i) {
+        x.push_back(random_gpu(DType::BF16, {R, D}, 2.0));
+        y.emplace_back(*gpu, DType::BF16, std::initializer_list<int64_t>{sh.B, sh.T, heads, D});
+        dy.push_back(random_gpu(DType::BF16, {sh.B, sh.T, heads, D}));
+        dx.emplace_back(*gpu, DType::BF16, std::initializer_list<int64_t>{R, D});
+      }
+      Buffer w = random_gpu(DType::BF16, {D}), rstd(*gpu, DType::F32, {R});
+      Buffer dw(*gpu, DType::F32, {D});
+      const std::string tag = " [" + std::to_string(sh.B) + ", " + std::to_string(sh.T) + ", " +
+                              std::to_string(heads) + ", " + std::to_string(D) + "]" + at;
+      report(what + " forward" + tag, fwd, median_ms([&](int i) {
+               gpu->qk_norm_rope_forward(y[size_t(i)], rstd, x[size_t(i)], w, 1e-6, 1e6, 0);
+             }, sets));
+      gpu->rmsnorm_forward(dx[0], rstd, x[0], w, 1e-6);  // a valid rstd
+      report(what + " backward" + tag, bwd, median_ms([&](int i) {
+               gpu->qk_norm_rope_backward(dx[size_t(i)], dw, dy[size_t(i)], x[size_t(i)], w, rstd,
+                                          1e6, false);
+             }, sets));
+    };
+    qk("qk-norm+rope fused q", sh.H);
+    qk("qk-norm+rope fused k", sh.Hkv);
     norms("rmsnorm", N, d);
     norms("qk-norm q", N * sh.H, sh.hd);
     norms("qk-norm k", N * sh.Hkv, sh.hd);
