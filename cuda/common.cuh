@@ -5,6 +5,10 @@
 //   so one generic host lambda launches the right template instance; other dtypes fail
 //   with a message naming the op.
 // - Warp reductions assume a full warp (32 active lanes).
+// - Vectors of 8: the memory-bound kernels move 16-byte bf16x8 (or 2 x float4) vectors;
+//   load8/store8 widen to / round from fp32 exactly as load()/store<T>() do per element,
+//   so a vector path computes the same bits as the scalar one. The caller checks 16-byte
+//   alignment (aligned16) and that the element offset is a multiple of 8.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -25,6 +29,62 @@ __device__ __forceinline__ float load(bf16 x) { return __bfloat162float(x); }
 template <class T> __device__ __forceinline__ T store(float x);
 template <> __device__ __forceinline__ float store<float>(float x) { return x; }
 template <> __device__ __forceinline__ bf16 store<bf16>(float x) { return __float2bfloat16_rn(x); }
+
+// 8 consecutive elements <-> fp32 (p 16-byte aligned). bf16: one 16-byte access; the
+// lower half of each 32-bit word is the lower-addressed element.
+__device__ __forceinline__ void unpack8(const uint4& u, float (&f)[8]) {
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(w[i] << 16);
+    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);  // .x low half
+    w[i] = *reinterpret_cast<const uint32_t*>(&h);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+__device__ __forceinline__ void load8(const bf16* p, float (&f)[8]) {
+  unpack8(*reinterpret_cast<const uint4*>(p), f);
+}
+__device__ __forceinline__ void load8(const float* p, float (&f)[8]) {
+  const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+  f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
+  f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+}
+__device__ __forceinline__ void store8(bf16* p, const float (&f)[8]) {
+  *reinterpret_cast<uint4*>(p) = pack8(f);
+}
+__device__ __forceinline__ void store8(float* p, const float (&f)[8]) {
+  reinterpret_cast<float4*>(p)[0] = make_float4(f[0], f[1], f[2], f[3]);
+  reinterpret_cast<float4*>(p)[1] = make_float4(f[4], f[5], f[6], f[7]);
+}
+
+// RoPE's cos/sin (rope.cu; also the fused QK-norm + RoPE in norm.cu): inv_freq_i =
+// base^i with base = theta^(-2/head_dim) from the host (fp64, by squaring), angle
+// t * inv_freq in fp64 reduced to [-pi, pi], then fp32 sincosf. backward negates sin.
+__device__ __forceinline__ double ipow(double base, int i) {
+  double r = 1.0;
+  while (i) {
+    if (i & 1) r *= base;
+    base *= base;
+    i >>= 1;
+  }
+  return r;
+}
+__device__ __forceinline__ void rope_cos_sin(double inv_freq, int64_t t, bool backward,
+                                             float& cs, float& sn) {
+  constexpr double kTwoPi = 6.283185307179586476925286766559;
+  const double a = double(t) * inv_freq;
+  const double r = fma(-rint(a * (1.0 / kTwoPi)), kTwoPi, a);
+  sincosf(float(r), &sn, &cs);
+  if (backward) sn = -sn;
+}
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -77,6 +137,17 @@ inline void check_numel(const Tensor& t, int64_t n, const char* what, const char
     ::mhar::fail("CUDA ", what, ": ", name, " has ", t.numel(), " elements ", t.shape_str(),
                  ", expected ", n);
 }
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// Blocks of `threads` threads of `kernel` resident per SM at once (the occupancy API),
+// at least 1: sizes persistent grids that loop over their work.
+template <class K> int resident_blocks_per_sm(K kernel, int threads) {
+  int n = 0;
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, 0));
+  return n < 1 ? 1 : n;
+}
+int sm_count();
 
 // Enough blocks to fill the device a few times over for grid-stride loops.
 int grid_stride_blocks(int64_t work_items, int threads);

@@ -193,10 +193,19 @@ class CudaBackend final : public Backend {
   }
   void rmsnorm_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor rstd,
                         bool accumulate_dx) override {
-    cuda::rmsnorm_backward(stream_, dx, dw, dy, x, w, rstd, accumulate_dx);
+    cuda::rmsnorm_backward(stream_, dx, dw, dy, x, w, rstd, accumulate_dx, routing_ctx_.scratch);
   }
   void matmul(Tensor c, Tensor a, Tensor b, bool trans_a, bool trans_b, bool accumulate) override {
     cuda::matmul(stream_, mm_, c, a, b, trans_a, trans_b, accumulate);
+  }
+  void qk_norm_rope_forward(Tensor y, Tensor rstd, Tensor x, Tensor w, double eps,
+                            double theta, int64_t first_position) override {
+    cuda::qk_norm_rope_forward(stream_, y, rstd, x, w, eps, theta, first_position);
+  }
+  void qk_norm_rope_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor rstd,
+                             double theta, bool accumulate_dx) override {
+    cuda::qk_norm_rope_backward(stream_, dx, dw, dy, x, w, rstd, theta, accumulate_dx,
+                                routing_ctx_.scratch);
   }
   void rope(Tensor x, double theta, bool backward) override {
     cuda::rope(stream_, x, theta, backward);
@@ -416,13 +425,17 @@ int backend_device(Backend& backend) {
   return b->device();
 }
 
-int grid_stride_blocks(int64_t work_items, int threads) {
+int sm_count() {
   static int sms = [] {
     int dev = 0, n = 0;
     CUDA_CHECK(cudaGetDevice(&dev));
     CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
     return n;
   }();
+  return sms;
+}
+int grid_stride_blocks(int64_t work_items, int threads) {
+  const int sms = sm_count();
   int64_t want = ceil_div(work_items, threads);
   int64_t cap = int64_t(sms) * 8;
   return int(want < 1 ? 1 : (want < cap ? want : cap));

@@ -21,8 +21,7 @@ void embedding_backward(cudaStream_t s, Tensor dtable, Tensor dout, Tensor token
 
 // norm.cu
 void rmsnorm_forward(cudaStream_t s, Tensor y, Tensor rstd, Tensor x, Tensor w, double eps);
-void rmsnorm_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,
-                      Tensor rstd, bool accumulate_dx);
+// rmsnorm_backward: below ScratchSlot (its dw partial sums live in backend scratch).
 
 // rope.cu
 void rope(cudaStream_t s, Tensor x, double theta, bool backward, int64_t first_position = 0);
@@ -65,9 +64,21 @@ enum class ScratchSlot {
   RoutingPairSplit,
   RoutingTile,
   HyperPartials,
+  NormPartials,
   Count
 };
 using ScratchFn = std::function<void*(ScratchSlot, size_t)>;
+
+// norm.cu (continued)
+void rmsnorm_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,
+                      Tensor rstd, bool accumulate_dx, const ScratchFn& scratch);
+// QK-norm + RoPE (Backend::qk_norm_rope_forward/backward): one pass where head_dim is 64,
+// 128 or 256 (BF16, aligned), else the two ops in turn.
+void qk_norm_rope_forward(cudaStream_t s, Tensor y, Tensor rstd, Tensor x, Tensor w, double eps,
+                          double theta, int64_t first_position);
+void qk_norm_rope_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,
+                           Tensor rstd, double theta, bool accumulate_dx,
+                           const ScratchFn& scratch);
 
 // routing.cu. The logits and the key path of the backward are small GEMMs per head
 // (cuBLAS, on the backend's stream) around the token kernels; their temporaries come from

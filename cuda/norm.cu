@@ -1,12 +1,25 @@
 // norm.cu: RMSNorm over the last dimension, x [R, D] with weight w [D]; also the per-head
 // QK-norm through a [N*heads, head_dim] view.
 // - forward: y (overwritten) = x * rstd * w; rstd [R] (F32, overwritten) =
-//   1/sqrt(mean(x^2) + eps). One warp per row, fp32 sums.
+//   1/sqrt(mean(x^2) + eps), fp32 sums.
 // - backward: with g = dy * w,  dx = rstd * (g - x * rstd^2 * mean(g * x)), overwritten or
-//   added (accumulate_dx); dw [D] (F32) += sum_r dy * x * rstd, reduced per block over
-//   a slab of rows and added with one fp32 atomic per column per block.
+//   added (accumulate_dx); dw [D] (F32) += sum_r dy * x * rstd.
+// Vector path (BF16 x/y/dx/dy, D a multiple of 8 up to 4096 forward / 2048 backward, all
+// pointers 16-byte aligned): a group of TPR lanes holds RPI whole rows in registers as
+// bf16x8 vectors, so each byte is read once (forward: x in, y out; backward: x, dy in,
+// dx out). The backward also accumulates dw's per-column sums for its rows in registers
+// and writes one fp32 partial row per block into backend scratch; a second small kernel
+// adds the partial rows into dw in block order. No atomics: the same bits every run.
+// qk_norm_rope_forward/backward: the vector kernels with RoPE fused (head_dim 64/128/256):
+// forward rotates the normalised row (rounded to bf16 first, as the unfused path stores
+// it) before its one store; backward rotates dy back right after loading it. Saves a
+// read and a write of q and k each way.
+// Other shapes/dtypes take the scalar path (warp per row, dw by a slab kernel with one
+// fp32 atomic per column per block, whose summation order can vary run to run).
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
+
+#include <algorithm>
 
 namespace mhar::cuda {
 namespace {
@@ -76,16 +89,407 @@ __global__ void rmsnorm_backward_dw_kernel(float* dw, const T* dy, const T* x, c
   }
 }
 
+
+// ---- vector path ----------------------------------------------------------------
+// Lanes per row TPR (8, 16 or 32: a shuffle group inside the warp), bf16x8 vectors per
+// lane VPL (lane `sub` holds vectors sub, sub + TPR, ...), rows per lane group RPI (more
+// 16-byte loads in flight when rows are short). A warp covers RW rows per step, the
+// block (8 warps) RB; blocks loop over the rows grid-stride.
+constexpr int kVecThreads = 256;
+constexpr int kVecMaxD = 4096, kVecMaxDBackward = 2048;
+
+template <int TPR>
+__device__ __forceinline__ float group_sum(float v) {
+#pragma unroll
+  for (int o = TPR / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// The fused QK-norm + RoPE (kRope): rows are (token, head) of head_dim = D = 8 * TPR, so a
+// lane's 8 features pair with those of the lane TPR/2 away (rotate-half); the partner's
+// values come by shuffle. cos/sin for the lane's 8 pairs are computed once per token
+// (consecutive rows of a lane are usually heads of one token).
+struct RopeArgs {
+  int64_t T_len = 1, first_position = 0;
+  int heads = 1;
+  double base = 1.0;
+  bool backward = false;
+};
+
+template <int TPR>
+struct RopeCache {
+  float cs[8], sn[8];
+  int64_t tok = -1;
+  __device__ __forceinline__ void update(const RopeArgs& ra, int64_t row, int sub) {
+    const int64_t t = row / ra.heads;
+    if (t == tok) return;
+    tok = t;
+    double f = ipow(ra.base, (sub % (TPR / 2)) * 8);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      rope_cos_sin(f, ra.first_position + t % ra.T_len, ra.backward, cs[e], sn[e]);
+      f *= ra.base;
+    }
+  }
+  // v rounded to bf16 first (the unfused path stores between the two ops), then rotated
+  // with the partner lane's values. Every lane of the warp must call it.
+  __device__ __forceinline__ void rotate(float (&v)[8], int sub) const {
+    unpack8(pack8(v), v);
+    const float sign = sub < TPR / 2 ? -1.f : 1.f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const float p = __shfl_xor_sync(0xffffffffu, v[e], TPR / 2);
+      v[e] = v[e] * cs[e] + sign * p * sn[e];
+    }
+  }
+};
+
+template <class W, int TPR, int VPL, int RPI, bool kRope = false>
+__global__ void __launch_bounds__(kVecThreads)
+    rmsnorm_forward_vec_kernel(bf16* __restrict__ y, float* __restrict__ rstd,
+                               const bf16* __restrict__ x, const W* __restrict__ w, int64_t R,
+                               int D, float eps, RopeArgs ra) {
+  static_assert(!kRope || VPL == 1, "fused RoPE needs head_dim = 8 * lanes per row");
+  RopeCache<TPR> rc;
+  constexpr int G = 32 / TPR, RW = G * RPI, RB = (kVecThreads / 32) * RW;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int grp = lane / TPR, sub = lane % TPR;
+  for (int64_t base = int64_t(blockIdx.x) * RB; base < R; base += int64_t(gridDim.x) * RB) {
+    uint4 xv[RPI][VPL];
+    float ss[RPI];
+#pragma unroll
+    for (int r = 0; r < RPI; ++r) {
+      const int64_t row = base + warp * RW + r * G + grp;
+#pragma unroll
+      for (int k = 0; k < VPL; ++k) {
+        const int col = (sub + k * TPR) * 8;
+        xv[r][k] = row < R && col < D
+                       ? __ldg(reinterpret_cast<const uint4*>(x + row * D + col))
+                       : make_uint4(0, 0, 0, 0);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < RPI; ++r) {
+      float acc = 0.f;
+#pragma unroll
+      for (int k = 0; k < VPL; ++k) {
+        float f[8];
+        unpack8(xv[r][k], f);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc += f[e] * f[e];
+      }
+      ss[r] = rsqrtf(group_sum<TPR>(acc) / float(D) + eps);
+    }
+#pragma unroll
+    for (int k = 0; k < VPL; ++k) {
+      const int col = (sub + k * TPR) * 8;
+      if (col >= D) continue;
+      float wf[8];
+      load8(w + col, wf);
+#pragma unroll
+      for (int r = 0; r < RPI; ++r) {
+        const int64_t row = base + warp * RW + r * G + grp;
+        float f[8];
+        unpack8(xv[r][k], f);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) f[e] = f[e] * ss[r] * wf[e];
+        if constexpr (kRope) {
+          rc.update(ra, row, sub);
+          rc.rotate(f, sub);
+        }
+        if (row >= R) continue;
+        store8(y + row * D + col, f);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < RPI; ++r) {
+      const int64_t row = base + warp * RW + r * G + grp;
+      if (sub == 0 && row < R) rstd[row] = ss[r];
+    }
+  }
+}
+
+// kRope: dy is the gradient w.r.t. the rotated output; it is rotated back (rounded to
+// bf16, as the unfused inverse RoPE stores it) right after loading, and not written.
+template <class W, int TPR, int VPL, int RPI, bool kRope = false>
+__global__ void __launch_bounds__(kVecThreads)
+    rmsnorm_backward_vec_kernel(bf16* dx, float* __restrict__ partials,
+                                const bf16* __restrict__ dy, const bf16* __restrict__ x,
+                                const W* __restrict__ w, const float* __restrict__ rstd,
+                                int64_t R, int D, bool accumulate, RopeArgs ra) {
+  static_assert(!kRope || VPL == 1, "fused RoPE needs head_dim = 8 * lanes per row");
+  RopeCache<TPR> rc;
+  constexpr int G = 32 / TPR, RW = G * RPI, RB = (kVecThreads / 32) * RW;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int grp = lane / TPR, sub = lane % TPR;
+  float dw_acc[VPL][8];
+#pragma unroll
+  for (int k = 0; k < VPL; ++k)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) dw_acc[k][e] = 0.f;
+
+  for (int64_t base = int64_t(blockIdx.x) * RB; base < R; base += int64_t(gridDim.x) * RB) {
+    uint4 xv[RPI][VPL], gv[RPI][VPL];
+    float rs[RPI], coef[RPI];
+#pragma unroll
+    for (int r = 0; r < RPI; ++r) {
+      const int64_t row = base + warp * RW + r * G + grp;
+      rs[r] = row < R ? rstd[row] : 0.f;
+#pragma unroll
+      for (int k = 0; k < VPL; ++k) {
+        const int col = (sub + k * TPR) * 8;
+        const bool ok = row < R && col < D;
+        xv[r][k] = ok ? __ldg(reinterpret_cast<const uint4*>(x + row * D + col))
+                      : make_uint4(0, 0, 0, 0);
+        gv[r][k] = ok ? __ldg(reinterpret_cast<const uint4*>(dy + row * D + col))
+                      : make_uint4(0, 0, 0, 0);
+      }
+    }
+    if constexpr (kRope) {
+#pragma unroll
+      for (int r = 0; r < RPI; ++r) {
+        float gf[8];
+        unpack8(gv[r][0], gf);
+        rc.update(ra, base + warp * RW + r * G + grp, sub);
+        rc.rotate(gf, sub);
+        gv[r][0] = pack8(gf);
+      }
+    }
+    float gx[RPI];
+#pragma unroll
+    for (int r = 0; r < RPI; ++r) gx[r] = 0.f;
+#pragma unroll
+    for (int k = 0; k < VPL; ++k) {
+      const int col = (sub + k * TPR) * 8;
+      if (col >= D) continue;
+      float wf[8];
+      load8(w + col, wf);
+#pragma unroll
+      for (int r = 0; r < RPI; ++r) {
+        float xf[8], gf[8];
+        unpack8(xv[r][k], xf);
+        unpack8(gv[r][k], gf);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) gx[r] += gf[e] * wf[e] * xf[e];
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < RPI; ++r) coef[r] = rs[r] * rs[r] * group_sum<TPR>(gx[r]) / float(D);
+#pragma unroll
+    for (int k = 0; k < VPL; ++k) {
+      const int col = (sub + k * TPR) * 8;
+      if (col >= D) continue;
+      float wf[8];
+      load8(w + col, wf);
+#pragma unroll
+      for (int r = 0; r < RPI; ++r) {
+        const int64_t row = base + warp * RW + r * G + grp;
+        float xf[8], gf[8];
+        unpack8(xv[r][k], xf);
+        unpack8(gv[r][k], gf);
+        // Rows past R hold zeros: they add nothing to dw.
+#pragma unroll
+        for (int e = 0; e < 8; ++e) dw_acc[k][e] += gf[e] * (xf[e] * rs[r]);
+        if (row >= R) continue;
+        float v[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[e] = rs[r] * (gf[e] * wf[e] - xf[e] * coef[r]);
+        bf16* out = dx + row * D + col;
+        if (accumulate) {
+          float old[8];
+          load8(out, old);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) v[e] += old[e];
+        }
+        store8(out, v);
+      }
+    }
+  }
+
+  // dw partial of this block: lane groups of a warp (same columns) by shuffles, then the
+  // warps in warp order through shared memory; one row of `partials` per block.
+#pragma unroll
+  for (int k = 0; k < VPL; ++k)
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+#pragma unroll
+      for (int o = 16; o >= TPR; o >>= 1)
+        dw_acc[k][e] += __shfl_xor_sync(0xffffffffu, dw_acc[k][e], o);
+  __shared__ float col_sum[kVecMaxDBackward];
+  for (int wi = 0; wi < kVecThreads / 32; ++wi) {
+    if (warp == wi && grp == 0) {
+#pragma unroll
+      for (int k = 0; k < VPL; ++k) {
+        const int col = (sub + k * TPR) * 8;
+        if (col >= D) continue;
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+          col_sum[col + e] = wi == 0 ? dw_acc[k][e] : col_sum[col + e] + dw_acc[k][e];
+      }
+    }
+    __syncthreads();
+  }
+  for (int c = threadIdx.x; c < D; c += kVecThreads)
+    partials[int64_t(blockIdx.x) * D + c] = col_sum[c];
+}
+
+// dw[c] += sum over blocks b (in order per row lane, then lanes in order) of
+// partials[b][c]. Block (32 columns) x (8 row lanes).
+__global__ void rmsnorm_dw_finish_kernel(float* dw, const float* __restrict__ partials,
+                                         int nblocks, int D) {
+  __shared__ float part[8][33];
+  const int c = blockIdx.x * 32 + threadIdx.x;
+  float acc = 0.f;
+  if (c < D) {
+#pragma unroll 8
+    for (int b = threadIdx.y; b < nblocks; b += 8) acc += partials[int64_t(b) * D + c];
+  }
+  part[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < D) {
+    float t = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) t += part[i][threadIdx.x];
+    dw[c] += t;
+  }
+}
+
+// The (TPR, VPL, RPI) for a row length D (a multiple of 8, at most kVecMaxD); calls
+// f(std::integral_constant...) through a generic lambda taking three int constants.
+template <int A, int B, int C>
+struct Cfg {
+  static constexpr int TPR = A, VPL = B, RPI = C;
+};
+template <class F> bool dispatch_row_config(int D, bool backward, F&& f) {
+  const int vecs = D / 8;
+  if (vecs <= 8) f(Cfg<8, 1, 4>{});
+  else if (vecs <= 16) f(Cfg<16, 1, 4>{});
+  else if (vecs <= 32) f(Cfg<32, 1, 4>{});
+  else if (vecs <= 64) f(Cfg<32, 2, 2>{});
+  else if (vecs <= 96) f(Cfg<32, 3, 1>{});
+  else if (vecs <= 128) f(Cfg<32, 4, 1>{});
+  else if (vecs <= 160) f(Cfg<32, 5, 1>{});
+  else if (vecs <= 192) f(Cfg<32, 6, 1>{});
+  else if (vecs <= 256) f(Cfg<32, 8, 1>{});
+  else if (backward) return false;  // dx, dy and dw partials would spill past 2048
+  else if (vecs <= 384) f(Cfg<32, 12, 1>{});
+  else if (vecs <= 512) f(Cfg<32, 16, 1>{});
+  else return false;
+  return true;
+}
+
+bool vector_path(DType t, int64_t D, int64_t max_d, std::initializer_list<const void*> ptrs) {
+  if (t != DType::BF16 || D % 8 != 0 || D <= 0 || D > max_d) return false;
+  for (const void* p : ptrs)
+    if (!aligned16(p)) return false;
+  return true;
+}
+
+// The vector kernels' launches (plain or with the fused RoPE); false when the shape has
+// no vector configuration. Grids: as many blocks as fit on the device at once, at most
+// one row step each.
+template <bool kRope>
+bool launch_forward_vec(cudaStream_t s, Tensor y, Tensor rstd, Tensor x, Tensor w, int64_t R,
+                        int64_t D, double eps, const RopeArgs& ra) {
+  bool launched = false;
+  dispatch_float(w.dtype, "rmsnorm_forward", [&](auto tw) {
+    using W = decltype(tw);
+    dispatch_row_config(int(D), false, [&](auto cfg) {
+      using C = decltype(cfg);
+      if constexpr (!kRope || C::VPL == 1) {
+        if (kRope && C::TPR * 8 != D) return;
+        auto kern = rmsnorm_forward_vec_kernel<W, C::TPR, C::VPL, C::RPI, kRope>;
+        static const int per_sm = resident_blocks_per_sm(kern, kVecThreads);
+        const int64_t rb = (kVecThreads / 32) * (32 / C::TPR) * C::RPI;
+        const int64_t blocks = std::min<int64_t>(ceil_div(R, rb), int64_t(sm_count()) * per_sm);
+        kern<<<unsigned(blocks), kVecThreads, 0, s>>>(
+            static_cast<bf16*>(y.data), rstd.ptr<float>(), static_cast<const bf16*>(x.data),
+            static_cast<const W*>(w.data), R, int(D), float(eps), ra);
+        CUDA_CHECK_LAUNCH();
+        launched = true;
+      }
+    });
+  });
+  return launched;
+}
+
+template <bool kRope>
+bool launch_backward_vec(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,
+                         Tensor rstd, int64_t R, int64_t D, bool accumulate_dx,
+                         const ScratchFn& scratch, const RopeArgs& ra) {
+  bool launched = false;
+  dispatch_float(w.dtype, "rmsnorm_backward", [&](auto tw) {
+    using W = decltype(tw);
+    dispatch_row_config(int(D), true, [&](auto cfg) {
+      using C = decltype(cfg);
+      // Configurations wider than kVecMaxDBackward are never chosen for the backward.
+      if constexpr (C::TPR * C::VPL * 8 <= kVecMaxDBackward && (!kRope || C::VPL == 1)) {
+        if (kRope && C::TPR * 8 != D) return;
+        auto kern = rmsnorm_backward_vec_kernel<W, C::TPR, C::VPL, C::RPI, kRope>;
+        static const int per_sm = resident_blocks_per_sm(kern, kVecThreads);
+        const int64_t rb = (kVecThreads / 32) * (32 / C::TPR) * C::RPI;
+        const int64_t blocks = std::min<int64_t>(ceil_div(R, rb), int64_t(sm_count()) * per_sm);
+        auto* partials = static_cast<float*>(
+            scratch(ScratchSlot::NormPartials, size_t(blocks) * size_t(D) * sizeof(float)));
+        kern<<<unsigned(blocks), kVecThreads, 0, s>>>(
+            static_cast<bf16*>(dx.data), partials, static_cast<const bf16*>(dy.data),
+            static_cast<const bf16*>(x.data), static_cast<const W*>(w.data), rstd.ptr<float>(),
+            R, int(D), accumulate_dx, ra);
+        CUDA_CHECK_LAUNCH();
+        rmsnorm_dw_finish_kernel<<<unsigned(ceil_div(D, 32)), dim3(32, 8), 0, s>>>(
+            dw.ptr<float>(), partials, int(blocks), int(D));
+        CUDA_CHECK_LAUNCH();
+        launched = true;
+      }
+    });
+  });
+  return launched;
+}
+
+void check_forward(const char* what, Tensor y, Tensor rstd, Tensor x, int64_t R, int64_t D) {
+  check_numel(x, R * D, what, "x");
+  check_numel(y, R * D, what, "y");
+  check_numel(rstd, R, what, "rstd");
+  check_dtype(rstd, DType::F32, what, "rstd");
+  check_dtype(y, x.dtype, what, "y");
+}
+void check_backward(const char* what, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor rstd,
+                    int64_t R, int64_t D) {
+  check_numel(x, R * D, what, "x");
+  check_numel(dx, R * D, what, "dx");
+  check_numel(dy, R * D, what, "dy");
+  check_numel(dw, D, what, "dw");
+  check_numel(rstd, R, what, "rstd");
+  check_dtype(rstd, DType::F32, what, "rstd");
+  check_dtype(dw, DType::F32, what, "dw");
+  check_dtype(dx, x.dtype, what, "dx");
+  check_dtype(dy, x.dtype, what, "dy");
+}
+
+// x [B, T, heads, head_dim] -> the fused kernels' RoPE arguments; whether the fused path
+// applies (head_dim 64, 128 or 256: one vector per lane).
+RopeArgs rope_args(const char* what, Tensor x, double theta, bool backward,
+                   int64_t first_position) {
+  MHAR_CHECK(x.ndim == 4, what, " wants [B, T, heads, head_dim], got ", x.shape_str());
+  RopeArgs ra;
+  ra.T_len = x.dim(1);
+  ra.heads = int(x.dim(2));
+  ra.first_position = first_position;
+  ra.base = std::pow(theta, -2.0 / double(x.dim(3)));
+  ra.backward = backward;
+  return ra;
+}
+bool fused_rope_shape(int64_t D) { return D == 64 || D == 128 || D == 256; }
+
 }  // namespace
 
 void rmsnorm_forward(cudaStream_t s, Tensor y, Tensor rstd, Tensor x, Tensor w, double eps) {
   const int64_t D = w.numel(), R = x.numel() / D;
-  check_numel(x, R * D, "rmsnorm_forward", "x");
-  check_numel(y, R * D, "rmsnorm_forward", "y");
-  check_numel(rstd, R, "rmsnorm_forward", "rstd");
-  check_dtype(rstd, DType::F32, "rmsnorm_forward", "rstd");
-  check_dtype(y, x.dtype, "rmsnorm_forward", "y");
+  check_forward("rmsnorm_forward", y, rstd, x, R, D);
   if (R == 0) return;
+  if (vector_path(x.dtype, D, kVecMaxD, {x.data, y.data, w.data}) &&
+      launch_forward_vec<false>(s, y, rstd, x, w, R, D, eps, RopeArgs{}))
+    return;
   dispatch_float(x.dtype, "rmsnorm_forward", [&](auto tx) {
     dispatch_float(w.dtype, "rmsnorm_forward", [&](auto tw) {
       using T = decltype(tx);
@@ -99,18 +503,14 @@ void rmsnorm_forward(cudaStream_t s, Tensor y, Tensor rstd, Tensor x, Tensor w, 
 }
 
 void rmsnorm_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,
-                      Tensor rstd, bool accumulate_dx) {
+                      Tensor rstd, bool accumulate_dx, const ScratchFn& scratch) {
   const int64_t D = w.numel(), R = x.numel() / D;
-  check_numel(x, R * D, "rmsnorm_backward", "x");
-  check_numel(dx, R * D, "rmsnorm_backward", "dx");
-  check_numel(dy, R * D, "rmsnorm_backward", "dy");
-  check_numel(dw, D, "rmsnorm_backward", "dw");
-  check_numel(rstd, R, "rmsnorm_backward", "rstd");
-  check_dtype(rstd, DType::F32, "rmsnorm_backward", "rstd");
-  check_dtype(dw, DType::F32, "rmsnorm_backward", "dw");
-  check_dtype(dx, x.dtype, "rmsnorm_backward", "dx");
-  check_dtype(dy, x.dtype, "rmsnorm_backward", "dy");
+  check_backward("rmsnorm_backward", dx, dw, dy, x, rstd, R, D);
   if (R == 0) return;
+  if (vector_path(x.dtype, D, kVecMaxDBackward, {x.data, dx.data, dy.data, w.data}) &&
+      launch_backward_vec<false>(s, dx, dw, dy, x, w, rstd, R, D, accumulate_dx, scratch,
+                                 RopeArgs{}))
+    return;
   dispatch_float(x.dtype, "rmsnorm_backward", [&](auto tx) {
     dispatch_float(w.dtype, "rmsnorm_backward", [&](auto tw) {
       using T = decltype(tx);
@@ -134,6 +534,40 @@ void rmsnorm_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor x,
         rstd.ptr<float>(), R, D, rows_per_block);
     CUDA_CHECK_LAUNCH();
   });
+}
+
+}  // namespace mhar::cuda
+
+namespace mhar::cuda {
+
+void qk_norm_rope_forward(cudaStream_t s, Tensor y, Tensor rstd, Tensor x, Tensor w, double eps,
+                          double theta, int64_t first_position) {
+  const int64_t D = w.numel(), R = x.numel() / D;
+  const RopeArgs ra = rope_args("qk_norm_rope_forward", y, theta, false, first_position);
+  MHAR_CHECK(y.dim(3) == D, "qk_norm_rope_forward: head_dim ", y.dim(3), " but weight ", D);
+  check_forward("qk_norm_rope_forward", y, rstd, x, R, D);
+  if (R == 0) return;
+  if (fused_rope_shape(D) && vector_path(x.dtype, D, kVecMaxD, {x.data, y.data, w.data}) &&
+      launch_forward_vec<true>(s, y, rstd, x, w, R, D, eps, ra))
+    return;
+  rmsnorm_forward(s, y, rstd, x, w, eps);
+  rope(s, y, theta, false, first_position);
+}
+
+void qk_norm_rope_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,
+                           Tensor rstd, double theta, bool accumulate_dx,
+                           const ScratchFn& scratch) {
+  const int64_t D = w.numel(), R = x.numel() / D;
+  const RopeArgs ra = rope_args("qk_norm_rope_backward", dy, theta, true, 0);
+  MHAR_CHECK(dy.dim(3) == D, "qk_norm_rope_backward: head_dim ", dy.dim(3), " but weight ", D);
+  check_backward("qk_norm_rope_backward", dx, dw, dy, x, rstd, R, D);
+  if (R == 0) return;
+  if (fused_rope_shape(D) &&
+      vector_path(x.dtype, D, kVecMaxDBackward, {x.data, dx.data, dy.data, w.data}) &&
+      launch_backward_vec<true>(s, dx, dw, dy, x, w, rstd, R, D, accumulate_dx, scratch, ra))
+    return;
+  rope(s, dy, theta, true);
+  rmsnorm_backward(s, dx, dw, dy, x, w, rstd, accumulate_dx, scratch);
 }
 
 }  // namespace mhar::cuda

@@ -3,9 +3,14 @@
 // Hugging Face's rotate-half pairing (i, i + head_dim/2):
 //   forward:  (x1, x2) <- (x1 cos - x2 sin, x2 cos + x1 sin),  angle = t * theta^(-2i/hd)
 //   backward: the inverse rotation (angle negated), which is the gradient.
-// The angle is formed in fp32 as Hugging Face does (inv_freq = 1/theta^(2i/hd) in fp32,
-// times t), then an accurate sincosf: positions up to a few thousand keep the angle error
-// near 1e-4 rad, far below bf16's resolution.
+// The angle is formed in fp64 as the CPU reference does (inv_freq_i = base^i with
+// base = theta^(-2/hd) from the host, so no pow on the device; i multiplications in fp64
+// are ~1e-14 relative), reduced to [-pi, pi] in fp64, then an fp32 sincosf: cos/sin land
+// within an fp32 ulp or two of the reference's float(cos(angle)), at any position.
+// Vector path (BF16, head_dim/2 a multiple of 8, x 16-byte aligned): one thread per
+// (token, 8 consecutive pairs) computes its 8 cos/sin once and rotates those pairs in
+// every head of the token with bf16x8 loads/stores (x read once, written once). Other
+// shapes/dtypes: one thread per (row, pair), cos/sin per element.
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
 
@@ -14,21 +19,54 @@ namespace {
 
 template <class T>
 __global__ void rope_kernel(T* x, int64_t rows, int64_t T_len, int64_t heads, int half,
-                            float theta, bool backward, int64_t first_position) {
+                            double base, bool backward, int64_t first_position) {
   const int64_t pairs = rows * half;
   for (int64_t p = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; p < pairs;
        p += int64_t(gridDim.x) * blockDim.x) {
     const int64_t row = p / half;  // (b, t, h)
     const int i = int(p - row * half);
     const int64_t t = first_position + (row / heads) % T_len;
-    const float inv_freq = 1.0f / powf(theta, float(2 * i) / float(2 * half));
     float sn, cs;
-    sincosf(float(t) * inv_freq, &sn, &cs);
-    if (backward) sn = -sn;
-    T* base = x + row * (2 * half);
-    const float x1 = load(base[i]), x2 = load(base[i + half]);
-    base[i] = store<T>(x1 * cs - x2 * sn);
-    base[i + half] = store<T>(x2 * cs + x1 * sn);
+    rope_cos_sin(ipow(base, i), t, backward, cs, sn);
+    T* xr = x + row * (2 * half);
+    const float x1 = load(xr[i]), x2 = load(xr[i + half]);
+    xr[i] = store<T>(x1 * cs - x2 * sn);
+    xr[i + half] = store<T>(x2 * cs + x1 * sn);
+  }
+}
+
+// Thread = (token, vector j of 8 pairs); tokens = B * T rows of heads * 2 * half.
+__global__ void rope_vec_kernel(bf16* x, int64_t tokens, int64_t T_len, int heads, int half,
+                                double base, bool backward, int64_t first_position) {
+  const int nv = half / 8;
+  const int64_t work = tokens * nv;
+  for (int64_t p = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; p < work;
+       p += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t tok = p / nv;
+    const int i0 = int(p - tok * nv) * 8;
+    const int64_t t = first_position + tok % T_len;
+    float cs[8], sn[8];
+    double f = ipow(base, i0);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      rope_cos_sin(f, t, backward, cs[e], sn[e]);
+      f *= base;
+    }
+    bf16* xt = x + tok * int64_t(heads) * (2 * half) + i0;
+#pragma unroll 4
+    for (int h = 0; h < heads; ++h) {
+      bf16* p1 = xt + int64_t(h) * (2 * half);
+      float a[8], b[8], o1[8], o2[8];
+      load8(p1, a);
+      load8(p1 + half, b);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        o1[e] = a[e] * cs[e] - b[e] * sn[e];
+        o2[e] = b[e] * cs[e] + a[e] * sn[e];
+      }
+      store8(p1, o1);
+      store8(p1 + half, o2);
+    }
   }
 }
 
@@ -40,12 +78,21 @@ void rope(cudaStream_t s, Tensor x, double theta, bool backward, int64_t first_p
   MHAR_CHECK(hd % 2 == 0, "rope: head_dim ", hd, " must be even");
   const int64_t rows = x.numel() / hd;
   if (rows == 0) return;
+  const double base = std::pow(theta, -2.0 / double(hd));
+  const int half = int(hd / 2);
+  if (x.dtype == DType::BF16 && half % 8 == 0 && aligned16(x.data)) {
+    const int64_t tokens = rows / heads, work = tokens * (half / 8);
+    rope_vec_kernel<<<grid_stride_blocks(work, 256), 256, 0, s>>>(
+        static_cast<bf16*>(x.data), tokens, T_len, int(heads), half, base, backward,
+        first_position);
+    CUDA_CHECK_LAUNCH();
+    return;
+  }
   dispatch_float(x.dtype, "rope", [&](auto tx) {
     using T = decltype(tx);
-    const int64_t pairs = rows * (hd / 2);
+    const int64_t pairs = rows * half;
     rope_kernel<T><<<grid_stride_blocks(pairs, 256), 256, 0, s>>>(
-        static_cast<T*>(x.data), rows, T_len, heads, int(hd / 2), float(theta),
-        backward, first_position);
+        static_cast<T*>(x.data), rows, T_len, heads, half, base, backward, first_position);
     CUDA_CHECK_LAUNCH();
   });
 }

@@ -151,6 +151,23 @@ class Backend {
   // (the transpose), which is the gradient.
   virtual void rope(Tensor x, double theta, bool backward) = 0;
 
+  // ---- QK-norm then RoPE (attention's q and k): exactly rmsnorm_forward(y, rstd, x, w,
+  // eps) with w [head_dim], then RoPE in place on y [B, T, heads, head_dim] at positions
+  // first_position + t (rope() when 0, else rope_at()). Backward: exactly rope(dy, theta,
+  // true) then rmsnorm_backward(dx, dw, dy, x, w, rstd, accumulate_dx); dy's contents
+  // are unspecified afterwards. These defaults are the reference; a backend may fuse.
+  virtual void qk_norm_rope_forward(Tensor y, Tensor rstd, Tensor x, Tensor w, double eps,
+                                    double theta, int64_t first_position) {
+    rmsnorm_forward(y, rstd, x, w, eps);
+    if (first_position == 0) rope(y, theta, false);
+    else rope_at(y, theta, first_position);
+  }
+  virtual void qk_norm_rope_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,
+                                     Tensor rstd, double theta, bool accumulate_dx) {
+    rope(dy, theta, true);
+    rmsnorm_backward(dx, dw, dy, x, w, rstd, accumulate_dx);
+  }
+
   // ---- incremental decoding (sampling with a KV cache; Model::forward_cached).
   // Defaults throw: a backend opts in by overriding both. The training path never
   // calls them.

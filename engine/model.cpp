@@ -431,18 +431,17 @@ void Model::attention_forward(int l) {
   be_.matmul_forward(act(A.q_pre), act(A.xn), p(lp.wq));
   be_.matmul_forward(act(A.k_pre), act(A.xn), p(lp.wk));
   be_.matmul_forward(act(A.v), act(A.xn), p(lp.wv));
-  be_.rmsnorm_forward(act(A.q), act(A.q_rstd), act(A.q_pre), p(lp.q_norm), cfg_.rms_eps);
-  be_.rmsnorm_forward(act(A.k), act(A.k_rstd), act(A.k_pre), p(lp.k_norm), cfg_.rms_eps);
   Tensor q4 = act(A.q).view({B_, T_, hq, hd}), k4 = act(A.k).view({B_, T_, hkv, hd});
   Tensor v4 = act(A.v).view({B_, T_, hkv, hd}), att4 = act(A.att).view({B_, T_, hq, hd});
+  // QK-norm then RoPE; decode: the chunk continues the cached prefix at decode_position_.
+  const int64_t first_position = decode_position_ < 0 ? 0 : decode_position_;
+  be_.qk_norm_rope_forward(q4, act(A.q_rstd), act(A.q_pre), p(lp.q_norm), cfg_.rms_eps,
+                           cfg_.rope_theta, first_position);
+  be_.qk_norm_rope_forward(k4, act(A.k_rstd), act(A.k_pre), p(lp.k_norm), cfg_.rms_eps,
+                           cfg_.rope_theta, first_position);
   if (decode_position_ < 0) {
-    be_.rope(q4, cfg_.rope_theta, false);
-    be_.rope(k4, cfg_.rope_theta, false);
     be_.attention_forward(att4, act(A.lse), q4, k4, v4);
   } else {
-    // Decode: the chunk continues the cached prefix at position decode_position_.
-    be_.rope_at(q4, cfg_.rope_theta, decode_position_);
-    be_.rope_at(k4, cfg_.rope_theta, decode_position_);
     auto cache_rows = [&](int id, int64_t first, int64_t count) {
       Tensor c = kv_->arena->tensor(id);
       char* base = static_cast<char*>(c.data) + size_t(first) * size_t(hkv * hd) * dtype_size(c.dtype);
@@ -518,12 +517,10 @@ void Model::attention_backward(int l) {
                          act(A.d_att).view({B_, T_, hq, hd}), act(A.q).view({B_, T_, hq, hd}),
                          act(A.k).view({B_, T_, hkv, hd}), act(A.v).view({B_, T_, hkv, hd}),
                          act(A.att).view({B_, T_, hq, hd}), act(A.lse));
-  be_.rope(dq4, cfg_.rope_theta, true);
-  be_.rope(dk4, cfg_.rope_theta, true);
-  be_.rmsnorm_backward(act(A.dq_pre), g(lp.q_norm), act(A.dq), act(A.q_pre), p(lp.q_norm),
-                       act(A.q_rstd), false);
-  be_.rmsnorm_backward(act(A.dk_pre), g(lp.k_norm), act(A.dk), act(A.k_pre), p(lp.k_norm),
-                       act(A.k_rstd), false);
+  be_.qk_norm_rope_backward(act(A.dq_pre), g(lp.q_norm), dq4, act(A.q_pre), p(lp.q_norm),
+                            act(A.q_rstd), cfg_.rope_theta, false);
+  be_.qk_norm_rope_backward(act(A.dk_pre), g(lp.k_norm), dk4, act(A.k_pre), p(lp.k_norm),
+                            act(A.k_rstd), cfg_.rope_theta, false);
   be_.matmul_input_grad(act(A.d_xn), act(A.dq_pre), p(lp.wq), false);
   be_.matmul_input_grad(act(A.d_xn), act(A.dk_pre), p(lp.wk), true);
   be_.matmul_input_grad(act(A.d_xn), act(A.dv), p(lp.wv), true);

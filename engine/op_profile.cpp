@@ -173,6 +173,16 @@ void OpProfiler::rope(Tensor x, double theta, bool backward) {
   Span s(*this, OpFamily::Rope, 2 * bytes_of({x}));
   in_.rope(x, theta, backward);
 }
+void OpProfiler::qk_norm_rope_forward(Tensor y, Tensor rstd, Tensor x, Tensor w, double eps,
+                                      double theta, int64_t first_position) {
+  Span s(*this, OpFamily::Rope, bytes_of({y, rstd, x, w}));
+  in_.qk_norm_rope_forward(y, rstd, x, w, eps, theta, first_position);
+}
+void OpProfiler::qk_norm_rope_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,
+                                       Tensor rstd, double theta, bool acc) {
+  Span s(*this, OpFamily::Rope, bytes_of({dx, dw, dy, x, w, rstd}) + (acc ? bytes_of({dx}) : 0));
+  in_.qk_norm_rope_backward(dx, dw, dy, x, w, rstd, theta, acc);
+}
 void OpProfiler::attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v) {
   Span s(*this, OpFamily::AttentionForward, attention_forward_flops(q));
   in_.attention_forward(out, lse, q, k, v);

@@ -1,0 +1,206 @@
+// kernel_bandwidth_cudatest.cpp: achieved bandwidth of the memory-bound kernels (RMSNorm
+// and QK-norm forward/backward, the fused QK-norm + RoPE, RoPE, SwiGLU, add/add_inplace) at the 100M / 350M / 1B
+// standard shapes (16384 tokens a step). Not a parity test and no pass/fail on speed:
+// DISABLED_ so plain runs skip it; run with --gtest_also_run_disabled_tests on the GPU.
+// Each line: the bytes the op must move (each input read once, each output written once;
+// an implementation's temporaries, such as the RMSNorm dw partial rows, not counted), the
+// median device time of `reps` calls (timing marks = CUDA events around each call, after
+// 3 warm-ups), TB/s, and % of the 4.3 TB/s copy rate measured on an H200 (and % of the
+// copy rate measured in this run). Inputs are random, never zeros; when one call's bytes
+// are under 4x a 50 MB L2, the calls rotate over several input sets so that no call reads
+// what the previous one left in L2.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <functional>
+
+#include "tests/cuda_test_util.h"
+
+namespace mhar::test {
+namespace {
+
+constexpr double kCopyTBs = 4.3;           // H200 device copy, read + write (KINDS.md)
+constexpr double kRotateBytes = 200e6;     // 4x the H200's 50 MB L2
+
+class KernelBandwidth : public CudaParity {
+ protected:
+  Buffer random_gpu(DType t, std::initializer_list<int64_t> shape, double scale = 1.0) {
+    Buffer b(*gpu, t, shape);
+    std::vector<double> v(static_cast<size_t>(b.t().numel()));
+    uint64_t x = rng() | 1;
+    for (double& e : v) {
+      x ^= x << 13;
+      x ^= x >> 7;
+      x ^= x << 17;
+      e = scale * (double(x >> 11) * (2.0 / 9007199254740992.0) - 1.0);
+    }
+    b.set(v);
+    return b;
+  }
+  static int sets_for(double bytes) {
+    return int(std::clamp(std::ceil(kRotateBytes / bytes), 1.0, 8.0));
+  }
+  // Median device time of one call; op(i) runs the call on input set i.
+  double median_ms(const std::function<void(int)>& op, int sets, int reps = 25) {
+    for (int i = 0; i < 3; ++i) op(i % sets);
+    gpu->synchronize();
+    gpu->timing_reset();
+    std::vector<std::pair<int, int>> marks;
+    for (int i = 0; i < reps; ++i) {
+      const int a = gpu->timing_mark();
+      op(i % sets);
+      marks.emplace_back(a, gpu->timing_mark());
+    }
+    gpu->synchronize();
+    std::vector<double> ms;
+    for (auto [a, b] : marks) ms.push_back(gpu->timing_ms(a, b));
+    std::sort(ms.begin(), ms.end());
+    return ms[ms.size() / 2];
+  }
+  void report(const std::string& what, double bytes, double ms) {
+    const double tbs = bytes / ms * 1e-9;
+    std::printf("BANDWIDTH %-56s %9.1f MB %8.4f ms %6.2f TB/s %5.1f%% of %.1f", what.c_str(),
+                bytes * 1e-6, ms, tbs, 100.0 * tbs / kCopyTBs, kCopyTBs);
+    if (copy_tbs_ > 0) std::printf("  %5.1f%% of copy here", 100.0 * tbs / copy_tbs_);
+    std::printf("\n");
+  }
+  double copy_tbs_ = 0;
+};
+
+struct Shape {
+  const char* name;
+  int64_t B, T, d, H, Hkv, hd, ff;
+};
+
+TEST_F(KernelBandwidth, DISABLED_MemoryBoundKernels) {
+  {
+    const int64_t n = int64_t(1) << 29;  // 1 GiB of bf16 each way
+    Buffer src = random_gpu(DType::BF16, {n}), dst(*gpu, DType::BF16, {n});
+    const double ms = median_ms([&](int) { gpu->copy(dst, src); }, 1, 10);
+    copy_tbs_ = 2.0 * 2 * n / ms * 1e-9;
+    report("device copy (cudaMemcpyAsync) 1 GiB", 2.0 * 2 * n, ms);
+  }
+  for (const Shape sh : {Shape{"100M", 8, 2048, 512, 8, 4, 128, 1536},
+                         Shape{"350M", 16, 1024, 1024, 16, 8, 128, 4096},
+                         Shape{"1B", 16, 1024, 1280, 16, 8, 128, 5120}}) {
+    const int64_t N = sh.B * sh.T, d = sh.d;
+    const std::string at = std::string(" ") + sh.name;
+    // RMSNorm over [R, D]: forward reads x, writes y and rstd; backward reads dy, x, rstd,
+    // writes dx (reads it too when accumulating), dw += (D fp32, read and written).
+    auto norms = [&](const std::string& what, int64_t R, int64_t D) {
+      const double row = 2.0 * R * D, fwd = 2 * row + 4.0 * R, bwd = 3 * row + 4.0 * R + 8.0 * D;
+      const int sets = sets_for(fwd);
+      std::vector<Buffer> x, y, dy, dx;
+      for (int i = 0; i < sets; ++i) {
+        x.push_back(random_gpu(DType::BF16, {R, D}, 2.0));
+        y.emplace_back(*gpu, DType::BF16, std::initializer_list<int64_t>{R, D});
+        dy.push_back(random_gpu(DType::BF16, {R, D}));
+        dx.push_back(random_gpu(DType::BF16, {R, D}));
+      }
+      Buffer w = random_gpu(DType::BF16, {D}), rstd(*gpu, DType::F32, {R});
+      Buffer dw(*gpu, DType::F32, {D});
+      const std::string tag = " [" + std::to_string(R) + ", " + std::to_string(D) + "]" + at;
+      report(what + " forward" + tag, fwd,
+             median_ms([&](int i) { gpu->rmsnorm_forward(y[size_t(i)], rstd, x[size_t(i)], w, 1e-6); },
+                       sets));
+      gpu->rmsnorm_forward(y[0], rstd, x[0], w, 1e-6);  // a valid rstd
+      for (bool acc : {false, true})
+        report(what + " backward" + (acc ? " dx+=" : "") + tag, bwd + (acc ? row : 0.0),
+               median_ms([&](int i) {
+                 gpu->rmsnorm_backward(dx[size_t(i)], dw, dy[size_t(i)], x[size_t(i)], w, rstd,
+                                       acc);
+               }, sets));
+    };
+    // Fused QK-norm + RoPE on [B, T, heads, hd]: the norm's bytes (the rotation is free).
+    auto qk = [&](const std::string& what, int64_t heads) {
+      const int64_t R = N * heads, D = sh.hd;
+      const double row = 2.0 * R * D, fwd = 2 * row + 4.0 * R, bwd = 3 * row + 4.0 * R + 8.0 * D;
+      const int sets = sets_for(fwd);
+      std::vector<Buffer> x, y, dy, dx;
+      for (int i = 0; i < sets; ++i) {
+        x.push_back(random_gpu(DType::BF16, {R, D}, 2.0));
+        y.emplace_back(*gpu, DType::BF16, std::initializer_list<int64_t>{sh.B, sh.T, heads, D});
+        dy.push_back(random_gpu(DType::BF16, {sh.B, sh.T, heads, D}));
+        dx.emplace_back(*gpu, DType::BF16, std::initializer_list<int64_t>{R, D});
+      }
+      Buffer w = random_gpu(DType::BF16, {D}), rstd(*gpu, DType::F32, {R});
+      Buffer dw(*gpu, DType::F32, {D});
+      const std::string tag = " [" + std::to_string(sh.B) + ", " + std::to_string(sh.T) + ", " +
+                              std::to_string(heads) + ", " + std::to_string(D) + "]" + at;
+      report(what + " forward" + tag, fwd, median_ms([&](int i) {
+               gpu->qk_norm_rope_forward(y[size_t(i)], rstd, x[size_t(i)], w, 1e-6, 1e6, 0);
+             }, sets));
+      gpu->rmsnorm_forward(dx[0], rstd, x[0], w, 1e-6);  // a valid rstd
+      report(what + " backward" + tag, bwd, median_ms([&](int i) {
+               gpu->qk_norm_rope_backward(dx[size_t(i)], dw, dy[size_t(i)], x[size_t(i)], w, rstd,
+                                          1e6, false);
+             }, sets));
+    };
+    qk("qk-norm+rope fused q", sh.H);
+    qk("qk-norm+rope fused k", sh.Hkv);
+    norms("rmsnorm", N, d);
+    norms("qk-norm q", N * sh.H, sh.hd);
+    norms("qk-norm k", N * sh.Hkv, sh.hd);
+    // RoPE in place on [B, T, heads, hd]: reads and writes x once.
+    for (auto [what, heads] : {std::pair<const char*, int64_t>{"rope q", sh.H}, {"rope k", sh.Hkv}}) {
+      const double bytes = 2.0 * 2 * N * heads * sh.hd;
+      const int sets = sets_for(bytes);
+      std::vector<Buffer> x;
+      for (int i = 0; i < sets; ++i) x.push_back(random_gpu(DType::BF16, {sh.B, sh.T, heads, sh.hd}));
+      const std::string tag = std::string(what) + " [" + std::to_string(sh.B) + ", " +
+                              std::to_string(sh.T) + ", " + std::to_string(heads) + ", " +
+                              std::to_string(sh.hd) + "]" + at;
+      for (bool bwd : {false, true})
+        report(tag + (bwd ? " backward" : " forward"), bytes,
+               median_ms([&](int i) { gpu->rope(x[size_t(i)], 1e6, bwd); }, sets));
+    }
+    // SwiGLU over [N, ff]: forward reads gate, up, writes h; backward reads dh, gate, up,
+    // writes dgate, dup.
+    {
+      const int64_t n = N * sh.ff;
+      const double e = 2.0 * n;
+      const int sets = sets_for(3 * e);
+      std::vector<Buffer> g, u, h, dg, du;
+      for (int i = 0; i < sets; ++i) {
+        g.push_back(random_gpu(DType::BF16, {n}, 3.0));
+        u.push_back(random_gpu(DType::BF16, {n}));
+        h.push_back(random_gpu(DType::BF16, {n}));
+        dg.emplace_back(*gpu, DType::BF16, std::initializer_list<int64_t>{n});
+        du.emplace_back(*gpu, DType::BF16, std::initializer_list<int64_t>{n});
+      }
+      const std::string tag = " [" + std::to_string(N) + " x " + std::to_string(sh.ff) + "]" + at;
+      report("swiglu forward" + tag, 3 * e, median_ms([&](int i) {
+               const size_t k = size_t(i);
+               gpu->swiglu_forward(dg[k], g[k], u[k]);
+             }, sets));
+      report("swiglu backward" + tag, 5 * e, median_ms([&](int i) {
+               const size_t k = size_t(i);
+               gpu->swiglu_backward(dg[k], du[k], h[k], g[k], u[k]);
+             }, sets));
+    }
+    // Residual adds over [N, d]: out = a + b and y += x in bf16; the fp32 += bf16 mix.
+    {
+      const int64_t n = N * d;
+      const int sets = sets_for(3 * 2.0 * n);
+      std::vector<Buffer> a, b, o, yf;
+      for (int i = 0; i < sets; ++i) {
+        a.push_back(random_gpu(DType::BF16, {n}));
+        b.push_back(random_gpu(DType::BF16, {n}));
+        o.push_back(random_gpu(DType::BF16, {n}));
+        yf.push_back(random_gpu(DType::F32, {n}));
+      }
+      const std::string tag = " [" + std::to_string(N) + " x " + std::to_string(d) + "]" + at;
+      report("add bf16 = bf16 + bf16" + tag, 3 * 2.0 * n,
+             median_ms([&](int i) { gpu->add(o[size_t(i)], a[size_t(i)], b[size_t(i)]); }, sets));
+      // Each call adds a to o again: values grow by at most reps * |a| <= ~30, still
+      // ordinary finite bf16.
+      report("add_inplace bf16 += bf16" + tag, 3 * 2.0 * n,
+             median_ms([&](int i) { gpu->add_inplace(o[size_t(i)], a[size_t(i)]); }, sets));
+      report("add_inplace f32 += bf16" + tag, (4 + 4 + 2) * double(n),
+             median_ms([&](int i) { gpu->add_inplace(yf[size_t(i)], a[size_t(i)]); }, sets));
+    }
+  }
+}
+
+}  // namespace
+}  // namespace mhar::test

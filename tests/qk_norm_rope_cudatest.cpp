@@ -1,0 +1,86 @@
+// qk_norm_rope_cudatest.cpp: the CUDA fused QK-norm + RoPE (norm.cu) against the CPU
+// reference: Backend's defaults are exactly rmsnorm then rope (forward) and inverse rope
+// then rmsnorm backward; the reference runs those CPU ops with the intermediate rounded
+// to bf16 as the GPU stores it. head_dim 64/128/256 take the fused
+// kernels, other head_dims (and misaligned views) the two ops in turn; GQA head counts,
+// rope_at offsets, accumulate_dx, F32 weights. Also: the fused GPU result against the
+// GPU's own unfused composition.
+#include <gtest/gtest.h>
+
+#include "tests/cuda_test_util.h"
+
+namespace mhar::test {
+namespace {
+
+class QkNormRopeParity : public CudaParity {
+ protected:
+  void check(int64_t B, int64_t T, int64_t H, int64_t hd, int64_t first, bool acc,
+             DType wt = DType::BF16) {
+    const std::string tag = "B" + std::to_string(B) + " T" + std::to_string(T) + " H" +
+                            std::to_string(H) + " hd" + std::to_string(hd) +
+                            (first ? " at" + std::to_string(first) : "") + (acc ? " acc" : "") +
+                            (wt == DType::F32 ? " w-f32" : "");
+    const double eps = 1e-6, theta = 1e6;
+    Pair x = random_pair(DType::BF16, {B * T, H * hd}, 2.0, 0.3);  // as the model's q_pre
+    Pair w = random_pair(wt, {hd}, 0.3, 1.0);
+    Pair y = pair(DType::BF16, {B, T, H, hd});
+    Pair rstd = pair(DType::F32, {B * T * H});
+    y.g.poison();
+    rstd.g.poison();
+    // The reference is the composition with the intermediate stored as the GPU stores
+    // it (bf16; the fused kernels round there too): without that rounding the bf16 error
+    // of the intermediate would dominate dw's fp32 comparison.
+    auto round_bf16 = [](Buffer& b) { b.set(rounded(DType::BF16, b.get())); };
+    cpu->rmsnorm_forward(y.c, rstd.c, x.c, w.c, eps);
+    round_bf16(y.c);
+    if (first == 0) cpu->rope(y.c, theta, false);
+    else cpu->rope_at(y.c, theta, first);
+    gpu->qk_norm_rope_forward(y.g, rstd.g, x.g, w.g, eps, theta, first);
+    expect_close("qk_norm_rope_forward y " + tag, y.g, y.c, kTolBf16Output);
+    expect_close("qk_norm_rope_forward rstd " + tag, rstd.g, rstd.c, kTolF32Output);
+
+    // The GPU's unfused composition from the same inputs.
+    Pair yu = pair(DType::BF16, {B, T, H, hd});
+    gpu->rmsnorm_forward(yu.g, rstd.g, x.g, w.g, eps);
+    if (first == 0) gpu->rope(yu.g, theta, false);
+    else gpu->rope_at(yu.g, theta, first);
+    expect_close("qk_norm_rope_forward fused vs unfused GPU " + tag, y.g, yu.g, kTolBf16Output);
+
+    if (first != 0) return;  // the backward is a training op: positions from 0
+    rstd.g.set(rstd.c.get());
+    Pair dy = random_pair(DType::BF16, {B, T, H, hd});
+    Pair dx = acc ? random_pair(DType::BF16, {B * T, H * hd}) : pair(DType::BF16, {B * T, H * hd});
+    if (!acc) dx.g.poison();
+    Pair dw = random_pair(DType::F32, {hd});
+    cpu->rope(dy.c, theta, true);
+    round_bf16(dy.c);
+    cpu->rmsnorm_backward(dx.c, dw.c, dy.c, x.c, w.c, rstd.c, acc);
+    gpu->qk_norm_rope_backward(dx.g, dw.g, dy.g, x.g, w.g, rstd.g, theta, acc);
+    expect_close("qk_norm_rope_backward dx " + tag, dx.g, dx.c, kTolBf16Output);
+    expect_close("qk_norm_rope_backward dw " + tag, dw.g, dw.c, kTolF32Output);
+  }
+};
+
+TEST_F(QkNormRopeParity, FusedHeadDims) {
+  for (int64_t hd : {int64_t(64), int64_t(128), int64_t(256)}) {
+    check(2, 37, 16, hd, 0, false);  // q of GQA 16/8
+    check(2, 37, 8, hd, 0, true);    // k
+    check(1, 33, 3, hd, 0, false);   // heads not a multiple of a warp's rows
+    check(3, 5, 1, hd, 0, true, DType::F32);
+  }
+  check(8, 300, 4, 128, 0, false);  // many blocks
+}
+
+TEST_F(QkNormRopeParity, OtherHeadDimsTakeTheTwoOps) {
+  check(2, 17, 3, 16, 0, false);
+  check(2, 17, 3, 96, 0, true);
+  check(1, 9, 2, 12, 0, false);
+}
+
+TEST_F(QkNormRopeParity, DecodePositions) {
+  for (int64_t first : {int64_t(1), int64_t(777), int64_t(100000)})
+    for (int64_t hd : {int64_t(64), int64_t(128), int64_t(16)}) check(1, 5, 4, hd, first, false);
+}
+
+}  // namespace
+}  // namespace mhar::test
