@@ -145,7 +145,7 @@ PhaseResult run_phase(const Config& cfg, const BenchOptions& o, int local_rank,
   std::optional<OpProfiler> profiler;
   if (o.profile_steps > 0) profiler.emplace(*device);
   Backend* backend = profiler ? static_cast<Backend*>(&*profiler) : device.get();
-  Model model(cfg.model, cfg.residual, *backend, B, T, comm->world_size());
+  Model model(cfg.model, cfg.residual, *backend, B, T, comm->world_size(), cfg.train.logits_chunk);
   fast_random_init(model, t.seed);
   AdamWOptimizer optimizer(model, t, comm->rank());  // copies its shard into the fp32 master
   TrainStep step(model, optimizer, *comm, t, 1);

@@ -5,6 +5,7 @@
 // sums meet on rank 0, which prints the line.
 // --logits-out FILE also writes those windows' inputs, targets and logits as safetensors
 // (for comparing the engine's forward with another implementation, tools/hf/).
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 
@@ -69,7 +70,7 @@ void register_eval(CLI::App& app) {
       fail(glob, ": ", loader.total_tokens(), " tokens are fewer than one batch of ", B, " x ",
            T + 1, d.world_size > 1 ? " per rank" : "");
     auto backend = make_backend(device, d.local_rank);
-    Model model(cfg.model, cfg.residual, *backend, B, T);
+    Model model(cfg.model, cfg.residual, *backend, B, T, 1, cfg.train.logits_chunk);
     load_model_weights(ckpt, model);
     // This rank's share of --batches (all of its batches when --batches is not given).
     const long long mine = batches > 0 ? batches / d.world_size + (d.rank < batches % d.world_size) : 0;
@@ -106,10 +107,13 @@ void register_eval(CLI::App& app) {
       for (long long b = 0; b < r.batches; ++b) {
         loader.next_batch(x.data(), y.data());
         model.forward(x.data(), y.data(), 0.0);
-        const Tensor all = model.logits();
-        for (int64_t n = 0; n < int64_t(B) * T; ++n) {
-          backend->download(row.data(), all[n]);
-          logits.insert(logits.end(), row.begin(), row.end());
+        const int64_t N = int64_t(B) * T, chunk = model.logits_chunk();
+        for (int64_t first = 0; first < N; first += chunk) {  // the head's chunks, in turn
+          const Tensor part = model.logits(first, std::min(chunk, N - first));
+          for (int64_t n = 0; n < part.dim(0); ++n) {
+            backend->download(row.data(), part[n]);
+            logits.insert(logits.end(), row.begin(), row.end());
+          }
         }
         ids.insert(ids.end(), x.begin(), x.end());
         targets.insert(targets.end(), y.begin(), y.end());

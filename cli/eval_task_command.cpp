@@ -28,7 +28,7 @@ void run_task_command(const std::string& task_name_arg, const std::string& file,
   TaskData data = load_task(task, file, tok, max_len);
   const int T = longest_input(data, max_len);
   auto backend = make_backend(device);
-  Model model(cfg.model, cfg.residual, *backend, B, T);
+  Model model(cfg.model, cfg.residual, *backend, B, T, 1, cfg.train.logits_chunk);
   load_model_weights(ckpt, model);
   Progress progress(std::string("eval ") + task_name(task), int64_t(data.requests.size()), true);
   const std::vector<Score> scores =

@@ -341,19 +341,6 @@ void Progress::finish() {
 
 // ---------------------------------------------------------------- scoring
 
-namespace {
-
-struct DeviceBuffer {
-  Backend& be;
-  void* p;
-  DeviceBuffer(Backend& b, size_t bytes) : be(b), p(b.allocate(bytes)) {}
-  ~DeviceBuffer() { be.release(p); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-};
-
-}  // namespace
-
 std::vector<Score> score_requests(Model& model, const std::vector<Request>& requests, int max_len,
                                   bool need_greedy, Progress* progress) {
   Backend& be = model.backend();
@@ -372,11 +359,6 @@ std::vector<Score> score_requests(Model& model, const std::vector<Request>& requ
         fail("evaluation request ", i, ": token id ", t, " is outside the model's vocabulary of ", V,
              " (the tokenizer does not match the checkpoint; pass the one it was trained with)");
   }
-  DeviceBuffer targets_buf(be, size_t(N) * sizeof(int32_t));
-  DeviceBuffer losses_buf(be, size_t(N) * dtype_size(be.stat_dtype()));
-  const Tensor targets_t(targets_buf.p, DType::I32, {N});
-  const Tensor losses_t(losses_buf.p, be.stat_dtype(), {N});
-
   std::vector<Score> scores(requests.size());
   std::vector<int32_t> tokens(static_cast<size_t>(N)), targets(static_cast<size_t>(N));
   std::vector<double> losses(static_cast<size_t>(N)), row(static_cast<size_t>(V));
@@ -394,11 +376,7 @@ std::vector<Score> score_requests(Model& model, const std::vector<Request>& requ
       }
     }
     model.forward(tokens.data(), targets.data(), 0.0);
-    // Per-token losses of the same logits (the model's forward keeps only their mean).
-    be.upload_tokens(targets_t, targets.data());
-    be.cross_entropy(losses_t, model.logits(), targets_t, 0.0, false);
-    be.download(losses.data(), losses_t);
-    const Tensor logits = model.logits();
+    be.download(losses.data(), model.losses());  // per token; forward returns their mean
     for (size_t b = 0; b < count; ++b) {
       const Request& r = requests[start + b];
       const int n = request_input_length(r, max_len);
@@ -408,7 +386,9 @@ std::vector<Score> score_requests(Model& model, const std::vector<Request>& requ
         const int64_t idx = int64_t(b) * T + t;
         s.logprob -= losses[size_t(idx)];
         if (need_greedy && s.greedy) {
-          be.download(row.data(), logits[idx]);
+          // The head's chunk holding the row (computed once, then read from its buffer).
+          const int64_t chunk = model.logits_chunk(), page = idx / chunk * chunk;
+          be.download(row.data(), model.logits(page, std::min(chunk, N - page))[idx - page]);
           const int best = int(std::max_element(row.begin(), row.end()) - row.begin());  // first max
           s.greedy = best == targets[size_t(idx)];
         }

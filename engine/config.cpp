@@ -142,6 +142,9 @@ template <class V> void visit_fields(TrainConfig& c, V& v) {
   v("max_bad_steps", c.max_bad_steps,
     IntRange{1, kIntMax, "consecutive non-finite steps before the run stops"});
   v("device", c.device);
+  v("logits_chunk", c.logits_chunk,
+    IntRange{0, 1 << 30, "tokens per chunk of the LM head; 0 = automatic (chunk logits <= "
+                         "512 MiB); values above micro_batch x seq_len mean one chunk"});
 }
 template <class V> void visit_fields(DataConfig& c, V& v) {
   v("train", c.train);
@@ -447,6 +450,18 @@ void Config::validate() const {
   check_footprint(m, residual, t.micro_batch, t.seq_len, source);
 }
 
+int64_t logits_chunk_tokens(int64_t tokens, int64_t vocab, size_t value_bytes, int64_t requested) {
+  MHAR_CHECK(tokens > 0 && vocab > 0 && value_bytes > 0 && requested >= 0, "logits chunk of ",
+             tokens, " tokens, vocab ", vocab, ", ", value_bytes, " bytes, requested ", requested);
+  if (requested > 0) return std::min(requested, tokens);
+  const double row = double(vocab) * double(value_bytes);
+  const int64_t fit = std::max<int64_t>(1, int64_t(kLogitsChunkBytes / row));
+  if (fit >= tokens) return tokens;
+  const int64_t chunks = (tokens + fit - 1) / fit, even = (tokens + chunks - 1) / chunks;
+  const int64_t tiled = (even + 63) / 64 * 64;
+  return tiled <= fit ? tiled : even;
+}
+
 StepFootprint estimate_footprint(const ModelConfig& m, const ResidualConfig& r, int64_t batch,
                                  int64_t seq_len) {
   // In doubles: the point is to refuse sizes whose byte counts overflow 64-bit integers.
@@ -464,7 +479,7 @@ StepFootprint estimate_footprint(const ModelConfig& m, const ResidualConfig& r, 
                  (delta ? S * (2 * d + 1) + d : 0);
   f.parameter_bytes = 16 * f.parameters;  // value, gradient, two AdamW moments
   // Values per token kept from the forward pass for the backward one (model.cpp's plan).
-  double per_token = S * d /* history */ + S * d /* site inputs */ + V + 2 * d /* head */;
+  double per_token = S * d /* history */ + S * d /* site inputs */ + 2 * d /* head */;
   per_token += L * (d + 1 + 3 * qd + 3 * kvd + 2 * m.n_heads + m.n_kv_heads);  // attention
   per_token += L * (d + 1 + 3 * F);                                            // MLP
   // Routing: the per-pair statistics (backend.h's RoutingLayout::pairs, in closed form:
@@ -480,7 +495,11 @@ StepFootprint estimate_footprint(const ModelConfig& m, const ResidualConfig& r, 
   if (hyper) per_token += S * n * d;
   // Dynamic: per sublayer the coefficients, their gradient and tanh [n, n+2], and rstd [n].
   if (hyper && r.hyper_dynamic) per_token += 2 * L * (3 * n * (n + 2) + n);
-  f.activation_bytes = 4 * N * per_token;
+  // The LM head holds the logits of one chunk of tokens (logits_chunk_tokens, automatic).
+  const double chunk = N <= double(int64_t(1) << 62) && V >= 1
+                           ? double(logits_chunk_tokens(int64_t(N), int64_t(V), 4, 0))
+                           : N;
+  f.activation_bytes = 4 * N * per_token + 4 * chunk * V;
   f.kv_cache_bytes = 4 * 2 * L * double(m.context_length) * kvd;
   return f;
 }

@@ -83,6 +83,10 @@ struct TrainConfig {
   int log_every = 1;
   int max_bad_steps = 5;
   std::string device = "auto";  // auto | cpu | cuda
+  // Tokens per chunk of the LM head and cross-entropy (Model: the logits [N, V] are never
+  // held whole, only [chunk, V]); 0 = automatic (logits_chunk_tokens below). Values above
+  // micro_batch x seq_len mean one chunk.
+  int logits_chunk = 0;
 };
 
 struct DataConfig {
@@ -109,6 +113,18 @@ struct Config {
   // Throws mhar::Error naming `source` and the field when a value is invalid.
   void validate() const;
 };
+
+// The LM head's chunk: the tokens whose logits [chunk, V] of `value_bytes` each are held
+// at once, out of `tokens`. `requested` > 0 is taken as given (at most `tokens`); 0 picks
+// the most tokens whose logits fit kLogitsChunkBytes, balanced over the chunks that
+// takes and rounded up to a multiple of 64 rows (tensor-core tiles) within the budget.
+// The budget is large enough that each chunk's weight-gradient GEMM (reduction depth =
+// the chunk) stays compute-bound despite re-reading and re-writing the fp32 [V, d]
+// gradient once per chunk: 512 MiB is ~1,766 tokens of a 151,936-word vocabulary in
+// bf16, ~2x the H200's flop-per-byte ridge for that accumulate (bytes 8 V d, flops
+// 2 chunk V d).
+constexpr double kLogitsChunkBytes = double(512 << 20);
+int64_t logits_chunk_tokens(int64_t tokens, int64_t vocab, size_t value_bytes, int64_t requested);
 
 // Size caps that hold before any memory is planned: the model and one training step are
 // estimated from the config alone (4 bytes a value, as the fp32 CPU backend and the GPU

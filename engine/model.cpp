@@ -4,16 +4,27 @@
 // Timeline used by the activation plan. Forward events, in order:
 //   site j           at 2j        (j = 0..2L; site 0 also runs the embedding)
 //   sublayer j       at 2j + 1    (j = 0..2L-1; even j attention, odd j MLP)
-//   head             at 4L + 1    (final norm, LM head, cross-entropy)
+//   head             at 4L + 1    (final norm, LM head, cross-entropy, and with a loss
+//                                 scale the head's input and weight gradients)
 // The backward runs the same E = 4L + 2 events in reverse: event e at 2E - 1 - e.
 // A buffer saved by event e for its backward lives [e, 2E-1-e]; a backward scratch lives
 // only at its event, so scratch of different layers shares memory.
+//
+// The head runs in chunks of chunk_ tokens (train.logits_chunk; config.h's
+// logits_chunk_tokens picks it): per chunk, logits [chunk, V] = xn W^T, the
+// cross-entropy (losses, and in place the gradient, whose scale the forward knows), then
+// d xn = dlogits W for the chunk's rows and dW += dlogits^T xn, so only one chunk's
+// logits exist at any time (the idea of Cut Cross-Entropy / fused linear cross-entropy,
+// with every product still a tensor-core GEMM of the backend). One chunk (chunk_ = N, every
+// test-sized model) issues exactly the ops of the unchunked head. More chunks change one
+// thing numerically: the head's weight gradient sums its N token terms chunk by chunk.
 //
 // The residual mode is a ResidualScheme (residual.h): it builds the site inputs, owns
 // their buffers and their gradients and the gradients of the sources; the loop below
 // reads the same for every mode.
 #include "engine/model.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 
@@ -68,11 +79,12 @@ struct Model::KvCache {
 };
 
 Model::Model(const ModelConfig& model, const ResidualConfig& residual, Backend& backend,
-             int batch, int seq_len, int grad_shards)
+             int batch, int seq_len, int grad_shards, int64_t logits_chunk)
     : cfg_(model), res_(residual), be_(backend), B_(batch), T_(seq_len),
-      N_(int64_t(batch) * seq_len), grad_shards_(grad_shards) {
+      N_(int64_t(batch) * seq_len), grad_shards_(grad_shards), chunk_request_(logits_chunk) {
   MHAR_CHECK(batch > 0 && seq_len > 0, "batch ", batch, " seq_len ", seq_len);
   MHAR_CHECK(grad_shards >= 1, "grad_shards ", grad_shards);
+  MHAR_CHECK(logits_chunk >= 0, "logits_chunk ", logits_chunk);
   scheme_ = make_residual_scheme(
       SchemeContext{be_, cfg_, res_, [this](int id) { return act(id); }, params_});
   plan_parameters();
@@ -239,10 +251,16 @@ void Model::plan_activations() {
     }
     acts_.push_back(std::move(A));
   }
-  s.xfn = P.add("head.xn", at, {N, d}, head_ev, tb(head_ev));
+  // The head's products all run at its forward event, so the normed input and the
+  // logits chunk are forward-only; d xn is written there and read by the final norm's
+  // backward. (After a forward, before the backward, nothing else has touched either, so
+  // logits(first, rows) can still recompute from xn.)
+  chunk_ = logits_chunk_tokens(N, V, dtype_size(at), chunk_request_);
+  held_rows_ = 0;
+  s.xfn = P.add("head.xn", at, {N, d}, head_ev, head_ev);
   s.rstd_f = P.add("head.rstd", st, {N}, head_ev, tb(head_ev));
-  s.logits = P.add("head.logits", at, {N, V}, head_ev, tb(head_ev));
-  s.d_xfn = P.add("head.xn.grad", at, {N, d}, tb(head_ev), tb(head_ev));
+  s.logits = P.add("head.logits", at, {chunk_, V}, head_ev, head_ev);
+  s.d_xfn = P.add("head.xn.grad", at, {N, d}, head_ev, tb(head_ev));
   P.plan();
   act_arena_ = std::make_unique<Arena>(be_, P);
 }
@@ -313,7 +331,47 @@ void Model::init_weights(uint64_t seed) {
 
 void Model::zero_grads() { be_.zero(all_gradients()); }
 
-Tensor Model::logits() const { return act(step_->logits); }
+namespace {
+// Rows [first, first + count) of a tensor whose leading dimension is the token.
+Tensor token_rows(Tensor t, int64_t first, int64_t count) {
+  MHAR_CHECK(t.ndim >= 1 && first >= 0 && count >= 1 && first + count <= t.dim(0), "rows [",
+             first, ", ", first + count, ") of ", t.shape_str());
+  Tensor r = t;
+  r.shape[0] = count;
+  const size_t row_bytes = t.dim(0) ? t.bytes() / size_t(t.dim(0)) : 0;
+  r.data = static_cast<char*>(t.data) + size_t(first) * row_bytes;
+  return r;
+}
+}  // namespace
+
+Tensor Model::logits(int64_t first, int64_t rows) {
+  if (first < 0 || rows < 1 || first + rows > N_)
+    fail("logits of token rows [", first, ", ", first + rows, "): the last forward ran ", N_,
+         " tokens; valid rows are [0, ", N_, ")");
+  if (rows > chunk_)
+    fail("logits of ", rows, " token rows at once: the LM head holds ", chunk_,
+         " rows of logits at a time (train.logits_chunk); ask for at most that many");
+  const StepBuffers& s = *step_;
+  const Tensor buf = act(s.logits);
+  if (held_rows_ > 0 && first >= held_first_ && first + rows <= held_first_ + held_rows_)
+    return token_rows(buf, first - held_first_, rows);
+  MHAR_CHECK(xn_valid_, "logits() after backward(): the final norm's output is gone; run a forward");
+  Tensor head_w = lm_head_ >= 0 ? p(lm_head_) : p(embed_);
+  Tensor out = token_rows(buf, 0, rows);
+  be_.matmul_forward(out, token_rows(act(s.xfn), first, rows), head_w);
+  held_first_ = first;
+  held_rows_ = rows;
+  return out;
+}
+
+Tensor Model::logits() {
+  if (chunk_ < N_)
+    fail("logits() of all ", N_, " tokens: this model's LM head holds ", chunk_,
+         " rows of logits at a time (train.logits_chunk); read them with logits(first, rows)");
+  return logits(0, N_);
+}
+
+Tensor Model::losses() const { return act(step_->losses); }
 Tensor Model::site_input(int site) const { return act(step_->site_x.at(site)); }
 std::vector<double> Model::routing_weights(int site) const {
   return scheme_->routing_weights(site);
@@ -340,8 +398,7 @@ double Model::forward(const int32_t* tokens, const int32_t* targets, double loss
   loss_scale_ = loss_scale;
   be_.upload_tokens(act(s.targets), targets);
   run_layers(tokens);
-  be_.cross_entropy(act(s.losses), act(s.logits), act(s.targets), loss_scale / double(N_),
-                    loss_scale != 0);
+  head_forward(loss_scale);
   std::vector<double> losses(static_cast<size_t>(N_));
   be_.download(losses.data(), act(s.losses));
   double sum = 0;
@@ -365,8 +422,34 @@ void Model::run_layers(const int32_t* tokens) {
   const int last_site = 2 * cfg_.n_layers;
   be_.rmsnorm_forward(act(s.xfn), act(s.rstd_f), act(s.site_x[last_site]), p(final_norm_),
                       cfg_.rms_eps);
+  held_rows_ = 0;  // new activations: the logits buffer no longer matches them
+  xn_valid_ = true;
+}
+
+void Model::head_forward(double loss_scale) {
+  const StepBuffers& s = *step_;
+  const bool grad = loss_scale != 0;
+  const double grad_scale = loss_scale / double(N_);
   Tensor head_w = lm_head_ >= 0 ? p(lm_head_) : p(embed_);
-  be_.matmul_forward(act(s.logits), act(s.xfn), head_w);
+  Tensor head_g = lm_head_ >= 0 ? g(lm_head_) : g(embed_);
+  const Tensor xfn = act(s.xfn), buf = act(s.logits), d_xfn = act(s.d_xfn);
+  const Tensor losses = act(s.losses), targets = act(s.targets);
+  for (int64_t first = 0; first < N_; first += chunk_) {
+    const int64_t rows = std::min(chunk_, N_ - first);
+    const Tensor lg = token_rows(buf, 0, rows), xn = token_rows(xfn, first, rows);
+    be_.matmul_forward(lg, xn, head_w);
+    be_.cross_entropy(token_rows(losses, first, rows), lg, token_rows(targets, first, rows),
+                      grad_scale, grad);
+    if (!grad) continue;
+    // The chunk's dlogits are complete: its input gradient rows and its share of the
+    // weight gradient (accumulated: earlier chunks, micro-batches and, when tied, the
+    // embedding's scatter add into the same buffer).
+    be_.matmul_input_grad(token_rows(d_xfn, first, rows), lg, head_w, false);
+    be_.matmul_weight_grad(head_g, lg, xn);
+  }
+  // Without a loss scale the buffer keeps the last chunk's logits for logits().
+  held_first_ = grad ? 0 : (N_ - 1) / chunk_ * chunk_;
+  held_rows_ = grad ? 0 : N_ - held_first_;
 }
 
 // ---------------------------------------------------------------- decode mode
@@ -479,11 +562,7 @@ void Model::backward(const BucketHook& bucket_done) {
   const int head_bucket = 1 + cfg_.n_layers, scheme_bucket = 2 + cfg_.n_layers;
   ResidualScheme& rs = *scheme_;
   rs.begin_backward();
-  // Head: the logits buffer now holds d(loss)/d(logits).
-  Tensor head_w = lm_head_ >= 0 ? p(lm_head_) : p(embed_);
-  Tensor head_g = lm_head_ >= 0 ? g(lm_head_) : g(embed_);
-  be_.matmul_input_grad(act(s.d_xfn), act(s.logits), head_w, false);
-  be_.matmul_weight_grad(head_g, act(s.logits), act(s.xfn));
+  // Head: the forward already wrote d xn and added the LM head's weight gradient.
   be_.rmsnorm_backward(rs.site_grad(last_site), g(final_norm_), act(s.d_xfn),
                        site_input(last_site), p(final_norm_), act(s.rstd_f), false);
   done(head_bucket);  // final norm, and the LM head unless it is the (tied) embedding
@@ -501,7 +580,9 @@ void Model::backward(const BucketHook& bucket_done) {
   if (rs.finish_backward()) done(scheme_bucket);
   be_.embedding_backward(g(embed_), rs.source_grad(0), act(s.tokens));
   done(0);
-  loss_scale_ = 0;  // the logits buffer no longer holds a gradient we may reuse
+  loss_scale_ = 0;  // the head's gradients of that forward are consumed
+  held_rows_ = 0;   // the backward reused the memory of the logits and of the normed input
+  xn_valid_ = false;
 }
 
 void Model::attention_backward(int l) {

@@ -61,9 +61,10 @@ class Model {
   static constexpr int64_t kParamAlign = 128;
 
   // `grad_shards`: the number of ranks the gradient buckets are padded for (1 without
-  // data parallelism).
+  // data parallelism). `logits_chunk`: tokens per chunk of the LM head (train.logits_chunk;
+  // 0 = automatic, logits_chunk_tokens in config.h).
   Model(const ModelConfig& model, const ResidualConfig& residual, Backend& backend, int batch,
-        int seq_len, int grad_shards = 1);
+        int seq_len, int grad_shards = 1, int64_t logits_chunk = 0);
   ~Model();
 
   const ModelConfig& config() const { return cfg_; }
@@ -97,10 +98,16 @@ class Model {
   void zero_grads();
 
   // Runs the forward pass on tokens/targets [B*T] (host memory) and returns the mean
-  // cross-entropy. With `loss_scale` != 0 the logits buffer is turned into the gradient
-  // of loss_scale * mean loss, ready for backward(); with 0 the logits stay readable.
+  // cross-entropy. The head runs in chunks of logits_chunk() tokens (the logits [N, V]
+  // never exist whole): logits of the chunk, cross-entropy, and with `loss_scale` != 0
+  // the chunk's gradient d(loss_scale * mean loss)/d logits in place, from which the
+  // chunk's rows of d(final norm output) are written and the LM head's weight gradient
+  // (the embedding's, when tied) is accumulated (+=) right away. So a forward with a
+  // loss scale has already added the head's weight gradient: it must be followed by
+  // backward(), which adds the rest. With 0 nothing is accumulated.
   double forward(const int32_t* tokens, const int32_t* targets, double loss_scale);
-  // Accumulates (+=) parameter gradients of loss_scale * mean loss of the last forward.
+  // Accumulates (+=) parameter gradients of loss_scale * mean loss of the last forward
+  // (the head's weight gradient was added by that forward).
   // `bucket_done(b)`, when given, is called as soon as the gradients of bucket b are
   // complete (the rest of the backward is still to be enqueued): data parallelism starts
   // the bucket's reduce-scatter there, overlapped with the rest of the backward. Every
@@ -114,16 +121,28 @@ class Model {
   // to `capacity` positions ([capacity, n_kv_heads, head_dim] each). Needs batch 1.
   void enable_kv_cache(int capacity);
   // Runs the tokens [count] at positions cached_positions() .. + count - 1, appending
-  // their keys and values to the cache; logits() then holds [count, V] (no loss, no
-  // backward). A count other than seq_len() re-plans the activation memory to that
-  // length, so prefill the prompt in one chunk, then decode one token at a time.
+  // their keys and values to the cache, up to the final norm; logits(first, rows) then
+  // computes the rows wanted (no loss, no backward). A count other than seq_len()
+  // re-plans the activation memory to that length, so prefill the prompt in one chunk,
+  // then decode one token at a time.
   void forward_cached(const int32_t* tokens, int count);
   int cached_positions() const;
   int kv_cache_capacity() const;
   void clear_kv_cache();  // forget every cached position (a new sequence)
 
+  // Logits of the token rows [first, first + rows) of the last forward or forward_cached,
+  // [rows, V], rows <= logits_chunk(): a view of the head's chunk buffer, computed from
+  // the saved final-norm output unless the buffer already holds them (after a forward
+  // without a loss scale it holds the last chunk). Valid until the next call, forward or
+  // backward; the same values the forward's cross-entropy saw.
+  Tensor logits(int64_t first, int64_t rows);
+  // All N rows at once: for models whose head runs in one chunk (logits_chunk() == N,
+  // e.g. every test-sized model); larger ones fail and should page with logits(first, rows).
+  Tensor logits();                        // [N, V]
+  int64_t logits_chunk() const { return chunk_; }
+  // Per-token losses of the last forward, [N] (stat dtype), valid until the next forward.
+  Tensor losses() const;
   // Views for tests, reports and sampling (valid after forward).
-  Tensor logits() const;                  // [N, V]
   Tensor site_input(int site) const;      // x_j [N, d]
   // Routed modes only: the number of sources site `site` mixes (site+1 with full
   // routing), and its softmax weights after a forward, downloaded as
@@ -149,7 +168,8 @@ class Model {
 
   void plan_parameters();
   void plan_activations();
-  void run_layers(const int32_t* tokens);  // embedding, layer loop, final norm, LM head
+  void run_layers(const int32_t* tokens);  // embedding, layer loop, final norm
+  void head_forward(double loss_scale);   // LM head and cross-entropy, chunk by chunk
   Tensor p(int id) const { return params_[id].value; }
   Tensor g(int id) const { return params_[id].grad; }
   Tensor act(int id) const;
@@ -166,6 +186,11 @@ class Model {
   int grad_shards_ = 1;
   std::vector<GradBucket> buckets_;
   double loss_scale_ = 0;
+  int64_t chunk_request_ = 0, chunk_ = 0;  // logits_chunk: as asked (0 = automatic), as planned
+  // Token rows whose logits the chunk buffer holds now ([first, first + count); count 0:
+  // none, e.g. after the cross-entropy overwrote them with their gradient).
+  int64_t held_first_ = 0, held_rows_ = 0;
+  bool xn_valid_ = false;  // the final norm's output is readable (a forward ran, no backward since)
 
   std::vector<Parameter> params_;
   int embed_ = -1, final_norm_ = -1, lm_head_ = -1;

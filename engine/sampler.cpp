@@ -91,9 +91,9 @@ Generation generate(Model& model, const std::vector<int32_t>& prompt, const Samp
   model.clear_kv_cache();
   uint64_t rng = opt.seed;
   std::vector<double> row(size_t(V), 0.0);
-  auto last_row = [&]() {
-    Tensor logits = model.logits();
-    model.backend().download(row.data(), logits[logits.dim(0) - 1]);
+  auto last_row = [&]() {  // only the last position's logits are computed
+    const int64_t n = int64_t(model.batch()) * model.seq_len();
+    model.backend().download(row.data(), model.logits(n - 1, 1));
   };
   model.forward_cached(prompt.data(), int(prompt.size()));
   last_row();

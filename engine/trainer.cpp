@@ -316,7 +316,7 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
 
   auto backend = make_backend(t.device, dist_info.local_rank);
   auto comm = make_communicator(*backend);
-  Model model(cfg.model, cfg.residual, *backend, B, T, W);
+  Model model(cfg.model, cfg.residual, *backend, B, T, W, cfg.train.logits_chunk);
   AdamWOptimizer optimizer(model, t, rank);
   TrainStep train_step(model, optimizer, *comm, t, accum);
   long long step = 0, tokens_seen = 0, consecutive_bad = 0, total_bad = 0;

@@ -86,12 +86,17 @@ TEST(MemoryPlan, RoutingAddsOnlyItsStatisticsToTheActivationPlan) {
     const std::string dir = std::string(MHAR_SOURCE_DIR) + "/configs/";
     const Config std_cfg = load_config(dir + size + "_standard.json");
     const int B = std_cfg.train.micro_batch, T = std_cfg.train.seq_len;
-    const double standard =
-        double(Model(std_cfg.model, std_cfg.residual, be, B, T).activation_plan().total_bytes());
+    // One LM-head chunk (logits [N, V]) on both sides, so that both plans peak at the head
+    // and the difference is the routing's alone; with the chunked head (the default) the
+    // standard plan peaks at the head and the routed one in the last layers' backward, and
+    // the difference is no longer one event's buffers.
+    const int64_t one_chunk = int64_t(B) * T;
+    const double standard = double(
+        Model(std_cfg.model, std_cfg.residual, be, B, T, 1, one_chunk).activation_plan().total_bytes());
     for (const char* routed : {"_mhar.json", "_block_mhar.json"}) {
       const Config c = load_config(dir + size + routed);
       ASSERT_EQ(c.train.micro_batch, B);
-      Model m(c.model, c.residual, be, B, T);
+      Model m(c.model, c.residual, be, B, T, 1, one_chunk);
       const int S = c.model.n_sites(), H = c.residual.heads;
       const double N = double(B) * T, d = c.model.d_model;
       const double stats =

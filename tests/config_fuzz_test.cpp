@@ -35,7 +35,7 @@ const char* kBase = R"({
             "min_lr_ratio": 0.1, "warmup_steps": 2, "schedule": "cosine", "decay_fraction": 0.2,
             "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95, "adam_eps": 1e-8, "grad_clip": 1.0,
             "seed": 7, "eval_every": 5, "eval_batches": 2, "log_every": 1, "max_bad_steps": 5,
-            "device": "cpu"},
+            "device": "cpu", "logits_chunk": 0},
   "data": {"train": "train_*.bin", "val": "val_*.bin", "tokenizer": "gpt2"},
   "checkpoint": {"every": 5, "keep": 2}
 })";
@@ -86,6 +86,7 @@ void expect_within_documented_bounds(const Config& c, const std::string& input) 
   EXPECT_TRUE(t.adam_eps >= 1e-30 && t.adam_eps < 1);
   EXPECT_TRUE(t.grad_clip >= 0 && t.grad_clip <= 1e6);
   EXPECT_TRUE(t.eval_every >= 1 && t.eval_batches >= 1 && t.log_every >= 1 && t.max_bad_steps >= 1);
+  EXPECT_TRUE(t.logits_chunk >= 0 && t.logits_chunk <= (1 << 30));
   EXPECT_TRUE(t.schedule == "cosine" || t.schedule == "wsd");
   EXPECT_TRUE(t.device == "cpu" || t.device == "cuda" || t.device == "auto");
   EXPECT_TRUE(c.checkpoint.every >= 0 && c.checkpoint.keep >= 0);

@@ -224,8 +224,12 @@ TEST(DeltaMemory, PlanIsStandardPlusRoutedTermsAndRoutingStatistics) {
     const Config c = load_config(dir + size + "_delta.json");
     const int B = sc.train.micro_batch, T = sc.train.seq_len;
     ASSERT_EQ(c.train.micro_batch, B);
-    const double standard = double(Model(sc.model, sc.residual, be, B, T).activation_plan().total_bytes());
-    Model m(c.model, c.residual, be, B, T);
+    // One LM-head chunk on both sides, so that both plans peak at the head (see
+    // allocator_test.cpp's RoutingAddsOnlyItsStatisticsToTheActivationPlan).
+    const int64_t one_chunk = int64_t(B) * T;
+    const double standard =
+        double(Model(sc.model, sc.residual, be, B, T, 1, one_chunk).activation_plan().total_bytes());
+    Model m(c.model, c.residual, be, B, T, 1, one_chunk);
     const int S = c.model.n_sites(), H = c.residual.heads;
     const double N = double(B) * T, d = c.model.d_model, row = 2 * N * d;
     const double stats = 4 * (double(RoutingLayout::blocks(S, c.residual.delta_block()).pairs()) * H * N +
