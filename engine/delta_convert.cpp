@@ -1,21 +1,17 @@
 // delta_convert.cpp: the conversion of a `standard` checkpoint into a `delta` run
 // directory (delta_convert.h). The weights go through a standard CPU fp32 model (which
 // validates the file: exact names and shapes, F32, finite) into a delta model of the
-// same shapes whose own parameters keep their init, then out through save_checkpoint,
-// exactly as `mhar import` writes its step-0 run directory (hf_import.cpp): F32 to F32
-// through double is exact, so every original weight is written bit for bit.
+// same shapes whose own parameters keep their init, then out as a step-0 run directory
+// (run_dir.h, as `mhar import` writes one): F32 to F32 through double is exact, so every
+// original weight is written bit for bit.
 #include "engine/delta_convert.h"
-
-#include <filesystem>
 
 #include "engine/backend.h"
 #include "engine/checkpoint.h"
 #include "engine/error.h"
 #include "engine/hf_export.h"
 #include "engine/model.h"
-#include "engine/optimizer.h"
-
-namespace fs = std::filesystem;
+#include "engine/run_dir.h"
 
 namespace mhar {
 
@@ -66,24 +62,11 @@ DeltaConvertResult convert_to_delta(const DeltaConvertOptions& opt) {
   MHAR_CHECK(result.parameters - result.added_parameters == standard.num_parameters(),
              "every parameter of the delta model is a standard one or model.delta.*");
 
-  StagedDirectory out(opt.out_dir, opt.overwrite);
-  write_new_file((fs::path(out.path()) / "config.json").string(), cfg.to_json().dump(2) + "\n");
-  AdamWOptimizer adam(delta, cfg.train);  // zero moments: a fresh optimizer
-  adam.sync_master_from_params();
-  CheckpointWrite w;
-  w.run_dir = out.path();
-  w.step = 0;
-  w.config = &cfg;
-  w.loader = nlohmann::json::object();  // a new run: no data position
-  w.trainer = {{"tokens_seen", 0}, {"total_bad_steps", 0}, {"consecutive_bad_steps", 0},
-               {"elapsed_s", 0.0}};
-  w.keep = 0;
-  const std::string written = save_checkpoint(w, delta, adam);
-  out.publish();
+  const Step0Run run = write_step0_run(opt.out_dir, opt.overwrite, cfg, delta,
+                                       nlohmann::json::object());  // a new run: no data position
   result.source_checkpoint = ckpt.dir;
-  result.run_dir = out.final_path();
-  result.checkpoint_dir =
-      (fs::path(out.final_path()) / "checkpoints" / fs::path(written).filename()).string();
+  result.run_dir = run.run_dir;
+  result.checkpoint_dir = run.checkpoint_dir;
   result.heads = heads;
   result.block_layers = opt.block_layers;
   return result;

@@ -1,5 +1,5 @@
 // hf_import.cpp: `mhar import` (see hf_import.h): Hugging Face config.json -> run config,
-// the weight files (single or sharded) -> a checkpoint written by save_checkpoint.
+// the weight files (single or sharded) -> a step-0 run directory (run_dir.h).
 #include "engine/hf_import.h"
 
 #include <fcntl.h>
@@ -20,7 +20,7 @@
 #include "engine/hf_export.h"
 #include "engine/json_io.h"
 #include "engine/model.h"
-#include "engine/optimizer.h"
+#include "engine/run_dir.h"
 #include "engine/safetensors.h"
 
 namespace fs = std::filesystem;
@@ -379,28 +379,11 @@ HfImportResult write_hf_import(const HfImportPlan& plan, const Config& cfg,
           : read_regular_file(plan.tokenizer_source, "tokenizer.json", uint64_t(256) << 20);
 
   // Everything checks out: write the run directory.
-  StagedDirectory out(plan.out_dir, overwrite);
-  write_new_file((fs::path(out.path()) / "config.json").string(), cfg.to_json().dump(2) + "\n");
-  if (!plan.tokenizer_source.empty())
-    write_new_file((fs::path(out.path()) / "tokenizer.json").string(), tokenizer_text);
-  AdamWOptimizer opt(model, cfg.train);  // zero moments: a fresh optimizer
-  opt.sync_master_from_params();
-  CheckpointWrite w;
-  w.run_dir = out.path();
-  w.step = 0;
-  w.config = &cfg;
-  w.loader = loader_state;
-  w.trainer = {{"tokens_seen", 0},
-               {"total_bad_steps", 0},
-               {"consecutive_bad_steps", 0},
-               {"elapsed_s", 0.0}};  // state.json's trainer fields are validated strictly:
-                                     // counters only (engine/checkpoint_state.cpp)
-  w.keep = 0;
-  const std::string written = save_checkpoint(w, model, opt);
-  out.publish();
-  result.run_dir = out.final_path();
-  result.checkpoint_dir =
-      (fs::path(out.final_path()) / "checkpoints" / fs::path(written).filename()).string();
+  std::vector<std::pair<std::string, std::string>> files;
+  if (!plan.tokenizer_source.empty()) files.emplace_back("tokenizer.json", tokenizer_text);
+  const Step0Run run = write_step0_run(plan.out_dir, overwrite, cfg, model, loader_state, files);
+  result.run_dir = run.run_dir;
+  result.checkpoint_dir = run.checkpoint_dir;
   return result;
 }
 
