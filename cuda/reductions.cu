@@ -22,13 +22,6 @@ __global__ void add_kernel(TO* out, const TA* a, const TB* b, int64_t n) {
     out[i] = store<TO>(load(a[i]) + load(b[i]));
 }
 
-template <class TY, class TX>
-__global__ void add_inplace_kernel(TY* y, const TX* x, int64_t n) {
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x)
-    y[i] = store<TY>(load(y[i]) + load(x[i]));
-}
-
 template <class TO, class TA, class TB>
 __global__ void add_vec_kernel(TO* out, const TA* a, const TB* b, int64_t n) {
   const int64_t nv = n / 8, stride = int64_t(gridDim.x) * blockDim.x;
@@ -42,21 +35,6 @@ __global__ void add_vec_kernel(TO* out, const TA* a, const TB* b, int64_t n) {
     store8(out + v * 8, x);
   }
   for (int64_t i = nv * 8 + tid; i < n; i += stride) out[i] = store<TO>(load(a[i]) + load(b[i]));
-}
-
-template <class TY, class TX>
-__global__ void add_inplace_vec_kernel(TY* y, const TX* x, int64_t n) {
-  const int64_t nv = n / 8, stride = int64_t(gridDim.x) * blockDim.x;
-  const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (int64_t v = tid; v < nv; v += stride) {
-    float acc[8], add[8];
-    load8(y + v * 8, acc);
-    load8(x + v * 8, add);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) acc[e] += add[e];
-    store8(y + v * 8, acc);
-  }
-  for (int64_t i = nv * 8 + tid; i < n; i += stride) y[i] = store<TY>(load(y[i]) + load(x[i]));
 }
 
 template <class T>
@@ -104,9 +82,11 @@ void add_inplace(cudaStream_t s, Tensor y, Tensor x) {
       using TY = decltype(ty);
       using TX = decltype(tx);
       const bool vec = aligned16(y.data) && aligned16(x.data);
-      auto kern = vec ? add_inplace_vec_kernel<TY, TX> : add_inplace_kernel<TY, TX>;
+      // y = y + x: the add kernels with out = a (each element read, then written, by
+      // the same thread).
+      auto kern = vec ? add_vec_kernel<TY, TY, TX> : add_kernel<TY, TY, TX>;
       kern<<<grid_stride_blocks(vec ? ceil_div(n, 8) : n, 256), 256, 0, s>>>(
-          static_cast<TY*>(y.data), static_cast<const TX*>(x.data), n);
+          static_cast<TY*>(y.data), static_cast<const TY*>(y.data), static_cast<const TX*>(x.data), n);
       CUDA_CHECK_LAUNCH();
     });
   });

@@ -135,6 +135,22 @@ class CudaParity : public ::testing::Test {
     return p;
   }
 
+  // Uniform(-scale, scale) values on the GPU only, from a cheap xorshift: for the timing
+  // tests' buffers of up to ~10^8 elements (never zeros: zeros can run faster than data).
+  Buffer random_gpu(DType t, std::initializer_list<int64_t> shape, double scale = 1.0) {
+    Buffer b(*gpu, t, shape);
+    std::vector<double> v(static_cast<size_t>(b.t().numel()));
+    uint64_t x = rng() | 1;  // xorshift's state must not be 0
+    for (double& e : v) {
+      x ^= x << 13;
+      x ^= x >> 7;
+      x ^= x << 17;
+      e = scale * (double(x >> 11) * (2.0 / 9007199254740992.0) - 1.0);
+    }
+    b.set(v);
+    return b;
+  }
+
   std::unique_ptr<Backend> cpu, gpu;
   std::mt19937_64 rng;
 };

@@ -24,19 +24,6 @@ constexpr double kRotateBytes = 200e6;     // 4x the H200's 50 MB L2
 
 class KernelBandwidth : public CudaParity {
  protected:
-  Buffer random_gpu(DType t, std::initializer_list<int64_t> shape, double scale = 1.0) {
-    Buffer b(*gpu, t, shape);
-    std::vector<double> v(static_cast<size_t>(b.t().numel()));
-    uint64_t x = rng() | 1;
-    for (double& e : v) {
-      x ^= x << 13;
-      x ^= x >> 7;
-      x ^= x << 17;
-      e = scale * (double(x >> 11) * (2.0 / 9007199254740992.0) - 1.0);
-    }
-    b.set(v);
-    return b;
-  }
   static int sets_for(double bytes) {
     return int(std::clamp(std::ceil(kRotateBytes / bytes), 1.0, 8.0));
   }

@@ -16,20 +16,6 @@ namespace {
 
 class OpTiming : public CudaParity {
  protected:
-  // Uniform(-1, 1) values from a cheap generator: these buffers hold up to ~10^8 elements.
-  Buffer random_gpu(DType t, std::initializer_list<int64_t> shape, double scale = 1.0) {
-    Buffer b(*gpu, t, shape);
-    std::vector<double> v(static_cast<size_t>(b.t().numel()));
-    uint64_t x = rng();
-    for (double& e : v) {
-      x ^= x << 13;
-      x ^= x >> 7;
-      x ^= x << 17;
-      e = scale * (double(x >> 11) * (2.0 / 9007199254740992.0) - 1.0);
-    }
-    b.set(v);
-    return b;
-  }
   double time_ms(const std::function<void()>& op, int reps = 10) {
     op();
     op();
