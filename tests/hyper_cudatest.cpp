@@ -61,17 +61,24 @@ struct Outputs {
   std::vector<double> dam, dam_acc, dar, db;
 };
 
-// Runs every op once on `be` (act/grad its own dtypes) with the given inputs; outputs
-// that an op overwrites are poisoned first.
-Outputs run_ops(Backend& be, int n, int64_t N, int64_t d, const Inputs& in) {
-  const DType act = be.act_dtype(), grad = be.grad_dtype();
+// Buffers on one backend that live as long as the set: buf(dtype, shape, &values), or
+// poisoned with nullptr (for outputs an op overwrites).
+struct BufferSet {
+  Backend& be;
   std::vector<std::unique_ptr<Buffer>> keep;
-  auto buf = [&](DType t, std::initializer_list<int64_t> shape, const std::vector<double>* v) {
+  Buffer* operator()(DType t, std::initializer_list<int64_t> shape, const std::vector<double>* v) {
     keep.push_back(std::make_unique<Buffer>(be, t, shape));
     if (v) keep.back()->set(*v);
     else keep.back()->poison();
     return keep.back().get();
-  };
+  }
+};
+
+// Runs every op once on `be` (act/grad its own dtypes) with the given inputs; outputs
+// that an op overwrites are poisoned first.
+Outputs run_ops(Backend& be, int n, int64_t N, int64_t d, const Inputs& in) {
+  const DType act = be.act_dtype(), grad = be.grad_dtype();
+  BufferSet buf{be, {}};
   Buffer *H = buf(act, {n, N, d}, &in.H), *dx = buf(act, {N, d}, &in.dx),
          *v = buf(act, {N, d}, &in.v), *dout = buf(act, {n, N, d}, &in.dout),
          *am = buf(act, {n}, &in.am), *ar = buf(act, {n * n}, &in.ar), *b = buf(act, {n}, &in.b);
@@ -266,13 +273,7 @@ DynInputs abs_of(DynInputs in) {
 // column 0 (so a mix backward that wrote the other columns would fail the comparison).
 DynOutputs run_dyn_stream_ops(Backend& be, int n, int64_t N, int64_t d, const DynInputs& in) {
   const DType act = be.act_dtype(), st = be.stat_dtype();
-  std::vector<std::unique_ptr<Buffer>> keep;
-  auto buf = [&](DType t, std::initializer_list<int64_t> shape, const std::vector<double>* v) {
-    keep.push_back(std::make_unique<Buffer>(be, t, shape));
-    if (v) keep.back()->set(*v);
-    else keep.back()->poison();
-    return keep.back().get();
-  };
+  BufferSet buf{be, {}};
   Buffer *H = buf(act, {n, N, d}, &in.H), *dx = buf(act, {N, d}, &in.dx),
          *v = buf(act, {N, d}, &in.v), *dout = buf(act, {n, N, d}, &in.dout),
          *C = buf(st, {N, n, n + 2}, &in.C);
@@ -320,13 +321,7 @@ CoefOutputs run_coef_ops(Backend& be, int n, int64_t N, int64_t d, double eps,
                          const CoefInputs& in) {
   const DType act = be.act_dtype(), st = be.stat_dtype(), grad = be.grad_dtype();
   const int Q = n + 2;
-  std::vector<std::unique_ptr<Buffer>> keep;
-  auto buf = [&](DType t, std::initializer_list<int64_t> shape, const std::vector<double>* v) {
-    keep.push_back(std::make_unique<Buffer>(be, t, shape));
-    if (v) keep.back()->set(*v);
-    else keep.back()->poison();
-    return keep.back().get();
-  };
+  BufferSet buf{be, {}};
   Buffer *H = buf(act, {n, N, d}, &in.H), *W = buf(act, {d, Q}, &in.W),
          *am = buf(act, {n}, &in.am), *ar = buf(act, {n * n}, &in.ar), *b = buf(act, {n}, &in.b),
          *sa = buf(act, {1}, &in.sa), *sb = buf(act, {1}, &in.sb);
