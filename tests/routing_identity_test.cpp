@@ -228,11 +228,12 @@ class TileAuditor final : public ForwardingBackend {
       // pairs have been normalised by their mixes).
       const auto now = old_state(w, h, lay);
       for (const auto& [key, value] : snapshot_)
-        if (key.second < 0 || key.second >= site)
-          EXPECT_EQ(now.at(key), value) << "slot " << key.first << (key.second < 0 ? "" : " pair for site ")
-                                       << (key.second < 0 ? "" : std::to_string(key.second))
-                                       << " changed before site " << site << " of the tile at "
-                                       << first_;
+        if (key.second < 0 || key.second >= site) {
+          EXPECT_EQ(now.at(key), value)
+              << "slot " << key.first
+              << (key.second < 0 ? "" : " pair for site " + std::to_string(key.second))
+              << " changed before site " << site << " of the tile at " << first_;
+        }
       ++tiled_sites;
       next_ = site + 1 < end_ ? site + 1 : -1;
     }
