@@ -2,6 +2,9 @@
 //   routing_source_logits    one read of a new source: its inv_rms and its logits for
 //                            every later site (the queries are parameters)
 //   routing_mix              one site: softmax over its sources, weighted sum
+//   routing_mix_tile         the same for the first site of a depth tile, whose later
+//                            sites then read only their newer slots (section "depth
+//                            tiling"; full routing)
 //   routing_source_backward  one source's whole gradient from the input gradients of
 //                            every later site (source-stationary: no read-modify-write of
 //                            an accumulator per (site, source) pair), plus its share of
