@@ -53,8 +53,9 @@
 // Except hyper_dynamic, whose training is chaotic at this configuration: same_weights
 // sets s_a, s_b ~ 1 and w ~ 0.1 N(0, 1) (not the model's init 0.01 and 0), so each
 // token's coefficients move by s tanh(z) ~ ±0.8 (z ~ 0.1 sqrt(d) = 1.1), and any
-// perturbation of a step changes the trajectory. Measured on the CPU (2026-11-30, the CPU engine with this test's config,
-// data and optimizer, 60 steps; tests/experiments/hyper_dynamic_training_noise.cpp):
+// perturbation of a step changes the trajectory. Measured on the CPU (2026-11-30, the
+// CPU engine with this test's config, data and optimizer, 60 steps;
+// tests/experiments/hyper_dynamic_training_noise.cpp):
 // - fp32: the tail is 0.7857 with OpenBLAS's Haswell kernels, 0.7906 with its
 //   Sandybridge ones (0.7908 on the H200 host): summation order alone moves it 0.6%.
 // - The GPU's storage modelled (tests/bf16_storage_backend.h's rounding on every
