@@ -48,7 +48,28 @@
 // below the bf16 storage noise the bounds are made of.
 // Training: the GPU and CPU runs start from the same bf16 weights and read the same
 // batches; the mean loss of the last 10 steps must agree within 3% (step-to-step noise
-// of the loss on these batches is about that size; a broken backward does not converge).
+// of the loss on these batches is about that size; a broken backward does not converge),
+// and both runs must have learned (tail below 0.6 x the first loss).
+// Except hyper_dynamic, whose training is chaotic at this configuration: same_weights
+// sets s_a, s_b ~ 1 and w ~ 0.1 N(0, 1) (not the model's init 0.01 and 0), so each
+// token's coefficients move by s tanh(z) ~ ±0.8 (z ~ 0.1 sqrt(d) = 1.1), and any
+// perturbation of a step changes the trajectory. Measured on the CPU (2026-11-30, the
+// CPU engine with this test's config, data and optimizer, 60 steps;
+// tests/experiments/hyper_dynamic_training_noise.cpp):
+// - fp32: the tail is 0.7857 with OpenBLAS's Haswell kernels, 0.7906 with its
+//   Sandybridge ones (0.7908 on the H200 host): summation order alone moves it 0.6%.
+// - The GPU's storage modelled (tests/bf16_storage_backend.h's rounding on every
+//   activation, bf16 weights from fp32 master weights): 16 draws of the rounding end
+//   +0.1% to +5.9% above the fp32 tail (median 2.0%; 2 of 16 above the H200's +5.0%).
+//   Rounded activations with fp32 weights: 5 draws, +0.9% to +10.2%. Deterministic
+//   round-to-nearest activations and bf16 weights: +2.6%.
+// - Controls under the same noise: static hyper within 0.03% (4 draws; H200 0.01%),
+//   standard within 0.1% (3 draws): the spread is the dynamic coefficients'.
+// The H200 run's +5.0% (2026-11-30) is inside that spread. kTolTrainDynamic = 0.15 is
+// 1.5x the largest draw (10.2%). It is no check of the dynamic gradients (a planted bug
+// that gives w, s_a, s_b no gradient ends +1.6%, inside the noise): ModelParity
+// hyper_dynamic checks those; here only that GPU training in this mode converges and does
+// not drift far from the CPU's.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -79,6 +100,8 @@ constexpr double kSigmas = 4;  // bound = kSigmas x the measured bf16 noise (hea
 constexpr int kNoiseDraws = 4;
 constexpr double kTolLoss = 2e-3;
 constexpr double kZeroGradNorm = 1e-5;
+constexpr double kTolTrain = 0.03;         // relative, mean loss of the last 10 steps (header)
+constexpr double kTolTrainDynamic = 0.15;  // hyper_dynamic: its measured bf16 spread (header)
 
 // Tiny, but with the shapes the GPU kernels special-case: head_dim 64 (attention supports
 // 64 and 128), GQA 2, T not a multiple of the attention tiles (64), routing H = 2.
@@ -245,10 +268,13 @@ TEST_P(GpuTraining, ReachesTheCpuLoss) {
       std::printf("TRAIN %-8s step %2d  gpu %.4f  cpu %.4f\n", mc.label().c_str(), s + 1, lg, lc);
   }
   const double rel = std::fabs(tail_g - tail_c) / tail_c;
+  const double tol = mc.hyper_dynamic ? kTolTrainDynamic : kTolTrain;
   std::printf("TRAIN %-8s first loss gpu %.4f cpu %.4f; mean of last 10: gpu %.4f cpu %.4f "
-              "(rel diff %.3f, tol 0.03)\n", mc.label().c_str(), first_g, first_c, tail_g, tail_c, rel);
+              "(rel diff %.3f, tol %.2f)\n", mc.label().c_str(), first_g, first_c, tail_g, tail_c, rel,
+              tol);
   EXPECT_LT(tail_c, 0.6 * first_c) << "the CPU run did not learn: the check would be vacuous";
-  EXPECT_LT(rel, 0.03) << mc.label() << ": GPU training diverges from the CPU's";
+  EXPECT_LT(tail_g, 0.6 * first_g) << mc.label() << ": the GPU run did not learn";
+  EXPECT_LT(rel, tol) << mc.label() << ": GPU training diverges from the CPU's";
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, GpuTraining,
