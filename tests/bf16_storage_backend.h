@@ -13,15 +13,31 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
 
 #include "engine/forwarding_backend.h"
 
 namespace mhar::test {
 
+// bf16 round-to-nearest-even of an fp32 value (what the GPU's stores do); non-finite
+// values pass through.
+inline float bf16_round_nearest_even(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if ((u & 0x7f800000u) == 0x7f800000u) return x;
+  u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
+
 class Bf16Storage final : public ForwardingBackend {
  public:
-  Bf16Storage(Backend& fp32_cpu, uint64_t seed) : ForwardingBackend(fp32_cpu), rng_(seed) {}
+  // Drawn: the uniform half-ulp error above (independent samples per seed). NearestEven:
+  // the GPU's own deterministic rounding (tests/experiments/ uses it).
+  enum class Rounding { Drawn, NearestEven };
+  Bf16Storage(Backend& fp32_cpu, uint64_t seed, Rounding r = Rounding::Drawn)
+      : ForwardingBackend(fp32_cpu), rng_(seed), rounding_(r) {}
   std::string name() const override { return "bf16-storage(" + in_.name() + ")"; }
 
   void embedding_forward(Tensor o, Tensor t, Tensor w) override {
@@ -155,6 +171,10 @@ class Bf16Storage final : public ForwardingBackend {
     MHAR_CHECK(t.dtype == DType::F32, "Bf16Storage wraps the fp32 CPU backend, got ",
                dtype_name(t.dtype));
     float* p = t.ptr<float>();
+    if (rounding_ == Rounding::NearestEven) {
+      for (int64_t i = 0; i < t.numel(); ++i) p[i] = bf16_round_nearest_even(p[i]);
+      return;
+    }
     for (int64_t i = 0; i < t.numel(); ++i) {
       if (!std::isnormal(p[i])) continue;
       int e = 0;
@@ -164,6 +184,7 @@ class Bf16Storage final : public ForwardingBackend {
     }
   }
   std::mt19937_64 rng_;
+  Rounding rounding_;
 };
 
 }  // namespace mhar::test

@@ -31,21 +31,11 @@
 #include "engine/optimizer.h"
 #include "engine/train_step.h"
 #include "tests/bf16_storage_backend.h"
-#include "tests/experiments/bf16_rne_exp.h"
 #include "tests/model_pair_util.h"
 #include "tests/model_test_util.h"
 
 namespace mhar::test {
 namespace {
-
-float bf16_rne(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  if ((u & 0x7f800000u) == 0x7f800000u) return x;
-  u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-  std::memcpy(&x, &u, 4);
-  return x;
-}
 
 // Parameters stored in bf16 with fp32 master weights, as the CUDA optimizer keeps them.
 class Bf16Params final : public ForwardingBackend {
@@ -58,7 +48,7 @@ class Bf16Params final : public ForwardingBackend {
     if (sh.empty()) sh.assign(pp, pp + p.numel());
     Tensor s(sh.data(), DType::F32, {p.numel()});
     in_.adamw(s, master, g, m, v, hp);
-    for (int64_t i = 0; i < p.numel(); ++i) pp[i] = bf16_rne(sh[size_t(i)]);
+    for (int64_t i = 0; i < p.numel(); ++i) pp[i] = bf16_round_nearest_even(sh[size_t(i)]);
   }
 
  private:
@@ -113,14 +103,15 @@ double train(const std::string& mode, bool dyn, int kind, uint64_t seed, bool ve
   for (auto& p : m0.parameters()) {
     auto v = download(*cpu, p.value);
     for (auto& x : v) {
-      x = bf16_rne(float(x));
+      x = bf16_round_nearest_even(float(x));
       if (pert > 0) x *= 1 + pert * ud(prng);
     }
     cpu->upload(p.value, v.data());
   }
   std::unique_ptr<Backend> act, par;
   Backend* be = cpu.get();
-  if (kind & 4) act = std::make_unique<Bf16Rne>(*be, seed), be = act.get();
+  if (kind & 4)
+    act = std::make_unique<Bf16Storage>(*be, seed, Bf16Storage::Rounding::NearestEven), be = act.get();
   else if (kind & 1) act = std::make_unique<Bf16Storage>(*be, seed), be = act.get();
   std::unique_ptr<Backend> bug;
   if (kind & 8) bug = std::make_unique<NoDynGrad>(*be), be = bug.get();
