@@ -11,7 +11,12 @@
 //   three are the backend's scalar type; on CUDA: BF16, F32, F32.
 // - "+=" ops accumulate into their output (gradient accumulation); all others overwrite
 //   every element of their output.
-// - No op allocates: every buffer comes from the model's memory plans (allocator.h).
+// - Every tensor an op is given comes from the model's memory plans (allocator.h). A
+//   backend's own temporaries (the CUDA backend's attention row dots, routing GEMM
+//   operands, depth-tile partial sums, hyper and norm partial sums) are its grow-only
+//   scratch: allocated at their first, largest use (the first step), reused after, and
+//   counted in peak_bytes_in_use(); so a step after the first allocates nothing. Moving
+//   them into the plan is issue 13's open item.
 #pragma once
 #include <cstddef>
 #include <memory>
