@@ -14,9 +14,10 @@
 // - Every tensor an op is given comes from the model's memory plans (allocator.h). A
 //   backend's own temporaries (the CUDA backend's attention row dots, routing GEMM
 //   operands, depth-tile partial sums, hyper and norm partial sums) are its grow-only
-//   scratch: allocated at their first, largest use (the first step), reused after, and
-//   counted in peak_bytes_in_use(); so a step after the first allocates nothing. Moving
-//   them into the plan is issue 13's open item.
+//   scratch: allocated when first needed, grown only when a call needs more (for a
+//   training run, within its first step), counted in peak_bytes_in_use(); so later steps
+//   of the same shapes allocate nothing. Moving them into the plan is an open item
+//   (issue 13).
 #pragma once
 #include <cstddef>
 #include <memory>
