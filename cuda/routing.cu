@@ -97,6 +97,32 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&b);
 }
 
+// One 16-byte chunk of 8 values: as bf16 (round to nearest), or as fp32 (two float4).
+__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
+  return make_uint4(pack2(f[0], f[1]), pack2(f[2], f[3]), pack2(f[4], f[5]), pack2(f[6], f[7]));
+}
+__device__ __forceinline__ void store8_f32(float4* p, const float (&f)[8]) {
+  p[0] = make_float4(f[0], f[1], f[2], f[3]);
+  p[1] = make_float4(f[4], f[5], f[6], f[7]);
+}
+
+// Online softmax statistics (max m, sum l of e^(s - m)) over the logits seen so far,
+// from m = -inf, l = 0.
+__device__ __forceinline__ void online_add(float& m, float& l, float s) {
+  if (s > m) l = l * __expf(m - s) + 1.f, m = s;  // exp(-inf) = 0 on the first
+  else l += __expf(s - m);
+}
+// Merges the states of each run of G lanes (G a power of two) by xor shuffles; a lane
+// that saw no logit (m = -inf) adds nothing.
+__device__ __forceinline__ void online_merge_lanes(float& m, float& l, int G) {
+  for (int o = G >> 1; o > 0; o >>= 1) {
+    const float m2 = __shfl_xor_sync(0xffffffffu, m, o), l2 = __shfl_xor_sync(0xffffffffu, l, o);
+    const float M = fmaxf(m, m2);  // finite once one of the two lanes saw a logit
+    l = (m == -INFINITY ? 0.f : l * __expf(m - M)) + (m2 == -INFINITY ? 0.f : l2 * __expf(m2 - M));
+    m = M;
+  }
+}
+
 template <int NT>
 __device__ __forceinline__ void store_row(bf16* row, const float (&f)[NT][8], int nchunks) {
   const int lane = threadIdx.x & 31;
@@ -105,8 +131,7 @@ __device__ __forceinline__ void store_row(bf16* row, const float (&f)[NT][8], in
   for (int t = 0; t < NT; ++t) {
     const int ch = lane + 32 * t;
     if (ch < nchunks)
-      p[ch] = make_uint4(pack2(f[t][0], f[t][1]), pack2(f[t][2], f[t][3]),
-                         pack2(f[t][4], f[t][5]), pack2(f[t][6], f[t][7]));
+      p[ch] = pack8(f[t]);
   }
 }
 
@@ -481,11 +506,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, 4)
     for (int c = lane; c < CH; c += 32) {
       const int m = c / g.H, h = c % g.H;
       float mx = -INFINITY, l = 0.f;
-      for (int i = 0; i < nsrc; ++i) {
-        const float s = T[i * CH + c];
-        if (s > mx) l = l * __expf(mx - s) + 1.f, mx = s;  // exp(-inf) = 0 on the first
-        else l += __expf(s - mx);
-      }
+      for (int i = 0; i < nsrc; ++i) online_add(mx, l, T[i * CH + c]);
       const float scale = m == 0 ? 1.f / l : 1.f;
       for (int i = 0; i < nsrc; ++i) T[i * CH + c] = __expf(T[i * CH + c] - mx) * scale;
       if (m > 0) {
@@ -529,15 +550,11 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, 4)
         }
       }
       if (!on) continue;
-      reinterpret_cast<uint4*>(x + n * g.d)[ch] =
-          make_uint4(pack2(acc[0][0], acc[0][1]), pack2(acc[0][2], acc[0][3]),
-                     pack2(acc[0][4], acc[0][5]), pack2(acc[0][6], acc[0][7]));
+      reinterpret_cast<uint4*>(x + n * g.d)[ch] = pack8(acc[0]);
 #pragma unroll
       for (int m = 1; m < K; ++m) {
         if (m >= count) break;
-        float4* p = reinterpret_cast<float4*>(partial + (m - 1) * Nd + n * g.d) + 2 * ch;
-        p[0] = make_float4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]);
-        p[1] = make_float4(acc[m][4], acc[m][5], acc[m][6], acc[m][7]);
+        store8_f32(reinterpret_cast<float4*>(partial + (m - 1) * Nd + n * g.d) + 2 * ch, acc[m]);
       }
     }
   }
@@ -563,17 +580,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
     };
     const float m_old = pstat[int64_t(h) * g.N + n], l_old = pstat[HN + int64_t(h) * g.N + n];
     float mx = sub == 0 ? m_old : -INFINITY, l = sub == 0 ? l_old : 0.f;
-    for (int i = site0 + 1 + sub; i <= site; i += G) {
-      const float s = *logit(i);
-      if (s > mx) l = l * __expf(mx - s) + 1.f, mx = s;
-      else l += __expf(s - mx);
-    }
-    for (int o = G >> 1; o > 0; o >>= 1) {
-      const float m2 = __shfl_xor_sync(0xffffffffu, mx, o), l2 = __shfl_xor_sync(0xffffffffu, l, o);
-      const float M = fmaxf(mx, m2);
-      l = (mx == -INFINITY ? 0.f : l * __expf(mx - M)) + (m2 == -INFINITY ? 0.f : l2 * __expf(m2 - M));
-      mx = M;
-    }
+    for (int i = site0 + 1 + sub; i <= site; i += G) online_add(mx, l, *logit(i));
+    online_merge_lanes(mx, l, G);
     const float linv = 1.f / l;
     for (int i = sub; i <= site; i += G) {  // every weight of the site, normalised in place
       float* p = logit(i);
@@ -630,8 +638,7 @@ __device__ __forceinline__ void store_row_f32(float* row, const float (&f)[NT][8
   for (int t = 0; t < NT; ++t) {
     const int ch = lane + 32 * t;
     if (ch < nchunks) {
-      p[2 * ch] = make_float4(f[t][0], f[t][1], f[t][2], f[t][3]);
-      p[2 * ch + 1] = make_float4(f[t][4], f[t][5], f[t][6], f[t][7]);
+      store8_f32(p + 2 * ch, f[t]);
     }
   }
 }
@@ -795,18 +802,14 @@ __device__ __forceinline__ void store_span(bf16* row, const float (&f)[NT][8]) {
   uint4* p = reinterpret_cast<uint4*>(row) + (threadIdx.x & 31) * NT;
 #pragma unroll
   for (int t = 0; t < NT; ++t)
-    p[t] = make_uint4(pack2(f[t][0], f[t][1]), pack2(f[t][2], f[t][3]), pack2(f[t][4], f[t][5]),
-                      pack2(f[t][6], f[t][7]));
+    p[t] = pack8(f[t]);
 }
 
 template <int NT>
 __device__ __forceinline__ void store_span_f32(float* row, const float (&f)[NT][8]) {
   float4* p = reinterpret_cast<float4*>(row) + (threadIdx.x & 31) * 2 * NT;
 #pragma unroll
-  for (int t = 0; t < NT; ++t) {
-    p[2 * t] = make_float4(f[t][0], f[t][1], f[t][2], f[t][3]);
-    p[2 * t + 1] = make_float4(f[t][4], f[t][5], f[t][6], f[t][7]);
-  }
+  for (int t = 0; t < NT; ++t) store8_f32(p + 2 * t, f[t]);
 }
 
 // Sum over the G lanes of this lane's head (G a power of two <= 32).
@@ -832,17 +835,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
       return weights + (g.lay.site_pair(site, t, closed) * g.H + h) * g.N + n;
     };
     float m = -INFINITY, l = 0.f;
-    for (int i = sub; i < src; i += G) {
-      const float s = *logit(i);
-      if (s > m) l = l * __expf(m - s) + 1.f, m = s;  // exp(-inf) = 0 on the first
-      else l += __expf(s - m);
-    }
-    for (int o = G >> 1; o > 0; o >>= 1) {
-      const float m2 = __shfl_xor_sync(0xffffffffu, m, o), l2 = __shfl_xor_sync(0xffffffffu, l, o);
-      const float M = fmaxf(m, m2);  // finite once one of the two lanes saw a source
-      l = (m == -INFINITY ? 0.f : l * __expf(m - M)) + (m2 == -INFINITY ? 0.f : l2 * __expf(m2 - M));
-      m = M;
-    }
+    for (int i = sub; i < src; i += G) online_add(m, l, *logit(i));
+    online_merge_lanes(m, l, G);
     const float linv = 1.f / l;
     float acc[NT][8];
 #pragma unroll
