@@ -59,15 +59,7 @@ std::vector<double> train_losses(const Config& cfg, bool nccl, uint64_t perturb_
   TrainStep step(model, opt, *comm, cfg.train, 2);
   const std::vector<int32_t> corpus = markov_tokens(size_t(cfg.train.steps) * 2 * B * (T + 1) + 1, 11);
   size_t batch = 0;
-  const auto next = [&](int32_t* x, int32_t* y) {
-    for (int b = 0; b < B; ++b)
-      for (int t = 0; t < T; ++t) {
-        const size_t at = (batch * B + b) * (T + 1) + t;
-        x[b * T + t] = corpus[at];
-        y[b * T + t] = corpus[at + 1];
-      }
-    ++batch;
-  };
+  const auto next = [&](int32_t* x, int32_t* y) { markov_batch(corpus, batch++, B, T, x, y); };
   std::vector<double> out;
   for (long long s = 0; s < cfg.train.steps; ++s) {
     const StepResult r = step.run(s, next);

@@ -254,12 +254,7 @@ TEST_P(GpuTraining, ReachesTheCpuLoss) {
   double tail_g = 0, tail_c = 0, first_g = 0, first_c = 0;
   std::vector<int32_t> x(size_t(B) * T), y(size_t(B) * T);
   for (int s = 0; s < steps; ++s) {
-    for (int b = 0; b < B; ++b)
-      for (int t = 0; t < T; ++t) {
-        const size_t at = (size_t(s) * B + b) * (T + 1) + t;
-        x[size_t(b) * T + t] = corpus[at];
-        y[size_t(b) * T + t] = corpus[at + 1];
-      }
+    markov_batch(corpus, size_t(s), B, T, x.data(), y.data());
     const double lg = run_step(step_g, s, x, y);
     const double lc = run_step(step_c, s, x, y);
     if (s == 0) first_g = lg, first_c = lc;

@@ -92,12 +92,18 @@ inline std::vector<int32_t> markov_tokens(size_t n, uint64_t seed) {
   return t;
 }
 
-// One more bf16 rounding's worth of noise, to measure how sensitive a result is to it:
-// every parameter multiplied by (1 + u), u uniform in [-rel, rel], drawn from `seed`.
-// The default 2^-9 is the relative error of rounding to bf16, for weights held in fp32
-// or fp64. Weights already on the bf16 grid need rel = 2^-8: a change of 2^-9 or less
-// never crosses half a bf16 ulp (2^-9 to 2^-8 of the value), so it would round back to
-// the same weights; 2^-8 moves a share of them by one ulp, never more.
+// Batch `batch` of B rows of T tokens read in order from a markov_tokens corpus (rows of
+// T + 1 tokens: inputs x, next-token targets y).
+inline void markov_batch(const std::vector<int32_t>& corpus, size_t batch, int B, int T,
+                         int32_t* x, int32_t* y) {
+  for (int b = 0; b < B; ++b)
+    for (int t = 0; t < T; ++t) {
+      const size_t at = (batch * size_t(B) + size_t(b)) * size_t(T + 1) + size_t(t);
+      x[b * T + t] = corpus[at];
+      y[b * T + t] = corpus[at + 1];
+    }
+}
+
 // Plans a model at the CUDA backend's dtypes without memory: allocations are never
 // touched while a model is built, so every arena gets the same dummy address.
 class PlanOnly final : public ForwardingBackend {
@@ -124,6 +130,12 @@ inline void poison(Backend& be, Tensor t) {
   be.upload(t, v.data());
 }
 
+// One more bf16 rounding's worth of noise, to measure how sensitive a result is to it:
+// every parameter multiplied by (1 + u), u uniform in [-rel, rel], drawn from `seed`.
+// The default 2^-9 is the relative error of rounding to bf16, for weights held in fp32
+// or fp64. Weights already on the bf16 grid need rel = 2^-8: a change of 2^-9 or less
+// never crosses half a bf16 ulp (2^-9 to 2^-8 of the value), so it would round back to
+// the same weights; 2^-8 moves a share of them by one ulp, never more.
 inline void perturb_parameters(Model& m, uint64_t seed, double rel = 0x1p-9) {
   std::mt19937_64 rng(seed);
   std::uniform_real_distribution<double> u(-rel, rel);

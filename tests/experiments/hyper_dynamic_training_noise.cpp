@@ -124,12 +124,7 @@ double train(const std::string& mode, bool dyn, int kind, uint64_t seed, bool ve
   double tail = 0;
   std::vector<int32_t> x(size_t(B) * T), y(size_t(B) * T);
   for (int s = 0; s < steps; ++s) {
-    for (int b = 0; b < B; ++b)
-      for (int t = 0; t < T; ++t) {
-        const size_t at = (size_t(s) * B + b) * (T + 1) + t;
-        x[size_t(b) * T + t] = corpus[at];
-        y[size_t(b) * T + t] = corpus[at + 1];
-      }
+    markov_batch(corpus, size_t(s), B, T, x.data(), y.data());
     const double l = ts.run(s, [&](int32_t* xs, int32_t* ys) {
                          std::copy(x.begin(), x.end(), xs);
                          std::copy(y.begin(), y.end(), ys);
