@@ -34,7 +34,8 @@ class RoutedScheme final : public ResidualScheme {
   explicit RoutedScheme(const SchemeContext& ctx)
       : c_(ctx),
         layout_(RoutingLayout::blocks(ctx.cfg.n_sites(), ctx.res.routing_block())),
-        H_(ctx.res.heads) {
+        H_(ctx.res.heads),
+        tile_(ctx.be.routing_tile_sites(layout_, ctx.cfg.d_model, H_)) {
     MHAR_CHECK(H_ >= 1 && c_.cfg.d_model % H_ == 0, "routing heads ", H_);
   }
 
@@ -83,6 +84,7 @@ class RoutedScheme final : public ResidualScheme {
   SchemeContext c_;
   RoutingLayout layout_;
   int H_;
+  int tile_;  // depth tile in sites (backend.h, routing_tile_sites); 1: no tiling
   std::vector<int> query_, gain_;  // parameter indices, per site
   RoutingParams params_;           // their tensors and gradients
   int history_ = -1, inv_rms_ = -1, route_w_ = -1, ubar_ = -1, gsum_ = -1;
@@ -135,10 +137,9 @@ void RoutedScheme::site_forward(int j) {
                               c_.cfg.rms_eps);
   // Depth tiles start at sites 0, k, 2k, ...: the backend reads the slots <= j once for
   // the tile's sites (backend.h, routing_mix_tile).
-  const int k = c_.be.routing_tile_sites(layout_, c_.cfg.d_model, H_);
-  if (k > 1 && j % k == 0)
+  if (tile_ > 1 && j % tile_ == 0)
     c_.be.routing_mix_tile(c_.act(site_x_[size_t(j)]), w, hist, layout_, j,
-                           std::min(k, layout_.sites - j), H_);
+                           std::min(tile_, layout_.sites - j), H_);
   else
     c_.be.routing_mix(c_.act(site_x_[size_t(j)]), w, hist, layout_, j, H_);
 }
