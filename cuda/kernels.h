@@ -113,6 +113,10 @@ void routing_source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Ten
                              Tensor x, Tensor v, Tensor inv_rms, const RoutingParams& params,
                              const RoutingLayout& layout, int source, int heads);
 void routing_param_grads(cudaStream_t s, const RoutingParams& params, Tensor gsum);
+// Kernel lab (tests/op_timing_cudatest.cpp sweeps it; the engine never calls it): slots
+// read by at most `sites` sites take the fused source backward (-1: the built-in rule).
+// Returns the previous limit. Process-wide, not thread-safe.
+int routing_set_fused_key_max_sites(int sites);
 // routing_stats.cu (the routing probe's device reduction)
 void routing_stats(cudaStream_t s, Tensor stats, Tensor weights, const RoutingLayout& layout,
                    int site, int heads);

@@ -788,6 +788,7 @@ constexpr int span_blocks_per_sm(int NT) { return NT <= 5 ? 4 : 2; }
 // reads and writes (fp32 value and key rows, finish), and its extra per-site work (the
 // key path's q*g row from L1 and a second per-head sum) stays small next to that.
 constexpr int kFusedKeyMaxSites = 8;
+int g_fused_key_max_sites = kFusedKeyMaxSites;  // routing_set_fused_key_max_sites (timing lab)
 bool span_layout(const Geometry& g) { return g.d % 256 == 0 && 32 % g.H == 0; }
 
 template <int NT>
@@ -1267,6 +1268,12 @@ void routing_mix_tile(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weig
   ctx.tile = MixTile{weights.data, history.data, layout, heads, site, k, site + 1};
 }
 
+int routing_set_fused_key_max_sites(int sites) {
+  const int before = g_fused_key_max_sites;
+  g_fused_key_max_sites = sites < 0 ? kFusedKeyMaxSites : sites;
+  return before;
+}
+
 void routing_source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weights,
                              Tensor ubar, Tensor gsum, const std::vector<Tensor>& site_dx,
                              Tensor x, Tensor v, Tensor inv_rms, const RoutingParams& params,
@@ -1304,7 +1311,7 @@ void routing_source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Ten
   const auto* v_in = static_cast<const bf16*>(v.data);
   // Slots read by few sites take the fused span kernel (key path inside, dv written);
   // the others write the fp32 value row for the key GEMM and finish kernel below.
-  const bool fused = span_layout(g) && ns <= kFusedKeyMaxSites;
+  const bool fused = span_layout(g) && ns <= g_fused_key_max_sites;
   float* val = fused ? nullptr
                      : static_cast<float*>(ctx.scratch(ScratchSlot::RoutingValueGrad, N * g.d * 4));
   if (span_layout(g)) {

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <functional>
 
+#include "cuda/kernels.h"
 #include "tests/cuda_test_util.h"
 
 namespace mhar::test {
@@ -219,6 +220,59 @@ TEST_F(OpTiming, DISABLED_RoutingTiles1B) {
   const auto t1 = std::chrono::steady_clock::now();
   report("routing_mix, all sites, tiles of " + std::to_string(k) + " (one cold pass)",
          std::chrono::duration<double, std::milli>(t1 - t0).count(), 0, 0);
+}
+
+// The source backward's fused/unfused choice (cuda/routing.cu: slots read by at most
+// kFusedKeyMaxSites sites fuse the key path into the token kernel), swept over the limit
+// at the full-routing model shapes: the whole step's backward for each limit, so that the
+// rule is a measured one. Random rows and logits; the same inputs for every limit.
+TEST_F(OpTiming, DISABLED_RoutingBackwardFusedLimit) {
+  const int64_t N = 16384;
+  struct Shape {
+    const char* name;
+    int64_t d;
+    int S, H;
+  };
+  for (const Shape sh : {Shape{"100M", 512, 25, 4}, Shape{"350M", 1024, 49, 8},
+                         Shape{"1B", 1280, 73, 8}}) {
+    const RoutingLayout lay = RoutingLayout::full(sh.S);
+    const int64_t d = sh.d;
+    const int S = sh.S, H = sh.H;
+    Buffer hist = random_gpu(DType::BF16, {S, N, d});
+    Buffer site_dx = random_gpu(DType::BF16, {S, N, d});
+    const std::vector<Tensor> dx_rows = routing_rows(site_dx.t());
+    Buffer xs = random_gpu(DType::BF16, {S, N, d}), inv_rms = random_gpu(DType::F32, {S, N});
+    Buffer weights = random_gpu(DType::F32, {lay.pairs(), H, N}, 0.1);
+    Buffer ubar = random_gpu(DType::F32, {S, H, N});
+    Buffer gsum(*gpu, DType::F32, {64, S, d}), dv(*gpu, DType::BF16, {N, d});
+    std::vector<Buffer> params;
+    RoutingParams rp;
+    for (int k = 0; k < S; ++k) {
+      params.push_back(random_gpu(DType::BF16, {d}, 0.05));
+      rp.query.push_back(params.back());
+      params.push_back(random_gpu(DType::BF16, {d}, 1.0));
+      rp.gain.push_back(params.back());
+      params.emplace_back(*gpu, DType::F32, std::initializer_list<int64_t>{d});
+      rp.dquery.push_back(params.back());
+      params.emplace_back(*gpu, DType::F32, std::initializer_list<int64_t>{d});
+      rp.dgain.push_back(params.back());
+    }
+    auto backward = [&] {
+      gpu->zero(gsum);
+      for (int i = S - 1; i >= 0; --i)
+        gpu->routing_source_backward(dv, weights, ubar, gsum, dx_rows, xs.t()[i], hist.t()[i],
+                                     inv_rms.t()[i], rp, lay, i, H);
+      gpu->routing_param_grads(rp, gsum);
+    };
+    const std::string tag = std::string(sh.name) + " d" + std::to_string(d) + " S" +
+                            std::to_string(S) + " H" + std::to_string(H);
+    for (int limit : {0, 4, 8, 12, 16, 24, 32, 48, 256}) {
+      cuda::routing_set_fused_key_max_sites(limit);
+      report("routing backward, fused up to " + std::to_string(limit) + " sites, " + tag,
+             time_ms(backward, 3), 0, 0);
+    }
+    cuda::routing_set_fused_key_max_sites(-1);
+  }
 }
 
 }  // namespace
