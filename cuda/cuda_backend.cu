@@ -263,6 +263,17 @@ class CudaBackend final : public Backend {
     cuda::routing_source_backward(stream_, routing_ctx_, dv, weights, ubar, gsum, site_dx, x, v, inv_rms, p,
                                   layout, source, heads);
   }
+  void routing_source_backward_tile(Tensor dv, Tensor weights, Tensor ubar, Tensor gsum,
+                                    const std::vector<Tensor>& site_dx, Tensor x, Tensor history,
+                                    Tensor inv_rms, const RoutingParams& p,
+                                    const RoutingLayout& layout, int source, int count,
+                                    int heads) override {
+    cuda::routing_source_backward_tile(stream_, routing_ctx_, dv, weights, ubar, gsum, site_dx, x,
+                                       history, inv_rms, p, layout, source, count, heads);
+  }
+  int routing_backward_tile_slots(const RoutingLayout& layout, int64_t d, int heads) const override {
+    return cuda::routing_backward_tile_slots(layout, d, heads);
+  }
   void routing_param_grads(const RoutingParams& p, Tensor gsum) override {
     cuda::routing_param_grads(stream_, p, gsum);
   }

@@ -63,6 +63,7 @@ enum class ScratchSlot {
   RoutingKeyGrad,
   RoutingPairSplit,
   RoutingTile,
+  RoutingBackTile,
   HyperPartials,
   NormPartials,
   Count
@@ -95,10 +96,23 @@ struct MixTile {
   int first = -1, count = 0;
   int next = -1;  // the site whose routing_mix may use the tile next
 };
+// The backward depth tile in flight (routing_source_backward_tile): slot first - 1's
+// fp32 share of the sites >= first in the RoutingBackTile scratch, valid until that
+// slot's routing_source_backward (or any other routing backward call).
+struct BackTile {
+  const void* weights = nullptr;
+  const void* ubar = nullptr;
+  const void* next_v = nullptr;    // history row of slot first - 1
+  const void* first_dx = nullptr;  // site_dx[first], to recognise the same call sequence
+  RoutingLayout layout;
+  int heads = 0;
+  int first = -1;
+};
 struct RoutingContext {
   cublasHandle_t blas = nullptr;
   ScratchFn scratch;
   MixTile tile;
+  BackTile back_tile;
 };
 void routing_source_logits(cudaStream_t s, RoutingContext& ctx, Tensor weights, Tensor inv_rms,
                            Tensor v, const RoutingParams& params, const RoutingLayout& layout,
@@ -112,11 +126,19 @@ void routing_source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Ten
                              Tensor ubar, Tensor gsum, const std::vector<Tensor>& site_dx,
                              Tensor x, Tensor v, Tensor inv_rms, const RoutingParams& params,
                              const RoutingLayout& layout, int source, int heads);
+// Backend::routing_source_backward_tile; history [sources, N, d], inv_rms [sources, N].
+void routing_source_backward_tile(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weights,
+                                  Tensor ubar, Tensor gsum, const std::vector<Tensor>& site_dx,
+                                  Tensor x, Tensor history, Tensor inv_rms,
+                                  const RoutingParams& params, const RoutingLayout& layout,
+                                  int source, int count, int heads);
+int routing_backward_tile_slots(const RoutingLayout& layout, int64_t d, int heads);
 void routing_param_grads(cudaStream_t s, const RoutingParams& params, Tensor gsum);
 // Kernel lab (tests/op_timing_cudatest.cpp sweeps it; the engine never calls it): slots
 // read by at most `sites` sites take the fused source backward (-1: the built-in rule).
 // Returns the previous limit. Process-wide, not thread-safe.
 int routing_set_fused_key_max_sites(int sites);
+int routing_fused_key_max_sites();
 // routing_stats.cu (the routing probe's device reduction)
 void routing_stats(cudaStream_t s, Tensor stats, Tensor weights, const RoutingLayout& layout,
                    int site, int heads);

@@ -813,6 +813,17 @@ __device__ __forceinline__ void store_span_f32(float* row, const float (&f)[NT][
   for (int t = 0; t < NT; ++t) store8_f32(p + 2 * t, f[t]);
 }
 
+template <int NT>
+__device__ __forceinline__ void load_span_f32(float (&f)[NT][8], const float* row) {
+  const float4* p = reinterpret_cast<const float4*>(row) + (threadIdx.x & 31) * 2 * NT;
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const float4 a = p[2 * t], b = p[2 * t + 1];
+    f[t][0] = a.x, f[t][1] = a.y, f[t][2] = a.z, f[t][3] = a.w;
+    f[t][4] = b.x, f[t][5] = b.y, f[t][6] = b.z, f[t][7] = b.w;
+  }
+}
+
 // Sum over the G lanes of this lane's head (G a power of two <= 32).
 __device__ __forceinline__ float head_sum(float x, int G) {
   for (int o = G >> 1; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
@@ -870,19 +881,22 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
 // too, from the fp32 q*g table `qg` [ns, d] (L1/L2-resident), and dv written directly,
 // instead of the fp32 value row + key GEMM + finish kernel, whose ~9 extra row-sized
 // reads and writes would outweigh a slot's few site rows.
+// Sites source..last are read; inside a backward depth tile (source_value_pair_span_kernel
+// below) `last` stops before the tile's first slot and the value row starts from the
+// tile's partial `resume` (their share), else from zero (resume null, last = last_site).
 template <int NT, bool FUSED>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, FUSED ? 2 : span_blocks_per_sm(NT))
     source_value_span_kernel(float* __restrict__ val, bf16* __restrict__ dv,
                              float* __restrict__ weights, float* __restrict__ ubar,
                              const SiteRows site_dx, const bf16* __restrict__ x,
                              const bf16* __restrict__ v, const float* __restrict__ inv_rms,
-                             const float* __restrict__ qg, const Geometry g, int source) {
+                             const float* __restrict__ qg, const float* __restrict__ resume,
+                             const Geometry g, int source, int last) {
   const int lane = threadIdx.x & 31, G = 32 / g.H, h = lane / G;
   const bool leader = lane % G == 0;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
   float* w_src = weights + (g.lay.pair_base(source) * g.H + h) * g.N;  // head h's rows
   const float* ub_h = ubar + int64_t(h) * g.N;
-  const int last = g.lay.last_site(source);
   for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); n < g.N;
        n += warps) {
     const float r = inv_rms[n];
@@ -903,10 +917,14 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, FUSED ? 2 : span_blocks_p
     }
     float a = w_src[n];
     float acc[NT][8];
+    if (resume) {
+      load_span_f32(acc, resume + n * g.d);
+    } else {
 #pragma unroll
-    for (int t = 0; t < NT; ++t)
+      for (int t = 0; t < NT; ++t)
 #pragma unroll
-      for (int e = 0; e < 8; ++e) acc[t][e] = 0.f;
+        for (int e = 0; e < 8; ++e) acc[t][e] = 0.f;
+    }
     float radial = 0.f;  // FUSED: sum_k ds_k[h] (qg_k . v)[h] of this lane's head (leaders)
     for (int k = source; k <= last; ++k) {
       float* w = w_src + int64_t(k - source) * g.H * g.N + n;
@@ -958,6 +976,87 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, FUSED ? 2 : span_blocks_p
     } else {
       store_span_f32(val + n * g.d, acc);
     }
+  }
+}
+
+// Depth tiling of the backward (backend.h routing_source_backward_tile; unfused slots,
+// full routing, span layout): slots p0 = source and p1 = source - 1 in one pass over the
+// site gradients dx_j, j = source .. last_site(source), each read once for both: slot
+// p0's whole value row (val, as source_value_span_kernel writes it), slot p1's share of
+// the same sites (partial), and the logit gradients ds r of both slots' pairs with those
+// sites. Slot p1's own call then reads only site p1's gradient (resume). Both slot rows
+// and both value rows stay in registers (234 at d = 1280, 2 blocks per SM), so each
+// dx_j chunk serves two slots: half the site-gradient reads of two plain calls.
+constexpr int kBackTileMaxNT = 5;  // d <= 1280: 234 registers, no spills (NT 6: 239; 7, 8 spill)
+template <int NT>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock, 2)
+    source_value_pair_span_kernel(float* __restrict__ val, float* __restrict__ partial,
+                                  float* __restrict__ weights, float* __restrict__ ubar,
+                                  const SiteRows site_dx, const bf16* __restrict__ x,
+                                  const bf16* __restrict__ v0, const bf16* __restrict__ v1,
+                                  const float* __restrict__ inv_rms0,
+                                  const float* __restrict__ inv_rms1, const Geometry g,
+                                  int source) {
+  const int lane = threadIdx.x & 31, G = 32 / g.H, h = lane / G;
+  const bool leader = lane % G == 0;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
+  // Head h's pair rows of both slots: pair(p, j) = pair_base(p) + j - p in full routing.
+  float* w0 = weights + (g.lay.pair_base(source) * g.H + h) * g.N;
+  float* w1 = weights + ((g.lay.pair_base(source - 1) + 1) * g.H + h) * g.N;  // from j = source
+  const float* ub_h = ubar + int64_t(h) * g.N;
+  const int last = g.lay.last_site(source);
+  for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); n < g.N;
+       n += warps) {
+    const float r0 = inv_rms0[n], r1 = inv_rms1[n];
+    Row<NT> rv0, rv1, rdx, nxt;
+    load_span(rv0, v0 + n * g.d);
+    load_span(rv1, v1 + n * g.d);
+    load_span(rdx, site_dx.dx[source] + n * g.d);
+    float ub;
+    {  // ubar of site `source`, from its input and input gradient
+      Row<NT> rx;
+      load_span(rx, x + n * g.d);
+      float p = 0.f;
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) p += elem(rdx.raw[t], e) * elem(rx.raw[t], e);
+      ub = head_sum(p, G);
+      if (leader) ubar[(int64_t(source) * g.H + h) * g.N + n] = ub;
+    }
+    float a0 = w0[n], a1 = w1[n];
+    float acc0[NT][8], acc1[NT][8];
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc0[t][e] = 0.f, acc1[t][e] = 0.f;
+    for (int k = source; k <= last; ++k) {
+      const int64_t off = int64_t(k - source) * g.H * g.N + n;
+      float a0_nxt = 0.f, a1_nxt = 0.f, ub_nxt = 0.f;
+      if (k + 1 <= last) {
+        load_span(nxt, site_dx.dx[k + 1] + n * g.d);
+        a0_nxt = w0[off + int64_t(g.H) * g.N];
+        a1_nxt = w1[off + int64_t(g.H) * g.N];
+        ub_nxt = ub_h[int64_t(k + 1) * g.H * g.N + n];
+      }
+      float p0 = 0.f, p1 = 0.f;
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const float dxe = elem(rdx.raw[t], e);
+          p0 += dxe * elem(rv0.raw[t], e);
+          p1 += dxe * elem(rv1.raw[t], e);
+          acc0[t][e] += a0 * dxe;
+          acc1[t][e] += a1 * dxe;
+        }
+      const float ds0 = a0 * (head_sum(p0, G) - ub), ds1 = a1 * (head_sum(p1, G) - ub);
+      // The shuffles synchronise the warp: a_k was read by every lane an iteration ago.
+      if (leader) w0[off] = ds0 * r0, w1[off] = ds1 * r1;
+      if (k + 1 <= last) rdx = nxt, a0 = a0_nxt, a1 = a1_nxt, ub = ub_nxt;
+    }
+    store_span_f32(val + n * g.d, acc0);
+    store_span_f32(partial + n * g.d, acc1);
   }
 }
 
@@ -1274,10 +1373,23 @@ int routing_set_fused_key_max_sites(int sites) {
   return before;
 }
 
-void routing_source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weights,
-                             Tensor ubar, Tensor gsum, const std::vector<Tensor>& site_dx,
-                             Tensor x, Tensor v, Tensor inv_rms, const RoutingParams& params,
-                             const RoutingLayout& layout, int source, int heads) {
+namespace {
+
+// Slot source - 1 of a backward depth tile that starts at `source` (the pair kernel).
+struct TileSlot {
+  const bf16* v = nullptr;
+  const float* inv_rms = nullptr;
+};
+
+// One slot's backward (routing_source_backward), in one of three forms: plain; the first
+// slot of a backward depth tile (`older` set: slot source - 1 rides along, its share of
+// the sites >= source left in the RoutingBackTile scratch); or the tile's next slot
+// (`resume_last` >= source: its value row starts from that share and reads only the sites
+// source .. resume_last).
+void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weights, Tensor ubar,
+                     Tensor gsum, const std::vector<Tensor>& site_dx, Tensor x, Tensor v,
+                     Tensor inv_rms, const RoutingParams& params, const RoutingLayout& layout,
+                     int source, int heads, const TileSlot* older, int resume_last) {
   const char* what = "routing_source_backward";
   const Geometry g = source_geometry(what, weights, inv_rms, v, params, layout, source, heads);
   const int64_t N = g.N;
@@ -1314,16 +1426,36 @@ void routing_source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Ten
   const bool fused = span_layout(g) && ns <= g_fused_key_max_sites;
   float* val = fused ? nullptr
                      : static_cast<float*>(ctx.scratch(ScratchSlot::RoutingValueGrad, N * g.d * 4));
-  if (span_layout(g)) {
+  MHAR_CHECK(!fused || (!older && resume_last < 0), "CUDA ", what, ": a backward depth tile of "
+             "fused slots (source ", source, ")");
+  if (older) {
+    auto* partial = static_cast<float*>(ctx.scratch(ScratchSlot::RoutingBackTile, N * g.d * 4));
+    dispatch_span(g, [&](auto nt) {
+      constexpr int NT = decltype(nt)::value;
+      if constexpr (NT <= kBackTileMaxNT) {
+        source_value_pair_span_kernel<NT><<<token_blocks(N), 32 * kWarpsPerBlock, 0, s>>>(
+            val, partial, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in, older->v,
+            inv_rms.ptr<float>(), older->inv_rms, g, source);
+        CUDA_CHECK_LAUNCH();
+      } else {
+        MHAR_CHECK(false, "CUDA ", what, ": a backward depth tile at d = ", g.d);
+      }
+    });
+  } else if (span_layout(g)) {
+    const float* resume =
+        resume_last >= 0 ? static_cast<const float*>(ctx.scratch(ScratchSlot::RoutingBackTile, 0))
+                         : nullptr;
+    const int last = resume_last >= 0 ? resume_last : layout.last_site(source);
     dispatch_span(g, [&](auto nt) {
       constexpr int NT = decltype(nt)::value;
       auto kernel = fused ? source_value_span_kernel<NT, true> : source_value_span_kernel<NT, false>;
       kernel<<<token_blocks(N), 32 * kWarpsPerBlock, 0, s>>>(
           val, fused ? dv_out : nullptr, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in,
-          v_in, inv_rms.ptr<float>(), fused ? qg : nullptr, g, source);
+          v_in, inv_rms.ptr<float>(), fused ? qg : nullptr, resume, g, source, last);
       CUDA_CHECK_LAUNCH();
     });
   } else {
+    MHAR_CHECK(resume_last < 0, "CUDA ", what, ": a backward depth tile outside the span layout");
     const size_t smem = sizeof(float) * kWarpsPerBlock * heads;
     dispatch_rows(g, [&](auto nt, auto al) {
       auto kernel = source_value_kernel<decltype(nt)::value, decltype(al)::value>;
@@ -1357,6 +1489,63 @@ void routing_source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Ten
     head_gemm(s, ctx.blas, CUBLAS_OP_N, CUBLAS_OP_N, g.dh, ns, N, v.data, CUDA_R_16BF, g.d, g.dh,
               part, CUDA_R_16BF, int64_t(g.H) * N, N, 1.f, gsum.ptr<float>() + int64_t(source) * g.d,
               g.d, g.dh, g.H);
+}
+
+}  // namespace
+
+int routing_fused_key_max_sites() { return g_fused_key_max_sites; }
+
+void routing_source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weights,
+                             Tensor ubar, Tensor gsum, const std::vector<Tensor>& site_dx,
+                             Tensor x, Tensor v, Tensor inv_rms, const RoutingParams& params,
+                             const RoutingLayout& layout, int source, int heads) {
+  // The next slot of the backward depth tile in flight: its share of the tile's sites is
+  // in the scratch. Any other call ends the tile.
+  const BackTile tile = ctx.back_tile;
+  ctx.back_tile = BackTile{};
+  const bool resume = tile.first >= 0 && source == tile.first - 1 && weights.data == tile.weights &&
+                      ubar.data == tile.ubar && v.data == tile.next_v && layout == tile.layout &&
+                      heads == tile.heads && size_t(tile.first) < site_dx.size() &&
+                      site_dx[size_t(tile.first)].data == tile.first_dx;
+  source_backward(s, ctx, dv, weights, ubar, gsum, site_dx, x, v, inv_rms, params, layout, source,
+                  heads, nullptr, resume ? tile.first - 1 : -1);
+}
+
+int routing_backward_tile_slots(const RoutingLayout& layout, int64_t d, int heads) {
+  // The pair kernel: full routing, span layout, both slots' rows and value rows in
+  // registers (d <= 1280; wider rows would spill).
+  const bool span = heads >= 1 && 32 % heads == 0 && d % 256 == 0 && d / 256 <= kBackTileMaxNT;
+  return layout.block == 1 && span ? 2 : 1;
+}
+
+void routing_source_backward_tile(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weights,
+                                  Tensor ubar, Tensor gsum, const std::vector<Tensor>& site_dx,
+                                  Tensor x, Tensor history, Tensor inv_rms, const RoutingParams& params,
+                                  const RoutingLayout& layout, int source, int count, int heads) {
+  const char* what = "routing_source_backward_tile";
+  ctx.back_tile = BackTile{};
+  MHAR_CHECK(history.ndim == 3 && history.dim(0) == layout.sources, what, ": history must be [",
+             layout.sources, ", N, d], got ", history.shape_str());
+  MHAR_CHECK(inv_rms.ndim == 2 && inv_rms.dim(0) == layout.sources, what, ": inv_rms must be [",
+             layout.sources, ", N], got ", inv_rms.shape_str());
+  MHAR_CHECK(source >= 0 && source < layout.sources && count >= 1 && count <= source + 1, what,
+             ": source ", source, ", count ", count, " of ", layout.sources, " sources");
+  const int ns = layout.last_site(source) - source + 1;
+  // Tiles pair unfused slots only (the fused ones read few sites and have no value row).
+  const bool tile = std::min(count, routing_backward_tile_slots(layout, history.dim(2), heads)) >= 2 &&
+                    ns > g_fused_key_max_sites && history.dim(1) > 0;
+  if (!tile) {
+    source_backward(s, ctx, dv, weights, ubar, gsum, site_dx, x, history[source], inv_rms[source],
+                    params, layout, source, heads, nullptr, -1);
+    return;
+  }
+  const TileSlot older{static_cast<const bf16*>(history[source - 1].data),
+                       static_cast<const float*>(inv_rms[source - 1].data)};
+  check_dtype(inv_rms, DType::F32, what, "inv_rms");
+  source_backward(s, ctx, dv, weights, ubar, gsum, site_dx, x, history[source], inv_rms[source],
+                  params, layout, source, heads, &older, -1);
+  ctx.back_tile = BackTile{weights.data, ubar.data, history[source - 1].data,
+                           site_dx[size_t(source)].data, layout, heads, source};
 }
 
 void routing_param_grads(cudaStream_t s, const RoutingParams& params, Tensor gsum) {

@@ -271,6 +271,31 @@ class Backend {
                                        const std::vector<Tensor>& site_dx, Tensor x, Tensor v,
                                        Tensor inv_rms, const RoutingParams& params,
                                        const RoutingLayout& layout, int source, int heads) = 0;
+  // Depth tiling of the backward, a speed-up with the same results (up to fp32 summation
+  // order): routing_source_backward_tile(..., history, inv_rms, ..., source, count, ...)
+  // is routing_source_backward(..., history[source], inv_rms[source], ..., source, ...)
+  // (history [layout.sources, N, d], inv_rms [layout.sources, N]) plus a promise that
+  // sources source-1 .. source-count+1 come next, in order, by routing_source_backward
+  // with the same weights, ubar, gsum, site_dx and x/v/inv_rms rows of those slots, and
+  // that until then only site_dx[k] for k < source and the pairs of sites < source are
+  // written. A backend may then stream each site gradient k >= source once for the
+  // tile's slots, keeping their partial gradients in its own memory, so that the later
+  // slots read only their newer sites. routing_backward_tile_slots() is the tile this
+  // backend wants (1: it does not tile; the default and the CPU reference).
+  virtual void routing_source_backward_tile(Tensor dv, Tensor weights, Tensor ubar, Tensor gsum,
+                                            const std::vector<Tensor>& site_dx, Tensor x,
+                                            Tensor history, Tensor inv_rms,
+                                            const RoutingParams& params,
+                                            const RoutingLayout& layout, int source, int count,
+                                            int heads) {
+    (void)count;
+    routing_source_backward(dv, weights, ubar, gsum, site_dx, x, history[source], inv_rms[source],
+                            params, layout, source, heads);
+  }
+  virtual int routing_backward_tile_slots(const RoutingLayout& layout, int64_t d, int heads) const {
+    (void)layout, (void)d, (void)heads;
+    return 1;
+  }
   // After slot 0's backward: with G_k = sum over slabs of gsum[:, k, :],
   //   dquery_k += g_k * G_k,  dgain_k += q_k * G_k   for every site k.
   virtual void routing_param_grads(const RoutingParams& params, Tensor gsum) = 0;

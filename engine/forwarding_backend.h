@@ -82,6 +82,15 @@ class ForwardingBackend : public Backend {
                                const RoutingLayout& lay, int i, int heads) override {
     in_.routing_source_backward(dv, w, ub, gs, dx, x, v, r, p, lay, i, heads);
   }
+  void routing_source_backward_tile(Tensor dv, Tensor w, Tensor ub, Tensor gs,
+                                    const std::vector<Tensor>& dx, Tensor x, Tensor h, Tensor r,
+                                    const RoutingParams& p, const RoutingLayout& lay, int i,
+                                    int count, int heads) override {
+    in_.routing_source_backward_tile(dv, w, ub, gs, dx, x, h, r, p, lay, i, count, heads);
+  }
+  int routing_backward_tile_slots(const RoutingLayout& lay, int64_t d, int heads) const override {
+    return in_.routing_backward_tile_slots(lay, d, heads);
+  }
   void routing_param_grads(const RoutingParams& p, Tensor gs) override {
     in_.routing_param_grads(p, gs);
   }

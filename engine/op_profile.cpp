@@ -253,9 +253,33 @@ void OpProfiler::routing_source_backward(Tensor dv, Tensor weights, Tensor ubar,
                                          const RoutingParams& params, const RoutingLayout& layout, int source,
                                          int heads) {
   // The slot's row and gradient, and each later site's input gradient that reads it.
-  const int sites = layout.last_site(source) - source + 1;
-  Span s(*this, OpFamily::Routing, bytes_of({dv, v, x, inv_rms}) + double(sites) * double(dv.bytes()));
+  // Inside a backward depth tile: its fp32 partial gradient (two rows' bytes) and the
+  // sites before the tile's first slot instead of the later ones. (A backend that
+  // declines a tile, as the CUDA one does for slots read by <= 8 sites, moves a few rows
+  // more than this counts.)
+  const bool tiled = source < back_first_ && source > back_end_;
+  const int sites = tiled ? back_first_ - source : layout.last_site(source) - source + 1;
+  if (source <= back_end_ + 1) back_first_ = back_end_ = -1;
+  Span s(*this, OpFamily::Routing, bytes_of({dv, v, x, inv_rms}) +
+                                       (sites + (tiled ? 2.0 : 0.0)) * double(dv.bytes()));
   in_.routing_source_backward(dv, weights, ubar, gsum, site_dx, x, v, inv_rms, params, layout, source, heads);
+}
+void OpProfiler::routing_source_backward_tile(Tensor dv, Tensor weights, Tensor ubar, Tensor gsum,
+                                              const std::vector<Tensor>& site_dx, Tensor x,
+                                              Tensor history, Tensor inv_rms,
+                                              const RoutingParams& params,
+                                              const RoutingLayout& layout, int source, int count,
+                                              int heads) {
+  // The first slot's bytes, plus the rows of the count - 1 older slots and their fp32
+  // partial gradients (two rows' bytes each), written for their later calls.
+  const int sites = layout.last_site(source) - source + 1;
+  const double row = double(dv.bytes());
+  back_first_ = source;
+  back_end_ = source - count;
+  Span s(*this, OpFamily::Routing,
+         bytes_of({dv, x, inv_rms[source]}) + row + (sites + 3.0 * (count - 1)) * row);
+  in_.routing_source_backward_tile(dv, weights, ubar, gsum, site_dx, x, history, inv_rms, params,
+                                   layout, source, count, heads);
 }
 void OpProfiler::routing_param_grads(const RoutingParams& params, Tensor gsum) {
   Span s(*this, OpFamily::Routing, bytes_of({gsum}));

@@ -93,6 +93,11 @@ class OpProfiler final : public ForwardingBackend {
                                const std::vector<Tensor>& site_dx, Tensor x, Tensor v, Tensor inv_rms,
                                const RoutingParams& params, const RoutingLayout& layout, int source,
                                int heads) override;
+  void routing_source_backward_tile(Tensor dv, Tensor weights, Tensor ubar, Tensor gsum,
+                                    const std::vector<Tensor>& site_dx, Tensor x, Tensor history,
+                                    Tensor inv_rms, const RoutingParams& params,
+                                    const RoutingLayout& layout, int source, int count,
+                                    int heads) override;
   void routing_param_grads(const RoutingParams& params, Tensor gsum) override;
   // Hyper-Connections' stream ops: streaming reads and writes, counted as Elementwise.
   void hyper_mix(Tensor x, Tensor H, Tensor coef) override;
@@ -139,6 +144,9 @@ class OpProfiler final : public ForwardingBackend {
   // The depth tile in flight (routing_mix_tile): sites (tile_first_, tile_end_) read
   // their partial sums and newer slots only, which their bytes count.
   int tile_first_ = -1, tile_end_ = -1;
+  // The backward depth tile in flight (routing_source_backward_tile): slots
+  // (back_end_, back_first_) read their partial gradient and the sites < back_first_ only.
+  int back_first_ = -1, back_end_ = -1;
 };
 
 }  // namespace mhar

@@ -14,9 +14,11 @@
 // are parameters), then site j's sources are mixed (routing_mix; at the start of each
 // depth tile routing_mix_tile, when the backend tiles). The backward is
 // source-stationary: site j's backward event builds the whole gradient of slot j from
-// the input gradients of the sites that read it, so every site's input gradient stays
-// alive until the end of the backward (one [N, d] buffer per site, each planned from
-// its site's backward on) and each slot's gradient is written once. A sublayer output
+// the input gradients of the sites that read it (at the start of each backward depth
+// tile, routing_source_backward_tile, when the backend tiles: the backend may then read
+// them once for the tile's slots), so every site's input gradient stays alive until the
+// end of the backward (one [N, d] buffer per site, each planned from its site's
+// backward on) and each slot's gradient is written once. A sublayer output
 // v_j is in every slot from j to the end of its block, so its gradient is slot j's plus
 // v_{j+1}'s when v_{j+1} continues the block (added at site j's backward: a running sum
 // from the block's end down).
@@ -35,7 +37,8 @@ class RoutedScheme final : public ResidualScheme {
       : c_(ctx),
         layout_(RoutingLayout::blocks(ctx.cfg.n_sites(), ctx.res.routing_block())),
         H_(ctx.res.heads),
-        tile_(ctx.be.routing_tile_sites(layout_, ctx.cfg.d_model, H_)) {
+        tile_(ctx.be.routing_tile_sites(layout_, ctx.cfg.d_model, H_)),
+        back_tile_(ctx.be.routing_backward_tile_slots(layout_, ctx.cfg.d_model, H_)) {
     MHAR_CHECK(H_ >= 1 && c_.cfg.d_model % H_ == 0, "routing heads ", H_);
   }
 
@@ -84,7 +87,8 @@ class RoutedScheme final : public ResidualScheme {
   SchemeContext c_;
   RoutingLayout layout_;
   int H_;
-  int tile_;  // depth tile in sites (backend.h, routing_tile_sites); 1: no tiling
+  int tile_;       // depth tile in sites (backend.h, routing_tile_sites); 1: no tiling
+  int back_tile_;  // backward depth tile in slots (routing_backward_tile_slots)
   std::vector<int> query_, gain_;  // parameter indices, per site
   RoutingParams params_;           // their tensors and gradients
   int history_ = -1, inv_rms_ = -1, route_w_ = -1, ubar_ = -1, gsum_ = -1;
@@ -148,9 +152,20 @@ void RoutedScheme::site_backward(int j) {
   // Every site that reads slot j has its input gradient now.
   std::vector<Tensor> dx;
   for (int id : site_dx_) dx.push_back(c_.act(id));
-  c_.be.routing_source_backward(c_.act(source_dx_[size_t(j)]), c_.act(route_w_), c_.act(ubar_),
-                                c_.act(gsum_), dx, c_.act(site_x_[size_t(j)]),
-                                c_.act(history_)[j], c_.act(inv_rms_)[j], params_, layout_, j, H_);
+  // Backward depth tiles start at slots S-1, S-1-k, ...: the backend streams the site
+  // gradients >= j once for the tile's slots (backend.h, routing_source_backward_tile).
+  const int from_last = layout_.sources - 1 - j;
+  if (back_tile_ > 1 && from_last % back_tile_ == 0 && j >= 1)
+    c_.be.routing_source_backward_tile(c_.act(source_dx_[size_t(j)]), c_.act(route_w_),
+                                       c_.act(ubar_), c_.act(gsum_), dx,
+                                       c_.act(site_x_[size_t(j)]), c_.act(history_),
+                                       c_.act(inv_rms_), params_, layout_, j,
+                                       std::min(back_tile_, j + 1), H_);
+  else
+    c_.be.routing_source_backward(c_.act(source_dx_[size_t(j)]), c_.act(route_w_),
+                                  c_.act(ubar_), c_.act(gsum_), dx, c_.act(site_x_[size_t(j)]),
+                                  c_.act(history_)[j], c_.act(inv_rms_)[j], params_, layout_, j,
+                                  H_);
   // v_j is also in slots j+1 .. (end of its block): their gradients, already summed into
   // v_{j+1}'s.
   if (j + 1 < layout_.sources && continues_block(j + 1))

@@ -224,8 +224,9 @@ TEST_F(OpTiming, DISABLED_RoutingTiles1B) {
 
 // The source backward's fused/unfused choice (cuda/routing.cu: slots read by at most
 // kFusedKeyMaxSites sites fuse the key path into the token kernel), swept over the limit
-// at the full-routing model shapes: the whole step's backward for each limit, so that the
-// rule is a measured one. Random rows and logits; the same inputs for every limit.
+// at the full-routing model shapes, each without and with the backward depth tiles
+// (routing_source_backward_tile, as the layer loop runs them): the whole step's backward
+// for each, so that the rules are measured ones. The same inputs for every variant.
 TEST_F(OpTiming, DISABLED_RoutingBackwardFusedLimit) {
   const int64_t N = 16384;
   struct Shape {
@@ -238,12 +239,15 @@ TEST_F(OpTiming, DISABLED_RoutingBackwardFusedLimit) {
     const RoutingLayout lay = RoutingLayout::full(sh.S);
     const int64_t d = sh.d;
     const int S = sh.S, H = sh.H;
+    // One random [S, N, d] block on the host (slow at these sizes), copied on the device
+    // for the site inputs and gradients; real logits, weights and inv_rms from the ops.
     Buffer hist = random_gpu(DType::BF16, {S, N, d});
-    Buffer site_dx = random_gpu(DType::BF16, {S, N, d});
+    Buffer site_dx(*gpu, DType::BF16, {S, N, d}), xs(*gpu, DType::BF16, {S, N, d});
+    gpu->copy(site_dx, hist);
+    gpu->copy(xs, hist);
     const std::vector<Tensor> dx_rows = routing_rows(site_dx.t());
-    Buffer xs = random_gpu(DType::BF16, {S, N, d}), inv_rms = random_gpu(DType::F32, {S, N});
-    Buffer weights = random_gpu(DType::F32, {lay.pairs(), H, N}, 0.1);
-    Buffer ubar = random_gpu(DType::F32, {S, H, N});
+    Buffer inv_rms(*gpu, DType::F32, {S, N}), weights(*gpu, DType::F32, {lay.pairs(), H, N});
+    Buffer ubar(*gpu, DType::F32, {S, H, N});
     Buffer gsum(*gpu, DType::F32, {64, S, d}), dv(*gpu, DType::BF16, {N, d});
     std::vector<Buffer> params;
     RoutingParams rp;
@@ -257,19 +261,38 @@ TEST_F(OpTiming, DISABLED_RoutingBackwardFusedLimit) {
       params.emplace_back(*gpu, DType::F32, std::initializer_list<int64_t>{d});
       rp.dgain.push_back(params.back());
     }
-    auto backward = [&] {
+    for (int i = 0; i < S; ++i)
+      gpu->routing_source_logits(weights, inv_rms.t()[i], hist.t()[i], rp, lay, i, H, 1e-6);
+    for (int i = 0; i < S; ++i) gpu->routing_mix(xs.t()[i], weights, hist, lay, i, H);
+    // The backward overwrites the weights with ds r: each repetition starts from the
+    // same weights (a device copy, timed separately and subtracted).
+    Buffer mixed(*gpu, DType::F32, {lay.pairs(), H, N});
+    gpu->copy(mixed, weights);
+    auto restore = [&] { gpu->copy(weights, mixed); };
+    const int tile = gpu->routing_backward_tile_slots(lay, d, H);
+    auto backward = [&](bool tiled) {
+      restore();
       gpu->zero(gsum);
       for (int i = S - 1; i >= 0; --i)
-        gpu->routing_source_backward(dv, weights, ubar, gsum, dx_rows, xs.t()[i], hist.t()[i],
-                                     inv_rms.t()[i], rp, lay, i, H);
+        if (tiled && tile > 1 && (S - 1 - i) % tile == 0 && i >= 1)
+          gpu->routing_source_backward_tile(dv, weights, ubar, gsum, dx_rows, xs.t()[i], hist,
+                                            inv_rms, rp, lay, i, std::min(tile, i + 1), H);
+        else
+          gpu->routing_source_backward(dv, weights, ubar, gsum, dx_rows, xs.t()[i],
+                                       hist.t()[i], inv_rms.t()[i], rp, lay, i, H);
       gpu->routing_param_grads(rp, gsum);
     };
+    const double copy_ms = time_ms(restore, 3);
     const std::string tag = std::string(sh.name) + " d" + std::to_string(d) + " S" +
                             std::to_string(S) + " H" + std::to_string(H);
-    for (int limit : {0, 4, 8, 12, 16, 24, 32, 48, 256}) {
+    for (int limit : {0, 8, 12, 16, 24, 32, 256}) {
       cuda::routing_set_fused_key_max_sites(limit);
-      report("routing backward, fused up to " + std::to_string(limit) + " sites, " + tag,
-             time_ms(backward, 3), 0, 0);
+      for (bool tiled : {false, true}) {
+        if (tiled && tile <= 1) continue;
+        report("routing backward, fused up to " + std::to_string(limit) + " sites" +
+                   (tiled ? ", tiles of " + std::to_string(tile) : "") + ", " + tag,
+               time_ms([&] { backward(tiled); }, 3) - copy_ms, 0, 0);
+      }
     }
     cuda::routing_set_fused_key_max_sites(-1);
   }

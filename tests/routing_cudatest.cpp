@@ -12,6 +12,7 @@
 
 #include <algorithm>
 
+#include "cuda/kernels.h"
 #include "tests/cuda_test_util.h"
 
 namespace mhar::test {
@@ -63,6 +64,64 @@ class RoutingParity : public CudaParity {
     std::vector<double> got(size_t(N * d));
     gpu->download(got.data(), x.t()[1]);
     expect_close("routing_mix after a tile cut short " + tag, got, x1.get(), kTolBf16Output);
+  }
+
+  // Backward depth tiles (routing_source_backward_tile, k slots from S-1, S-1-k, ... but
+  // slot 0) as the layer loop runs them, from the same normalised weights (`mixed`) and
+  // site gradients as the plain backward: dv, ubar, ds*r and the key-gradient slab sums
+  // against the CPU's plain backward. Where the backend tiles (unfused slots: read by
+  // more than routing_fused_key_max_sites() sites), the site gradients >= the tile's
+  // first slot hold NaN until the tile ends, so an older slot of the tile that read them
+  // again instead of its partial gradient would show.
+  void check_back_tiles(const std::string& tag, int k, const RoutingLayout& lay, int64_t N,
+                        int64_t d, int H, Pair& history, Pair& xs, Pair& inv_rms, Pair& site_dx,
+                        const std::vector<double>& mixed, const RoutingParams& pg, Pair& dv,
+                        Pair& ubar, Pair& weights, Pair& gsum) {
+    const int S = lay.sites;
+    Buffer w(*gpu, DType::F32, {lay.pairs(), H, N}), ub(*gpu, DType::F32, {S, H, N});
+    Buffer gs(*gpu, DType::F32, {8, S, d}), dvt(*gpu, DType::BF16, {S, N, d});
+    w.set(mixed);
+    ub.poison();
+    dvt.poison();
+    gs.set(std::vector<double>(size_t(8 * S * d), 0.0));
+    const std::vector<Tensor> rows = routing_rows(site_dx.g.t());
+    const std::vector<double> dx_clean = site_dx.c.get();
+    const std::vector<double> nan_row(size_t(N * d), std::nan(""));
+    const int fused_limit = cuda::routing_fused_key_max_sites();
+    int poisoned_from = -1, tile_end = -1, tiles = 0;
+    for (int i = S - 1; i >= 0; --i) {
+      if ((S - 1 - i) % k == 0 && i >= 1) {
+        const int count = std::min(k, i + 1);
+        gpu->routing_source_backward_tile(dvt.t()[i], w, ub, gs, rows, xs.g.t()[i], history.g,
+                                          inv_rms.g, pg, lay, i, count, H);
+        if (lay.last_site(i) - i + 1 > fused_limit) {
+          ++tiles;
+          poisoned_from = i;
+          tile_end = i - count;
+          for (int j = i; j < S; ++j) gpu->upload(site_dx.g.t()[j], nan_row.data());
+        }
+      } else {
+        gpu->routing_source_backward(dvt.t()[i], w, ub, gs, rows, xs.g.t()[i], history.g.t()[i],
+                                     inv_rms.g.t()[i], pg, lay, i, H);
+      }
+      if (poisoned_from >= 0 && i == tile_end + 1) {
+        for (int j = poisoned_from; j < S; ++j)
+          gpu->upload(site_dx.g.t()[j], dx_clean.data() + size_t(j) * size_t(N * d));
+        poisoned_from = -1;
+      }
+    }
+    std::printf("BACKWARD_TILES %s: %d tiles of %d slots\n", tag.c_str(), tiles, k);
+    expect_close("routing_source_backward_tile dv " + tag, dvt, dv.c, kTolBf16Output);
+    expect_close("routing_source_backward_tile ubar " + tag, ub, ubar.c, kTolF32Output);
+    expect_close("routing_source_backward_tile ds*r " + tag, w, weights.c, kTolF32Output);
+    auto slab_sums = [&](const std::vector<double>& g, int64_t slabs) {
+      std::vector<double> out(size_t(S * d), 0.0);
+      for (int64_t r = 0; r < slabs; ++r)
+        for (size_t e = 0; e < out.size(); ++e) out[e] += g[size_t(r) * out.size() + e];
+      return out;
+    };
+    expect_close("routing_source_backward_tile key grads " + tag, slab_sums(gs.get(), 8),
+                 slab_sums(gsum.c.get(), gsum.c.t().dim(0)), kTolF32Output);
   }
 
   // `block` s: block routing's layout (1: full routing).
@@ -148,6 +207,7 @@ class RoutingParity : public CudaParity {
     xs.c.set(xs.g.get());  // the GPU's bf16 site inputs on both sides
 
     // ---- backward of every source, last to first
+    const std::vector<double> mixed = weights.g.get();
     Pair site_dx = random_pair(DType::BF16, {S, N, d});
     Pair ubar = pair(DType::F32, {S, H, N});
     Pair gsum = pair(DType::F32, {8, S, d});
@@ -166,6 +226,9 @@ class RoutingParity : public CudaParity {
     expect_close("routing_source_backward dv " + tag, dv.g, dv.c, kTolBf16Output);
     expect_close("routing_source_backward ubar " + tag, ubar.g, ubar.c, kTolF32Output);
     expect_close("routing_source_backward ds*r " + tag, weights.g, weights.c, kTolF32Output);
+    if (const int k = gpu->routing_backward_tile_slots(lay, d, H); k > 1)
+      check_back_tiles(tag, k, lay, N, d, H, history, xs, inv_rms, site_dx, mixed, pg, dv, ubar,
+                       weights, gsum);
 
     // ---- query and gain gradients
     cpu->routing_param_grads(pc, gsum.c);
@@ -221,6 +284,7 @@ TEST_F(RoutingParity, SpanLayout) {
   for (int H : {1, 8, 32}) check(19, 768, 12, H);
   for (int64_t d : {256, 512, 1536, 1792, 2048}) check(11, d, 4, 8);
   check(19, 512, 9, 4, 2);  // block layout
+  check(16, 512, 25, 4);    // the 100M config's width and depth (backward tiles at 2 chunks)
 }
 
 TEST_F(RoutingParity, ManyHeads) {

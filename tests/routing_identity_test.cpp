@@ -12,6 +12,7 @@
 //   s = 1 is full routing; the ops' poisoning checks hold for block layouts too.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -195,12 +196,69 @@ TEST(RoutingIdentity, BlocksOfOneAreFullRouting) {
 // the layer loop to the promise a tiling backend relies on: tiles start at sites 0, k,
 // 2k, ... with count min(k, sites - site); the tile's later sites come next, in order,
 // through routing_mix with the same tensors; until then the slots <= the tile's first
-// site and their pairs for the tile's sites are left as they were. The mixes themselves
-// are the inner backend's.
+// site and their pairs for the tile's sites are left as they were. The same for the
+// backward's tiles of k slots (routing_source_backward_tile): they start at slots S-1,
+// S-1-k, ... (but slot 0) with count min(k, slot + 1); the tile's older slots come next,
+// in order, through routing_source_backward with the same tensors, and until then the
+// site gradients >= the tile's first slot, the older slots' rows, inv_rms and pairs
+// with those sites, and ubar's rows of those sites are left as they were. The ops
+// themselves are the inner backend's.
 class TileAuditor final : public ForwardingBackend {
  public:
   TileAuditor(Backend& inner, int k) : ForwardingBackend(inner), k_(k) {}
   int tiles = 0, tiled_sites = 0;
+  int back_tiles = 0, back_tiled_slots = 0, back_plain = 0;
+
+  int routing_backward_tile_slots(const RoutingLayout&, int64_t, int) const override { return k_; }
+  void routing_source_backward_tile(Tensor dv, Tensor w, Tensor ub, Tensor gs,
+                                    const std::vector<Tensor>& dx, Tensor x, Tensor h, Tensor r,
+                                    const RoutingParams& p, const RoutingLayout& lay, int i,
+                                    int count, int heads) override {
+    EXPECT_EQ(back_next_, -1) << "a backward tile began at slot " << i << " before slot "
+                              << back_next_;
+    EXPECT_GE(i, 1) << "a backward tile of slot 0 alone";
+    EXPECT_EQ((lay.sources - 1 - i) % k_, 0) << "backward tile at slot " << i;
+    EXPECT_EQ(count, std::min(k_, i + 1)) << "backward tile at slot " << i;
+    ++back_tiles;
+    in_.routing_source_backward_tile(dv, w, ub, gs, dx, x, h, r, p, lay, i, count, heads);
+    back_first_ = i;
+    back_end_ = i - count;
+    back_next_ = count > 1 ? i - 1 : -1;
+    back_ptrs_ = {w.data, ub.data, h.data, r.data, gs.data};
+    back_snapshot_ = back_state(w, ub, dx, h, r, lay);
+  }
+  void routing_source_backward(Tensor dv, Tensor w, Tensor ub, Tensor gs,
+                               const std::vector<Tensor>& dx, Tensor x, Tensor v, Tensor r,
+                               const RoutingParams& p, const RoutingLayout& lay, int i,
+                               int heads) override {
+    if (back_next_ < 0) {
+      EXPECT_TRUE(i == 0 || (lay.sources - 1 - i) % k_ != 0)
+          << "slot " << i << " starts a backward tile but came as a plain call";
+      ++back_plain;
+    } else {
+      EXPECT_EQ(i, back_next_) << "slot " << i << " out of its backward tile's order";
+      // The tile's tensors, as rows of the same history and inv_rms.
+      EXPECT_EQ(w.data, back_ptrs_[0]);
+      EXPECT_EQ(ub.data, back_ptrs_[1]);
+      EXPECT_EQ(gs.data, back_ptrs_[4]);
+      EXPECT_EQ(v.data, back_row(back_ptrs_[2], v, i));
+      EXPECT_EQ(r.data, back_row(back_ptrs_[3], r, i));
+      Tensor hist(const_cast<void*>(back_ptrs_[2]), v.dtype, {lay.sources, v.dim(0), v.dim(1)});
+      Tensor rms(const_cast<void*>(back_ptrs_[3]), r.dtype, {lay.sources, r.numel()});
+      const auto now = back_state(w, ub, dx, hist, rms, lay);
+      for (const auto& [key, value] : back_snapshot_) {
+        const int kind = std::min(key.first, 2), slot = key.first >= 2 ? key.first - 2 : -1;
+        if (slot > i) continue;  // a slot done since: its call wrote its own pairs
+        EXPECT_EQ(now.at(key), value)
+            << "backward tile at slot " << back_first_ << ": " << kBackWhat[kind] << " "
+            << (slot >= 0 ? std::to_string(slot) + " " : "") << key.second
+            << " changed before slot " << i;
+      }
+      ++back_tiled_slots;
+      back_next_ = i - 1 > back_end_ ? i - 1 : -1;
+    }
+    in_.routing_source_backward(dv, w, ub, gs, dx, x, v, r, p, lay, i, heads);
+  }
 
   int routing_tile_sites(const RoutingLayout&, int64_t, int) const override { return k_; }
   void routing_mix_tile(Tensor x, Tensor w, Tensor h, const RoutingLayout& lay, int site,
@@ -257,10 +315,40 @@ class TileAuditor final : public ForwardingBackend {
   int k_, first_ = -1, end_ = -1, next_ = -1;
   const void *w_ = nullptr, *h_ = nullptr;
   State snapshot_;
+
+  // What the backward tile at back_first_ relies on, keyed (kind, index): (0, k) the site
+  // gradients k >= back_first_, (1, k) ubar's rows of those sites, and for each older
+  // slot i (2 + i, k) its pair with site k >= back_first_, (2 + i, -1) its row and
+  // inv_rms. A slot's entries are checked until its own call, which writes its pairs.
+  static constexpr const char* kBackWhat[] = {"site gradient", "ubar row", "slot"};
+  State back_state(Tensor w, Tensor ub, const std::vector<Tensor>& dx, Tensor h, Tensor r,
+                   const RoutingLayout& lay) {
+    State out;
+    const int S = lay.sites;
+    for (int k = back_first_; k < S; ++k) {
+      out[{0, k}] = mhar::test::download(in_, dx[size_t(k)]);
+      out[{1, k}] = mhar::test::download(in_, ub[k]);
+    }
+    for (int i = back_first_ - 1; i > back_end_; --i) {
+      std::vector<double> row = mhar::test::download(in_, h[i]), rms = mhar::test::download(in_, r[i]);
+      row.insert(row.end(), rms.begin(), rms.end());
+      out[{2 + i, -1}] = row;
+      for (int k = back_first_; k <= lay.last_site(i); ++k)
+        out[{2 + i, k}] = mhar::test::download(in_, w[lay.pair(i, k)]);
+    }
+    return out;
+  }
+  static const void* back_row(const void* base, const Tensor& row, int i) {
+    return static_cast<const char*>(base) + size_t(i) * row.bytes();
+  }
+  int back_first_ = -1, back_end_ = -1, back_next_ = -1;
+  std::array<const void*, 5> back_ptrs_{};
+  State back_snapshot_;
 };
 
-// Depth tiles change nothing a model computes: with a backend that tiles (its contract
-// audited above), loss, logits and every gradient equal the untiled model's bit for bit,
+// Depth tiles change nothing a model computes: with a backend that tiles the mix and the
+// backward (its contract audited above), loss, logits and every gradient equal the
+// untiled model's bit for bit,
 // for tiles of 2 and 3 sites, full and block routing, one and several heads.
 TEST(RoutingIdentity, DepthTilesKeepTheLayerLoopsPromise) {
   for (int k : {2, 3})
@@ -287,6 +375,12 @@ TEST(RoutingIdentity, DepthTilesKeepTheLayerLoopsPromise) {
         EXPECT_EQ(download(*cpu, plain.logits()), download(*cpu, tiled.logits())) << tag;
         plain.backward();
         tiled.backward();
+        // Backward tiles start at slots S-1, S-1-k, ... but slot 0; the rest are plain.
+        int back_tiles = 0, back_tiled = 0;
+        for (int i = S - 1; i >= 1; i -= k) ++back_tiles, back_tiled += std::min(k, i + 1) - 1;
+        EXPECT_EQ(tiled_be.back_tiles, back_tiles) << tag;
+        EXPECT_EQ(tiled_be.back_tiled_slots, back_tiled) << tag;
+        EXPECT_EQ(tiled_be.back_tiles + tiled_be.back_tiled_slots + tiled_be.back_plain, S) << tag;
         for (auto& p : plain.parameters())
           EXPECT_EQ(download(*cpu, p.grad), download(*cpu, tiled.parameter(p.name).grad))
               << p.name << " " << tag;
