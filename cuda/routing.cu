@@ -985,9 +985,17 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, FUSED ? 2 : span_blocks_p
 // p0's whole value row (val, as source_value_span_kernel writes it), slot p1's share of
 // the same sites (partial), and the logit gradients ds r of both slots' pairs with those
 // sites. Slot p1's own call then reads only site p1's gradient (resume). Both slot rows
-// and both value rows stay in registers (234 at d = 1280, 2 blocks per SM), so each
-// dx_j chunk serves two slots: half the site-gradient reads of two plain calls.
-constexpr int kBackTileMaxNT = 5;  // d <= 1280: 234 registers, no spills (NT 6: 239; 7, 8 spill)
+// and both value rows stay in registers (<= 210 at d = 1280, 2 blocks per SM), so few
+// warps are resident: the site rows and their three per-head scalars (a_p0, a_p1, ubar)
+// come through a per-warp ring of kBackTileStages stages in shared memory, filled by
+// cp.async kBackTileStages - 1 sites ahead, so that each warp has that many rows in
+// flight instead of one (a lane copies and reads back only its own chunks and scalars,
+// so the warp needs no barrier; chunk t of lane l sits at [t][l]: conflict-free reads).
+constexpr int kBackTileMaxNT = 5;  // d <= 1280 (wider rows would spill)
+constexpr int kBackTileStages = 4;
+size_t back_tile_ring_bytes(int NT) {
+  return size_t(kWarpsPerBlock) * kBackTileStages * (NT + 1) * 32 * sizeof(uint4);
+}
 template <int NT>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, 2)
     source_value_pair_span_kernel(float* __restrict__ val, float* __restrict__ partial,
@@ -997,8 +1005,11 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, 2)
                                   const float* __restrict__ inv_rms0,
                                   const float* __restrict__ inv_rms1, const Geometry g,
                                   int source) {
+  extern __shared__ uint4 pair_ring[];
+  constexpr int kStage = (NT + 1) * 32;  // NT rows of 32 chunks, then 32 scalar quads
   const int lane = threadIdx.x & 31, G = 32 / g.H, h = lane / G;
   const bool leader = lane % G == 0;
+  uint4* ring = pair_ring + size_t(threadIdx.x >> 5) * kBackTileStages * kStage;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
   // Head h's pair rows of both slots: pair(p, j) = pair_base(p) + j - p in full routing.
   float* w0 = weights + (g.lay.pair_base(source) * g.H + h) * g.N;
@@ -1007,37 +1018,54 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, 2)
   const int last = g.lay.last_site(source);
   for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); n < g.N;
        n += warps) {
+    // Site k's row chunks and scalars (a_p0, a_p1, and ubar_k for k > source) into the
+    // ring's stage (k - source) % kBackTileStages; one commit group per site.
+    auto issue = [&](int k) {
+      uint4* st = ring + ((k - source) % kBackTileStages) * kStage;
+      const uint4* src = reinterpret_cast<const uint4*>(site_dx.dx[k] + n * g.d) + lane * NT;
+#pragma unroll
+      for (int t = 0; t < NT; ++t) cp_async16(st + t * 32 + lane, src + t);
+      float* sc = reinterpret_cast<float*>(st + NT * 32 + lane);
+      const int64_t off = int64_t(k - source) * g.H * g.N + n;
+      cp_async4(sc, w0 + off);
+      cp_async4(sc + 1, w1 + off);
+      if (k > source) cp_async4(sc + 2, ub_h + int64_t(k) * g.H * g.N + n);
+    };
+#pragma unroll
+    for (int a = 0; a < kBackTileStages - 1; ++a) {
+      if (source + a <= last) issue(source + a);
+      cp_async_commit();
+    }
     const float r0 = inv_rms0[n], r1 = inv_rms1[n];
-    Row<NT> rv0, rv1, rdx, nxt;
+    Row<NT> rv0, rv1, rx;
     load_span(rv0, v0 + n * g.d);
     load_span(rv1, v1 + n * g.d);
-    load_span(rdx, site_dx.dx[source] + n * g.d);
-    float ub;
-    {  // ubar of site `source`, from its input and input gradient
-      Row<NT> rx;
-      load_span(rx, x + n * g.d);
-      float p = 0.f;
-#pragma unroll
-      for (int t = 0; t < NT; ++t)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) p += elem(rdx.raw[t], e) * elem(rx.raw[t], e);
-      ub = head_sum(p, G);
-      if (leader) ubar[(int64_t(source) * g.H + h) * g.N + n] = ub;
-    }
-    float a0 = w0[n], a1 = w1[n];
+    load_span(rx, x + n * g.d);
     float acc0[NT][8], acc1[NT][8];
 #pragma unroll
     for (int t = 0; t < NT; ++t)
 #pragma unroll
       for (int e = 0; e < 8; ++e) acc0[t][e] = 0.f, acc1[t][e] = 0.f;
     for (int k = source; k <= last; ++k) {
-      const int64_t off = int64_t(k - source) * g.H * g.N + n;
-      float a0_nxt = 0.f, a1_nxt = 0.f, ub_nxt = 0.f;
-      if (k + 1 <= last) {
-        load_span(nxt, site_dx.dx[k + 1] + n * g.d);
-        a0_nxt = w0[off + int64_t(g.H) * g.N];
-        a1_nxt = w1[off + int64_t(g.H) * g.N];
-        ub_nxt = ub_h[int64_t(k + 1) * g.H * g.N + n];
+      // The stage refilled here held site k-1, whose values were used last iteration.
+      if (k + kBackTileStages - 1 <= last) issue(k + kBackTileStages - 1);
+      cp_async_commit();
+      cp_async_wait<kBackTileStages - 1>();  // this lane's copies of site k are done
+      const uint4* st = ring + ((k - source) % kBackTileStages) * kStage;
+      Row<NT> rdx;
+#pragma unroll
+      for (int t = 0; t < NT; ++t) rdx.raw[t] = st[t * 32 + lane];
+      const float4 sc = reinterpret_cast<const float4*>(st + NT * 32)[lane];
+      const float a0 = sc.x, a1 = sc.y;
+      float ub = sc.z;
+      if (k == source) {  // ubar of site `source`, from its input and input gradient
+        float p = 0.f;
+#pragma unroll
+        for (int t = 0; t < NT; ++t)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) p += elem(rdx.raw[t], e) * elem(rx.raw[t], e);
+        ub = head_sum(p, G);
+        if (leader) ubar[(int64_t(source) * g.H + h) * g.N + n] = ub;
       }
       float p0 = 0.f, p1 = 0.f;
 #pragma unroll
@@ -1051,9 +1079,11 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, 2)
           acc1[t][e] += a1 * dxe;
         }
       const float ds0 = a0 * (head_sum(p0, G) - ub), ds1 = a1 * (head_sum(p1, G) - ub);
-      // The shuffles synchronise the warp: a_k was read by every lane an iteration ago.
-      if (leader) w0[off] = ds0 * r0, w1[off] = ds1 * r1;
-      if (k + 1 <= last) rdx = nxt, a0 = a0_nxt, a1 = a1_nxt, ub = ub_nxt;
+      // The shuffles synchronise the warp: every lane of the head has its copy of a_k.
+      if (leader) {
+        const int64_t off = int64_t(k - source) * g.H * g.N + n;
+        w0[off] = ds0 * r0, w1[off] = ds1 * r1;
+      }
     }
     store_span_f32(val + n * g.d, acc0);
     store_span_f32(partial + n * g.d, acc1);
@@ -1433,7 +1463,9 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
     dispatch_span(g, [&](auto nt) {
       constexpr int NT = decltype(nt)::value;
       if constexpr (NT <= kBackTileMaxNT) {
-        source_value_pair_span_kernel<NT><<<token_blocks(N), 32 * kWarpsPerBlock, 0, s>>>(
+        const size_t smem = back_tile_ring_bytes(NT);
+        allow_smem(source_value_pair_span_kernel<NT>, smem);
+        source_value_pair_span_kernel<NT><<<token_blocks(N), 32 * kWarpsPerBlock, smem, s>>>(
             val, partial, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in, older->v,
             inv_rms.ptr<float>(), older->inv_rms, g, source);
         CUDA_CHECK_LAUNCH();
