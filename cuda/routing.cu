@@ -989,8 +989,9 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, FUSED ? 2 : span_blocks_p
 // warps are resident: the site rows and their three per-head scalars (a_p0, a_p1, ubar)
 // come through a per-warp ring of kBackTileStages stages in shared memory, filled by
 // cp.async kBackTileStages - 1 sites ahead, so that each warp has that many rows in
-// flight instead of one (a lane copies and reads back only its own chunks and scalars,
-// so the warp needs no barrier; chunk t of lane l sits at [t][l]: conflict-free reads).
+// flight instead of one (the copies are coalesced, so lanes copy each other's chunks:
+// warp barriers around each stage; chunk t of lane l sits at [t][l]: conflict-free
+// reads).
 constexpr int kBackTileMaxNT = 5;  // d <= 1280 (wider rows would spill)
 constexpr int kBackTileStages = 4;
 size_t back_tile_ring_bytes(int NT) {
@@ -1022,14 +1023,22 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, 2)
     // ring's stage (k - source) % kBackTileStages; one commit group per site.
     auto issue = [&](int k) {
       uint4* st = ring + ((k - source) % kBackTileStages) * kStage;
-      const uint4* src = reinterpret_cast<const uint4*>(site_dx.dx[k] + n * g.d) + lane * NT;
+      const uint4* src = reinterpret_cast<const uint4*>(site_dx.dx[k] + n * g.d);
+      // Copy t moves the warp's chunks c = 32 t + lane (512 contiguous bytes: one
+      // coalesced request; cp.async.cg skips L1, so strided copies would refetch each
+      // sector NT times from L2) to where their owner reads them: lane c / NT, chunk c % NT.
 #pragma unroll
-      for (int t = 0; t < NT; ++t) cp_async16(st + t * 32 + lane, src + t);
-      float* sc = reinterpret_cast<float*>(st + NT * 32 + lane);
-      const int64_t off = int64_t(k - source) * g.H * g.N + n;
-      cp_async4(sc, w0 + off);
-      cp_async4(sc + 1, w1 + off);
-      if (k > source) cp_async4(sc + 2, ub_h + int64_t(k) * g.H * g.N + n);
+      for (int t = 0; t < NT; ++t) {
+        const int c = 32 * t + lane;
+        cp_async16(st + (c % NT) * 32 + c / NT, src + c);
+      }
+      if (lane < g.H) {  // head `lane`'s a_p0, a_p1 and (k > source) ubar_k
+        float* sc = reinterpret_cast<float*>(st + NT * 32) + 4 * lane;
+        const int64_t off = int64_t(k - source) * g.H * g.N + n + int64_t(lane - h) * g.N;
+        cp_async4(sc, w0 + off);
+        cp_async4(sc + 1, w1 + off);
+        if (k > source) cp_async4(sc + 2, ubar + (int64_t(k) * g.H + lane) * g.N + n);
+      }
     };
 #pragma unroll
     for (int a = 0; a < kBackTileStages - 1; ++a) {
@@ -1047,15 +1056,17 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, 2)
 #pragma unroll
       for (int e = 0; e < 8; ++e) acc0[t][e] = 0.f, acc1[t][e] = 0.f;
     for (int k = source; k <= last; ++k) {
-      // The stage refilled here held site k-1, whose values were used last iteration.
+      // The stage refilled here held site k-1: every lane has read it (the barrier).
+      __syncwarp();
       if (k + kBackTileStages - 1 <= last) issue(k + kBackTileStages - 1);
       cp_async_commit();
-      cp_async_wait<kBackTileStages - 1>();  // this lane's copies of site k are done
+      cp_async_wait<kBackTileStages - 1>();  // this lane's copies of site k are done,
+      __syncwarp();                           // and every other lane's
       const uint4* st = ring + ((k - source) % kBackTileStages) * kStage;
       Row<NT> rdx;
 #pragma unroll
       for (int t = 0; t < NT; ++t) rdx.raw[t] = st[t * 32 + lane];
-      const float4 sc = reinterpret_cast<const float4*>(st + NT * 32)[lane];
+      const float4 sc = reinterpret_cast<const float4*>(st + NT * 32)[h];
       const float a0 = sc.x, a1 = sc.y;
       float ub = sc.z;
       if (k == source) {  // ubar of site `source`, from its input and input gradient
