@@ -1015,7 +1015,6 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, 2)
   // Head h's pair rows of both slots: pair(p, j) = pair_base(p) + j - p in full routing.
   float* w0 = weights + (g.lay.pair_base(source) * g.H + h) * g.N;
   float* w1 = weights + ((g.lay.pair_base(source - 1) + 1) * g.H + h) * g.N;  // from j = source
-  const float* ub_h = ubar + int64_t(h) * g.N;
   const int last = g.lay.last_site(source);
   for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); n < g.N;
        n += warps) {
