@@ -435,7 +435,32 @@ constexpr float kLog2e = 1.4426950408889634f;
 #define MHAR_TC_OLD_ARCH 1
 #endif
 
-// smem_addr, cp_async16, cp_async_commit, cp_async_wait: cuda/common.cuh.
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+// 16 bytes global -> shared; zero-filled when !valid (src is then never read).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+#ifdef MHAR_TC_OLD_ARCH
+  __trap();
+#else
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
+               "l"(src), "r"(valid ? 16 : 0));
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#ifdef MHAR_TC_OLD_ARCH
+  __trap();
+#else
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+#ifdef MHAR_TC_OLD_ARCH
+  __trap();
+#else
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
 #ifdef MHAR_TC_OLD_ARCH
   __trap();

@@ -152,46 +152,4 @@ int sm_count();
 // Enough blocks to fill the device a few times over for grid-stride loops.
 int grid_stride_blocks(int64_t work_items, int threads);
 
-// ---- asynchronous global -> shared copies (cp.async, sm_80+; older targets trap: their
-// callers must not reach them). A thread's copies are complete and visible to itself
-// after cp_async_wait<N>() leaves at most N of its committed groups in flight; other
-// threads see them after that thread's wait and a barrier (__syncwarp / __syncthreads).
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-#define MHAR_NO_CP_ASYNC 1
-#endif
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-// 16 bytes global -> shared, L2 only; zero-filled when !valid (src is then never read).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid = true) {
-#ifdef MHAR_NO_CP_ASYNC
-  __trap();
-#else
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
-               "l"(src), "r"(valid ? 16 : 0));
-#endif
-}
-// 4 bytes global -> shared (through L1).
-__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
-#ifdef MHAR_NO_CP_ASYNC
-  __trap();
-#else
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(dst)), "l"(src));
-#endif
-}
-__device__ __forceinline__ void cp_async_commit() {
-#ifdef MHAR_NO_CP_ASYNC
-  __trap();
-#else
-  asm volatile("cp.async.commit_group;\n" ::);
-#endif
-}
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-#ifdef MHAR_NO_CP_ASYNC
-  __trap();
-#else
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-#endif
-}
-
 }  // namespace mhar::cuda

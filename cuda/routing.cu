@@ -985,18 +985,9 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, FUSED ? 2 : span_blocks_p
 // p0's whole value row (val, as source_value_span_kernel writes it), slot p1's share of
 // the same sites (partial), and the logit gradients ds r of both slots' pairs with those
 // sites. Slot p1's own call then reads only site p1's gradient (resume). Both slot rows
-// and both value rows stay in registers (<= 210 at d = 1280, 2 blocks per SM), so few
-// warps are resident: the site rows and their three per-head scalars (a_p0, a_p1, ubar)
-// come through a per-warp ring of kBackTileStages stages in shared memory, filled by
-// cp.async kBackTileStages - 1 sites ahead, so that each warp has that many rows in
-// flight instead of one (the copies are coalesced, so lanes copy each other's chunks:
-// warp barriers around each stage; chunk t of lane l sits at [t][l]: conflict-free
-// reads).
-constexpr int kBackTileMaxNT = 5;  // d <= 1280 (wider rows would spill)
-constexpr int kBackTileStages = 4;
-size_t back_tile_ring_bytes(int NT) {
-  return size_t(kWarpsPerBlock) * kBackTileStages * (NT + 1) * 32 * sizeof(uint4);
-}
+// and both value rows stay in registers (234 at d = 1280, 2 blocks per SM), so each
+// dx_j chunk serves two slots: half the site-gradient reads of two plain calls.
+constexpr int kBackTileMaxNT = 5;  // d <= 1280: 234 registers, no spills (NT 6: 239; 7, 8 spill)
 template <int NT>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, 2)
     source_value_pair_span_kernel(float* __restrict__ val, float* __restrict__ partial,
@@ -1006,76 +997,47 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, 2)
                                   const float* __restrict__ inv_rms0,
                                   const float* __restrict__ inv_rms1, const Geometry g,
                                   int source) {
-  extern __shared__ uint4 pair_ring[];
-  constexpr int kStage = (NT + 1) * 32;  // NT rows of 32 chunks, then 32 scalar quads
   const int lane = threadIdx.x & 31, G = 32 / g.H, h = lane / G;
   const bool leader = lane % G == 0;
-  uint4* ring = pair_ring + size_t(threadIdx.x >> 5) * kBackTileStages * kStage;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
   // Head h's pair rows of both slots: pair(p, j) = pair_base(p) + j - p in full routing.
   float* w0 = weights + (g.lay.pair_base(source) * g.H + h) * g.N;
   float* w1 = weights + ((g.lay.pair_base(source - 1) + 1) * g.H + h) * g.N;  // from j = source
+  const float* ub_h = ubar + int64_t(h) * g.N;
   const int last = g.lay.last_site(source);
   for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); n < g.N;
        n += warps) {
-    // Site k's row chunks and scalars (a_p0, a_p1, and ubar_k for k > source) into the
-    // ring's stage (k - source) % kBackTileStages; one commit group per site.
-    auto issue = [&](int k) {
-      uint4* st = ring + ((k - source) % kBackTileStages) * kStage;
-      const uint4* src = reinterpret_cast<const uint4*>(site_dx.dx[k] + n * g.d);
-      // Copy t moves the warp's chunks c = 32 t + lane (512 contiguous bytes: one
-      // coalesced request; cp.async.cg skips L1, so strided copies would refetch each
-      // sector NT times from L2) to where their owner reads them: lane c / NT, chunk c % NT.
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        const int c = 32 * t + lane;
-        cp_async16(st + (c % NT) * 32 + c / NT, src + c);
-      }
-      if (lane < g.H) {  // head `lane`'s a_p0, a_p1 and (k > source) ubar_k
-        float* sc = reinterpret_cast<float*>(st + NT * 32) + 4 * lane;
-        const int64_t off = int64_t(k - source) * g.H * g.N + n + int64_t(lane - h) * g.N;
-        cp_async4(sc, w0 + off);
-        cp_async4(sc + 1, w1 + off);
-        if (k > source) cp_async4(sc + 2, ubar + (int64_t(k) * g.H + lane) * g.N + n);
-      }
-    };
-#pragma unroll
-    for (int a = 0; a < kBackTileStages - 1; ++a) {
-      if (source + a <= last) issue(source + a);
-      cp_async_commit();
-    }
     const float r0 = inv_rms0[n], r1 = inv_rms1[n];
-    Row<NT> rv0, rv1, rx;
+    Row<NT> rv0, rv1, rdx, nxt;
     load_span(rv0, v0 + n * g.d);
     load_span(rv1, v1 + n * g.d);
-    load_span(rx, x + n * g.d);
+    load_span(rdx, site_dx.dx[source] + n * g.d);
+    float ub;
+    {  // ubar of site `source`, from its input and input gradient
+      Row<NT> rx;
+      load_span(rx, x + n * g.d);
+      float p = 0.f;
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) p += elem(rdx.raw[t], e) * elem(rx.raw[t], e);
+      ub = head_sum(p, G);
+      if (leader) ubar[(int64_t(source) * g.H + h) * g.N + n] = ub;
+    }
+    float a0 = w0[n], a1 = w1[n];
     float acc0[NT][8], acc1[NT][8];
 #pragma unroll
     for (int t = 0; t < NT; ++t)
 #pragma unroll
       for (int e = 0; e < 8; ++e) acc0[t][e] = 0.f, acc1[t][e] = 0.f;
     for (int k = source; k <= last; ++k) {
-      // The stage refilled here held site k-1: every lane has read it (the barrier).
-      __syncwarp();
-      if (k + kBackTileStages - 1 <= last) issue(k + kBackTileStages - 1);
-      cp_async_commit();
-      cp_async_wait<kBackTileStages - 1>();  // this lane's copies of site k are done,
-      __syncwarp();                           // and every other lane's
-      const uint4* st = ring + ((k - source) % kBackTileStages) * kStage;
-      Row<NT> rdx;
-#pragma unroll
-      for (int t = 0; t < NT; ++t) rdx.raw[t] = st[t * 32 + lane];
-      const float4 sc = reinterpret_cast<const float4*>(st + NT * 32)[h];
-      const float a0 = sc.x, a1 = sc.y;
-      float ub = sc.z;
-      if (k == source) {  // ubar of site `source`, from its input and input gradient
-        float p = 0.f;
-#pragma unroll
-        for (int t = 0; t < NT; ++t)
-#pragma unroll
-          for (int e = 0; e < 8; ++e) p += elem(rdx.raw[t], e) * elem(rx.raw[t], e);
-        ub = head_sum(p, G);
-        if (leader) ubar[(int64_t(source) * g.H + h) * g.N + n] = ub;
+      const int64_t off = int64_t(k - source) * g.H * g.N + n;
+      float a0_nxt = 0.f, a1_nxt = 0.f, ub_nxt = 0.f;
+      if (k + 1 <= last) {
+        load_span(nxt, site_dx.dx[k + 1] + n * g.d);
+        a0_nxt = w0[off + int64_t(g.H) * g.N];
+        a1_nxt = w1[off + int64_t(g.H) * g.N];
+        ub_nxt = ub_h[int64_t(k + 1) * g.H * g.N + n];
       }
       float p0 = 0.f, p1 = 0.f;
 #pragma unroll
@@ -1089,11 +1051,9 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, 2)
           acc1[t][e] += a1 * dxe;
         }
       const float ds0 = a0 * (head_sum(p0, G) - ub), ds1 = a1 * (head_sum(p1, G) - ub);
-      // The shuffles synchronise the warp: every lane of the head has its copy of a_k.
-      if (leader) {
-        const int64_t off = int64_t(k - source) * g.H * g.N + n;
-        w0[off] = ds0 * r0, w1[off] = ds1 * r1;
-      }
+      // The shuffles synchronise the warp: a_k was read by every lane an iteration ago.
+      if (leader) w0[off] = ds0 * r0, w1[off] = ds1 * r1;
+      if (k + 1 <= last) rdx = nxt, a0 = a0_nxt, a1 = a1_nxt, ub = ub_nxt;
     }
     store_span_f32(val + n * g.d, acc0);
     store_span_f32(partial + n * g.d, acc1);
@@ -1473,9 +1433,7 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
     dispatch_span(g, [&](auto nt) {
       constexpr int NT = decltype(nt)::value;
       if constexpr (NT <= kBackTileMaxNT) {
-        const size_t smem = back_tile_ring_bytes(NT);
-        allow_smem(source_value_pair_span_kernel<NT>, smem);
-        source_value_pair_span_kernel<NT><<<token_blocks(N), 32 * kWarpsPerBlock, smem, s>>>(
+        source_value_pair_span_kernel<NT><<<token_blocks(N), 32 * kWarpsPerBlock, 0, s>>>(
             val, partial, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in, older->v,
             inv_rms.ptr<float>(), older->inv_rms, g, source);
         CUDA_CHECK_LAUNCH();
