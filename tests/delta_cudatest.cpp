@@ -25,7 +25,9 @@
 // - The identity, on real text (the bytes of the repo's DESIGN.md as token ids, vocab 256):
 //   a standard model and a delta model holding the same bf16 weights, the delta gates 0
 //   (queries, gains and null random, so the gated-off term is not 0), give the same loss
-//   and logits bit for bit (max |logit difference| = 0).
+//   and logits bit for bit (max |logit difference| = 0), and the same gradients of the
+//   shared weights bit for bit (all but the embedding table's, which fp32 atomics make
+//   run-dependent on either model).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -375,9 +377,10 @@ TEST(DeltaGpuIdentity, ZeroGatesGiveTheStandardLogitsExactlyOnRealText) {
   std::vector<int32_t> tok(static_cast<size_t>(N)), tgt(static_cast<size_t>(N));
   for (int i = 0; i < N; ++i) tok[size_t(i)] = int32_t(uint8_t(text[size_t(i)])), tgt[size_t(i)] = int32_t(uint8_t(text[size_t(i + 1)]));
   // The shared weights' gradients: the delta model's equal the standard model's bit for
-  // bit wherever the standard model reproduces its own gradient bit for bit (two runs).
-  // Gradients built with fp32 atomics (the embedding's scatter, cuda/embedding.cu) vary
-  // run to run on either model: those are listed, not compared.
+  // bit. Not compared: the embedding table's, scattered with fp32 atomics
+  // (cuda/embedding.cu: repeated tokens add in an unspecified order, on either model),
+  // and any other the standard model does not reproduce bit for bit itself (two runs);
+  // those are listed.
   auto grads = [&](Model& m) {
     m.zero_grads();
     m.forward(tok.data(), tgt.data(), 1.0);
@@ -391,7 +394,7 @@ TEST(DeltaGpuIdentity, ZeroGatesGiveTheStandardLogitsExactlyOnRealText) {
   std::string varying;
   for (size_t i = 0; i < gs1.size(); ++i) {
     const std::string& name = ms.parameters()[i].name;
-    if (gs1[i] != gs2[i]) {
+    if (gs1[i] != gs2[i] || name.find("embed_tokens") != std::string::npos) {
       varying += " " + name;
       continue;
     }
@@ -399,9 +402,9 @@ TEST(DeltaGpuIdentity, ZeroGatesGiveTheStandardLogitsExactlyOnRealText) {
     EXPECT_EQ(gd[i], gs1[i]) << name << ": the delta model's gradient differs at alpha = 0";
   }
   std::printf("DELTA_IDENTITY gpu gradients: %d of %zu shared tensors bit-identical to standard; "
-              "not reproducible on standard itself:%s\n",
+              "not compared (atomics, or not reproducible on standard itself):%s\n",
               compared, gs1.size(), varying.empty() ? " none" : varying.c_str());
-  // Expected to vary: only the embedding (every other kernel of the backward is
+  // Expected left out: only the embedding (every other kernel of the backward is
   // deterministic at these shapes); at least half must be compared for the check to mean
   // something.
   EXPECT_GE(2 * compared, int(gs1.size()));
