@@ -55,8 +55,10 @@
 // backward used 2-byte scalar loads). What remains beyond standard is either required by
 // the scheme (the running stream and the block sums, written once each; x = std + alpha r
 // needs r, which only the mix has) or sits across a routing op: fusing the gate into the
-// mix's store (r and x written together) would save 1R a site, and a source backward
-// that added dresid and the next slot's gradient into its output 2R a site.
+// mix's store (r and x written together) would save 1R a site, a source backward that
+// added the next slot's gradient and dresid into its output (writing the block sum and
+// v's gradient instead of dv) 2R a site, and the slot's logits computed by the advance
+// while it holds the new slot's row 1R a site.
 #include "engine/model.h"
 #include "engine/residual.h"
 
