@@ -345,6 +345,16 @@ class CudaBackend final : public Backend {
   void delta_null_backward(Tensor drow, Tensor dout, Tensor scratch) override {
     cuda::delta_null_backward(stream_, drow, dout, scratch);
   }
+  void delta_stream_advance(Tensor stream, Tensor slot, Tensor prev) override {
+    cuda::delta_stream_advance(stream_, stream, slot, prev);
+  }
+  void delta_resid_gate_backward(Tensor dresid, Tensor dr, Tensor dalpha, Tensor dx, Tensor r,
+                                 Tensor alpha, Tensor scratch) override {
+    cuda::delta_resid_gate_backward(stream_, dresid, dr, dalpha, dx, r, alpha, scratch);
+  }
+  void delta_source_grad(Tensor out, Tensor dresid, Tensor slot, Tensor next) override {
+    cuda::delta_source_grad(stream_, out, dresid, slot, next);
+  }
   double sum_squares(Tensor t) override { return cuda::sum_squares(stream_, t, scratch_); }
   void adamw(Tensor param, Tensor master, Tensor grad, Tensor m, Tensor v,
              const AdamW& hp) override {

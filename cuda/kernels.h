@@ -190,6 +190,12 @@ void delta_gate_backward(cudaStream_t s, Tensor dr, Tensor dalpha, Tensor dx, Te
                          Tensor alpha, Tensor scratch);
 void delta_null_forward(cudaStream_t s, Tensor out, Tensor row);
 void delta_null_backward(cudaStream_t s, Tensor drow, Tensor dout, Tensor scratch);
+// The fused steps (backend.h): the same bits as their default op sequences. prev / next
+// may be empty (Tensor()).
+void delta_stream_advance(cudaStream_t s, Tensor stream, Tensor slot, Tensor prev);
+void delta_resid_gate_backward(cudaStream_t s, Tensor dresid, Tensor dr, Tensor dalpha, Tensor dx,
+                               Tensor r, Tensor alpha, Tensor scratch);
+void delta_source_grad(cudaStream_t s, Tensor out, Tensor dresid, Tensor slot, Tensor next);
 
 // optimizer.cu
 void adamw(cudaStream_t s, Tensor param, Tensor master, Tensor grad, Tensor m, Tensor v,

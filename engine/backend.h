@@ -376,6 +376,32 @@ class Backend {
   virtual void delta_null_forward(Tensor out, Tensor row);
   //   drow[c] += sum_n dout[n, c]
   virtual void delta_null_backward(Tensor drow, Tensor dout, Tensor scratch);
+  // Fused steps of the scheme's loop (residual_delta.cpp). Each default is the sequence
+  // of ops it replaces, and is the reference: a backend that overrides one computes the
+  // same bits (the same fp32 operations, each result rounded to the act dtype where the
+  // sequence stores it), so the conversion identity holds on it exactly as before.
+  // `next`/`prev` may be empty (Tensor()): that step is skipped. All tensors [N, d], act
+  // dtype, distinct buffers.
+  //   stream += slot; then, when prev is given, slot += prev
+  // (a finished sublayer's output joins the running standard stream, then its history
+  // slot becomes its block's running sum)
+  virtual void delta_stream_advance(Tensor stream, Tensor slot, Tensor prev) {
+    add_inplace(stream, slot);
+    if (!prev.empty()) add_inplace(slot, prev);
+  }
+  //   dresid += dx; then delta_gate_backward(dr, dalpha, dx, r, alpha, scratch)
+  virtual void delta_resid_gate_backward(Tensor dresid, Tensor dr, Tensor dalpha, Tensor dx,
+                                         Tensor r, Tensor alpha, Tensor scratch) {
+    add_inplace(dresid, dx);
+    delta_gate_backward(dr, dalpha, dx, r, alpha, scratch);
+  }
+  //   slot += next (when next is given); then out = dresid + slot
+  // (a slot's routing gradient gathers the later slots of its block; v's whole gradient
+  // is the standard part plus that)
+  virtual void delta_source_grad(Tensor out, Tensor dresid, Tensor slot, Tensor next) {
+    if (!next.empty()) add_inplace(slot, next);
+    add(out, dresid, slot);
+  }
 
   // ---- optimizer support
   // Sum of squares of every element (fp64 result, host-synchronising): the global

@@ -322,6 +322,23 @@ void OpProfiler::delta_null_backward(Tensor drow, Tensor dout, Tensor scratch) {
   Span s(*this, OpFamily::Elementwise, bytes_of({dout}));
   in_.delta_null_backward(drow, dout, scratch);
 }
+void OpProfiler::delta_stream_advance(Tensor stream, Tensor slot, Tensor prev) {
+  // stream read and written, slot read (and written back and prev read when prev is given).
+  Span s(*this, OpFamily::Elementwise,
+         2 * bytes_of({stream}) + bytes_of({slot}) + (prev.empty() ? 0 : bytes_of({slot, prev})));
+  in_.delta_stream_advance(stream, slot, prev);
+}
+void OpProfiler::delta_resid_gate_backward(Tensor dresid, Tensor dr, Tensor dalpha, Tensor dx,
+                                           Tensor r, Tensor alpha, Tensor scratch) {
+  Span s(*this, OpFamily::Elementwise, 2 * bytes_of({dresid}) + bytes_of({dr, dx, r}));
+  in_.delta_resid_gate_backward(dresid, dr, dalpha, dx, r, alpha, scratch);
+}
+void OpProfiler::delta_source_grad(Tensor out, Tensor dresid, Tensor slot, Tensor next) {
+  // slot read (and written back when next is given), next and dresid read, out written.
+  Span s(*this, OpFamily::Elementwise,
+         bytes_of({out, dresid, slot}) + (next.empty() ? 0 : bytes_of({slot, next})));
+  in_.delta_source_grad(out, dresid, slot, next);
+}
 double OpProfiler::sum_squares(Tensor t) {
   Span s(*this, OpFamily::Optimizer, bytes_of({t}));
   return in_.sum_squares(t);

@@ -112,6 +112,12 @@ class OpProfiler final : public ForwardingBackend {
                            Tensor scratch) override;
   void delta_null_forward(Tensor out, Tensor row) override;
   void delta_null_backward(Tensor drow, Tensor dout, Tensor scratch) override;
+  // The fused delta steps, timed as one op each (as the fused QK-norm + RoPE): otherwise
+  // the defaults would run the unfused sequences under the profiler.
+  void delta_stream_advance(Tensor stream, Tensor slot, Tensor prev) override;
+  void delta_resid_gate_backward(Tensor dresid, Tensor dr, Tensor dalpha, Tensor dx, Tensor r,
+                                 Tensor alpha, Tensor scratch) override;
+  void delta_source_grad(Tensor out, Tensor dresid, Tensor slot, Tensor next) override;
   double sum_squares(Tensor t) override;
   void adamw(Tensor param, Tensor master, Tensor grad, Tensor m, Tensor v, const AdamW& hp) override;
   void zero(Tensor t) override;

@@ -33,6 +33,32 @@
 // routing backward (as residual_routed.cpp); v_j's gradient is dresid plus the slot
 // gradients of the slots that hold v_j (the running block sum); slot 0's gradient summed
 // over the tokens is the null's.
+//
+// Traffic per site (R = one [N, d] act-dtype row read or written: 42 MB at 1B on the GPU;
+// standard's is 3R forward and 3R backward per site, one add each). "Continuing": slot
+// j+1 continues slot j's block (forward) / slot j+1 exists and continues the block
+// (backward): 7 of every 8 sites at block_layers 4. The routing ops (routing.cu) are
+// counted apart: logits 1R, mix (sources + 1)R untiled, source backward
+// (3 + sites reading the slot)R.
+//                          before (unfused)            now (fused)
+//   forward  gate          3R                          3R
+//            advance       std += v: 3R,               delta_stream_advance: 5R
+//                          slot += prev: 3R            (3R when not continuing)
+//            total         9R / 6R, 3 / 2 launches     8R / 6R, 2 launches
+//   backward dresid, gate  dresid += dx: 3R,           delta_resid_gate_backward: 5R
+//                          gate backward: 3R           (+ the one-block dalpha sum)
+//            source grad   slot += next: 3R,           delta_source_grad: 5R
+//                          out = dresid + slot: 3R     (3R without next)
+//            total         12R / 9R, 5 / 4 launches    10R / 8R, 3 launches
+// Per block of 8 sites: 162R before, 140R now (standard: 48R); beyond standard 114R ->
+// 92R. Every delta kernel now moves 16-byte vectors (before: the gate's forward and
+// backward used 2-byte scalar loads). What remains beyond standard is either required by
+// the scheme (the running stream and the block sums, written once each; x = std + alpha r
+// needs r, which only the mix has) or sits across a routing op: fusing the gate into the
+// mix's store (r and x written together) would save 1R a site, a source backward that
+// added the next slot's gradient and dresid into its output (writing the block sum and
+// v's gradient instead of dv) 2R a site, and the slot's logits computed by the advance
+// while it holds the new slot's row 1R a site.
 #include "engine/model.h"
 #include "engine/residual.h"
 
@@ -71,8 +97,8 @@ class DeltaScheme final : public ResidualScheme {
   void sublayer_done(int j) override {
     Tensor hist = c_.act(history_);
     // v_{j+1} joins the standard stream first, then its slot becomes the block's sum.
-    c_.be.add_inplace(c_.act(std_), hist[j + 1]);
-    if (continues_block(j + 1)) c_.be.add_inplace(hist[j + 1], hist[j]);
+    c_.be.delta_stream_advance(c_.act(std_), hist[j + 1],
+                               continues_block(j + 1) ? hist[j] : Tensor());
   }
 
   void begin_backward() override {
@@ -162,19 +188,24 @@ void DeltaScheme::site_forward(int j) {
 
 void DeltaScheme::site_backward(int j) {
   Tensor dx = site_grad(j), dresid = c_.act(dresid_), scratch = c_.act(scratch_);
-  c_.be.add_inplace(dresid, dx);
-  c_.be.delta_gate_backward(c_.act(route_dx_[size_t(j)]), g(alpha_[size_t(j)]), dx,
-                            c_.act(route_x_[size_t(j)]), p(alpha_[size_t(j)]), scratch);
+  c_.be.delta_resid_gate_backward(dresid, c_.act(route_dx_[size_t(j)]), g(alpha_[size_t(j)]), dx,
+                                  c_.act(route_x_[size_t(j)]), p(alpha_[size_t(j)]), scratch);
   std::vector<Tensor> dr;
   for (int id : route_dx_) dr.push_back(c_.act(id));
   Tensor slot = c_.act(slot_dx_[size_t(j)]);
   c_.be.routing_source_backward(slot, c_.act(route_w_), c_.act(ubar_), c_.act(gsum_), dr,
                                 c_.act(route_x_[size_t(j)]), c_.act(history_)[j],
                                 c_.act(inv_rms_)[j], params_, layout_, j, H_);
-  if (j + 1 < layout_.sources && continues_block(j + 1))
-    c_.be.add_inplace(slot, c_.act(slot_dx_[size_t(j + 1)]));
-  if (j == 0) c_.be.delta_null_backward(g(null_), slot, scratch);
-  else c_.be.add(c_.act(source_dx_[size_t(j)]), dresid, slot);
+  // Slot j's gradient gathers the later slots of its block (slot j+1's, already gathered).
+  const Tensor next = j + 1 < layout_.sources && continues_block(j + 1)
+                          ? c_.act(slot_dx_[size_t(j + 1)])
+                          : Tensor();
+  if (j == 0) {
+    MHAR_CHECK(next.empty(), "slot 1 starts a block");  // slot 0 is the null, alone
+    c_.be.delta_null_backward(g(null_), slot, scratch);
+  } else {
+    c_.be.delta_source_grad(c_.act(source_dx_[size_t(j)]), dresid, slot, next);
+  }
 }
 
 }  // namespace

@@ -11,14 +11,29 @@
 // - delta_null_forward: a copy, exact. delta_null_backward (fp32 "+="): per column a run
 //   of ceil(N / slabs) rows then the slabs in order: bound (N/slabs + 1 + slabs) * 2^-24 *
 //   sum_n |dout[n, c]| per column; deterministic.
+// - Every kernel has a 16-byte vector path and a scalar one (unaligned views, n % 8 tails):
+//   both run here (views one element into their buffer take the scalar path) and give the
+//   same bits, the gate's dot product included (the same chunks of 8 per thread).
+// - The fused steps (delta_stream_advance, delta_resid_gate_backward, delta_source_grad)
+//   give the bits of their default op sequences run on the GPU (backend.h's defaults,
+//   called non-virtually), with and without their optional tensor, aligned and not; and
+//   match the CPU reference (fp32) within their roundings: an output the GPU rounds once
+//   to bf16 from the CPU's fp32 value is within 2^-8 |ref| (bf16's unit roundoff, 8-bit
+//   significand); out = dresid + (slot + next) rounds the inner sum to bf16 too, so
+//   |gpu - ref| <= 2^-8 (|ref| + 1.01 |slot ref|) + 2^-21 (|ref| + |slot ref|) (the fp32
+//   roundings of both sides in the last term).
 // - The identity, on real text (the bytes of the repo's DESIGN.md as token ids, vocab 256):
 //   a standard model and a delta model holding the same bf16 weights, the delta gates 0
 //   (queries, gains and null random, so the gated-off term is not 0), give the same loss
-//   and logits bit for bit (max |logit difference| = 0).
+//   and logits bit for bit (max |logit difference| = 0), and the same gradients of the
+//   shared weights bit for bit (all but the embedding table's, which fp32 atomics make
+//   run-dependent on either model).
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <fstream>
+#include <functional>
+#include <limits>
 #include <iterator>
 
 #include "engine/config.h"
@@ -32,6 +47,57 @@ int grid_stride_blocks(int64_t work_items, int threads);  // cuda/device.cu: the
 
 namespace mhar::test {
 namespace {
+
+// The gate backward's dalpha against the CPU's fp64 sum: the GPU's grid (delta.cu: chunks
+// of 8, at most 1024 blocks and the scratch's length), each thread a run of 8 * ceil(chunks /
+// (blocks * 256)) fma steps, then two 32-way trees and the partials (a strided run and two
+// trees, fewer than `blocks` steps); a sum of m terms in fp32 is off by at most
+// m * 2^-24 * sum |terms| (Higham), plus the rounding of the "+=" to fp32.
+double dalpha_bound(int64_t n, int64_t scratch_numel, double abs_sum, double da0) {
+  const int64_t chunks = std::max<int64_t>((n + 7) / 8, 1);
+  const double blocks =
+      double(std::min<int64_t>({cuda::grid_stride_blocks(chunks, 256), 1024, scratch_numel}));
+  const double run = 8 * std::ceil(double(chunks) / (blocks * 256));
+  return (run + 32 + 32 + blocks) * 0x1p-24 * abs_sum + 0x1p-24 * (std::fabs(da0) + abs_sum);
+}
+
+// One op's tensors three times from the same host values: on the CPU (fp32, the
+// reference), and twice on the GPU, for the fused op and for its default sequence; the
+// GPU views start one element into their buffers when not `aligned` (scalar paths).
+class Sides {
+ public:
+  Sides(Backend& cpu, Backend& gpu, bool aligned) : cpu_(cpu), gpu_(gpu), aligned_(aligned) {}
+  int add(DType gpu_dtype, std::initializer_list<int64_t> shape, const std::vector<double>& v) {
+    int64_t n = 1;
+    for (int64_t x : shape) n *= x;
+    const int64_t off = aligned_ ? 0 : 1;
+    bufs_.emplace_back(cpu_, DType::F32, shape);
+    c_.push_back(bufs_.back().t());
+    for (auto* side : {&f_, &s_}) {
+      bufs_.emplace_back(gpu_, gpu_dtype, std::initializer_list<int64_t>{n + off});
+      Tensor t(static_cast<char*>(bufs_.back().t().data) + off * dtype_size(gpu_dtype), gpu_dtype,
+               shape);
+      side->push_back(t);
+    }
+    EXPECT_EQ(int64_t(v.size()), n);
+    cpu_.upload(c_.back(), v.data());
+    gpu_.upload(f_.back(), v.data());
+    gpu_.upload(s_.back(), v.data());
+    return int(c_.size()) - 1;
+  }
+  Tensor c(int i) const { return c_[size_t(i)]; }
+  Tensor f(int i) const { return f_[size_t(i)]; }
+  Tensor s(int i) const { return s_[size_t(i)]; }
+  std::vector<double> get_c(int i) const { return download(cpu_, c_[size_t(i)]); }
+  std::vector<double> get_f(int i) const { return download(gpu_, f_[size_t(i)]); }
+  std::vector<double> get_s(int i) const { return download(gpu_, s_[size_t(i)]); }
+
+ private:
+  Backend &cpu_, &gpu_;
+  bool aligned_;
+  std::vector<Buffer> bufs_;
+  std::vector<Tensor> c_, f_, s_;
+};
 
 class DeltaParity : public CudaParity {};
 
@@ -56,9 +122,7 @@ TEST_F(DeltaParity, GateForwardAndBackward) {
     const auto vdx = dx.c.get(), vr = r.c.get();
     double abs_sum = 0;
     for (size_t i = 0; i < vdx.size(); ++i) abs_sum += std::fabs(vdx[i] * vr[i]);
-    const double blocks = double(std::min<int64_t>({cuda::grid_stride_blocks(n, 256), 1024, 64 * 16}));
-    const double run = std::ceil(double(n) / (blocks * 256));
-    const double bound = (run + 32 + 32 + blocks) * 0x1p-24 * abs_sum + 0x1p-24 * (std::fabs(da0) + abs_sum);
+    const double bound = dalpha_bound(n, 64 * 16, abs_sum, da0);
     const double got = dalpha.g.get()[0], ref = dalpha.c.get()[0];
     std::printf("PARITY %-48s abs_err %.3e  bound %.3e\n", ("delta_gate_backward dalpha" + tag).c_str(),
                 std::fabs(got - ref), bound);
@@ -115,6 +179,153 @@ TEST_F(DeltaParity, NullBroadcastAndTokenSum) {
   }
 }
 
+// The vector and scalar paths of the unfused ops compute the same bits: the same inputs
+// through 16-byte aligned views and through views one element off.
+TEST_F(DeltaParity, VectorAndScalarPathsGiveTheSameBits) {
+  for (int64_t n : {int64_t(4097), int64_t(3000017)}) {
+    const std::string tag = " n" + std::to_string(n);
+    const auto vb = random_normal(rng, n, DType::BF16), vr = random_normal(rng, n, DType::BF16);
+    const auto vdx = random_normal(rng, n, DType::BF16);
+    const auto va = random_normal(rng, 1, DType::BF16, 0.5), vda = random_normal(rng, 1, DType::F32);
+    const std::vector<double> nan(size_t(n), std::nan(""));
+    std::vector<std::vector<double>> x, dr;
+    std::vector<double> da;
+    for (bool aligned : {true, false}) {
+      Sides t(*cpu, *gpu, aligned);
+      const int ib = t.add(DType::BF16, {n}, vb), ir = t.add(DType::BF16, {n}, vr),
+                idx = t.add(DType::BF16, {n}, vdx), ia = t.add(DType::BF16, {1}, va),
+                ida = t.add(DType::F32, {1}, vda), ix = t.add(DType::BF16, {n}, nan),
+                idr = t.add(DType::BF16, {n}, nan);
+      Buffer scratch(*gpu, DType::F32, {64, 16});
+      gpu->delta_gate(t.f(ix), t.f(ib), t.f(ia), t.f(ir));
+      gpu->delta_gate_backward(t.f(idr), t.f(ida), t.f(idx), t.f(ir), t.f(ia), scratch);
+      x.push_back(t.get_f(ix));
+      dr.push_back(t.get_f(idr));
+      da.push_back(t.get_f(ida)[0]);
+    }
+    EXPECT_EQ(x[0], x[1]) << "delta_gate" << tag;
+    EXPECT_EQ(dr[0], dr[1]) << "delta_gate_backward dr" << tag;
+    EXPECT_EQ(da[0], da[1]) << "delta_gate_backward dalpha" << tag;
+  }
+  for (auto [N, d] : {std::pair<int64_t, int64_t>{4096, 1280}, {1000, 64}}) {
+    const std::string tag = " " + std::to_string(N) + "x" + std::to_string(d);
+    const auto vrow = random_normal(rng, d, DType::BF16), vdout = random_normal(rng, N * d, DType::BF16);
+    const auto vdrow = random_normal(rng, d, DType::F32);
+    std::vector<std::vector<double>> out, drow;
+    for (bool aligned : {true, false}) {
+      Sides t(*cpu, *gpu, aligned);
+      const int irow = t.add(DType::BF16, {d}, vrow),
+                iout = t.add(DType::BF16, {N, d}, std::vector<double>(size_t(N * d), std::nan(""))),
+                idout = t.add(DType::BF16, {N, d}, vdout), idrow = t.add(DType::F32, {d}, vdrow);
+      Buffer scratch(*gpu, DType::F32, {64, d});
+      gpu->delta_null_forward(t.f(iout), t.f(irow));
+      gpu->delta_null_backward(t.f(idrow), t.f(idout), scratch);
+      out.push_back(t.get_f(iout));
+      drow.push_back(t.get_f(idrow));
+    }
+    EXPECT_EQ(out[0], out[1]) << "delta_null_forward" << tag;
+    EXPECT_EQ(drow[0], drow[1]) << "delta_null_backward" << tag;
+  }
+}
+
+// |gpu - ref| <= bound(i) for every element, with one PARITY line.
+void expect_within(const std::string& what, const std::vector<double>& got,
+                   const std::vector<double>& ref, const std::function<double(size_t)>& bound) {
+  ASSERT_EQ(got.size(), ref.size()) << what;
+  int64_t over = 0;
+  double worst = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double e = std::fabs(got[i] - ref[i]), b = bound(i);
+    if (!(e <= b)) ++over;  // NaN (an unwritten element) counts
+    if (b > 0) worst = std::max(worst, e / b);
+    else if (e > 0) worst = std::numeric_limits<double>::infinity();
+  }
+  std::printf("PARITY %-48s worst err/bound %.3f\n", what.c_str(), worst);
+  EXPECT_EQ(over, 0) << what;
+}
+
+TEST_F(DeltaParity, FusedStepsAreTheirSequencesBitForBitAndMatchTheCpu) {
+  const double u = 0x1p-8;  // bf16's unit roundoff
+  for (int64_t n : {int64_t(1), int64_t(4097), int64_t(3000017)}) {
+    for (bool opt : {true, false}) {
+      // The same host values for both alignments; the fused results must agree across them.
+      auto normal = [&](DType t, int64_t m, double sd = 1.0) { return random_normal(rng, m, t, sd); };
+      const std::vector<double> nan(size_t(n), std::nan(""));
+      const auto v1 = normal(DType::BF16, n), v2 = normal(DType::BF16, n), v3 = normal(DType::BF16, n);
+      const auto v4 = normal(DType::BF16, n), va = normal(DType::BF16, 1, 0.5);
+      const auto vda = normal(DType::F32, 1);
+      std::vector<std::vector<double>> fused_bits;
+      for (bool aligned : {true, false}) {
+        const std::string tag = " n" + std::to_string(n) + (opt ? "" : " (no prev/next)") +
+                                (aligned ? "" : " unaligned");
+        std::vector<std::vector<double>> bits;
+        auto same = [&](const Sides& t, int i, const std::string& what) {
+          const auto f = t.get_f(i);
+          EXPECT_EQ(f, t.get_s(i)) << what << tag << ": fused differs from the op sequence";
+          bits.push_back(f);
+          return f;
+        };
+        {  // stream += slot; slot += prev
+          Sides t(*cpu, *gpu, aligned);
+          const int ist = t.add(DType::BF16, {n}, v1), isl = t.add(DType::BF16, {n}, v2),
+                    ipv = t.add(DType::BF16, {n}, v3);
+          cpu->delta_stream_advance(t.c(ist), t.c(isl), opt ? t.c(ipv) : Tensor());
+          gpu->delta_stream_advance(t.f(ist), t.f(isl), opt ? t.f(ipv) : Tensor());
+          gpu->Backend::delta_stream_advance(t.s(ist), t.s(isl), opt ? t.s(ipv) : Tensor());
+          for (int i : {ist, isl}) {
+            const auto got = same(t, i, "delta_stream_advance"), ref = t.get_c(i);
+            expect_within(std::string("delta_stream_advance ") + (i == ist ? "stream" : "slot") + tag, got,
+                          ref, [&](size_t e) { return u * std::fabs(ref[e]); });
+          }
+        }
+        {  // dresid += dx; dr = alpha dx; dalpha += sum dx r
+          Sides t(*cpu, *gpu, aligned);
+          const int id = t.add(DType::BF16, {n}, v1), idr = t.add(DType::BF16, {n}, nan),
+                    ida = t.add(DType::F32, {1}, vda), idx = t.add(DType::BF16, {n}, v2),
+                    ir = t.add(DType::BF16, {n}, v3), ia = t.add(DType::BF16, {1}, va);
+          Buffer sc(*cpu, DType::F32, {64, 16}), sf(*gpu, DType::F32, {64, 16}),
+              ss(*gpu, DType::F32, {64, 16});
+          cpu->delta_resid_gate_backward(t.c(id), t.c(idr), t.c(ida), t.c(idx), t.c(ir), t.c(ia), sc);
+          gpu->delta_resid_gate_backward(t.f(id), t.f(idr), t.f(ida), t.f(idx), t.f(ir), t.f(ia), sf);
+          gpu->Backend::delta_resid_gate_backward(t.s(id), t.s(idr), t.s(ida), t.s(idx), t.s(ir),
+                                                  t.s(ia), ss);
+          for (int i : {id, idr}) {
+            const auto got = same(t, i, "delta_resid_gate_backward"), ref = t.get_c(i);
+            expect_within(std::string("delta_resid_gate_backward ") + (i == id ? "dresid" : "dr") + tag,
+                          got, ref, [&](size_t e) { return u * std::fabs(ref[e]); });
+          }
+          const double got = same(t, ida, "delta_resid_gate_backward dalpha")[0], ref = t.get_c(ida)[0];
+          double abs_sum = 0;
+          for (size_t e = 0; e < v2.size(); ++e) abs_sum += std::fabs(v2[e] * v3[e]);
+          expect_within("delta_resid_gate_backward dalpha" + tag, {got}, {ref},
+                        [&](size_t) { return dalpha_bound(n, 64 * 16, abs_sum, vda[0]); });
+        }
+        {  // slot += next; out = dresid + slot
+          Sides t(*cpu, *gpu, aligned);
+          const int io = t.add(DType::BF16, {n}, nan), id = t.add(DType::BF16, {n}, v1),
+                    isl = t.add(DType::BF16, {n}, v2), inx = t.add(DType::BF16, {n}, v4);
+          cpu->delta_source_grad(t.c(io), t.c(id), t.c(isl), opt ? t.c(inx) : Tensor());
+          gpu->delta_source_grad(t.f(io), t.f(id), t.f(isl), opt ? t.f(inx) : Tensor());
+          gpu->Backend::delta_source_grad(t.s(io), t.s(id), t.s(isl), opt ? t.s(inx) : Tensor());
+          const auto slot = same(t, isl, "delta_source_grad slot"), slot_ref = t.get_c(isl);
+          expect_within("delta_source_grad slot" + tag, slot, slot_ref,
+                        [&](size_t e) { return u * std::fabs(slot_ref[e]); });
+          const auto out = same(t, io, "delta_source_grad out"), ref = t.get_c(io);
+          expect_within("delta_source_grad out" + tag, out, ref, [&](size_t e) {
+            const double a = std::fabs(ref[e]), b = opt ? std::fabs(slot_ref[e]) : 0.0;
+            return u * (a + 1.01 * b) + 0x1p-21 * (a + b);
+          });
+        }
+        fused_bits.insert(fused_bits.end(), bits.begin(), bits.end());
+      }
+      // Aligned and unaligned runs: the same bits (fused_bits holds both runs in order).
+      const size_t half = fused_bits.size() / 2;
+      for (size_t i = 0; i < half; ++i)
+        EXPECT_EQ(fused_bits[i], fused_bits[half + i]) << "output " << i << " n" << n;
+    }
+  }
+}
+
 Config gpu_config(const std::string& mode) {
   nlohmann::json j = {
       {"model", {{"vocab_size", 256}, {"d_model", 128}, {"n_layers", 4}, {"n_heads", 4},
@@ -163,11 +374,43 @@ TEST(DeltaGpuIdentity, ZeroGatesGiveTheStandardLogitsExactlyOnRealText) {
   std::printf("DELTA_IDENTITY gpu: max |logit difference| over 8 batches of %d x %d bytes of DESIGN.md: %g\n",
               B, T, worst);
   EXPECT_EQ(worst, 0.0);
+  std::vector<int32_t> tok(static_cast<size_t>(N)), tgt(static_cast<size_t>(N));
+  for (int i = 0; i < N; ++i) tok[size_t(i)] = int32_t(uint8_t(text[size_t(i)])), tgt[size_t(i)] = int32_t(uint8_t(text[size_t(i + 1)]));
+  // The shared weights' gradients: the delta model's equal the standard model's bit for
+  // bit. Not compared: the embedding table's, scattered with fp32 atomics
+  // (cuda/embedding.cu: repeated tokens add in an unspecified order, on either model),
+  // and any other the standard model does not reproduce bit for bit itself (two runs);
+  // those are listed.
+  auto grads = [&](Model& m) {
+    m.zero_grads();
+    m.forward(tok.data(), tgt.data(), 1.0);
+    m.backward();
+    std::vector<std::vector<double>> g;
+    for (auto& p : ms.parameters()) g.push_back(download(*gpu, m.parameter(p.name).grad));
+    return g;
+  };
+  const auto gs1 = grads(ms), gs2 = grads(ms), gd = grads(md);
+  int compared = 0;
+  std::string varying;
+  for (size_t i = 0; i < gs1.size(); ++i) {
+    const std::string& name = ms.parameters()[i].name;
+    if (gs1[i] != gs2[i] || name.find("embed_tokens") != std::string::npos) {
+      varying += " " + name;
+      continue;
+    }
+    ++compared;
+    EXPECT_EQ(gd[i], gs1[i]) << name << ": the delta model's gradient differs at alpha = 0";
+  }
+  std::printf("DELTA_IDENTITY gpu gradients: %d of %zu shared tensors bit-identical to standard; "
+              "not compared (atomics, or not reproducible on standard itself):%s\n",
+              compared, gs1.size(), varying.empty() ? " none" : varying.c_str());
+  // Expected left out: only the embedding (every other kernel of the backward is
+  // deterministic at these shapes); at least half must be compared for the check to mean
+  // something.
+  EXPECT_GE(2 * compared, int(gs1.size()));
   // An open gate changes the logits (the routed term is live on the GPU).
   const double alpha = 0.5;
   gpu->upload(md.parameter("model.delta.5.alpha").value, &alpha);
-  std::vector<int32_t> tok(static_cast<size_t>(N)), tgt(static_cast<size_t>(N));
-  for (int i = 0; i < N; ++i) tok[size_t(i)] = int32_t(uint8_t(text[size_t(i)])), tgt[size_t(i)] = int32_t(uint8_t(text[size_t(i + 1)]));
   EXPECT_NE(ms.forward(tok.data(), tgt.data(), 0.0), md.forward(tok.data(), tgt.data(), 0.0));
 }
 

@@ -209,6 +209,92 @@ TEST(DeltaOps, EachOpIsItsEquation) {
   for (void* p : owned) be->release(p);
 }
 
+// The fused steps of the scheme's loop (backend.h): each is its equation (fp64, outputs
+// poisoned, "+=" gradients pre-filled), with and without its optional tensor, and in fp32
+// each gives the bits of the op sequence it stands for, called op by op (the CPU runs the
+// defaults; a CPU override that rounded differently would fail here).
+TEST(DeltaOps, FusedStepsAreTheirEquationsAndTheirSequences) {
+  std::mt19937_64 rng(7);
+  const int64_t N = 5, d = 8;
+  for (DType dt : {DType::F64, DType::F32}) {
+    SCOPED_TRACE(dtype_name(dt));
+    auto be = make_cpu_backend(dt);
+    std::vector<void*> owned;
+    auto buf = [&](std::initializer_list<int64_t> shape) {
+      int64_t n = 1;
+      for (int64_t x : shape) n *= x;
+      void* p = be->allocate(size_t(n) * dtype_size(dt));
+      owned.push_back(p);
+      return Tensor(p, dt, shape);
+    };
+    const double tol = dt == DType::F64 ? 1e-15 : 1e-6;
+    for (bool opt : {true, false}) {
+      SCOPED_TRACE(opt ? "with prev/next" : "without");
+      // stream += slot; slot += prev.
+      Tensor stream = buf({N, d}), slot = buf({N, d}), prev = buf({N, d});
+      const auto vs = fill(*be, stream, rng), vv = fill(*be, slot, rng), vp = fill(*be, prev, rng);
+      be->delta_stream_advance(stream, slot, opt ? prev : Tensor());
+      const auto got_s = download(*be, stream), got_v = download(*be, slot);
+      for (size_t e = 0; e < vs.size(); ++e) {
+        EXPECT_NEAR(got_s[e], vs[e] + vv[e], tol) << e;
+        EXPECT_NEAR(got_v[e], opt ? vv[e] + vp[e] : vv[e], tol) << e;
+      }
+      Tensor stream2 = buf({N, d}), slot2 = buf({N, d});
+      be->upload(stream2, vs.data());
+      be->upload(slot2, vv.data());
+      be->add_inplace(stream2, slot2);
+      if (opt) be->add_inplace(slot2, prev);
+      EXPECT_EQ(download(*be, stream2), got_s);
+      EXPECT_EQ(download(*be, slot2), got_v);
+
+      // dresid += dx; dr = alpha dx; dalpha += sum dx r.
+      Tensor dresid = buf({N, d}), dr = buf({N, d}), dx = buf({N, d}), r = buf({N, d});
+      Tensor alpha = buf({1}), dalpha = buf({1}), scratch = buf({4, d});
+      const auto vd = fill(*be, dresid, rng), vdx = fill(*be, dx, rng), vr = fill(*be, r, rng);
+      const auto va = fill(*be, alpha, rng), vda = fill(*be, dalpha, rng);
+      poison(*be, dr);
+      be->delta_resid_gate_backward(dresid, dr, dalpha, dx, r, alpha, scratch);
+      const auto got_d = download(*be, dresid), got_dr = download(*be, dr);
+      const double got_da = download(*be, dalpha)[0];
+      double dot = 0;
+      for (size_t e = 0; e < vd.size(); ++e) {
+        EXPECT_NEAR(got_d[e], vd[e] + vdx[e], tol) << e;
+        EXPECT_NEAR(got_dr[e], va[0] * vdx[e], tol) << e;
+        dot += vdx[e] * vr[e];
+      }
+      EXPECT_NEAR(got_da, vda[0] + dot, 100 * tol);
+      be->upload(dresid, vd.data());
+      be->upload(dalpha, vda.data());
+      poison(*be, dr);
+      be->add_inplace(dresid, dx);
+      be->delta_gate_backward(dr, dalpha, dx, r, alpha, scratch);
+      EXPECT_EQ(download(*be, dresid), got_d);
+      EXPECT_EQ(download(*be, dr), got_dr);
+      EXPECT_EQ(download(*be, dalpha)[0], got_da);
+
+      // slot += next; out = dresid + slot.
+      Tensor out = buf({N, d}), next = buf({N, d});
+      be->upload(slot, vv.data());
+      const auto vn = fill(*be, next, rng);
+      poison(*be, out);
+      be->delta_source_grad(out, dresid, slot, opt ? next : Tensor());
+      const auto got_o = download(*be, out), got_sl = download(*be, slot);
+      for (size_t e = 0; e < vv.size(); ++e) {
+        const double sl = opt ? vv[e] + vn[e] : vv[e];
+        EXPECT_NEAR(got_sl[e], sl, tol) << e;
+        EXPECT_NEAR(got_o[e], got_d[e] + sl, 2 * tol) << e;
+      }
+      be->upload(slot, vv.data());
+      poison(*be, out);
+      if (opt) be->add_inplace(slot, next);
+      be->add(out, dresid, slot);
+      EXPECT_EQ(download(*be, out), got_o);
+      EXPECT_EQ(download(*be, slot), got_sl);
+    }
+    for (void* p : owned) be->release(p);
+  }
+}
+
 // At the shapes of configs/{350m,1b}_delta.json the activation plan is the standard one
 // plus the block-routing statistics (pairs, inv_rms, ubar, key-gradient slabs, the
 // reduction scratch), the routed terms r_j of every site (kept from site j to its
