@@ -9,6 +9,10 @@
 //                            every later site (source-stationary: no read-modify-write of
 //                            an accumulator per (site, source) pair), plus its share of
 //                            the query/gain gradients
+//   routing_source_backward_tile  the same for the first slot of a backward depth tile:
+//                            with it the next older slot's share of the site gradients
+//                            that both read, so that slot then reads only its newest
+//                            site (section "depth tiling of the backward")
 //   routing_param_grads      dquery/dgain of every site from the slabs of gsum
 // Which slots a site reads is the RoutingLayout (backend.h), passed by value in the
 // launch geometry: a source's sites are a contiguous run [source, last_site(source)] with
