@@ -14,7 +14,8 @@
 #                   export nccl: end-to-end checks against PyTorch/transformers, NCCL)
 #   BENCH=1         also run tools/bench_compare.sh; it starts first, so the PyTorch jobs
 #                   compile while this script builds and tests, and our runs wait for
-#                   the tests to finish. BENCH_DEADLINE (s, default 420) bounds it.
+#                   the tests to finish. BENCH_DEADLINE (s, default 420) bounds it;
+#                   BENCH_SIZES (default "100m 350m 1b") picks the model sizes.
 #
 # ICU: the project's data library needs ICU (find_package(ICU COMPONENTS uc)) and the GPU
 # image has no ICU headers and no network. Debian 12's libicu72 + libicu-dev (headers,
@@ -87,7 +88,8 @@ rm -f "$tests_done"
 if [ "${BENCH:-0}" = 1 ]; then
   echo "== bench_compare.sh started in the background (PyTorch compiles while we build)"
   tools/bench_compare.sh --mhar "$BUILD_DIR/mhar" --after "$tests_done" \
-    --deadline "${BENCH_DEADLINE:-420}" >"$BUILD_DIR/bench_compare.out" 2>&1 &
+    --deadline "${BENCH_DEADLINE:-420}" --sizes "${BENCH_SIZES:-100m 350m 1b}" \
+    >"$BUILD_DIR/bench_compare.out" 2>&1 &
   bench_pid=$!
 fi
 if ! cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release \
