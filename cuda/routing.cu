@@ -834,6 +834,25 @@ __device__ __forceinline__ float head_sum(float x, int G) {
   return x;
 }
 
+// ubar of site `source` for token n (span layout), from its input gradient dx (this
+// lane's chunks, already loaded) and its input x: head h's sum of dx . x; the head's
+// leader lane stores it in ubar's row `source`.
+template <int NT>
+__device__ __forceinline__ float span_ubar(float* ubar, const Row<NT>& dx, const bf16* x,
+                                           const Geometry& g, int source, int64_t n) {
+  const int lane = threadIdx.x & 31, G = 32 / g.H, h = lane / G;
+  Row<NT> rx;
+  load_span(rx, x + n * g.d);
+  float p = 0.f;
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) p += elem(dx.raw[t], e) * elem(rx.raw[t], e);
+  const float ub = head_sum(p, G);
+  if (lane % G == 0) ubar[(int64_t(source) * g.H + h) * g.N + n] = ub;
+  return ub;
+}
+
 // routing_mix of one site, span layout. The softmax statistics of head h come from its G
 // lanes, each taking every G-th source (online max/sum), merged by shuffles; then the
 // sources are summed with the next row and logit prefetched.
@@ -907,18 +926,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, FUSED ? 2 : span_blocks_p
     Row<NT> rv, rdx, nxt;
     load_span(rv, v + n * g.d);
     load_span(rdx, site_dx.dx[source] + n * g.d);
-    float ub;
-    {  // ubar of site `source`, from its input and input gradient
-      Row<NT> rx;
-      load_span(rx, x + n * g.d);
-      float p = 0.f;
-#pragma unroll
-      for (int t = 0; t < NT; ++t)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) p += elem(rdx.raw[t], e) * elem(rx.raw[t], e);
-      ub = head_sum(p, G);
-      if (leader) ubar[(int64_t(source) * g.H + h) * g.N + n] = ub;
-    }
+    float ub = span_ubar(ubar, rdx, x, g, source, n);
     float a = w_src[n];
     float acc[NT][8];
     if (resume) {
@@ -1016,18 +1024,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, 2)
     load_span(rv0, v0 + n * g.d);
     load_span(rv1, v1 + n * g.d);
     load_span(rdx, site_dx.dx[source] + n * g.d);
-    float ub;
-    {  // ubar of site `source`, from its input and input gradient
-      Row<NT> rx;
-      load_span(rx, x + n * g.d);
-      float p = 0.f;
-#pragma unroll
-      for (int t = 0; t < NT; ++t)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) p += elem(rdx.raw[t], e) * elem(rx.raw[t], e);
-      ub = head_sum(p, G);
-      if (leader) ubar[(int64_t(source) * g.H + h) * g.N + n] = ub;
-    }
+    float ub = span_ubar(ubar, rdx, x, g, source, n);
     float a0 = w0[n], a1 = w1[n];
     float acc0[NT][8], acc1[NT][8];
 #pragma unroll
