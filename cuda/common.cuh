@@ -71,7 +71,8 @@ __device__ __forceinline__ void store8(float* p, const float (&f)[8]) {
 // next step's loads hit L2. No effect on results.
 __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+  // No "memory" clobber: a hint, so the compiler may move loads and stores across it.
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes));
 #else
   (void)p, (void)bytes;
 #endif

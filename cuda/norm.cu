@@ -13,10 +13,10 @@
 // qk_norm_rope_forward/backward: the vector kernels with RoPE fused (head_dim 64/128/256):
 // forward rotates the normalised row (rounded to bf16 first, as the unfused path stores
 // it) before its one store; backward rotates dy back right after loading it. Saves a
-// read and a write of q and k each way. A lane group takes 4 consecutive rows (heads of
-// one token) and computes the token's cos/sin once, 4 pairs per lane, shared by shuffles:
-// an eighth of a sincosf per element (was a quarter: 8 pairs per lane, the partner lane
-// computing the same 8).
+// read and a write of q and k each way. A warp's rows are the heads of one token (head_dim
+// 128, heads a multiple of 8), and each lane group computes the token's cos/sin once, 4
+// pairs per lane, shared by shuffles: an eighth of a sincosf per element (was a quarter:
+// 8 pairs per lane, the rotate-half partner lane computing the same 8).
 // add_rmsnorm_forward: the forward vector kernel with x = a + b (rounded to bf16 as add
 // does) formed from the loaded a, b and stored before the norm uses it: reads a, b, writes
 // x, y, rstd once; the same bits as add then rmsnorm_forward.
@@ -116,9 +116,9 @@ __device__ __forceinline__ float group_sum(float v) {
 
 // The fused QK-norm + RoPE (kRope): rows are (token, head) of head_dim = D = 8 * TPR, so a
 // lane's 8 features pair with those of the lane TPR/2 away (rotate-half); the partner's
-// values come by shuffle. A lane group takes RPI consecutive rows (heads of one token, as
-// a rule), so its cos/sin serve all of them; they are computed once per token by the
-// whole group, 4 of the token's 4 * TPR pairs per lane, and handed out by shuffles.
+// values come by shuffle. A lane's consecutive rows are usually heads of one token, so its
+// cos/sin serve all of them; they are computed once per token by the whole lane group, 4
+// of the token's 4 * TPR pairs per lane, and handed out by shuffles.
 struct RopeArgs {
   int64_t T_len = 1, first_position = 0;
   int heads = 1;
@@ -174,19 +174,18 @@ struct RopeCache {
   }
 };
 
-// Row r (0 .. RPI-1) of lane group grp of warp `warp` in the block's step at `base`. The
-// plain kernels interleave the groups (rows r*G + grp: one warp-wide load instruction
-// reads G adjacent rows); the RoPE-fused ones give each group RPI consecutive rows, the
-// heads of one token, so that its cos/sin are computed once for all of them.
-template <int G, int RPI, bool kConsecutive>
+// Row r (0 .. RPI-1) of lane group grp of warp `warp` in the block's step at `base`: the
+// groups interleave (rows r*G + grp), so one warp-wide load instruction reads G adjacent
+// rows, and a warp's RW rows are contiguous. For the RoPE-fused kernels at head_dim 128
+// (RW = 8) and head counts that are multiples of 8, a warp's rows are the heads of one
+// token, so its cos/sin are computed once a step.
+template <int G, int RPI>
 __device__ __forceinline__ int64_t vec_row(int64_t base, int warp, int grp, int r) {
-  return kConsecutive ? base + int64_t((warp * G + grp) * RPI + r)
-                      : base + int64_t(warp * G * RPI + r * G + grp);
+  return base + int64_t(warp * G * RPI + r * G + grp);
 }
 
-// The next step's rows of a warp (rows next + warp*RW .. +RW, contiguous in either
-// mapping, clipped to R) of up to three tensors (null: none) into L2: one bulk prefetch
-// per tensor by lane 0.
+// The next step's rows of a warp (rows next + warp*RW .. +RW, clipped to R) of up to
+// three tensors (null: none) into L2: one bulk prefetch per tensor by lane 0.
 template <int RW>
 __device__ __forceinline__ void prefetch_rows(int64_t next, int warp, int lane, int64_t R, int D,
                                               const bf16* t0, const bf16* t1 = nullptr,
@@ -209,7 +208,11 @@ struct AddArgs {
   const bf16* b = nullptr;
 };
 
-template <class W, int TPR, int VPL, int RPI, bool kRope = false, bool kAdd = false>
+// kWarpToken (with kRope): every warp's RW rows of a step are heads of one token (the
+// host checked heads % RW == 0), so the cos/sin are computed once a step, while the
+// step's loads are in flight, and nowhere else (fewer registers than a check per row).
+template <class W, int TPR, int VPL, int RPI, bool kRope = false, bool kAdd = false,
+          bool kWarpToken = false>
 __global__ void __launch_bounds__(kVecThreads)
     rmsnorm_forward_vec_kernel(bf16* __restrict__ y, float* __restrict__ rstd,
                                const bf16* __restrict__ x, const W* __restrict__ w, int64_t R,
@@ -220,7 +223,7 @@ __global__ void __launch_bounds__(kVecThreads)
   constexpr int G = 32 / TPR, RW = G * RPI, RB = (kVecThreads / 32) * RW;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int grp = lane / TPR, sub = lane % TPR;
-  auto row_of = [&](int64_t base, int r) { return vec_row<G, RPI, kRope>(base, warp, grp, r); };
+  auto row_of = [&](int64_t base, int r) { return vec_row<G, RPI>(base, warp, grp, r); };
   for (int64_t base = int64_t(blockIdx.x) * RB; base < R; base += int64_t(gridDim.x) * RB) {
     uint4 xv[RPI][VPL];
     float ss[RPI];
@@ -269,6 +272,7 @@ __global__ void __launch_bounds__(kVecThreads)
     }
     if constexpr (kAdd) prefetch_rows<RW>(base + int64_t(gridDim.x) * RB, warp, lane, R, D, aa.a, aa.b);
     else prefetch_rows<RW>(base + int64_t(gridDim.x) * RB, warp, lane, R, D, x);
+    if constexpr (kRope && kWarpToken) rc.update(ra, row_of(base, 0), sub);
 #pragma unroll
     for (int r = 0; r < RPI; ++r) {
       float acc = 0.f;
@@ -295,7 +299,7 @@ __global__ void __launch_bounds__(kVecThreads)
 #pragma unroll
         for (int e = 0; e < 8; ++e) f[e] = f[e] * ss[r] * wf[e];
         if constexpr (kRope) {
-          rc.update(ra, row, sub);
+          if constexpr (!kWarpToken) rc.update(ra, row, sub);
           rc.rotate(f, sub);
         }
         if (row >= R) continue;
@@ -312,7 +316,7 @@ __global__ void __launch_bounds__(kVecThreads)
 
 // kRope: dy is the gradient w.r.t. the rotated output; it is rotated back (rounded to
 // bf16, as the unfused inverse RoPE stores it) right after loading, and not written.
-template <class W, int TPR, int VPL, int RPI, bool kRope = false>
+template <class W, int TPR, int VPL, int RPI, bool kRope = false, bool kWarpToken = false>
 __global__ void __launch_bounds__(kVecThreads)
     rmsnorm_backward_vec_kernel(bf16* dx, float* __restrict__ partials,
                                 const bf16* __restrict__ dy, const bf16* __restrict__ x,
@@ -329,7 +333,7 @@ __global__ void __launch_bounds__(kVecThreads)
 #pragma unroll
     for (int e = 0; e < 8; ++e) dw_acc[k][e] = 0.f;
 
-  auto row_of = [&](int64_t base, int r) { return vec_row<G, RPI, kRope>(base, warp, grp, r); };
+  auto row_of = [&](int64_t base, int r) { return vec_row<G, RPI>(base, warp, grp, r); };
   for (int64_t base = int64_t(blockIdx.x) * RB; base < R; base += int64_t(gridDim.x) * RB) {
     uint4 xv[RPI][VPL], gv[RPI][VPL];
     float rs[RPI], coef[RPI];
@@ -350,11 +354,12 @@ __global__ void __launch_bounds__(kVecThreads)
     prefetch_rows<RW>(base + int64_t(gridDim.x) * RB, warp, lane, R, D, x, dy,
                       accumulate ? dx : nullptr);
     if constexpr (kRope) {
+      if constexpr (kWarpToken) rc.update(ra, row_of(base, 0), sub);
 #pragma unroll
       for (int r = 0; r < RPI; ++r) {
         float gf[8];
         unpack8(gv[r][0], gf);
-        rc.update(ra, row_of(base, r), sub);
+        if constexpr (!kWarpToken) rc.update(ra, row_of(base, r), sub);
         rc.rotate(gf, sub);
         gv[r][0] = pack8(gf);
       }
@@ -491,11 +496,7 @@ bool vector_path(DType t, int64_t D, int64_t max_d, std::initializer_list<const 
 
 // The vector kernels' launches (plain, with the fused RoPE, or with the residual add in
 // front); false when the shape has no vector configuration. Grids: as many blocks as fit
-// on the device at once, at most one row step each. The RoPE-fused kernels take 4
-// consecutive rows per lane group (kRopeRows: heads of one token, sharing one cos/sin
-// computation; 8 would halve the cos/sin again but take 128 / 166 registers forward /
-// backward against 80 / 100).
-constexpr int kRopeRows = 4;
+// on the device at once, at most one row step each.
 
 template <bool kRope, bool kAdd = false>
 bool launch_forward_vec(cudaStream_t s, Tensor y, Tensor rstd, Tensor x, Tensor w, int64_t R,
@@ -507,16 +508,26 @@ bool launch_forward_vec(cudaStream_t s, Tensor y, Tensor rstd, Tensor x, Tensor 
       using C = decltype(cfg);
       if constexpr (!kRope || C::VPL == 1) {
         if (kRope && C::TPR * 8 != D) return;
-        constexpr int RPI = kRope ? kRopeRows : C::RPI;
-        auto kern = rmsnorm_forward_vec_kernel<W, C::TPR, C::VPL, RPI, kRope, kAdd>;
+        constexpr int RPI = C::RPI, RW = (32 / C::TPR) * RPI;
+        auto go = [&](auto kern, int per_sm) {
+          const int64_t rb = (kVecThreads / 32) * RW;
+          const int64_t blocks = std::min<int64_t>(ceil_div(R, rb), int64_t(sm_count()) * per_sm);
+          kern<<<unsigned(blocks), kVecThreads, 0, s>>>(
+              static_cast<bf16*>(y.data), rstd.ptr<float>(), static_cast<const bf16*>(x.data),
+              static_cast<const W*>(w.data), R, int(D), float(eps), ra, aa);
+          CUDA_CHECK_LAUNCH();
+          launched = true;
+        };
+        if constexpr (kRope) {
+          if (ra.heads % RW == 0) {
+            auto kern = rmsnorm_forward_vec_kernel<W, C::TPR, C::VPL, RPI, true, false, true>;
+            static const int per_sm = resident_blocks_per_sm(kern, kVecThreads);
+            return go(kern, per_sm);
+          }
+        }
+        auto kern = rmsnorm_forward_vec_kernel<W, C::TPR, C::VPL, RPI, kRope, kAdd, false>;
         static const int per_sm = resident_blocks_per_sm(kern, kVecThreads);
-        const int64_t rb = (kVecThreads / 32) * (32 / C::TPR) * RPI;
-        const int64_t blocks = std::min<int64_t>(ceil_div(R, rb), int64_t(sm_count()) * per_sm);
-        kern<<<unsigned(blocks), kVecThreads, 0, s>>>(
-            static_cast<bf16*>(y.data), rstd.ptr<float>(), static_cast<const bf16*>(x.data),
-            static_cast<const W*>(w.data), R, int(D), float(eps), ra, aa);
-        CUDA_CHECK_LAUNCH();
-        launched = true;
+        go(kern, per_sm);
       }
     });
   });
@@ -535,10 +546,15 @@ bool launch_backward_vec(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor
       // Configurations wider than kVecMaxDBackward are never chosen for the backward.
       if constexpr (C::TPR * C::VPL * 8 <= kVecMaxDBackward && (!kRope || C::VPL == 1)) {
         if (kRope && C::TPR * 8 != D) return;
-        constexpr int RPI = kRope ? kRopeRows : C::RPI;
-        auto kern = rmsnorm_backward_vec_kernel<W, C::TPR, C::VPL, RPI, kRope>;
-        static const int per_sm = resident_blocks_per_sm(kern, kVecThreads);
-        const int64_t rb = (kVecThreads / 32) * (32 / C::TPR) * RPI;
+        constexpr int RPI = C::RPI, RW = (32 / C::TPR) * RPI;
+        auto kern = rmsnorm_backward_vec_kernel<W, C::TPR, C::VPL, RPI, kRope, false>;
+        auto kern_warp_token = rmsnorm_backward_vec_kernel<W, C::TPR, C::VPL, RPI, kRope, kRope>;
+        static const int per_sm_any = resident_blocks_per_sm(kern, kVecThreads);
+        static const int per_sm_warp_token = resident_blocks_per_sm(kern_warp_token, kVecThreads);
+        const bool warp_token = kRope && ra.heads % RW == 0;
+        if (warp_token) kern = kern_warp_token;
+        const int per_sm = warp_token ? per_sm_warp_token : per_sm_any;
+        const int64_t rb = (kVecThreads / 32) * RW;
         const int64_t blocks = std::min<int64_t>(ceil_div(R, rb), int64_t(sm_count()) * per_sm);
         auto* partials = static_cast<float*>(
             scratch(ScratchSlot::NormPartials, size_t(blocks) * size_t(D) * sizeof(float)));

@@ -12,6 +12,9 @@
 // add_inplace: the one difference, dx's bf16 rounding, bounded per element.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
+
 #include "tests/cuda_test_util.h"
 
 namespace mhar::test {
