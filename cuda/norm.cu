@@ -443,22 +443,26 @@ __global__ void __launch_bounds__(kVecThreads)
 }
 
 // dw[c] += sum over blocks b (in order per row lane, then lanes in order) of
-// partials[b][c]. Block (32 columns) x (8 row lanes).
-__global__ void rmsnorm_dw_finish_kernel(float* dw, const float* __restrict__ partials,
-                                         int nblocks, int D) {
-  __shared__ float part[8][33];
+// partials[b][c]. Block (32 columns) x (kFinishLanes row lanes): with one partial row per
+// resident block (~264 at D 1280) every lane has all its ~8 loads in flight at once (was 8
+// lanes with ~33 loads each, 8 in flight: a few microseconds of latency on 40 SMs after
+// every backward).
+constexpr int kFinishLanes = 32;
+__global__ void __launch_bounds__(32 * kFinishLanes)
+    rmsnorm_dw_finish_kernel(float* dw, const float* __restrict__ partials, int nblocks, int D) {
+  __shared__ float part[kFinishLanes][33];
   const int c = blockIdx.x * 32 + threadIdx.x;
   float acc = 0.f;
   if (c < D) {
 #pragma unroll 8
-    for (int b = threadIdx.y; b < nblocks; b += 8) acc += partials[int64_t(b) * D + c];
+    for (int b = threadIdx.y; b < nblocks; b += kFinishLanes) acc += partials[int64_t(b) * D + c];
   }
   part[threadIdx.y][threadIdx.x] = acc;
   __syncthreads();
   if (threadIdx.y == 0 && c < D) {
     float t = 0.f;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) t += part[i][threadIdx.x];
+    for (int i = 0; i < kFinishLanes; ++i) t += part[i][threadIdx.x];
     dw[c] += t;
   }
 }
@@ -563,7 +567,7 @@ bool launch_backward_vec(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor
             static_cast<const bf16*>(x.data), static_cast<const W*>(w.data), rstd.ptr<float>(),
             R, int(D), accumulate_dx, ra);
         CUDA_CHECK_LAUNCH();
-        rmsnorm_dw_finish_kernel<<<unsigned(ceil_div(D, 32)), dim3(32, 8), 0, s>>>(
+        rmsnorm_dw_finish_kernel<<<unsigned(ceil_div(D, 32)), dim3(32, kFinishLanes), 0, s>>>(
             dw.ptr<float>(), partials, int(blocks), int(D));
         CUDA_CHECK_LAUNCH();
         launched = true;
