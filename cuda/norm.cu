@@ -334,6 +334,9 @@ __global__ void __launch_bounds__(kVecThreads)
     for (int e = 0; e < 8; ++e) dw_acc[k][e] = 0.f;
 
   auto row_of = [&](int64_t base, int r) { return vec_row<G, RPI>(base, warp, grp, r); };
+  // The first step's old dx (later steps' come with the previous step's prefetch): in L2
+  // by the time dx is computed and added to it.
+  if (accumulate) prefetch_rows<RW>(int64_t(blockIdx.x) * RB, warp, lane, R, D, dx);
   for (int64_t base = int64_t(blockIdx.x) * RB; base < R; base += int64_t(gridDim.x) * RB) {
     uint4 xv[RPI][VPL], gv[RPI][VPL];
     float rs[RPI], coef[RPI];
