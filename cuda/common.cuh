@@ -65,6 +65,19 @@ __device__ __forceinline__ void store8(float* p, const float (&f)[8]) {
   reinterpret_cast<float4*>(p)[1] = make_float4(f[4], f[5], f[6], f[7]);
 }
 
+// Asks L2 to fetch [p, p + bytes) from device memory without waiting for it (sm_90's bulk
+// prefetch; p and bytes multiples of 16): the memory-bound kernels issue it for their
+// next step's rows, so that more bytes are in flight than their registers hold and the
+// next step's loads hit L2. No effect on results.
+__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // No "memory" clobber: a hint, so the compiler may move loads and stores across it.
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes));
+#else
+  (void)p, (void)bytes;
+#endif
+}
+
 // RoPE's cos/sin (rope.cu; also the fused QK-norm + RoPE in norm.cu): inv_freq_i =
 // base^i with base = theta^(-2/head_dim) from the host (fp64, by squaring), angle
 // t * inv_freq in fp64 reduced to [-pi, pi], then fp32 sincosf. backward negates sin.

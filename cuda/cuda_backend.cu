@@ -191,6 +191,10 @@ class CudaBackend final : public Backend {
   void rmsnorm_forward(Tensor y, Tensor rstd, Tensor x, Tensor w, double eps) override {
     cuda::rmsnorm_forward(stream_, y, rstd, x, w, eps);
   }
+  void add_rmsnorm_forward(Tensor x, Tensor y, Tensor rstd, Tensor a, Tensor b, Tensor w,
+                           double eps) override {
+    cuda::add_rmsnorm_forward(stream_, x, y, rstd, a, b, w, eps);
+  }
   void rmsnorm_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor rstd,
                         bool accumulate_dx) override {
     cuda::rmsnorm_backward(stream_, dx, dw, dy, x, w, rstd, accumulate_dx, routing_ctx_.scratch);

@@ -21,6 +21,10 @@ void embedding_backward(cudaStream_t s, Tensor dtable, Tensor dout, Tensor token
 
 // norm.cu
 void rmsnorm_forward(cudaStream_t s, Tensor y, Tensor rstd, Tensor x, Tensor w, double eps);
+// Backend::add_rmsnorm_forward: one pass (BF16, D % 8 == 0 up to 4096, 16-byte aligned),
+// else add then rmsnorm_forward; the same bits either way.
+void add_rmsnorm_forward(cudaStream_t s, Tensor x, Tensor y, Tensor rstd, Tensor a, Tensor b,
+                         Tensor w, double eps);
 // rmsnorm_backward: below ScratchSlot (its dw partial sums live in backend scratch).
 
 // rope.cu

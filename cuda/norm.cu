@@ -13,7 +13,16 @@
 // qk_norm_rope_forward/backward: the vector kernels with RoPE fused (head_dim 64/128/256):
 // forward rotates the normalised row (rounded to bf16 first, as the unfused path stores
 // it) before its one store; backward rotates dy back right after loading it. Saves a
-// read and a write of q and k each way.
+// read and a write of q and k each way. A warp's rows are the heads of one token (head_dim
+// 128, heads a multiple of 8), and each lane group computes the token's cos/sin once, 4
+// pairs per lane, shared by shuffles: an eighth of a sincosf per element (was a quarter:
+// 8 pairs per lane, the rotate-half partner lane computing the same 8).
+// add_rmsnorm_forward: the forward vector kernel with x = a + b (rounded to bf16 as add
+// does) formed from the loaded a, b and stored before the norm uses it: reads a, b, writes
+// x, y, rstd once; the same bits as add then rmsnorm_forward.
+// Every vector kernel asks L2 for its next step's rows (one bulk prefetch per warp and
+// tensor) before computing the current ones, so that more bytes are in flight than the
+// registers hold.
 // Other shapes/dtypes take the scalar path (warp per row, dw by a slab kernel with one
 // fp32 atomic per column per block, whose summation order can vary run to run).
 #include "cuda/common.cuh"
@@ -107,8 +116,9 @@ __device__ __forceinline__ float group_sum(float v) {
 
 // The fused QK-norm + RoPE (kRope): rows are (token, head) of head_dim = D = 8 * TPR, so a
 // lane's 8 features pair with those of the lane TPR/2 away (rotate-half); the partner's
-// values come by shuffle. cos/sin for the lane's 8 pairs are computed once per token
-// (consecutive rows of a lane are usually heads of one token).
+// values come by shuffle. A lane's consecutive rows are usually heads of one token, so its
+// cos/sin serve all of them; they are computed once per token by the whole lane group, 4
+// of the token's 4 * TPR pairs per lane, and handed out by shuffles.
 struct RopeArgs {
   int64_t T_len = 1, first_position = 0;
   int heads = 1;
@@ -120,15 +130,35 @@ template <int TPR>
 struct RopeCache {
   float cs[8], sn[8];
   int64_t tok = -1;
+  // Warp-collective (every lane calls it, with its own row): when any lane's row belongs
+  // to a new token, every group recomputes its token's cos/sin (lanes whose token did not
+  // change get the same values again). inv_freq of pair p is ipow(base, 8 (p / 8)) times
+  // base, p % 8 times in turn: the sequence of fp64 products of rope.cu's vector kernel
+  // and of the per-lane code before, so cos/sin are the same bits as theirs.
   __device__ __forceinline__ void update(const RopeArgs& ra, int64_t row, int sub) {
     const int64_t t = row / ra.heads;
-    if (t == tok) return;
+    if (!__any_sync(0xffffffffu, t != tok)) return;
     tok = t;
-    double f = ipow(ra.base, (sub % (TPR / 2)) * 8);
+    const int p0 = 4 * sub;  // this lane computes pairs p0 .. p0 + 3
+    double f = ipow(ra.base, p0 & ~7);
+    if (p0 & 4) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) f *= ra.base;
+    }
+    const int64_t pos = ra.first_position + t % ra.T_len;
+    float c4[4], s4[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      rope_cos_sin(f, pos, ra.backward, c4[k], s4[k]);
+      f *= ra.base;
+    }
+    // Feature e of this lane is pair (sub % (TPR/2)) * 8 + e, held by group lane
+    // (sub % (TPR/2)) * 2 + e / 4 at index e % 4.
+    const int src = (sub % (TPR / 2)) * 2;
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      rope_cos_sin(f, ra.first_position + t % ra.T_len, ra.backward, cs[e], sn[e]);
-      f *= ra.base;
+      cs[e] = __shfl_sync(0xffffffffu, c4[e % 4], src + e / 4, TPR);
+      sn[e] = __shfl_sync(0xffffffffu, s4[e % 4], src + e / 4, TPR);
     }
   }
   // v rounded to bf16 first (the unfused path stores between the two ops), then rotated
@@ -144,30 +174,105 @@ struct RopeCache {
   }
 };
 
-template <class W, int TPR, int VPL, int RPI, bool kRope = false>
+// Row r (0 .. RPI-1) of lane group grp of warp `warp` in the block's step at `base`: the
+// groups interleave (rows r*G + grp), so one warp-wide load instruction reads G adjacent
+// rows, and a warp's RW rows are contiguous. For the RoPE-fused kernels at head_dim 128
+// (RW = 8) and head counts that are multiples of 8, a warp's rows are the heads of one
+// token, so its cos/sin are computed once a step.
+template <int G, int RPI>
+__device__ __forceinline__ int64_t vec_row(int64_t base, int warp, int grp, int r) {
+  return base + int64_t(warp * G * RPI + r * G + grp);
+}
+
+// The next step's rows of a warp (rows next + warp*RW .. +RW, clipped to R) of up to
+// three tensors (null: none) into L2: one bulk prefetch per tensor by lane 0.
+template <int RW>
+__device__ __forceinline__ void prefetch_rows(int64_t next, int warp, int lane, int64_t R, int D,
+                                              const bf16* t0, const bf16* t1 = nullptr,
+                                              const bf16* t2 = nullptr) {
+  const int64_t first = next + int64_t(warp) * RW;
+  if (lane != 0 || first >= R) return;
+  const uint32_t bytes = uint32_t((R - first < RW ? R - first : RW) * D * 2);
+  prefetch_l2(t0 + first * D, bytes);
+  if (t1) prefetch_l2(t1 + first * D, bytes);
+  if (t2) prefetch_l2(t2 + first * D, bytes);
+}
+
+// The residual add fused in front of the norm (add_rmsnorm_forward): x = a + b rounded to
+// bf16 exactly as reductions.cu's add does, stored, and normalised from the rounded value.
+// a or b may be x itself (each element is read before the same thread writes it), so no
+// read-only loads.
+struct AddArgs {
+  bf16* x = nullptr;
+  const bf16* a = nullptr;
+  const bf16* b = nullptr;
+};
+
+// kWarpToken (with kRope): every warp's RW rows of a step are heads of one token (the
+// host checked heads % RW == 0), so the cos/sin are computed once a step, while the
+// step's loads are in flight, and nowhere else (fewer registers than a check per row).
+template <class W, int TPR, int VPL, int RPI, bool kRope = false, bool kAdd = false,
+          bool kWarpToken = false>
 __global__ void __launch_bounds__(kVecThreads)
     rmsnorm_forward_vec_kernel(bf16* __restrict__ y, float* __restrict__ rstd,
                                const bf16* __restrict__ x, const W* __restrict__ w, int64_t R,
-                               int D, float eps, RopeArgs ra) {
+                               int D, float eps, RopeArgs ra, AddArgs aa) {
   static_assert(!kRope || VPL == 1, "fused RoPE needs head_dim = 8 * lanes per row");
+  static_assert(!(kRope && kAdd), "one fusion at a time");
   RopeCache<TPR> rc;
   constexpr int G = 32 / TPR, RW = G * RPI, RB = (kVecThreads / 32) * RW;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int grp = lane / TPR, sub = lane % TPR;
+  auto row_of = [&](int64_t base, int r) { return vec_row<G, RPI>(base, warp, grp, r); };
   for (int64_t base = int64_t(blockIdx.x) * RB; base < R; base += int64_t(gridDim.x) * RB) {
     uint4 xv[RPI][VPL];
     float ss[RPI];
+    if constexpr (kAdd) {
+      uint4 av[RPI][VPL], bv[RPI][VPL];
 #pragma unroll
-    for (int r = 0; r < RPI; ++r) {
-      const int64_t row = base + warp * RW + r * G + grp;
+      for (int r = 0; r < RPI; ++r) {
+        const int64_t row = row_of(base, r);
 #pragma unroll
-      for (int k = 0; k < VPL; ++k) {
-        const int col = (sub + k * TPR) * 8;
-        xv[r][k] = row < R && col < D
-                       ? __ldg(reinterpret_cast<const uint4*>(x + row * D + col))
-                       : make_uint4(0, 0, 0, 0);
+        for (int k = 0; k < VPL; ++k) {
+          const int col = (sub + k * TPR) * 8;
+          const bool ok = row < R && col < D;
+          av[r][k] = ok ? *reinterpret_cast<const uint4*>(aa.a + row * D + col)
+                        : make_uint4(0, 0, 0, 0);
+          bv[r][k] = ok ? *reinterpret_cast<const uint4*>(aa.b + row * D + col)
+                        : make_uint4(0, 0, 0, 0);
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < RPI; ++r) {
+        const int64_t row = row_of(base, r);
+#pragma unroll
+        for (int k = 0; k < VPL; ++k) {
+          const int col = (sub + k * TPR) * 8;
+          float fa[8], fb[8];
+          unpack8(av[r][k], fa);
+          unpack8(bv[r][k], fb);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) fa[e] += fb[e];
+          xv[r][k] = pack8(fa);
+          if (row < R && col < D) *reinterpret_cast<uint4*>(aa.x + row * D + col) = xv[r][k];
+        }
+      }
+    } else {
+#pragma unroll
+      for (int r = 0; r < RPI; ++r) {
+        const int64_t row = row_of(base, r);
+#pragma unroll
+        for (int k = 0; k < VPL; ++k) {
+          const int col = (sub + k * TPR) * 8;
+          xv[r][k] = row < R && col < D
+                         ? __ldg(reinterpret_cast<const uint4*>(x + row * D + col))
+                         : make_uint4(0, 0, 0, 0);
+        }
       }
     }
+    if constexpr (kAdd) prefetch_rows<RW>(base + int64_t(gridDim.x) * RB, warp, lane, R, D, aa.a, aa.b);
+    else prefetch_rows<RW>(base + int64_t(gridDim.x) * RB, warp, lane, R, D, x);
+    if constexpr (kRope && kWarpToken) rc.update(ra, row_of(base, 0), sub);
 #pragma unroll
     for (int r = 0; r < RPI; ++r) {
       float acc = 0.f;
@@ -188,13 +293,13 @@ __global__ void __launch_bounds__(kVecThreads)
       load8(w + col, wf);
 #pragma unroll
       for (int r = 0; r < RPI; ++r) {
-        const int64_t row = base + warp * RW + r * G + grp;
+        const int64_t row = row_of(base, r);
         float f[8];
         unpack8(xv[r][k], f);
 #pragma unroll
         for (int e = 0; e < 8; ++e) f[e] = f[e] * ss[r] * wf[e];
         if constexpr (kRope) {
-          rc.update(ra, row, sub);
+          if constexpr (!kWarpToken) rc.update(ra, row, sub);
           rc.rotate(f, sub);
         }
         if (row >= R) continue;
@@ -203,7 +308,7 @@ __global__ void __launch_bounds__(kVecThreads)
     }
 #pragma unroll
     for (int r = 0; r < RPI; ++r) {
-      const int64_t row = base + warp * RW + r * G + grp;
+      const int64_t row = row_of(base, r);
       if (sub == 0 && row < R) rstd[row] = ss[r];
     }
   }
@@ -211,7 +316,7 @@ __global__ void __launch_bounds__(kVecThreads)
 
 // kRope: dy is the gradient w.r.t. the rotated output; it is rotated back (rounded to
 // bf16, as the unfused inverse RoPE stores it) right after loading, and not written.
-template <class W, int TPR, int VPL, int RPI, bool kRope = false>
+template <class W, int TPR, int VPL, int RPI, bool kRope = false, bool kWarpToken = false>
 __global__ void __launch_bounds__(kVecThreads)
     rmsnorm_backward_vec_kernel(bf16* dx, float* __restrict__ partials,
                                 const bf16* __restrict__ dy, const bf16* __restrict__ x,
@@ -228,12 +333,16 @@ __global__ void __launch_bounds__(kVecThreads)
 #pragma unroll
     for (int e = 0; e < 8; ++e) dw_acc[k][e] = 0.f;
 
+  auto row_of = [&](int64_t base, int r) { return vec_row<G, RPI>(base, warp, grp, r); };
+  // The first step's old dx (later steps' come with the previous step's prefetch): in L2
+  // by the time dx is computed and added to it.
+  if (accumulate) prefetch_rows<RW>(int64_t(blockIdx.x) * RB, warp, lane, R, D, dx);
   for (int64_t base = int64_t(blockIdx.x) * RB; base < R; base += int64_t(gridDim.x) * RB) {
     uint4 xv[RPI][VPL], gv[RPI][VPL];
     float rs[RPI], coef[RPI];
 #pragma unroll
     for (int r = 0; r < RPI; ++r) {
-      const int64_t row = base + warp * RW + r * G + grp;
+      const int64_t row = row_of(base, r);
       rs[r] = row < R ? rstd[row] : 0.f;
 #pragma unroll
       for (int k = 0; k < VPL; ++k) {
@@ -245,12 +354,15 @@ __global__ void __launch_bounds__(kVecThreads)
                       : make_uint4(0, 0, 0, 0);
       }
     }
+    prefetch_rows<RW>(base + int64_t(gridDim.x) * RB, warp, lane, R, D, x, dy,
+                      accumulate ? dx : nullptr);
     if constexpr (kRope) {
+      if constexpr (kWarpToken) rc.update(ra, row_of(base, 0), sub);
 #pragma unroll
       for (int r = 0; r < RPI; ++r) {
         float gf[8];
         unpack8(gv[r][0], gf);
-        rc.update(ra, base + warp * RW + r * G + grp, sub);
+        if constexpr (!kWarpToken) rc.update(ra, row_of(base, r), sub);
         rc.rotate(gf, sub);
         gv[r][0] = pack8(gf);
       }
@@ -283,7 +395,7 @@ __global__ void __launch_bounds__(kVecThreads)
       load8(w + col, wf);
 #pragma unroll
       for (int r = 0; r < RPI; ++r) {
-        const int64_t row = base + warp * RW + r * G + grp;
+        const int64_t row = row_of(base, r);
         float xf[8], gf[8];
         unpack8(xv[r][k], xf);
         unpack8(gv[r][k], gf);
@@ -334,22 +446,26 @@ __global__ void __launch_bounds__(kVecThreads)
 }
 
 // dw[c] += sum over blocks b (in order per row lane, then lanes in order) of
-// partials[b][c]. Block (32 columns) x (8 row lanes).
-__global__ void rmsnorm_dw_finish_kernel(float* dw, const float* __restrict__ partials,
-                                         int nblocks, int D) {
-  __shared__ float part[8][33];
+// partials[b][c]. Block (32 columns) x (kFinishLanes row lanes): with one partial row per
+// resident block (~264 at D 1280) every lane has all its ~8 loads in flight at once (was 8
+// lanes with ~33 loads each, 8 in flight: a few microseconds of latency on 40 SMs after
+// every backward).
+constexpr int kFinishLanes = 32;
+__global__ void __launch_bounds__(32 * kFinishLanes)
+    rmsnorm_dw_finish_kernel(float* dw, const float* __restrict__ partials, int nblocks, int D) {
+  __shared__ float part[kFinishLanes][33];
   const int c = blockIdx.x * 32 + threadIdx.x;
   float acc = 0.f;
   if (c < D) {
 #pragma unroll 8
-    for (int b = threadIdx.y; b < nblocks; b += 8) acc += partials[int64_t(b) * D + c];
+    for (int b = threadIdx.y; b < nblocks; b += kFinishLanes) acc += partials[int64_t(b) * D + c];
   }
   part[threadIdx.y][threadIdx.x] = acc;
   __syncthreads();
   if (threadIdx.y == 0 && c < D) {
     float t = 0.f;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) t += part[i][threadIdx.x];
+    for (int i = 0; i < kFinishLanes; ++i) t += part[i][threadIdx.x];
     dw[c] += t;
   }
 }
@@ -385,12 +501,13 @@ bool vector_path(DType t, int64_t D, int64_t max_d, std::initializer_list<const 
   return true;
 }
 
-// The vector kernels' launches (plain or with the fused RoPE); false when the shape has
-// no vector configuration. Grids: as many blocks as fit on the device at once, at most
-// one row step each.
-template <bool kRope>
+// The vector kernels' launches (plain, with the fused RoPE, or with the residual add in
+// front); false when the shape has no vector configuration. Grids: as many blocks as fit
+// on the device at once, at most one row step each.
+
+template <bool kRope, bool kAdd = false>
 bool launch_forward_vec(cudaStream_t s, Tensor y, Tensor rstd, Tensor x, Tensor w, int64_t R,
-                        int64_t D, double eps, const RopeArgs& ra) {
+                        int64_t D, double eps, const RopeArgs& ra, const AddArgs& aa = {}) {
   bool launched = false;
   dispatch_float(w.dtype, "rmsnorm_forward", [&](auto tw) {
     using W = decltype(tw);
@@ -398,15 +515,26 @@ bool launch_forward_vec(cudaStream_t s, Tensor y, Tensor rstd, Tensor x, Tensor 
       using C = decltype(cfg);
       if constexpr (!kRope || C::VPL == 1) {
         if (kRope && C::TPR * 8 != D) return;
-        auto kern = rmsnorm_forward_vec_kernel<W, C::TPR, C::VPL, C::RPI, kRope>;
+        constexpr int RPI = C::RPI, RW = (32 / C::TPR) * RPI;
+        auto go = [&](auto kern, int per_sm) {
+          const int64_t rb = (kVecThreads / 32) * RW;
+          const int64_t blocks = std::min<int64_t>(ceil_div(R, rb), int64_t(sm_count()) * per_sm);
+          kern<<<unsigned(blocks), kVecThreads, 0, s>>>(
+              static_cast<bf16*>(y.data), rstd.ptr<float>(), static_cast<const bf16*>(x.data),
+              static_cast<const W*>(w.data), R, int(D), float(eps), ra, aa);
+          CUDA_CHECK_LAUNCH();
+          launched = true;
+        };
+        if constexpr (kRope) {
+          if (ra.heads % RW == 0) {
+            auto kern = rmsnorm_forward_vec_kernel<W, C::TPR, C::VPL, RPI, true, false, true>;
+            static const int per_sm = resident_blocks_per_sm(kern, kVecThreads);
+            return go(kern, per_sm);
+          }
+        }
+        auto kern = rmsnorm_forward_vec_kernel<W, C::TPR, C::VPL, RPI, kRope, kAdd, false>;
         static const int per_sm = resident_blocks_per_sm(kern, kVecThreads);
-        const int64_t rb = (kVecThreads / 32) * (32 / C::TPR) * C::RPI;
-        const int64_t blocks = std::min<int64_t>(ceil_div(R, rb), int64_t(sm_count()) * per_sm);
-        kern<<<unsigned(blocks), kVecThreads, 0, s>>>(
-            static_cast<bf16*>(y.data), rstd.ptr<float>(), static_cast<const bf16*>(x.data),
-            static_cast<const W*>(w.data), R, int(D), float(eps), ra);
-        CUDA_CHECK_LAUNCH();
-        launched = true;
+        go(kern, per_sm);
       }
     });
   });
@@ -425,9 +553,15 @@ bool launch_backward_vec(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor
       // Configurations wider than kVecMaxDBackward are never chosen for the backward.
       if constexpr (C::TPR * C::VPL * 8 <= kVecMaxDBackward && (!kRope || C::VPL == 1)) {
         if (kRope && C::TPR * 8 != D) return;
-        auto kern = rmsnorm_backward_vec_kernel<W, C::TPR, C::VPL, C::RPI, kRope>;
-        static const int per_sm = resident_blocks_per_sm(kern, kVecThreads);
-        const int64_t rb = (kVecThreads / 32) * (32 / C::TPR) * C::RPI;
+        constexpr int RPI = C::RPI, RW = (32 / C::TPR) * RPI;
+        auto kern = rmsnorm_backward_vec_kernel<W, C::TPR, C::VPL, RPI, kRope, false>;
+        auto kern_warp_token = rmsnorm_backward_vec_kernel<W, C::TPR, C::VPL, RPI, kRope, kRope>;
+        static const int per_sm_any = resident_blocks_per_sm(kern, kVecThreads);
+        static const int per_sm_warp_token = resident_blocks_per_sm(kern_warp_token, kVecThreads);
+        const bool warp_token = kRope && ra.heads % RW == 0;
+        if (warp_token) kern = kern_warp_token;
+        const int per_sm = warp_token ? per_sm_warp_token : per_sm_any;
+        const int64_t rb = (kVecThreads / 32) * RW;
         const int64_t blocks = std::min<int64_t>(ceil_div(R, rb), int64_t(sm_count()) * per_sm);
         auto* partials = static_cast<float*>(
             scratch(ScratchSlot::NormPartials, size_t(blocks) * size_t(D) * sizeof(float)));
@@ -436,7 +570,7 @@ bool launch_backward_vec(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor
             static_cast<const bf16*>(x.data), static_cast<const W*>(w.data), rstd.ptr<float>(),
             R, int(D), accumulate_dx, ra);
         CUDA_CHECK_LAUNCH();
-        rmsnorm_dw_finish_kernel<<<unsigned(ceil_div(D, 32)), dim3(32, 8), 0, s>>>(
+        rmsnorm_dw_finish_kernel<<<unsigned(ceil_div(D, 32)), dim3(32, kFinishLanes), 0, s>>>(
             dw.ptr<float>(), partials, int(blocks), int(D));
         CUDA_CHECK_LAUNCH();
         launched = true;
@@ -500,6 +634,27 @@ void rmsnorm_forward(cudaStream_t s, Tensor y, Tensor rstd, Tensor x, Tensor w, 
       CUDA_CHECK_LAUNCH();
     });
   });
+}
+
+void add_rmsnorm_forward(cudaStream_t s, Tensor x, Tensor y, Tensor rstd, Tensor a, Tensor b,
+                         Tensor w, double eps) {
+  const int64_t D = w.numel(), R = D > 0 ? x.numel() / D : 0;
+  check_forward("add_rmsnorm_forward", y, rstd, x, R, D);
+  check_numel(a, R * D, "add_rmsnorm_forward", "a");
+  check_numel(b, R * D, "add_rmsnorm_forward", "b");
+  MHAR_CHECK(y.data != x.data && y.data != a.data && y.data != b.data,
+             "add_rmsnorm_forward: y must not be x, a or b");
+  if (R == 0) return;
+  if (a.dtype == DType::BF16 && b.dtype == DType::BF16 &&
+      vector_path(x.dtype, D, kVecMaxD, {x.data, y.data, w.data, a.data, b.data})) {
+    AddArgs aa;
+    aa.x = static_cast<bf16*>(x.data);
+    aa.a = static_cast<const bf16*>(a.data);
+    aa.b = static_cast<const bf16*>(b.data);
+    if (launch_forward_vec<false, true>(s, y, rstd, x, w, R, D, eps, RopeArgs{}, aa)) return;
+  }
+  add(s, x, a, b);
+  rmsnorm_forward(s, y, rstd, x, w, eps);
 }
 
 void rmsnorm_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,

@@ -9,8 +9,10 @@
 // within an fp32 ulp or two of the reference's float(cos(angle)), at any position.
 // Vector path (BF16, head_dim/2 a multiple of 8, x 16-byte aligned): one thread per
 // (token, 8 consecutive pairs) computes its 8 cos/sin once and rotates those pairs in
-// every head of the token with bf16x8 loads/stores (x read once, written once). Other
-// shapes/dtypes: one thread per (row, pair), cos/sin per element.
+// every head of the token with bf16x8 loads/stores (x read once, written once); the
+// loads of its first 8 heads are in flight while it computes the cos/sin (they were
+// issued after them: the whole grid, about one wave, computed before the first byte
+// moved). Other shapes/dtypes: one thread per (row, pair), cos/sin per element.
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
 
@@ -35,7 +37,12 @@ __global__ void rope_kernel(T* x, int64_t rows, int64_t T_len, int64_t heads, in
   }
 }
 
-// Thread = (token, vector j of 8 pairs); tokens = B * T rows of heads * 2 * half.
+// Thread = (token, vector j of 8 pairs); tokens = B * T rows of heads * 2 * half. The
+// loads of the first kHeadsInRegs heads are issued before the cos/sin are computed, so the
+// fp64 angles and sincosf run while they are in flight; the token's later heads (q with
+// more heads than that) are asked of L2 at the start, by the token's vector-0 thread.
+constexpr int kHeadsInRegs = 8;
+
 __global__ void rope_vec_kernel(bf16* x, int64_t tokens, int64_t T_len, int heads, int half,
                                 double base, bool backward, int64_t first_position) {
   const int nv = half / 8;
@@ -43,7 +50,22 @@ __global__ void rope_vec_kernel(bf16* x, int64_t tokens, int64_t T_len, int head
   for (int64_t p = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; p < work;
        p += int64_t(gridDim.x) * blockDim.x) {
     const int64_t tok = p / nv;
-    const int i0 = int(p - tok * nv) * 8;
+    const int j = int(p - tok * nv), i0 = j * 8;
+    bf16* xt = x + tok * int64_t(heads) * (2 * half) + i0;
+    uint4 va[kHeadsInRegs], vb[kHeadsInRegs];
+    auto load_heads = [&](int h0) {
+#pragma unroll
+      for (int c = 0; c < kHeadsInRegs; ++c) {
+        if (h0 + c >= heads) break;
+        const bf16* p1 = xt + int64_t(h0 + c) * (2 * half);
+        va[c] = *reinterpret_cast<const uint4*>(p1);
+        vb[c] = *reinterpret_cast<const uint4*>(p1 + half);
+      }
+    };
+    load_heads(0);
+    if (j == 0 && heads > kHeadsInRegs)
+      prefetch_l2(xt + int64_t(kHeadsInRegs) * (2 * half),
+                  uint32_t(int64_t(heads - kHeadsInRegs) * (2 * half) * 2));
     const int64_t t = first_position + tok % T_len;
     float cs[8], sn[8];
     double f = ipow(base, i0);
@@ -52,20 +74,23 @@ __global__ void rope_vec_kernel(bf16* x, int64_t tokens, int64_t T_len, int head
       rope_cos_sin(f, t, backward, cs[e], sn[e]);
       f *= base;
     }
-    bf16* xt = x + tok * int64_t(heads) * (2 * half) + i0;
-#pragma unroll 4
-    for (int h = 0; h < heads; ++h) {
-      bf16* p1 = xt + int64_t(h) * (2 * half);
-      float a[8], b[8], o1[8], o2[8];
-      load8(p1, a);
-      load8(p1 + half, b);
+    for (int h0 = 0; h0 < heads; h0 += kHeadsInRegs) {
+      if (h0 > 0) load_heads(h0);
 #pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        o1[e] = a[e] * cs[e] - b[e] * sn[e];
-        o2[e] = b[e] * cs[e] + a[e] * sn[e];
+      for (int c = 0; c < kHeadsInRegs; ++c) {
+        if (h0 + c >= heads) break;
+        bf16* p1 = xt + int64_t(h0 + c) * (2 * half);
+        float a[8], b[8], o1[8], o2[8];
+        unpack8(va[c], a);
+        unpack8(vb[c], b);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          o1[e] = a[e] * cs[e] - b[e] * sn[e];
+          o2[e] = b[e] * cs[e] + a[e] * sn[e];
+        }
+        store8(p1, o1);
+        store8(p1 + half, o2);
       }
-      store8(p1, o1);
-      store8(p1 + half, o2);
     }
   }
 }

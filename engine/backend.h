@@ -134,6 +134,16 @@ class Backend {
   virtual void rmsnorm_forward(Tensor y, Tensor rstd, Tensor x, Tensor w, double eps) = 0;
   virtual void rmsnorm_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,
                                 Tensor rstd, bool accumulate_dx) = 0;
+  // Residual add + RMSNorm (the standard scheme's site, residual_standard.cpp): exactly
+  // add(x, a, b), then rmsnorm_forward(y, rstd, x, w, eps) of the stored (rounded) x, so
+  // x, y and rstd are the same bits as the two ops'. x may be a or b (as for add); y is
+  // none of x, a, b. This default is the reference; a backend may fuse (CUDA: one pass
+  // that reads a, b, w and writes x, y, rstd once).
+  virtual void add_rmsnorm_forward(Tensor x, Tensor y, Tensor rstd, Tensor a, Tensor b,
+                                   Tensor w, double eps) {
+    add(x, a, b);
+    rmsnorm_forward(y, rstd, x, w, eps);
+  }
 
   // ---- C = op(A) op(B) (or C += when accumulate); op(X) = X^T when trans_X.
   // 2-D tensors; a linear layer y = x W^T is matmul(y, x, W, false, true, false) and its

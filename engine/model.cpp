@@ -2,9 +2,10 @@
 // and backward) of the model in model.h.
 //
 // Timeline used by the activation plan. Forward events, in order:
-//   site j           at 2j        (j = 0..2L; site 0 also runs the embedding)
+//   site j           at 2j        (j = 0..2L; x_j and its consumer's input norm, which
+//                                 the scheme may fuse; site 0 also runs the embedding)
 //   sublayer j       at 2j + 1    (j = 0..2L-1; even j attention, odd j MLP)
-//   head             at 4L + 1    (final norm, LM head, cross-entropy, and with a loss
+//   head             at 4L + 1    (LM head, cross-entropy, and with a loss
 //                                 scale the head's input and weight gradients)
 // The backward runs the same E = 4L + 2 events in reverse: event e at 2E - 1 - e.
 // A buffer saved by event e for its backward lives [e, 2E-1-e]; a backward scratch lives
@@ -221,8 +222,9 @@ void Model::plan_activations() {
     const int e = sub_ev(j), b = tb(e);
     const std::string name = "sublayer." + std::to_string(j) + ".";
     auto A = std::make_unique<SublayerActs>();
-    A->xn = P.add(name + "xn", at, {N, d}, e, b);
-    A->rstd = P.add(name + "rstd", st, {N}, e, b);
+    // The input norm is written at the site (run_layers), one event before the sublayer.
+    A->xn = P.add(name + "xn", at, {N, d}, tl.site(j), b);
+    A->rstd = P.add(name + "rstd", st, {N}, tl.site(j), b);
     A->d_xn = P.add(name + "xn.grad", at, {N, d}, b, b);
     if (j % 2 == 0) {
       const int64_t hq = cfg_.n_heads, hkv = cfg_.n_kv_heads;
@@ -257,8 +259,8 @@ void Model::plan_activations() {
   // logits(first, rows) can still recompute from xn.)
   chunk_ = logits_chunk_tokens(N, V, dtype_size(at), chunk_request_);
   held_rows_ = 0;
-  s.xfn = P.add("head.xn", at, {N, d}, head_ev, head_ev);
-  s.rstd_f = P.add("head.rstd", st, {N}, head_ev, tb(head_ev));
+  s.xfn = P.add("head.xn", at, {N, d}, tl.site(2 * L), head_ev);  // written at site 2L
+  s.rstd_f = P.add("head.rstd", st, {N}, tl.site(2 * L), tb(head_ev));
   s.logits = P.add("head.logits", at, {chunk_, V}, head_ev, head_ev);
   s.d_xfn = P.add("head.xn.grad", at, {N, d}, head_ev, tb(head_ev));
   P.plan();
@@ -411,17 +413,24 @@ void Model::run_layers(const int32_t* tokens) {
   be_.upload_tokens(act(s.tokens), tokens);
   Tensor hist = act(s.history);
   be_.embedding_forward(hist[0], act(s.tokens), p(embed_));
-  for (int j = 0; j < cfg_.n_sites(); ++j) {
-    scheme_->site_forward(j);
-    if (j == 2 * cfg_.n_layers) break;
+  const int last_site = 2 * cfg_.n_layers;
+  for (int j = 0; j <= last_site; ++j) {
+    // The consumer's input norm (sublayer j's; the head's final norm for j = 2L): the
+    // scheme writes it with x_j where it can (residual.h), else the model does here.
+    const SiteNorm norm =
+        j == last_site
+            ? SiteNorm{act(s.xfn), act(s.rstd_f), p(final_norm_), cfg_.rms_eps}
+            : SiteNorm{act(acts_[size_t(j)]->xn), act(acts_[size_t(j)]->rstd),
+                       p(j % 2 == 0 ? layers_[size_t(j / 2)].attn_norm
+                                    : layers_[size_t(j / 2)].mlp_norm),
+                       cfg_.rms_eps};
+    if (!scheme_->site_forward_normed(j, norm))
+      be_.rmsnorm_forward(norm.y, norm.rstd, site_input(j), norm.w, norm.eps);
+    if (j == last_site) break;  // the head's LM head and loss run in head_forward
     if (j % 2 == 0) attention_forward(j / 2);
     else mlp_forward(j / 2);
     scheme_->sublayer_done(j);
   }
-  // Head: final norm of site 2L's input, LM head, cross-entropy.
-  const int last_site = 2 * cfg_.n_layers;
-  be_.rmsnorm_forward(act(s.xfn), act(s.rstd_f), act(s.site_x[last_site]), p(final_norm_),
-                      cfg_.rms_eps);
   held_rows_ = 0;  // new activations: the logits buffer no longer matches them
   xn_valid_ = true;
 }
@@ -510,7 +519,7 @@ void Model::attention_forward(int l) {
   const SublayerActs& A = *acts_[j];
   const LayerParams& lp = layers_[l];
   const int64_t hq = cfg_.n_heads, hkv = cfg_.n_kv_heads, hd = cfg_.head_dim;
-  be_.rmsnorm_forward(act(A.xn), act(A.rstd), site_input(j), p(lp.attn_norm), cfg_.rms_eps);
+  // A.xn, the input norm of site j, was written at the site (run_layers).
   be_.matmul_forward(act(A.q_pre), act(A.xn), p(lp.wq));
   be_.matmul_forward(act(A.k_pre), act(A.xn), p(lp.wk));
   be_.matmul_forward(act(A.v), act(A.xn), p(lp.wv));
@@ -542,7 +551,7 @@ void Model::mlp_forward(int l) {
   const int j = 2 * l + 1;
   const SublayerActs& A = *acts_[j];
   const LayerParams& lp = layers_[l];
-  be_.rmsnorm_forward(act(A.xn), act(A.rstd), site_input(j), p(lp.mlp_norm), cfg_.rms_eps);
+  // A.xn, the input norm of site j, was written at the site (run_layers).
   be_.matmul_forward(act(A.gate), act(A.xn), p(lp.w_gate));
   be_.matmul_forward(act(A.up), act(A.xn), p(lp.w_up));
   be_.swiglu_forward(act(A.h), act(A.gate), act(A.up));
@@ -564,7 +573,8 @@ void Model::backward(const BucketHook& bucket_done) {
   rs.begin_backward();
   // Head: the forward already wrote d xn and added the LM head's weight gradient.
   be_.rmsnorm_backward(rs.site_grad(last_site), g(final_norm_), act(s.d_xfn),
-                       site_input(last_site), p(final_norm_), act(s.rstd_f), false);
+                       site_input(last_site), p(final_norm_), act(s.rstd_f),
+                       rs.site_grad_accumulates(last_site));
   done(head_bucket);  // final norm, and the LM head unless it is the (tied) embedding
   for (int j = last_site; j >= 0; --j) {
     if (j < last_site) {
@@ -608,8 +618,9 @@ void Model::attention_backward(int l) {
   be_.matmul_weight_grad(g(lp.wq), act(A.dq_pre), act(A.xn));
   be_.matmul_weight_grad(g(lp.wk), act(A.dk_pre), act(A.xn));
   be_.matmul_weight_grad(g(lp.wv), act(A.dv), act(A.xn));
+  // Last: the scheme's site_grad(j) may be the buffer of source_grad(j + 1) (residual.h).
   be_.rmsnorm_backward(scheme_->site_grad(j), g(lp.attn_norm), act(A.d_xn), site_input(j),
-                       p(lp.attn_norm), act(A.rstd), false);
+                       p(lp.attn_norm), act(A.rstd), scheme_->site_grad_accumulates(j));
 }
 
 void Model::mlp_backward(int l) {
@@ -624,8 +635,9 @@ void Model::mlp_backward(int l) {
   be_.matmul_input_grad(act(A.d_xn), act(A.d_up), p(lp.w_up), true);
   be_.matmul_weight_grad(g(lp.w_gate), act(A.d_gate), act(A.xn));
   be_.matmul_weight_grad(g(lp.w_up), act(A.d_up), act(A.xn));
+  // Last: the scheme's site_grad(j) may be the buffer of source_grad(j + 1) (residual.h).
   be_.rmsnorm_backward(scheme_->site_grad(j), g(lp.mlp_norm), act(A.d_xn), site_input(j),
-                       p(lp.mlp_norm), act(A.rstd), false);
+                       p(lp.mlp_norm), act(A.rstd), scheme_->site_grad_accumulates(j));
 }
 
 }  // namespace mhar

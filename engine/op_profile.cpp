@@ -165,6 +165,11 @@ void OpProfiler::rmsnorm_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Ten
   Span s(*this, OpFamily::Norms, bytes_of({dx, dw, dy, x, w, rstd}) + (acc ? bytes_of({dx}) : 0));
   in_.rmsnorm_backward(dx, dw, dy, x, w, rstd, acc);
 }
+void OpProfiler::add_rmsnorm_forward(Tensor x, Tensor y, Tensor rstd, Tensor a, Tensor b, Tensor w,
+                                     double eps) {
+  Span s(*this, OpFamily::Norms, bytes_of({x, y, rstd, a, b, w}));
+  in_.add_rmsnorm_forward(x, y, rstd, a, b, w, eps);
+}
 void OpProfiler::matmul(Tensor c, Tensor a, Tensor b, bool ta, bool tb, bool acc) {
   Span s(*this, OpFamily::Matmul, matmul_flops(c, a, b));
   in_.matmul(c, a, b, ta, tb, acc);

@@ -65,6 +65,11 @@ class OpProfiler final : public ForwardingBackend {
   void rmsnorm_forward(Tensor y, Tensor rstd, Tensor x, Tensor w, double eps) override;
   void rmsnorm_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor rstd,
                         bool accumulate_dx) override;
+  // The fused residual add + RMSNorm, timed as one op in the RMSNorm family (its row
+  // then includes the standard scheme's residual adds), with its bytes: a, b, w read, x,
+  // y, rstd written.
+  void add_rmsnorm_forward(Tensor x, Tensor y, Tensor rstd, Tensor a, Tensor b, Tensor w,
+                           double eps) override;
   void matmul(Tensor c, Tensor a, Tensor b, bool trans_a, bool trans_b, bool accumulate) override;
   void rope(Tensor x, double theta, bool backward) override;
   // The fused QK-norm + RoPE is timed as one op, so the profile times the fused kernels

@@ -49,6 +49,14 @@ struct Timeline {
   int back(int e) const { return 2 * events() - 1 - e; }
 };
 
+// The RMSNorm that the consumer of site input x_j applies first (sublayer j's input norm,
+// or the head's final norm for j = 2L): y = x_j * rstd * w, rstd saved (Backend's
+// rmsnorm_forward).
+struct SiteNorm {
+  Tensor y, rstd, w;
+  double eps = 0;
+};
+
 // What a scheme reads of its model. `act` resolves an activation plan id (the plan is
 // rebuilt when decoding changes the chunk length, so ids are resolved at each use).
 struct SchemeContext {
@@ -88,14 +96,33 @@ class ResidualScheme {
   // sublayer_done(j) runs right after sublayer j has written history slot j+1.
   virtual void site_forward(int j) = 0;
   virtual void sublayer_done(int) {}
+  // The model's call for site j: site_forward(j), and, where the scheme can produce it in
+  // the same pass, the consumer's normed input `norm` of x_j (true: norm.y and norm.rstd
+  // are written, bit for bit what rmsnorm_forward of x_j would write). false: only x_j
+  // is written and the model normalises it. The standard scheme fuses its residual add
+  // with the norm (Backend::add_rmsnorm_forward); the default fuses nothing.
+  virtual bool site_forward_normed(int j, const SiteNorm& norm) {
+    (void)norm;
+    site_forward(j);
+    return false;
+  }
 
   // ---- backward. begin_backward() first; the consumer of x_j (sublayer j, or the head
   // for j = 2L) writes dx_j into site_grad(j), then site_backward(j) runs; sublayer j's
   // backward reads source_grad(j+1), the embedding's source_grad(0), each complete when
   // read. finish_backward() runs after site 0 and says whether the gradients of bucket()
   // are now complete.
+  // site_grad_accumulates(j): the consumer adds dx_j into site_grad(j) ("+=",
+  // rmsnorm_backward's accumulate_dx) instead of overwriting it. The standard scheme
+  // hands out its running sum there, so that no separate add is needed; site_grad(j) is
+  // then the buffer of source_grad(j+1), so sublayer j adds into it only after its last
+  // read of source_grad(j+1) (model.cpp: the input norm's backward is its last op).
   virtual void begin_backward() = 0;
   virtual Tensor site_grad(int j) = 0;
+  virtual bool site_grad_accumulates(int j) const {
+    (void)j;
+    return false;
+  }
   virtual void site_backward(int j) = 0;
   virtual Tensor source_grad(int i) = 0;
   virtual bool finish_backward() = 0;

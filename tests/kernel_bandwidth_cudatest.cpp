@@ -1,6 +1,7 @@
 // kernel_bandwidth_cudatest.cpp: achieved bandwidth of the memory-bound kernels (RMSNorm
 // and QK-norm forward/backward, the fused QK-norm + RoPE, RoPE, SwiGLU, add/add_inplace) at the 100M / 350M / 1B
-// standard shapes (16384 tokens a step). Not a parity test and no pass/fail on speed:
+// standard shapes (16384 tokens a step), and the fused residual add + RMSNorm against the
+// two ops it replaces. Not a parity test and no pass/fail on speed:
 // DISABLED_ so plain runs skip it; run with --gtest_also_run_disabled_tests on the GPU.
 // Each line: the bytes the op must move (each input read once, each output written once;
 // an implementation's temporaries, such as the RMSNorm dw partial rows, not counted), the
@@ -123,6 +124,32 @@ TEST_F(KernelBandwidth, DISABLED_MemoryBoundKernels) {
                                           1e6, false);
              }, sets));
     };
+    // Residual add + RMSNorm over [N, d] (the standard scheme's sites): the fused op reads
+    // a, b, w and writes x, y, rstd; the two ops it replaces, timed together, must move
+    // x once more (written by the add, read by the norm).
+    {
+      const int64_t R = N, D = d;
+      const double row = 2.0 * R * D, fused = 4 * row + 4.0 * R + 2.0 * D;
+      const int sets = sets_for(fused);
+      std::vector<Buffer> a, b, x, y;
+      for (int i = 0; i < sets; ++i) {
+        a.push_back(random_gpu(DType::BF16, {R, D}, 2.0));
+        b.push_back(random_gpu(DType::BF16, {R, D}));
+        x.emplace_back(*gpu, DType::BF16, std::initializer_list<int64_t>{R, D});
+        y.emplace_back(*gpu, DType::BF16, std::initializer_list<int64_t>{R, D});
+      }
+      Buffer w = random_gpu(DType::BF16, {D}), rstd(*gpu, DType::F32, {R});
+      const std::string tag = " [" + std::to_string(R) + ", " + std::to_string(D) + "]" + at;
+      report("add+rmsnorm fused forward" + tag, fused, median_ms([&](int i) {
+               const size_t k = size_t(i);
+               gpu->add_rmsnorm_forward(x[k], y[k], rstd, a[k], b[k], w, 1e-6);
+             }, sets));
+      report("add then rmsnorm (two ops, fused bytes)" + tag, fused, median_ms([&](int i) {
+               const size_t k = size_t(i);
+               gpu->add(x[k], a[k], b[k]);
+               gpu->rmsnorm_forward(y[k], rstd, x[k], w, 1e-6);
+             }, sets));
+    }
     qk("qk-norm+rope fused q", sh.H);
     qk("qk-norm+rope fused k", sh.Hkv);
     norms("rmsnorm", N, d);

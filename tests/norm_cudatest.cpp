@@ -4,7 +4,16 @@
 // vectors per lane), its fallbacks (D not a multiple of 8, D past the vector limits,
 // misaligned tensors, FP32 activations), F32 weights, and row counts that leave a block's
 // last rows empty; and that the backward's dw is the same bits run to run.
+// add_rmsnorm_forward (the fused residual add + norm): against the CPU reference (add,
+// x rounded to bf16 as the GPU stores it, then the norm), and bit for bit against the
+// GPU's own add then rmsnorm_forward, over the same row configurations and fallbacks,
+// x in place of a. The backward's "+=" (the standard scheme adds each norm's dx into the
+// running residual gradient with it) against the two-op path dx into a buffer, then
+// add_inplace: the one difference, dx's bf16 rounding, bounded per element.
 #include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
 
 #include "tests/cuda_test_util.h"
 
@@ -43,6 +52,105 @@ class NormParity : public CudaParity {
     expect_close("rmsnorm_backward dw " + tag, dw.g, dw.c, kTolF32Output);
   }
 };
+
+class AddNormParity : public CudaParity {
+ protected:
+  // x = a + b, then the norm; `in_place`: x is a's buffer (the op allows it, as add does).
+  void check(int64_t R, int64_t D, bool in_place = false, DType wt = DType::BF16,
+             DType act = DType::BF16) {
+    const std::string tag = "R" + std::to_string(R) + " D" + std::to_string(D) +
+                            (in_place ? " in-place" : "") + (wt == DType::F32 ? " w-f32" : "") +
+                            (act == DType::F32 ? " act-f32" : "");
+    const double eps = 1e-6;
+    // a: the previous site input, b: a sublayer output (smaller, as in the model).
+    Pair a = random_pair(act, {R, D}, 2.0, 0.3), b = random_pair(act, {R, D}, 0.5);
+    Pair w = random_pair(wt, {D}, 0.3, 1.0);
+    Pair x = pair(act, {R, D}), y = pair(act, {R, D}), rstd = pair(DType::F32, {R});
+    // Reference: the CPU's add, x rounded as the GPU stores it, the CPU's norm of that.
+    cpu->add(x.c, a.c, b.c);
+    x.c.set(rounded(act, x.c.get()));
+    cpu->rmsnorm_forward(y.c, rstd.c, x.c, w.c, eps);
+
+    // The GPU's two ops from the same inputs.
+    Pair xu = pair(act, {R, D}), yu = pair(act, {R, D}), ru = pair(DType::F32, {R});
+    gpu->add(xu.g, a.g, b.g);
+    gpu->rmsnorm_forward(yu.g, ru.g, xu.g, w.g, eps);
+
+    y.g.poison();
+    rstd.g.poison();
+    Tensor xg = x.g;
+    if (in_place) xg = a.g;
+    else x.g.poison();
+    gpu->add_rmsnorm_forward(xg, y.g, rstd.g, a.g, b.g, w.g, eps);
+    std::vector<double> xgot(size_t(R * D));
+    gpu->download(xgot.data(), xg);
+    expect_close("add_rmsnorm_forward x " + tag, xgot, x.c.get(), kTolBf16Output);
+    expect_close("add_rmsnorm_forward y " + tag, y.g, y.c, kTolBf16Output);
+    expect_close("add_rmsnorm_forward rstd " + tag, rstd.g, rstd.c, kTolF32Output);
+    // The same bits as the GPU's add then rmsnorm_forward.
+    const std::vector<double> xw = xu.g.get(), yw = yu.g.get(), rw = ru.g.get();
+    const std::vector<double> yg = y.g.get(), rg = rstd.g.get();
+    for (int64_t i = 0; i < R * D; ++i) {
+      ASSERT_EQ(xgot[size_t(i)], xw[size_t(i)]) << tag << " x element " << i;
+      ASSERT_EQ(yg[size_t(i)], yw[size_t(i)]) << tag << " y element " << i;
+    }
+    for (int64_t r = 0; r < R; ++r) ASSERT_EQ(rg[size_t(r)], rw[size_t(r)]) << tag << " rstd row " << r;
+  }
+};
+
+// Every row configuration of the forward vector path (as VectorPathRowConfigs), odd row
+// counts; the model widths.
+TEST_F(AddNormParity, VectorPathRowConfigs) {
+  for (int64_t D : {8, 40, 64, 128, 248, 512, 768, 1024, 1280, 1536, 2048, 3072, 4096})
+    for (int64_t R : {int64_t(1), int64_t(37), int64_t(1001)}) check(R, D);
+  check(5000, 1280);  // many blocks, grid-stride over rows
+  check(37, 1280, true);
+  check(1001, 64, true);
+}
+
+TEST_F(AddNormParity, FallbacksTakeTheTwoOps) {
+  check(37, 1004);  // D % 8 != 0
+  check(9, 4104);   // past the vector path's 4096
+  check(37, 1280, false, DType::F32);  // fp32 weights: still the vector path
+  check(37, 256, false, DType::BF16, DType::F32);  // FP32 activations
+  check(37, 256, true, DType::BF16, DType::F32);
+}
+
+// rmsnorm_backward's "+=" against dx into its own buffer, then add_inplace. With v the
+// fp32 dx and o the old value, the two-op path stores rnd(o + rnd(v)) and the "+="
+// rnd(o + v): before their final roundings they differ by |rnd(v) - v| <= 2^-9 |v|, and
+// the two final roundings add at most half a bf16 ulp each, ulp(p) <= 2^-7 |p| for the
+// unrounded p (|p| <= |rnd(p)| / (1 - 2^-9)). |v| is taken from the stored dx (<= (1 +
+// 2^-8) |rnd(v)|); 1e-6 relative covers fp32 summation-order differences of v.
+TEST_F(NormParity, AccumulatedDxDiffersFromTwoOpsOnlyByDxRounding) {
+  for (int64_t D : {int64_t(64), int64_t(1280), int64_t(2048), int64_t(1004)}) {
+    const int64_t R = 1001;
+    Pair x = random_pair(DType::BF16, {R, D}, 2.0, 0.3), w = random_pair(DType::BF16, {D}, 0.3, 1.0);
+    Pair y = pair(DType::BF16, {R, D}), rstd = pair(DType::F32, {R});
+    gpu->rmsnorm_forward(y.g, rstd.g, x.g, w.g, 1e-6);
+    Pair dy = random_pair(DType::BF16, {R, D});
+    const std::vector<double> old = random_normal(rng, R * D, DType::BF16, 3.0);
+    Buffer fused(*gpu, DType::BF16, {R, D}), two(*gpu, DType::BF16, {R, D}),
+        own(*gpu, DType::BF16, {R, D}), dw(*gpu, DType::F32, {D});
+    fused.set(old);
+    two.set(old);
+    gpu->rmsnorm_backward(fused, dw, dy.g, x.g, w.g, rstd.g, true);
+    gpu->rmsnorm_backward(own, dw, dy.g, x.g, w.g, rstd.g, false);
+    gpu->add_inplace(two, own);
+    const std::vector<double> f = fused.get(), t = two.get(), v = own.get();
+    int64_t differ = 0;
+    for (int64_t i = 0; i < R * D; ++i) {
+      const size_t k = size_t(i);
+      const double m = std::max(std::abs(f[k]), std::abs(t[k]));
+      const double bound = 0x1p-9 * (1 + 0x1p-8) * std::abs(v[k]) +
+                           0x1p-7 / (1 - 0x1p-9) * m + 1e-6 * (std::abs(old[k]) + std::abs(v[k]));
+      ASSERT_LE(std::abs(f[k] - t[k]), bound) << "D " << D << " element " << i;
+      differ += f[k] != t[k];
+    }
+    std::printf("PARITY rmsnorm_backward += vs two ops D %lld: %lld of %lld elements differ\n",
+                (long long)D, (long long)differ, (long long)(R * D));
+  }
+}
 
 TEST_F(NormParity, ModelWidthRows) {
   check(37, 96, false);
