@@ -4,8 +4,8 @@
 // gradient) next to the op sequences they replace (timed as one region), and the null
 // source's broadcast and token sum. Not a parity test and no pass/fail on speed
 // (tests/delta_cudatest.cpp checks the results): DISABLED_ so plain runs skip it; run with
-// --gtest_also_run_disabled_tests on the GPU. The harness is tests/
-// kernel_bandwidth_cudatest.cpp's: each line gives the bytes the op must move (each
+// --gtest_also_run_disabled_tests on the GPU. The harness is tests/bandwidth_test_util.h
+// (kernel_bandwidth_cudatest.cpp's too): each line gives the bytes the op must move (each
 // input read once, each output written once; scratch partial sums not counted), the
 // median device time of `reps` calls (CUDA events around each call, after 3 warm-ups),
 // TB/s and % of the 4.3 TB/s H200 copy rate (and of the copy rate measured in this run).
@@ -17,44 +17,12 @@
 #include <array>
 #include <functional>
 
-#include "tests/cuda_test_util.h"
+#include "tests/bandwidth_test_util.h"
 
 namespace mhar::test {
 namespace {
 
-constexpr double kCopyTBs = 4.3;        // H200 device copy, read + write (KINDS.md)
-constexpr double kRotateBytes = 200e6;  // 4x the H200's 50 MB L2
-
-class DeltaBandwidth : public CudaParity {
- protected:
-  static int sets_for(double bytes) {
-    return int(std::clamp(std::ceil(kRotateBytes / bytes), 1.0, 8.0));
-  }
-  double median_ms(const std::function<void(int)>& op, int sets, int reps = 25) {
-    for (int i = 0; i < 3; ++i) op(i % sets);
-    gpu->synchronize();
-    gpu->timing_reset();
-    std::vector<std::pair<int, int>> marks;
-    for (int i = 0; i < reps; ++i) {
-      const int a = gpu->timing_mark();
-      op(i % sets);
-      marks.emplace_back(a, gpu->timing_mark());
-    }
-    gpu->synchronize();
-    std::vector<double> ms;
-    for (auto [a, b] : marks) ms.push_back(gpu->timing_ms(a, b));
-    std::sort(ms.begin(), ms.end());
-    return ms[ms.size() / 2];
-  }
-  void report(const std::string& what, double bytes, double ms) {
-    const double tbs = bytes / ms * 1e-9;
-    std::printf("BANDWIDTH %-60s %9.1f MB %8.4f ms %6.2f TB/s %5.1f%% of %.1f", what.c_str(),
-                bytes * 1e-6, ms, tbs, 100.0 * tbs / kCopyTBs, kCopyTBs);
-    if (copy_tbs_ > 0) std::printf("  %5.1f%% of copy here", 100.0 * tbs / copy_tbs_);
-    std::printf("\n");
-  }
-  double copy_tbs_ = 0;
-};
+class DeltaBandwidth : public BandwidthTest {};
 
 TEST_F(DeltaBandwidth, DISABLED_DeltaKernels) {
   {

@@ -15,45 +15,12 @@
 #include <algorithm>
 #include <functional>
 
-#include "tests/cuda_test_util.h"
+#include "tests/bandwidth_test_util.h"
 
 namespace mhar::test {
 namespace {
 
-constexpr double kCopyTBs = 4.3;           // H200 device copy, read + write (KINDS.md)
-constexpr double kRotateBytes = 200e6;     // 4x the H200's 50 MB L2
-
-class KernelBandwidth : public CudaParity {
- protected:
-  static int sets_for(double bytes) {
-    return int(std::clamp(std::ceil(kRotateBytes / bytes), 1.0, 8.0));
-  }
-  // Median device time of one call; op(i) runs the call on input set i.
-  double median_ms(const std::function<void(int)>& op, int sets, int reps = 25) {
-    for (int i = 0; i < 3; ++i) op(i % sets);
-    gpu->synchronize();
-    gpu->timing_reset();
-    std::vector<std::pair<int, int>> marks;
-    for (int i = 0; i < reps; ++i) {
-      const int a = gpu->timing_mark();
-      op(i % sets);
-      marks.emplace_back(a, gpu->timing_mark());
-    }
-    gpu->synchronize();
-    std::vector<double> ms;
-    for (auto [a, b] : marks) ms.push_back(gpu->timing_ms(a, b));
-    std::sort(ms.begin(), ms.end());
-    return ms[ms.size() / 2];
-  }
-  void report(const std::string& what, double bytes, double ms) {
-    const double tbs = bytes / ms * 1e-9;
-    std::printf("BANDWIDTH %-56s %9.1f MB %8.4f ms %6.2f TB/s %5.1f%% of %.1f", what.c_str(),
-                bytes * 1e-6, ms, tbs, 100.0 * tbs / kCopyTBs, kCopyTBs);
-    if (copy_tbs_ > 0) std::printf("  %5.1f%% of copy here", 100.0 * tbs / copy_tbs_);
-    std::printf("\n");
-  }
-  double copy_tbs_ = 0;
-};
+class KernelBandwidth : public BandwidthTest {};
 
 struct Shape {
   const char* name;
