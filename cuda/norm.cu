@@ -3,7 +3,10 @@
 // - forward: y (overwritten) = x * rstd * w; rstd [R] (F32, overwritten) =
 //   1/sqrt(mean(x^2) + eps), fp32 sums.
 // - backward: with g = dy * w,  dx = rstd * (g - x * rstd^2 * mean(g * x)), overwritten or
-//   added (accumulate_dx); dw [D] (F32) += sum_r dy * x * rstd.
+//   added (accumulate_dx); dw [D] (F32) += sum_r dy * x * rstd. The "+=" rounds dx to the
+//   storage type first, then adds in fp32 and rounds: the bits of writing dx and then
+//   add_inplace, so a scheme may fuse the two without changing any result (the delta
+//   scheme, which needs dx itself, must give standard's gradients bit for bit at alpha 0).
 // Vector path (BF16 x/y/dx/dy, D a multiple of 8 up to 4096 forward / 2048 backward, all
 // pointers 16-byte aligned): a group of TPR lanes holds RPI whole rows in registers as
 // bf16x8 vectors, so each byte is read once (forward: x in, y out; backward: x, dy in,
@@ -71,7 +74,7 @@ __global__ void rmsnorm_backward_dx_kernel(T* dx, const T* dy, const T* x, const
   T* dxr = dx + row * D;
   for (int64_t c = lane; c < D; c += 32) {
     float v = r * (load(dyr[c]) * load(w[c]) - load(xr[c]) * coef);
-    if (accumulate) v += load(dxr[c]);
+    if (accumulate) v = load(store<T>(v)) + load(dxr[c]);  // as dx, then add_inplace
     dxr[c] = store<T>(v);
   }
 }
@@ -411,7 +414,7 @@ __global__ void __launch_bounds__(kVecThreads)
           float old[8];
           load8(out, old);
 #pragma unroll
-          for (int e = 0; e < 8; ++e) v[e] += old[e];
+          for (int e = 0; e < 8; ++e) v[e] = __bfloat162float(__float2bfloat16_rn(v[e])) + old[e];
         }
         store8(out, v);
       }

@@ -11,10 +11,9 @@
 // the same, in the same order, as dx_j into its own buffer followed by dresid += dx_j
 // (rmsnorm_backward's "+=" adds the finished dx_j value to the old one; the head's
 // overwrite gives 0 + dx_j, which differs from dx_j only in the sign of a zero). On CUDA
-// the one difference from that two-op path is the bf16 rounding of dx_j, which the
-// fused "+=" skips: each element of dresid lands within half a bf16 ulp of |dx_j| of the
-// two-op value before its own rounding (tests/residual_fusion_test.cpp, and
-// cuda/NOTES.md).
+// the "+=" rounds dx_j to bf16 before adding, as the two-op path stores it, so there too
+// the bits are the two-op path's (tests/residual_fusion_test.cpp, NormParity in
+// tests/norm_cudatest.cpp, cuda/NOTES.md).
 #include "engine/model.h"
 #include "engine/residual.h"
 
