@@ -27,6 +27,22 @@ class OpTiming : public CudaParity {
     const auto t1 = std::chrono::steady_clock::now();
     return std::chrono::duration<double, std::milli>(t1 - t0).count() / reps;
   }
+  // Random queries and gains of S sites [d] (bf16) and their fp32 gradients, kept alive
+  // in `keep` (a Buffer keeps its device memory when the vector moves it).
+  RoutingParams random_routing_params(int S, int64_t d, std::vector<Buffer>& keep) {
+    RoutingParams rp;
+    for (int k = 0; k < S; ++k) {
+      keep.push_back(random_gpu(DType::BF16, {d}, 0.05));
+      rp.query.push_back(keep.back());
+      keep.push_back(random_gpu(DType::BF16, {d}, 1.0));
+      rp.gain.push_back(keep.back());
+      keep.emplace_back(*gpu, DType::F32, std::initializer_list<int64_t>{d});
+      rp.dquery.push_back(keep.back());
+      keep.emplace_back(*gpu, DType::F32, std::initializer_list<int64_t>{d});
+      rp.dgain.push_back(keep.back());
+    }
+    return rp;
+  }
   static void report(const std::string& what, double ms, double flop, double bytes) {
     std::printf("TIMING %-58s %9.3f ms", what.c_str(), ms);
     if (flop > 0) std::printf("  %7.1f TFLOP/s", flop / ms * 1e-9);
@@ -104,17 +120,7 @@ TEST_F(OpTiming, DISABLED_ModelShapes) {
     Buffer weights(*gpu, DType::F32, {P, H, N}), ubar(*gpu, DType::F32, {S, H, N});
     Buffer gsum(*gpu, DType::F32, {64, S, d}), dv(*gpu, DType::BF16, {N, d});
     std::vector<Buffer> params;
-    RoutingParams rp;
-    for (int k = 0; k < S; ++k) {
-      params.push_back(random_gpu(DType::BF16, {d}, 0.05));
-      rp.query.push_back(params.back());
-      params.push_back(random_gpu(DType::BF16, {d}, 1.0));
-      rp.gain.push_back(params.back());
-      params.emplace_back(*gpu, DType::F32, std::initializer_list<int64_t>{d});
-      rp.dquery.push_back(params.back());
-      params.emplace_back(*gpu, DType::F32, std::initializer_list<int64_t>{d});
-      rp.dgain.push_back(params.back());
-    }
+    const RoutingParams rp = random_routing_params(S, d, params);
     const double row = 2.0 * N * d, stats = 4.0 * double(P) * H * N;
     const std::string tag = std::string(sh.name) + " N16384 d" + std::to_string(d) + " S" +
                             std::to_string(S) + " H" + std::to_string(H);
@@ -250,17 +256,7 @@ TEST_F(OpTiming, DISABLED_RoutingBackwardFusedLimit) {
     Buffer ubar(*gpu, DType::F32, {S, H, N});
     Buffer gsum(*gpu, DType::F32, {64, S, d}), dv(*gpu, DType::BF16, {N, d});
     std::vector<Buffer> params;
-    RoutingParams rp;
-    for (int k = 0; k < S; ++k) {
-      params.push_back(random_gpu(DType::BF16, {d}, 0.05));
-      rp.query.push_back(params.back());
-      params.push_back(random_gpu(DType::BF16, {d}, 1.0));
-      rp.gain.push_back(params.back());
-      params.emplace_back(*gpu, DType::F32, std::initializer_list<int64_t>{d});
-      rp.dquery.push_back(params.back());
-      params.emplace_back(*gpu, DType::F32, std::initializer_list<int64_t>{d});
-      rp.dgain.push_back(params.back());
-    }
+    const RoutingParams rp = random_routing_params(S, d, params);
     for (int i = 0; i < S; ++i)
       gpu->routing_source_logits(weights, inv_rms.t()[i], hist.t()[i], rp, lay, i, H, 1e-6);
     for (int i = 0; i < S; ++i) gpu->routing_mix(xs.t()[i], weights, hist, lay, i, H);
