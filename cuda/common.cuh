@@ -29,6 +29,9 @@ __device__ __forceinline__ float load(bf16 x) { return __bfloat162float(x); }
 template <class T> __device__ __forceinline__ T store(float x);
 template <> __device__ __forceinline__ float store<float>(float x) { return x; }
 template <> __device__ __forceinline__ bf16 store<bf16>(float x) { return __float2bfloat16_rn(x); }
+// What x reads back as once stored in T: the rounding an unfused op sequence does where it
+// stores an intermediate (fused kernels that must give the sequence's bits apply it).
+template <class T> __device__ __forceinline__ float stored(float x) { return load(store<T>(x)); }
 
 // 8 consecutive elements <-> fp32 (p 16-byte aligned). bf16: one 16-byte access; the
 // lower half of each 32-bit word is the lower-addressed element.

@@ -51,12 +51,6 @@ __device__ __forceinline__ void put8(T* p, int64_t i0, int64_t n, const float (&
       if (i0 + e < n) p[i0 + e] = store<T>(f[e]);
   }
 }
-// What a value reads back as once stored in T (the rounding an unfused sequence does
-// between its ops).
-template <class T>
-__device__ __forceinline__ float stored(float x) {
-  return load(store<T>(x));
-}
 
 __device__ __forceinline__ int64_t first_chunk() {
   return int64_t(blockIdx.x) * blockDim.x + threadIdx.x;

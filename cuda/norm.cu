@@ -74,7 +74,7 @@ __global__ void rmsnorm_backward_dx_kernel(T* dx, const T* dy, const T* x, const
   T* dxr = dx + row * D;
   for (int64_t c = lane; c < D; c += 32) {
     float v = r * (load(dyr[c]) * load(w[c]) - load(xr[c]) * coef);
-    if (accumulate) v = load(store<T>(v)) + load(dxr[c]);  // as dx, then add_inplace
+    if (accumulate) v = stored<T>(v) + load(dxr[c]);  // as dx, then add_inplace
     dxr[c] = store<T>(v);
   }
 }
@@ -414,7 +414,7 @@ __global__ void __launch_bounds__(kVecThreads)
           float old[8];
           load8(out, old);
 #pragma unroll
-          for (int e = 0; e < 8; ++e) v[e] = __bfloat162float(__float2bfloat16_rn(v[e])) + old[e];
+          for (int e = 0; e < 8; ++e) v[e] = stored<bf16>(v[e]) + old[e];
         }
         store8(out, v);
       }
