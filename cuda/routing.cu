@@ -1542,7 +1542,6 @@ void routing_source_backward_tile(cudaStream_t s, RoutingContext& ctx, Tensor dv
   }
   const TileSlot older{static_cast<const bf16*>(history[source - 1].data),
                        static_cast<const float*>(inv_rms[source - 1].data)};
-  check_dtype(inv_rms, DType::F32, what, "inv_rms");
   source_backward(s, ctx, dv, weights, ubar, gsum, site_dx, x, history[source], inv_rms[source],
                   params, layout, source, heads, &older, -1);
   ctx.back_tile = BackTile{weights.data, ubar.data, history[source - 1].data,
