@@ -7,10 +7,14 @@
 // Every output is overwritten. head_dim 64 or 128; q, k, v, out and their gradients share
 // one storage type (BF16 or F32).
 //
-// Two paths:
-// - BF16 training forward/backward (the hot path): the tensor-core kernels of namespace
-//   tc below (FlashAttention-2 style, mma.sync m16n8k16). The backward needs a scratch of
-//   B*Hq*T floats (the row dots D), owned by the backend like the cuBLAS workspace.
+// Three paths:
+// - BF16 training forward and backward on compute capability 9.0: the Hopper wgmma
+//   kernels of attention_hopper.cu (attention_set_hopper turns them off).
+// - BF16 training forward and backward elsewhere: the tensor-core kernels of namespace tc
+//   below (FlashAttention-2 style, mma.sync m16n8k16). Either backward needs a scratch of
+//   B*Hq*T floats (the row dots D, computed here for both), owned by the backend like the
+//   cuBLAS workspace. Copy and mma helpers shared with the Hopper kernels:
+//   attention_mma.cuh.
 // - F32 storage, attention_cached (decode), and BF16 tensors not 16-byte aligned: the
 //   first, correctness-first kernels on fp32 CUDA cores (described next), which also
 //   serve as the reference the tensor-core path was developed against (cuda/NOTES.md).
@@ -24,6 +28,10 @@
 //   never race and need no atomics. Lane i handles query i of the tile.
 // Backward recomputes p = exp(scale q.k - lse), D = dout . out, ds = p (dout.v - D):
 //   dq = scale sum_u ds k_u;  dk = scale sum_t ds q_t;  dv = sum_t p dout_t.
+#include <atomic>
+
+#include "cuda/attention_hopper.h"
+#include "cuda/attention_mma.cuh"
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
 
@@ -427,75 +435,7 @@ constexpr int kThreads = 128;  // 4 warps
 constexpr int kRows = 64;      // query rows per block (forward, dq); keys per block (dk/dv)
 constexpr int kKeys = 64;      // keys per tile (forward, dq)
 constexpr int kBwdQ = 32;      // queries per tile (dk/dv)
-constexpr float kLog2e = 1.4426950408889634f;
-
-// The helpers below need sm_80+ (cp.async, ldmatrix, bf16 mma); builds for older targets
-// compile them to traps and tc_available() sends every call to the fp32 path.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-#define MHAR_TC_OLD_ARCH 1
-#endif
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-// 16 bytes global -> shared; zero-filled when !valid (src is then never read).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-#ifdef MHAR_TC_OLD_ARCH
-  __trap();
-#else
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
-               "l"(src), "r"(valid ? 16 : 0));
-#endif
-}
-__device__ __forceinline__ void cp_async_commit() {
-#ifdef MHAR_TC_OLD_ARCH
-  __trap();
-#else
-  asm volatile("cp.async.commit_group;\n" ::);
-#endif
-}
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-#ifdef MHAR_TC_OLD_ARCH
-  __trap();
-#else
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-#endif
-}
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
-#ifdef MHAR_TC_OLD_ARCH
-  __trap();
-#else
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
-#endif
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
-#ifdef MHAR_TC_OLD_ARCH
-  __trap();
-#else
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
-#endif
-}
-// d += a b, m16n8k16, bf16 in, fp32 accumulate.
-__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                    uint32_t b1) {
-#ifdef MHAR_TC_OLD_ARCH
-  __trap();
-#else
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
-}
-__device__ __forceinline__ uint32_t pack(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
+using namespace attn_mma;
 
 // Fragment addressing (lane l, i = l >> 3 the 8x8 matrix it addresses, r = l & 7):
 // A operand, 16 rows x 16 k from a row-major [row][k] tile: row l & 15, k + 8 (l >> 4).
@@ -1000,7 +940,7 @@ void forward(cudaStream_t s, bf16* out, float* lse, const bf16* q, const bf16* k
 template <int HD>
 void backward(cudaStream_t s, bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q,
               const bf16* k, const bf16* v, const bf16* out, const float* lse, float* Dsum,
-              const Args& a) {
+              const Args& a, bool use_hopper) {
   static bool configured = [] {
     CUDA_CHECK(cudaFuncSetAttribute(dq_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     int(dq_smem<HD>())));
@@ -1012,6 +952,11 @@ void backward(cudaStream_t s, bf16* dq, bf16* dk, bf16* dv, const bf16* dout, co
   const int64_t rows = a.B * a.T * a.Hq;
   dot_rows_kernel<HD><<<unsigned(ceil_div(rows, 8)), 256, 0, s>>>(Dsum, dout, out, a);
   CUDA_CHECK_LAUNCH();
+  if (use_hopper) {
+    hopper::backward<HD>(s, dq, dk, dv, dout, q, k, v, lse, Dsum,
+                         hopper::ForwardArgs{a.B, a.T, a.Hq, a.Hkv, a.scale});
+    return;
+  }
   dim3 gq(unsigned(ceil_div(a.T, kRows)), unsigned(a.Hq), unsigned(a.B));
   dq_kernel<HD><<<gq, kThreads, dq_smem<HD>(), s>>>(dq, dout, q, k, v, lse, Dsum, a);
   CUDA_CHECK_LAUNCH();
@@ -1116,7 +1061,12 @@ bool use_tensor_cores(std::initializer_list<const Tensor*> ts) {
   return true;
 }
 
+std::atomic<bool> g_hopper_enabled{true};
+
 }  // namespace
+
+bool attention_set_hopper(bool enabled) { return g_hopper_enabled.exchange(enabled); }
+bool attention_uses_hopper() { return g_hopper_enabled.load() && hopper::available(); }
 
 void attention_forward(cudaStream_t s, Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v) {
   const Shape sh = check_shapes("attention_forward", q, k, v);
@@ -1130,6 +1080,12 @@ void attention_forward(cudaStream_t s, Tensor out, Tensor lse, Tensor q, Tensor 
     auto* o = static_cast<bf16*>(out.data);
     auto *qp = static_cast<const bf16*>(q.data), *kp = static_cast<const bf16*>(k.data),
          *vp = static_cast<const bf16*>(v.data);
+    if (attention_uses_hopper()) {
+      const hopper::ForwardArgs ha{a.B, a.T, a.Hq, a.Hkv, a.scale};
+      if (sh.hd == 64) hopper::forward<64>(s, o, lse.ptr<float>(), qp, kp, vp, ha);
+      else hopper::forward<128>(s, o, lse.ptr<float>(), qp, kp, vp, ha);
+      return;
+    }
     if (sh.hd == 64) tc::forward<64>(s, o, lse.ptr<float>(), qp, kp, vp, a);
     else tc::forward<128>(s, o, lse.ptr<float>(), qp, kp, vp, a);
     return;
@@ -1160,12 +1116,13 @@ void attention_backward(cudaStream_t s, Tensor dq, Tensor dk, Tensor dv, Tensor 
                "attention_backward: workspace of ", sh.B * sh.Hq * sh.T, " floats needed");
     const tc::Args a{sh.B, sh.T, sh.Hq, sh.Hkv, float(1.0 / std::sqrt(double(sh.hd)))};
     auto bp = [](const Tensor& t) { return static_cast<bf16*>(t.data); };
+    const bool hopper = attention_uses_hopper();
     if (sh.hd == 64)
       tc::backward<64>(s, bp(dq), bp(dk), bp(dv), bp(dout), bp(q), bp(k), bp(v), bp(out),
-                       lse.ptr<float>(), workspace, a);
+                       lse.ptr<float>(), workspace, a, hopper);
     else
       tc::backward<128>(s, bp(dq), bp(dk), bp(dv), bp(dout), bp(q), bp(k), bp(v), bp(out),
-                        lse.ptr<float>(), workspace, a);
+                        lse.ptr<float>(), workspace, a, hopper);
     return;
   }
   dispatch_float(q.dtype, "attention_backward", [&](auto tag) {

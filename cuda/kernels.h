@@ -38,6 +38,12 @@ void attention_backward(cudaStream_t s, Tensor dq, Tensor dk, Tensor dv, Tensor 
                         Tensor k, Tensor v, Tensor out, Tensor lse, float* workspace,
                         size_t workspace_floats);
 void attention_cached(cudaStream_t s, Tensor out, Tensor q, Tensor k_cache, Tensor v_cache);
+// Kernel lab (the attention tests and timings compare both paths; the engine never calls
+// it): whether the BF16 training forward may take the Hopper wgmma kernels where the
+// device has them (default true). Returns the previous setting. Process-wide.
+bool attention_set_hopper(bool enabled);
+// Whether attention_forward would take the Hopper kernels now (enabled and available).
+bool attention_uses_hopper();
 
 // matmul.cu: cuBLASLt first, cuBLAS GemmEx when Lt offers no algorithm for a shape.
 struct MatmulContext {

@@ -1,7 +1,9 @@
 // attention_cudatest.cpp: CUDA causal GQA attention forward/backward against the CPU
-// reference, head_dim 64 and 128, GQA ratios 1, 2, 3 and 8, T not a multiple of the tiles.
+// reference, head_dim 64 and 128, GQA ratios 1, 2, 3 and 8, T not a multiple of the tiles;
+// forward and backward through each BF16 kernel the device has (Hopper wgmma, mma.sync).
 #include <gtest/gtest.h>
 
+#include "cuda/kernels.h"
 #include "tests/cuda_test_util.h"
 
 namespace mhar::test {
@@ -24,12 +26,25 @@ TEST_P(AttentionParity, ForwardAndBackward) {
   Pair v = random_pair(DType::BF16, {c.B, c.T, c.Hkv, c.hd});
   Pair out = pair(DType::BF16, {c.B, c.T, c.Hq, c.hd});
   Pair lse = pair(DType::F32, {c.B, c.Hq, c.T});
-  out.g.poison();
-  lse.g.poison();
   cpu->attention_forward(out.c, lse.c, q.c, k.c, v.c);
-  gpu->attention_forward(out.g, lse.g, q.g, k.g, v.g);
-  expect_close("attention_forward out " + tag, out.g, out.c, kTolBf16Output);
-  expect_close("attention_forward lse " + tag, lse.g, lse.c, kTolF32Output);
+  // Both BF16 forward kernels, where the device has both: the Hopper wgmma kernel and the
+  // mma.sync one (cuda::attention_set_hopper); each against the reference, same bounds.
+  const bool had_hopper = cuda::attention_set_hopper(true);
+  const bool hopper = cuda::attention_uses_hopper();
+  for (const bool use_hopper : {true, false}) {
+    if (use_hopper && !hopper) {
+      std::printf("PARITY attention_forward %s: no Hopper kernels on this device\n", tag.c_str());
+      continue;
+    }
+    cuda::attention_set_hopper(use_hopper);
+    const std::string path = use_hopper ? " (wgmma) " : " (mma.sync) ";
+    out.g.poison();
+    lse.g.poison();
+    gpu->attention_forward(out.g, lse.g, q.g, k.g, v.g);
+    expect_close("attention_forward out" + path + tag, out.g, out.c, kTolBf16Output);
+    expect_close("attention_forward lse" + path + tag, lse.g, lse.c, kTolF32Output);
+  }
+  cuda::attention_set_hopper(had_hopper);
 
   // Backward from the same saved tensors on both sides: the reference's out, rounded to
   // what the GPU stores, and its lse.
@@ -39,26 +54,32 @@ TEST_P(AttentionParity, ForwardAndBackward) {
   Pair dq = pair(DType::BF16, {c.B, c.T, c.Hq, c.hd});
   Pair dk = pair(DType::BF16, {c.B, c.T, c.Hkv, c.hd});
   Pair dv = pair(DType::BF16, {c.B, c.T, c.Hkv, c.hd});
-  dq.g.poison();
-  dk.g.poison();
-  dv.g.poison();
   cpu->attention_backward(dq.c, dk.c, dv.c, dout.c, q.c, k.c, v.c, out.c, lse.c);
-  gpu->attention_backward(dq.g, dk.g, dv.g, dout.g, q.g, k.g, v.g, out.g, lse.g);
-  if (c.T == 1) {
-    // One key: p = 1 and D = dout.out = dout.v = dp, so ds = 0 and dq = dk = 0 exactly; the
-    // GPU's two fp32 dot products of hd O(1) terms differ by rounding only (~1e-6).
-    for (const Pair* g : {&dq, &dk}) {
-      const Comparison cmp = compare(g->g.get(), g->c.get());
-      std::printf("PARITY %-48s max_abs %.3e (exact gradient is 0)\n",
-                  ("attention_backward dq/dk " + tag).c_str(), cmp.max_abs_err);
-      EXPECT_EQ(cmp.bad, 0);
-      EXPECT_LT(cmp.max_abs_err, 1e-5);
+  for (const bool use_hopper : {true, false}) {
+    if (use_hopper && !hopper) continue;
+    cuda::attention_set_hopper(use_hopper);
+    const std::string path = use_hopper ? " (wgmma) " : " (mma.sync) ";
+    dq.g.poison();
+    dk.g.poison();
+    dv.g.poison();
+    gpu->attention_backward(dq.g, dk.g, dv.g, dout.g, q.g, k.g, v.g, out.g, lse.g);
+    if (c.T == 1) {
+      // One key: p = 1 and D = dout.out = dout.v = dp, so ds = 0 and dq = dk = 0 exactly;
+      // the GPU's two fp32 dot products of hd O(1) terms differ by rounding only (~1e-6).
+      for (const Pair* g : {&dq, &dk}) {
+        const Comparison cmp = compare(g->g.get(), g->c.get());
+        std::printf("PARITY %-48s max_abs %.3e (exact gradient is 0)\n",
+                    ("attention_backward dq/dk" + path + tag).c_str(), cmp.max_abs_err);
+        EXPECT_EQ(cmp.bad, 0);
+        EXPECT_LT(cmp.max_abs_err, 1e-5);
+      }
+    } else {
+      expect_close("attention_backward dq" + path + tag, dq.g, dq.c, kTolBf16Output);
+      expect_close("attention_backward dk" + path + tag, dk.g, dk.c, kTolBf16Output);
     }
-  } else {
-    expect_close("attention_backward dq " + tag, dq.g, dq.c, kTolBf16Output);
-    expect_close("attention_backward dk " + tag, dk.g, dk.c, kTolBf16Output);
+    expect_close("attention_backward dv" + path + tag, dv.g, dv.c, kTolBf16Output);
   }
-  expect_close("attention_backward dv " + tag, dv.g, dv.c, kTolBf16Output);
+  cuda::attention_set_hopper(had_hopper);
 }
 
 // Incremental decoding: a chunk of Tq queries against Tk >= Tq cached keys (the chunk's own
@@ -91,7 +112,9 @@ INSTANTIATE_TEST_SUITE_P(
                       AttnCase{1, 200, 8, 1, 128},  // MQA (GQA 8)
                       AttnCase{1, 1, 2, 1, 64},     // a single token
                       AttnCase{1, 512, 2, 1, 64},   // several key tiles per query tile
-                      AttnCase{1, 1024, 2, 2, 128}),  // long sequence, hd 128
+                      AttnCase{1, 1024, 2, 2, 128},  // long sequence, hd 128
+                      AttnCase{2, 257, 8, 2, 128},   // a block's second warpgroup past T
+                      AttnCase{1, 300, 4, 4, 64}),   // hd 64 over several 128-row blocks
     [](const ::testing::TestParamInfo<AttnCase>& i) {
       const AttnCase& c = i.param;
       return "B" + std::to_string(c.B) + "_T" + std::to_string(c.T) + "_Hq" +

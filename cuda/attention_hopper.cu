@@ -1,0 +1,673 @@
+// attention_hopper.cu: the Hopper (sm_90a) forward of causal grouped-query attention on
+// wgmma, BF16, head_dim 64 or 128 (attention.cu's dispatcher sends the training forward
+// here when the device is compute capability 9.0; everything else keeps the mma.sync and
+// fp32 paths there). Layouts and the lse convention are attention.cu's.
+//
+// Design (FlashAttention-3's math, without its producer warp and TMA; cuda/NOTES.md
+// "Hopper attention" has the measurements):
+// - a block owns 128 query rows of one (b, h): two warpgroups of 64 rows each; it walks
+//   key tiles of 64 up to the diagonal. K and V tiles are staged by cp.async, two stages
+//   deep, in the 128-byte-swizzled layout that wgmma's shared-memory descriptors read
+//   (below); Q stays in shared memory as wgmma's A operand.
+// - S = Q K^T: wgmma m64n64k16, A and B both K-major from shared memory, fp32 accumulators.
+// - online softmax in the exp2 domain on the accumulators (each thread owns two rows'
+//   values, the m16n8 C layout per warp); P is rounded to bf16 into registers, which are
+//   already the register-A layout of the next wgmma: O += P V, m64n{HD}k16, V read
+//   N-major (transposed) straight from its [key][feature] tile.
+// - two blocks per SM (96 KB of shared memory each at head_dim 128): one block's softmax
+//   runs while the other's matrix products do, which is the overlap FA3 gets from its
+//   ping-pong schedule.
+// Numerics are those of the mma.sync forward: fp32 scores and statistics, P rounded to
+// bf16 for the P V product, the row sum l kept in fp32 from the unrounded P.
+//
+// Shared-memory tile layout (wgmma "128B swizzle"): a [rows][HD] bf16 tile is stored as
+// HD/64 column blocks of [rows][64]; each 128-byte row holds eight 16-byte chunks, chunk c
+// of row r at position c ^ (r % 8). Tiles start 1024-byte aligned (the swizzle reads the
+// address bits). Descriptors: K-major operands (Q, K) advance 32 bytes per k-step of 16
+// inside a column block, stride 1024 bytes between 8-row groups; the N-major operand (V)
+// advances 16 rows (2048 bytes) per k-step, column blocks rows*128 bytes apart.
+#include "cuda/attention_hopper.h"
+
+#include "cuda/attention_mma.cuh"
+
+namespace mhar::cuda::hopper {
+namespace {
+
+using namespace attn_mma;
+
+constexpr int kWarpgroups = 2;
+constexpr int kThreads = 128 * kWarpgroups;
+constexpr int kRows = 64 * kWarpgroups;  // query rows per block
+constexpr int kKeys = 64;                // keys per tile: one warpgroup's rows, so only the
+                                         // tile holding a warpgroup's rows needs the mask
+
+// wgmma and its fences exist only in the sm_90a target; this file is built for it alone
+// (CMakeLists.txt), and available() checks the device before anything launches.
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MHAR_NO_WGMMA 1
+#endif
+
+#ifndef MHAR_NO_WGMMA
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_wait_all() {
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+// Writes to shared memory by ordinary stores or cp.async are seen by wgmma (the async
+// proxy) only after this fence in the writing thread, followed by a barrier.
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// Keeps the compiler from moving reads or writes of an accumulator across a wgmma wait.
+template <int N> __device__ __forceinline__ void pin(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// d (+)= A B, m64n64k16: A and B from shared memory (K-major, descriptors); accumulate
+// into d when `accumulate`, else overwrite it.
+__device__ __forceinline__ void wgmma_ss_m64n64(float (&d)[32], uint64_t a_desc,
+                                                uint64_t b_desc, bool accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(a_desc), "l"(b_desc), "r"(int(accumulate)));
+}
+
+// d += A B, m64n64k16: A from registers (the m16n8k16 A-fragment layout per warp), B from
+// shared memory N-major (transposed: a [k][n] tile), accumulating.
+__device__ __forceinline__ void wgmma_rs_m64n64_tb(float (&d)[32], const uint32_t (&a)[4],
+                                                   uint64_t b_desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1));
+}
+
+// d += A B, m64n128k16: A from registers (the m16n8k16 A-fragment layout per warp), B from
+// shared memory N-major (transposed: a [k][n] tile), accumulating.
+__device__ __forceinline__ void wgmma_rs_m64n128_tb(float (&d)[64], const uint32_t (&a)[4],
+                                                   uint64_t b_desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1));
+}
+// d += A B with N = HD (64 or 128): A from registers, B N-major.
+template <int HD>
+__device__ __forceinline__ void wgmma_rs_tb(float (&d)[HD / 2], const uint32_t (&a)[4],
+                                            uint64_t b_desc) {
+  if constexpr (HD == 128) wgmma_rs_m64n128_tb(d, a, b_desc);
+  else wgmma_rs_m64n64_tb(d, a, b_desc);
+}
+#endif
+
+// Descriptor of a 128B-swizzled operand at p (shared memory): leading byte offset `lbo`
+// (the column-block stride for N-major operands; ignored for K-major ones), stride byte
+// offset 1024 (8 rows of 128 bytes), swizzle mode 1 (128 bytes).
+__device__ __forceinline__ uint64_t sw128_desc(const void* p, uint32_t lbo) {
+  return uint64_t((smem_addr(p) & 0x3FFFF) >> 4) | (uint64_t(lbo >> 4) << 16) |
+         (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+
+// Rows r0 .. r0 + ROWS - 1 of HD bf16 (`stride` elements apart in global memory; rows >=
+// n_rows zero-filled) into the swizzled layout above.
+template <int HD, int ROWS>
+__device__ __forceinline__ void load_tile_sw128(bf16* dst, const bf16* base, int64_t stride,
+                                                int64_t r0, int64_t n_rows) {
+  constexpr int CPR = HD / 8;  // 16-byte chunks per row
+#pragma unroll
+  for (int i = threadIdx.x; i < ROWS * CPR; i += kThreads) {
+    const int r = i / CPR, c = i % CPR;
+    const int64_t t = r0 + r;
+    const bool ok = t < n_rows;
+    cp_async16(dst + (c / 8) * (ROWS * 64) + r * 64 + ((c % 8) ^ (r % 8)) * 8,
+               ok ? base + t * stride + c * 8 : base, ok);
+  }
+}
+
+// Descriptors of the operand for k-step `ks` (16 along K) of a swizzled tile of
+// `tile_rows` rows, starting at its row `row0` (a multiple of 8):
+// - K-major (the tile's rows are M or N, its features K): 32 bytes per k-step inside a
+//   64-column block, then the next column block.
+__device__ __forceinline__ uint64_t kmajor_desc(const bf16* tile, int tile_rows, int row0,
+                                                int ks) {
+  return sw128_desc(tile + (ks / 4) * tile_rows * 64 + row0 * 64 + (ks % 4) * 16, 16);
+}
+// - N-major (the tile's rows are K, its features N; wgmma reads it transposed): 16 rows
+//   per k-step, column blocks tile_rows * 128 bytes apart.
+__device__ __forceinline__ uint64_t nmajor_desc(const bf16* tile, int tile_rows, int ks) {
+  return sw128_desc(tile + ks * 16 * 64, uint32_t(tile_rows) * 128);
+}
+
+// A warp's 16 rows of wgmma accumulators (m64nHD layout, this warp's quarter) times
+// mul_lo / mul_hi (rows g / g + 8) -> bf16, staged through `stage` (16 rows of HD + 8
+// elements, this warp's alone) and written as 16-byte stores to global rows row0 + 0..15
+// (`stride` elements apart; rows >= n_rows skipped).
+template <int HD>
+__device__ __forceinline__ void store_rows_staged(bf16* stage, const float (&acc)[HD / 2],
+                                                  float mul_lo, float mul_hi, bf16* base,
+                                                  int64_t stride, int64_t row0, int64_t n_rows,
+                                                  int lane) {
+  constexpr int LD = HD + 8, CPR = HD / 8;
+  const int g = lane >> 2, c2 = 2 * (lane & 3);
+#pragma unroll
+  for (int dt = 0; dt < HD / 8; ++dt) {
+    *reinterpret_cast<uint32_t*>(stage + g * LD + dt * 8 + c2) =
+        pack(acc[4 * dt] * mul_lo, acc[4 * dt + 1] * mul_lo);
+    *reinterpret_cast<uint32_t*>(stage + (g + 8) * LD + dt * 8 + c2) =
+        pack(acc[4 * dt + 2] * mul_hi, acc[4 * dt + 3] * mul_hi);
+  }
+  __syncwarp();
+#pragma unroll
+  for (int i = lane; i < 16 * CPR; i += 32) {
+    const int r = i / CPR, c = i % CPR;
+    if (row0 + r < n_rows)
+      *reinterpret_cast<uint4*>(base + (row0 + r) * stride + c * 8) =
+          *reinterpret_cast<const uint4*>(stage + r * LD + c * 8);
+  }
+  __syncwarp();
+}
+
+// The dynamic shared memory, its start rounded up to the swizzle's 1024 bytes (the
+// shared-memory address, which the swizzle reads, not the generic pointer).
+__device__ __forceinline__ bf16* aligned_smem(unsigned char* raw) {
+  const uint32_t a = smem_addr(raw);
+  return reinterpret_cast<bf16*>(raw + (((a + 1023) & ~1023u) - a));
+}
+
+template <int HD> constexpr size_t tile_bytes(int rows) { return size_t(rows) * HD * 2; }
+template <int HD> constexpr size_t forward_smem() {
+  // Q, two stages of K and V, and 1 KB to align the base to the swizzle's 1024 bytes.
+  return tile_bytes<HD>(kRows) + 4 * tile_bytes<HD>(kKeys) + 1024;
+}
+
+template <int HD>
+__global__ void __launch_bounds__(kThreads, 2)
+    forward_kernel(bf16* __restrict__ out, float* __restrict__ lse, const bf16* __restrict__ q,
+                   const bf16* __restrict__ k, const bf16* __restrict__ v, ForwardArgs a) {
+#ifdef MHAR_NO_WGMMA
+  __trap();
+#else
+  constexpr int KS = HD / 16, NT = kKeys / 8, PV_STEPS = kKeys / 16;
+  extern __shared__ unsigned char smem_raw[];
+  bf16* Qs = aligned_smem(smem_raw);
+  bf16* Ks = Qs + kRows * HD;        // [2][kKeys * HD]
+  bf16* Vs = Ks + 2 * kKeys * HD;    // [2][kKeys * HD]
+
+  const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  const int64_t b = blockIdx.z, h = blockIdx.y, hkv = h / (a.Hq / a.Hkv);
+  const int qb = int(gridDim.x) - 1 - int(blockIdx.x);  // longest rows first
+  const int64_t q0 = int64_t(qb) * kRows;
+  const int64_t qs = a.Hq * HD, kvs = a.Hkv * HD;  // element stride between positions
+  const bf16* qbase = q + (b * a.T * a.Hq + h) * HD;
+  const bf16* kbase = k + (b * a.T * a.Hkv + hkv) * HD;
+  const bf16* vbase = v + (b * a.T * a.Hkv + hkv) * HD;
+
+  // Key tiles this block needs, and the last one (the diagonal) of this warpgroup.
+  const int n_tiles = int(ceil_div(std::min<int64_t>(a.T, q0 + kRows), kKeys));
+  const int wg_last = std::min<int>(int((q0 + 64 * wg + 63) / kKeys), n_tiles - 1);
+
+  load_tile_sw128<HD, kRows>(Qs, qbase, qs, q0, a.T);
+  load_tile_sw128<HD, kKeys>(Ks, kbase, kvs, 0, a.T);
+  load_tile_sw128<HD, kKeys>(Vs, vbase, kvs, 0, a.T);
+  cp_async_commit();
+
+  const float c = a.scale * kLog2e;
+  const int g = lane >> 2, c2 = 2 * (lane & 3);
+  const int64_t t_lo = q0 + 64 * wg + 16 * warp + g, t_hi = t_lo + 8;  // this thread's rows
+  float o[HD / 2], s[kKeys / 2];
+#pragma unroll
+  for (int i = 0; i < HD / 2; ++i) o[i] = 0.f;
+  float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;
+
+  for (int j = 0; j < n_tiles; ++j) {
+    if (j + 1 < n_tiles) {
+      load_tile_sw128<HD, kKeys>(Ks + ((j + 1) & 1) * kKeys * HD, kbase, kvs,
+                                 int64_t(j + 1) * kKeys, a.T);
+      load_tile_sw128<HD, kKeys>(Vs + ((j + 1) & 1) * kKeys * HD, vbase, kvs,
+                                 int64_t(j + 1) * kKeys, a.T);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    fence_proxy_async();
+    __syncthreads();
+    if (j <= wg_last) {
+      const bf16* Kt = Ks + (j & 1) * kKeys * HD;
+      const bf16* Vt = Vs + (j & 1) * kKeys * HD;
+      // S = Q K^T over HD in k-steps of 16 (32 bytes inside a 64-column block).
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks)
+        wgmma_ss_m64n64(s, kmajor_desc(Qs, kRows, 64 * wg, ks), kmajor_desc(Kt, kKeys, 0, ks),
+                        ks > 0);
+      wgmma_commit();
+      wgmma_wait_all();
+      pin(s);
+      // Scale to the exp2 domain; mask keys after the row on the diagonal tile.
+      const bool diag = j == wg_last;
+      float mx_lo = m_lo, mx_hi = m_hi;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float x = s[4 * nt + e] * c;
+          if (diag) {
+            const int64_t key = int64_t(j) * kKeys + nt * 8 + c2 + (e & 1);
+            if (key > (e < 2 ? t_lo : t_hi)) x = -INFINITY;
+          }
+          s[4 * nt + e] = x;
+        }
+        mx_lo = fmaxf(mx_lo, fmaxf(s[4 * nt], s[4 * nt + 1]));
+        mx_hi = fmaxf(mx_hi, fmaxf(s[4 * nt + 2], s[4 * nt + 3]));
+      }
+      mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
+      mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
+      mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
+      mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
+      // Finite: key 0 of tile 0 is visible to every row.
+      const float al_lo = exp2f(m_lo - mx_lo), al_hi = exp2f(m_hi - mx_hi);
+      m_lo = mx_lo;
+      m_hi = mx_hi;
+      float sum_lo = 0.f, sum_hi = 0.f;
+      uint32_t p[PV_STEPS][4];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const float e0 = exp2f(s[4 * nt] - m_lo), e1 = exp2f(s[4 * nt + 1] - m_lo);
+        const float e2 = exp2f(s[4 * nt + 2] - m_hi), e3 = exp2f(s[4 * nt + 3] - m_hi);
+        sum_lo += e0 + e1;
+        sum_hi += e2 + e3;
+        // n8 tile nt holds keys 8 nt ..: the low or high half of P V's k-step nt / 2.
+        p[nt / 2][2 * (nt & 1)] = pack(e0, e1);
+        p[nt / 2][2 * (nt & 1) + 1] = pack(e2, e3);
+      }
+      l_lo = l_lo * al_lo + sum_lo;  // per-thread partial sums; reduced at the end
+      l_hi = l_hi * al_hi + sum_hi;
+#pragma unroll
+      for (int dt = 0; dt < HD / 8; ++dt) {
+        o[4 * dt] *= al_lo;
+        o[4 * dt + 1] *= al_lo;
+        o[4 * dt + 2] *= al_hi;
+        o[4 * dt + 3] *= al_hi;
+      }
+      // O += P V, 16 keys per k-step (2048 bytes of the V tile).
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < PV_STEPS; ++kk) {
+        wgmma_rs_tb<HD>(o, p[kk], nmajor_desc(Vt, kKeys, kk));
+      }
+      wgmma_commit();
+      wgmma_wait_all();
+      pin(o);
+    }
+    __syncthreads();  // this stage is refilled by the next iteration's loads
+  }
+
+  l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
+  l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
+  l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
+  l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
+  if (lse && (lane & 3) == 0) {
+    const float ln2 = 0.6931471805599453f;
+    if (t_lo < a.T) lse[(b * a.Hq + h) * a.T + t_lo] = (m_lo + log2f(l_lo)) * ln2;
+    if (t_hi < a.T) lse[(b * a.Hq + h) * a.T + t_hi] = (m_hi + log2f(l_hi)) * ln2;
+  }
+  // The K/V stages are free now: each warp stages its 16 output rows there.
+  store_rows_staged<HD>(Ks + (threadIdx.x >> 5) * 16 * (HD + 8), o, 1.f / l_lo, 1.f / l_hi,
+                        out + (b * a.T * a.Hq + h) * HD, qs, q0 + 64 * wg + 16 * warp, a.T,
+                        lane);
+#endif
+}
+
+
+// ---------------------------------------------------------------- backward
+// D = rowsum(dout * out) comes from attention.cu (its dot-rows kernel, into the backend's
+// scratch); then two kernels that never race and need no atomics, as on the mma.sync
+// path, with the same numerics (P and dS rounded to bf16 as matrix operands, fp32
+// accumulators, exp2 domain):
+//   dq:   a block owns 128 query rows (64 per warpgroup) and walks key tiles of 64 up to
+//         the diagonal: S = Q K^T and dP = dO V^T (both operands K-major), P = exp2(S c -
+//         lse2), dS = P (dP - D), dQ += dS K (K read N-major).
+//   dkdv: a block owns 128 keys of one (b, KV head) (64 per warpgroup) and walks every
+//         query tile of 64 that can see them, for each query head of its group:
+//         S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q (dO, Q read N-major).
+// One block per SM (128 KB of shared memory): the accumulators take most of the registers.
+template <int HD> constexpr size_t dq_smem() {
+  return 2 * tile_bytes<HD>(kRows) + 4 * tile_bytes<HD>(kKeys) + 1024;
+}
+constexpr int kBwdQ = 64;  // queries per tile (dkdv)
+template <int HD> constexpr size_t dkdv_smem() {
+  return 2 * tile_bytes<HD>(kRows) + 4 * tile_bytes<HD>(kBwdQ) + 4 * kBwdQ * sizeof(float) + 1024;
+}
+
+template <int HD>
+__global__ void __launch_bounds__(kThreads, 1)
+    dq_kernel(bf16* __restrict__ dq, const bf16* __restrict__ dout, const bf16* __restrict__ q,
+              const bf16* __restrict__ k, const bf16* __restrict__ v,
+              const float* __restrict__ lse, const float* __restrict__ Dsum, ForwardArgs a) {
+#ifdef MHAR_NO_WGMMA
+  __trap();
+#else
+  constexpr int KS = HD / 16, NT = kKeys / 8, PV_STEPS = kKeys / 16;
+  extern __shared__ unsigned char smem_raw[];
+  bf16* Qs = aligned_smem(smem_raw);  // [kRows * HD]
+  bf16* dOs = Qs + kRows * HD;        // [kRows * HD]
+  bf16* Ks = dOs + kRows * HD;        // [2][kKeys * HD]
+  bf16* Vs = Ks + 2 * kKeys * HD;     // [2][kKeys * HD]
+  static_assert(size_t(kRows) * HD * 2 >= size_t(kThreads / 32) * 16 * (HD + 8),
+                "the output staging reuses Q and dO");
+
+  const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  const int64_t b = blockIdx.z, h = blockIdx.y, hkv = h / (a.Hq / a.Hkv);
+  const int qb = int(gridDim.x) - 1 - int(blockIdx.x);
+  const int64_t q0 = int64_t(qb) * kRows;
+  const int64_t qs = a.Hq * HD, kvs = a.Hkv * HD;
+  const int64_t qoff = (b * a.T * a.Hq + h) * HD;
+  const bf16* kbase = k + (b * a.T * a.Hkv + hkv) * HD;
+  const bf16* vbase = v + (b * a.T * a.Hkv + hkv) * HD;
+  const int n_tiles = int(ceil_div(std::min<int64_t>(a.T, q0 + kRows), kKeys));
+  const int wg_last = std::min<int>(int((q0 + 64 * wg + 63) / kKeys), n_tiles - 1);
+
+  load_tile_sw128<HD, kRows>(Qs, q + qoff, qs, q0, a.T);
+  load_tile_sw128<HD, kRows>(dOs, dout + qoff, qs, q0, a.T);
+  load_tile_sw128<HD, kKeys>(Ks, kbase, kvs, 0, a.T);
+  load_tile_sw128<HD, kKeys>(Vs, vbase, kvs, 0, a.T);
+  cp_async_commit();
+
+  const float c = a.scale * kLog2e;
+  const int g = lane >> 2, c2 = 2 * (lane & 3);
+  const int64_t t_lo = q0 + 64 * wg + 16 * warp + g, t_hi = t_lo + 8;
+  const float* lse_bh = lse + (b * a.Hq + h) * a.T;
+  const float* D_bh = Dsum + (b * a.Hq + h) * a.T;
+  const float lse_lo = t_lo < a.T ? lse_bh[t_lo] * kLog2e : 0.f;
+  const float lse_hi = t_hi < a.T ? lse_bh[t_hi] * kLog2e : 0.f;
+  const float D_lo = t_lo < a.T ? D_bh[t_lo] : 0.f;
+  const float D_hi = t_hi < a.T ? D_bh[t_hi] : 0.f;
+
+  float acc[HD / 2], s[kKeys / 2], dp[kKeys / 2];
+#pragma unroll
+  for (int i = 0; i < HD / 2; ++i) acc[i] = 0.f;
+
+  for (int j = 0; j < n_tiles; ++j) {
+    if (j + 1 < n_tiles) {
+      load_tile_sw128<HD, kKeys>(Ks + ((j + 1) & 1) * kKeys * HD, kbase, kvs,
+                                 int64_t(j + 1) * kKeys, a.T);
+      load_tile_sw128<HD, kKeys>(Vs + ((j + 1) & 1) * kKeys * HD, vbase, kvs,
+                                 int64_t(j + 1) * kKeys, a.T);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    fence_proxy_async();
+    __syncthreads();
+    if (j <= wg_last) {
+      const bf16* Kt = Ks + (j & 1) * kKeys * HD;
+      const bf16* Vt = Vs + (j & 1) * kKeys * HD;
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks)
+        wgmma_ss_m64n64(s, kmajor_desc(Qs, kRows, 64 * wg, ks), kmajor_desc(Kt, kKeys, 0, ks),
+                        ks > 0);
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks)
+        wgmma_ss_m64n64(dp, kmajor_desc(dOs, kRows, 64 * wg, ks), kmajor_desc(Vt, kKeys, 0, ks),
+                        ks > 0);
+      wgmma_commit();
+      wgmma_wait_all();
+      pin(s);
+      pin(dp);
+      const bool diag = j == wg_last;
+      uint32_t da[PV_STEPS][4];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        float ds[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const bool hi = e >= 2;
+          float p = exp2f(s[4 * nt + e] * c - (hi ? lse_hi : lse_lo));
+          if (diag) {
+            const int64_t key = int64_t(j) * kKeys + nt * 8 + c2 + (e & 1);
+            if (key > (hi ? t_hi : t_lo)) p = 0.f;
+          }
+          ds[e] = p * (dp[4 * nt + e] - (hi ? D_hi : D_lo));
+        }
+        da[nt / 2][2 * (nt & 1)] = pack(ds[0], ds[1]);
+        da[nt / 2][2 * (nt & 1) + 1] = pack(ds[2], ds[3]);
+      }
+      // dQ += dS K: 16 keys per k-step, K read N-major.
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < PV_STEPS; ++kk) wgmma_rs_tb<HD>(acc, da[kk], nmajor_desc(Kt, kKeys, kk));
+      wgmma_commit();
+      wgmma_wait_all();
+      pin(acc);
+    }
+    __syncthreads();
+  }
+  store_rows_staged<HD>(Qs + (threadIdx.x >> 5) * 16 * (HD + 8), acc, a.scale, a.scale,
+                        dq + qoff, qs, q0 + 64 * wg + 16 * warp, a.T, lane);
+#endif
+}
+
+template <int HD>
+__global__ void __launch_bounds__(kThreads, 1)
+    dkdv_kernel(bf16* __restrict__ dk, bf16* __restrict__ dv, const bf16* __restrict__ dout,
+                const bf16* __restrict__ q, const bf16* __restrict__ k,
+                const bf16* __restrict__ v, const float* __restrict__ lse,
+                const float* __restrict__ Dsum, ForwardArgs a) {
+#ifdef MHAR_NO_WGMMA
+  __trap();
+#else
+  constexpr int KS = HD / 16, NT = kBwdQ / 8, QSTEPS = kBwdQ / 16;
+  extern __shared__ unsigned char smem_raw[];
+  bf16* Ks = aligned_smem(smem_raw);  // [kRows * HD] (this block's keys)
+  bf16* Vs = Ks + kRows * HD;         // [kRows * HD]
+  bf16* Qs = Vs + kRows * HD;         // [2][kBwdQ * HD]
+  bf16* dOs = Qs + 2 * kBwdQ * HD;    // [2][kBwdQ * HD]
+  float* lse_s = reinterpret_cast<float*>(dOs + 2 * kBwdQ * HD);  // [2][kBwdQ], exp2 domain
+  float* D_s = lse_s + 2 * kBwdQ;                                 // [2][kBwdQ]
+  static_assert(size_t(4) * kBwdQ * HD * 2 >= size_t(kThreads / 32) * 16 * (HD + 8),
+                "the output staging reuses the Q and dO stages");
+
+  const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  const int64_t b = blockIdx.z, hkv = blockIdx.y;
+  const int64_t group = a.Hq / a.Hkv;
+  const int64_t u0 = int64_t(blockIdx.x) * kRows;
+  const int64_t qs = a.Hq * HD, kvs = a.Hkv * HD;
+  const int64_t kvoff = (b * a.T * a.Hkv + hkv) * HD;
+
+  load_tile_sw128<HD, kRows>(Ks, k + kvoff, kvs, u0, a.T);
+  load_tile_sw128<HD, kRows>(Vs, v + kvoff, kvs, u0, a.T);
+
+  const int first = int(u0 / kBwdQ);
+  const int nq = int(ceil_div(a.T, kBwdQ)) - first;  // query tiles per head
+  const int n_iter = int(group) * nq;
+  auto issue = [&](int it) {
+    const int st = it & 1;
+    const int64_t hq = hkv * group + it / nq;
+    const int64_t t0 = int64_t(first + it % nq) * kBwdQ;
+    const int64_t qoff = (b * a.T * a.Hq + hq) * HD;
+    load_tile_sw128<HD, kBwdQ>(Qs + st * kBwdQ * HD, q + qoff, qs, t0, a.T);
+    load_tile_sw128<HD, kBwdQ>(dOs + st * kBwdQ * HD, dout + qoff, qs, t0, a.T);
+    if (threadIdx.x < kBwdQ) {
+      const int64_t t = t0 + threadIdx.x;
+      const bool ok = t < a.T;
+      // Queries past the end: P = exp2(x - inf) = 0 and D = 0, so they add exact zeros.
+      lse_s[st * kBwdQ + threadIdx.x] = ok ? lse[(b * a.Hq + hq) * a.T + t] * kLog2e : INFINITY;
+      D_s[st * kBwdQ + threadIdx.x] = ok ? Dsum[(b * a.Hq + hq) * a.T + t] : 0.f;
+    }
+  };
+  issue(0);
+  cp_async_commit();
+
+  const float c = a.scale * kLog2e;
+  const int g = lane >> 2, c2 = 2 * (lane & 3);
+  const int64_t wg_u0 = u0 + 64 * wg;                 // this warpgroup's first key
+  const int64_t u_lo = wg_u0 + 16 * warp + g, u_hi = u_lo + 8;  // this thread's two keys
+  float dk_acc[HD / 2], dv_acc[HD / 2], s[kBwdQ / 2], dp[kBwdQ / 2];
+#pragma unroll
+  for (int i = 0; i < HD / 2; ++i) dk_acc[i] = dv_acc[i] = 0.f;
+
+  for (int it = 0; it < n_iter; ++it) {
+    if (it + 1 < n_iter) {
+      issue(it + 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    fence_proxy_async();
+    __syncthreads();
+    const int st = it & 1;
+    const int64_t t0 = int64_t(first + it % nq) * kBwdQ;
+    // Tiles wholly before this warpgroup's keys see none of them.
+    if (t0 + kBwdQ > wg_u0) {
+      const bf16* Qt = Qs + st * kBwdQ * HD;
+      const bf16* dOt = dOs + st * kBwdQ * HD;
+      const float* lse_t = lse_s + st * kBwdQ;
+      const float* D_t = D_s + st * kBwdQ;
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks)
+        wgmma_ss_m64n64(s, kmajor_desc(Ks, kRows, 64 * wg, ks), kmajor_desc(Qt, kBwdQ, 0, ks),
+                        ks > 0);
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks)
+        wgmma_ss_m64n64(dp, kmajor_desc(Vs, kRows, 64 * wg, ks), kmajor_desc(dOt, kBwdQ, 0, ks),
+                        ks > 0);
+      wgmma_commit();
+      wgmma_wait_all();
+      pin(s);
+      pin(dp);
+      // P^T and dS^T (rows: keys, columns: queries); a query before a key sees nothing.
+      const bool masked = t0 < wg_u0 + 63;
+      uint32_t pa[QSTEPS][4], da[QSTEPS][4];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        float p[4], ds[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = nt * 8 + c2 + (e & 1);
+          float pe = exp2f(s[4 * nt + e] * c - lse_t[col]);
+          if (masked && t0 + col < (e < 2 ? u_lo : u_hi)) pe = 0.f;
+          p[e] = pe;
+          ds[e] = pe * (dp[4 * nt + e] - D_t[col]);
+        }
+        pa[nt / 2][2 * (nt & 1)] = pack(p[0], p[1]);
+        pa[nt / 2][2 * (nt & 1) + 1] = pack(p[2], p[3]);
+        da[nt / 2][2 * (nt & 1)] = pack(ds[0], ds[1]);
+        da[nt / 2][2 * (nt & 1) + 1] = pack(ds[2], ds[3]);
+      }
+      // dV += P^T dO and dK += dS^T Q: 16 queries per k-step, dO and Q read N-major.
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < QSTEPS; ++kk) {
+        wgmma_rs_tb<HD>(dv_acc, pa[kk], nmajor_desc(dOt, kBwdQ, kk));
+        wgmma_rs_tb<HD>(dk_acc, da[kk], nmajor_desc(Qt, kBwdQ, kk));
+      }
+      wgmma_commit();
+      wgmma_wait_all();
+      pin(dv_acc);
+      pin(dk_acc);
+    }
+    __syncthreads();
+  }
+  // The Q and dO stages are free now: each warp stages its 16 rows there.
+  bf16* stage = Qs + (threadIdx.x >> 5) * 16 * (HD + 8);
+  const int64_t row0 = wg_u0 + 16 * warp;
+  store_rows_staged<HD>(stage, dk_acc, a.scale, a.scale, dk + kvoff, kvs, row0, a.T, lane);
+  store_rows_staged<HD>(stage, dv_acc, 1.f, 1.f, dv + kvoff, kvs, row0, a.T, lane);
+#endif
+}
+
+template <int HD> bool configure() {
+  static const bool ok = [] {
+    cudaFuncAttributes fa{};
+    if (cudaFuncGetAttributes(&fa, forward_kernel<HD>) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    CUDA_CHECK(cudaFuncSetAttribute(forward_kernel<HD>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    int(forward_smem<HD>())));
+    CUDA_CHECK(cudaFuncSetAttribute(dq_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    int(dq_smem<HD>())));
+    CUDA_CHECK(cudaFuncSetAttribute(dkdv_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    int(dkdv_smem<HD>())));
+    return fa.binaryVersion == 90;
+  }();
+  return ok;
+}
+
+}  // namespace
+
+bool available() {
+  static const bool ok = [] {
+    int dev = 0, major = 0, minor = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    // sm_90a machine code runs on compute capability 9.0 only.
+    return major == 9 && minor == 0 && configure<64>() && configure<128>();
+  }();
+  return ok;
+}
+
+template <int HD>
+void forward(cudaStream_t s, bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
+             const ForwardArgs& a) {
+  MHAR_CHECK(available(), "hopper::forward called without a compute capability 9.0 device");
+  dim3 grid(unsigned(ceil_div(a.T, kRows)), unsigned(a.Hq), unsigned(a.B));
+  forward_kernel<HD><<<grid, kThreads, forward_smem<HD>(), s>>>(out, lse, q, k, v, a);
+  CUDA_CHECK_LAUNCH();
+}
+
+template <int HD>
+void backward(cudaStream_t s, bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q,
+              const bf16* k, const bf16* v, const float* lse, const float* Dsum,
+              const ForwardArgs& a) {
+  MHAR_CHECK(available(), "hopper::backward called without a compute capability 9.0 device");
+  dim3 gq(unsigned(ceil_div(a.T, kRows)), unsigned(a.Hq), unsigned(a.B));
+  dq_kernel<HD><<<gq, kThreads, dq_smem<HD>(), s>>>(dq, dout, q, k, v, lse, Dsum, a);
+  CUDA_CHECK_LAUNCH();
+  dim3 gk(unsigned(ceil_div(a.T, kRows)), unsigned(a.Hkv), unsigned(a.B));
+  dkdv_kernel<HD><<<gk, kThreads, dkdv_smem<HD>(), s>>>(dk, dv, dout, q, k, v, lse, Dsum, a);
+  CUDA_CHECK_LAUNCH();
+}
+
+template void backward<64>(cudaStream_t, bf16*, bf16*, bf16*, const bf16*, const bf16*,
+                           const bf16*, const bf16*, const float*, const float*,
+                           const ForwardArgs&);
+template void backward<128>(cudaStream_t, bf16*, bf16*, bf16*, const bf16*, const bf16*,
+                            const bf16*, const bf16*, const float*, const float*,
+                            const ForwardArgs&);
+template void forward<64>(cudaStream_t, bf16*, float*, const bf16*, const bf16*, const bf16*,
+                          const ForwardArgs&);
+template void forward<128>(cudaStream_t, bf16*, float*, const bf16*, const bf16*, const bf16*,
+                           const ForwardArgs&);
+
+}  // namespace mhar::cuda::hopper

@@ -1,0 +1,85 @@
+// attention_mma.cuh: the copy and matrix helpers the tensor-core attention kernels share
+// (attention.cu's mma.sync path, attention_hopper.cu's wgmma path): cp.async staging of
+// 16-byte chunks, ldmatrix, the m16n8k16 bf16 mma and the fp32 -> bf16x2 pack. The
+// fragment layouts are PTX's for mma.m16n8k16 (the wgmma accumulators and register A
+// operand use the same layout per warp, which is why the forward kernels can feed the
+// score accumulators straight back as the A operand of P V).
+#pragma once
+#include <cstdint>
+
+#include "cuda/common.cuh"
+
+namespace mhar::cuda::attn_mma {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// The helpers below need sm_80+ (cp.async, ldmatrix, bf16 mma); builds for older targets
+// compile them to traps, and attention.cu's tc_available() then sends every call to the
+// fp32 path.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#define MHAR_TC_OLD_ARCH 1
+#endif
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+// 16 bytes global -> shared; zero-filled when !valid (src is then never read).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+#ifdef MHAR_TC_OLD_ARCH
+  __trap();
+#else
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
+               "l"(src), "r"(valid ? 16 : 0));
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#ifdef MHAR_TC_OLD_ARCH
+  __trap();
+#else
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+#ifdef MHAR_TC_OLD_ARCH
+  __trap();
+#else
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+#ifdef MHAR_TC_OLD_ARCH
+  __trap();
+#else
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+#endif
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+#ifdef MHAR_TC_OLD_ARCH
+  __trap();
+#else
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+#endif
+}
+// d += a b, m16n8k16, bf16 in, fp32 accumulate.
+__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                    uint32_t b1) {
+#ifdef MHAR_TC_OLD_ARCH
+  __trap();
+#else
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+__device__ __forceinline__ uint32_t pack(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+}  // namespace mhar::cuda::attn_mma
