@@ -1,12 +1,16 @@
 // attention_hopper.h: the Hopper (sm_90a, wgmma) attention kernels, called by
 // attention.cu's dispatcher. Layouts, scale and lse are attention.cu's: q, out [B, T, Hq,
 // hd], k, v [B, T, Hkv, hd] BF16 with 16-byte aligned rows; lse [B, Hq, T] fp32.
+// Host code only (no device headers), so tests can reach the kernel-lab setter.
 #pragma once
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
-#include "cuda/common.cuh"
+namespace mhar::cuda {
+using bf16 = __nv_bfloat16;  // as in cuda/common.cuh
+}
 
 namespace mhar::cuda::hopper {
 
@@ -18,6 +22,11 @@ struct ForwardArgs {
 // Whether these kernels can run here: the device is compute capability 9.0 (sm_90a code
 // runs nowhere else) and the binary carries them.
 bool available();
+
+// Kernel lab: which forward kernel runs (1: one wgmma group in flight; 2: the scores of
+// the next tile overlap P V, two blocks per SM; 3: the same, one block per SM).
+// Returns the previous one. Process-wide.
+int set_forward_version(int version);
 
 // Causal forward, head_dim HD (64 or 128); lse may be null.
 template <int HD>
