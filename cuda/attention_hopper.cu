@@ -28,8 +28,6 @@
 // advances 16 rows (2048 bytes) per k-step, column blocks rows*128 bytes apart.
 #include "cuda/attention_hopper.h"
 
-#include <atomic>
-
 #include "cuda/attention_mma.cuh"
 
 namespace mhar::cuda::hopper {
@@ -342,182 +340,6 @@ __global__ void __launch_bounds__(kThreads, 2)
 }
 
 
-// Forward, version 2: version 1 plus FA3's intra-warpgroup overlap. The scores of tile
-// j + 1 are issued before the P V product of tile j, as two commit groups; waiting for
-// the first only, the exponentials of tile j + 1 then run while P_j V_j is still on the
-// tensor cores. The output's rescale and P's bf16 packing wait for that product (its
-// accumulators and A registers are in flight), so P needs no second register set.
-// K and V have their own two-slot rings: K runs one tile ahead of V (S_{j+1} is issued
-// while V_j is still read), and each iteration loads K_{j+2} and V_{j+1} into the slots
-// that S_j and P_{j-1} V_{j-1} (both complete before the barrier) have freed.
-// Same arithmetic as version 1 (the same values, rounded at the same points).
-// MIN_BLOCKS 2 (version 2) caps it at 128 registers, two blocks per SM; 1 (version 3)
-// lets S_{j+1}, P_j and O all stay in registers, one block per SM.
-template <int HD, int MIN_BLOCKS>
-__global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
-    forward_kernel_v2(bf16* __restrict__ out, float* __restrict__ lse,
-                      const bf16* __restrict__ q, const bf16* __restrict__ k,
-                      const bf16* __restrict__ v, ForwardArgs a) {
-#ifdef MHAR_NO_WGMMA
-  __trap();
-#else
-  constexpr int KS = HD / 16, NT = kKeys / 8, PV_STEPS = kKeys / 16;
-  extern __shared__ unsigned char smem_raw[];
-  bf16* Qs = aligned_smem(smem_raw);
-  bf16* Ks = Qs + kRows * HD;      // [2][kKeys * HD]
-  bf16* Vs = Ks + 2 * kKeys * HD;  // [2][kKeys * HD]
-
-  const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-  const int64_t b = blockIdx.z, h = blockIdx.y, hkv = h / (a.Hq / a.Hkv);
-  const int qb = int(gridDim.x) - 1 - int(blockIdx.x);
-  const int64_t q0 = int64_t(qb) * kRows;
-  const int64_t qs = a.Hq * HD, kvs = a.Hkv * HD;
-  const bf16* qbase = q + (b * a.T * a.Hq + h) * HD;
-  const bf16* kbase = k + (b * a.T * a.Hkv + hkv) * HD;
-  const bf16* vbase = v + (b * a.T * a.Hkv + hkv) * HD;
-  const int n_tiles = int(ceil_div(std::min<int64_t>(a.T, q0 + kRows), kKeys));
-  const int wg_last = std::min<int>(int((q0 + 64 * wg + 63) / kKeys), n_tiles - 1);
-  auto load_k = [&](int j) {
-    load_tile_sw128<HD, kKeys>(Ks + (j & 1) * kKeys * HD, kbase, kvs, int64_t(j) * kKeys, a.T);
-  };
-  auto load_v = [&](int j) {
-    load_tile_sw128<HD, kKeys>(Vs + (j & 1) * kKeys * HD, vbase, kvs, int64_t(j) * kKeys, a.T);
-  };
-
-  load_tile_sw128<HD, kRows>(Qs, qbase, qs, q0, a.T);
-  load_k(0);
-  cp_async_commit();
-  if (n_tiles > 1) load_k(1);
-  load_v(0);
-  cp_async_commit();
-
-  const float c = a.scale * kLog2e;
-  const int g = lane >> 2, c2 = 2 * (lane & 3);
-  const int64_t t_lo = q0 + 64 * wg + 16 * warp + g, t_hi = t_lo + 8;
-  float o[HD / 2], s[kKeys / 2];
-#pragma unroll
-  for (int i = 0; i < HD / 2; ++i) o[i] = 0.f;
-  float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;
-
-  // S_0.
-  cp_async_wait<1>();
-  fence_proxy_async();
-  __syncthreads();
-  wgmma_fence();
-#pragma unroll
-  for (int ks = 0; ks < KS; ++ks)
-    wgmma_ss_m64n64(s, kmajor_desc(Qs, kRows, 64 * wg, ks), kmajor_desc(Ks, kKeys, 0, ks), ks > 0);
-  wgmma_commit();
-  wgmma_wait_all();
-  pin(s);
-
-  for (int j = 0; j < n_tiles; ++j) {
-    const bool active = j <= wg_last;
-    float al_lo = 1.f, al_hi = 1.f;
-    if (active) {
-      // Exponentials of S_j while P_{j-1} V_{j-1} may still run.
-      const bool diag = j == wg_last;
-      float mx_lo = m_lo, mx_hi = m_hi;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float x = s[4 * nt + e] * c;
-          if (diag) {
-            const int64_t key = int64_t(j) * kKeys + nt * 8 + c2 + (e & 1);
-            if (key > (e < 2 ? t_lo : t_hi)) x = -INFINITY;
-          }
-          s[4 * nt + e] = x;
-        }
-        mx_lo = fmaxf(mx_lo, fmaxf(s[4 * nt], s[4 * nt + 1]));
-        mx_hi = fmaxf(mx_hi, fmaxf(s[4 * nt + 2], s[4 * nt + 3]));
-      }
-      mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
-      mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
-      mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
-      mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
-      al_lo = exp2f(m_lo - mx_lo);
-      al_hi = exp2f(m_hi - mx_hi);
-      m_lo = mx_lo;
-      m_hi = mx_hi;
-      float sum_lo = 0.f, sum_hi = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        s[4 * nt] = exp2f(s[4 * nt] - m_lo);
-        s[4 * nt + 1] = exp2f(s[4 * nt + 1] - m_lo);
-        s[4 * nt + 2] = exp2f(s[4 * nt + 2] - m_hi);
-        s[4 * nt + 3] = exp2f(s[4 * nt + 3] - m_hi);
-        sum_lo += s[4 * nt] + s[4 * nt + 1];
-        sum_hi += s[4 * nt + 2] + s[4 * nt + 3];
-      }
-      l_lo = l_lo * al_lo + sum_lo;
-      l_hi = l_hi * al_hi + sum_hi;
-    }
-    // P_{j-1} V_{j-1} is complete: O and P's registers are free.
-    wgmma_wait_all();
-    pin(o);
-    uint32_t p[PV_STEPS][4];
-    if (active) {
-#pragma unroll
-      for (int dt = 0; dt < HD / 8; ++dt) {
-        o[4 * dt] *= al_lo;
-        o[4 * dt + 1] *= al_lo;
-        o[4 * dt + 2] *= al_hi;
-        o[4 * dt + 3] *= al_hi;
-      }
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        p[nt / 2][2 * (nt & 1)] = pack(s[4 * nt], s[4 * nt + 1]);
-        p[nt / 2][2 * (nt & 1) + 1] = pack(s[4 * nt + 2], s[4 * nt + 3]);
-      }
-    }
-    // K_{j+1} and V_j have landed (loaded last iteration); every warpgroup is done with
-    // K_j (S_j) and V_{j-1}, whose slots take K_{j+2} and V_{j+1}.
-    cp_async_wait<0>();
-    fence_proxy_async();
-    __syncthreads();
-    if (j + 2 < n_tiles) load_k(j + 2);
-    if (j + 1 < n_tiles) load_v(j + 1);
-    cp_async_commit();
-    if (active) {
-      const bool next = j + 1 <= wg_last;
-      wgmma_fence();
-      if (next) {
-        const bf16* Kn = Ks + ((j + 1) & 1) * kKeys * HD;
-#pragma unroll
-        for (int ks = 0; ks < KS; ++ks)
-          wgmma_ss_m64n64(s, kmajor_desc(Qs, kRows, 64 * wg, ks), kmajor_desc(Kn, kKeys, 0, ks),
-                          ks > 0);
-      }
-      wgmma_commit();
-      const bf16* Vt = Vs + (j & 1) * kKeys * HD;
-#pragma unroll
-      for (int kk = 0; kk < PV_STEPS; ++kk) wgmma_rs_tb<HD>(o, p[kk], nmajor_desc(Vt, kKeys, kk));
-      wgmma_commit();
-      // S_{j+1} (the older group) complete; P_j V_j may still run.
-      asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-      pin(s);
-    }
-  }
-  wgmma_wait_all();
-  pin(o);
-
-  l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
-  l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
-  l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
-  l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
-  if (lse && (lane & 3) == 0) {
-    const float ln2 = 0.6931471805599453f;
-    if (t_lo < a.T) lse[(b * a.Hq + h) * a.T + t_lo] = (m_lo + log2f(l_lo)) * ln2;
-    if (t_hi < a.T) lse[(b * a.Hq + h) * a.T + t_hi] = (m_hi + log2f(l_hi)) * ln2;
-  }
-  __syncthreads();  // every warpgroup is past its last read of the K/V slots
-  store_rows_staged<HD>(Ks + (threadIdx.x >> 5) * 16 * (HD + 8), o, 1.f / l_lo, 1.f / l_hi,
-                        out + (b * a.T * a.Hq + h) * HD, qs, q0 + 64 * wg + 16 * warp, a.T,
-                        lane);
-#endif
-}
-
 // ---------------------------------------------------------------- backward
 // D = rowsum(dout * out) comes from attention.cu (its dot-rows kernel, into the backend's
 // scratch); then two kernels that never race and need no atomics, as on the mma.sync
@@ -789,12 +611,6 @@ template <int HD> bool configure() {
     CUDA_CHECK(cudaFuncSetAttribute(forward_kernel<HD>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     int(forward_smem<HD>())));
-    CUDA_CHECK(cudaFuncSetAttribute(forward_kernel_v2<HD, 2>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    int(forward_smem<HD>())));
-    CUDA_CHECK(cudaFuncSetAttribute(forward_kernel_v2<HD, 1>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    int(forward_smem<HD>())));
     CUDA_CHECK(cudaFuncSetAttribute(dq_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     int(dq_smem<HD>())));
     CUDA_CHECK(cudaFuncSetAttribute(dkdv_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -804,15 +620,7 @@ template <int HD> bool configure() {
   return ok;
 }
 
-std::atomic<int> g_forward_version{2};
-
 }  // namespace
-
-int set_forward_version(int version) {
-  MHAR_CHECK(version >= 1 && version <= 3, "hopper::set_forward_version: ", version,
-             " (1, 2 or 3)");
-  return g_forward_version.exchange(version);
-}
 
 bool available() {
   static const bool ok = [] {
@@ -834,12 +642,7 @@ void forward(cudaStream_t s, bf16* out, float* lse, const bf16* q, const bf16* k
              const ForwardArgs& a) {
   MHAR_CHECK(available(), "hopper::forward called without a compute capability 9.0 device");
   dim3 grid(unsigned(ceil_div(a.T, kRows)), unsigned(a.Hq), unsigned(a.B));
-  if (g_forward_version == 1)
-    forward_kernel<HD><<<grid, kThreads, forward_smem<HD>(), s>>>(out, lse, q, k, v, a);
-  else if (g_forward_version == 2)
-    forward_kernel_v2<HD, 2><<<grid, kThreads, forward_smem<HD>(), s>>>(out, lse, q, k, v, a);
-  else
-    forward_kernel_v2<HD, 1><<<grid, kThreads, forward_smem<HD>(), s>>>(out, lse, q, k, v, a);
+  forward_kernel<HD><<<grid, kThreads, forward_smem<HD>(), s>>>(out, lse, q, k, v, a);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -23,11 +23,6 @@ struct ForwardArgs {
 // runs nowhere else) and the binary carries them.
 bool available();
 
-// Kernel lab: which forward kernel runs (1: one wgmma group in flight; 2: the scores of
-// the next tile overlap P V, two blocks per SM; 3: the same, one block per SM).
-// Returns the previous one. Process-wide.
-int set_forward_version(int version);
-
 // Causal forward, head_dim HD (64 or 128); lse may be null.
 template <int HD>
 void forward(cudaStream_t s, bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,

@@ -15,7 +15,6 @@
 #include <functional>
 #include <vector>
 
-#include "cuda/attention_hopper.h"
 #include "cuda/kernels.h"
 #include "tests/cuda_test_util.h"
 
@@ -53,15 +52,12 @@ TEST_F(AttentionTiming, DISABLED_ComparisonShapes) {
     Buffer dk(*gpu, DType::BF16, {B, T, Hkv, hd}), dv(*gpu, DType::BF16, {B, T, Hkv, hd});
     const double fwd_flop = 4.0 * B * Hq * hd * double(T) * T / 2;
     const std::string shape = "B" + std::to_string(B) + " T" + std::to_string(T) + " H16/8 hd128";
-    for (int version = 0; version <= 3; ++version) {  // 0: mma.sync; 1..3: Hopper versions
-      if (version > 0 && !hopper) break;
-      cuda::attention_set_hopper(version > 0);
-      const int had_version = version > 0 ? cuda::hopper::set_forward_version(version) : 0;
+    for (const bool use_hopper : {true, false}) {
+      if (use_hopper && !hopper) continue;
+      cuda::attention_set_hopper(use_hopper);
       const double ms = median_ms([&] { gpu->attention_forward(out, lse, q, k, v); });
-      if (version > 0) cuda::hopper::set_forward_version(had_version);
-      const std::string path = version > 0 ? "wgmma v" + std::to_string(version) : "mma.sync";
-      std::printf("ATTENTION forward  %-8s %-22s %8.3f ms %7.1f TFLOP/s\n", path.c_str(),
-                  shape.c_str(), ms, fwd_flop / ms * 1e-9);
+      std::printf("ATTENTION forward  %-8s %-22s %8.3f ms %7.1f TFLOP/s\n",
+                  use_hopper ? "wgmma" : "mma.sync", shape.c_str(), ms, fwd_flop / ms * 1e-9);
     }
     for (const bool use_hopper : {true, false}) {
       if (use_hopper && !hopper) continue;
