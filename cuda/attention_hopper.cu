@@ -129,33 +129,50 @@ __device__ __forceinline__ uint64_t sw128_desc(const void* p, uint32_t lbo) {
 }
 
 // Rows r0 .. r0 + ROWS - 1 of HD bf16 (`stride` elements apart in global memory; rows >=
-// n_rows zero-filled) into the swizzled layout above.
+// n_rows zero-filled) into the swizzled layout above. A thread always copies the same
+// 16-byte column chunk, of rows kThreads / (HD / 8) apart, so its swizzle and offsets
+// are fixed once and the copies unroll.
 template <int HD, int ROWS>
 __device__ __forceinline__ void load_tile_sw128(bf16* dst, const bf16* base, int64_t stride,
                                                 int64_t r0, int64_t n_rows) {
-  constexpr int CPR = HD / 8;  // 16-byte chunks per row
+  constexpr int CPR = HD / 8, ROWS_PER_PASS = kThreads / CPR;
+  static_assert(ROWS % ROWS_PER_PASS == 0 && ROWS_PER_PASS % 8 == 0, "tile rows per pass");
+  const int c = threadIdx.x % CPR, r = threadIdx.x / CPR;
+  bf16* d = dst + (c / 8) * (ROWS * 64) + r * 64 + ((c % 8) ^ (r % 8)) * 8;
+  const bf16* src = base + (r0 + r) * stride + c * 8;
+  const int64_t step = ROWS_PER_PASS * stride;
+  const int64_t rows_left = n_rows - r0 - r;
 #pragma unroll
-  for (int i = threadIdx.x; i < ROWS * CPR; i += kThreads) {
-    const int r = i / CPR, c = i % CPR;
-    const int64_t t = r0 + r;
-    const bool ok = t < n_rows;
-    cp_async16(dst + (c / 8) * (ROWS * 64) + r * 64 + ((c % 8) ^ (r % 8)) * 8,
-               ok ? base + t * stride + c * 8 : base, ok);
+  for (int p = 0; p < ROWS / ROWS_PER_PASS; ++p) {
+    const bool ok = p * ROWS_PER_PASS < rows_left;
+    cp_async16(d + p * ROWS_PER_PASS * 64, ok ? src + p * step : base, ok);
   }
 }
 
-// Descriptors of the operand for k-step `ks` (16 along K) of a swizzled tile of
-// `tile_rows` rows, starting at its row `row0` (a multiple of 8):
-// - K-major (the tile's rows are M or N, its features K): 32 bytes per k-step inside a
-//   64-column block, then the next column block.
-__device__ __forceinline__ uint64_t kmajor_desc(const bf16* tile, int tile_rows, int row0,
-                                                int ks) {
-  return sw128_desc(tile + (ks / 4) * tile_rows * 64 + row0 * 64 + (ks % 4) * 16, 16);
+// Descriptors of a swizzled tile of TILE_ROWS rows: a base descriptor, made once per
+// buffer, plus the k-step's offset (16 along K), a compile-time constant added to the
+// address field (addresses stay below 256 KB, so the 14-bit field cannot carry over).
+// - K-major (the tile's rows are M or N, its features K), from row `row0` (a multiple of
+//   8): 32 bytes per k-step inside a 64-column block, then the next column block.
+__device__ __forceinline__ uint64_t kmajor_base(const bf16* tile, int row0) {
+  return sw128_desc(tile + row0 * 64, 16);
+}
+template <int TILE_ROWS>
+__device__ __forceinline__ uint64_t kmajor_step(uint64_t base, int ks) {
+  return base + uint64_t(((ks / 4) * TILE_ROWS * 128 + (ks % 4) * 32) >> 4);
 }
 // - N-major (the tile's rows are K, its features N; wgmma reads it transposed): 16 rows
-//   per k-step, column blocks tile_rows * 128 bytes apart.
-__device__ __forceinline__ uint64_t nmajor_desc(const bf16* tile, int tile_rows, int ks) {
-  return sw128_desc(tile + ks * 16 * 64, uint32_t(tile_rows) * 128);
+//   (2048 bytes) per k-step, column blocks TILE_ROWS * 128 bytes apart.
+template <int TILE_ROWS>
+__device__ __forceinline__ uint64_t nmajor_base(const bf16* tile) {
+  return sw128_desc(tile, uint32_t(TILE_ROWS) * 128);
+}
+__device__ __forceinline__ uint64_t nmajor_step(uint64_t base, int ks) {
+  return base + uint64_t(ks * 2048 >> 4);
+}
+// The descriptor offset of stage `st` of a two-stage buffer of tiles of `tile_elems`.
+__device__ __forceinline__ uint64_t stage_offset(int st, int tile_elems) {
+  return uint64_t(st * (tile_elems * 2 / 16));
 }
 
 // A warp's 16 rows of wgmma accumulators (m64nHD layout, this warp's quarter) times
@@ -238,6 +255,12 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
   for (int i = 0; i < HD / 2; ++i) o[i] = 0.f;
   float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;
+  // Every descriptor from one base (Q, K and V sit at fixed offsets): fewer live registers
+  // under the cap of 128 that two blocks per SM impose.
+  const uint64_t q_desc = kmajor_base(Qs, 64 * wg);
+  const uint64_t k_desc = q_desc + uint64_t((kRows * HD - 64 * wg * 64) * 2 / 16);
+  const uint64_t v_desc = k_desc + uint64_t(2 * kKeys * HD * 2 / 16) +
+                          (uint64_t((kKeys * 128 - 16) >> 4) << 16);  // N-major's LBO
 
   for (int j = 0; j < n_tiles; ++j) {
     if (j + 1 < n_tiles) {
@@ -253,13 +276,12 @@ __global__ void __launch_bounds__(kThreads, 2)
     fence_proxy_async();
     __syncthreads();
     if (j <= wg_last) {
-      const bf16* Kt = Ks + (j & 1) * kKeys * HD;
-      const bf16* Vt = Vs + (j & 1) * kKeys * HD;
+      const uint64_t st = stage_offset(j & 1, kKeys * HD);
       // S = Q K^T over HD in k-steps of 16 (32 bytes inside a 64-column block).
       wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks)
-        wgmma_ss_m64n64(s, kmajor_desc(Qs, kRows, 64 * wg, ks), kmajor_desc(Kt, kKeys, 0, ks),
+        wgmma_ss_m64n64(s, kmajor_step<kRows>(q_desc, ks), kmajor_step<kKeys>(k_desc + st, ks),
                         ks > 0);
       wgmma_commit();
       wgmma_wait_all();
@@ -314,7 +336,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < PV_STEPS; ++kk) {
-        wgmma_rs_tb<HD>(o, p[kk], nmajor_desc(Vt, kKeys, kk));
+        wgmma_rs_tb<HD>(o, p[kk], nmajor_step(v_desc + st, kk));
       }
       wgmma_commit();
       wgmma_wait_all();
@@ -407,6 +429,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   float acc[HD / 2], s[kKeys / 2], dp[kKeys / 2];
 #pragma unroll
   for (int i = 0; i < HD / 2; ++i) acc[i] = 0.f;
+  const uint64_t q_desc = kmajor_base(Qs, 64 * wg), do_desc = kmajor_base(dOs, 64 * wg),
+                 k_desc = kmajor_base(Ks, 0), v_desc = kmajor_base(Vs, 0),
+                 kn_desc = nmajor_base<kKeys>(Ks);
 
   for (int j = 0; j < n_tiles; ++j) {
     if (j + 1 < n_tiles) {
@@ -422,16 +447,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_proxy_async();
     __syncthreads();
     if (j <= wg_last) {
-      const bf16* Kt = Ks + (j & 1) * kKeys * HD;
-      const bf16* Vt = Vs + (j & 1) * kKeys * HD;
+      const uint64_t st = stage_offset(j & 1, kKeys * HD);
       wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks)
-        wgmma_ss_m64n64(s, kmajor_desc(Qs, kRows, 64 * wg, ks), kmajor_desc(Kt, kKeys, 0, ks),
+        wgmma_ss_m64n64(s, kmajor_step<kRows>(q_desc, ks), kmajor_step<kKeys>(k_desc + st, ks),
                         ks > 0);
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks)
-        wgmma_ss_m64n64(dp, kmajor_desc(dOs, kRows, 64 * wg, ks), kmajor_desc(Vt, kKeys, 0, ks),
+        wgmma_ss_m64n64(dp, kmajor_step<kRows>(do_desc, ks), kmajor_step<kKeys>(v_desc + st, ks),
                         ks > 0);
       wgmma_commit();
       wgmma_wait_all();
@@ -458,7 +482,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       // dQ += dS K: 16 keys per k-step, K read N-major.
       wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < PV_STEPS; ++kk) wgmma_rs_tb<HD>(acc, da[kk], nmajor_desc(Kt, kKeys, kk));
+      for (int kk = 0; kk < PV_STEPS; ++kk)
+        wgmma_rs_tb<HD>(acc, da[kk], nmajor_step(kn_desc + st, kk));
       wgmma_commit();
       wgmma_wait_all();
       pin(acc);
@@ -528,6 +553,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   float dk_acc[HD / 2], dv_acc[HD / 2], s[kBwdQ / 2], dp[kBwdQ / 2];
 #pragma unroll
   for (int i = 0; i < HD / 2; ++i) dk_acc[i] = dv_acc[i] = 0.f;
+  const uint64_t k_desc = kmajor_base(Ks, 64 * wg), v_desc = kmajor_base(Vs, 64 * wg),
+                 q_desc = kmajor_base(Qs, 0), do_desc = kmajor_base(dOs, 0),
+                 qn_desc = nmajor_base<kBwdQ>(Qs), don_desc = nmajor_base<kBwdQ>(dOs);
 
   for (int it = 0; it < n_iter; ++it) {
     if (it + 1 < n_iter) {
@@ -543,18 +571,17 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int64_t t0 = int64_t(first + it % nq) * kBwdQ;
     // Tiles wholly before this warpgroup's keys see none of them.
     if (t0 + kBwdQ > wg_u0) {
-      const bf16* Qt = Qs + st * kBwdQ * HD;
-      const bf16* dOt = dOs + st * kBwdQ * HD;
+      const uint64_t so = stage_offset(st, kBwdQ * HD);
       const float* lse_t = lse_s + st * kBwdQ;
       const float* D_t = D_s + st * kBwdQ;
       wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks)
-        wgmma_ss_m64n64(s, kmajor_desc(Ks, kRows, 64 * wg, ks), kmajor_desc(Qt, kBwdQ, 0, ks),
+        wgmma_ss_m64n64(s, kmajor_step<kRows>(k_desc, ks), kmajor_step<kBwdQ>(q_desc + so, ks),
                         ks > 0);
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks)
-        wgmma_ss_m64n64(dp, kmajor_desc(Vs, kRows, 64 * wg, ks), kmajor_desc(dOt, kBwdQ, 0, ks),
+        wgmma_ss_m64n64(dp, kmajor_step<kRows>(v_desc, ks), kmajor_step<kBwdQ>(do_desc + so, ks),
                         ks > 0);
       wgmma_commit();
       wgmma_wait_all();
@@ -565,14 +592,17 @@ __global__ void __launch_bounds__(kThreads, 1)
       uint32_t pa[QSTEPS][4], da[QSTEPS][4];
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
+        // This thread's two query columns of the n8 tile, for both of its key rows.
+        const float2 lse2 = *reinterpret_cast<const float2*>(lse_t + nt * 8 + c2);
+        const float2 D2 = *reinterpret_cast<const float2*>(D_t + nt * 8 + c2);
         float p[4], ds[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int col = nt * 8 + c2 + (e & 1);
-          float pe = exp2f(s[4 * nt + e] * c - lse_t[col]);
+          float pe = exp2f(s[4 * nt + e] * c - ((e & 1) ? lse2.y : lse2.x));
           if (masked && t0 + col < (e < 2 ? u_lo : u_hi)) pe = 0.f;
           p[e] = pe;
-          ds[e] = pe * (dp[4 * nt + e] - D_t[col]);
+          ds[e] = pe * (dp[4 * nt + e] - ((e & 1) ? D2.y : D2.x));
         }
         pa[nt / 2][2 * (nt & 1)] = pack(p[0], p[1]);
         pa[nt / 2][2 * (nt & 1) + 1] = pack(p[2], p[3]);
@@ -583,8 +613,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < QSTEPS; ++kk) {
-        wgmma_rs_tb<HD>(dv_acc, pa[kk], nmajor_desc(dOt, kBwdQ, kk));
-        wgmma_rs_tb<HD>(dk_acc, da[kk], nmajor_desc(Qt, kBwdQ, kk));
+        wgmma_rs_tb<HD>(dv_acc, pa[kk], nmajor_step(don_desc + so, kk));
+        wgmma_rs_tb<HD>(dk_acc, da[kk], nmajor_step(qn_desc + so, kk));
       }
       wgmma_commit();
       wgmma_wait_all();
