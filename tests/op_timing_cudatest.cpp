@@ -309,8 +309,9 @@ TEST_F(OpTiming, DISABLED_RoutingTileVersions) {
 // The source backward's fused/unfused choice (cuda/routing.cu: slots read by at most
 // kFusedKeyMaxSites sites fuse the key path into the token kernel), swept over the limit
 // at the full-routing model shapes, each without and with the backward depth tiles
-// (routing_source_backward_tile, as the layer loop runs them): the whole step's backward
-// for each, so that the rules are measured ones. The same inputs for every variant.
+// (routing_source_backward_tile, as the layer loop runs them) under each numbered version
+// of the pair kernel (cuda::routing_set_kernel_version): the whole step's backward for
+// each, so that the rules are measured ones. The same inputs for every variant.
 TEST_F(OpTiming, DISABLED_RoutingBackwardFusedLimit) {
   const int64_t N = 16384;
   struct Shape {
