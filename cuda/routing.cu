@@ -582,7 +582,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, 4)
 // R: 8 where the 128 registers of 4 blocks per SM hold it beside K accumulator rows (ptxas:
 // 108-128 registers, no spills, K <= 6), 6 for K = 7, 8 (R = 8 spills 36-52 bytes there).
 constexpr int tile_ring(int K) { return K <= 6 ? 8 : 6; }
-constexpr int kMixTileVersions = 2;
+constexpr int kMixTileVersions = 3;  // 3: version 2 on a one-wave grid (routing_mix_tile)
 int g_mix_tile_version = kMixTileVersions;  // routing_set_kernel_version (timing lab)
 
 template <int K>
@@ -1496,11 +1496,21 @@ void routing_mix_tile(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weig
   auto* partial = static_cast<float*>(
       ctx.scratch(ScratchSlot::RoutingTile, size_t(partial_floats + stat_floats) * sizeof(float)));
   if (g_mix_tile_version >= 2) {
-    // Version 2: exactly k accumulators, the table padded to 4 ceil(k/4) sites.
+    // Version 2: exactly k accumulators, the table padded to 4 ceil(k/4) sites. Version 3:
+    // the same kernel on a grid of the blocks that fit at once (one wave: 8 blocks per SM
+    // over the 3 that the late tiles' tables leave room for would end on a two-thirds
+    // full wave).
     const size_t smem = tile_table_bytes(site + 1, (k + 3) / 4 * 4, g.H);
     auto launch = [&](auto kernel) {
       allow_smem(kernel, smem);
-      kernel<<<token_blocks(g.N), 32 * kWarpsPerBlock, smem, s>>>(
+      int blocks = token_blocks(g.N);
+      if (g_mix_tile_version >= 3) {
+        int per_sm = 0;
+        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel,
+                                                                 32 * kWarpsPerBlock, smem));
+        blocks = std::min(blocks, sm_count() * std::max(per_sm, 1));
+      }
+      kernel<<<blocks, 32 * kWarpsPerBlock, smem, s>>>(
           static_cast<bf16*>(x.data), weights.ptr<float>(),
           static_cast<const bf16*>(history.data), partial, partial + partial_floats, g, site);
       CUDA_CHECK_LAUNCH();
