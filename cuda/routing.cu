@@ -41,6 +41,10 @@
 //   rows; otherwise every feature is added into a per-warp shared array of H sums.
 // Temporaries (qg tables, the backward's fp32 value and key rows, ds*r's bf16 parts) are
 // the backend's grow-only scratch (kernels.h); nothing here allocates.
+// Kernel lab: the mix tile kernel and the backward's pair kernel keep their earlier
+// versions, numbered, chosen at launch (routing_set_kernel_version, kernels.h; default the
+// newest), so that one device run times each (tests/op_timing_cudatest.cpp); every version
+// computes the same bits.
 #include <algorithm>
 #include <type_traits>
 
