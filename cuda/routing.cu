@@ -583,18 +583,23 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, 4)
 //   lane reads its head's K weights of a slot with KP/4 16-byte shared loads, not K;
 // - the accumulators are exactly the tile's K sites (one instantiation per k <= 8): no
 //   idle predicated sites.
-// R: 8 where the 128 registers of 4 blocks per SM hold it beside K accumulator rows (ptxas:
-// 108-128 registers, no spills, K <= 6), 6 for K = 7, 8 (R = 8 spills 36-52 bytes there).
+// R (versions 2, 3): 8 where the 128 registers of 4 blocks per SM hold it beside K
+// accumulator rows (ptxas: 108-128 registers, no spills, K <= 6), 6 for K = 7, 8 (R = 8
+// spills 36-52 bytes there). Version 4: 3 blocks per SM (168 registers) and R = 12 for
+// every K (ptxas: 124-168 registers, no spills): 12 warps per SM, which is what the late
+// tiles' tables leave room for anyway, each with twice the chunks in flight.
+// Versions 3 and 4 run on a one-wave grid (routing_mix_tile).
 constexpr int tile_ring(int K) { return K <= 6 ? 8 : 6; }
-constexpr int kMixTileVersions = 3;  // 3: version 2 on a one-wave grid (routing_mix_tile)
+constexpr int kTileRingDeep = 12;
+constexpr int kMixTileVersions = 4;
 int g_mix_tile_version = kMixTileVersions;  // routing_set_kernel_version (timing lab)
 
-template <int K>
-__global__ void __launch_bounds__(32 * kWarpsPerBlock, 4)
+template <int K, int R, int MIN_BLOCKS>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
     mix_tile_ring_kernel(bf16* __restrict__ x, float* __restrict__ weights,
                          const bf16* __restrict__ hist, float* __restrict__ partial,
                          float* __restrict__ pstat, const Geometry g, int site0) {
-  constexpr int KP = (K + 3) / 4 * 4, R = tile_ring(K);
+  constexpr int KP = (K + 3) / 4 * 4;
   extern __shared__ float4 ring_tables[];  // per warp: (site0 + 1) H KP floats
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int S = g.lay.sites, nsrc = site0 + 1, cph = g.dh / 8, CH = K * g.H, HK = g.H * KP;
@@ -1503,7 +1508,7 @@ void routing_mix_tile(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weig
     // Version 2: exactly k accumulators, the table padded to 4 ceil(k/4) sites. Version 3:
     // the same kernel on a grid of the blocks that fit at once (one wave: 8 blocks per SM
     // over the 3 that the late tiles' tables leave room for would end on a two-thirds
-    // full wave).
+    // full wave). Version 4: version 3 at 3 blocks per SM with a ring of 12.
     const size_t smem = tile_table_bytes(site + 1, (k + 3) / 4 * 4, g.H);
     auto launch = [&](auto kernel) {
       allow_smem(kernel, smem);
@@ -1519,15 +1524,20 @@ void routing_mix_tile(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weig
           static_cast<const bf16*>(history.data), partial, partial + partial_floats, g, site);
       CUDA_CHECK_LAUNCH();
     };
+    auto ring = [&](auto k_tag) {
+      constexpr int K = decltype(k_tag)::value;
+      if (g_mix_tile_version >= 4) launch(mix_tile_ring_kernel<K, kTileRingDeep, 3>);
+      else launch(mix_tile_ring_kernel<K, tile_ring(K), 4>);
+    };
     static_assert(kTileSites == 8, "one instantiation per tile size below");
     switch (k) {
-      case 2: launch(mix_tile_ring_kernel<2>); break;
-      case 3: launch(mix_tile_ring_kernel<3>); break;
-      case 4: launch(mix_tile_ring_kernel<4>); break;
-      case 5: launch(mix_tile_ring_kernel<5>); break;
-      case 6: launch(mix_tile_ring_kernel<6>); break;
-      case 7: launch(mix_tile_ring_kernel<7>); break;
-      default: launch(mix_tile_ring_kernel<8>); break;
+      case 2: ring(std::integral_constant<int, 2>{}); break;
+      case 3: ring(std::integral_constant<int, 3>{}); break;
+      case 4: ring(std::integral_constant<int, 4>{}); break;
+      case 5: ring(std::integral_constant<int, 5>{}); break;
+      case 6: ring(std::integral_constant<int, 6>{}); break;
+      case 7: ring(std::integral_constant<int, 7>{}); break;
+      default: ring(std::integral_constant<int, 8>{}); break;
     }
   } else {
     // Version 1: accumulators for 4 sites where that is enough (fewer registers, no idle

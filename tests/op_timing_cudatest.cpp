@@ -220,7 +220,7 @@ void tiled_mixes(Backend& gpu, Buffer& xs, Buffer& weights, Buffer& hist,
 // One pass of the 1B model's depth-tiled mixes (full routing, S 73, d 1280, H 8) per
 // version of the tile kernel and nothing else, for a kernel profiler: `ncu -k
 // regex:mix_tile ... --gtest_filter=OpTiming.DISABLED_RoutingTiles1B
-// --gtest_also_run_disabled_tests` (version 1 is mix_tile_kernel, versions 2 and 3
+// --gtest_also_run_disabled_tests` (version 1 is mix_tile_kernel, versions 2 to 4
 // mix_tile_ring_kernel). Random logits stand in for the real ones (the kernels' work
 // does not depend on their values).
 TEST_F(OpTiming, DISABLED_RoutingTiles1B) {
