@@ -149,6 +149,13 @@ void routing_param_grads(cudaStream_t s, const RoutingParams& params, Tensor gsu
 // Returns the previous limit. Process-wide, not thread-safe.
 int routing_set_fused_key_max_sites(int sites);
 int routing_fused_key_max_sites();
+// Kernel lab: numbered versions 1 .. routing_kernel_versions(k) of a routing kernel, each
+// a complete alternative (cuda/routing.cu says what each does), so that one device run
+// times them all. version <= 0: the default (the newest). Returns the previous version.
+// Process-wide, not thread-safe; the engine never calls it.
+enum class RoutingKernel { MixTile, BackwardPair };
+int routing_set_kernel_version(RoutingKernel kernel, int version);
+int routing_kernel_versions(RoutingKernel kernel);
 // routing_stats.cu (the routing probe's device reduction)
 void routing_stats(cudaStream_t s, Tensor stats, Tensor weights, const RoutingLayout& layout,
                    int site, int heads);

@@ -41,6 +41,10 @@
 //   rows; otherwise every feature is added into a per-warp shared array of H sums.
 // Temporaries (qg tables, the backward's fp32 value and key rows, ds*r's bf16 parts) are
 // the backend's grow-only scratch (kernels.h); nothing here allocates.
+// Kernel lab: the mix tile kernel and the backward's pair kernel keep their earlier
+// versions, numbered, chosen at launch (routing_set_kernel_version, kernels.h; default the
+// newest), so that one device run times each (tests/op_timing_cudatest.cpp); every version
+// computes the same bits.
 #include <algorithm>
 #include <type_traits>
 
@@ -564,6 +568,143 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, 4)
   }
 }
 
+// Version 2 of the tile kernel (kernel lab: routing_set_kernel_version; version 1 is
+// mix_tile_kernel above). The same three phases and, per output value, the same
+// operations in the same order (so the same bits), with more bytes in flight per warp.
+// Version 1 issues 8 slot chunks, waits for them, then spends ~600 instructions on them
+// with nothing of its own in flight; with 12-16 warps per SM that left the loads idle
+// most of the time (ncu: 62% of stalls on the L1TEX scoreboard). Here:
+// - the (pass, slot) steps stream through a ring of R chunks per lane: the load for step
+//   s + R is issued when step s is taken from the ring, so each lane always has R loads
+//   in flight, across the passes' boundaries too;
+// - the ring's first loads are issued before phases (1) and (2), which then overlap them,
+//   and phase (1) keeps 16 logit loads in flight per lane, not 8;
+// - the weight table is laid out [slot][head][site, padded to KP = 4 ceil(K/4)], so a
+//   lane reads its head's K weights of a slot with KP/4 16-byte shared loads, not K;
+// - the accumulators are exactly the tile's K sites (one instantiation per k <= 8): no
+//   idle predicated sites.
+// R (versions 2, 3): 8 where the 128 registers of 4 blocks per SM hold it beside K
+// accumulator rows (ptxas: 108-128 registers, no spills, K <= 6), 6 for K = 7, 8 (R = 8
+// spills 36-52 bytes there). Version 4: 3 blocks per SM (168 registers) and R = 12 for
+// every K (ptxas: 124-168 registers, no spills): 12 warps per SM, which is what the late
+// tiles' tables leave room for anyway, each with twice the chunks in flight.
+// Versions 3 and 4 run on a one-wave grid (routing_mix_tile).
+constexpr int tile_ring(int K) { return K <= 6 ? 8 : 6; }
+constexpr int kTileRingDeep = 12;
+constexpr int kMixTileVersions = 4;
+int g_mix_tile_version = kMixTileVersions;  // routing_set_kernel_version (timing lab)
+
+template <int K, int R, int MIN_BLOCKS>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
+    mix_tile_ring_kernel(bf16* __restrict__ x, float* __restrict__ weights,
+                         const bf16* __restrict__ hist, float* __restrict__ partial,
+                         float* __restrict__ pstat, const Geometry g, int site0) {
+  constexpr int KP = (K + 3) / 4 * 4;
+  extern __shared__ float4 ring_tables[];  // per warp: (site0 + 1) H KP floats
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int S = g.lay.sites, nsrc = site0 + 1, cph = g.dh / 8, CH = K * g.H, HK = g.H * KP;
+  float* T = reinterpret_cast<float*>(ring_tables) + int64_t(warp) * nsrc * HK;
+  const int64_t HN = int64_t(g.H) * g.N, Nd = g.N * g.d;
+  const int passes = (g.nchunks + 31) / 32, steps = passes * nsrc;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
+  for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + warp; n < g.N; n += warps) {
+    auto logit = [&](int i, int m, int h) {
+      return weights + (full_pair_base(i, S) + site0 - i + m) * HN + int64_t(h) * g.N + n;
+    };
+    // Step (p, i) reads slot i's chunk lane + 32 p. The next step to load: slot li of
+    // pass lp at lptr (a running pointer: no 64-bit index products per step).
+    const uint4* rows = reinterpret_cast<const uint4*>(hist + n * g.d) + lane;
+    const uint4* lptr = rows;
+    int li = 0, lp = 0;
+    bool lon = lane < g.nchunks;
+    auto load_next = [&](uint4& dst) {
+      dst = lon ? *lptr : make_uint4(0, 0, 0, 0);
+      lptr += Nd / 8;
+      if (++li == nsrc) {
+        li = 0, ++lp;
+        lptr = rows + 32 * lp;
+        lon = lp < passes && lane + 32 * lp < g.nchunks;
+      }
+    };
+    uint4 ring[R];
+#pragma unroll
+    for (int u = 0; u < R; ++u) load_next(ring[u]);
+    __syncwarp();  // the previous token's passes have read T
+    // (1) entry (i, m, h) at T[(i H + h) KP + m]; lanes walk e = (i K + m) H + h as in
+    // version 1 (H divides 32, so a step of 32 keeps h).
+    {
+      int i = lane / CH, m = (lane % CH) / g.H;
+      const int h = lane % g.H, dm = 32 / g.H;
+#pragma unroll 16
+      for (int e = lane; e < nsrc * CH; e += 32) {
+        T[(i * g.H + h) * KP + m] = *logit(i, m, h);
+        for (m += dm; m >= K; m -= K) ++i;
+      }
+    }
+    __syncwarp();
+    // (2) column c = (m, h): the same online statistics and weights as version 1.
+    for (int c = lane; c < CH; c += 32) {
+      const int m = c / g.H, h = c % g.H;
+      float* col = T + h * KP + m;
+      float mx = -INFINITY, l = 0.f;
+      for (int i = 0; i < nsrc; ++i) online_add(mx, l, col[i * HK]);
+      const float scale = m == 0 ? 1.f / l : 1.f;
+      for (int i = 0; i < nsrc; ++i) col[i * HK] = __expf(col[i * HK] - mx) * scale;
+      if (m > 0) {
+        pstat[int64_t(m - 1) * 2 * HN + int64_t(h) * g.N + n] = mx;
+        pstat[(int64_t(m - 1) * 2 + 1) * HN + int64_t(h) * g.N + n] = l;
+      }
+    }
+    __syncwarp();
+    for (int e = lane; e < nsrc * g.H; e += 32) *logit(e / g.H, 0, e % g.H) = T[e * KP];
+    // (3) the steps, R at a time from the ring; a pass's outputs are stored when
+    // its last slot is in.
+    float acc[K][8];
+#pragma unroll
+    for (int m = 0; m < K; ++m)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[m][e] = 0.f;
+    int i = 0, p = 0;
+    const float4* tw = reinterpret_cast<const float4*>(T + (lane < g.nchunks ? lane / cph : 0) * KP);
+    // Whole rounds of the ring: the steps past the last (at most R - 1 per token)
+    // add 0 x (a valid weight) into accumulators that are then dropped (their pass p is
+    // past the row), which keeps the unrolled body free of exits (an exit per step cost
+    // ptxas ~1.8 KB of spills at K = 7).
+    for (int s0 = 0; s0 < steps; s0 += R) {
+#pragma unroll
+      for (int u = 0; u < R; ++u) {
+        const uint4 v = ring[u];
+        load_next(ring[u]);
+        float a[KP];
+#pragma unroll
+        for (int q = 0; q < KP / 4; ++q) {
+          const float4 w = tw[i * (HK / 4) + q];
+          a[4 * q] = w.x, a[4 * q + 1] = w.y, a[4 * q + 2] = w.z, a[4 * q + 3] = w.w;
+        }
+#pragma unroll
+        for (int m = 0; m < K; ++m)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[m][e] += a[m] * elem(v, e);
+        if (++i == nsrc) {
+          const int ch = lane + 32 * p;
+          if (ch < g.nchunks) {
+            reinterpret_cast<uint4*>(x + n * g.d)[ch] = pack8(acc[0]);
+            float4* out = reinterpret_cast<float4*>(partial + n * g.d) + 2 * ch;
+#pragma unroll
+            for (int m = 1; m < K; ++m, out += Nd / 4) store8_f32(out, acc[m]);
+          }
+#pragma unroll
+          for (int m = 0; m < K; ++m)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[m][e] = 0.f;
+          i = 0, ++p;
+          tw = reinterpret_cast<const float4*>(T + (ch + 32 < g.nchunks ? (ch + 32) / cph : 0) * KP);
+        }
+      }
+    }
+  }
+}
+
 // Site site0 + m of a tile (m >= 1): P, M_m, L_m from the tile kernel (partial, pstat
 // already offset to this site), the slots site0+1 .. site merged in.
 template <int NT>
@@ -999,9 +1140,18 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, FUSED ? 2 : span_blocks_p
 // sites. Slot p1's own call then reads only site p1's gradient (resume). Both slot rows
 // and both value rows stay in registers (234 at d = 1280, 2 blocks per SM), so each
 // dx_j chunk serves two slots: half the site-gradient reads of two plain calls.
+// Numbered versions (kernel lab, routing_set_kernel_version; the same code, so the same
+// bits): 1 asks for 2 blocks per SM at every width (193 registers at d = 1024: 8 warps per
+// SM) on the usual grid of 8 blocks per SM; 2 for 3 blocks where that does not spill
+// (ptxas: 168 registers at d = 1024, 155 at 768; at 1280 the bound of 3 spills, so 1B keeps
+// 2); 3 is 2 on a grid of exactly the resident blocks (one wave: 8 blocks per SM over 3
+// resident ones would leave the last of 2.67 waves two-thirds full).
 constexpr int kBackTileMaxNT = 5;  // d <= 1280: 234 registers, no spills (NT 6: 239; 7, 8 spill)
-template <int NT>
-__global__ void __launch_bounds__(32 * kWarpsPerBlock, 2)
+constexpr int pair_blocks_per_sm(int NT, int version) { return version >= 2 && NT <= 4 ? 3 : 2; }
+constexpr int kPairVersions = 3;
+int g_pair_version = kPairVersions;  // routing_set_kernel_version (timing lab)
+template <int NT, int MIN_BLOCKS>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
     source_value_pair_span_kernel(float* __restrict__ val, float* __restrict__ partial,
                                   float* __restrict__ weights, float* __restrict__ ubar,
                                   const SiteRows site_dx, const bf16* __restrict__ x,
@@ -1354,18 +1504,70 @@ void routing_mix_tile(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weig
   const int64_t stat_floats = int64_t(k - 1) * 2 * g.H * g.N;
   auto* partial = static_cast<float*>(
       ctx.scratch(ScratchSlot::RoutingTile, size_t(partial_floats + stat_floats) * sizeof(float)));
-  // Accumulators for 4 sites where that is enough (fewer registers, no idle predicates).
-  const size_t smem = tile_table_bytes(site + 1, k, g.H);
-  auto launch = [&](auto kernel) {
-    allow_smem(kernel, smem);
-    kernel<<<token_blocks(g.N), 32 * kWarpsPerBlock, smem, s>>>(
-        static_cast<bf16*>(x.data), weights.ptr<float>(), static_cast<const bf16*>(history.data),
-        partial, partial + partial_floats, g, site, k);
-    CUDA_CHECK_LAUNCH();
-  };
-  if (k <= 4) launch(mix_tile_kernel<4>);
-  else launch(mix_tile_kernel<kTileSites>);
+  if (g_mix_tile_version >= 2) {
+    // Version 2: exactly k accumulators, the table padded to 4 ceil(k/4) sites. Version 3:
+    // the same kernel on a grid of the blocks that fit at once (one wave: 8 blocks per SM
+    // over the 3 that the late tiles' tables leave room for would end on a two-thirds
+    // full wave). Version 4: version 3 at 3 blocks per SM with a ring of 12.
+    const size_t smem = tile_table_bytes(site + 1, (k + 3) / 4 * 4, g.H);
+    auto launch = [&](auto kernel) {
+      allow_smem(kernel, smem);
+      int blocks = token_blocks(g.N);
+      if (g_mix_tile_version >= 3) {
+        int per_sm = 0;
+        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel,
+                                                                 32 * kWarpsPerBlock, smem));
+        blocks = std::min(blocks, sm_count() * std::max(per_sm, 1));
+      }
+      kernel<<<blocks, 32 * kWarpsPerBlock, smem, s>>>(
+          static_cast<bf16*>(x.data), weights.ptr<float>(),
+          static_cast<const bf16*>(history.data), partial, partial + partial_floats, g, site);
+      CUDA_CHECK_LAUNCH();
+    };
+    auto ring = [&](auto k_tag) {
+      constexpr int K = decltype(k_tag)::value;
+      if (g_mix_tile_version >= 4) launch(mix_tile_ring_kernel<K, kTileRingDeep, 3>);
+      else launch(mix_tile_ring_kernel<K, tile_ring(K), 4>);
+    };
+    static_assert(kTileSites == 8, "one instantiation per tile size below");
+    switch (k) {
+      case 2: ring(std::integral_constant<int, 2>{}); break;
+      case 3: ring(std::integral_constant<int, 3>{}); break;
+      case 4: ring(std::integral_constant<int, 4>{}); break;
+      case 5: ring(std::integral_constant<int, 5>{}); break;
+      case 6: ring(std::integral_constant<int, 6>{}); break;
+      case 7: ring(std::integral_constant<int, 7>{}); break;
+      default: ring(std::integral_constant<int, 8>{}); break;
+    }
+  } else {
+    // Version 1: accumulators for 4 sites where that is enough (fewer registers, no idle
+    // predicates), else 8.
+    const size_t smem = tile_table_bytes(site + 1, k, g.H);
+    auto launch = [&](auto kernel) {
+      allow_smem(kernel, smem);
+      kernel<<<token_blocks(g.N), 32 * kWarpsPerBlock, smem, s>>>(
+          static_cast<bf16*>(x.data), weights.ptr<float>(),
+          static_cast<const bf16*>(history.data), partial, partial + partial_floats, g, site, k);
+      CUDA_CHECK_LAUNCH();
+    };
+    if (k <= 4) launch(mix_tile_kernel<4>);
+    else launch(mix_tile_kernel<kTileSites>);
+  }
   ctx.tile = MixTile{weights.data, history.data, layout, heads, site, k, site + 1};
+}
+
+int routing_kernel_versions(RoutingKernel kernel) {
+  return kernel == RoutingKernel::MixTile ? kMixTileVersions : kPairVersions;
+}
+
+int routing_set_kernel_version(RoutingKernel kernel, int version) {
+  const int versions = routing_kernel_versions(kernel);
+  MHAR_CHECK(version <= versions, "routing_set_kernel_version: version ", version, " of a kernel "
+             "with versions 1 .. ", versions, " (<= 0: the default)");
+  int& v = kernel == RoutingKernel::MixTile ? g_mix_tile_version : g_pair_version;
+  const int before = v;
+  v = version <= 0 ? versions : version;
+  return before;
 }
 
 int routing_set_fused_key_max_sites(int sites) {
@@ -1434,7 +1636,14 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
     dispatch_span(g, [&](auto nt) {
       constexpr int NT = decltype(nt)::value;
       if constexpr (NT <= kBackTileMaxNT) {
-        source_value_pair_span_kernel<NT><<<token_blocks(N), 32 * kWarpsPerBlock, 0, s>>>(
+        // Blocks per SM and grid by the lab's version (see the kernel).
+        auto kernel = g_pair_version >= 2 ? source_value_pair_span_kernel<NT, pair_blocks_per_sm(NT, 2)>
+                                          : source_value_pair_span_kernel<NT, pair_blocks_per_sm(NT, 1)>;
+        int blocks = token_blocks(N);
+        if (g_pair_version >= 3)
+          blocks = int(std::min<int64_t>(
+              blocks, int64_t(sm_count()) * resident_blocks_per_sm(kernel, 32 * kWarpsPerBlock)));
+        kernel<<<blocks, 32 * kWarpsPerBlock, 0, s>>>(
             val, partial, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in, older->v,
             inv_rms.ptr<float>(), older->inv_rms, g, source);
         CUDA_CHECK_LAUNCH();

@@ -204,10 +204,25 @@ TEST_F(OpTiming, DISABLED_ModelShapes) {
   }
 }
 
-// One pass of the 1B model's depth-tiled mixes (full routing, S 73, d 1280, H 8) and
-// nothing else, for a kernel profiler: `ncu -k regex:mix_tile ... --gtest_filter=
-// OpTiming.DISABLED_RoutingTiles1B --gtest_also_run_disabled_tests`. Random logits
-// stand in for the real ones (the kernels' work does not depend on their values).
+// The depth-tiled mixes as the layer loop runs them (tile kernel at sites 0, k, 2k, ...,
+// the finish kernels between), for each of the mix tile kernel's numbered versions
+// (cuda::routing_set_kernel_version).
+void tiled_mixes(Backend& gpu, Buffer& xs, Buffer& weights, Buffer& hist,
+                 const RoutingLayout& lay, int k, int H, bool tiles_only) {
+  const int S = lay.sites;
+  for (int i = 0; i < S; ++i)
+    if (i % k == 0)
+      gpu.routing_mix_tile(xs.t()[i], weights, hist, lay, i, std::min(k, S - i), H);
+    else if (!tiles_only)
+      gpu.routing_mix(xs.t()[i], weights, hist, lay, i, H);
+}
+
+// One pass of the 1B model's depth-tiled mixes (full routing, S 73, d 1280, H 8) per
+// version of the tile kernel and nothing else, for a kernel profiler: `ncu -k
+// regex:mix_tile ... --gtest_filter=OpTiming.DISABLED_RoutingTiles1B
+// --gtest_also_run_disabled_tests` (version 1 is mix_tile_kernel, versions 2 to 4
+// mix_tile_ring_kernel). Random logits stand in for the real ones (the kernels' work
+// does not depend on their values).
 TEST_F(OpTiming, DISABLED_RoutingTiles1B) {
   const int64_t N = 16384, d = 1280;
   const int S = 73, H = 8;
@@ -216,23 +231,87 @@ TEST_F(OpTiming, DISABLED_RoutingTiles1B) {
   Buffer hist = random_gpu(DType::BF16, {S, N, d});
   Buffer weights = random_gpu(DType::F32, {lay.pairs(), H, N}, 3.0);
   Buffer xs(*gpu, DType::BF16, {S, N, d});
-  const auto t0 = std::chrono::steady_clock::now();
-  for (int i = 0; i < S; ++i)
-    if (i % k == 0)
-      gpu->routing_mix_tile(xs.t()[i], weights, hist, lay, i, std::min(k, S - i), H);
-    else
-      gpu->routing_mix(xs.t()[i], weights, hist, lay, i, H);
-  gpu->synchronize();
-  const auto t1 = std::chrono::steady_clock::now();
-  report("routing_mix, all sites, tiles of " + std::to_string(k) + " (one cold pass)",
-         std::chrono::duration<double, std::milli>(t1 - t0).count(), 0, 0);
+  const int versions = cuda::routing_kernel_versions(cuda::RoutingKernel::MixTile);
+  for (int version = 1; version <= versions; ++version) {
+    cuda::routing_set_kernel_version(cuda::RoutingKernel::MixTile, version);
+    gpu->synchronize();
+    const auto t0 = std::chrono::steady_clock::now();
+    tiled_mixes(*gpu, xs, weights, hist, lay, k, H, false);
+    gpu->synchronize();
+    const auto t1 = std::chrono::steady_clock::now();
+    report("routing_mix, all sites, tiles of " + std::to_string(k) + ", tile kernel v" +
+               std::to_string(version) + " (one cold pass)",
+           std::chrono::duration<double, std::milli>(t1 - t0).count(), 0, 0);
+  }
+  cuda::routing_set_kernel_version(cuda::RoutingKernel::MixTile, 0);
+}
+
+// Each version of the mix tile kernel at the three full-routing model shapes (N = 16384):
+// the tile kernels alone (the calls at sites 0, k, 2k, ...) and the whole step's tiled
+// mixes, in ms and by the bytes each must move (traffic model of cuda/routing.cu):
+//   tile kernel at j0 (k' = min(k, S - j0) sites): rows j0 + 1 slots read, x written,
+//     k' - 1 fp32 partial rows (2 rows each) written; the logits of its (j0 + 1) k' pairs
+//     read, site j0's j0 + 1 weights and 2 (k' - 1) fp32 statistics written, per head;
+//   the whole step: those plus each later site's partial (2 rows), newer slots and x, and
+//     every pair's logit read and weight written once (as in ModelShapes).
+// The untiled mixes of the same step are timed beside them for reference. Random logits
+// (the work does not depend on their values; the mixes normalise them in place, which
+// keeps them finite for the next repetition).
+TEST_F(OpTiming, DISABLED_RoutingTileVersions) {
+  const int64_t N = 16384;
+  struct Shape {
+    const char* name;
+    int64_t d;
+    int S, H;
+  };
+  for (const Shape sh : {Shape{"100M", 512, 25, 4}, Shape{"350M", 1024, 49, 8},
+                         Shape{"1B", 1280, 73, 8}}) {
+    const RoutingLayout lay = RoutingLayout::full(sh.S);
+    const int64_t d = sh.d, P = lay.pairs();
+    const int S = sh.S, H = sh.H;
+    const int k = gpu->routing_tile_sites(lay, d, H);
+    ASSERT_GT(k, 1) << sh.name << ": the model shape no longer tiles";
+    Buffer hist = random_gpu(DType::BF16, {S, N, d});
+    Buffer weights = random_gpu(DType::F32, {P, H, N}, 3.0);
+    Buffer xs(*gpu, DType::BF16, {S, N, d});
+    const double row = 2.0 * N * d, stat = 4.0 * H * N;  // a row; one fp32 per head and token
+    double tile_bytes = 0, step_bytes = 2 * stat * double(P);
+    for (int j0 = 0; j0 < S; j0 += k) {
+      const int kk = std::min(k, S - j0);
+      tile_bytes += row * ((j0 + 1) + 1 + 2.0 * (kk - 1)) +
+                    stat * (double(j0 + 1) * kk + (j0 + 1) + 2.0 * (kk - 1));
+      step_bytes += row * ((j0 + 1) + 1 + 2.0 * (kk - 1));
+      for (int m = 1; m < kk; ++m) step_bytes += row * (2 + m + 1);
+    }
+    const std::string tag = std::string(sh.name) + " d" + std::to_string(d) + " S" +
+                            std::to_string(S) + " H" + std::to_string(H) + ", tiles of " +
+                            std::to_string(k);
+    report("routing_mix, all sites, untiled, " + tag,
+           time_ms([&] {
+             for (int i = 0; i < S; ++i) gpu->routing_mix(xs.t()[i], weights, hist, lay, i, H);
+           }, 3),
+           0, row * (double(P) + S) + 2 * stat * double(P));
+    const int versions = cuda::routing_kernel_versions(cuda::RoutingKernel::MixTile);
+    for (int version = 1; version <= versions; ++version) {
+      cuda::routing_set_kernel_version(cuda::RoutingKernel::MixTile, version);
+      const std::string v = "v" + std::to_string(version) + ", ";
+      report("routing_mix_tile, tile kernels only, " + v + tag,
+             time_ms([&] { tiled_mixes(*gpu, xs, weights, hist, lay, k, H, true); }, 3), 0,
+             tile_bytes);
+      report("routing_mix, all sites, tiled, " + v + tag,
+             time_ms([&] { tiled_mixes(*gpu, xs, weights, hist, lay, k, H, false); }, 3), 0,
+             step_bytes);
+    }
+    cuda::routing_set_kernel_version(cuda::RoutingKernel::MixTile, 0);
+  }
 }
 
 // The source backward's fused/unfused choice (cuda/routing.cu: slots read by at most
 // kFusedKeyMaxSites sites fuse the key path into the token kernel), swept over the limit
 // at the full-routing model shapes, each without and with the backward depth tiles
-// (routing_source_backward_tile, as the layer loop runs them): the whole step's backward
-// for each, so that the rules are measured ones. The same inputs for every variant.
+// (routing_source_backward_tile, as the layer loop runs them) under each numbered version
+// of the pair kernel (cuda::routing_set_kernel_version): the whole step's backward for
+// each, so that the rules are measured ones. The same inputs for every variant.
 TEST_F(OpTiming, DISABLED_RoutingBackwardFusedLimit) {
   const int64_t N = 16384;
   struct Shape {
@@ -281,14 +360,20 @@ TEST_F(OpTiming, DISABLED_RoutingBackwardFusedLimit) {
     const double copy_ms = time_ms(restore, 3);
     const std::string tag = std::string(sh.name) + " d" + std::to_string(d) + " S" +
                             std::to_string(S) + " H" + std::to_string(H);
+    // Tiled: each numbered version of the pair kernel (cuda/routing.cu: blocks per SM and
+    // grid; the same arithmetic).
+    const int versions = cuda::routing_kernel_versions(cuda::RoutingKernel::BackwardPair);
     for (int limit : {0, 8, 12, 16, 24, 32, 256}) {
       cuda::routing_set_fused_key_max_sites(limit);
-      for (bool tiled : {false, true}) {
-        if (tiled && tile <= 1) continue;
-        report("routing backward, fused up to " + std::to_string(limit) + " sites" +
-                   (tiled ? ", tiles of " + std::to_string(tile) : "") + ", " + tag,
-               time_ms([&] { backward(tiled); }, 3) - copy_ms, 0, 0);
+      const std::string head = "routing backward, fused up to " + std::to_string(limit) + " sites";
+      report(head + ", " + tag, time_ms([&] { backward(false); }, 3) - copy_ms, 0, 0);
+      for (int version = 1; tile > 1 && version <= versions; ++version) {
+        cuda::routing_set_kernel_version(cuda::RoutingKernel::BackwardPair, version);
+        report(head + ", tiles of " + std::to_string(tile) + ", pair kernel v" +
+                   std::to_string(version) + ", " + tag,
+               time_ms([&] { backward(true); }, 3) - copy_ms, 0, 0);
       }
+      cuda::routing_set_kernel_version(cuda::RoutingKernel::BackwardPair, 0);
     }
     cuda::routing_set_fused_key_max_sites(-1);
   }
