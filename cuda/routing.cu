@@ -592,7 +592,9 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, 4)
 constexpr int tile_ring(int K) { return K <= 6 ? 8 : 6; }
 constexpr int kTileRingDeep = 12;
 constexpr int kMixTileVersions = 4;
-int g_mix_tile_version = kMixTileVersions;  // routing_set_kernel_version (timing lab)
+// Version 2 is the default: measured fastest at 350M and 1B (cuda/NOTES.md, "Tile kernel
+// versions 2 to 4"); 3 and 4 were no faster.
+int g_mix_tile_version = 2;  // routing_set_kernel_version (timing lab)
 
 template <int K, int R, int MIN_BLOCKS>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
