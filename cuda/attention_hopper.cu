@@ -60,6 +60,15 @@ __device__ __forceinline__ void wgmma_wait_all() {
 __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
+// 2^x on the special-function unit, denormal inputs and results flushed to zero (exp2f
+// adds a denormal fix-up around the same instruction). Every use here is a probability
+// 2^(s c - m) <= 1 or a rescale factor, where a result below 2^-126 is zero to every
+// digit the sums and bf16 operands keep.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
 // Keeps the compiler from moving reads or writes of an accumulator across a wgmma wait.
 template <int N> __device__ __forceinline__ void pin(float (&d)[N]) {
 #pragma unroll
@@ -286,19 +295,17 @@ __global__ void __launch_bounds__(kThreads, 2)
       wgmma_commit();
       wgmma_wait_all();
       pin(s);
-      // Scale to the exp2 domain; mask keys after the row on the diagonal tile.
+      // Row maxima of the raw scores (c > 0: scaling after the max gives the same max),
+      // keys after the row masked on the diagonal tile; then p = 2^(s c - m) as one FFMA.
       const bool diag = j == wg_last;
-      float mx_lo = m_lo, mx_hi = m_hi;
+      float mx_lo = -INFINITY, mx_hi = -INFINITY;
+      const int lim_lo = int(t_lo - int64_t(j) * kKeys), lim_hi = lim_lo + 8;
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
+        if (diag) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float x = s[4 * nt + e] * c;
-          if (diag) {
-            const int64_t key = int64_t(j) * kKeys + nt * 8 + c2 + (e & 1);
-            if (key > (e < 2 ? t_lo : t_hi)) x = -INFINITY;
-          }
-          s[4 * nt + e] = x;
+          for (int e = 0; e < 4; ++e)
+            if (nt * 8 + c2 + (e & 1) > (e < 2 ? lim_lo : lim_hi)) s[4 * nt + e] = -INFINITY;
         }
         mx_lo = fmaxf(mx_lo, fmaxf(s[4 * nt], s[4 * nt + 1]));
         mx_hi = fmaxf(mx_hi, fmaxf(s[4 * nt + 2], s[4 * nt + 3]));
@@ -308,15 +315,19 @@ __global__ void __launch_bounds__(kThreads, 2)
       mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
       mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
       // Finite: key 0 of tile 0 is visible to every row.
-      const float al_lo = exp2f(m_lo - mx_lo), al_hi = exp2f(m_hi - mx_hi);
+      mx_lo = fmaxf(m_lo, mx_lo * c);
+      mx_hi = fmaxf(m_hi, mx_hi * c);
+      const float al_lo = fast_exp2(m_lo - mx_lo), al_hi = fast_exp2(m_hi - mx_hi);
       m_lo = mx_lo;
       m_hi = mx_hi;
       float sum_lo = 0.f, sum_hi = 0.f;
       uint32_t p[PV_STEPS][4];
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
-        const float e0 = exp2f(s[4 * nt] - m_lo), e1 = exp2f(s[4 * nt + 1] - m_lo);
-        const float e2 = exp2f(s[4 * nt + 2] - m_hi), e3 = exp2f(s[4 * nt + 3] - m_hi);
+        const float e0 = fast_exp2(fmaf(s[4 * nt], c, -m_lo));
+        const float e1 = fast_exp2(fmaf(s[4 * nt + 1], c, -m_lo));
+        const float e2 = fast_exp2(fmaf(s[4 * nt + 2], c, -m_hi));
+        const float e3 = fast_exp2(fmaf(s[4 * nt + 3], c, -m_hi));
         sum_lo += e0 + e1;
         sum_hi += e2 + e3;
         // n8 tile nt holds keys 8 nt ..: the low or high half of P V's k-step nt / 2.
@@ -469,7 +480,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const bool hi = e >= 2;
-          float p = exp2f(s[4 * nt + e] * c - (hi ? lse_hi : lse_lo));
+          float p = fast_exp2(fmaf(s[4 * nt + e], c, -(hi ? lse_hi : lse_lo)));
           if (diag) {
             const int64_t key = int64_t(j) * kKeys + nt * 8 + c2 + (e & 1);
             if (key > (hi ? t_hi : t_lo)) p = 0.f;
@@ -599,7 +610,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int col = nt * 8 + c2 + (e & 1);
-          float pe = exp2f(s[4 * nt + e] * c - ((e & 1) ? lse2.y : lse2.x));
+          float pe = fast_exp2(fmaf(s[4 * nt + e], c, -((e & 1) ? lse2.y : lse2.x)));
           if (masked && t0 + col < (e < 2 ? u_lo : u_hi)) pe = 0.f;
           p[e] = pe;
           ds[e] = pe * (dp[4 * nt + e] - ((e & 1) ? D2.y : D2.x));
