@@ -220,6 +220,46 @@ __device__ __forceinline__ bf16* aligned_smem(unsigned char* raw) {
   return reinterpret_cast<bf16*>(raw + (((a + 1023) & ~1023u) - a));
 }
 
+#ifndef MHAR_NO_WGMMA
+// d = A B over K = 16 KSTEPS, both operands K-major swizzled tiles (of A_ROWS and B_ROWS
+// rows) from their base descriptors; m64n64 products.
+template <int KSTEPS, int A_ROWS, int B_ROWS>
+__device__ __forceinline__ void wgmma_ss_k(float (&d)[32], uint64_t a_desc, uint64_t b_desc) {
+#pragma unroll
+  for (int ks = 0; ks < KSTEPS; ++ks)
+    wgmma_ss_m64n64(d, kmajor_step<A_ROWS>(a_desc, ks), kmajor_step<B_ROWS>(b_desc, ks), ks > 0);
+}
+// d += A B over K = 16 KSTEPS, A from registers (one m16n8k16 A fragment per k-step), B an
+// N-major swizzled tile; N = HD.
+template <int HD, int KSTEPS>
+__device__ __forceinline__ void wgmma_rs_k(float (&d)[HD / 2], const uint32_t (&a)[KSTEPS][4],
+                                           uint64_t b_desc) {
+#pragma unroll
+  for (int kk = 0; kk < KSTEPS; ++kk) wgmma_rs_tb<HD>(d, a[kk], nmajor_step(b_desc, kk));
+}
+#endif
+
+// The key-tile walk of the forward and of dq: key tile j + 1's K and V into the other
+// stage, then wait for tile j's and publish it to the tensor cores (async proxy) and to
+// every thread.
+template <int HD>
+__device__ __forceinline__ void kv_stage_advance(bf16* Ks, bf16* Vs, const bf16* kbase,
+                                                 const bf16* vbase, int64_t kvs, int j,
+                                                 int n_tiles, int64_t T) {
+  if (j + 1 < n_tiles) {
+    load_tile_sw128<HD, kKeys>(Ks + ((j + 1) & 1) * kKeys * HD, kbase, kvs,
+                               int64_t(j + 1) * kKeys, T);
+    load_tile_sw128<HD, kKeys>(Vs + ((j + 1) & 1) * kKeys * HD, vbase, kvs,
+                               int64_t(j + 1) * kKeys, T);
+    cp_async_commit();
+    cp_async_wait<1>();
+  } else {
+    cp_async_wait<0>();
+  }
+  fence_proxy_async();
+  __syncthreads();
+}
+
 template <int HD> constexpr size_t tile_bytes(int rows) { return size_t(rows) * HD * 2; }
 template <int HD> constexpr size_t forward_smem() {
   // Q, two stages of K and V, and 1 KB to align the base to the swizzle's 1024 bytes.
@@ -272,26 +312,12 @@ __global__ void __launch_bounds__(kThreads, 2)
                           (uint64_t((kKeys * 128 - 16) >> 4) << 16);  // N-major's LBO
 
   for (int j = 0; j < n_tiles; ++j) {
-    if (j + 1 < n_tiles) {
-      load_tile_sw128<HD, kKeys>(Ks + ((j + 1) & 1) * kKeys * HD, kbase, kvs,
-                                 int64_t(j + 1) * kKeys, a.T);
-      load_tile_sw128<HD, kKeys>(Vs + ((j + 1) & 1) * kKeys * HD, vbase, kvs,
-                                 int64_t(j + 1) * kKeys, a.T);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    fence_proxy_async();
-    __syncthreads();
+    kv_stage_advance<HD>(Ks, Vs, kbase, vbase, kvs, j, n_tiles, a.T);
     if (j <= wg_last) {
       const uint64_t st = stage_offset(j & 1, kKeys * HD);
       // S = Q K^T over HD in k-steps of 16 (32 bytes inside a 64-column block).
       wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < KS; ++ks)
-        wgmma_ss_m64n64(s, kmajor_step<kRows>(q_desc, ks), kmajor_step<kKeys>(k_desc + st, ks),
-                        ks > 0);
+      wgmma_ss_k<KS, kRows, kKeys>(s, q_desc, k_desc + st);
       wgmma_commit();
       wgmma_wait_all();
       pin(s);
@@ -345,10 +371,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       }
       // O += P V, 16 keys per k-step (2048 bytes of the V tile).
       wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < PV_STEPS; ++kk) {
-        wgmma_rs_tb<HD>(o, p[kk], nmajor_step(v_desc + st, kk));
-      }
+      wgmma_rs_k<HD>(o, p, v_desc + st);
       wgmma_commit();
       wgmma_wait_all();
       pin(o);
@@ -445,29 +468,12 @@ __global__ void __launch_bounds__(kThreads, 1)
                  kn_desc = nmajor_base<kKeys>(Ks);
 
   for (int j = 0; j < n_tiles; ++j) {
-    if (j + 1 < n_tiles) {
-      load_tile_sw128<HD, kKeys>(Ks + ((j + 1) & 1) * kKeys * HD, kbase, kvs,
-                                 int64_t(j + 1) * kKeys, a.T);
-      load_tile_sw128<HD, kKeys>(Vs + ((j + 1) & 1) * kKeys * HD, vbase, kvs,
-                                 int64_t(j + 1) * kKeys, a.T);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    fence_proxy_async();
-    __syncthreads();
+    kv_stage_advance<HD>(Ks, Vs, kbase, vbase, kvs, j, n_tiles, a.T);
     if (j <= wg_last) {
       const uint64_t st = stage_offset(j & 1, kKeys * HD);
       wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < KS; ++ks)
-        wgmma_ss_m64n64(s, kmajor_step<kRows>(q_desc, ks), kmajor_step<kKeys>(k_desc + st, ks),
-                        ks > 0);
-#pragma unroll
-      for (int ks = 0; ks < KS; ++ks)
-        wgmma_ss_m64n64(dp, kmajor_step<kRows>(do_desc, ks), kmajor_step<kKeys>(v_desc + st, ks),
-                        ks > 0);
+      wgmma_ss_k<KS, kRows, kKeys>(s, q_desc, k_desc + st);
+      wgmma_ss_k<KS, kRows, kKeys>(dp, do_desc, v_desc + st);
       wgmma_commit();
       wgmma_wait_all();
       pin(s);
@@ -492,9 +498,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       // dQ += dS K: 16 keys per k-step, K read N-major.
       wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < PV_STEPS; ++kk)
-        wgmma_rs_tb<HD>(acc, da[kk], nmajor_step(kn_desc + st, kk));
+      wgmma_rs_k<HD>(acc, da, kn_desc + st);
       wgmma_commit();
       wgmma_wait_all();
       pin(acc);
@@ -586,14 +590,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       const float* lse_t = lse_s + st * kBwdQ;
       const float* D_t = D_s + st * kBwdQ;
       wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < KS; ++ks)
-        wgmma_ss_m64n64(s, kmajor_step<kRows>(k_desc, ks), kmajor_step<kBwdQ>(q_desc + so, ks),
-                        ks > 0);
-#pragma unroll
-      for (int ks = 0; ks < KS; ++ks)
-        wgmma_ss_m64n64(dp, kmajor_step<kRows>(v_desc, ks), kmajor_step<kBwdQ>(do_desc + so, ks),
-                        ks > 0);
+      wgmma_ss_k<KS, kRows, kBwdQ>(s, k_desc, q_desc + so);
+      wgmma_ss_k<KS, kRows, kBwdQ>(dp, v_desc, do_desc + so);
       wgmma_commit();
       wgmma_wait_all();
       pin(s);
@@ -622,11 +620,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       // dV += P^T dO and dK += dS^T Q: 16 queries per k-step, dO and Q read N-major.
       wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < QSTEPS; ++kk) {
-        wgmma_rs_tb<HD>(dv_acc, pa[kk], nmajor_step(don_desc + so, kk));
-        wgmma_rs_tb<HD>(dk_acc, da[kk], nmajor_step(qn_desc + so, kk));
-      }
+      wgmma_rs_k<HD>(dv_acc, pa, don_desc + so);
+      wgmma_rs_k<HD>(dk_acc, da, qn_desc + so);
       wgmma_commit();
       wgmma_wait_all();
       pin(dv_acc);
