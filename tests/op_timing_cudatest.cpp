@@ -15,6 +15,16 @@
 namespace mhar::test {
 namespace {
 
+// The full-routing shapes of the paper configs (configs/{100m,350m,1b}_mhar.json): model
+// width, routing sites (2 L + 1) and heads.
+struct FullRoutingShape {
+  const char* name;
+  int64_t d;
+  int S, H;
+};
+constexpr FullRoutingShape kFullRoutingShapes[] = {
+    {"100M", 512, 25, 4}, {"350M", 1024, 49, 8}, {"1B", 1280, 73, 8}};
+
 class OpTiming : public CudaParity {
  protected:
   double time_ms(const std::function<void()>& op, int reps = 10) {
@@ -259,13 +269,7 @@ TEST_F(OpTiming, DISABLED_RoutingTiles1B) {
 // keeps them finite for the next repetition).
 TEST_F(OpTiming, DISABLED_RoutingTileVersions) {
   const int64_t N = 16384;
-  struct Shape {
-    const char* name;
-    int64_t d;
-    int S, H;
-  };
-  for (const Shape sh : {Shape{"100M", 512, 25, 4}, Shape{"350M", 1024, 49, 8},
-                         Shape{"1B", 1280, 73, 8}}) {
+  for (const FullRoutingShape& sh : kFullRoutingShapes) {
     const RoutingLayout lay = RoutingLayout::full(sh.S);
     const int64_t d = sh.d, P = lay.pairs();
     const int S = sh.S, H = sh.H;
@@ -314,13 +318,7 @@ TEST_F(OpTiming, DISABLED_RoutingTileVersions) {
 // each, so that the rules are measured ones. The same inputs for every variant.
 TEST_F(OpTiming, DISABLED_RoutingBackwardFusedLimit) {
   const int64_t N = 16384;
-  struct Shape {
-    const char* name;
-    int64_t d;
-    int S, H;
-  };
-  for (const Shape sh : {Shape{"100M", 512, 25, 4}, Shape{"350M", 1024, 49, 8},
-                         Shape{"1B", 1280, 73, 8}}) {
+  for (const FullRoutingShape& sh : kFullRoutingShapes) {
     const RoutingLayout lay = RoutingLayout::full(sh.S);
     const int64_t d = sh.d;
     const int S = sh.S, H = sh.H;
