@@ -550,13 +550,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int64_t qoff = (b * a.T * a.Hq + hq) * HD;
     load_tile_sw128<HD, kBwdQ>(Qs + st * kBwdQ * HD, q + qoff, qs, t0, a.T);
     load_tile_sw128<HD, kBwdQ>(dOs + st * kBwdQ * HD, dout + qoff, qs, t0, a.T);
-    if (threadIdx.x < kBwdQ) {
-      const int64_t t = t0 + threadIdx.x;
-      const bool ok = t < a.T;
-      // Queries past the end: P = exp2(x - inf) = 0 and D = 0, so they add exact zeros.
-      lse_s[st * kBwdQ + threadIdx.x] = ok ? lse[(b * a.Hq + hq) * a.T + t] * kLog2e : INFINITY;
-      D_s[st * kBwdQ + threadIdx.x] = ok ? Dsum[(b * a.Hq + hq) * a.T + t] : 0.f;
-    }
+    stage_query_stats<kBwdQ>(lse_s + st * kBwdQ, D_s + st * kBwdQ, lse, Dsum,
+                             (b * a.Hq + hq) * a.T, t0, a.T);
   };
   issue(0);
   cp_async_commit();

@@ -1,6 +1,7 @@
 // attention_mma.cuh: the copy and matrix helpers the tensor-core attention kernels share
 // (attention.cu's mma.sync path, attention_hopper.cu's wgmma path): cp.async staging of
-// 16-byte chunks, ldmatrix, the m16n8k16 bf16 mma and the fp32 -> bf16x2 pack. The
+// 16-byte chunks, ldmatrix, the m16n8k16 bf16 mma, the fp32 -> bf16x2 pack, and the
+// dk/dv kernels' staging of per-query statistics. The
 // fragment layouts are PTX's for mma.m16n8k16 (the wgmma accumulators and register A
 // operand use the same layout per warp, which is why the forward kernels can feed the
 // score accumulators straight back as the A operand of P V).
@@ -80,6 +81,22 @@ __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint3
 __device__ __forceinline__ uint32_t pack(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// The dk/dv kernels' statistics of query tile t0 .. t0 + N - 1 of one (b, query head)
+// (`stats_row`: that head's [B, Hq, T] row of lse and Dsum) into shared memory, one
+// thread per query: lse in the exp2 domain and D. Queries past the end get lse = INFINITY
+// and D = 0, so P = exp2(x - inf) = 0 there and they add exact zeros.
+template <int N>
+__device__ __forceinline__ void stage_query_stats(float* lse_st, float* D_st, const float* lse,
+                                                  const float* Dsum, int64_t stats_row,
+                                                  int64_t t0, int64_t T) {
+  if (threadIdx.x < N) {
+    const int64_t t = t0 + threadIdx.x;
+    const bool ok = t < T;
+    lse_st[threadIdx.x] = ok ? lse[stats_row + t] * kLog2e : INFINITY;
+    D_st[threadIdx.x] = ok ? Dsum[stats_row + t] : 0.f;
+  }
 }
 
 }  // namespace mhar::cuda::attn_mma
