@@ -1,9 +1,10 @@
-// attention_hopper.cu: the Hopper (sm_90a) forward of causal grouped-query attention on
-// wgmma, BF16, head_dim 64 or 128 (attention.cu's dispatcher sends the training forward
-// here when the device is compute capability 9.0; everything else keeps the mma.sync and
-// fp32 paths there). Layouts and the lse convention are attention.cu's.
+// attention_hopper.cu: the Hopper (sm_90a) forward and backward of causal grouped-query
+// attention on wgmma, BF16, head_dim 64 or 128. attention.cu sends the BF16 training
+// forward and backward here when the device is compute capability 9.0 (other devices take
+// attention_tc.cu; other storage types attention_fp32.cu). Layouts and the lse convention
+// are attention.cu's; the declarations are in attention_paths.h.
 //
-// Design (FlashAttention-3's math, without its producer warp and TMA; cuda/NOTES.md
+// Forward (FlashAttention-3's math, without its producer warp and TMA; cuda/NOTES.md
 // "Hopper attention" has the measurements):
 // - a block owns 128 query rows of one (b, h): two warpgroups of 64 rows each; it walks
 //   key tiles of 64 up to the diagonal. K and V tiles are staged by cp.async, two stages
@@ -17,8 +18,10 @@
 // - two blocks per SM (96 KB of shared memory each at head_dim 128): one block's softmax
 //   runs while the other's matrix products do, which is the overlap FA3 gets from its
 //   ping-pong schedule.
-// Numerics are those of the mma.sync forward: fp32 scores and statistics, P rounded to
-// bf16 for the P V product, the row sum l kept in fp32 from the unrounded P.
+// Numerics as the mma.sync forward's (fp32 scores and statistics, P rounded to bf16 for
+// the P V product, the row sum l kept in fp32 from the unrounded P), except that p =
+// 2^(s c - m) is one FFMA and the exponentials flush results below 2^-126 to zero
+// (fast_exp2). The backward: section "backward" below.
 //
 // Shared-memory tile layout (wgmma "128B swizzle"): a [rows][HD] bf16 tile is stored as
 // HD/64 column blocks of [rows][64]; each 128-byte row holds eight 16-byte chunks, chunk c
@@ -26,7 +29,7 @@
 // address bits). Descriptors: K-major operands (Q, K) advance 32 bytes per k-step of 16
 // inside a column block, stride 1024 bytes between 8-row groups; the N-major operand (V)
 // advances 16 rows (2048 bytes) per k-step, column blocks rows*128 bytes apart.
-#include "cuda/attention_hopper.h"
+#include "cuda/attention_paths.h"
 
 #include "cuda/attention_mma.cuh"
 
@@ -269,7 +272,7 @@ template <int HD> constexpr size_t forward_smem() {
 template <int HD>
 __global__ void __launch_bounds__(kThreads, 2)
     forward_kernel(bf16* __restrict__ out, float* __restrict__ lse, const bf16* __restrict__ q,
-                   const bf16* __restrict__ k, const bf16* __restrict__ v, ForwardArgs a) {
+                   const bf16* __restrict__ k, const bf16* __restrict__ v, AttentionArgs a) {
 #ifdef MHAR_NO_WGMMA
   __trap();
 #else
@@ -420,7 +423,7 @@ template <int HD>
 __global__ void __launch_bounds__(kThreads, 1)
     dq_kernel(bf16* __restrict__ dq, const bf16* __restrict__ dout, const bf16* __restrict__ q,
               const bf16* __restrict__ k, const bf16* __restrict__ v,
-              const float* __restrict__ lse, const float* __restrict__ Dsum, ForwardArgs a) {
+              const float* __restrict__ lse, const float* __restrict__ Dsum, AttentionArgs a) {
 #ifdef MHAR_NO_WGMMA
   __trap();
 #else
@@ -515,7 +518,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     dkdv_kernel(bf16* __restrict__ dk, bf16* __restrict__ dv, const bf16* __restrict__ dout,
                 const bf16* __restrict__ q, const bf16* __restrict__ k,
                 const bf16* __restrict__ v, const float* __restrict__ lse,
-                const float* __restrict__ Dsum, ForwardArgs a) {
+                const float* __restrict__ Dsum, AttentionArgs a) {
 #ifdef MHAR_NO_WGMMA
   __trap();
 #else
@@ -670,7 +673,7 @@ bool available() {
 
 template <int HD>
 void forward(cudaStream_t s, bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
-             const ForwardArgs& a) {
+             const AttentionArgs& a) {
   MHAR_CHECK(available(), "hopper::forward called without a compute capability 9.0 device");
   dim3 grid(unsigned(ceil_div(a.T, kRows)), unsigned(a.Hq), unsigned(a.B));
   forward_kernel<HD><<<grid, kThreads, forward_smem<HD>(), s>>>(out, lse, q, k, v, a);
@@ -680,7 +683,7 @@ void forward(cudaStream_t s, bf16* out, float* lse, const bf16* q, const bf16* k
 template <int HD>
 void backward(cudaStream_t s, bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q,
               const bf16* k, const bf16* v, const float* lse, const float* Dsum,
-              const ForwardArgs& a) {
+              const AttentionArgs& a) {
   MHAR_CHECK(available(), "hopper::backward called without a compute capability 9.0 device");
   dim3 gq(unsigned(ceil_div(a.T, kRows)), unsigned(a.Hq), unsigned(a.B));
   dq_kernel<HD><<<gq, kThreads, dq_smem<HD>(), s>>>(dq, dout, q, k, v, lse, Dsum, a);
@@ -692,13 +695,13 @@ void backward(cudaStream_t s, bf16* dq, bf16* dk, bf16* dv, const bf16* dout, co
 
 template void backward<64>(cudaStream_t, bf16*, bf16*, bf16*, const bf16*, const bf16*,
                            const bf16*, const bf16*, const float*, const float*,
-                           const ForwardArgs&);
+                           const AttentionArgs&);
 template void backward<128>(cudaStream_t, bf16*, bf16*, bf16*, const bf16*, const bf16*,
                             const bf16*, const bf16*, const float*, const float*,
-                            const ForwardArgs&);
+                            const AttentionArgs&);
 template void forward<64>(cudaStream_t, bf16*, float*, const bf16*, const bf16*, const bf16*,
-                          const ForwardArgs&);
+                          const AttentionArgs&);
 template void forward<128>(cudaStream_t, bf16*, float*, const bf16*, const bf16*, const bf16*,
-                           const ForwardArgs&);
+                           const AttentionArgs&);
 
 }  // namespace mhar::cuda::hopper
