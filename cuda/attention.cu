@@ -17,6 +17,7 @@
 //   CUDA cores (attention_fp32.cu).
 #include <atomic>
 #include <cmath>
+#include <type_traits>
 
 #include "cuda/attention_paths.h"
 #include "cuda/common.cuh"
@@ -58,6 +59,12 @@ bool use_tensor_cores(std::initializer_list<const Tensor*> ts) {
   return true;
 }
 
+// f(std::integral_constant<int, HD>) for head_dim hd (64 or 128, as check_shapes allows).
+template <class F> void with_head_dim(int64_t hd, F&& f) {
+  if (hd == 64) f(std::integral_constant<int, 64>());
+  else f(std::integral_constant<int, 128>());
+}
+
 std::atomic<bool> g_hopper_enabled{true};
 
 }  // namespace
@@ -77,13 +84,11 @@ void attention_forward(cudaStream_t s, Tensor out, Tensor lse, Tensor q, Tensor 
     auto* o = static_cast<bf16*>(out.data);
     auto *qp = static_cast<const bf16*>(q.data), *kp = static_cast<const bf16*>(k.data),
          *vp = static_cast<const bf16*>(v.data);
-    if (attention_uses_hopper()) {
-      if (sh.hd == 64) hopper::forward<64>(s, o, lse.ptr<float>(), qp, kp, vp, a);
-      else hopper::forward<128>(s, o, lse.ptr<float>(), qp, kp, vp, a);
-      return;
-    }
-    if (sh.hd == 64) tc::forward<64>(s, o, lse.ptr<float>(), qp, kp, vp, a);
-    else tc::forward<128>(s, o, lse.ptr<float>(), qp, kp, vp, a);
+    with_head_dim(sh.hd, [&](auto hd) {
+      constexpr int HD = decltype(hd)::value;
+      if (attention_uses_hopper()) hopper::forward<HD>(s, o, lse.ptr<float>(), qp, kp, vp, a);
+      else tc::forward<HD>(s, o, lse.ptr<float>(), qp, kp, vp, a);
+    });
     return;
   }
   attn_fp32::forward(s, out, lse, q, k, v, sh.hd, args_of(sh), sh.T);
@@ -109,17 +114,16 @@ void attention_backward(cudaStream_t s, Tensor dq, Tensor dk, Tensor dv, Tensor 
     const AttentionArgs a = args_of(sh);
     auto bp = [](const Tensor& t) { return static_cast<bf16*>(t.data); };
     const float* l = lse.ptr<float>();
-    if (sh.hd == 64) tc::row_dots<64>(s, workspace, bp(dout), bp(out), a);
-    else tc::row_dots<128>(s, workspace, bp(dout), bp(out), a);
-    const bool hopper = attention_uses_hopper();
-    if (sh.hd == 64 && hopper)
-      hopper::backward<64>(s, bp(dq), bp(dk), bp(dv), bp(dout), bp(q), bp(k), bp(v), l, workspace, a);
-    else if (hopper)
-      hopper::backward<128>(s, bp(dq), bp(dk), bp(dv), bp(dout), bp(q), bp(k), bp(v), l, workspace, a);
-    else if (sh.hd == 64)
-      tc::backward<64>(s, bp(dq), bp(dk), bp(dv), bp(dout), bp(q), bp(k), bp(v), l, workspace, a);
-    else
-      tc::backward<128>(s, bp(dq), bp(dk), bp(dv), bp(dout), bp(q), bp(k), bp(v), l, workspace, a);
+    with_head_dim(sh.hd, [&](auto hd) {
+      constexpr int HD = decltype(hd)::value;
+      tc::row_dots<HD>(s, workspace, bp(dout), bp(out), a);
+      if (attention_uses_hopper())
+        hopper::backward<HD>(s, bp(dq), bp(dk), bp(dv), bp(dout), bp(q), bp(k), bp(v), l,
+                             workspace, a);
+      else
+        tc::backward<HD>(s, bp(dq), bp(dk), bp(dv), bp(dout), bp(q), bp(k), bp(v), l,
+                         workspace, a);
+    });
     return;
   }
   attn_fp32::backward(s, dq, dk, dv, dout, q, k, v, out, lse, sh.hd, args_of(sh));
