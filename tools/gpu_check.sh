@@ -2,7 +2,8 @@
 # gpu_check.sh: the one command for the GPU machine (fresh and bare on every call):
 # configures with CMake + Ninja, builds the CUDA test binary and `mhar`, runs the parity
 # tests (every op, the whole model, GPU training) and the op timings
-# (tests/op_timing_cudatest.cpp), optionally the benchmark table against PyTorch
+# (tests/op_timing_cudatest.cpp; the attention against PyTorch's, same shapes:
+# tests/attention_timing_cudatest.cpp, tools/reference/attention_bench.py), optionally the benchmark table against PyTorch
 # (tools/bench_compare.sh), and prints a short summary last. Logs go to $OUT (when set,
 # e.g. by the device tool) or $BUILD_DIR/logs; at most 7 files, so they all come back.
 # Also builds (and skips the GPU tests) on a machine without a GPU.
@@ -127,9 +128,17 @@ echo "tests ran in $(( $(date +%s) - start )) s, exit $rc (at $(elapsed))"
 
 if [ "${OP_TIMING:-1}" != 0 ]; then
   echo "== op timings (model-sized shapes)"
-  timeout 150 "$BUILD_DIR/mhar_cuda_tests" --gtest_also_run_disabled_tests --gtest_filter='OpTiming.*' \
+  # The routing sweeps fill [S, N, d] blocks on the host at three model sizes: minutes.
+  timeout 300 "$BUILD_DIR/mhar_cuda_tests" --gtest_also_run_disabled_tests --gtest_filter='OpTiming.*' \
     >"$LOG_DIR/op_timing.log" 2>&1 || echo "op timing run failed (exit $?)"
   grep -E "^TIMING|FAILED|Failure|exception" "$LOG_DIR/op_timing.log" || true
+  echo "== attention against PyTorch's cuDNN and FA2 (issue 13's shapes)"
+  timeout 90 "$BUILD_DIR/mhar_cuda_tests" --gtest_also_run_disabled_tests \
+    --gtest_filter='AttentionTiming.*' >>"$LOG_DIR/op_timing.log" 2>&1 ||
+    echo "attention timing failed (exit $?)"
+  timeout 150 python3 tools/reference/attention_bench.py >>"$LOG_DIR/op_timing.log" 2>&1 ||
+    echo "tools/reference/attention_bench.py failed (exit $?; PyTorch with CUDA needed)"
+  grep -E "^ATTENTION|^PYTORCH" "$LOG_DIR/op_timing.log" || true
 fi
 touch "$tests_done"
 
