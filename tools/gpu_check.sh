@@ -2,9 +2,9 @@
 # gpu_check.sh: the one command for the GPU machine (fresh and bare on every call):
 # configures with CMake + Ninja, builds the CUDA test binary and `mhar`, runs the parity
 # tests (every op, the whole model, GPU training) and the op timings
-# (tests/op_timing_cudatest.cpp; the attention against PyTorch's, same shapes:
-# tests/attention_timing_cudatest.cpp, tools/reference/attention_bench.py), optionally the benchmark table against PyTorch
-# (tools/bench_compare.sh), and prints a short summary last. Logs go to $OUT (when set,
+# (tests/op_timing_cudatest.cpp; the attention against PyTorch's at the same shapes:
+# tests/attention_timing_cudatest.cpp, tools/reference/attention_bench.py), optionally
+# the benchmark table against PyTorch (tools/bench_compare.sh), and prints a short summary last. Logs go to $OUT (when set,
 # e.g. by the device tool) or $BUILD_DIR/logs; at most 7 files, so they all come back.
 # Also builds (and skips the GPU tests) on a machine without a GPU.
 #   BUILD_DIR       build directory (default build-gpu)
