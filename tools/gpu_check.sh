@@ -4,8 +4,9 @@
 # tests (every op, the whole model, GPU training) and the op timings
 # (tests/op_timing_cudatest.cpp; the attention against PyTorch's at the same shapes:
 # tests/attention_timing_cudatest.cpp, tools/reference/attention_bench.py), optionally
-# the benchmark table against PyTorch (tools/bench_compare.sh), and prints a short summary last. Logs go to $OUT (when set,
-# e.g. by the device tool) or $BUILD_DIR/logs; at most 7 files, so they all come back.
+# the benchmark table against PyTorch (tools/bench_compare.sh), and prints a short
+# summary last. Logs go to $OUT (when set, e.g. by the device tool) or
+# $BUILD_DIR/logs; at most 7 files, so they all come back.
 # Also builds (and skips the GPU tests) on a machine without a GPU.
 #   BUILD_DIR       build directory (default build-gpu)
 #   GTEST_FILTER    passed through to the test binary (default: every test)
