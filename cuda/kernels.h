@@ -151,7 +151,8 @@ int routing_set_fused_key_max_sites(int sites);
 int routing_fused_key_max_sites();
 // Kernel lab: numbered versions 1 .. routing_kernel_versions(k) of a routing kernel, each
 // a complete alternative (cuda/routing.cu says what each does), so that one device run
-// times them all. version <= 0: the default (the newest). Returns the previous version.
+// times them all. version <= 0: the default (the measured fastest, cuda/routing.cu).
+// Returns the previous version.
 // Process-wide, not thread-safe; the engine never calls it.
 enum class RoutingKernel { MixTile, BackwardPair };
 int routing_set_kernel_version(RoutingKernel kernel, int version);

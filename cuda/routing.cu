@@ -42,9 +42,9 @@
 // Temporaries (qg tables, the backward's fp32 value and key rows, ds*r's bf16 parts) are
 // the backend's grow-only scratch (kernels.h); nothing here allocates.
 // Kernel lab: the mix tile kernel and the backward's pair kernel keep their earlier
-// versions, numbered, chosen at launch (routing_set_kernel_version, kernels.h; default the
-// newest), so that one device run times each (tests/op_timing_cudatest.cpp); every version
-// computes the same bits.
+// versions, numbered, chosen at launch (routing_set_kernel_version, kernels.h; the
+// defaults are the measured fastest: mix tile 2 of 4, pair 3 of 3), so that one device run
+// times each (tests/op_timing_cudatest.cpp); every version computes the same bits.
 #include <algorithm>
 #include <type_traits>
 
@@ -594,7 +594,8 @@ constexpr int kTileRingDeep = 12;
 constexpr int kMixTileVersions = 4;
 // Version 2 is the default: measured fastest at 350M and 1B (cuda/NOTES.md, "Tile kernel
 // versions 2 to 4"); 3 and 4 were no faster.
-int g_mix_tile_version = 2;  // routing_set_kernel_version (timing lab)
+constexpr int kMixTileDefault = 2;
+int g_mix_tile_version = kMixTileDefault;  // routing_set_kernel_version (timing lab)
 
 template <int K, int R, int MIN_BLOCKS>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
@@ -1151,7 +1152,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, FUSED ? 2 : span_blocks_p
 constexpr int kBackTileMaxNT = 5;  // d <= 1280: 234 registers, no spills (NT 6: 239; 7, 8 spill)
 constexpr int pair_blocks_per_sm(int NT, int version) { return version >= 2 && NT <= 4 ? 3 : 2; }
 constexpr int kPairVersions = 3;
-int g_pair_version = kPairVersions;  // routing_set_kernel_version (timing lab)
+constexpr int kPairDefault = 3;  // measured fastest at every size (cuda/NOTES.md)
+int g_pair_version = kPairDefault;  // routing_set_kernel_version (timing lab)
 template <int NT, int MIN_BLOCKS>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
     source_value_pair_span_kernel(float* __restrict__ val, float* __restrict__ partial,
@@ -1568,7 +1570,7 @@ int routing_set_kernel_version(RoutingKernel kernel, int version) {
              "with versions 1 .. ", versions, " (<= 0: the default)");
   int& v = kernel == RoutingKernel::MixTile ? g_mix_tile_version : g_pair_version;
   const int before = v;
-  v = version <= 0 ? versions : version;
+  v = version > 0 ? version : kernel == RoutingKernel::MixTile ? kMixTileDefault : kPairDefault;
   return before;
 }
 
