@@ -3,7 +3,7 @@
 // of `reps` calls (CUDA events around each call, after 3 warm-ups), rotating over input
 // sets so that no call reads what the previous one left in L2, and a report line with the
 // bytes the op must move, TB/s and % of the H200's copy rate (and of the copy rate
-// measured in the run, once a test sets copy_tbs_).
+// measured in the run, once a test has called measure_copy_rate).
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -41,6 +41,15 @@ class BandwidthTest : public CudaParity {
     for (auto [a, b] : marks) ms.push_back(gpu->timing_ms(a, b));
     std::sort(ms.begin(), ms.end());
     return ms[ms.size() / 2];
+  }
+  // The device copy rate of this run (1 GiB each way, read + write counted), into
+  // copy_tbs_ for the report lines that follow; reported itself.
+  void measure_copy_rate() {
+    const int64_t n = int64_t(1) << 29;  // 1 GiB of bf16 each way
+    Buffer src = random_gpu(DType::BF16, {n}), dst(*gpu, DType::BF16, {n});
+    const double ms = median_ms([&](int) { gpu->copy(dst, src); }, 1, 10);
+    copy_tbs_ = 2.0 * 2 * n / ms * 1e-9;
+    report("device copy (cudaMemcpyAsync) 1 GiB", 2.0 * 2 * n, ms);
   }
   void report(const std::string& what, double bytes, double ms) {
     const double tbs = bytes / ms * 1e-9;

@@ -25,13 +25,7 @@ namespace {
 class DeltaBandwidth : public BandwidthTest {};
 
 TEST_F(DeltaBandwidth, DISABLED_DeltaKernels) {
-  {
-    const int64_t n = int64_t(1) << 29;  // 1 GiB of bf16 each way
-    Buffer src = random_gpu(DType::BF16, {n}), dst(*gpu, DType::BF16, {n});
-    const double ms = median_ms([&](int) { gpu->copy(dst, src); }, 1, 10);
-    copy_tbs_ = 2.0 * 2 * n / ms * 1e-9;
-    report("device copy (cudaMemcpyAsync) 1 GiB", 2.0 * 2 * n, ms);
-  }
+  measure_copy_rate();
   for (auto [name, d] : {std::pair<const char*, int64_t>{"100M", 512}, {"350M", 1024}, {"1B", 1280}}) {
     const int64_t N = 16384;
     const double row = 2.0 * N * d;  // one bf16 [N, d] row's bytes

@@ -28,13 +28,7 @@ struct Shape {
 };
 
 TEST_F(KernelBandwidth, DISABLED_MemoryBoundKernels) {
-  {
-    const int64_t n = int64_t(1) << 29;  // 1 GiB of bf16 each way
-    Buffer src = random_gpu(DType::BF16, {n}), dst(*gpu, DType::BF16, {n});
-    const double ms = median_ms([&](int) { gpu->copy(dst, src); }, 1, 10);
-    copy_tbs_ = 2.0 * 2 * n / ms * 1e-9;
-    report("device copy (cudaMemcpyAsync) 1 GiB", 2.0 * 2 * n, ms);
-  }
+  measure_copy_rate();
   for (const Shape sh : {Shape{"100M", 8, 2048, 512, 8, 4, 128, 1536},
                          Shape{"350M", 16, 1024, 1024, 16, 8, 128, 4096},
                          Shape{"1B", 16, 1024, 1280, 16, 8, 128, 5120}}) {
