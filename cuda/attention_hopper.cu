@@ -545,13 +545,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   load_tile_sw128<HD, kRows>(Ks, k + kvoff, kvs, u0, a.T);
   load_tile_sw128<HD, kRows>(Vs, v + kvoff, kvs, u0, a.T);
 
-  const int first = int(u0 / kBwdQ);
-  const int nq = int(ceil_div(a.T, kBwdQ)) - first;  // query tiles per head
-  const int n_iter = int(group) * nq;
+  const QueryTileWalk<kBwdQ> walk(hkv, group, u0, a.T);
+  const int n_iter = int(group) * walk.tiles;
   auto issue = [&](int it) {
     const int st = it & 1;
-    const int64_t hq = hkv * group + it / nq;
-    const int64_t t0 = int64_t(first + it % nq) * kBwdQ;
+    const int64_t hq = walk.head(it), t0 = walk.t0(it);
     const int64_t qoff = (b * a.T * a.Hq + hq) * HD;
     load_tile_sw128<HD, kBwdQ>(Qs + st * kBwdQ * HD, q + qoff, qs, t0, a.T);
     load_tile_sw128<HD, kBwdQ>(dOs + st * kBwdQ * HD, dout + qoff, qs, t0, a.T);
@@ -583,7 +581,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_proxy_async();
     __syncthreads();
     const int st = it & 1;
-    const int64_t t0 = int64_t(first + it % nq) * kBwdQ;
+    const int64_t t0 = walk.t0(it);
     // Tiles wholly before this warpgroup's keys see none of them.
     if (t0 + kBwdQ > wg_u0) {
       const uint64_t so = stage_offset(st, kBwdQ * HD);

@@ -1,7 +1,7 @@
 // attention_mma.cuh: the copy and matrix helpers the tensor-core attention kernels share
 // (attention.cu's mma.sync path, attention_hopper.cu's wgmma path): cp.async staging of
 // 16-byte chunks, ldmatrix, the m16n8k16 bf16 mma, the fp32 -> bf16x2 pack, and the
-// dk/dv kernels' staging of per-query statistics. The
+// dk/dv kernels' walk over query tiles and staging of per-query statistics. The
 // fragment layouts are PTX's for mma.m16n8k16 (the wgmma accumulators and register A
 // operand use the same layout per warp, which is why the forward kernels can feed the
 // score accumulators straight back as the A operand of P V).
@@ -98,5 +98,18 @@ __device__ __forceinline__ void stage_query_stats(float* lse_st, float* D_st, co
     D_st[threadIdx.x] = ok ? Dsum[stats_row + t] : 0.f;
   }
 }
+
+// The dk/dv kernels' walk for a block of keys starting at u0: every query tile of BQ that
+// can see one of them (tiles u0 / BQ .. the last), for each query head of KV head hkv's
+// group in turn. Iteration `it` (0 .. group * tiles - 1) visits head(it), tile t0(it).
+template <int BQ>
+struct QueryTileWalk {
+  int64_t hq0;
+  int first, tiles;  // the first tile; tiles per head
+  __device__ QueryTileWalk(int64_t hkv, int64_t group, int64_t u0, int64_t T)
+      : hq0(hkv * group), first(int(u0 / BQ)), tiles(int(ceil_div(T, BQ)) - int(u0 / BQ)) {}
+  __device__ int64_t head(int it) const { return hq0 + it / tiles; }
+  __device__ int64_t t0(int it) const { return int64_t(first + it % tiles) * BQ; }
+};
 
 }  // namespace mhar::cuda::attn_mma

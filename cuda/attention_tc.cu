@@ -394,14 +394,12 @@ __global__ void __launch_bounds__(kThreads)
   load_tile<HD, kRows>(Ks, k + kvoff, kvs, u0, a.T);
   load_tile<HD, kRows>(Vs, v + kvoff, kvs, u0, a.T);
 
-  const int first = int(u0 / kBwdQ);
-  const int nq = int(ceil_div(a.T, kBwdQ)) - first;  // query tiles per head
-  const int n_iter = int(group) * nq;
+  const QueryTileWalk<kBwdQ> walk(hkv, group, u0, a.T);
+  const int n_iter = int(group) * walk.tiles;
   // Issue the loads of iteration `it` into stage it & 1.
   auto issue = [&](int it) {
     const int st = it & 1;
-    const int64_t hq = hkv * group + it / nq;
-    const int64_t t0 = int64_t(first + it % nq) * kBwdQ;
+    const int64_t hq = walk.head(it), t0 = walk.t0(it);
     const int64_t qoff = (b * a.T * a.Hq + hq) * HD;
     load_tile<HD, kBwdQ>(Qs + st * kBwdQ * LD, q + qoff, qs, t0, a.T);
     load_tile<HD, kBwdQ>(dOs + st * kBwdQ * LD, dout + qoff, qs, t0, a.T);
@@ -434,7 +432,7 @@ __global__ void __launch_bounds__(kThreads)
     const bf16* dOt = dOs + st * kBwdQ * LD;
     const float* lse_t = lse_s + st * kBwdQ;
     const float* D_t = D_s + st * kBwdQ;
-    const int64_t t0 = int64_t(first + it % nq) * kBwdQ;
+    const int64_t t0 = walk.t0(it);
 
     float s[NT][4], dp[NT][4];
 #pragma unroll
