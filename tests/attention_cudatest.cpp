@@ -3,6 +3,8 @@
 // forward and backward through each BF16 kernel the device has (Hopper wgmma, mma.sync).
 #include <gtest/gtest.h>
 
+#include <vector>
+
 #include "cuda/kernels.h"
 #include "tests/cuda_test_util.h"
 
@@ -30,14 +32,13 @@ TEST_P(AttentionParity, ForwardAndBackward) {
   // Both BF16 forward kernels, where the device has both: the Hopper wgmma kernel and the
   // mma.sync one (cuda::attention_set_hopper); each against the reference, same bounds.
   const bool had_hopper = cuda::attention_set_hopper(true);
-  const bool hopper = cuda::attention_uses_hopper();
-  for (const bool use_hopper : {true, false}) {
-    if (use_hopper && !hopper) {
-      std::printf("PARITY attention_forward %s: no Hopper kernels on this device\n", tag.c_str());
-      continue;
-    }
+  std::vector<bool> paths{false};  // use_hopper
+  if (cuda::attention_uses_hopper()) paths.insert(paths.begin(), true);
+  else std::printf("PARITY attention %s: no Hopper kernels on this device\n", tag.c_str());
+  auto path_name = [](bool use_hopper) { return use_hopper ? " (wgmma) " : " (mma.sync) "; };
+  for (const bool use_hopper : paths) {
     cuda::attention_set_hopper(use_hopper);
-    const std::string path = use_hopper ? " (wgmma) " : " (mma.sync) ";
+    const std::string path = path_name(use_hopper);
     out.g.poison();
     lse.g.poison();
     gpu->attention_forward(out.g, lse.g, q.g, k.g, v.g);
@@ -55,10 +56,9 @@ TEST_P(AttentionParity, ForwardAndBackward) {
   Pair dk = pair(DType::BF16, {c.B, c.T, c.Hkv, c.hd});
   Pair dv = pair(DType::BF16, {c.B, c.T, c.Hkv, c.hd});
   cpu->attention_backward(dq.c, dk.c, dv.c, dout.c, q.c, k.c, v.c, out.c, lse.c);
-  for (const bool use_hopper : {true, false}) {
-    if (use_hopper && !hopper) continue;
+  for (const bool use_hopper : paths) {
     cuda::attention_set_hopper(use_hopper);
-    const std::string path = use_hopper ? " (wgmma) " : " (mma.sync) ";
+    const std::string path = path_name(use_hopper);
     dq.g.poison();
     dk.g.poison();
     dv.g.poison();
