@@ -7,6 +7,7 @@
 # into $OUT/bench_table.md when OUT is set), and keeps every JSON line.
 #
 #   tools/bench_compare.sh [--mhar BIN] [--deadline SECONDS] [--after FILE] [--sizes "100m 350m 1b"]
+#                          [--modes "standard mhar"]
 #
 # How it fits a ~7 minute budget: torch.compile costs ~50-95 s per model at 100M (more at
 # 350M and 1B, and the mhar graphs grow with the number of routing sites), so every
@@ -25,12 +26,14 @@ MHAR_BIN="build-gpu/mhar"
 DEADLINE=420
 AFTER=""
 SIZES="100m 350m 1b"
+MODES="standard mhar"
 while [ $# -gt 0 ]; do
   case "$1" in
     --mhar) MHAR_BIN="$2"; shift 2 ;;
     --deadline) DEADLINE="$2"; shift 2 ;;
     --after) AFTER="$2"; shift 2 ;;
     --sizes) SIZES="$2"; shift 2 ;;
+    --modes) MODES="$2"; shift 2 ;;
     *) echo "bench_compare.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -38,7 +41,7 @@ done
 [ -d /tmp/mhar-icu/lib ] && export LD_LIBRARY_PATH="/tmp/mhar-icu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 LOG_DIR="${OUT:-build-gpu/logs}"
 mkdir -p "$LOG_DIR"
-export MHAR_BIN DEADLINE AFTER SIZES LOG_DIR PYTHONUNBUFFERED=1
+export MHAR_BIN DEADLINE AFTER SIZES MODES LOG_DIR PYTHONUNBUFFERED=1
 
 python3 - <<'PY'
 import fcntl, json, os, shlex, subprocess, sys, time
@@ -49,6 +52,7 @@ log_dir = os.environ["LOG_DIR"]
 mhar = os.environ["MHAR_BIN"]
 after = os.environ["AFTER"]
 sizes = os.environ["SIZES"].split()
+modes = os.environ["MODES"].split()
 lock = os.path.join("/tmp", f"mhar_bench_lock_{os.getpid()}")
 open(lock, "w").close()
 results_path = os.path.join(log_dir, "bench_results.jsonl")
@@ -80,7 +84,7 @@ ORDER = [("torch", "100m", "standard"), ("torch", "100m", "mhar"), ("torch", "35
 
 jobs = []
 for kind, size, mode in ORDER:
-    if size not in sizes:
+    if size not in sizes or mode not in modes:
         continue
     cfg = f"configs/{size}_{mode}.json"
     if kind == "torch":

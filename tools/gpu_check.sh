@@ -17,7 +17,8 @@
 #   BENCH=1         also run tools/bench_compare.sh; it starts first, so the PyTorch jobs
 #                   compile while this script builds and tests, and our runs wait for
 #                   the tests to finish. BENCH_DEADLINE (s, default 420) bounds it;
-#                   BENCH_SIZES (default "100m 350m 1b") picks the model sizes.
+#                   BENCH_SIZES (default "100m 350m 1b") picks the model sizes,
+#                   BENCH_MODES (default "standard mhar") the residual modes.
 #
 # ICU: the project's data library needs ICU (find_package(ICU COMPONENTS uc)) and the GPU
 # image has no ICU headers and no network. Debian 12's libicu72 + libicu-dev (headers,
@@ -91,6 +92,7 @@ if [ "${BENCH:-0}" = 1 ]; then
   echo "== bench_compare.sh started in the background (PyTorch compiles while we build)"
   tools/bench_compare.sh --mhar "$BUILD_DIR/mhar" --after "$tests_done" \
     --deadline "${BENCH_DEADLINE:-420}" --sizes "${BENCH_SIZES:-100m 350m 1b}" \
+    --modes "${BENCH_MODES:-standard mhar}" \
     >"$BUILD_DIR/bench_compare.out" 2>&1 &
   bench_pid=$!
 fi
