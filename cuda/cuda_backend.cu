@@ -234,8 +234,9 @@ class CudaBackend final : public Backend {
   void swiglu_forward(Tensor h, Tensor gate, Tensor up) override {
     cuda::swiglu_forward(stream_, h, gate, up);
   }
-  void swiglu_backward(Tensor dgate, Tensor dup, Tensor dh, Tensor gate, Tensor up) override {
-    cuda::swiglu_backward(stream_, dgate, dup, dh, gate, up);
+  void swiglu_backward(Tensor dgate, Tensor dup, Tensor h, Tensor dh, Tensor gate,
+                       Tensor up) override {
+    cuda::swiglu_backward(stream_, dgate, dup, h, dh, gate, up);
   }
   void add(Tensor out, Tensor a, Tensor b) override { cuda::add(stream_, out, a, b); }
   void add_inplace(Tensor y, Tensor x) override { cuda::add_inplace(stream_, y, x); }

@@ -57,7 +57,9 @@ void matmul(cudaStream_t s, MatmulContext& ctx, Tensor c, Tensor a, Tensor b, bo
 
 // mlp.cu
 void swiglu_forward(cudaStream_t s, Tensor h, Tensor gate, Tensor up);
-void swiglu_backward(cudaStream_t s, Tensor dgate, Tensor dup, Tensor dh, Tensor gate, Tensor up);
+// h: empty, or overwritten with swiglu_forward's h (the same bits).
+void swiglu_backward(cudaStream_t s, Tensor dgate, Tensor dup, Tensor h, Tensor dh, Tensor gate,
+                     Tensor up);
 
 // classifier.cu
 void cross_entropy(cudaStream_t s, Tensor losses, Tensor logits, Tensor targets,

@@ -203,9 +203,12 @@ class Backend {
   virtual void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q,
                                   Tensor k, Tensor v, Tensor out, Tensor lse) = 0;
 
-  // ---- SwiGLU: h = silu(gate) * up; backward overwrites dgate, dup.
+  // ---- SwiGLU: h = silu(gate) * up; backward overwrites dgate, dup and, unless it is
+  // empty, h with the value swiglu_forward writes, bit for bit: the model recomputes h
+  // there for the down projection's weight gradient instead of keeping it from the
+  // forward (one [N, d_ff] buffer a layer; 6 GB at 1B, for one more write per element).
   virtual void swiglu_forward(Tensor h, Tensor gate, Tensor up) = 0;
-  virtual void swiglu_backward(Tensor dgate, Tensor dup, Tensor dh, Tensor gate,
+  virtual void swiglu_backward(Tensor dgate, Tensor dup, Tensor h, Tensor dh, Tensor gate,
                                Tensor up) = 0;
 
   // ---- elementwise: out = a + b;  y += x

@@ -155,11 +155,13 @@ class CpuBackend final : public Backend {
     MHAR_CHECK(h.numel() == gate.numel() && up.numel() == gate.numel(), "swiglu shapes");
     cpu::swiglu_forward(h.ptr<T>(), gate.ptr<T>(), up.ptr<T>(), h.numel());
   }
-  void swiglu_backward(Tensor dgate, Tensor dup, Tensor dh, Tensor gate, Tensor up) override {
+  void swiglu_backward(Tensor dgate, Tensor dup, Tensor h, Tensor dh, Tensor gate,
+                       Tensor up) override {
     MHAR_CHECK(dh.numel() == gate.numel() && dgate.numel() == gate.numel() &&
-                   dup.numel() == gate.numel(), "swiglu backward shapes");
-    cpu::swiglu_backward(dgate.ptr<T>(), dup.ptr<T>(), dh.ptr<T>(), gate.ptr<T>(), up.ptr<T>(),
-                         dh.numel());
+                   dup.numel() == gate.numel() && (h.empty() || h.numel() == gate.numel()),
+               "swiglu backward shapes");
+    cpu::swiglu_backward(dgate.ptr<T>(), dup.ptr<T>(), h.empty() ? nullptr : h.ptr<T>(),
+                         dh.ptr<T>(), gate.ptr<T>(), up.ptr<T>(), dh.numel());
   }
 
   void add(Tensor out, Tensor a, Tensor b) override {

@@ -53,8 +53,8 @@ class ForwardingBackend : public Backend {
     in_.attention_backward(dq, dk, dv, dout, q, k, v, out, lse);
   }
   void swiglu_forward(Tensor h, Tensor g, Tensor u) override { in_.swiglu_forward(h, g, u); }
-  void swiglu_backward(Tensor dg, Tensor du, Tensor dh, Tensor g, Tensor u) override {
-    in_.swiglu_backward(dg, du, dh, g, u);
+  void swiglu_backward(Tensor dg, Tensor du, Tensor h, Tensor dh, Tensor g, Tensor u) override {
+    in_.swiglu_backward(dg, du, h, dh, g, u);
   }
   void add(Tensor o, Tensor a, Tensor b) override { in_.add(o, a, b); }
   void add_inplace(Tensor y, Tensor x) override { in_.add_inplace(y, x); }

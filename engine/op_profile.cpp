@@ -201,9 +201,10 @@ void OpProfiler::swiglu_forward(Tensor h, Tensor gate, Tensor up) {
   Span s(*this, OpFamily::Swiglu, bytes_of({h, gate, up}));
   in_.swiglu_forward(h, gate, up);
 }
-void OpProfiler::swiglu_backward(Tensor dgate, Tensor dup, Tensor dh, Tensor gate, Tensor up) {
-  Span s(*this, OpFamily::Swiglu, bytes_of({dgate, dup, dh, gate, up}));
-  in_.swiglu_backward(dgate, dup, dh, gate, up);
+void OpProfiler::swiglu_backward(Tensor dgate, Tensor dup, Tensor h, Tensor dh, Tensor gate,
+                                 Tensor up) {
+  Span s(*this, OpFamily::Swiglu, bytes_of({dgate, dup, h, dh, gate, up}));
+  in_.swiglu_backward(dgate, dup, h, dh, gate, up);
 }
 void OpProfiler::add(Tensor out, Tensor a, Tensor b) {
   Span s(*this, OpFamily::Elementwise, bytes_of({out, a, b}));

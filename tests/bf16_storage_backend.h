@@ -76,8 +76,8 @@ class Bf16Storage final : public ForwardingBackend {
     in_.swiglu_forward(h, g, u);
     round(h);
   }
-  void swiglu_backward(Tensor dg, Tensor du, Tensor dh, Tensor g, Tensor u) override {
-    in_.swiglu_backward(dg, du, dh, g, u);
+  void swiglu_backward(Tensor dg, Tensor du, Tensor h, Tensor dh, Tensor g, Tensor u) override {
+    in_.swiglu_backward(dg, du, h, dh, g, u);
     round(dg);
     round(du);
   }

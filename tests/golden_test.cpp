@@ -172,10 +172,12 @@ class Fp32Noise final : public Backend {
     inner_->swiglu_forward(h, gate, up);
     round_all(h);
   }
-  void swiglu_backward(Tensor dgate, Tensor dup, Tensor dh, Tensor gate, Tensor up) override {
-    inner_->swiglu_backward(dgate, dup, dh, gate, up);
+  void swiglu_backward(Tensor dgate, Tensor dup, Tensor h, Tensor dh, Tensor gate,
+                       Tensor up) override {
+    inner_->swiglu_backward(dgate, dup, h, dh, gate, up);
     round_all(dgate);
     round_all(dup);
+    if (!h.empty()) round_all(h);
   }
   void add(Tensor out, Tensor a, Tensor b) override {
     inner_->add(out, a, b);

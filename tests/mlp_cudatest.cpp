@@ -1,7 +1,10 @@
 // mlp_cudatest.cpp: CUDA SwiGLU forward/backward against the CPU reference, on the vector
 // path (16-byte aligned, n % 8 tails of 0..7 elements) and the scalar path (misaligned
-// tensors), BF16 and FP32.
+// tensors), BF16 and FP32. The backward's recomputed h (the model keeps no h for the
+// backward) must be the forward's h bit for bit, and writing it must not change dgate/dup.
 #include <gtest/gtest.h>
+
+#include <cstring>
 
 #include "tests/cuda_test_util.h"
 
@@ -36,16 +39,29 @@ class SwigluParity : public CudaParity {
     const std::vector<double> gate = random_normal(rng, n, t, 2.0), up = random_normal(rng, n, t),
                               dh = random_normal(rng, n, t);
     const Tensor gg = make(&gate), ug = make(&up), hg = make(nullptr), dhg = make(&dh),
-                 dgg = make(nullptr), dug = make(nullptr);
+                 dgg = make(nullptr), dug = make(nullptr), h2g = make(nullptr);
     Buffer gc = cpu_buf(gate), uc = cpu_buf(up), dhc = cpu_buf(dh);
     Buffer hc(*cpu, DType::F32, {n}), dgc(*cpu, DType::F32, {n}), duc(*cpu, DType::F32, {n});
     cpu->swiglu_forward(hc, gc, uc);
     gpu->swiglu_forward(hg, gg, ug);
     expect_close("swiglu_forward h " + tag, get(hg), hc.get(), tol);
-    cpu->swiglu_backward(dgc, duc, dhc, gc, uc);
-    gpu->swiglu_backward(dgg, dug, dhg, gg, ug);
+    cpu->swiglu_backward(dgc, duc, Tensor(), dhc, gc, uc);
+    gpu->swiglu_backward(dgg, dug, Tensor(), dhg, gg, ug);
     expect_close("swiglu_backward dgate " + tag, get(dgg), dgc.get(), tol);
     expect_close("swiglu_backward dup " + tag, get(dug), duc.get(), tol);
+    const std::vector<double> dgate_first = get(dgg), dup_first = get(dug);
+    gpu->swiglu_backward(dgg, dug, h2g, dhg, gg, ug);
+    expect_bits_equal("swiglu_backward's h against the forward's " + tag, get(h2g), get(hg));
+    expect_bits_equal("swiglu_backward dgate with h " + tag, get(dgg), dgate_first);
+    expect_bits_equal("swiglu_backward dup with h " + tag, get(dug), dup_first);
+  }
+  static void expect_bits_equal(const std::string& what, const std::vector<double>& got,
+                                const std::vector<double>& want) {
+    ASSERT_EQ(got.size(), want.size()) << what;
+    size_t differing = 0;
+    for (size_t i = 0; i < got.size(); ++i)
+      if (std::memcmp(&got[i], &want[i], sizeof(double)) != 0) ++differing;
+    EXPECT_EQ(differing, 0u) << what << ": " << differing << " of " << got.size() << " differ";
   }
 };
 
@@ -64,10 +80,14 @@ TEST_F(SwigluParity, ForwardAndBackward) {
     Pair dgate = pair(DType::BF16, {n}), dup = pair(DType::BF16, {n});
     dgate.g.poison();
     dup.g.poison();
-    cpu->swiglu_backward(dgate.c, dup.c, dh.c, gate.c, up.c);
-    gpu->swiglu_backward(dgate.g, dup.g, dh.g, gate.g, up.g);
+    Pair h_again = pair(DType::BF16, {n});
+    h_again.g.poison();
+    cpu->swiglu_backward(dgate.c, dup.c, h_again.c, dh.c, gate.c, up.c);
+    gpu->swiglu_backward(dgate.g, dup.g, h_again.g, dh.g, gate.g, up.g);
     expect_close("swiglu_backward dgate " + tag, dgate.g, dgate.c, kTolBf16Output);
     expect_close("swiglu_backward dup " + tag, dup.g, dup.c, kTolBf16Output);
+    expect_bits_equal("CPU swiglu_backward's h " + tag, h_again.c.get(), h.c.get());
+    expect_bits_equal("GPU swiglu_backward's h " + tag, h_again.g.get(), h.g.get());
   }
 }
 

@@ -233,6 +233,75 @@ void tiled_mixes(Backend& gpu, Buffer& xs, Buffer& weights, Buffer& hist,
 // --gtest_also_run_disabled_tests` (version 1 is mix_tile_kernel, versions 2 to 4
 // mix_tile_ring_kernel). Random logits stand in for the real ones (the kernels' work
 // does not depend on their values).
+// Issue 13 item 3, before building it: what fusing the projections that read the same
+// input would buy. One 1B layer (configs/1b_standard.json: N 16384 tokens, d 1280, q 2048,
+// k and v 1024 each, d_ff 5120), each product as the model runs it (matmul_forward,
+// matmul_input_grad accumulating after the first, matmul_weight_grad into fp32), against
+// the one GEMM over the stacked weights ([q; k; v] and [gate; up]) that would replace it.
+// The stacked products compute the same sums, so this measures only cuBLAS's shapes.
+TEST_F(OpTiming, DISABLED_ProjectionFusion1B) {
+  const int64_t N = 16384, d = 1280;
+  struct Group {
+    const char* name;
+    std::vector<int64_t> outs;
+  };
+  for (const Group& grp : {Group{"q/k/v", {2048, 1024, 1024}}, Group{"gate/up", {5120, 5120}}}) {
+    int64_t total = 0;
+    for (int64_t o : grp.outs) total += o;
+    Buffer x = random_gpu(DType::BF16, {N, d});
+    Buffer w = random_gpu(DType::BF16, {total, d}, 0.02);
+    Buffer y = random_gpu(DType::BF16, {N, total});  // also the output gradient
+    Buffer dx(*gpu, DType::BF16, {N, d});
+    Buffer dw(*gpu, DType::F32, {total, d});
+    // Separate tensors, as the model holds them today.
+    std::vector<Buffer> ws, ys, dws;
+    for (int64_t o : grp.outs) {
+      ws.push_back(random_gpu(DType::BF16, {o, d}, 0.02));
+      ys.push_back(random_gpu(DType::BF16, {N, o}));
+      dws.emplace_back(*gpu, DType::F32, std::initializer_list<int64_t>{o, d});
+    }
+    const double flop = 2.0 * N * d * total;
+    const std::string tag = std::string(grp.name) + " [" + std::to_string(N) + " x " +
+                            std::to_string(d) + "] -> " + std::to_string(total);
+    report("forward, separate " + tag, time_ms([&] {
+             for (size_t i = 0; i < ws.size(); ++i) gpu->matmul_forward(ys[i], x, ws[i]);
+           }), flop, 0);
+    report("forward, stacked " + tag, time_ms([&] { gpu->matmul_forward(y, x, w); }), flop, 0);
+    report("input grad, separate " + tag, time_ms([&] {
+             for (size_t i = 0; i < ws.size(); ++i) gpu->matmul_input_grad(dx, ys[i], ws[i], i > 0);
+           }), flop, 0);
+    report("input grad, stacked " + tag,
+           time_ms([&] { gpu->matmul_input_grad(dx, y, w, false); }), flop, 0);
+    report("weight grad, separate " + tag, time_ms([&] {
+             for (size_t i = 0; i < ws.size(); ++i) gpu->matmul_weight_grad(dws[i], ys[i], x);
+           }), flop, 0);
+    report("weight grad, stacked " + tag, time_ms([&] { gpu->matmul_weight_grad(dw, y, x); }),
+           flop, 0);
+  }
+  // The step's other products, so that the lines sum to the step's matmul time: the output
+  // and down projections (36 layers each) and one chunk of the tied LM head (10 chunks of
+  // 1,664 tokens a step at 1B: Model::logits_chunk) over the 151,936-word vocabulary.
+  struct Product {
+    const char* name;
+    int64_t rows, in, out;
+  };
+  for (const Product& pr : {Product{"o_proj", N, 2048, d}, Product{"down_proj", N, 5120, d},
+                            Product{"lm_head chunk", 1664, d, 151936}}) {
+    Buffer x = random_gpu(DType::BF16, {pr.rows, pr.in});
+    Buffer w = random_gpu(DType::BF16, {pr.out, pr.in}, 0.02);
+    Buffer y = random_gpu(DType::BF16, {pr.rows, pr.out});
+    Buffer dx(*gpu, DType::BF16, {pr.rows, pr.in});
+    Buffer dw(*gpu, DType::F32, {pr.out, pr.in});
+    const double flop = 2.0 * pr.rows * pr.in * pr.out;
+    const std::string tag = std::string(pr.name) + " [" + std::to_string(pr.rows) + " x " +
+                            std::to_string(pr.in) + "] -> " + std::to_string(pr.out);
+    report("forward " + tag, time_ms([&] { gpu->matmul_forward(y, x, w); }), flop, 0);
+    report("input grad " + tag, time_ms([&] { gpu->matmul_input_grad(dx, y, w, false); }), flop,
+           0);
+    report("weight grad " + tag, time_ms([&] { gpu->matmul_weight_grad(dw, y, x); }), flop, 0);
+  }
+}
+
 TEST_F(OpTiming, DISABLED_RoutingTiles1B) {
   const int64_t N = 16384, d = 1280;
   const int S = 73, H = 8;
