@@ -1,7 +1,7 @@
 // cuda_backend.cu: the CUDA implementation of mhar::Backend. Owns the device selection,
 // the one stream, the cuBLASLt/cuBLAS handles and workspace, and a small scratch for
-// sum_squares (its per-block sums); memory ops and host transfers live here, kernels in one .cu per op
-// family (kernels.h).
+// sum_squares (its per-block sums); memory ops and host transfers live here, kernels in
+// one .cu per op family (kernels.h).
 // - act_dtype BF16, stat_dtype F32, grad_dtype F32.
 // - allocate() is cudaMalloc, zero-filled and synchronous (not on the hot path).
 // - upload/download convert on the host between float64 and the tensor's dtype (BF16

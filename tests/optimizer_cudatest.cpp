@@ -74,9 +74,11 @@ std::string first_difference(const std::vector<double>& got, const std::vector<d
   std::string first;
   for (size_t i = 0; i < ref.size(); ++i)
     if (!(got[i] == ref[i]) && !(std::isnan(got[i]) && std::isnan(ref[i]))) {
-      if (++*count == 1)
-        first = "element " + std::to_string(i) + ": " + std::to_string(got[i]) + " vs " +
-                std::to_string(ref[i]);
+      if (++*count == 1) {
+        char buf[96];
+        std::snprintf(buf, sizeof buf, "element %zu: %a vs %a", i, got[i], ref[i]);
+        first = buf;
+      }
     }
   return first;
 }
