@@ -24,7 +24,9 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <iterator>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "cuda/common.cuh"
@@ -230,6 +232,15 @@ std::unique_ptr<Backend::AdamWGroup> adamw_group(std::vector<Backend::AdamWSegme
     MHAR_CHECK(written[i].first >= written[i - 1].second,
                "adamw group: the tensors of its segments overlap (", written.size(),
                " written ranges)");
+  // Gradients are read only (the kernel reads them through __restrict__ pointers): none
+  // may overlap a written range.
+  for (const Backend::AdamWSegment& s : segments) {
+    if (s.grad.numel() == 0) continue;
+    const auto lo = reinterpret_cast<uintptr_t>(s.grad.data), hi = lo + size_t(s.grad.bytes());
+    auto it = std::lower_bound(written.begin(), written.end(), std::make_pair(hi, uintptr_t(0)));
+    MHAR_CHECK(it == written.begin() || std::prev(it)->second <= lo,
+               "adamw group: a gradient overlaps a tensor the step writes");
+  }
 
   auto group = std::make_unique<CudaAdamWGroup>(std::move(segments), owner, std::move(release));
   std::vector<std::vector<SegDesc>> descs;
