@@ -1,7 +1,7 @@
 // cuda_backend.cu: the CUDA implementation of mhar::Backend. Owns the device selection,
-// the one stream, the cuBLASLt/cuBLAS handles and workspace, and a one-double scratch
-// for sum_squares; memory ops and host transfers live here, kernels in one .cu per op
-// family (kernels.h).
+// the one stream, the cuBLASLt/cuBLAS handles and workspace, and a small scratch for
+// sum_squares (its per-block sums); memory ops and host transfers live here, kernels in
+// one .cu per op family (kernels.h).
 // - act_dtype BF16, stat_dtype F32, grad_dtype F32.
 // - allocate() is cudaMalloc, zero-filled and synchronous (not on the hot path).
 // - upload/download convert on the host between float64 and the tensor's dtype (BF16
@@ -49,8 +49,8 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaMalloc(&mm_.workspace, mm_.workspace_bytes));
     count(mm_.workspace, mm_.workspace_bytes);
     CUBLAS_CHECK(cublasSetWorkspace(mm_.blas, mm_.workspace, mm_.workspace_bytes));
-    CUDA_CHECK(cudaMalloc(&scratch_, sizeof(double)));
-    count(scratch_, sizeof(double));
+    CUDA_CHECK(cudaMalloc(&scratch_, cuda::kSumSquaresScratch * sizeof(double)));
+    count(scratch_, cuda::kSumSquaresScratch * sizeof(double));
     routing_ctx_.blas = mm_.blas;
     routing_ctx_.scratch = [this](cuda::ScratchSlot slot, size_t bytes) {
       return scratch(slot, bytes);
@@ -364,6 +364,13 @@ class CudaBackend final : public Backend {
   void adamw(Tensor param, Tensor master, Tensor grad, Tensor m, Tensor v,
              const AdamW& hp) override {
     cuda::adamw(stream_, param, master, grad, m, v, hp);
+  }
+  std::unique_ptr<AdamWGroup> adamw_group(std::vector<AdamWSegment> segments) override {
+    return cuda::adamw_group(std::move(segments), this, [this](size_t b) { return allocate(b); },
+                             [this](void* p) { release(p); });
+  }
+  void adamw_step(const AdamWGroup& group, const AdamW& hp) override {
+    if (!cuda::adamw_step(stream_, group, this, hp)) Backend::adamw_step(group, hp);
   }
 
  private:

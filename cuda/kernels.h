@@ -197,8 +197,9 @@ void hyper_dynamic_coef_backward(cudaStream_t s, Tensor dH, Tensor dW, Tensor dA
                                  Tensor W, Tensor T, Tensor rstd, Tensor s_a, Tensor s_b,
                                  const HyperWorkspace& ws);
 
-// reductions.cu. sum_squares accumulates into *scratch (one device double) and returns the
-// host value (synchronises the stream).
+// reductions.cu. sum_squares uses scratch (kSumSquaresScratch device doubles: the
+// per-block sums, then the result) and returns the host value (synchronises the stream).
+constexpr int kSumSquaresScratch = 4097;
 double sum_squares(cudaStream_t s, Tensor t, double* scratch);
 void add(cudaStream_t s, Tensor out, Tensor a, Tensor b);
 void add_inplace(cudaStream_t s, Tensor y, Tensor x);
@@ -220,5 +221,15 @@ void delta_source_grad(cudaStream_t s, Tensor out, Tensor dresid, Tensor slot, T
 // optimizer.cu
 void adamw(cudaStream_t s, Tensor param, Tensor master, Tensor grad, Tensor m, Tensor v,
            const Backend::AdamW& hp);
+// Backend::adamw_group for the backend `owner`: its device tables come from `allocate`
+// and go back through `release` when the group is destroyed.
+std::unique_ptr<Backend::AdamWGroup> adamw_group(std::vector<Backend::AdamWSegment> segments,
+                                                 const void* owner,
+                                                 const std::function<void*(size_t)>& allocate,
+                                                 std::function<void(void*)> release);
+// One step of a group made by adamw_group for `owner` (one launch per kind of segment);
+// false, with nothing done, for any other group (the caller runs Backend's default).
+bool adamw_step(cudaStream_t s, const Backend::AdamWGroup& group, const void* owner,
+                const Backend::AdamW& hp);
 
 }  // namespace mhar::cuda

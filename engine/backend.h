@@ -22,6 +22,7 @@
 #include <cstddef>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/tensor.h"
@@ -431,6 +432,36 @@ class Backend {
   };
   virtual void adamw(Tensor param, Tensor master, Tensor grad, Tensor m, Tensor v,
                      const AdamW& hp) = 0;
+  // Many adamw() calls as one (the optimizer's whole shard, every step). A segment is one
+  // call's tensors; its weight decay is the step's hp.weight_decay where `decay`, else 0.
+  // Segments must not overlap. A group is made once (a backend may keep device tables of
+  // its segments) and stepped with each step's hyperparameters; its tensors must stay
+  // where they are, and the backend must outlive it. The default calls adamw() once per
+  // segment, in order: the reference an override matches bit for bit. adamw_step accepts
+  // a group made by any backend (one it did not make runs the default loop).
+  struct AdamWSegment {
+    Tensor param, master, grad, m, v;
+    bool decay = false;
+  };
+  class AdamWGroup {
+   public:
+    explicit AdamWGroup(std::vector<AdamWSegment> segments) : segments_(std::move(segments)) {}
+    virtual ~AdamWGroup() = default;
+    const std::vector<AdamWSegment>& segments() const { return segments_; }
+
+   private:
+    std::vector<AdamWSegment> segments_;
+  };
+  virtual std::unique_ptr<AdamWGroup> adamw_group(std::vector<AdamWSegment> segments) {
+    return std::make_unique<AdamWGroup>(std::move(segments));
+  }
+  virtual void adamw_step(const AdamWGroup& group, const AdamW& hp) {
+    for (const AdamWSegment& s : group.segments()) {
+      AdamW h = hp;
+      h.weight_decay = s.decay ? hp.weight_decay : 0.0;
+      adamw(s.param, s.master, s.grad, s.m, s.v, h);
+    }
+  }
 };
 
 inline void Backend::rope_at(Tensor, double, int64_t) {

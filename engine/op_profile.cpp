@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <sstream>
+#include <utility>
 
 namespace mhar {
 
@@ -354,6 +355,18 @@ void OpProfiler::adamw(Tensor param, Tensor master, Tensor grad, Tensor m, Tenso
   Span s(*this, OpFamily::Optimizer, bytes_of({grad, m, v, master, m, v, master, param}) +
                                          (master.data ? 0 : bytes_of({param})));
   in_.adamw(param, master, grad, m, v, hp);
+}
+std::unique_ptr<Backend::AdamWGroup> OpProfiler::adamw_group(std::vector<AdamWSegment> segments) {
+  return in_.adamw_group(std::move(segments));
+}
+void OpProfiler::adamw_step(const AdamWGroup& group, const AdamW& hp) {
+  // adamw's bytes, summed over the segments.
+  double bytes = 0;
+  for (const AdamWSegment& g : group.segments())
+    bytes += bytes_of({g.grad, g.m, g.v, g.master, g.m, g.v, g.master, g.param}) +
+             (g.master.data ? 0 : bytes_of({g.param}));
+  Span s(*this, OpFamily::Optimizer, bytes);
+  in_.adamw_step(group, hp);
 }
 void OpProfiler::zero(Tensor t) {
   Span s(*this, OpFamily::Memory, bytes_of({t}));

@@ -126,6 +126,9 @@ class OpProfiler final : public ForwardingBackend {
   void delta_source_grad(Tensor out, Tensor dresid, Tensor slot, Tensor next) override;
   double sum_squares(Tensor t) override;
   void adamw(Tensor param, Tensor master, Tensor grad, Tensor m, Tensor v, const AdamW& hp) override;
+  // The inner backend's group (its fused step), timed as one op of every segment's bytes.
+  std::unique_ptr<AdamWGroup> adamw_group(std::vector<AdamWSegment> segments) override;
+  void adamw_step(const AdamWGroup& group, const AdamW& hp) override;
   void zero(Tensor t) override;
   void copy(Tensor dst, Tensor src) override;
 

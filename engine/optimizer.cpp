@@ -1,8 +1,13 @@
-// optimizer.cpp: AdamW state of this rank's shard, the update loop and the schedule.
+// optimizer.cpp: AdamW state of this rank's shard, the update and the schedule.
+// The update is one Backend::adamw_step over a group of every shard segment, made once
+// in the constructor (the CUDA backend keeps its segment and chunk tables on the device
+// and updates the whole shard in one launch; the default, the CPU reference, calls adamw
+// per segment in order, as the loop here did before the group existed).
 #include "engine/optimizer.h"
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 #include <vector>
 
 namespace mhar {
@@ -42,6 +47,12 @@ AdamWOptimizer::AdamWOptimizer(Model& model, const TrainConfig& train, int rank)
     master_arena_ = std::make_unique<Arena>(be, *master_plan_);
     sync_master_from_params();
   }
+  std::vector<Backend::AdamWSegment> group;
+  group.reserve(segments_.size());
+  for (const ShardSegment& s : segments_)
+    group.push_back({param_slice(s), has_master() ? weights(s) : Tensor(), grad_slice(s),
+                     exp_avg(s), exp_avg_sq(s), model.parameters()[size_t(s.param)].decay});
+  group_ = be.adamw_group(std::move(group));
 }
 
 std::vector<ShardSegment> AdamWOptimizer::shard_segments(const Model& model, int rank) {
@@ -114,14 +125,10 @@ void AdamWOptimizer::sync_master_from_params() {
 }
 
 void AdamWOptimizer::step(double lr, double grad_scale, long long step) {
-  Backend& be = model_.backend();
-  const auto& params = model_.parameters();
-  for (const ShardSegment& s : segments_) {
-    Backend::AdamW hp{lr, cfg_.beta1, cfg_.beta2, cfg_.adam_eps,
-                      params[size_t(s.param)].decay ? cfg_.weight_decay : 0.0, grad_scale, step};
-    be.adamw(param_slice(s), has_master() ? weights(s) : Tensor(), grad_slice(s), exp_avg(s),
-             exp_avg_sq(s), hp);
-  }
+  // weight_decay applies to the segments of decayed parameters only (AdamWSegment::decay).
+  const Backend::AdamW hp{lr, cfg_.beta1, cfg_.beta2, cfg_.adam_eps, cfg_.weight_decay, grad_scale,
+                          step};
+  model_.backend().adamw_step(*group_, hp);
 }
 
 double AdamWOptimizer::shard_sum_squares() const {

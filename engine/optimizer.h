@@ -37,7 +37,7 @@ class AdamWOptimizer {
   // `grad_scale` (the clipping factor) first. `step` counts from 1 (bias correction).
   // Weight decay follows each parameter (Parameter::decay), also where a shard starts or
   // ends inside a parameter. The other ranks' parameter elements are left as they are
-  // (the all-gather brings them).
+  // (the all-gather brings them). One Backend::adamw_step over every segment.
   void step(double lr, double grad_scale, long long step);
 
   // Sum of squares of this rank's shard of the gradients (after the reduce-scatter);
@@ -85,6 +85,9 @@ class AdamWOptimizer {
   std::vector<std::pair<int64_t, int64_t>> grad_runs_;  // contiguous shard ranges
   std::unique_ptr<MemoryPlan> m_plan_, v_plan_, master_plan_;
   std::unique_ptr<Arena> m_arena_, v_arena_, master_arena_;
+  // Every segment's tensors, made once (Backend::adamw_group); declared last so that it
+  // goes before the arenas it points into.
+  std::unique_ptr<Backend::AdamWGroup> group_;
 };
 
 // Learning rate at `step` (0-based): linear warmup to lr over warmup_steps, then cosine
