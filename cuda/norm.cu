@@ -259,14 +259,18 @@ struct AddArgs {
 // (forward), the next step's rows loaded into registers before this step's arithmetic, so
 // a warp always has a step's loads in flight; kLite (fused RoPE), cos/sin split over the
 // warp (RopeCache::update_warp) and the token index in 32 bits; kPdl (backward), the dw
-// finish kernel may launch while this one still runs (programmatic dependent launch).
+// finish kernel may launch while this one still runs (programmatic dependent launch);
+// kStaged (backward), x and dy of the next step copied into shared memory by cp.async
+// while this step computes (two stages; the step reads its rows from shared memory).
 // None changes an operation on a value or the rows a lane handles: the same bits.
 // (Outside the unnamed namespace: nvcc warns about its unused members there.)
 }  // namespace
 namespace norm_lab {
-template <bool Prefetch, bool Pipeline = false, bool Lite = false, bool Pdl = false>
+template <bool Prefetch, bool Pipeline = false, bool Lite = false, bool Pdl = false,
+          bool Staged = false>
 struct VecOpt {
-  static constexpr bool kPrefetch = Prefetch, kPipeline = Pipeline, kLite = Lite, kPdl = Pdl;
+  static constexpr bool kPrefetch = Prefetch, kPipeline = Pipeline, kLite = Lite, kPdl = Pdl,
+                        kStaged = Staged;
 };
 }  // namespace norm_lab
 namespace {
@@ -278,6 +282,34 @@ __device__ __forceinline__ void pdl_launch_dependents() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
+// cp.async of 16 bytes global -> shared, zero-filled when !valid (src then not read); the
+// "memory" clobbers keep the compiler from moving this thread's shared-memory reads across
+// the wait. Before sm_80: a plain copy (the same bytes, synchronously).
+__device__ __forceinline__ void stage_copy16(uint4* dst, const void* src, bool valid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(
+                   static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
+               "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+#else
+  *dst = valid ? *static_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
+#endif
+}
+__device__ __forceinline__ void stage_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+template <int N> __device__ __forceinline__ void stage_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+// Dynamic shared memory of the staged backward: [2 stages][x, dy][warps][RPI][VPL][32 lanes]
+// of 16 bytes.
+template <int RPI, int VPL>
+constexpr size_t staged_bytes() { return size_t(2) * 2 * (kVecThreads / 32) * RPI * VPL * 32 * 16; }
+
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -423,13 +455,12 @@ __global__ void __launch_bounds__(kVecThreads)
 
 // kRope: dy is the gradient w.r.t. the rotated output; it is rotated back (rounded to
 // bf16, as the unfused inverse RoPE stores it) right after loading, and not written.
-template <class W, int TPR, int VPL, int RPI, bool kRope = false, bool kWarpToken = false,
-          class Opt = OptV1>
-__global__ void __launch_bounds__(kVecThreads)
-    rmsnorm_backward_vec_kernel(bf16* dx, float* __restrict__ partials,
-                                const bf16* __restrict__ dy, const bf16* __restrict__ x,
-                                const W* __restrict__ w, const float* __restrict__ rstd,
-                                int64_t R, int D, bool accumulate, RopeArgs ra) {
+// The body of the backward kernels below (one kernel per launch-bounds rule).
+template <class W, int TPR, int VPL, int RPI, bool kRope, bool kWarpToken, class Opt>
+__device__ __forceinline__ void rmsnorm_backward_vec_body(
+    bf16* dx, float* __restrict__ partials, const bf16* __restrict__ dy,
+    const bf16* __restrict__ x, const W* __restrict__ w, const float* __restrict__ rstd,
+    int64_t R, int D, bool accumulate, const RopeArgs& ra) {
   static_assert(!kRope || VPL == 1, "fused RoPE needs head_dim = 8 * lanes per row");
   // The finish kernel's blocks may be scheduled now (they wait for this grid's end before
   // reading `partials`): its launch overlaps this kernel instead of following it.
@@ -445,29 +476,71 @@ __global__ void __launch_bounds__(kVecThreads)
     for (int e = 0; e < 8; ++e) dw_acc[k][e] = 0.f;
 
   auto row_of = [&](int64_t base, int r) { return vec_row<G, RPI>(base, warp, grp, r); };
+  const int64_t stride = int64_t(gridDim.x) * RB;
   // The first step's old dx (later steps' come with the previous step's prefetch): in L2
   // by the time dx is computed and added to it.
-  if (Opt::kPrefetch && accumulate) prefetch_rows<RW>(int64_t(blockIdx.x) * RB, warp, lane, R, D, dx);
-  for (int64_t base = int64_t(blockIdx.x) * RB; base < R; base += int64_t(gridDim.x) * RB) {
-    uint4 xv[RPI][VPL], gv[RPI][VPL];
-    float rs[RPI], coef[RPI];
+  if ((Opt::kPrefetch || Opt::kStaged) && accumulate)
+    prefetch_rows<RW>(int64_t(blockIdx.x) * RB, warp, lane, R, D, dx);
+  // kStaged: a step's x and dy rows, copied a step ahead (each lane copies and later reads
+  // its own 16-byte slots: no barrier), and its rstd values, loaded a step ahead too.
+  extern __shared__ uint4 norm_stage[];
+  auto slot = [&](int buf, int t, int r, int k) {
+    return norm_stage + ((((buf * 2 + t) * (kVecThreads / 32) + warp) * RPI + r) * VPL + k) * 32 +
+           lane;
+  };
+  [[maybe_unused]] float rs_next[RPI];
+  auto stage_issue = [&](int64_t base, int buf) {
 #pragma unroll
     for (int r = 0; r < RPI; ++r) {
       const int64_t row = row_of(base, r);
-      rs[r] = row < R ? rstd[row] : 0.f;
+      rs_next[r] = row < R ? rstd[row] : 0.f;
 #pragma unroll
       for (int k = 0; k < VPL; ++k) {
         const int col = (sub + k * TPR) * 8;
         const bool ok = row < R && col < D;
-        xv[r][k] = ok ? __ldg(reinterpret_cast<const uint4*>(x + row * D + col))
-                      : make_uint4(0, 0, 0, 0);
-        gv[r][k] = ok ? __ldg(reinterpret_cast<const uint4*>(dy + row * D + col))
-                      : make_uint4(0, 0, 0, 0);
+        const int64_t off = ok ? row * D + col : 0;
+        stage_copy16(slot(buf, 0, r, k), x + off, ok);
+        stage_copy16(slot(buf, 1, r, k), dy + off, ok);
+      }
+    }
+    stage_commit();
+  };
+  int buf = 0;
+  if constexpr (Opt::kStaged) stage_issue(int64_t(blockIdx.x) * RB, 0);
+  for (int64_t base = int64_t(blockIdx.x) * RB; base < R; base += stride, buf ^= 1) {
+    uint4 xv[RPI][VPL], gv[RPI][VPL];
+    float rs[RPI], coef[RPI];
+    if constexpr (Opt::kStaged) {
+#pragma unroll
+      for (int r = 0; r < RPI; ++r) rs[r] = rs_next[r];
+      stage_issue(base + stride, buf ^ 1);  // rows past R: zero-filled, nothing read
+      stage_wait<1>();                      // this step's copies (the older group) landed
+#pragma unroll
+      for (int r = 0; r < RPI; ++r)
+#pragma unroll
+        for (int k = 0; k < VPL; ++k) {
+          xv[r][k] = *slot(buf, 0, r, k);
+          gv[r][k] = *slot(buf, 1, r, k);
+        }
+      if (accumulate) prefetch_rows<RW>(base + stride, warp, lane, R, D, dx);
+    } else {
+#pragma unroll
+      for (int r = 0; r < RPI; ++r) {
+        const int64_t row = row_of(base, r);
+        rs[r] = row < R ? rstd[row] : 0.f;
+#pragma unroll
+        for (int k = 0; k < VPL; ++k) {
+          const int col = (sub + k * TPR) * 8;
+          const bool ok = row < R && col < D;
+          xv[r][k] = ok ? __ldg(reinterpret_cast<const uint4*>(x + row * D + col))
+                        : make_uint4(0, 0, 0, 0);
+          gv[r][k] = ok ? __ldg(reinterpret_cast<const uint4*>(dy + row * D + col))
+                        : make_uint4(0, 0, 0, 0);
+        }
       }
     }
     if constexpr (Opt::kPrefetch)
-      prefetch_rows<RW>(base + int64_t(gridDim.x) * RB, warp, lane, R, D, x, dy,
-                        accumulate ? dx : nullptr);
+      prefetch_rows<RW>(base + stride, warp, lane, R, D, x, dy, accumulate ? dx : nullptr);
     if constexpr (kRope) {
       if constexpr (kWarpToken) {
         if constexpr (Opt::kLite) rc.update_warp(ra, row_of(base, 0), sub, lane);
@@ -533,6 +606,8 @@ __global__ void __launch_bounds__(kVecThreads)
     }
   }
 
+  if constexpr (Opt::kStaged) stage_wait<0>();  // the last (zero-filled) stage
+
   // dw partial of this block: lane groups of a warp (same columns) by shuffles, then the
   // warps in warp order through shared memory; one row of `partials` per block.
 #pragma unroll
@@ -558,6 +633,30 @@ __global__ void __launch_bounds__(kVecThreads)
   }
   for (int c = threadIdx.x; c < D; c += kVecThreads)
     partials[int64_t(blockIdx.x) * D + c] = col_sum[c];
+}
+
+template <class W, int TPR, int VPL, int RPI, bool kRope = false, bool kWarpToken = false,
+          class Opt = OptV1>
+__global__ void __launch_bounds__(kVecThreads)
+    rmsnorm_backward_vec_kernel(bf16* dx, float* __restrict__ partials,
+                                const bf16* __restrict__ dy, const bf16* __restrict__ x,
+                                const W* __restrict__ w, const float* __restrict__ rstd,
+                                int64_t R, int D, bool accumulate, RopeArgs ra) {
+  rmsnorm_backward_vec_body<W, TPR, VPL, RPI, kRope, kWarpToken, Opt>(dx, partials, dy, x, w,
+                                                                      rstd, R, D, accumulate, ra);
+}
+// The staged plain kernels of short rows (D <= 768, kStaged3) held to 3 blocks per SM:
+// version 1's residency there (their grid is version 1's); unbounded they took 90 registers.
+template <int TPR, int VPL, int RPI>
+constexpr bool kStaged3 = RPI > 1 || VPL <= 3;
+template <class W, int TPR, int VPL, int RPI, class Opt>
+__global__ void __launch_bounds__(kVecThreads, 3)
+    rmsnorm_backward_vec_kernel3(bf16* dx, float* __restrict__ partials,
+                                 const bf16* __restrict__ dy, const bf16* __restrict__ x,
+                                 const W* __restrict__ w, const float* __restrict__ rstd,
+                                 int64_t R, int D, bool accumulate, RopeArgs ra) {
+  rmsnorm_backward_vec_body<W, TPR, VPL, RPI, false, false, Opt>(dx, partials, dy, x, w, rstd, R,
+                                                                  D, accumulate, ra);
 }
 
 // dw[c] += sum over blocks b (in order per row lane, then lanes in order) of
@@ -636,13 +735,18 @@ bool vector_path(DType t, int64_t D, int64_t max_d, std::initializer_list<const 
 // grid and each lane's rows: every version runs version 1's grid and row mapping.
 //   1 L2 prefetch. 2 no prefetch. 3 no prefetch, the dw finish kernel launched as a
 //   programmatic dependent (its launch and ramp hidden under the backward's tail).
+//   4 version 3 with x and dy staged (kStaged): the next step's rows are copied into
+//   shared memory by cp.async while this step computes, so a warp never waits on device
+//   memory for its rows (the old dx of "+=" is still asked of L2 a step ahead).
+//   Shared memory 2 x 2 x 8 x RPI x VPL x 512 bytes (80 KB at D 1280; the blocks per SM
+//   of version 1 still fit up to D 2048).
 // QkNormRope (qk_norm_rope_forward and _backward):
 //   1 as version 1 of the others. 2 kLite (cos/sin split over the warp: half the sincosf
 //   at head_dim 128; 32-bit token index), no prefetch. 3 version 2, forward on the
 //   balanced grid, backward with the programmatic dependent finish. 4 version 3 with the
-//   forward's register pipeline.
+//   forward's register pipeline. 5 version 4 with the backward's x and dy staged.
 // Lab versions apply to BF16 weights (the model's); F32 weights take version 1.
-constexpr int kForwardVersions = 5, kBackwardVersions = 3, kQkVersions = 4;
+constexpr int kForwardVersions = 5, kBackwardVersions = 4, kQkVersions = 5;
 constexpr int kForwardDefault = 1, kBackwardDefault = 1, kQkDefault = 1;
 int g_forward_version = kForwardDefault;    // norm_set_kernel_version (timing lab)
 int g_backward_version = kBackwardDefault;
@@ -794,18 +898,40 @@ bool launch_backward_vec(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor
         int v = std::is_same_v<W, bf16> ? version : 1;
         if (kRope && !lite_rows_fit(R)) v = 1;
         bool pdl = false;
+        size_t smem = 0;
         if constexpr (std::is_same_v<W, bf16>) {
           auto pick = [&](auto opt) {
             using Opt = decltype(opt);
-            kern = warp_token
-                       ? rmsnorm_backward_vec_kernel<W, C::TPR, C::VPL, RPI, kRope, kRope, Opt>
-                       : rmsnorm_backward_vec_kernel<W, C::TPR, C::VPL, RPI, kRope, false, Opt>;
+            auto k_any = rmsnorm_backward_vec_kernel<W, C::TPR, C::VPL, RPI, kRope, false, Opt>;
+            if constexpr (!kRope && Opt::kStaged && kStaged3<C::TPR, C::VPL, RPI>)
+              k_any = rmsnorm_backward_vec_kernel3<W, C::TPR, C::VPL, RPI, Opt>;
+            auto k_token = rmsnorm_backward_vec_kernel<W, C::TPR, C::VPL, RPI, kRope, kRope, Opt>;
+            kern = warp_token ? k_token : k_any;
             pdl = Opt::kPdl;
+            if constexpr (Opt::kStaged) {
+              smem = staged_bytes<RPI, C::VPL>();
+              static const bool sized = [&] {
+                // Shared memory for version 1's blocks per SM (up to 3 x 72 KB): ask for the
+                // largest carveout, not the driver's choice.
+                for (auto k : {k_any, k_token}) {
+                  CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                  int(staged_bytes<RPI, C::VPL>())));
+                  CUDA_CHECK(cudaFuncSetAttribute(
+                      k, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
+                }
+                return true;
+              }();
+              (void)sized;
+            }
           };
+          // Plain: 2, 3, 4 as listed above; QK-norm + RoPE: 2, 3 (and 4, whose change is
+          // the forward's), 5.
+          const int staged_from = kRope ? 5 : 4;
           if (v == 2) pick(VecOpt<false, false, kRope>{});
-          else if (v >= 3) pick(VecOpt<false, false, kRope, true>{});
+          else if (v < staged_from) pick(VecOpt<false, false, kRope, true>{});
+          else pick(VecOpt<false, false, kRope, true, true>{});
         }
-        kern<<<unsigned(blocks), kVecThreads, 0, s>>>(
+        kern<<<unsigned(blocks), kVecThreads, smem, s>>>(
             static_cast<bf16*>(dx.data), partials, static_cast<const bf16*>(dy.data),
             static_cast<const bf16*>(x.data), static_cast<const W*>(w.data), rstd.ptr<float>(),
             R, int(D), accumulate_dx, ra);
