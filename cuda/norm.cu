@@ -23,11 +23,17 @@
 // add_rmsnorm_forward: the forward vector kernel with x = a + b (rounded to bf16 as add
 // does) formed from the loaded a, b and stored before the norm uses it: reads a, b, writes
 // x, y, rstd once; the same bits as add then rmsnorm_forward.
-// Every vector kernel asks L2 for its next step's rows (one bulk prefetch per warp and
-// tensor) before computing the current ones, so that more bytes are in flight than the
-// registers hold.
+// Version 1 of every vector kernel asks L2 for its next step's rows (one bulk prefetch per
+// warp and tensor) before computing the current ones, so that more bytes are in flight
+// than the registers hold.
 // Other shapes/dtypes take the scalar path (warp per row, dw by a slab kernel with one
 // fp32 atomic per column per block, whose summation order can vary run to run).
+// Kernel lab (norm_set_kernel_version, kernels.h; "kernel lab" below lists them): numbered
+// versions of the vector kernels that change only how bytes are scheduled (no L2 prefetch,
+// balanced or one-step grids, a register pipeline of the next step's rows, the backward's
+// rows staged in shared memory by cp.async, the dw finish kernel by programmatic dependent
+// launch, the fused RoPE's cos/sin split over the warp), each the same bits as version 1;
+// version 1 (the kernels described above) is the default until the device run picks.
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
 
