@@ -916,18 +916,21 @@ bool launch_backward_vec(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor
             pdl = Opt::kPdl;
             if constexpr (Opt::kStaged) {
               smem = staged_bytes<RPI, C::VPL>();
-              static const bool sized = [&] {
-                // Shared memory for version 1's blocks per SM (up to 3 x 72 KB): ask for the
-                // largest carveout, not the driver's choice.
+              // Once per device (function attributes are per device) and thread: shared
+              // memory for version 1's blocks per SM (up to 3 x 72 KB), so the largest
+              // carveout rather than the driver's choice.
+              static thread_local int sized_for = -1;
+              int dev = 0;
+              CUDA_CHECK(cudaGetDevice(&dev));
+              if (sized_for != dev) {
                 for (auto k : {k_any, k_token}) {
                   CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                   int(staged_bytes<RPI, C::VPL>())));
                   CUDA_CHECK(cudaFuncSetAttribute(
                       k, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
                 }
-                return true;
-              }();
-              (void)sized;
+                sized_for = dev;
+              }
             }
           };
           // Plain: 2, 3, 4 as listed above; QK-norm + RoPE: 2, 3 (and 4, whose change is
