@@ -92,6 +92,15 @@ void qk_norm_rope_forward(cudaStream_t s, Tensor y, Tensor rstd, Tensor x, Tenso
 void qk_norm_rope_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,
                            Tensor rstd, double theta, bool accumulate_dx,
                            const ScratchFn& scratch);
+// Kernel lab (tests/kernel_bandwidth_cudatest.cpp times every version; the engine never
+// calls it): numbered versions 1 .. norm_kernel_versions(k) of the vector norm kernels
+// (Forward: rmsnorm_forward and add_rmsnorm_forward; Backward: rmsnorm_backward;
+// QkNormRope: both fused QK-norm + RoPE ops), each a complete alternative with the same
+// bits as version 1 (cuda/norm.cu says what each changes). version <= 0: the default.
+// Returns the previous version. Process-wide, not thread-safe.
+enum class NormKernel { Forward, Backward, QkNormRope };
+int norm_set_kernel_version(NormKernel kernel, int version);
+int norm_kernel_versions(NormKernel kernel);
 
 // routing.cu. The logits and the key path of the backward are small GEMMs per head
 // (cuBLAS, on the backend's stream) around the token kernels; their temporaries come from

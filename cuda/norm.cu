@@ -23,15 +23,24 @@
 // add_rmsnorm_forward: the forward vector kernel with x = a + b (rounded to bf16 as add
 // does) formed from the loaded a, b and stored before the norm uses it: reads a, b, writes
 // x, y, rstd once; the same bits as add then rmsnorm_forward.
-// Every vector kernel asks L2 for its next step's rows (one bulk prefetch per warp and
-// tensor) before computing the current ones, so that more bytes are in flight than the
-// registers hold.
+// Version 1 of every vector kernel asks L2 for its next step's rows (one bulk prefetch per
+// warp and tensor) before computing the current ones, so that more bytes are in flight
+// than the registers hold.
 // Other shapes/dtypes take the scalar path (warp per row, dw by a slab kernel with one
 // fp32 atomic per column per block, whose summation order can vary run to run).
+// Kernel lab (norm_set_kernel_version, kernels.h; "kernel lab" below lists them): numbered
+// versions of the vector kernels that change only how bytes are scheduled (no L2 prefetch,
+// balanced or one-step grids, a register pipeline of the next step's rows, the backward's
+// rows staged in shared memory by cp.async, the dw finish kernel by programmatic dependent
+// launch, the fused RoPE's cos/sin split over the warp), each the same bits as version 1;
+// version 1 (the kernels described above) is the default until the device run picks.
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
 
 #include <algorithm>
+#include <mutex>
+#include <type_traits>
+#include <unordered_map>
 
 namespace mhar::cuda {
 namespace {
@@ -129,7 +138,19 @@ struct RopeArgs {
   bool backward = false;
 };
 
-template <int TPR>
+// Token of a row and its position: in 32-bit arithmetic where the host checked that the
+// row indices fit (kLite; the same values as the 64-bit division, several times cheaper).
+template <bool k32>
+__device__ __forceinline__ int64_t rope_position(const RopeArgs& ra, int64_t row) {
+  if constexpr (k32) {
+    const uint32_t t = uint32_t(row) / uint32_t(ra.heads);
+    return ra.first_position + int64_t(t % uint32_t(ra.T_len));
+  } else {
+    return ra.first_position + (row / ra.heads) % ra.T_len;
+  }
+}
+
+template <int TPR, bool k32 = false>
 struct RopeCache {
   float cs[8], sn[8];
   int64_t tok = -1;
@@ -139,7 +160,7 @@ struct RopeCache {
   // base, p % 8 times in turn: the sequence of fp64 products of rope.cu's vector kernel
   // and of the per-lane code before, so cos/sin are the same bits as theirs.
   __device__ __forceinline__ void update(const RopeArgs& ra, int64_t row, int sub) {
-    const int64_t t = row / ra.heads;
+    const int64_t t = k32 ? int64_t(uint32_t(row) / uint32_t(ra.heads)) : row / ra.heads;
     if (!__any_sync(0xffffffffu, t != tok)) return;
     tok = t;
     const int p0 = 4 * sub;  // this lane computes pairs p0 .. p0 + 3
@@ -148,7 +169,8 @@ struct RopeCache {
 #pragma unroll
       for (int e = 0; e < 4; ++e) f *= ra.base;
     }
-    const int64_t pos = ra.first_position + t % ra.T_len;
+    const int64_t pos =
+        ra.first_position + (k32 ? int64_t(uint32_t(t) % uint32_t(ra.T_len)) : t % ra.T_len);
     float c4[4], s4[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
@@ -162,6 +184,33 @@ struct RopeCache {
     for (int e = 0; e < 8; ++e) {
       cs[e] = __shfl_sync(0xffffffffu, c4[e % 4], src + e / 4, TPR);
       sn[e] = __shfl_sync(0xffffffffu, s4[e % 4], src + e / 4, TPR);
+    }
+  }
+  // Versions >= 2 where every row of the warp's step is a head of one token (kWarpToken):
+  // the token's 4 TPR pairs split over all 32 lanes, TPR / 8 each, and handed out by
+  // shuffles across the warp (update: 4 per lane, every lane group of the warp computing
+  // the same token's pairs, so 32 / TPR times the sincosf). Pair p's inv_freq is the same
+  // sequence of fp64 products as update's (ipow(base, 8 (p / 8)), then base p % 8 times),
+  // so the same bits.
+  __device__ __forceinline__ void update_warp(const RopeArgs& ra, int64_t row, int sub,
+                                              int lane) {
+    constexpr int P = TPR / 8;  // pairs per lane: 1, 2 or 4, a divisor of 8
+    const int64_t pos = rope_position<k32>(ra, row);
+    const int p0 = P * lane;
+    double f = ipow(ra.base, p0 & ~7);
+    for (int i = 0; i < (p0 & 7); ++i) f *= ra.base;
+    float cp[P], sp[P];
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      rope_cos_sin(f, pos, ra.backward, cp[k], sp[k]);
+      f *= ra.base;
+    }
+    // Feature e of this lane is pair q0 + e, held by lane (q0 + e) / P at index e % P.
+    const int q0 = (sub % (TPR / 2)) * 8;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      cs[e] = __shfl_sync(0xffffffffu, cp[e % P], (q0 + e) / P);
+      sn[e] = __shfl_sync(0xffffffffu, sp[e % P], (q0 + e) / P);
     }
   }
   // v rounded to bf16 first (the unfused path stores between the two ops), then rotated
@@ -211,40 +260,113 @@ struct AddArgs {
   const bf16* b = nullptr;
 };
 
+// What a kernel-lab version changes in a vector kernel, at compile time (norm_set_kernel_version;
+// version 1 is OptV1): kPrefetch, the L2 prefetch of the next step's rows; kPipeline
+// (forward), the next step's rows loaded into registers before this step's arithmetic, so
+// a warp always has a step's loads in flight; kLite (fused RoPE), cos/sin split over the
+// warp (RopeCache::update_warp) and the token index in 32 bits; kPdl (backward), the dw
+// finish kernel may launch while this one still runs (programmatic dependent launch);
+// kStaged (backward), x and dy of the next step copied into shared memory by cp.async
+// while this step computes (two stages; the step reads its rows from shared memory).
+// None changes an operation on a value or the rows a lane handles: the same bits.
+// (Outside the unnamed namespace: nvcc warns about its unused members there.)
+}  // namespace
+namespace norm_lab {
+template <bool Prefetch, bool Pipeline = false, bool Lite = false, bool Pdl = false,
+          bool Staged = false>
+struct VecOpt {
+  static constexpr bool kPrefetch = Prefetch, kPipeline = Pipeline, kLite = Lite, kPdl = Pdl,
+                        kStaged = Staged;
+};
+}  // namespace norm_lab
+namespace {
+using norm_lab::VecOpt;
+using OptV1 = VecOpt<true>;
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+// cp.async of 16 bytes global -> shared, zero-filled when !valid (src then not read); the
+// "memory" clobbers keep the compiler from moving this thread's shared-memory reads across
+// the wait. Before sm_80: a plain copy (the same bytes, synchronously).
+__device__ __forceinline__ void stage_copy16(uint4* dst, const void* src, bool valid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(
+                   static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
+               "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+#else
+  *dst = valid ? *static_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
+#endif
+}
+__device__ __forceinline__ void stage_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+template <int N> __device__ __forceinline__ void stage_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+// Dynamic shared memory of the staged backward: [2 stages][x, dy][warps][RPI][VPL][32 lanes]
+// of 16 bytes.
+template <int RPI, int VPL>
+constexpr size_t staged_bytes() { return size_t(2) * 2 * (kVecThreads / 32) * RPI * VPL * 32 * 16; }
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // kWarpToken (with kRope): every warp's RW rows of a step are heads of one token (the
 // host checked heads % RW == 0), so the cos/sin are computed once a step, while the
 // step's loads are in flight, and nowhere else (fewer registers than a check per row).
+// A step: load_step (x, or a and b with kAdd), then compute_step; with kPipeline the next
+// step's load_step is issued before this step's compute_step (rows past R load zeros and
+// touch no memory).
 template <class W, int TPR, int VPL, int RPI, bool kRope = false, bool kAdd = false,
-          bool kWarpToken = false>
+          bool kWarpToken = false, class Opt = OptV1>
 __global__ void __launch_bounds__(kVecThreads)
     rmsnorm_forward_vec_kernel(bf16* __restrict__ y, float* __restrict__ rstd,
                                const bf16* __restrict__ x, const W* __restrict__ w, int64_t R,
                                int D, float eps, RopeArgs ra, AddArgs aa) {
   static_assert(!kRope || VPL == 1, "fused RoPE needs head_dim = 8 * lanes per row");
   static_assert(!(kRope && kAdd), "one fusion at a time");
-  RopeCache<TPR> rc;
+  RopeCache<TPR, Opt::kLite> rc;
   constexpr int G = 32 / TPR, RW = G * RPI, RB = (kVecThreads / 32) * RW;
+  constexpr int NT = kAdd ? 2 : 1;  // tensors a step loads
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int grp = lane / TPR, sub = lane % TPR;
+  const int64_t stride = int64_t(gridDim.x) * RB;
   auto row_of = [&](int64_t base, int r) { return vec_row<G, RPI>(base, warp, grp, r); };
-  for (int64_t base = int64_t(blockIdx.x) * RB; base < R; base += int64_t(gridDim.x) * RB) {
+  auto load_step = [&](int64_t base, uint4 (&raw)[NT][RPI][VPL]) {
+#pragma unroll
+    for (int r = 0; r < RPI; ++r) {
+      const int64_t row = row_of(base, r);
+#pragma unroll
+      for (int k = 0; k < VPL; ++k) {
+        const int col = (sub + k * TPR) * 8;
+        const bool ok = row < R && col < D;
+        if constexpr (kAdd) {
+          raw[0][r][k] = ok ? *reinterpret_cast<const uint4*>(aa.a + row * D + col)
+                            : make_uint4(0, 0, 0, 0);
+          raw[1][r][k] = ok ? *reinterpret_cast<const uint4*>(aa.b + row * D + col)
+                            : make_uint4(0, 0, 0, 0);
+        } else {
+          raw[0][r][k] = ok ? __ldg(reinterpret_cast<const uint4*>(x + row * D + col))
+                            : make_uint4(0, 0, 0, 0);
+        }
+      }
+    }
+  };
+  auto compute_step = [&](int64_t base, const uint4 (&raw)[NT][RPI][VPL]) {
     uint4 xv[RPI][VPL];
     float ss[RPI];
     if constexpr (kAdd) {
-      uint4 av[RPI][VPL], bv[RPI][VPL];
-#pragma unroll
-      for (int r = 0; r < RPI; ++r) {
-        const int64_t row = row_of(base, r);
-#pragma unroll
-        for (int k = 0; k < VPL; ++k) {
-          const int col = (sub + k * TPR) * 8;
-          const bool ok = row < R && col < D;
-          av[r][k] = ok ? *reinterpret_cast<const uint4*>(aa.a + row * D + col)
-                        : make_uint4(0, 0, 0, 0);
-          bv[r][k] = ok ? *reinterpret_cast<const uint4*>(aa.b + row * D + col)
-                        : make_uint4(0, 0, 0, 0);
-        }
-      }
 #pragma unroll
       for (int r = 0; r < RPI; ++r) {
         const int64_t row = row_of(base, r);
@@ -252,8 +374,8 @@ __global__ void __launch_bounds__(kVecThreads)
         for (int k = 0; k < VPL; ++k) {
           const int col = (sub + k * TPR) * 8;
           float fa[8], fb[8];
-          unpack8(av[r][k], fa);
-          unpack8(bv[r][k], fb);
+          unpack8(raw[0][r][k], fa);
+          unpack8(raw[1][r][k], fb);
 #pragma unroll
           for (int e = 0; e < 8; ++e) fa[e] += fb[e];
           xv[r][k] = pack8(fa);
@@ -262,20 +384,18 @@ __global__ void __launch_bounds__(kVecThreads)
       }
     } else {
 #pragma unroll
-      for (int r = 0; r < RPI; ++r) {
-        const int64_t row = row_of(base, r);
+      for (int r = 0; r < RPI; ++r)
 #pragma unroll
-        for (int k = 0; k < VPL; ++k) {
-          const int col = (sub + k * TPR) * 8;
-          xv[r][k] = row < R && col < D
-                         ? __ldg(reinterpret_cast<const uint4*>(x + row * D + col))
-                         : make_uint4(0, 0, 0, 0);
-        }
-      }
+        for (int k = 0; k < VPL; ++k) xv[r][k] = raw[0][r][k];
     }
-    if constexpr (kAdd) prefetch_rows<RW>(base + int64_t(gridDim.x) * RB, warp, lane, R, D, aa.a, aa.b);
-    else prefetch_rows<RW>(base + int64_t(gridDim.x) * RB, warp, lane, R, D, x);
-    if constexpr (kRope && kWarpToken) rc.update(ra, row_of(base, 0), sub);
+    if constexpr (Opt::kPrefetch) {
+      if constexpr (kAdd) prefetch_rows<RW>(base + stride, warp, lane, R, D, aa.a, aa.b);
+      else prefetch_rows<RW>(base + stride, warp, lane, R, D, x);
+    }
+    if constexpr (kRope && kWarpToken) {
+      if constexpr (Opt::kLite) rc.update_warp(ra, row_of(base, 0), sub, lane);
+      else rc.update(ra, row_of(base, 0), sub);
+    }
 #pragma unroll
     for (int r = 0; r < RPI; ++r) {
       float acc = 0.f;
@@ -314,19 +434,44 @@ __global__ void __launch_bounds__(kVecThreads)
       const int64_t row = row_of(base, r);
       if (sub == 0 && row < R) rstd[row] = ss[r];
     }
+  };
+  if constexpr (Opt::kPipeline) {
+    int64_t base = int64_t(blockIdx.x) * RB;
+    uint4 cur[NT][RPI][VPL];
+    load_step(base, cur);
+    for (; base < R; base += stride) {
+      uint4 next[NT][RPI][VPL];
+      load_step(base + stride, next);
+      compute_step(base, cur);
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int r = 0; r < RPI; ++r)
+#pragma unroll
+          for (int k = 0; k < VPL; ++k) cur[t][r][k] = next[t][r][k];
+    }
+  } else {
+    for (int64_t base = int64_t(blockIdx.x) * RB; base < R; base += stride) {
+      uint4 raw[NT][RPI][VPL];
+      load_step(base, raw);
+      compute_step(base, raw);
+    }
   }
 }
 
 // kRope: dy is the gradient w.r.t. the rotated output; it is rotated back (rounded to
 // bf16, as the unfused inverse RoPE stores it) right after loading, and not written.
-template <class W, int TPR, int VPL, int RPI, bool kRope = false, bool kWarpToken = false>
-__global__ void __launch_bounds__(kVecThreads)
-    rmsnorm_backward_vec_kernel(bf16* dx, float* __restrict__ partials,
-                                const bf16* __restrict__ dy, const bf16* __restrict__ x,
-                                const W* __restrict__ w, const float* __restrict__ rstd,
-                                int64_t R, int D, bool accumulate, RopeArgs ra) {
+// The body of the backward kernels below (one kernel per launch-bounds rule).
+template <class W, int TPR, int VPL, int RPI, bool kRope, bool kWarpToken, class Opt>
+__device__ __forceinline__ void rmsnorm_backward_vec_body(
+    bf16* dx, float* __restrict__ partials, const bf16* __restrict__ dy,
+    const bf16* __restrict__ x, const W* __restrict__ w, const float* __restrict__ rstd,
+    int64_t R, int D, bool accumulate, const RopeArgs& ra) {
   static_assert(!kRope || VPL == 1, "fused RoPE needs head_dim = 8 * lanes per row");
-  RopeCache<TPR> rc;
+  // The finish kernel's blocks may be scheduled now (they wait for this grid's end before
+  // reading `partials`): its launch overlaps this kernel instead of following it.
+  if constexpr (Opt::kPdl) pdl_launch_dependents();
+  RopeCache<TPR, Opt::kLite> rc;
   constexpr int G = 32 / TPR, RW = G * RPI, RB = (kVecThreads / 32) * RW;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int grp = lane / TPR, sub = lane % TPR;
@@ -337,30 +482,76 @@ __global__ void __launch_bounds__(kVecThreads)
     for (int e = 0; e < 8; ++e) dw_acc[k][e] = 0.f;
 
   auto row_of = [&](int64_t base, int r) { return vec_row<G, RPI>(base, warp, grp, r); };
+  const int64_t stride = int64_t(gridDim.x) * RB;
   // The first step's old dx (later steps' come with the previous step's prefetch): in L2
   // by the time dx is computed and added to it.
-  if (accumulate) prefetch_rows<RW>(int64_t(blockIdx.x) * RB, warp, lane, R, D, dx);
-  for (int64_t base = int64_t(blockIdx.x) * RB; base < R; base += int64_t(gridDim.x) * RB) {
-    uint4 xv[RPI][VPL], gv[RPI][VPL];
-    float rs[RPI], coef[RPI];
+  if ((Opt::kPrefetch || Opt::kStaged) && accumulate)
+    prefetch_rows<RW>(int64_t(blockIdx.x) * RB, warp, lane, R, D, dx);
+  // kStaged: a step's x and dy rows, copied a step ahead (each lane copies and later reads
+  // its own 16-byte slots: no barrier), and its rstd values, loaded a step ahead too.
+  extern __shared__ uint4 norm_stage[];
+  auto slot = [&](int buf, int t, int r, int k) {
+    return norm_stage + ((((buf * 2 + t) * (kVecThreads / 32) + warp) * RPI + r) * VPL + k) * 32 +
+           lane;
+  };
+  [[maybe_unused]] float rs_next[RPI];
+  auto stage_issue = [&](int64_t base, int buf) {
 #pragma unroll
     for (int r = 0; r < RPI; ++r) {
       const int64_t row = row_of(base, r);
-      rs[r] = row < R ? rstd[row] : 0.f;
+      rs_next[r] = row < R ? rstd[row] : 0.f;
 #pragma unroll
       for (int k = 0; k < VPL; ++k) {
         const int col = (sub + k * TPR) * 8;
         const bool ok = row < R && col < D;
-        xv[r][k] = ok ? __ldg(reinterpret_cast<const uint4*>(x + row * D + col))
-                      : make_uint4(0, 0, 0, 0);
-        gv[r][k] = ok ? __ldg(reinterpret_cast<const uint4*>(dy + row * D + col))
-                      : make_uint4(0, 0, 0, 0);
+        const int64_t off = ok ? row * D + col : 0;
+        stage_copy16(slot(buf, 0, r, k), x + off, ok);
+        stage_copy16(slot(buf, 1, r, k), dy + off, ok);
       }
     }
-    prefetch_rows<RW>(base + int64_t(gridDim.x) * RB, warp, lane, R, D, x, dy,
-                      accumulate ? dx : nullptr);
+    stage_commit();
+  };
+  int buf = 0;
+  if constexpr (Opt::kStaged) stage_issue(int64_t(blockIdx.x) * RB, 0);
+  for (int64_t base = int64_t(blockIdx.x) * RB; base < R; base += stride, buf ^= 1) {
+    uint4 xv[RPI][VPL], gv[RPI][VPL];
+    float rs[RPI], coef[RPI];
+    if constexpr (Opt::kStaged) {
+#pragma unroll
+      for (int r = 0; r < RPI; ++r) rs[r] = rs_next[r];
+      stage_issue(base + stride, buf ^ 1);  // rows past R: zero-filled, nothing read
+      stage_wait<1>();                      // this step's copies (the older group) landed
+#pragma unroll
+      for (int r = 0; r < RPI; ++r)
+#pragma unroll
+        for (int k = 0; k < VPL; ++k) {
+          xv[r][k] = *slot(buf, 0, r, k);
+          gv[r][k] = *slot(buf, 1, r, k);
+        }
+      if (accumulate) prefetch_rows<RW>(base + stride, warp, lane, R, D, dx);
+    } else {
+#pragma unroll
+      for (int r = 0; r < RPI; ++r) {
+        const int64_t row = row_of(base, r);
+        rs[r] = row < R ? rstd[row] : 0.f;
+#pragma unroll
+        for (int k = 0; k < VPL; ++k) {
+          const int col = (sub + k * TPR) * 8;
+          const bool ok = row < R && col < D;
+          xv[r][k] = ok ? __ldg(reinterpret_cast<const uint4*>(x + row * D + col))
+                        : make_uint4(0, 0, 0, 0);
+          gv[r][k] = ok ? __ldg(reinterpret_cast<const uint4*>(dy + row * D + col))
+                        : make_uint4(0, 0, 0, 0);
+        }
+      }
+    }
+    if constexpr (Opt::kPrefetch)
+      prefetch_rows<RW>(base + stride, warp, lane, R, D, x, dy, accumulate ? dx : nullptr);
     if constexpr (kRope) {
-      if constexpr (kWarpToken) rc.update(ra, row_of(base, 0), sub);
+      if constexpr (kWarpToken) {
+        if constexpr (Opt::kLite) rc.update_warp(ra, row_of(base, 0), sub, lane);
+        else rc.update(ra, row_of(base, 0), sub);
+      }
 #pragma unroll
       for (int r = 0; r < RPI; ++r) {
         float gf[8];
@@ -421,6 +612,8 @@ __global__ void __launch_bounds__(kVecThreads)
     }
   }
 
+  if constexpr (Opt::kStaged) stage_wait<0>();  // the last (zero-filled) stage
+
   // dw partial of this block: lane groups of a warp (same columns) by shuffles, then the
   // warps in warp order through shared memory; one row of `partials` per block.
 #pragma unroll
@@ -448,14 +641,42 @@ __global__ void __launch_bounds__(kVecThreads)
     partials[int64_t(blockIdx.x) * D + c] = col_sum[c];
 }
 
+template <class W, int TPR, int VPL, int RPI, bool kRope = false, bool kWarpToken = false,
+          class Opt = OptV1>
+__global__ void __launch_bounds__(kVecThreads)
+    rmsnorm_backward_vec_kernel(bf16* dx, float* __restrict__ partials,
+                                const bf16* __restrict__ dy, const bf16* __restrict__ x,
+                                const W* __restrict__ w, const float* __restrict__ rstd,
+                                int64_t R, int D, bool accumulate, RopeArgs ra) {
+  rmsnorm_backward_vec_body<W, TPR, VPL, RPI, kRope, kWarpToken, Opt>(dx, partials, dy, x, w,
+                                                                      rstd, R, D, accumulate, ra);
+}
+// The staged plain kernels of short rows (D <= 768, kStaged3) held to 3 blocks per SM:
+// version 1's residency there (their grid is version 1's); unbounded they took 90 registers.
+template <int TPR, int VPL, int RPI>
+constexpr bool kStaged3 = RPI > 1 || VPL <= 3;
+template <class W, int TPR, int VPL, int RPI, class Opt>
+__global__ void __launch_bounds__(kVecThreads, 3)
+    rmsnorm_backward_vec_kernel3(bf16* dx, float* __restrict__ partials,
+                                 const bf16* __restrict__ dy, const bf16* __restrict__ x,
+                                 const W* __restrict__ w, const float* __restrict__ rstd,
+                                 int64_t R, int D, bool accumulate, RopeArgs ra) {
+  rmsnorm_backward_vec_body<W, TPR, VPL, RPI, false, false, Opt>(dx, partials, dy, x, w, rstd, R,
+                                                                  D, accumulate, ra);
+}
+
 // dw[c] += sum over blocks b (in order per row lane, then lanes in order) of
 // partials[b][c]. Block (32 columns) x (kFinishLanes row lanes): with one partial row per
 // resident block (~264 at D 1280) every lane has all its ~8 loads in flight at once (was 8
 // lanes with ~33 loads each, 8 in flight: a few microseconds of latency on 40 SMs after
 // every backward).
+// kPdl: launched as a programmatic dependent of the backward kernel; waits for its end
+// (and its partial rows' visibility) before the first read.
 constexpr int kFinishLanes = 32;
+template <bool kPdl = false>
 __global__ void __launch_bounds__(32 * kFinishLanes)
     rmsnorm_dw_finish_kernel(float* dw, const float* __restrict__ partials, int nblocks, int D) {
+  if constexpr (kPdl) pdl_wait();
   __shared__ float part[kFinishLanes][33];
   const int c = blockIdx.x * 32 + threadIdx.x;
   float acc = 0.f;
@@ -504,40 +725,150 @@ bool vector_path(DType t, int64_t D, int64_t max_d, std::initializer_list<const 
   return true;
 }
 
+// ---- kernel lab: numbered versions (norm_set_kernel_version, kernels.h) -----------------
+// Every version computes each output value with the same operations in the same order as
+// version 1 (the tests compare them bit for bit); they differ in memory scheduling only.
+// Forward (rmsnorm_forward and add_rmsnorm_forward):
+//   1 L2 prefetch of the next step, grid of the resident blocks (as many as fit at once).
+//   2 no prefetch, same grid (the plain forward lost 7 points when the prefetch came).
+//   3 no prefetch, balanced grid: ceil(steps / resident) steps for every block, so no
+//     last round where a few blocks run alone (1B: 2048 steps on ~660 resident blocks
+//     made 68 blocks take a 4th step).
+//   4 no prefetch, one step per block (the hardware block scheduler balances the tail).
+//   5 no prefetch, register pipeline (kPipeline) on the balanced grid, where a step is at
+//     most 10 vectors a lane (else version 3's kernel).
+// Backward (rmsnorm_backward). dw's partial rows, and so its fp32 sum order, depend on the
+// grid and each lane's rows: every version runs version 1's grid and row mapping.
+//   1 L2 prefetch. 2 no prefetch. 3 no prefetch, the dw finish kernel launched as a
+//   programmatic dependent (its launch and ramp hidden under the backward's tail).
+//   4 version 3 with x and dy staged (kStaged): the next step's rows are copied into
+//   shared memory by cp.async while this step computes, so a warp never waits on device
+//   memory for its rows (the old dx of "+=" is still asked of L2 a step ahead).
+//   Shared memory 2 x 2 x 8 x RPI x VPL x 512 bytes (80 KB at D 1280; the blocks per SM
+//   of version 1 still fit up to D 2048).
+// QkNormRope (qk_norm_rope_forward and _backward):
+//   1 as version 1 of the others. 2 kLite (cos/sin split over the warp: half the sincosf
+//   at head_dim 128; 32-bit token index), no prefetch. 3 version 2, forward on the
+//   balanced grid, backward with the programmatic dependent finish. 4 version 3 with the
+//   forward's register pipeline. 5 version 4 with the backward's x and dy staged.
+// Lab versions apply to BF16 weights (the model's); F32 weights take version 1.
+constexpr int kForwardVersions = 5, kBackwardVersions = 4, kQkVersions = 5;
+constexpr int kForwardDefault = 1, kBackwardDefault = 1, kQkDefault = 1;
+int g_forward_version = kForwardDefault;    // norm_set_kernel_version (timing lab)
+int g_backward_version = kBackwardDefault;
+int g_qk_version = kQkDefault;
+
+enum class GridRule { Resident, Balanced, OneStep };
+int64_t vec_grid(GridRule rule, int64_t steps, int per_sm) {
+  const int64_t resident = int64_t(sm_count()) * per_sm;
+  if (rule == GridRule::OneStep || steps <= resident) return steps;
+  if (rule == GridRule::Resident) return resident;
+  return ceil_div(steps, ceil_div(steps, resident));
+}
+
+// Resident blocks per SM of a lab kernel (occupancy API), asked once per kernel.
+template <class K> int per_sm_cached(K kern) {
+  static std::mutex mu;
+  static std::unordered_map<const void*, int> cache;
+  const void* key = reinterpret_cast<const void*>(kern);
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  const int n = resident_blocks_per_sm(kern, kVecThreads);
+  cache.emplace(key, n);
+  return n;
+}
+
+// The 32-bit token index of kLite needs row indices (plus a step) below 2^31.
+bool lite_rows_fit(int64_t R) { return R < (int64_t(1) << 30); }
+
+void launch_dw_finish(cudaStream_t s, bool pdl, float* dw, const float* partials, int nblocks,
+                      int D) {
+  const dim3 grid(unsigned(ceil_div(D, 32))), block(32, kFinishLanes);
+  if (!pdl) {
+    rmsnorm_dw_finish_kernel<false><<<grid, block, 0, s>>>(dw, partials, nblocks, D);
+    CUDA_CHECK_LAUNCH();
+    return;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  CUDA_CHECK(cudaLaunchKernelEx(&cfg, rmsnorm_dw_finish_kernel<true>, dw, partials, nblocks, D));
+}
+
 // The vector kernels' launches (plain, with the fused RoPE, or with the residual add in
-// front); false when the shape has no vector configuration. Grids: as many blocks as fit
-// on the device at once, at most one row step each.
+// front); false when the shape has no vector configuration. Grids by the version's rule
+// (version 1: as many blocks as fit on the device at once, at most one row step each).
 
 template <bool kRope, bool kAdd = false>
 bool launch_forward_vec(cudaStream_t s, Tensor y, Tensor rstd, Tensor x, Tensor w, int64_t R,
                         int64_t D, double eps, const RopeArgs& ra, const AddArgs& aa = {}) {
   bool launched = false;
+  const int version = kRope ? g_qk_version : g_forward_version;
   dispatch_float(w.dtype, "rmsnorm_forward", [&](auto tw) {
     using W = decltype(tw);
     dispatch_row_config(int(D), false, [&](auto cfg) {
       using C = decltype(cfg);
       if constexpr (!kRope || C::VPL == 1) {
         if (kRope && C::TPR * 8 != D) return;
-        constexpr int RPI = C::RPI, RW = (32 / C::TPR) * RPI;
-        auto go = [&](auto kern, int per_sm) {
-          const int64_t rb = (kVecThreads / 32) * RW;
-          const int64_t blocks = std::min<int64_t>(ceil_div(R, rb), int64_t(sm_count()) * per_sm);
+        constexpr int TPR = C::TPR, VPL = C::VPL, RPI = C::RPI, RW = (32 / TPR) * RPI;
+        const int64_t steps = ceil_div(R, int64_t(kVecThreads / 32) * RW);
+        using Kern = decltype(&rmsnorm_forward_vec_kernel<W, TPR, VPL, RPI, kRope, kAdd>);
+        auto go = [&](Kern kern, int per_sm, GridRule rule) {
+          const int64_t blocks = vec_grid(rule, steps, per_sm);
           kern<<<unsigned(blocks), kVecThreads, 0, s>>>(
               static_cast<bf16*>(y.data), rstd.ptr<float>(), static_cast<const bf16*>(x.data),
               static_cast<const W*>(w.data), R, int(D), float(eps), ra, aa);
           CUDA_CHECK_LAUNCH();
           launched = true;
         };
-        if constexpr (kRope) {
-          if (ra.heads % RW == 0) {
-            auto kern = rmsnorm_forward_vec_kernel<W, C::TPR, C::VPL, RPI, true, false, true>;
-            static const int per_sm = resident_blocks_per_sm(kern, kVecThreads);
-            return go(kern, per_sm);
+        [[maybe_unused]] const bool warp_token = kRope && ra.heads % RW == 0;
+        int v = std::is_same_v<W, bf16> ? version : 1;
+        if (kRope && !lite_rows_fit(R)) v = 1;
+        if (v <= 1) {
+          if constexpr (kRope) {
+            if (warp_token) {
+              auto kern = rmsnorm_forward_vec_kernel<W, TPR, VPL, RPI, true, false, true>;
+              static const int per_sm = resident_blocks_per_sm(kern, kVecThreads);
+              return go(kern, per_sm, GridRule::Resident);
+            }
+          }
+          auto kern = rmsnorm_forward_vec_kernel<W, TPR, VPL, RPI, kRope, kAdd, false>;
+          static const int per_sm = resident_blocks_per_sm(kern, kVecThreads);
+          return go(kern, per_sm, GridRule::Resident);
+        }
+        if constexpr (std::is_same_v<W, bf16>) {
+          auto lab = [&](auto opt, auto wt, GridRule rule) {
+            auto kern = rmsnorm_forward_vec_kernel<W, TPR, VPL, RPI, kRope, kAdd,
+                                                   decltype(wt)::value, decltype(opt)>;
+            go(kern, per_sm_cached(kern), rule);
+          };
+          if constexpr (kRope) {
+            auto both = [&](auto opt, GridRule rule) {
+              if (warp_token) lab(opt, std::true_type{}, rule);
+              else lab(opt, std::false_type{}, rule);
+            };
+            using Lite = VecOpt<false, false, true>;
+            if (v == 2) both(Lite{}, GridRule::Resident);
+            else if (v == 3) both(Lite{}, GridRule::Balanced);
+            else both(VecOpt<false, true, true>{}, GridRule::Balanced);
+          } else {
+            using Plain = VecOpt<false>;
+            constexpr bool kFits = (kAdd ? 2 : 1) * VPL * RPI <= 10;
+            using Piped = std::conditional_t<kFits, VecOpt<false, true>, Plain>;
+            if (v == 2) lab(Plain{}, std::false_type{}, GridRule::Resident);
+            else if (v == 3) lab(Plain{}, std::false_type{}, GridRule::Balanced);
+            else if (v == 4) lab(Plain{}, std::false_type{}, GridRule::OneStep);
+            else lab(Piped{}, std::false_type{}, GridRule::Balanced);
           }
         }
-        auto kern = rmsnorm_forward_vec_kernel<W, C::TPR, C::VPL, RPI, kRope, kAdd, false>;
-        static const int per_sm = resident_blocks_per_sm(kern, kVecThreads);
-        go(kern, per_sm);
       }
     });
   });
@@ -549,6 +880,7 @@ bool launch_backward_vec(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor
                          Tensor rstd, int64_t R, int64_t D, bool accumulate_dx,
                          const ScratchFn& scratch, const RopeArgs& ra) {
   bool launched = false;
+  const int version = kRope ? g_qk_version : g_backward_version;
   dispatch_float(w.dtype, "rmsnorm_backward", [&](auto tw) {
     using W = decltype(tw);
     dispatch_row_config(int(D), true, [&](auto cfg) {
@@ -563,19 +895,57 @@ bool launch_backward_vec(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor
         static const int per_sm_warp_token = resident_blocks_per_sm(kern_warp_token, kVecThreads);
         const bool warp_token = kRope && ra.heads % RW == 0;
         if (warp_token) kern = kern_warp_token;
+        // Version 1's grid for every version (dw's bits depend on it).
         const int per_sm = warp_token ? per_sm_warp_token : per_sm_any;
         const int64_t rb = (kVecThreads / 32) * RW;
         const int64_t blocks = std::min<int64_t>(ceil_div(R, rb), int64_t(sm_count()) * per_sm);
         auto* partials = static_cast<float*>(
             scratch(ScratchSlot::NormPartials, size_t(blocks) * size_t(D) * sizeof(float)));
-        kern<<<unsigned(blocks), kVecThreads, 0, s>>>(
+        int v = std::is_same_v<W, bf16> ? version : 1;
+        if (kRope && !lite_rows_fit(R)) v = 1;
+        bool pdl = false;
+        size_t smem = 0;
+        if constexpr (std::is_same_v<W, bf16>) {
+          auto pick = [&](auto opt) {
+            using Opt = decltype(opt);
+            auto k_any = rmsnorm_backward_vec_kernel<W, C::TPR, C::VPL, RPI, kRope, false, Opt>;
+            if constexpr (!kRope && Opt::kStaged && kStaged3<C::TPR, C::VPL, RPI>)
+              k_any = rmsnorm_backward_vec_kernel3<W, C::TPR, C::VPL, RPI, Opt>;
+            auto k_token = rmsnorm_backward_vec_kernel<W, C::TPR, C::VPL, RPI, kRope, kRope, Opt>;
+            kern = warp_token ? k_token : k_any;
+            pdl = Opt::kPdl;
+            if constexpr (Opt::kStaged) {
+              smem = staged_bytes<RPI, C::VPL>();
+              // Once per device (function attributes are per device) and thread: shared
+              // memory for version 1's blocks per SM (up to 3 x 72 KB), so the largest
+              // carveout rather than the driver's choice.
+              static thread_local int sized_for = -1;
+              int dev = 0;
+              CUDA_CHECK(cudaGetDevice(&dev));
+              if (sized_for != dev) {
+                for (auto k : {k_any, k_token}) {
+                  CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                  int(staged_bytes<RPI, C::VPL>())));
+                  CUDA_CHECK(cudaFuncSetAttribute(
+                      k, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
+                }
+                sized_for = dev;
+              }
+            }
+          };
+          // Plain: 2, 3, 4 as listed above; QK-norm + RoPE: 2, 3 (and 4, whose change is
+          // the forward's), 5.
+          const int staged_from = kRope ? 5 : 4;
+          if (v == 2) pick(VecOpt<false, false, kRope>{});
+          else if (v < staged_from) pick(VecOpt<false, false, kRope, true>{});
+          else pick(VecOpt<false, false, kRope, true, true>{});
+        }
+        kern<<<unsigned(blocks), kVecThreads, smem, s>>>(
             static_cast<bf16*>(dx.data), partials, static_cast<const bf16*>(dy.data),
             static_cast<const bf16*>(x.data), static_cast<const W*>(w.data), rstd.ptr<float>(),
             R, int(D), accumulate_dx, ra);
         CUDA_CHECK_LAUNCH();
-        rmsnorm_dw_finish_kernel<<<unsigned(ceil_div(D, 32)), dim3(32, kFinishLanes), 0, s>>>(
-            dw.ptr<float>(), partials, int(blocks), int(D));
-        CUDA_CHECK_LAUNCH();
+        launch_dw_finish(s, pdl, dw.ptr<float>(), partials, int(blocks), int(D));
         launched = true;
       }
     });
@@ -726,6 +1096,34 @@ void qk_norm_rope_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tens
     return;
   rope(s, dy, theta, true);
   rmsnorm_backward(s, dx, dw, dy, x, w, rstd, accumulate_dx, scratch);
+}
+
+}  // namespace mhar::cuda
+
+namespace mhar::cuda {
+
+int norm_kernel_versions(NormKernel kernel) {
+  switch (kernel) {
+    case NormKernel::Forward: return kForwardVersions;
+    case NormKernel::Backward: return kBackwardVersions;
+    case NormKernel::QkNormRope: return kQkVersions;
+  }
+  return 1;
+}
+
+int norm_set_kernel_version(NormKernel kernel, int version) {
+  const int versions = norm_kernel_versions(kernel);
+  MHAR_CHECK(version <= versions, "norm_set_kernel_version: version ", version,
+             " of a kernel with versions 1 .. ", versions, " (<= 0: the default)");
+  int& v = kernel == NormKernel::Forward    ? g_forward_version
+           : kernel == NormKernel::Backward ? g_backward_version
+                                            : g_qk_version;
+  const int defaults = kernel == NormKernel::Forward    ? kForwardDefault
+                       : kernel == NormKernel::Backward ? kBackwardDefault
+                                                        : kQkDefault;
+  const int before = v;
+  v = version > 0 ? version : defaults;
+  return before;
 }
 
 }  // namespace mhar::cuda

@@ -10,112 +10,147 @@
 // copy rate measured in this run). Inputs are random, never zeros; when one call's bytes
 // are under 4x a 50 MB L2, the calls rotate over several input sets so that no call reads
 // what the previous one left in L2.
+// NormKernelVersions: every kernel-lab version of the norm kernels (cuda/norm.cu,
+// cuda::norm_set_kernel_version) at the 1B shapes, version 1 timed again last (the spread
+// between two runs of one version: differences below it are noise), so that one device
+// call measures them all and picks the defaults.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <functional>
 
+#include "cuda/kernels.h"
 #include "tests/bandwidth_test_util.h"
 
 namespace mhar::test {
 namespace {
 
-class KernelBandwidth : public BandwidthTest {};
-
 struct Shape {
   const char* name;
   int64_t B, T, d, H, Hkv, hd, ff;
 };
+constexpr Shape k100M{"100M", 8, 2048, 512, 8, 4, 128, 1536};
+constexpr Shape k350M{"350M", 16, 1024, 1024, 16, 8, 128, 4096};
+constexpr Shape k1B{"1B", 16, 1024, 1280, 16, 8, 128, 5120};
 
-TEST_F(KernelBandwidth, DISABLED_MemoryBoundKernels) {
-  measure_copy_rate();
-  for (const Shape sh : {Shape{"100M", 8, 2048, 512, 8, 4, 128, 1536},
-                         Shape{"350M", 16, 1024, 1024, 16, 8, 128, 4096},
-                         Shape{"1B", 16, 1024, 1280, 16, 8, 128, 5120}}) {
-    const int64_t N = sh.B * sh.T, d = sh.d;
-    const std::string at = std::string(" ") + sh.name;
-    // RMSNorm over [R, D]: forward reads x, writes y and rstd; backward reads dy, x, rstd,
-    // writes dx (reads it too when accumulating), dw += (D fp32, read and written).
-    auto norms = [&](const std::string& what, int64_t R, int64_t D) {
-      const double row = 2.0 * R * D, fwd = 2 * row + 4.0 * R, bwd = 3 * row + 4.0 * R + 8.0 * D;
-      const int sets = sets_for(fwd);
-      std::vector<Buffer> x, y, dy, dx;
-      for (int i = 0; i < sets; ++i) {
-        x.push_back(random_gpu(DType::BF16, {R, D}, 2.0));
-        y.emplace_back(*gpu, DType::BF16, std::initializer_list<int64_t>{R, D});
-        dy.push_back(random_gpu(DType::BF16, {R, D}));
-        dx.push_back(random_gpu(DType::BF16, {R, D}));
-      }
-      Buffer w = random_gpu(DType::BF16, {D}), rstd(*gpu, DType::F32, {R});
-      Buffer dw(*gpu, DType::F32, {D});
-      const std::string tag = " [" + std::to_string(R) + ", " + std::to_string(D) + "]" + at;
-      report(what + " forward" + tag, fwd,
-             median_ms([&](int i) { gpu->rmsnorm_forward(y[size_t(i)], rstd, x[size_t(i)], w, 1e-6); },
-                       sets));
-      gpu->rmsnorm_forward(y[0], rstd, x[0], w, 1e-6);  // a valid rstd
+class KernelBandwidth : public BandwidthTest {
+ protected:
+  // Runs f(label) once per version of a kernel-lab kernel (cuda::norm_set_kernel_version):
+  // {0} is the default alone (no label), else each listed version, labelled " vN"; the
+  // default is restored after.
+  template <class F>
+  void each_version(cuda::NormKernel k, const std::vector<int>& versions, F&& f) {
+    for (int v : versions) {
+      cuda::norm_set_kernel_version(k, v);
+      f(v <= 0 ? std::string() : " v" + std::to_string(v));
+    }
+    cuda::norm_set_kernel_version(k, 0);
+  }
+
+  // RMSNorm over [R, D]: forward reads x, writes y and rstd; backward reads dy, x, rstd,
+  // writes dx (reads it too when accumulating), dw += (D fp32, read and written).
+  void norms(const std::string& what, int64_t R, int64_t D, const std::string& at,
+             const std::vector<int>& fwd_versions = {0}, const std::vector<int>& bwd_versions = {0}) {
+    const double row = 2.0 * R * D, fwd = 2 * row + 4.0 * R, bwd = 3 * row + 4.0 * R + 8.0 * D;
+    const int sets = sets_for(fwd);
+    std::vector<Buffer> x, y, dy, dx;
+    for (int i = 0; i < sets; ++i) {
+      x.push_back(random_gpu(DType::BF16, {R, D}, 2.0));
+      y.emplace_back(*gpu, DType::BF16, std::initializer_list<int64_t>{R, D});
+      dy.push_back(random_gpu(DType::BF16, {R, D}));
+      dx.push_back(random_gpu(DType::BF16, {R, D}));
+    }
+    Buffer w = random_gpu(DType::BF16, {D}), rstd(*gpu, DType::F32, {R});
+    Buffer dw(*gpu, DType::F32, {D});
+    const std::string tag = " [" + std::to_string(R) + ", " + std::to_string(D) + "]" + at;
+    each_version(cuda::NormKernel::Forward, fwd_versions, [&](const std::string& v) {
+      report(what + " forward" + v + tag, fwd, median_ms([&](int i) {
+               gpu->rmsnorm_forward(y[size_t(i)], rstd, x[size_t(i)], w, 1e-6);
+             }, sets));
+    });
+    if (bwd_versions.empty()) return;
+    gpu->rmsnorm_forward(y[0], rstd, x[0], w, 1e-6);  // a valid rstd
+    each_version(cuda::NormKernel::Backward, bwd_versions, [&](const std::string& v) {
       for (bool acc : {false, true})
-        report(what + " backward" + (acc ? " dx+=" : "") + tag, bwd + (acc ? row : 0.0),
+        report(what + " backward" + (acc ? " dx+=" : "") + v + tag, bwd + (acc ? row : 0.0),
                median_ms([&](int i) {
                  gpu->rmsnorm_backward(dx[size_t(i)], dw, dy[size_t(i)], x[size_t(i)], w, rstd,
                                        acc);
                }, sets));
-    };
-    // Fused QK-norm + RoPE on [B, T, heads, hd]: the norm's bytes (the rotation is free).
-    auto qk = [&](const std::string& what, int64_t heads) {
-      const int64_t R = N * heads, D = sh.hd;
-      const double row = 2.0 * R * D, fwd = 2 * row + 4.0 * R, bwd = 3 * row + 4.0 * R + 8.0 * D;
-      const int sets = sets_for(fwd);
-      std::vector<Buffer> x, y, dy, dx;
-      for (int i = 0; i < sets; ++i) {
-        x.push_back(random_gpu(DType::BF16, {R, D}, 2.0));
-        y.emplace_back(*gpu, DType::BF16, std::initializer_list<int64_t>{sh.B, sh.T, heads, D});
-        dy.push_back(random_gpu(DType::BF16, {sh.B, sh.T, heads, D}));
-        dx.emplace_back(*gpu, DType::BF16, std::initializer_list<int64_t>{R, D});
-      }
-      Buffer w = random_gpu(DType::BF16, {D}), rstd(*gpu, DType::F32, {R});
-      Buffer dw(*gpu, DType::F32, {D});
-      const std::string tag = " [" + std::to_string(sh.B) + ", " + std::to_string(sh.T) + ", " +
-                              std::to_string(heads) + ", " + std::to_string(D) + "]" + at;
-      report(what + " forward" + tag, fwd, median_ms([&](int i) {
+    });
+  }
+
+  // Fused QK-norm + RoPE on [B, T, heads, hd]: the norm's bytes (the rotation is free).
+  void qk(const std::string& what, const Shape& sh, int64_t heads, const std::string& at,
+          const std::vector<int>& versions = {0}) {
+    const int64_t N = sh.B * sh.T, R = N * heads, D = sh.hd;
+    const double row = 2.0 * R * D, fwd = 2 * row + 4.0 * R, bwd = 3 * row + 4.0 * R + 8.0 * D;
+    const int sets = sets_for(fwd);
+    std::vector<Buffer> x, y, dy, dx;
+    for (int i = 0; i < sets; ++i) {
+      x.push_back(random_gpu(DType::BF16, {R, D}, 2.0));
+      y.emplace_back(*gpu, DType::BF16, std::initializer_list<int64_t>{sh.B, sh.T, heads, D});
+      dy.push_back(random_gpu(DType::BF16, {sh.B, sh.T, heads, D}));
+      dx.emplace_back(*gpu, DType::BF16, std::initializer_list<int64_t>{R, D});
+    }
+    Buffer w = random_gpu(DType::BF16, {D}), rstd(*gpu, DType::F32, {R});
+    Buffer dw(*gpu, DType::F32, {D});
+    const std::string tag = " [" + std::to_string(sh.B) + ", " + std::to_string(sh.T) + ", " +
+                            std::to_string(heads) + ", " + std::to_string(D) + "]" + at;
+    each_version(cuda::NormKernel::QkNormRope, versions, [&](const std::string& v) {
+      report(what + " forward" + v + tag, fwd, median_ms([&](int i) {
                gpu->qk_norm_rope_forward(y[size_t(i)], rstd, x[size_t(i)], w, 1e-6, 1e6, 0);
              }, sets));
       gpu->rmsnorm_forward(dx[0], rstd, x[0], w, 1e-6);  // a valid rstd
-      report(what + " backward" + tag, bwd, median_ms([&](int i) {
+      report(what + " backward" + v + tag, bwd, median_ms([&](int i) {
                gpu->qk_norm_rope_backward(dx[size_t(i)], dw, dy[size_t(i)], x[size_t(i)], w, rstd,
                                           1e6, false);
              }, sets));
-    };
-    // Residual add + RMSNorm over [N, d] (the standard scheme's sites): the fused op reads
-    // a, b, w and writes x, y, rstd; the two ops it replaces, timed together, must move
-    // x once more (written by the add, read by the norm).
-    {
-      const int64_t R = N, D = d;
-      const double row = 2.0 * R * D, fused = 4 * row + 4.0 * R + 2.0 * D;
-      const int sets = sets_for(fused);
-      std::vector<Buffer> a, b, x, y;
-      for (int i = 0; i < sets; ++i) {
-        a.push_back(random_gpu(DType::BF16, {R, D}, 2.0));
-        b.push_back(random_gpu(DType::BF16, {R, D}));
-        x.emplace_back(*gpu, DType::BF16, std::initializer_list<int64_t>{R, D});
-        y.emplace_back(*gpu, DType::BF16, std::initializer_list<int64_t>{R, D});
-      }
-      Buffer w = random_gpu(DType::BF16, {D}), rstd(*gpu, DType::F32, {R});
-      const std::string tag = " [" + std::to_string(R) + ", " + std::to_string(D) + "]" + at;
-      report("add+rmsnorm fused forward" + tag, fused, median_ms([&](int i) {
+    });
+  }
+
+  // Residual add + RMSNorm over [R, D] (the standard scheme's sites): the fused op reads
+  // a, b, w and writes x, y, rstd; the two ops it replaces, timed together (two_ops), must
+  // move x once more (written by the add, read by the norm).
+  void add_norm(int64_t R, int64_t D, const std::string& at, bool two_ops,
+                const std::vector<int>& versions = {0}) {
+    const double row = 2.0 * R * D, fused = 4 * row + 4.0 * R + 2.0 * D;
+    const int sets = sets_for(fused);
+    std::vector<Buffer> a, b, x, y;
+    for (int i = 0; i < sets; ++i) {
+      a.push_back(random_gpu(DType::BF16, {R, D}, 2.0));
+      b.push_back(random_gpu(DType::BF16, {R, D}));
+      x.emplace_back(*gpu, DType::BF16, std::initializer_list<int64_t>{R, D});
+      y.emplace_back(*gpu, DType::BF16, std::initializer_list<int64_t>{R, D});
+    }
+    Buffer w = random_gpu(DType::BF16, {D}), rstd(*gpu, DType::F32, {R});
+    const std::string tag = " [" + std::to_string(R) + ", " + std::to_string(D) + "]" + at;
+    each_version(cuda::NormKernel::Forward, versions, [&](const std::string& v) {
+      report("add+rmsnorm fused forward" + v + tag, fused, median_ms([&](int i) {
                const size_t k = size_t(i);
                gpu->add_rmsnorm_forward(x[k], y[k], rstd, a[k], b[k], w, 1e-6);
              }, sets));
-      report("add then rmsnorm (two ops, fused bytes)" + tag, fused, median_ms([&](int i) {
-               const size_t k = size_t(i);
-               gpu->add(x[k], a[k], b[k]);
-               gpu->rmsnorm_forward(y[k], rstd, x[k], w, 1e-6);
-             }, sets));
-    }
-    qk("qk-norm+rope fused q", sh.H);
-    qk("qk-norm+rope fused k", sh.Hkv);
-    norms("rmsnorm", N, d);
-    norms("qk-norm q", N * sh.H, sh.hd);
-    norms("qk-norm k", N * sh.Hkv, sh.hd);
+    });
+    if (!two_ops) return;
+    report("add then rmsnorm (two ops, fused bytes)" + tag, fused, median_ms([&](int i) {
+             const size_t k = size_t(i);
+             gpu->add(x[k], a[k], b[k]);
+             gpu->rmsnorm_forward(y[k], rstd, x[k], w, 1e-6);
+           }, sets));
+  }
+};
+
+TEST_F(KernelBandwidth, DISABLED_MemoryBoundKernels) {
+  measure_copy_rate();
+  for (const Shape& sh : {k100M, k350M, k1B}) {
+    const int64_t N = sh.B * sh.T, d = sh.d;
+    const std::string at = std::string(" ") + sh.name;
+    add_norm(N, d, at, true);
+    qk("qk-norm+rope fused q", sh, sh.H, at);
+    qk("qk-norm+rope fused k", sh, sh.Hkv, at);
+    norms("rmsnorm", N, d, at);
+    norms("qk-norm q", N * sh.H, sh.hd, at);
+    norms("qk-norm k", N * sh.Hkv, sh.hd, at);
     // RoPE in place on [B, T, heads, hd]: reads and writes x once.
     for (auto [what, heads] : {std::pair<const char*, int64_t>{"rope q", sh.H}, {"rope k", sh.Hkv}}) {
       const double bytes = 2.0 * 2 * N * heads * sh.hd;
@@ -176,6 +211,26 @@ TEST_F(KernelBandwidth, DISABLED_MemoryBoundKernels) {
              median_ms([&](int i) { gpu->add_inplace(yf[size_t(i)], a[size_t(i)]); }, sets));
     }
   }
+}
+
+// Versions 1 .. n of each lab kernel, then version 1 again, at the 1B shapes of the
+// standard path's norm calls: the residual add + norm and the final norm (forward), the
+// sublayer norms' backward (+=, and = at the head), the fused QK-norm + RoPE of q and k.
+TEST_F(KernelBandwidth, DISABLED_NormKernelVersions) {
+  measure_copy_rate();
+  auto all = [](cuda::NormKernel k) {
+    std::vector<int> v;
+    for (int i = 1; i <= cuda::norm_kernel_versions(k); ++i) v.push_back(i);
+    v.push_back(1);
+    return v;
+  };
+  const Shape& sh = k1B;
+  const int64_t N = sh.B * sh.T;
+  const std::string at = std::string(" ") + sh.name;
+  add_norm(N, sh.d, at, false, all(cuda::NormKernel::Forward));
+  norms("rmsnorm", N, sh.d, at, all(cuda::NormKernel::Forward), all(cuda::NormKernel::Backward));
+  qk("qk-norm+rope fused q", sh, sh.H, at, all(cuda::NormKernel::QkNormRope));
+  qk("qk-norm+rope fused k", sh, sh.Hkv, at, all(cuda::NormKernel::QkNormRope));
 }
 
 }  // namespace

@@ -10,11 +10,14 @@
 // x in place of a. The backward's "+=" (the standard scheme adds each norm's dx into the
 // running residual gradient with it) against the two-op path dx into a buffer, then
 // add_inplace: the one difference, dx's bf16 rounding, bounded per element.
+// Every kernel-lab version of the forward, the fused add + norm and the backward
+// (cuda::norm_set_kernel_version) gives version 1's bits.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 
+#include "cuda/kernels.h"
 #include "tests/cuda_test_util.h"
 
 namespace mhar::test {
@@ -140,6 +143,89 @@ TEST_F(NormParity, AccumulatedDxIsTheTwoOpsBitForBit) {
     EXPECT_EQ(differ, 0) << "D " << D << ": the += differs from dx then add_inplace";
     std::printf("PARITY rmsnorm_backward += vs two ops D %lld: %lld of %lld elements differ\n",
                 (long long)D, (long long)differ, (long long)(R * D));
+  }
+}
+
+// Every kernel-lab version (cuda::norm_set_kernel_version) computes each value with version
+// 1's operations in version 1's order: y, rstd, the fused add's x, y, rstd (x apart from
+// a, and x in a's buffer), dx overwritten and "+=", and dw (every backward version sums
+// the same partial rows in the same order) are version 1's bits. The row counts give each
+// grid rule several steps a block and a part-filled last step (D 4096: the forward only;
+// its backward takes the scalar path).
+TEST_F(NormParity, EveryKernelVersionSameBits) {
+  using cuda::NormKernel;
+  const double eps = 1e-6;
+  auto differ = [](const std::vector<double>& a, const std::vector<double>& b) {
+    int64_t n = 0;
+    for (size_t i = 0; i < a.size(); ++i) n += !(a[i] == b[i]);
+    return n;
+  };
+  struct Case {
+    int64_t R, D;
+  };
+  for (const Case c : {Case{80001, 64}, Case{50001, 128}, Case{15001, 512}, Case{6001, 1280},
+                       Case{3001, 2048}, Case{1501, 4096}}) {
+    const int64_t R = c.R, D = c.D;
+    const std::string tag = "R" + std::to_string(R) + " D" + std::to_string(D);
+    Buffer x = random_gpu(DType::BF16, {R, D}, 2.0), b = random_gpu(DType::BF16, {R, D}, 0.5);
+    Buffer w = random_gpu(DType::BF16, {D}), dy = random_gpu(DType::BF16, {R, D});
+    Buffer old_dx = random_gpu(DType::BF16, {R, D}), dw0 = random_gpu(DType::F32, {D});
+    Buffer y(*gpu, DType::BF16, {R, D}), rstd(*gpu, DType::F32, {R});
+    Buffer ax(*gpu, DType::BF16, {R, D}), dx(*gpu, DType::BF16, {R, D}), dw(*gpu, DType::F32, {D});
+    const char* fwd_names[] = {"y", "rstd", "add x", "add y", "add rstd", "add x in a", "add y in a"};
+    std::vector<std::vector<double>> ref;
+    const int fv = cuda::norm_kernel_versions(NormKernel::Forward);
+    for (int v = 1; v <= fv; ++v) {
+      cuda::norm_set_kernel_version(NormKernel::Forward, v);
+      y.poison();
+      rstd.poison();
+      gpu->rmsnorm_forward(y, rstd, x, w, eps);
+      std::vector<std::vector<double>> got = {y.get(), rstd.get()};
+      y.poison();
+      rstd.poison();
+      ax.poison();
+      gpu->add_rmsnorm_forward(ax, y, rstd, x, b, w, eps);
+      got.push_back(ax.get());
+      got.push_back(y.get());
+      got.push_back(rstd.get());
+      gpu->copy(ax, x);  // x in place of a (the op allows it, as add does)
+      y.poison();
+      gpu->add_rmsnorm_forward(ax, y, rstd, ax, b, w, eps);
+      got.push_back(ax.get());
+      got.push_back(y.get());
+      if (v == 1) {
+        ref = std::move(got);
+        continue;
+      }
+      for (size_t k = 0; k < got.size(); ++k)
+        EXPECT_EQ(differ(got[k], ref[k]), 0) << "forward v" << v << " " << fwd_names[k] << " " << tag;
+    }
+    cuda::norm_set_kernel_version(NormKernel::Forward, 0);
+    if (D > 2048) continue;
+
+    rstd.set(ref[1]);
+    std::vector<std::vector<double>> bref;
+    const int bv = cuda::norm_kernel_versions(NormKernel::Backward);
+    for (int v = 1; v <= bv; ++v) {
+      cuda::norm_set_kernel_version(NormKernel::Backward, v);
+      std::vector<std::vector<double>> got;
+      for (bool acc : {false, true}) {
+        if (acc) gpu->copy(dx, old_dx);
+        else dx.poison();
+        gpu->copy(dw, dw0);
+        gpu->rmsnorm_backward(dx, dw, dy, x, w, rstd, acc);
+        got.push_back(dx.get());
+        got.push_back(dw.get());
+      }
+      if (v == 1) {
+        bref = std::move(got);
+        continue;
+      }
+      const char* names[] = {"dx", "dw", "dx +=", "dw (+=)"};
+      for (size_t k = 0; k < got.size(); ++k)
+        EXPECT_EQ(differ(got[k], bref[k]), 0) << "backward v" << v << " " << names[k] << " " << tag;
+    }
+    cuda::norm_set_kernel_version(NormKernel::Backward, 0);
   }
 }
 

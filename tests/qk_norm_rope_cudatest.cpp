@@ -4,9 +4,11 @@
 // to bf16 as the GPU stores it. head_dim 64/128/256 take the fused
 // kernels, other head_dims (and misaligned views) the two ops in turn; GQA head counts,
 // rope_at offsets, accumulate_dx, F32 weights. Also: the fused GPU result against the
-// GPU's own unfused composition.
+// GPU's own unfused composition. Every kernel-lab version (cuda::norm_set_kernel_version)
+// against version 1, bit for bit.
 #include <gtest/gtest.h>
 
+#include "cuda/kernels.h"
 #include "tests/cuda_test_util.h"
 
 namespace mhar::test {
@@ -69,6 +71,64 @@ TEST_F(QkNormRopeParity, FusedHeadDims) {
     check(3, 5, 1, hd, 0, true, DType::F32);
   }
   check(8, 300, 4, 128, 0, false);  // many blocks
+}
+
+// Every kernel-lab version of the fused kernels (cuda::NormKernel::QkNormRope) gives
+// version 1's bits: y and rstd (positions from 0 and decode offsets), dx overwritten and
+// "+=", dw. Head counts with a warp's rows on one token (16, 8) and not (3; 4 at head_dim
+// 64), row counts with several steps a block on every grid rule.
+TEST_F(QkNormRopeParity, EveryKernelVersionSameBits) {
+  using cuda::NormKernel;
+  const double eps = 1e-6, theta = 1e6;
+  auto differ = [](const std::vector<double>& a, const std::vector<double>& b) {
+    int64_t n = 0;
+    for (size_t i = 0; i < a.size(); ++i) n += !(a[i] == b[i]);
+    return n;
+  };
+  struct Case {
+    int64_t B, T, H, hd, first;
+  };
+  for (const Case c : {Case{2, 1000, 16, 128, 0}, Case{4, 1000, 8, 128, 0}, Case{3, 3001, 3, 128, 0},
+                       Case{2, 2000, 16, 64, 0}, Case{2, 2001, 4, 64, 0}, Case{1, 900, 16, 256, 0},
+                       Case{2, 999, 16, 128, 777}, Case{1, 2001, 8, 64, 100000}}) {
+    const int64_t B = c.B, T = c.T, H = c.H, hd = c.hd, R = B * T * H;
+    const std::string tag = "B" + std::to_string(B) + " T" + std::to_string(T) + " H" +
+                            std::to_string(H) + " hd" + std::to_string(hd) + " at" +
+                            std::to_string(c.first);
+    Buffer x = random_gpu(DType::BF16, {B * T, H * hd}, 2.0), w = random_gpu(DType::BF16, {hd});
+    Buffer dy = random_gpu(DType::BF16, {B, T, H, hd}), old_dx = random_gpu(DType::BF16, {B * T, H * hd});
+    Buffer dw0 = random_gpu(DType::F32, {hd});
+    Buffer y(*gpu, DType::BF16, {B, T, H, hd}), rstd(*gpu, DType::F32, {R});
+    Buffer dx(*gpu, DType::BF16, {B * T, H * hd}), dw(*gpu, DType::F32, {hd});
+    const char* names[] = {"y", "rstd", "dx", "dw", "dx +=", "dw (+=)"};
+    std::vector<std::vector<double>> ref;
+    const int versions = cuda::norm_kernel_versions(NormKernel::QkNormRope);
+    for (int v = 1; v <= versions; ++v) {
+      cuda::norm_set_kernel_version(NormKernel::QkNormRope, v);
+      y.poison();
+      rstd.poison();
+      gpu->qk_norm_rope_forward(y, rstd, x, w, eps, theta, c.first);
+      std::vector<std::vector<double>> got = {y.get(), rstd.get()};
+      if (c.first == 0) {  // the backward is a training op: positions from 0
+        rstd.set(v == 1 ? got[1] : ref[1]);
+        for (bool acc : {false, true}) {
+          if (acc) gpu->copy(dx, old_dx);
+          else dx.poison();
+          gpu->copy(dw, dw0);
+          gpu->qk_norm_rope_backward(dx, dw, dy, x, w, rstd, theta, acc);
+          got.push_back(dx.get());
+          got.push_back(dw.get());
+        }
+      }
+      if (v == 1) {
+        ref = std::move(got);
+        continue;
+      }
+      for (size_t k = 0; k < got.size(); ++k)
+        EXPECT_EQ(differ(got[k], ref[k]), 0) << "v" << v << " " << names[k] << " " << tag;
+    }
+    cuda::norm_set_kernel_version(NormKernel::QkNormRope, 0);
+  }
 }
 
 TEST_F(QkNormRopeParity, OtherHeadDimsTakeTheTwoOps) {
