@@ -753,7 +753,9 @@ bool vector_path(DType t, int64_t D, int64_t max_d, std::initializer_list<const 
 //   forward's register pipeline. 5 version 4 with the backward's x and dy staged.
 // Lab versions apply to BF16 weights (the model's); F32 weights take version 1.
 constexpr int kForwardVersions = 5, kBackwardVersions = 4, kQkVersions = 5;
-constexpr int kForwardDefault = 1, kBackwardDefault = 1, kQkDefault = 1;
+// Defaults: the fastest of the device run of 2026-12-01 (cuda/NOTES.md, "Norm kernel
+// versions", measured table): forward 4, backward 1 (no lab version beat it), QK 3.
+constexpr int kForwardDefault = 4, kBackwardDefault = 1, kQkDefault = 3;
 int g_forward_version = kForwardDefault;    // norm_set_kernel_version (timing lab)
 int g_backward_version = kBackwardDefault;
 int g_qk_version = kQkDefault;

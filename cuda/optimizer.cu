@@ -5,7 +5,8 @@
 //   into param (BF16 or F32). Without one, param must be F32 and is itself the master.
 // - m, v are F32; grad is F32 (grad dtype) or BF16. Bias corrections are formed in fp64 on
 //   the host; the per-element update runs in fp32, in one inline function (adamw_element)
-//   that every kernel calls, so every path does the same fp32 operations: the same bits.
+//   that every kernel calls, its operations spelled as rounding intrinsics (no fma left
+//   for the compiler to choose), so every path does the same fp32 operations: the same bits.
 // Two entry points:
 // - adamw: one tensor, the scalar grid-stride kernel (4-byte accesses). The reference the
 //   group is tested against, and what Backend's default group loop calls.
@@ -48,17 +49,21 @@ Hyper make_hyper(const Backend::AdamW& hp) {
 }
 
 // One element's update: m and v in place, the new weight returned. wd is the weight decay
-// of the element's tensor. The expression is the one the scalar kernel always had (the
-// compiler's contractions of it into fma are then the same in every kernel).
+// of the element's tensor. Every operation is written as its rounding intrinsic, so that
+// no kernel's compilation can contract a different pair of them into an fma: the first
+// GPU run of the group kernel, with the plain expression, differed from the scalar
+// kernel in 40% of the moments (the same source, inlined into two kernels, fused
+// differently). sqrtf and the division are IEEE-rounded (no fast-math in this build).
 __device__ __forceinline__ float adamw_element(float grad, float& m, float& v, float w,
                                                const Hyper& hp, float wd) {
-  const float g = grad * hp.grad_scale;
-  const float mi = hp.b1 * m + (1.f - hp.b1) * g;
-  const float vi = hp.b2 * v + (1.f - hp.b2) * g * g;
+  const float g = __fmul_rn(grad, hp.grad_scale);
+  const float mi = __fmaf_rn(hp.b1, m, __fmul_rn(__fsub_rn(1.f, hp.b1), g));
+  const float vi = __fmaf_rn(hp.b2, v, __fmul_rn(__fmul_rn(__fsub_rn(1.f, hp.b2), g), g));
   m = mi;
   v = vi;
-  const float update = (mi * hp.inv_c1) / (sqrtf(vi * hp.inv_c2) + hp.eps) + wd * w;
-  return w - hp.lr * update;
+  const float denom = __fadd_rn(__fsqrt_rn(__fmul_rn(vi, hp.inv_c2)), hp.eps);
+  const float update = __fmaf_rn(wd, w, __fdiv_rn(__fmul_rn(mi, hp.inv_c1), denom));
+  return __fmaf_rn(-hp.lr, update, w);
 }
 
 template <class TP, class TG>
