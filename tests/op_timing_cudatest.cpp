@@ -280,13 +280,17 @@ TEST_F(OpTiming, DISABLED_ProjectionFusion1B) {
   }
   // The step's other products, so that the lines sum to the step's matmul time: the output
   // and down projections (36 layers each) and one chunk of the tied LM head (10 chunks of
-  // 1,664 tokens a step at 1B: Model::logits_chunk) over the 151,936-word vocabulary.
+  // 1,664 tokens a step at 1B: Model::logits_chunk) over the 151,936-word vocabulary; and
+  // chunks of 2x and 4x as many tokens (1 and 2 GiB of bf16 logits instead of 512 MiB):
+  // each chunk's weight gradient re-reads and re-writes the fp32 [V, d] gradient.
   struct Product {
     const char* name;
     int64_t rows, in, out;
   };
   for (const Product& pr : {Product{"o_proj", N, 2048, d}, Product{"down_proj", N, 5120, d},
-                            Product{"lm_head chunk", 1664, d, 151936}}) {
+                            Product{"lm_head chunk", 1664, d, 151936},
+                            Product{"lm_head chunk x2", 3328, d, 151936},
+                            Product{"lm_head chunk x4", 6656, d, 151936}}) {
     Buffer x = random_gpu(DType::BF16, {pr.rows, pr.in});
     Buffer w = random_gpu(DType::BF16, {pr.out, pr.in}, 0.02);
     Buffer y = random_gpu(DType::BF16, {pr.rows, pr.out});
