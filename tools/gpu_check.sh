@@ -33,6 +33,17 @@
 #     usr/include/unicode $L/libicuuc.so* $L/libicudata.so*) && rm -rf root *.deb
 # (the tar runs inside root/ so that the library globs expand there)
 set -uo pipefail
+# Settings come from the environment only: `--help` prints the header above, and any other
+# argument is refused before anything is built (an argument used to be ignored, so the
+# whole check ran: minutes of a GPU machine's time).
+if [ $# -gt 0 ]; then
+  if [ "$1" = --help ] || [ "$1" = -h ]; then
+    sed -n '2,/^set -uo pipefail/p' "$0" | sed '$d; s/^# \{0,1\}//'
+    exit 0
+  fi
+  echo "gpu_check.sh: takes no arguments (got '$1'); settings are environment variables, see --help" >&2
+  exit 2
+fi
 cd "$(dirname "$0")/.."
 BUILD_DIR="${BUILD_DIR:-build-gpu}"
 LOG_DIR="${OUT:-$BUILD_DIR/logs}"
