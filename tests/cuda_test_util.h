@@ -9,6 +9,7 @@
 #pragma once
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -192,6 +193,42 @@ inline void expect_close(const std::string& what, const std::vector<double>& got
 inline void expect_close(const std::string& what, const Buffer& got, const Buffer& ref,
                          double tol) {
   expect_close(what, got.get(), ref.get(), tol);
+}
+
+// Bit-for-bit comparison of two downloads (bf16 and fp32 widen to double exactly): the
+// elements whose doubles differ in any bit, or that are NaN on either side (the outputs
+// compared this way are written and finite, so a NaN is an unwritten element), and the
+// first of them as "element i: got vs ref" in hexadecimal floating point.
+struct BitDifferences {
+  int64_t count = 0;
+  std::string first;
+};
+
+inline BitDifferences bit_differences(const std::vector<double>& got,
+                                      const std::vector<double>& ref) {
+  BitDifferences d;
+  if (got.size() != ref.size()) {
+    d.count = int64_t(std::max(got.size(), ref.size()));
+    d.first = "sizes " + std::to_string(got.size()) + " vs " + std::to_string(ref.size());
+    return d;
+  }
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (std::memcmp(&got[i], &ref[i], sizeof(double)) == 0 && !std::isnan(got[i])) continue;
+    if (d.count++ == 0) {
+      char buf[96];
+      std::snprintf(buf, sizeof buf, "element %zu: %a vs %a", i, got[i], ref[i]);
+      d.first = buf;
+    }
+  }
+  return d;
+}
+
+// Expects no bit differences; the message names `what`, the count and the first.
+inline void expect_same_bits(const std::string& what, const std::vector<double>& got,
+                             const std::vector<double>& ref) {
+  const BitDifferences d = bit_differences(got, ref);
+  EXPECT_EQ(d.count, 0) << what << ": " << d.count << " of " << ref.size()
+                        << " elements differ, first " << d.first;
 }
 
 }  // namespace mhar::test

@@ -4,8 +4,6 @@
 // backward) must be the forward's h bit for bit, and writing it must not change dgate/dup.
 #include <gtest/gtest.h>
 
-#include <cstring>
-
 #include "tests/cuda_test_util.h"
 
 namespace mhar::test {
@@ -51,17 +49,9 @@ class SwigluParity : public CudaParity {
     expect_close("swiglu_backward dup " + tag, get(dug), duc.get(), tol);
     const std::vector<double> dgate_first = get(dgg), dup_first = get(dug);
     gpu->swiglu_backward(dgg, dug, h2g, dhg, gg, ug);
-    expect_bits_equal("swiglu_backward's h against the forward's " + tag, get(h2g), get(hg));
-    expect_bits_equal("swiglu_backward dgate with h " + tag, get(dgg), dgate_first);
-    expect_bits_equal("swiglu_backward dup with h " + tag, get(dug), dup_first);
-  }
-  static void expect_bits_equal(const std::string& what, const std::vector<double>& got,
-                                const std::vector<double>& want) {
-    ASSERT_EQ(got.size(), want.size()) << what;
-    size_t differing = 0;
-    for (size_t i = 0; i < got.size(); ++i)
-      if (std::memcmp(&got[i], &want[i], sizeof(double)) != 0) ++differing;
-    EXPECT_EQ(differing, 0u) << what << ": " << differing << " of " << got.size() << " differ";
+    expect_same_bits("swiglu_backward's h against the forward's " + tag, get(h2g), get(hg));
+    expect_same_bits("swiglu_backward dgate with h " + tag, get(dgg), dgate_first);
+    expect_same_bits("swiglu_backward dup with h " + tag, get(dug), dup_first);
   }
 };
 
@@ -86,8 +76,8 @@ TEST_F(SwigluParity, ForwardAndBackward) {
     gpu->swiglu_backward(dgate.g, dup.g, h_again.g, dh.g, gate.g, up.g);
     expect_close("swiglu_backward dgate " + tag, dgate.g, dgate.c, kTolBf16Output);
     expect_close("swiglu_backward dup " + tag, dup.g, dup.c, kTolBf16Output);
-    expect_bits_equal("CPU swiglu_backward's h " + tag, h_again.c.get(), h.c.get());
-    expect_bits_equal("GPU swiglu_backward's h " + tag, h_again.g.get(), h.g.get());
+    expect_same_bits("CPU swiglu_backward's h " + tag, h_again.c.get(), h.c.get());
+    expect_same_bits("GPU swiglu_backward's h " + tag, h_again.g.get(), h.g.get());
   }
 }
 

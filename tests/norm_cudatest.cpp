@@ -137,12 +137,11 @@ TEST_F(NormParity, AccumulatedDxIsTheTwoOpsBitForBit) {
     gpu->rmsnorm_backward(fused, dw, dy.g, x.g, w.g, rstd.g, true);
     gpu->rmsnorm_backward(own, dw, dy.g, x.g, w.g, rstd.g, false);
     gpu->add_inplace(two, own);
-    const std::vector<double> f = fused.get(), t = two.get();
-    int64_t differ = 0;
-    for (size_t k = 0; k < f.size(); ++k) differ += f[k] != t[k];
-    EXPECT_EQ(differ, 0) << "D " << D << ": the += differs from dx then add_inplace";
+    const BitDifferences d = bit_differences(fused.get(), two.get());
+    EXPECT_EQ(d.count, 0) << "D " << D << ": the += differs from dx then add_inplace, first "
+                          << d.first;
     std::printf("PARITY rmsnorm_backward += vs two ops D %lld: %lld of %lld elements differ\n",
-                (long long)D, (long long)differ, (long long)(R * D));
+                (long long)D, (long long)d.count, (long long)(R * D));
   }
 }
 
@@ -155,11 +154,6 @@ TEST_F(NormParity, AccumulatedDxIsTheTwoOpsBitForBit) {
 TEST_F(NormParity, EveryKernelVersionSameBits) {
   using cuda::NormKernel;
   const double eps = 1e-6;
-  auto differ = [](const std::vector<double>& a, const std::vector<double>& b) {
-    int64_t n = 0;
-    for (size_t i = 0; i < a.size(); ++i) n += !(a[i] == b[i]);
-    return n;
-  };
   struct Case {
     int64_t R, D;
   };
@@ -198,7 +192,8 @@ TEST_F(NormParity, EveryKernelVersionSameBits) {
         continue;
       }
       for (size_t k = 0; k < got.size(); ++k)
-        EXPECT_EQ(differ(got[k], ref[k]), 0) << "forward v" << v << " " << fwd_names[k] << " " << tag;
+        expect_same_bits("forward v" + std::to_string(v) + " " + fwd_names[k] + " " + tag,
+                         got[k], ref[k]);
     }
     cuda::norm_set_kernel_version(NormKernel::Forward, 0);
     if (D > 2048) continue;
@@ -223,7 +218,8 @@ TEST_F(NormParity, EveryKernelVersionSameBits) {
       }
       const char* names[] = {"dx", "dw", "dx +=", "dw (+=)"};
       for (size_t k = 0; k < got.size(); ++k)
-        EXPECT_EQ(differ(got[k], bref[k]), 0) << "backward v" << v << " " << names[k] << " " << tag;
+        expect_same_bits("backward v" + std::to_string(v) + " " + names[k] + " " + tag, got[k],
+                         bref[k]);
     }
     cuda::norm_set_kernel_version(NormKernel::Backward, 0);
   }

@@ -67,22 +67,6 @@ TEST_F(AdamwParity, MasterWeightsAndPlainFp32) {
   }
 }
 
-// Where two downloads differ (exact comparison; both are finite here), as a message.
-std::string first_difference(const std::vector<double>& got, const std::vector<double>& ref,
-                             int64_t* count) {
-  *count = 0;
-  std::string first;
-  for (size_t i = 0; i < ref.size(); ++i)
-    if (!(got[i] == ref[i]) && !(std::isnan(got[i]) && std::isnan(ref[i]))) {
-      if (++*count == 1) {
-        char buf[96];
-        std::snprintf(buf, sizeof buf, "element %zu: %a vs %a", i, got[i], ref[i]);
-        first = buf;
-      }
-    }
-  return first;
-}
-
 // One segment of the group test: n elements at element `at` of the parameter and
 // gradient buffers and at `state` of the moment and master buffers.
 struct SegSpec {
@@ -189,9 +173,7 @@ TEST_F(AdamwGroupParity, GroupStepIsThePerSegmentScalarKernelBitForBit) {
       for (auto [what, ga, gb] : {std::make_tuple("param", &a.param, &b.param),
                                   std::make_tuple("master", &a.master, &b.master),
                                   std::make_tuple("m", &a.m, &b.m), std::make_tuple("v", &a.v, &b.v)}) {
-        int64_t count = 0;
-        const std::string first = first_difference(ga->get(), gb->get(), &count);
-        EXPECT_EQ(count, 0) << what << ": " << count << " elements differ, first " << first;
+        expect_same_bits(what, ga->get(), gb->get());
       }
       // And the update happened: the weights moved from where they started.
       const auto moved = with_master ? a.master.get() : a.param.get();
@@ -229,9 +211,7 @@ TEST_F(AdamwGroupParity, ForeignGroupRunsThePerSegmentLoop) {
   gpu->adamw(pb, wb, g, mb, vb, hp);
   for (auto [what, x, y] : {std::make_tuple("master", &wa, &wb), std::make_tuple("param", &pa, &pb),
                             std::make_tuple("m", &ma, &mb), std::make_tuple("v", &va, &vb)}) {
-    int64_t count = 0;
-    const std::string first = first_difference(x->get(), y->get(), &count);
-    EXPECT_EQ(count, 0) << what << ": first " << first;
+    expect_same_bits(what, x->get(), y->get());
   }
   EXPECT_FALSE(std::isnan(pa.get()[0]));  // written (it was poisoned)
 }

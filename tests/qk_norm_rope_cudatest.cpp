@@ -80,11 +80,6 @@ TEST_F(QkNormRopeParity, FusedHeadDims) {
 TEST_F(QkNormRopeParity, EveryKernelVersionSameBits) {
   using cuda::NormKernel;
   const double eps = 1e-6, theta = 1e6;
-  auto differ = [](const std::vector<double>& a, const std::vector<double>& b) {
-    int64_t n = 0;
-    for (size_t i = 0; i < a.size(); ++i) n += !(a[i] == b[i]);
-    return n;
-  };
   struct Case {
     int64_t B, T, H, hd, first;
   };
@@ -125,7 +120,7 @@ TEST_F(QkNormRopeParity, EveryKernelVersionSameBits) {
         continue;
       }
       for (size_t k = 0; k < got.size(); ++k)
-        EXPECT_EQ(differ(got[k], ref[k]), 0) << "v" << v << " " << names[k] << " " << tag;
+        expect_same_bits("v" + std::to_string(v) + " " + names[k] + " " + tag, got[k], ref[k]);
     }
     cuda::norm_set_kernel_version(NormKernel::QkNormRope, 0);
   }
