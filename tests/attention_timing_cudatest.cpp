@@ -44,26 +44,22 @@ TEST_F(AttentionTiming, DISABLED_ComparisonShapes) {
   const bool hopper = cuda::attention_uses_hopper();
   for (auto [B, T] : {std::pair<int64_t, int64_t>{16, 1024}, {8, 2048}}) {
     const int64_t Hq = 16, Hkv = 8, hd = 128;
-    Buffer q = random_gpu(DType::BF16, {B, T, Hq, hd}, 2.0);
-    Buffer k = random_gpu(DType::BF16, {B, T, Hkv, hd}), v = random_gpu(DType::BF16, {B, T, Hkv, hd});
-    Buffer out(*gpu, DType::BF16, {B, T, Hq, hd}), lse(*gpu, DType::F32, {B, Hq, T});
-    Buffer dout = random_gpu(DType::BF16, {B, T, Hq, hd});
-    Buffer dq(*gpu, DType::BF16, {B, T, Hq, hd});
-    Buffer dk(*gpu, DType::BF16, {B, T, Hkv, hd}), dv(*gpu, DType::BF16, {B, T, Hkv, hd});
+    const AttentionTensors a = attention_tensors(B, T, Hq, Hkv, hd);
     const double fwd_flop = 4.0 * B * Hq * hd * double(T) * T / 2;
     const std::string shape = "B" + std::to_string(B) + " T" + std::to_string(T) + " H16/8 hd128";
     for (const bool use_hopper : {true, false}) {
       if (use_hopper && !hopper) continue;
       cuda::attention_set_hopper(use_hopper);
-      const double ms = median_ms([&] { gpu->attention_forward(out, lse, q, k, v); });
+      const double ms = median_ms([&] { gpu->attention_forward(a.out, a.lse, a.q, a.k, a.v); });
       std::printf("ATTENTION forward  %-8s %-22s %8.3f ms %7.1f TFLOP/s\n",
                   use_hopper ? "wgmma" : "mma.sync", shape.c_str(), ms, fwd_flop / ms * 1e-9);
     }
     for (const bool use_hopper : {true, false}) {
       if (use_hopper && !hopper) continue;
       cuda::attention_set_hopper(use_hopper);
-      const double ms =
-          median_ms([&] { gpu->attention_backward(dq, dk, dv, dout, q, k, v, out, lse); });
+      const double ms = median_ms([&] {
+        gpu->attention_backward(a.dq, a.dk, a.dv, a.dout, a.q, a.k, a.v, a.out, a.lse);
+      });
       std::printf("ATTENTION backward %-8s %-22s %8.3f ms %7.1f TFLOP/s\n",
                   use_hopper ? "wgmma" : "mma.sync", shape.c_str(), ms,
                   2.5 * fwd_flop / ms * 1e-9);

@@ -152,6 +152,24 @@ class CudaParity : public ::testing::Test {
     return b;
   }
 
+  // The tensors of one causal GQA attention call for the timing tests, q [B, T, Hq, hd]
+  // and k, v [B, T, Hkv, hd]: q (scale 2), k, v and dout random bf16 (drawn in that order);
+  // out, the log-sum-exp [B, Hq, T] (F32) and the gradients allocated.
+  struct AttentionTensors {
+    Buffer q, k, v, out, lse, dout, dq, dk, dv;
+  };
+  AttentionTensors attention_tensors(int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t hd) {
+    return AttentionTensors{random_gpu(DType::BF16, {B, T, Hq, hd}, 2.0),
+                            random_gpu(DType::BF16, {B, T, Hkv, hd}),
+                            random_gpu(DType::BF16, {B, T, Hkv, hd}),
+                            Buffer(*gpu, DType::BF16, {B, T, Hq, hd}),
+                            Buffer(*gpu, DType::F32, {B, Hq, T}),
+                            random_gpu(DType::BF16, {B, T, Hq, hd}),
+                            Buffer(*gpu, DType::BF16, {B, T, Hq, hd}),
+                            Buffer(*gpu, DType::BF16, {B, T, Hkv, hd}),
+                            Buffer(*gpu, DType::BF16, {B, T, Hkv, hd})};
+  }
+
   std::unique_ptr<Backend> cpu, gpu;
   std::mt19937_64 rng;
 };

@@ -86,20 +86,16 @@ TEST_F(OpTiming, DISABLED_ModelShapes) {
   for (auto [B, T, Hq, Hkv, hd] : {std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>{
                                        8, 2048, 16, 8, 128},
                                    {8, 2048, 16, 16, 64}}) {
-    Buffer q = random_gpu(DType::BF16, {B, T, Hq, hd}, 2.0);
-    Buffer k = random_gpu(DType::BF16, {B, T, Hkv, hd}), v = random_gpu(DType::BF16, {B, T, Hkv, hd});
-    Buffer out(*gpu, DType::BF16, {B, T, Hq, hd}), lse(*gpu, DType::F32, {B, Hq, T});
-    Buffer dout = random_gpu(DType::BF16, {B, T, Hq, hd});
-    Buffer dq(*gpu, DType::BF16, {B, T, Hq, hd});
-    Buffer dk(*gpu, DType::BF16, {B, T, Hkv, hd}), dv(*gpu, DType::BF16, {B, T, Hkv, hd});
+    const AttentionTensors a = attention_tensors(B, T, Hq, Hkv, hd);
     const std::string tag = "B" + std::to_string(B) + " T" + std::to_string(T) + " Hq" +
                             std::to_string(Hq) + " Hkv" + std::to_string(Hkv) + " hd" +
                             std::to_string(hd);
     const double fwd_flop = 4.0 * B * Hq * hd * double(T) * T / 2;  // causal: half the pairs
     report("attention_forward " + tag,
-           time_ms([&] { gpu->attention_forward(out, lse, q, k, v); }, 3), fwd_flop, 0);
-    report("attention_backward " + tag,
-           time_ms([&] { gpu->attention_backward(dq, dk, dv, dout, q, k, v, out, lse); }, 3),
+           time_ms([&] { gpu->attention_forward(a.out, a.lse, a.q, a.k, a.v); }, 3), fwd_flop, 0);
+    report("attention_backward " + tag, time_ms([&] {
+             gpu->attention_backward(a.dq, a.dk, a.dv, a.dout, a.q, a.k, a.v, a.out, a.lse);
+           }, 3),
            2.5 * fwd_flop, 0);
   }
   // Depth routing of a whole step at the 350M and 1B shapes (N = 16384 tokens), full
