@@ -53,6 +53,14 @@ double attention_forward_flops(const Tensor& q) {
   return 4 * B * H * T * T * hd / 2;
 }
 
+// One adamw call's bytes: it reads grad, m, v and the master (or the parameter) and
+// writes m, v, the master and the parameter.
+double adamw_bytes(const Tensor& param, const Tensor& master, const Tensor& grad,
+                   const Tensor& m, const Tensor& v) {
+  return bytes_of({grad, m, v, master, m, v, master, param}) +
+         (master.data ? 0 : bytes_of({param}));
+}
+
 }  // namespace
 
 OpProfiler::Span::Span(OpProfiler& p, OpFamily f, double work) : p_(p), f_(f), work_(work) {
@@ -351,20 +359,16 @@ double OpProfiler::sum_squares(Tensor t) {
   return in_.sum_squares(t);
 }
 void OpProfiler::adamw(Tensor param, Tensor master, Tensor grad, Tensor m, Tensor v, const AdamW& hp) {
-  // Reads grad, m, v and the master (or the parameter); writes m, v, the master and the parameter.
-  Span s(*this, OpFamily::Optimizer, bytes_of({grad, m, v, master, m, v, master, param}) +
-                                         (master.data ? 0 : bytes_of({param})));
+  Span s(*this, OpFamily::Optimizer, adamw_bytes(param, master, grad, m, v));
   in_.adamw(param, master, grad, m, v, hp);
 }
 std::unique_ptr<Backend::AdamWGroup> OpProfiler::adamw_group(std::vector<AdamWSegment> segments) {
   return in_.adamw_group(std::move(segments));
 }
 void OpProfiler::adamw_step(const AdamWGroup& group, const AdamW& hp) {
-  // adamw's bytes, summed over the segments.
   double bytes = 0;
   for (const AdamWSegment& g : group.segments())
-    bytes += bytes_of({g.grad, g.m, g.v, g.master, g.m, g.v, g.master, g.param}) +
-             (g.master.data ? 0 : bytes_of({g.param}));
+    bytes += adamw_bytes(g.param, g.master, g.grad, g.m, g.v);
   Span s(*this, OpFamily::Optimizer, bytes);
   in_.adamw_step(group, hp);
 }
