@@ -80,9 +80,10 @@ __global__ void swiglu_backward_vec_kernel(T* dgate, T* dup, T* h, const T* dh, 
     store8(dgate + v * 8, dg);
     store8(dup + v * 8, du);
     if (h) {
+      float hv[8];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) g[e] = swiglu_h(z[e], u[e]);
-      store8(h + v * 8, g);
+      for (int e = 0; e < 8; ++e) hv[e] = swiglu_h(z[e], u[e]);
+      store8(h + v * 8, hv);
     }
   }
   for (int64_t i = nv * 8 + tid; i < n; i += stride)
