@@ -53,6 +53,12 @@ mhar = os.environ["MHAR_BIN"]
 after = os.environ["AFTER"]
 sizes = os.environ["SIZES"].split()
 modes = os.environ["MODES"].split()
+for flag, given, valid in (("--sizes", sizes, ("100m", "350m", "1b")),
+                           ("--modes", modes, ("standard", "mhar"))):
+    bad = [x for x in given if x not in valid]
+    if bad or not given:
+        sys.exit(f"bench_compare.sh: {flag} {' '.join(given)!r}: "
+                 f"{'unknown ' + ', '.join(bad) if bad else 'empty'}; valid: {' '.join(valid)}")
 lock = os.path.join("/tmp", f"mhar_bench_lock_{os.getpid()}")
 open(lock, "w").close()
 results_path = os.path.join(log_dir, "bench_results.jsonl")
