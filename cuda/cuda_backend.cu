@@ -49,6 +49,8 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaMalloc(&mm_.workspace, mm_.workspace_bytes));
     count(mm_.workspace, mm_.workspace_bytes);
     CUBLAS_CHECK(cublasSetWorkspace(mm_.blas, mm_.workspace, mm_.workspace_bytes));
+    mm_.allocate = [this](size_t bytes) { return allocate(bytes); };
+    mm_.release = [this](void* p) { release(p); };
     CUDA_CHECK(cudaMalloc(&scratch_, cuda::kSumSquaresScratch * sizeof(double)));
     count(scratch_, cuda::kSumSquaresScratch * sizeof(double));
     routing_ctx_.blas = mm_.blas;

@@ -51,13 +51,18 @@ struct MatmulContext {
   cublasHandle_t blas = nullptr;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
+  // The backend's counted allocation, for the scratch C of a shape's first call (the
+  // timed choice of algorithm, matmul.cu); unset: Lt's first choice, untimed.
+  std::function<void*(size_t)> allocate;
+  std::function<void(void*)> release;
 };
 void matmul(cudaStream_t s, MatmulContext& ctx, Tensor c, Tensor a, Tensor b, bool trans_a,
             bool trans_b, bool accumulate);
 // Kernel lab (tests/op_timing_cudatest.cpp): shapes planned from now on take result number
-// `rank` (0-15; 0, the default, is the heuristic's first choice; a shape offering fewer
-// takes its last); returns the previous rank. matmul_heuristic_results: how many results
-// the heuristic offered for the shape planned last (1 at most with rank 0).
+// `rank` of Lt's heuristic (0-15; 0 is its first choice; a shape offering fewer takes its
+// last), or with -1 (the default) the timed choice; returns the previous rank.
+// matmul_heuristic_results: how many results the heuristic offered for the shape planned
+// last (1 at most with rank 0).
 int matmul_set_heuristic_rank(int rank);
 int matmul_heuristic_results();
 

@@ -5,12 +5,24 @@
 //   F32 inputs need an F32 C.
 // Row-major to cuBLAS's column-major: a row-major [r, c] matrix is a column-major [c, r]
 // one, so we ask for C^T = op(B)^T op(A)^T, i.e. Lt's "A" is our B and its "B" our A.
-// Algorithms come from Lt's heuristic once per (shape, transposes, dtypes) and are cached;
-// when Lt offers none (unusual alignments), cublasGemmEx computes the same product.
-// Kernel lab (matmul_set_heuristic_rank): a later result of the heuristic instead of its
-// first, for the timing test that asks whether its first choice is the fastest.
+// Algorithms are chosen once per (shape, transposes, dtypes, alignments) and cached; when
+// Lt offers none (unusual alignments), cublasGemmEx computes the same product.
+// The choice is timed: at a shape's first call, up to kTuneCandidates of Lt's heuristic
+// results each run on the real A and B into a scratch C (the backend's counted
+// allocation, released right after), and the fastest is kept. Lt's first choice was up to
+// 18% slower than its best at the 1B model's shapes (the weight and input gradients of the
+// MLP projections and the LM head), 5.4% of the step's matmul time (BENCHMARKS.md,
+// 2026-12-01, eighth session). Candidates with an in-place split-K reduction (atomics in
+// C) are left out, so every product stays deterministic given its algorithm; which
+// algorithm wins can differ between processes when two are within timing noise (GPU runs
+// were not bitwise reproducible before either: DESIGN.md section 4). MHAR_MATMUL_TUNE=0
+// in the environment takes Lt's first choice instead, untimed.
+// Kernel lab (matmul_set_heuristic_rank): a given result of the heuristic instead, for
+// the timing test that compares the choices.
 #include <algorithm>
+#include <cstdlib>
 #include <map>
+#include <string>
 #include <mutex>
 #include <tuple>
 
@@ -55,9 +67,28 @@ uint32_t alignment(const void* p) {
 
 std::mutex plan_mutex;
 std::map<Key, Plan> plans;  // shapes repeat every step: one heuristic call per shape
-int heuristic_rank = 0;     // guarded by plan_mutex
+int heuristic_rank = -1;    // guarded by plan_mutex; -1: the timed choice
 int last_results = 0;
 constexpr int kLabResults = 16;
+constexpr int kTuneCandidates = 8;
+constexpr int kTuneReps = 3;  // timed runs per candidate, after one untimed
+
+bool tuning_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("MHAR_MATMUL_TUNE");
+    return !(e && std::string(e) == "0");
+  }();
+  return on;
+}
+
+bool inplace_split_k(const cublasLtMatmulAlgo_t& algo) {
+  uint32_t scheme = CUBLASLT_REDUCTION_SCHEME_NONE;
+  size_t written = 0;
+  if (cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &scheme,
+                                           sizeof scheme, &written) != CUBLAS_STATUS_SUCCESS)
+    return false;
+  return scheme == CUBLASLT_REDUCTION_SCHEME_INPLACE;
+}
 
 struct LtObjects {
   cublasLtMatmulDesc_t op = nullptr;
@@ -69,6 +100,43 @@ struct LtObjects {
     if (op) cublasLtMatmulDescDestroy(op);
   }
 };
+
+// The index of the fastest of Lt's `found` results for one product: `run(algo, out)`
+// enqueues it on `s` writing `out`, a scratch C of `c_bytes`. Result 0 where no scratch
+// can be had (out of memory) or nothing else runs.
+template <class Run>
+int fastest(cudaStream_t s, MatmulContext& ctx, size_t c_bytes, int found,
+            const cublasLtMatmulHeuristicResult_t* results, Run&& run) {
+  void* out = nullptr;
+  try {
+    out = ctx.allocate(c_bytes);
+  } catch (const Error&) {
+    return 0;
+  }
+  cudaEvent_t start = nullptr, stop = nullptr;
+  CUDA_CHECK(cudaEventCreate(&start));
+  CUDA_CHECK(cudaEventCreate(&stop));
+  int best = 0;
+  float best_ms = 0;
+  for (int i = 0; i < found; ++i) {
+    if (results[i].state != CUBLAS_STATUS_SUCCESS ||
+        results[i].workspaceSize > ctx.workspace_bytes || (i > 0 && inplace_split_k(results[i].algo)))
+      continue;
+    if (run(results[i].algo, out) != CUBLAS_STATUS_SUCCESS) continue;  // warm-up
+    CUDA_CHECK(cudaEventRecord(start, s));
+    bool ok = true;
+    for (int r = 0; r < kTuneReps && ok; ++r) ok = run(results[i].algo, out) == CUBLAS_STATUS_SUCCESS;
+    CUDA_CHECK(cudaEventRecord(stop, s));
+    CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    if (ok && (i == 0 || ms < best_ms)) best = i, best_ms = ms;
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  ctx.release(out);
+  return best;
+}
 
 }  // namespace
 
@@ -137,14 +205,28 @@ void matmul(cudaStream_t s, MatmulContext& ctx, Tensor c, Tensor a, Tensor b, bo
           pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof al_c));
       cublasLtMatmulHeuristicResult_t results[kLabResults]{};
       int found = 0;
-      const int want = key.rank == 0 ? 1 : kLabResults;
+      const bool tune = key.rank < 0 && tuning_enabled() && ctx.allocate && ctx.release;
+      const int want = key.rank > 0 ? kLabResults : tune ? kTuneCandidates : 1;
       cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(ctx.lt, lt.op, lt.a, lt.b, lt.c, lt.c,
                                                          pref, want, results, &found);
       cublasLtMatmulPreferenceDestroy(pref);
       last_results = st == CUBLAS_STATUS_SUCCESS ? found : 0;
       if (st == CUBLAS_STATUS_SUCCESS && found > 0) {
         plan.use_lt = true;
-        plan.algo = results[std::min(key.rank, found - 1)].algo;
+        if (key.rank >= 0) {
+          plan.algo = results[std::min(key.rank, found - 1)].algo;
+        } else {
+          int pick = 0;
+          if (tune && found > 1) {
+            auto run = [&](const cublasLtMatmulAlgo_t& algo, void* out) {
+              return cublasLtMatmul(ctx.lt, lt.op, &alpha, b.data, lt.a, a.data, lt.b, &beta,
+                                    out, lt.c, out, lt.c, &algo, ctx.workspace,
+                                    ctx.workspace_bytes, s);
+            };
+            pick = fastest(s, ctx, c.bytes(), found, results, run);
+          }
+          plan.algo = results[pick].algo;
+        }
       }
       plans[key] = plan;
     }
@@ -163,8 +245,8 @@ void matmul(cudaStream_t s, MatmulContext& ctx, Tensor c, Tensor a, Tensor b, bo
 }
 
 int matmul_set_heuristic_rank(int rank) {
-  MHAR_CHECK(rank >= 0 && rank < kLabResults, "matmul_set_heuristic_rank: rank ", rank,
-             " (0 to ", kLabResults - 1, ")");
+  MHAR_CHECK(rank >= -1 && rank < kLabResults, "matmul_set_heuristic_rank: rank ", rank,
+             " (-1 to ", kLabResults - 1, ")");
   std::lock_guard<std::mutex> lock(plan_mutex);
   const int before = heuristic_rank;
   heuristic_rank = rank;

@@ -16,6 +16,7 @@ size="$1"; shift
 modes=("$@"); [ ${#modes[@]} -gt 0 ] || modes=(standard mhar block_mhar)
 MHAR="${MHAR:-build-gpu/mhar}"
 dir="${OUT:-.}"
+mkdir -p "$dir"
 out="$dir/bench.jsonl"; prof="$dir/profile.txt"
 : >"$out"; : >"$prof"
 rc=0
