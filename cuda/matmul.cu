@@ -8,11 +8,10 @@
 // Algorithms are chosen once per (shape, transposes, dtypes, alignments) and cached; when
 // Lt offers none (unusual alignments), cublasGemmEx computes the same product.
 // The choice is timed: at a shape's first call, up to kTuneCandidates of Lt's heuristic
-// results each run on the real A and B into a scratch C (the backend's counted
-// allocation, released right after), and the fastest is kept. Lt's first choice was up to
-// 18% slower than its best at the 1B model's shapes (the weight and input gradients of the
-// MLP projections and the LM head), 5.4% of the step's matmul time (BENCHMARKS.md,
-// 2026-12-01, eighth session). Candidates with an in-place split-K reduction (atomics in
+// results each run on the real A and B (fastest(), below), and the fastest is kept. Lt's
+// first choice was up to 18% slower than its best at the 1B model's shapes (the weight and
+// input gradients of the MLP projections and the LM head), 4.4-5.4% of the step's matmul
+// time (BENCHMARKS.md, 2026-12-01, eighth session). Candidates with an in-place split-K reduction (atomics in
 // C) are left out, so every product stays deterministic given its algorithm; which
 // algorithm wins can differ between processes when two are within timing noise (GPU runs
 // were not bitwise reproducible before either: DESIGN.md section 4). MHAR_MATMUL_TUNE=0
@@ -23,6 +22,7 @@
 #include <cstdlib>
 #include <map>
 #include <string>
+#include <vector>
 #include <mutex>
 #include <tuple>
 
@@ -71,7 +71,8 @@ int heuristic_rank = -1;    // guarded by plan_mutex; -1: the timed choice
 int last_results = 0;
 constexpr int kLabResults = 16;
 constexpr int kTuneCandidates = 8;
-constexpr int kTuneReps = 3;  // timed runs per candidate, after one untimed
+constexpr int kTuneRounds = 5, kTuneRunsPerRound = 2;  // after one untimed run each
+constexpr size_t kTuneScratchBytes = size_t(64) << 20;
 
 bool tuning_enabled() {
   static const bool on = [] {
@@ -102,40 +103,54 @@ struct LtObjects {
 };
 
 // The index of the fastest of Lt's `found` results for one product: `run(algo, out)`
-// enqueues it on `s` writing `out`, a scratch C of `c_bytes`. Result 0 where no scratch
-// can be had (out of memory) or nothing else runs.
+// enqueues it on `s` writing the C `out`. A product that overwrites C (`accumulate`
+// false) is timed in C itself, which its real call then overwrites; one that adds into C
+// is timed in a scratch C from the backend's counted allocation (it adds to the peak
+// memory for a moment), only up to kTuneScratchBytes: larger ones (the LM head's weight
+// gradient, 0.78 GB at 1B) take result 0. Round robin: every candidate once per round,
+// its best round kept, so the clock ramp of a run's first steps and other drift touch
+// every candidate alike (3 back-to-back runs each, the first version, picked choices up
+// to 7% slower than the best from one process to the next).
 template <class Run>
-int fastest(cudaStream_t s, MatmulContext& ctx, size_t c_bytes, int found,
-            const cublasLtMatmulHeuristicResult_t* results, Run&& run) {
-  void* out = nullptr;
-  try {
-    out = ctx.allocate(c_bytes);
-  } catch (const Error&) {
-    return 0;
+int fastest(cudaStream_t s, MatmulContext& ctx, void* c, size_t c_bytes, bool accumulate,
+            int found, const cublasLtMatmulHeuristicResult_t* results, Run&& run) {
+  void* out = c;
+  if (accumulate) {
+    if (c_bytes > kTuneScratchBytes) return 0;
+    try {
+      out = ctx.allocate(c_bytes);
+    } catch (const Error&) {
+      return 0;
+    }
   }
-  cudaEvent_t start = nullptr, stop = nullptr;
-  CUDA_CHECK(cudaEventCreate(&start));
-  CUDA_CHECK(cudaEventCreate(&stop));
-  int best = 0;
-  float best_ms = 0;
+  std::vector<int> candidates;
   for (int i = 0; i < found; ++i) {
     if (results[i].state != CUBLAS_STATUS_SUCCESS ||
         results[i].workspaceSize > ctx.workspace_bytes || (i > 0 && inplace_split_k(results[i].algo)))
       continue;
-    if (run(results[i].algo, out) != CUBLAS_STATUS_SUCCESS) continue;  // warm-up
-    CUDA_CHECK(cudaEventRecord(start, s));
-    bool ok = true;
-    for (int r = 0; r < kTuneReps && ok; ++r) ok = run(results[i].algo, out) == CUBLAS_STATUS_SUCCESS;
-    CUDA_CHECK(cudaEventRecord(stop, s));
-    CUDA_CHECK(cudaEventSynchronize(stop));
-    float ms = 0;
-    CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    if (ok && (i == 0 || ms < best_ms)) best = i, best_ms = ms;
+    if (run(results[i].algo, out) == CUBLAS_STATUS_SUCCESS) candidates.push_back(i);  // warm-up
   }
+  std::vector<float> best_ms(candidates.size(), 0.f);
+  cudaEvent_t start = nullptr, stop = nullptr;
+  CUDA_CHECK(cudaEventCreate(&start));
+  CUDA_CHECK(cudaEventCreate(&stop));
+  for (int round = 0; round < kTuneRounds; ++round)
+    for (size_t k = 0; k < candidates.size(); ++k) {
+      CUDA_CHECK(cudaEventRecord(start, s));
+      for (int r = 0; r < kTuneRunsPerRound; ++r) run(results[candidates[k]].algo, out);
+      CUDA_CHECK(cudaEventRecord(stop, s));
+      CUDA_CHECK(cudaEventSynchronize(stop));
+      float ms = 0;
+      CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+      if (round == 0 || ms < best_ms[k]) best_ms[k] = ms;
+    }
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
-  ctx.release(out);
-  return best;
+  if (out != c) ctx.release(out);
+  size_t best = 0;
+  for (size_t k = 1; k < candidates.size(); ++k)
+    if (best_ms[k] < best_ms[best]) best = k;
+  return candidates.empty() ? 0 : candidates[best];
 }
 
 }  // namespace
@@ -223,7 +238,7 @@ void matmul(cudaStream_t s, MatmulContext& ctx, Tensor c, Tensor a, Tensor b, bo
                                     out, lt.c, out, lt.c, &algo, ctx.workspace,
                                     ctx.workspace_bytes, s);
             };
-            pick = fastest(s, ctx, c.bytes(), found, results, run);
+            pick = fastest(s, ctx, c.data, c.bytes(), accumulate, found, results, run);
           }
           plan.algo = results[pick].algo;
         }

@@ -1,8 +1,12 @@
 // matmul_cudatest.cpp: CUDA matmul (cuBLASLt, fp32 accumulation) against the CPU
 // reference: every transpose combination, odd sizes, bf16 and fp32 outputs, overwrite and
-// accumulate (a weight gradient summed into fp32), and fp32 inputs.
+// accumulate (a weight gradient summed into fp32), and fp32 inputs. Every check is the
+// first call of its shape, so it also checks the result after the timed choice of
+// algorithm (matmul.cu), which runs candidates into C itself (overwrite) or into a
+// scratch C (accumulate).
 #include <gtest/gtest.h>
 
+#include "cuda/kernels.h"
 #include "tests/cuda_test_util.h"
 
 namespace mhar::test {
@@ -42,6 +46,34 @@ TEST_F(MatmulParity, LinearLayerShapes) {
   check(384, 256, 300, true, false, DType::BF16, DType::F32, true);
   check(384, 256, 300, true, false, DType::BF16, DType::F32, false);
   check(300, 384, 256, false, true, DType::BF16, DType::BF16, true);
+}
+
+// The timed choice at a shape with several candidates: the first call (which timed them)
+// gives the bits of the second (which reuses the choice) from the same inputs, for an
+// overwritten bf16 C and an fp32 C accumulated into, and both match the CPU.
+TEST_F(MatmulParity, TimedChoiceLeavesTheFirstCallExact) {
+  for (bool acc : {false, true}) {
+    const DType out = acc ? DType::F32 : DType::BF16;
+    const int64_t M = 1536 + (acc ? 64 : 0), N = 1024, K = 640;  // shapes no other test plans
+    Pair a = random_pair(DType::BF16, {M, K}), b = random_pair(DType::BF16, {N, K});
+    Pair c = acc ? random_pair(out, {M, N}) : pair(out, {M, N});
+    std::vector<double> start(size_t(M * N), std::nan(""));
+    if (acc) gpu->download(start.data(), c.g);
+    auto run_gpu = [&] {
+      gpu->upload(c.g, start.data());  // NaN where the call overwrites
+      gpu->matmul(c.g, a.g, b.g, false, true, acc);
+      std::vector<double> v(start.size());
+      gpu->download(v.data(), c.g);
+      return v;
+    };
+    const std::vector<double> first = run_gpu();
+    EXPECT_GT(cuda::matmul_heuristic_results(), 1) << "the shape should offer a choice to time";
+    const std::vector<double> second = run_gpu();
+    expect_same_bits(std::string("first and second call") + (acc ? " +=" : ""), first, second);
+    cpu->matmul(c.c, a.c, b.c, false, true, acc);
+    expect_close(std::string("timed matmul") + (acc ? " +=" : ""), c.g, c.c,
+                 acc ? kTolF32Output : kTolBf16Output);
+  }
 }
 
 TEST_F(MatmulParity, Fp32Inputs) {
