@@ -19,6 +19,7 @@
 // Kernel lab (matmul_set_heuristic_rank): a given result of the heuristic instead, for
 // the timing test that compares the choices.
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <map>
 #include <string>
@@ -71,7 +72,8 @@ int heuristic_rank = -1;    // guarded by plan_mutex; -1: the timed choice
 int last_results = 0;
 constexpr int kLabResults = 16;
 constexpr int kTuneCandidates = 8;
-constexpr int kTuneRounds = 5, kTuneRunsPerRound = 2;  // after one untimed run each
+constexpr int kTuneRounds = 3;
+constexpr float kTuneSegmentMs = 2.f;  // a candidate's runs in a round last about this long
 constexpr size_t kTuneScratchBytes = size_t(64) << 20;
 
 bool tuning_enabled() {
@@ -107,10 +109,14 @@ struct LtObjects {
 // false) is timed in C itself, which its real call then overwrites; one that adds into C
 // is timed in a scratch C from the backend's counted allocation (it adds to the peak
 // memory for a moment), only up to kTuneScratchBytes: larger ones (the LM head's weight
-// gradient, 0.78 GB at 1B) take result 0. Round robin: every candidate once per round,
-// its best round kept, so the clock ramp of a run's first steps and other drift touch
-// every candidate alike (3 back-to-back runs each, the first version, picked choices up
-// to 7% slower than the best from one process to the next).
+// gradient, 0.78 GB at 1B) take result 0.
+// The GPU is timed as training runs it: busy without a break, at the clocks its power
+// limit allows. Each round runs every candidate back to back for about kTuneSegmentMs
+// (events between them, one synchronisation per round), and a candidate's best round
+// counts. Timing each candidate alone after an idle moment (the first version: a few
+// runs, then a synchronisation) favoured algorithms that are fast at burst clocks and
+// slower under sustained load: its choices for the 1B forward products were up to 27%
+// slower than Lt's first choice in steady state.
 template <class Run>
 int fastest(cudaStream_t s, MatmulContext& ctx, void* c, size_t c_bytes, bool accumulate,
             int found, const cublasLtMatmulHeuristicResult_t* results, Run&& run) {
@@ -130,27 +136,39 @@ int fastest(cudaStream_t s, MatmulContext& ctx, void* c, size_t c_bytes, bool ac
       continue;
     if (run(results[i].algo, out) == CUBLAS_STATUS_SUCCESS) candidates.push_back(i);  // warm-up
   }
-  std::vector<float> best_ms(candidates.size(), 0.f);
-  cudaEvent_t start = nullptr, stop = nullptr;
-  CUDA_CHECK(cudaEventCreate(&start));
-  CUDA_CHECK(cudaEventCreate(&stop));
-  for (int round = 0; round < kTuneRounds; ++round)
-    for (size_t k = 0; k < candidates.size(); ++k) {
-      CUDA_CHECK(cudaEventRecord(start, s));
-      for (int r = 0; r < kTuneRunsPerRound; ++r) run(results[candidates[k]].algo, out);
-      CUDA_CHECK(cudaEventRecord(stop, s));
-      CUDA_CHECK(cudaEventSynchronize(stop));
-      float ms = 0;
-      CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-      if (round == 0 || ms < best_ms[k]) best_ms[k] = ms;
+  const size_t n = candidates.size();
+  std::vector<cudaEvent_t> marks(n + 1);
+  for (cudaEvent_t& e : marks) CUDA_CHECK(cudaEventCreate(&e));
+  // Runs per segment, from one timed run of each candidate.
+  std::vector<int> reps(n, 1);
+  std::vector<float> best_ms(n, 0.f);
+  auto time_round = [&](std::vector<float>& ms) {
+    CUDA_CHECK(cudaEventRecord(marks[0], s));
+    for (size_t k = 0; k < n; ++k) {
+      for (int r = 0; r < reps[k]; ++r) run(results[candidates[k]].algo, out);
+      CUDA_CHECK(cudaEventRecord(marks[k + 1], s));
     }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
+    CUDA_CHECK(cudaEventSynchronize(marks[n]));
+    for (size_t k = 0; k < n; ++k) {
+      CUDA_CHECK(cudaEventElapsedTime(&ms[k], marks[k], marks[k + 1]));
+      ms[k] /= float(reps[k]);
+    }
+  };
+  std::vector<float> ms(n, 0.f);
+  time_round(ms);
+  for (size_t k = 0; k < n; ++k)
+    reps[k] = std::max(1, std::min(64, int(std::ceil(kTuneSegmentMs / std::max(ms[k], 1e-3f)))));
+  for (int round = 0; round < kTuneRounds; ++round) {
+    time_round(ms);
+    for (size_t k = 0; k < n; ++k)
+      if (round == 0 || ms[k] < best_ms[k]) best_ms[k] = ms[k];
+  }
+  for (cudaEvent_t e : marks) cudaEventDestroy(e);
   if (out != c) ctx.release(out);
   size_t best = 0;
-  for (size_t k = 1; k < candidates.size(); ++k)
+  for (size_t k = 1; k < n; ++k)
     if (best_ms[k] < best_ms[best]) best = k;
-  return candidates.empty() ? 0 : candidates[best];
+  return n == 0 ? 0 : candidates[best];
 }
 
 }  // namespace
@@ -221,7 +239,8 @@ void matmul(cudaStream_t s, MatmulContext& ctx, Tensor c, Tensor a, Tensor b, bo
       cublasLtMatmulHeuristicResult_t results[kLabResults]{};
       int found = 0;
       const bool tune = key.rank < 0 && tuning_enabled() && ctx.allocate && ctx.release;
-      const int want = key.rank > 0 ? kLabResults : tune ? kTuneCandidates : 1;
+      // The same request for the lab's ranks and the timed choice, so that both see one list.
+      const int want = key.rank > 0 || tune ? kLabResults : 1;
       cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(ctx.lt, lt.op, lt.a, lt.b, lt.c, lt.c,
                                                          pref, want, results, &found);
       cublasLtMatmulPreferenceDestroy(pref);
@@ -238,7 +257,8 @@ void matmul(cudaStream_t s, MatmulContext& ctx, Tensor c, Tensor a, Tensor b, bo
                                     out, lt.c, out, lt.c, &algo, ctx.workspace,
                                     ctx.workspace_bytes, s);
             };
-            pick = fastest(s, ctx, c.data, c.bytes(), accumulate, found, results, run);
+            pick = fastest(s, ctx, c.data, c.bytes(), accumulate, std::min(found, kTuneCandidates),
+                           results, run);
           }
           plan.algo = results[pick].algo;
         }
