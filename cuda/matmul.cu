@@ -7,20 +7,22 @@
 // one, so we ask for C^T = op(B)^T op(A)^T, i.e. Lt's "A" is our B and its "B" our A.
 // Algorithms are chosen once per (shape, transposes, dtypes, alignments) and cached; when
 // Lt offers none (unusual alignments), cublasGemmEx computes the same product.
-// The choice is timed: at a shape's first call, up to kTuneCandidates of Lt's heuristic
-// results each run on the real A and B (fastest(), below), and the fastest is kept. Lt's
-// first choice was up to 18% slower than its best at the 1B model's shapes (the weight and
-// input gradients of the MLP projections and the LM head), 4.4-5.4% of the step's matmul
-// time (BENCHMARKS.md, 2026-12-01, eighth session). Candidates with an in-place split-K reduction (atomics in
-// C) are left out, so every product stays deterministic given its algorithm; which
-// algorithm wins can differ between processes when two are within timing noise (GPU runs
-// were not bitwise reproducible before either: DESIGN.md section 4). MHAR_MATMUL_TUNE=0
-// in the environment takes Lt's first choice instead, untimed.
-// Kernel lab (matmul_set_heuristic_rank): a given result of the heuristic instead, for
-// the timing test that compares the choices.
+// The choice is timed: at a shape's first call, Lt's first choice and up to
+// kTuneCandidates - 1 of its other heuristic results each run on the real A and B
+// (fastest(), below), and the fastest is kept. Lt's first choice was up to 18% slower than
+// its best at the 1B model's shapes (the weight and input gradients of the MLP
+// projections and the LM head; 5-6% of the step's matmul time; BENCHMARKS.md, 2026-12-01,
+// eighth session). Candidates with an in-place split-K reduction (atomics in C) are left
+// out, so every product stays deterministic given its algorithm; which algorithm wins can
+// differ between processes when two are within timing noise (GPU runs were not bitwise
+// reproducible before either: DESIGN.md section 4). MHAR_MATMUL_TUNE=0 in the environment
+// takes Lt's first choice instead, untimed.
+// Kernel lab (matmul_set_heuristic_rank): a given candidate instead (0 = the first
+// choice), for the timing test that compares them.
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <string>
 #include <vector>
@@ -236,13 +238,25 @@ void matmul(cudaStream_t s, MatmulContext& ctx, Tensor c, Tensor a, Tensor b, bo
           pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof al_c));
       CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
           pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof al_c));
-      cublasLtMatmulHeuristicResult_t results[kLabResults]{};
+      // Result 0: Lt's first choice, from a request for one result. A request for more
+      // lists others, but its first is not always that one: at the 1B model's forward
+      // products every algorithm of the longer list ran slower than the single answer
+      // (BENCHMARKS.md, eighth session), so the candidates are the single answer and then
+      // the longer list's others.
+      cublasLtMatmulHeuristicResult_t results[kLabResults + 1]{};
       int found = 0;
       const bool tune = key.rank < 0 && tuning_enabled() && ctx.allocate && ctx.release;
-      // The same request for the lab's ranks and the timed choice, so that both see one list.
-      const int want = key.rank > 0 || tune ? kLabResults : 1;
       cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(ctx.lt, lt.op, lt.a, lt.b, lt.c, lt.c,
-                                                         pref, want, results, &found);
+                                                         pref, 1, results, &found);
+      if (st == CUBLAS_STATUS_SUCCESS && found > 0 && (key.rank > 0 || tune)) {
+        cublasLtMatmulHeuristicResult_t more[kLabResults]{};
+        int n_more = 0;
+        if (cublasLtMatmulAlgoGetHeuristic(ctx.lt, lt.op, lt.a, lt.b, lt.c, lt.c, pref,
+                                           kLabResults, more, &n_more) == CUBLAS_STATUS_SUCCESS)
+          for (int i = 0; i < n_more; ++i)
+            if (std::memcmp(&more[i].algo, &results[0].algo, sizeof(cublasLtMatmulAlgo_t)) != 0)
+              results[found++] = more[i];
+      }
       cublasLtMatmulPreferenceDestroy(pref);
       last_results = st == CUBLAS_STATUS_SUCCESS ? found : 0;
       if (st == CUBLAS_STATUS_SUCCESS && found > 0) {
