@@ -72,7 +72,8 @@ void cross_entropy(cudaStream_t s, Tensor losses, Tensor logits, Tensor targets,
 // the backend (a larger request reallocates it, synchronising the stream). A slot's
 // contents last until the next request of the same slot; RoutingTile and RoutingBackTile
 // carry a depth tile from one op to the next (routing.cu), the others are used within one
-// op.
+// op. A new slot, or a request that grows with another shape, needs its size in
+// scratch_layout (cuda_backend.cu), or models will fail the size check.
 enum class ScratchSlot {
   AttentionRowDots,
   RoutingTables,
