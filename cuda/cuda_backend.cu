@@ -325,12 +325,11 @@ class CudaBackend final : public Backend {
     auto* rows = static_cast<float*>(scratch(cuda::ScratchSlot::AttentionRowDots, need * 4));
     cuda::attention_backward(stream_, dq, dk, dv, dout, q, k, v, out, lse, rows, need);
   }
-  void swiglu_forward(Tensor h, Tensor gate, Tensor up) override {
-    cuda::swiglu_forward(stream_, h, gate, up);
+  void swiglu_forward(Tensor h, Tensor gate_up) override {
+    cuda::swiglu_forward(stream_, h, gate_up);
   }
-  void swiglu_backward(Tensor dgate, Tensor dup, Tensor h, Tensor dh, Tensor gate,
-                       Tensor up) override {
-    cuda::swiglu_backward(stream_, dgate, dup, h, dh, gate, up);
+  void swiglu_backward(Tensor d_gate_up, Tensor h, Tensor dh, Tensor gate_up) override {
+    cuda::swiglu_backward(stream_, d_gate_up, h, dh, gate_up);
   }
   void add(Tensor out, Tensor a, Tensor b) override { cuda::add(stream_, out, a, b); }
   void add_inplace(Tensor y, Tensor x) override { cuda::add_inplace(stream_, y, x); }

@@ -54,12 +54,17 @@ struct MatmulContext {
 };
 void matmul(cudaStream_t s, MatmulContext& ctx, Tensor c, Tensor a, Tensor b, bool trans_a,
             bool trans_b, bool accumulate);
+// Kernel lab (tests/op_timing_cudatest.cpp): shapes planned from now on take result number
+// `rank` (0-15; 0, the default, is the heuristic's first choice; a shape offering fewer
+// takes its last); returns the previous rank. matmul_heuristic_results: how many results
+// the heuristic offered for the shape planned last (1 at most with rank 0).
+int matmul_set_heuristic_rank(int rank);
+int matmul_heuristic_results();
 
 // mlp.cu
-void swiglu_forward(cudaStream_t s, Tensor h, Tensor gate, Tensor up);
+void swiglu_forward(cudaStream_t s, Tensor h, Tensor gate_up);
 // h: empty, or overwritten with swiglu_forward's h (the same bits).
-void swiglu_backward(cudaStream_t s, Tensor dgate, Tensor dup, Tensor h, Tensor dh, Tensor gate,
-                     Tensor up);
+void swiglu_backward(cudaStream_t s, Tensor d_gate_up, Tensor h, Tensor dh, Tensor gate_up);
 
 // classifier.cu
 void cross_entropy(cudaStream_t s, Tensor losses, Tensor logits, Tensor targets,

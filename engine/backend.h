@@ -116,6 +116,17 @@ inline std::vector<Tensor> routing_rows(Tensor t) {
   return rows;
 }
 
+// SwiGLU's shapes (Backend::swiglu_forward/backward): h [rows, F] against the stacked
+// gate_up [rows, 2F]; returns F.
+inline int64_t swiglu_width(const Tensor& h, const Tensor& gate_up, const char* op) {
+  const int64_t F = h.ndim ? h.dim(-1) : 0;
+  MHAR_CHECK(h.ndim >= 1 && gate_up.ndim == h.ndim && gate_up.dim(-1) == 2 * F &&
+                 gate_up.numel() == 2 * h.numel() && gate_up.dtype == h.dtype,
+             op, ": h ", h.shape_str(), " against gate_up ", gate_up.shape_str(),
+             " (expected [rows, 2F] for h [rows, F], same dtype)");
+  return F;
+}
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -255,13 +266,14 @@ class Backend {
   virtual void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q,
                                   Tensor k, Tensor v, Tensor out, Tensor lse) = 0;
 
-  // ---- SwiGLU: h = silu(gate) * up; backward overwrites dgate, dup and, unless it is
-  // empty, h with the value swiglu_forward writes, bit for bit: the model recomputes h
-  // there for the down projection's weight gradient instead of keeping it from the
-  // forward (one [N, d_ff] buffer a layer; 6 GB at 1B, for one more write per element).
-  virtual void swiglu_forward(Tensor h, Tensor gate, Tensor up) = 0;
-  virtual void swiglu_backward(Tensor dgate, Tensor dup, Tensor h, Tensor dh, Tensor gate,
-                               Tensor up) = 0;
+  // ---- SwiGLU: h = silu(gate) * up, on the stacked gate/up projection's output:
+  // gate_up [N, 2F], row i = [gate_i | up_i] (F each), h and dh [N, F]. The backward
+  // overwrites d_gate_up (gate_up's layout) and, unless it is empty, h with the value
+  // swiglu_forward writes, bit for bit: the model recomputes h there for the down
+  // projection's weight gradient instead of keeping it from the forward (one [N, d_ff]
+  // buffer a layer; 6 GB at 1B, for one more write per element).
+  virtual void swiglu_forward(Tensor h, Tensor gate_up) = 0;
+  virtual void swiglu_backward(Tensor d_gate_up, Tensor h, Tensor dh, Tensor gate_up) = 0;
 
   // ---- elementwise: out = a + b;  y += x
   virtual void add(Tensor out, Tensor a, Tensor b) = 0;

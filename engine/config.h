@@ -120,12 +120,13 @@ struct Config {
 // takes and rounded up to a multiple of 64 rows (tensor-core tiles) within the budget.
 // The budget is large enough that each chunk's weight-gradient GEMM (reduction depth =
 // the chunk) is not held back by re-reading and re-writing the fp32 [V, d] gradient once
-// per chunk: 1 GiB is 5 chunks of 3,328 tokens at the 1B shape (16,384 tokens, a
+// per chunk: 2 GiB is 3 chunks of 5,504 tokens at the 1B shape (16,384 tokens, a
 // 151,936-word vocabulary in bf16). Measured on the H200 (BENCHMARKS.md, 2026-12-01,
-// seventh session): 512 MiB (10 chunks of 1,664; that chunk's weight gradient ran at 599
-// TFLOP/s against ~750-800 for the model's other GEMMs) 260.3 ms a step, 1 GiB 256.8 ms
-// for 0.38 GB more peak memory, 4x the chunk 255.1 ms for 1.39 GB more.
-constexpr double kLogitsChunkBytes = double(1 << 30);
+// seventh session) at that shape: 10 chunks of 1,664 (that chunk's weight gradient ran at
+// 599 TFLOP/s against ~750-800 for the model's other GEMMs) 260.3 ms a step, 5 of 3,328
+// 256.8 ms for 0.38 GB more peak memory, 3 of 6,656 255.1 ms for 1.39 GB more; our peak
+// stays under PyTorch's at every size (issue 13's bar) with 2 GiB.
+constexpr double kLogitsChunkBytes = double(int64_t(2) << 30);
 int64_t logits_chunk_tokens(int64_t tokens, int64_t vocab, size_t value_bytes, int64_t requested);
 
 // Size caps that hold before any memory is planned: the model and one training step are

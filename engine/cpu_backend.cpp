@@ -151,17 +151,16 @@ class CpuBackend final : public Backend {
                             k.ptr<T>(), v.ptr<T>(), out.ptr<T>(), lse.ptr<T>(), B, Tn, Hq, Hkv, hd);
   }
 
-  void swiglu_forward(Tensor h, Tensor gate, Tensor up) override {
-    MHAR_CHECK(h.numel() == gate.numel() && up.numel() == gate.numel(), "swiglu shapes");
-    cpu::swiglu_forward(h.ptr<T>(), gate.ptr<T>(), up.ptr<T>(), h.numel());
+  void swiglu_forward(Tensor h, Tensor gate_up) override {
+    const int64_t F = swiglu_width(h, gate_up, "swiglu_forward");
+    cpu::swiglu_forward(h.ptr<T>(), gate_up.ptr<T>(), h.numel() / std::max<int64_t>(F, 1), F);
   }
-  void swiglu_backward(Tensor dgate, Tensor dup, Tensor h, Tensor dh, Tensor gate,
-                       Tensor up) override {
-    MHAR_CHECK(dh.numel() == gate.numel() && dgate.numel() == gate.numel() &&
-                   dup.numel() == gate.numel() && (h.empty() || h.numel() == gate.numel()),
-               "swiglu backward shapes");
-    cpu::swiglu_backward(dgate.ptr<T>(), dup.ptr<T>(), h.empty() ? nullptr : h.ptr<T>(),
-                         dh.ptr<T>(), gate.ptr<T>(), up.ptr<T>(), dh.numel());
+  void swiglu_backward(Tensor d_gate_up, Tensor h, Tensor dh, Tensor gate_up) override {
+    const int64_t F = swiglu_width(dh, gate_up, "swiglu_backward");
+    MHAR_CHECK(d_gate_up.numel() == gate_up.numel() && (h.empty() || h.numel() == dh.numel()),
+               "swiglu_backward: d_gate_up ", d_gate_up.shape_str(), " h ", h.shape_str());
+    cpu::swiglu_backward(d_gate_up.ptr<T>(), h.empty() ? nullptr : h.ptr<T>(), dh.ptr<T>(),
+                         gate_up.ptr<T>(), dh.numel() / std::max<int64_t>(F, 1), F);
   }
 
   void add(Tensor out, Tensor a, Tensor b) override {

@@ -60,9 +60,9 @@ class ForwardingBackend : public Backend {
                           Tensor v, Tensor out, Tensor lse) override {
     in_.attention_backward(dq, dk, dv, dout, q, k, v, out, lse);
   }
-  void swiglu_forward(Tensor h, Tensor g, Tensor u) override { in_.swiglu_forward(h, g, u); }
-  void swiglu_backward(Tensor dg, Tensor du, Tensor h, Tensor dh, Tensor g, Tensor u) override {
-    in_.swiglu_backward(dg, du, h, dh, g, u);
+  void swiglu_forward(Tensor h, Tensor gu) override { in_.swiglu_forward(h, gu); }
+  void swiglu_backward(Tensor dgu, Tensor h, Tensor dh, Tensor gu) override {
+    in_.swiglu_backward(dgu, h, dh, gu);
   }
   void add(Tensor o, Tensor a, Tensor b) override { in_.add(o, a, b); }
   void add_inplace(Tensor y, Tensor x) override { in_.add_inplace(y, x); }

@@ -59,11 +59,12 @@ struct Model::SublayerActs {
   // Attention.
   int q_pre = -1, k_pre = -1, q = -1, k = -1, v = -1, q_rstd = -1, k_rstd = -1, att = -1,
       lse = -1;
-  // MLP (h is forward-only: the backward recomputes it into h_again).
-  int gate = -1, up = -1, h = -1;
+  // MLP: the stacked projection's output [N, 2F], row = [gate | up] (h is forward-only:
+  // the backward recomputes it into h_again).
+  int gate_up = -1, h = -1;
   // Backward scratch.
   int d_xn = -1, d_att = -1, dq = -1, dk = -1, dv = -1, dq_pre = -1, dk_pre = -1, d_h = -1,
-      d_gate = -1, d_up = -1, h_again = -1;
+      d_gate_up = -1, h_again = -1;
 };
 
 struct Model::StepBuffers {
@@ -104,23 +105,40 @@ void Model::plan_parameters() {
   // Both allocations get the same layout in elements (buckets of parameters, each
   // parameter padded to kParamAlign elements, each bucket to grad_shards * kParamAlign),
   // so one element range names the same weights, gradients and optimizer state.
+  // A stack (the projections that read one input: [q; k; v], [gate; up]) is one plan
+  // buffer padded as a whole, its members back to back inside it, so the stacked weight
+  // is one row-major matrix for one GEMM; every other user (checkpoints, HF export, the
+  // optimizer's segments) still sees the members as separate parameters.
   auto round_up = [](int64_t x, int64_t a) { return (x + a - 1) / a * a; };
   int64_t elems = 0;
-  std::vector<int> plan_ids;
-  auto add = [&](const std::string& name, std::initializer_list<int64_t> shape, bool decay,
-                 Init init, double init_std = 0) {
+  struct Placement {
+    int plan_id;
+    int64_t first = 0, rows = 0, cols = 0;  // a stack member: its rows of the plan buffer
+  };
+  std::vector<Placement> placed;
+  auto new_parameter = [&](const std::string& name, bool decay, Init init, double init_std,
+                           Placement at) {
+    Parameter prm{name, Tensor(), Tensor(), decay, init, init_std};
+    prm.offset = elems + at.first;
+    prm.bucket = int(buckets_.size()) - 1;
+    params_.push_back(prm);
+    placed.push_back(at);
+    return int(params_.size()) - 1;
+  };
+  auto plan_buffer = [&](const std::string& name, std::initializer_list<int64_t> shape) {
     int64_t n = 1;
     for (int64_t s : shape) n *= s;
     const int64_t padded = round_up(n, kParamAlign);
     const int id = param_plan_->add_padded(name, pt, shape, padded);
     MHAR_CHECK(grad_plan_->add_padded(name, gt, shape, padded) == id, "plan ids");
-    plan_ids.push_back(id);
-    Parameter prm{name, Tensor(), Tensor(), decay, init, init_std};
-    prm.offset = elems;
-    prm.bucket = int(buckets_.size()) - 1;
-    params_.push_back(prm);
+    return std::pair<int, int64_t>{id, padded};
+  };
+  auto add = [&](const std::string& name, std::initializer_list<int64_t> shape, bool decay,
+                 Init init, double init_std = 0) {
+    const auto [id, padded] = plan_buffer(name, shape);
+    const int index = new_parameter(name, decay, init, init_std, {id});
     elems += padded;
-    return int(params_.size()) - 1;
+    return index;
   };
   auto open_bucket = [&](const std::string& name) {
     GradBucket b;
@@ -147,6 +165,26 @@ void Model::plan_parameters() {
     return add(name, shape, true, Init::Normal, s);
   };
   auto norm = [&](const std::string& name, int64_t n) { return add(name, {n}, false, Init::One); };
+  // Matrices of `cols` columns stacked by rows; returns the stack's plan id and writes
+  // each member's parameter index to *index.
+  struct Member {
+    std::string name;
+    int64_t rows;
+    double std;
+    int* index;
+  };
+  auto stack = [&](const std::string& name, int64_t cols, std::initializer_list<Member> members) {
+    int64_t rows = 0;
+    for (const Member& m : members) rows += m.rows;
+    const auto [id, padded] = plan_buffer(name, {rows, cols});
+    int64_t first = 0;
+    for (const Member& m : members) {
+      *m.index = new_parameter(m.name, true, Init::Normal, m.std, {id, first, m.rows, cols});
+      first += m.rows * cols;
+    }
+    elems += padded;
+    return id;
+  };
   open_bucket("embedding");
   embed_ = matrix("model.embed_tokens.weight", {V, d}, std);
   close_bucket();
@@ -155,15 +193,17 @@ void Model::plan_parameters() {
     open_bucket("layer." + std::to_string(l));
     LayerParams lp;
     lp.attn_norm = norm(pre + "input_layernorm.weight", d);
-    lp.wq = matrix(pre + "self_attn.q_proj.weight", {cfg_.q_dim(), d}, std);
-    lp.wk = matrix(pre + "self_attn.k_proj.weight", {cfg_.kv_dim(), d}, std);
-    lp.wv = matrix(pre + "self_attn.v_proj.weight", {cfg_.kv_dim(), d}, std);
+    lp.qkv = stack(pre + "self_attn.qkv_proj.stack", d,
+                   {{pre + "self_attn.q_proj.weight", cfg_.q_dim(), std, &lp.wq},
+                    {pre + "self_attn.k_proj.weight", cfg_.kv_dim(), std, &lp.wk},
+                    {pre + "self_attn.v_proj.weight", cfg_.kv_dim(), std, &lp.wv}});
     lp.wo = matrix(pre + "self_attn.o_proj.weight", {d, cfg_.q_dim()}, out_std);
     lp.q_norm = norm(pre + "self_attn.q_norm.weight", hd);
     lp.k_norm = norm(pre + "self_attn.k_norm.weight", hd);
     lp.mlp_norm = norm(pre + "post_attention_layernorm.weight", d);
-    lp.w_gate = matrix(pre + "mlp.gate_proj.weight", {F, d}, std);
-    lp.w_up = matrix(pre + "mlp.up_proj.weight", {F, d}, std);
+    lp.gate_up = stack(pre + "mlp.gate_up_proj.stack", d,
+                       {{pre + "mlp.gate_proj.weight", F, std, &lp.w_gate},
+                        {pre + "mlp.up_proj.weight", F, std, &lp.w_up}});
     lp.w_down = matrix(pre + "mlp.down_proj.weight", {d, F}, out_std);
     layers_.push_back(lp);
     close_bucket();
@@ -185,13 +225,19 @@ void Model::plan_parameters() {
   grad_plan_->plan();
   param_arena_ = std::make_unique<Arena>(be_, *param_plan_);
   grad_arena_ = std::make_unique<Arena>(be_, *grad_plan_);
+  auto place = [](Tensor buffer, const Placement& at) {
+    if (at.rows == 0) return buffer;
+    return Tensor(static_cast<char*>(buffer.data) + size_t(at.first) * dtype_size(buffer.dtype),
+                  buffer.dtype, {at.rows, at.cols});
+  };
   for (size_t i = 0; i < params_.size(); ++i) {
-    params_[i].value = param_arena_->tensor(plan_ids[i]);
-    params_[i].grad = grad_arena_->tensor(plan_ids[i]);
-    MHAR_CHECK(param_plan_->buffers()[size_t(plan_ids[i])].offset ==
-                       size_t(params_[i].offset) * dtype_size(pt) &&
-                   grad_plan_->buffers()[size_t(plan_ids[i])].offset ==
-                       size_t(params_[i].offset) * dtype_size(gt),
+    const Placement& at = placed[i];
+    params_[i].value = place(param_arena_->tensor(at.plan_id), at);
+    params_[i].grad = place(grad_arena_->tensor(at.plan_id), at);
+    MHAR_CHECK(param_plan_->buffers()[size_t(at.plan_id)].offset ==
+                       size_t(params_[i].offset - at.first) * dtype_size(pt) &&
+                   grad_plan_->buffers()[size_t(at.plan_id)].offset ==
+                       size_t(params_[i].offset - at.first) * dtype_size(gt),
                "parameter layout of ", params_[i].name);
   }
   MHAR_CHECK(param_plan_->total_bytes() == size_t(elems) * dtype_size(pt) &&
@@ -246,15 +292,13 @@ void Model::plan_activations() {
       A->dq_pre = P.add(name + "q_pre.grad", at, {N, qd}, b, b);
       A->dk_pre = P.add(name + "k_pre.grad", at, {N, kvd}, b, b);
     } else {
-      A->gate = P.add(name + "gate", at, {N, F}, e, b);
-      A->up = P.add(name + "up", at, {N, F}, e, b);
+      A->gate_up = P.add(name + "gate_up", at, {N, 2 * F}, e, b);
       // h = silu(gate) * up is not kept for the backward: swiglu_backward writes it again,
       // bit for bit, for the down projection's weight gradient (6 GB less at 1B).
       A->h = P.add(name + "h", at, {N, F}, e, e);
       A->h_again = P.add(name + "h.again", at, {N, F}, b, b);
       A->d_h = P.add(name + "h.grad", at, {N, F}, b, b);
-      A->d_gate = P.add(name + "gate.grad", at, {N, F}, b, b);
-      A->d_up = P.add(name + "up.grad", at, {N, F}, b, b);
+      A->d_gate_up = P.add(name + "gate_up.grad", at, {N, 2 * F}, b, b);
     }
     acts_.push_back(std::move(A));
   }
@@ -282,6 +326,8 @@ void Model::plan_activations() {
 }
 
 Tensor Model::act(int id) const { return act_arena_->tensor(id); }
+Tensor Model::stacked(int plan_id) const { return param_arena_->tensor(plan_id); }
+Tensor Model::stacked_grad(int plan_id) const { return grad_arena_->tensor(plan_id); }
 
 const Parameter& Model::parameter(const std::string& name) const {
   for (const auto& p : params_)
@@ -575,9 +621,8 @@ void Model::mlp_forward(int l) {
   const SublayerActs& A = *acts_[j];
   const LayerParams& lp = layers_[l];
   // A.xn, the input norm of site j, was written at the site (run_layers).
-  be_.matmul_forward(act(A.gate), act(A.xn), p(lp.w_gate));
-  be_.matmul_forward(act(A.up), act(A.xn), p(lp.w_up));
-  be_.swiglu_forward(act(A.h), act(A.gate), act(A.up));
+  be_.matmul_forward(act(A.gate_up), act(A.xn), stacked(lp.gate_up));
+  be_.swiglu_forward(act(A.h), act(A.gate_up));
   be_.matmul_forward(history()[j + 1], act(A.h), p(lp.w_down));
 }
 
@@ -653,13 +698,10 @@ void Model::mlp_backward(int l) {
   const LayerParams& lp = layers_[l];
   Tensor dout = scheme_->source_grad(j + 1);
   be_.matmul_input_grad(act(A.d_h), dout, p(lp.w_down), false);
-  be_.swiglu_backward(act(A.d_gate), act(A.d_up), act(A.h_again), act(A.d_h), act(A.gate),
-                      act(A.up));
+  be_.swiglu_backward(act(A.d_gate_up), act(A.h_again), act(A.d_h), act(A.gate_up));
   be_.matmul_weight_grad(g(lp.w_down), dout, act(A.h_again));
-  be_.matmul_input_grad(act(A.d_xn), act(A.d_gate), p(lp.w_gate), false);
-  be_.matmul_input_grad(act(A.d_xn), act(A.d_up), p(lp.w_up), true);
-  be_.matmul_weight_grad(g(lp.w_gate), act(A.d_gate), act(A.xn));
-  be_.matmul_weight_grad(g(lp.w_up), act(A.d_up), act(A.xn));
+  be_.matmul_input_grad(act(A.d_xn), act(A.d_gate_up), stacked(lp.gate_up), false);
+  be_.matmul_weight_grad(stacked_grad(lp.gate_up), act(A.d_gate_up), act(A.xn));
   // Last: the scheme's site_grad(j) may be the buffer of source_grad(j + 1) (residual.h).
   be_.rmsnorm_backward(scheme_->site_grad(j), g(lp.mlp_norm), act(A.d_xn), site_input(j),
                        p(lp.mlp_norm), act(A.rstd), scheme_->site_grad_accumulates(j));

@@ -44,7 +44,9 @@ struct Parameter {
 // A group of parameters whose gradients become complete at one point of the backward
 // (one layer, the head, the routing parameters, the embedding): the unit of the gradient
 // reduce-scatter. Its parameters are contiguous in both allocations, each at an offset
-// that is a multiple of Model::kParamAlign elements, and `numel` (padding included) is a
+// that is a multiple of Model::kParamAlign elements (but for the members of a stacked
+// projection after its first, which follow the previous member directly: [q; k; v] and
+// [gate; up] are one matrix each), and `numel` (padding included) is a
 // multiple of grad_shards() * kParamAlign, so rank r of W owns the elements
 // [offset + r * numel / W, offset + (r + 1) * numel / W) of the bucket. The padding is
 // zero in both allocations.
@@ -56,8 +58,9 @@ struct GradBucket {
 
 class Model {
  public:
-  // Every parameter starts at a multiple of this many elements in both allocations (256
-  // bytes of bf16: the alignment cuBLAS and the vector loads want).
+  // Every parameter (every stack of projections) starts at a multiple of this many
+  // elements in both allocations (256 bytes of bf16: the alignment cuBLAS and the vector
+  // loads want).
   static constexpr int64_t kParamAlign = 128;
 
   // `grad_shards`: the number of ranks the gradient buckets are padded for (1 without
@@ -163,6 +166,7 @@ class Model {
  private:
   struct LayerParams {
     int attn_norm, wq, wk, wv, wo, q_norm, k_norm, mlp_norm, w_gate, w_up, w_down;
+    int qkv, gate_up;  // plan ids of the stacks [q; k; v] and [gate; up] (stacked())
   };
   struct SublayerActs;  // defined in model.cpp
 
@@ -172,6 +176,9 @@ class Model {
   void head_forward(double loss_scale);   // LM head and cross-entropy, chunk by chunk
   Tensor p(int id) const { return params_[id].value; }
   Tensor g(int id) const { return params_[id].grad; }
+  // A stack of projections (plan_parameters) as one matrix: its weights, its gradients.
+  Tensor stacked(int plan_id) const;
+  Tensor stacked_grad(int plan_id) const;
   Tensor act(int id) const;
   void attention_forward(int layer);
   void attention_backward(int layer);

@@ -206,14 +206,13 @@ void OpProfiler::attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout
   Span s(*this, OpFamily::AttentionBackward, 2.5 * attention_forward_flops(q));
   in_.attention_backward(dq, dk, dv, dout, q, k, v, out, lse);
 }
-void OpProfiler::swiglu_forward(Tensor h, Tensor gate, Tensor up) {
-  Span s(*this, OpFamily::Swiglu, bytes_of({h, gate, up}));
-  in_.swiglu_forward(h, gate, up);
+void OpProfiler::swiglu_forward(Tensor h, Tensor gate_up) {
+  Span s(*this, OpFamily::Swiglu, bytes_of({h, gate_up}));
+  in_.swiglu_forward(h, gate_up);
 }
-void OpProfiler::swiglu_backward(Tensor dgate, Tensor dup, Tensor h, Tensor dh, Tensor gate,
-                                 Tensor up) {
-  Span s(*this, OpFamily::Swiglu, bytes_of({dgate, dup, h, dh, gate, up}));
-  in_.swiglu_backward(dgate, dup, h, dh, gate, up);
+void OpProfiler::swiglu_backward(Tensor d_gate_up, Tensor h, Tensor dh, Tensor gate_up) {
+  Span s(*this, OpFamily::Swiglu, bytes_of({d_gate_up, h, dh, gate_up}));
+  in_.swiglu_backward(d_gate_up, h, dh, gate_up);
 }
 void OpProfiler::add(Tensor out, Tensor a, Tensor b) {
   Span s(*this, OpFamily::Elementwise, bytes_of({out, a, b}));

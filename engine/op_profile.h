@@ -82,9 +82,8 @@ class OpProfiler final : public ForwardingBackend {
   void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v) override;
   void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k,
                           Tensor v, Tensor out, Tensor lse) override;
-  void swiglu_forward(Tensor h, Tensor gate, Tensor up) override;
-  void swiglu_backward(Tensor dgate, Tensor dup, Tensor h, Tensor dh, Tensor gate,
-                       Tensor up) override;
+  void swiglu_forward(Tensor h, Tensor gate_up) override;
+  void swiglu_backward(Tensor d_gate_up, Tensor h, Tensor dh, Tensor gate_up) override;
   void add(Tensor out, Tensor a, Tensor b) override;
   void add_inplace(Tensor y, Tensor x) override;
   void cross_entropy(Tensor losses, Tensor logits, Tensor targets, double grad_scale,

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <random>
+#include <set>
 
 #include "engine/allocator.h"
 #include "tests/model_test_util.h"
@@ -72,6 +73,43 @@ TEST(MemoryPlan, ModelPlansAreSafeAndReuseAcrossLayers) {
     for (const char* cat : {"parameters", "gradients", "activations"})
       EXPECT_NE(report.find(cat), std::string::npos) << report;
   }
+}
+
+// The projections that read one input are stacked ([q; k; v], [gate; up]): each member
+// follows the previous one with no padding in both allocations (the stacked weight is one
+// matrix for one GEMM), at shapes where kParamAlign padding would have separated them
+// (F d = 320, kv_dim d = 192: not multiples of 128); every other parameter still starts
+// at a multiple of kParamAlign.
+TEST(MemoryPlan, StackedProjectionsAreAdjacentInBothAllocations) {
+  Config c = test::tiny_config(ResidualMode::Standard);
+  c.model.d_ff = 20;
+  c.model.head_dim = 6;
+  auto be = make_cpu_backend(DType::F32);
+  Model m(c.model, c.residual, *be, 2, 4);
+  const auto& params = m.parameters();
+  std::vector<std::vector<std::string>> stacks;
+  for (int l = 0; l < c.model.n_layers; ++l) {
+    const std::string pre = "model.layers." + std::to_string(l) + ".";
+    stacks.push_back({pre + "self_attn.q_proj.weight", pre + "self_attn.k_proj.weight",
+                      pre + "self_attn.v_proj.weight"});
+    stacks.push_back({pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"});
+  }
+  std::set<std::string> followers;
+  for (const auto& names : stacks)
+    for (size_t i = 1; i < names.size(); ++i) {
+      const Parameter &a = m.parameter(names[i - 1]), &b = m.parameter(names[i]);
+      followers.insert(b.name);
+      EXPECT_EQ(b.offset, a.offset + a.value.numel()) << b.name;
+      EXPECT_EQ(static_cast<const char*>(b.value.data),
+                static_cast<const char*>(a.value.data) + a.value.bytes()) << b.name;
+      EXPECT_EQ(static_cast<const char*>(b.grad.data),
+                static_cast<const char*>(a.grad.data) + a.grad.bytes()) << b.name;
+    }
+  EXPECT_EQ(followers.size(), size_t(3 * c.model.n_layers));
+  for (const Parameter& p : params)
+    if (!followers.count(p.name)) EXPECT_EQ(p.offset % Model::kParamAlign, 0) << p.name;
+  EXPECT_NE(m.parameter("model.layers.0.mlp.gate_proj.weight").value.numel() % Model::kParamAlign, 0)
+      << "the test's shapes should need padding between unstacked parameters";
 }
 
 // At the shapes of configs/{350m,1b}_*.json: the routed activation plan is the standard

@@ -72,14 +72,14 @@ class Bf16Storage final : public ForwardingBackend {
     in_.attention_backward(dq, dk, dv, dout, q, k, v, out, lse);
     for (Tensor t : {dq, dk, dv}) round(t);
   }
-  void swiglu_forward(Tensor h, Tensor g, Tensor u) override {
-    in_.swiglu_forward(h, g, u);
+  void swiglu_forward(Tensor h, Tensor gu) override {
+    in_.swiglu_forward(h, gu);
     round(h);
   }
-  void swiglu_backward(Tensor dg, Tensor du, Tensor h, Tensor dh, Tensor g, Tensor u) override {
-    in_.swiglu_backward(dg, du, h, dh, g, u);
-    round(dg);
-    round(du);
+  void swiglu_backward(Tensor dgu, Tensor h, Tensor dh, Tensor gu) override {
+    in_.swiglu_backward(dgu, h, dh, gu);
+    round(dgu);
+    if (!h.empty()) round(h);  // the recomputed h, rounded as the forward's was
   }
   void add(Tensor out, Tensor a, Tensor b) override {
     in_.add(out, a, b);

@@ -168,15 +168,13 @@ class Fp32Noise final : public Backend {
     round_all(dk);
     round_all(dv);
   }
-  void swiglu_forward(Tensor h, Tensor gate, Tensor up) override {
-    inner_->swiglu_forward(h, gate, up);
+  void swiglu_forward(Tensor h, Tensor gate_up) override {
+    inner_->swiglu_forward(h, gate_up);
     round_all(h);
   }
-  void swiglu_backward(Tensor dgate, Tensor dup, Tensor h, Tensor dh, Tensor gate,
-                       Tensor up) override {
-    inner_->swiglu_backward(dgate, dup, h, dh, gate, up);
-    round_all(dgate);
-    round_all(dup);
+  void swiglu_backward(Tensor d_gate_up, Tensor h, Tensor dh, Tensor gate_up) override {
+    inner_->swiglu_backward(d_gate_up, h, dh, gate_up);
+    round_all(d_gate_up);
     if (!h.empty()) round_all(h);
   }
   void add(Tensor out, Tensor a, Tensor b) override {

@@ -170,23 +170,21 @@ TEST_F(KernelBandwidth, DISABLED_MemoryBoundKernels) {
       const int64_t n = N * sh.ff;
       const double e = 2.0 * n;
       const int sets = sets_for(3 * e);
-      std::vector<Buffer> g, u, h, dg, du, h_again;
+      std::vector<Buffer> gu, h, dgu, h_again;
       for (int i = 0; i < sets; ++i) {
-        h_again.emplace_back(*gpu, DType::BF16, std::initializer_list<int64_t>{n});
-        g.push_back(random_gpu(DType::BF16, {n}, 3.0));
-        u.push_back(random_gpu(DType::BF16, {n}));
-        h.push_back(random_gpu(DType::BF16, {n}));
-        dg.emplace_back(*gpu, DType::BF16, std::initializer_list<int64_t>{n});
-        du.emplace_back(*gpu, DType::BF16, std::initializer_list<int64_t>{n});
+        h_again.emplace_back(*gpu, DType::BF16, std::initializer_list<int64_t>{N, sh.ff});
+        gu.push_back(random_gpu(DType::BF16, {N, 2 * sh.ff}, 3.0));
+        h.push_back(random_gpu(DType::BF16, {N, sh.ff}));
+        dgu.emplace_back(*gpu, DType::BF16, std::initializer_list<int64_t>{N, 2 * sh.ff});
       }
       const std::string tag = " [" + std::to_string(N) + " x " + std::to_string(sh.ff) + "]" + at;
       report("swiglu forward" + tag, 3 * e, median_ms([&](int i) {
                const size_t k = size_t(i);
-               gpu->swiglu_forward(dg[k], g[k], u[k]);
+               gpu->swiglu_forward(h_again[k], gu[k]);
              }, sets));
       report("swiglu backward" + tag, 6 * e, median_ms([&](int i) {
                const size_t k = size_t(i);
-               gpu->swiglu_backward(dg[k], du[k], h_again[k], h[k], g[k], u[k]);
+               gpu->swiglu_backward(dgu[k], h_again[k], h[k], gu[k]);
              }, sets));
     }
     // Residual adds over [N, d]: out = a + b and y += x in bf16; the fp32 += bf16 mix.

@@ -1,7 +1,8 @@
 // op_profile_test.cpp: the op profiler (engine/op_profile.h) over one training step of a
 // tiny model on the CPU backend (host clock):
 // - every op the step runs is counted in its family: the matmul count and FLOPs follow
-//   from the model's shapes (forward: one matmul per weight matrix, 2 N K M FLOPs each;
+//   from the model's shapes (forward: one matmul per weight matrix or stack of them,
+//   [q; k; v] and [gate; up], 2 N K M FLOPs each;
 //   backward: two of the same size per forward matmul, input and weight gradient);
 // - the attention FLOPs are the causal count of the config's shapes;
 // - the families' times add up to no more than the step's wall time;
@@ -55,7 +56,8 @@ TEST(OpProfiler, CountsEveryOpOfAStepWithItsWork) {
     const double per_layer = d * m.q_dim() + 2 * d * m.kv_dim() + m.q_dim() * d + 3 * d * m.d_ff;
     const double matrices = L * per_layer + double(m.vocab_size) * d;  // + the (tied) LM head
     const OpFamilyTotals& mm = prof.totals(OpFamily::Matmul);
-    EXPECT_EQ(mm.calls, int64_t(3 * (7 * L + 1)));
+    const double products_per_layer = 6;  // q, k, v, o, [gate; up], down
+    EXPECT_EQ(mm.calls, int64_t(3 * (products_per_layer * L + 1)));
     EXPECT_DOUBLE_EQ(mm.work, 3 * 2 * N * matrices);
     const double attn = L * 4 * B * m.n_heads * double(T) * T * m.head_dim / 2;
     EXPECT_EQ(prof.totals(OpFamily::AttentionForward).calls, int64_t(L));

@@ -203,9 +203,9 @@ TEST_F(OpTiming, DISABLED_ModelShapes) {
   }
   {
     const int64_t n = N * ff;
-    Buffer g = random_gpu(DType::BF16, {n}), u = random_gpu(DType::BF16, {n});
-    Buffer h(*gpu, DType::BF16, {n});
-    report("swiglu_forward [16384 x 6144]", time_ms([&] { gpu->swiglu_forward(h, g, u); }), 0,
+    Buffer gu = random_gpu(DType::BF16, {N, 2 * ff});
+    Buffer h(*gpu, DType::BF16, {N, ff});
+    report("swiglu_forward [16384 x 6144]", time_ms([&] { gpu->swiglu_forward(h, gu); }), 0,
            3 * 2.0 * n);
   }
 }
@@ -221,6 +221,62 @@ void tiled_mixes(Backend& gpu, Buffer& xs, Buffer& weights, Buffer& hist,
       gpu.routing_mix_tile(xs.t()[i], weights, hist, lay, i, std::min(k, S - i), H);
     else if (!tiles_only)
       gpu.routing_mix(xs.t()[i], weights, hist, lay, i, H);
+}
+
+// Is cuBLASLt's first heuristic choice the fastest for the 1B step's products? Each
+// product as the model runs it (forward, input gradient, weight gradient into fp32),
+// timed with the heuristic's results 0..7 (cuda::matmul_set_heuristic_rank), and the
+// step's matmul time at the first choice against the best per product (36 layers; 5
+// LM-head chunks of 3,328 tokens). A lead for issue 13's MFU, not a parity test: the
+// ranks compute the same products with other tilings (other rounding of the fp32 sums).
+TEST_F(OpTiming, DISABLED_MatmulHeuristicRanks1B) {
+  const int64_t N = 16384, d = 1280;
+  struct Product {
+    const char* name;
+    int64_t rows, in, out;
+    int per_step;
+  };
+  double first_total = 0, best_total = 0;
+  for (const Product& pr : {Product{"q_proj", N, d, 2048, 36}, Product{"k_proj", N, d, 1024, 72},
+                            Product{"o_proj", N, 2048, d, 36},
+                            Product{"gate_up_proj", N, d, 10240, 36},
+                            Product{"down_proj", N, 5120, d, 36},
+                            Product{"lm_head chunk", 3328, d, 151936, 5}}) {
+    Buffer x = random_gpu(DType::BF16, {pr.rows, pr.in});
+    Buffer w = random_gpu(DType::BF16, {pr.out, pr.in}, 0.02);
+    Buffer y = random_gpu(DType::BF16, {pr.rows, pr.out});
+    Buffer dx(*gpu, DType::BF16, {pr.rows, pr.in});
+    Buffer dw(*gpu, DType::F32, {pr.out, pr.in});
+    const double flop = 2.0 * pr.rows * pr.in * pr.out;
+    const std::function<void()> ops[3] = {[&] { gpu->matmul_forward(y, x, w); },
+                                          [&] { gpu->matmul_input_grad(dx, y, w, false); },
+                                          [&] { gpu->matmul_weight_grad(dw, y, x); }};
+    const char* kinds[3] = {"forward", "input grad", "weight grad"};
+    for (int o = 0; o < 3; ++o) {
+      double first = 0, best = 1e30;
+      int best_rank = 0, results = 0;
+      for (int rank = 0; rank < 8; ++rank) {
+        cuda::matmul_set_heuristic_rank(rank);
+        ops[o]();  // plans the shape at this rank
+        if (rank == 1) results = cuda::matmul_heuristic_results();
+        if (rank > 0 && rank >= results) break;
+        const double ms = time_ms(ops[o], 20);
+        if (rank == 0) first = ms;
+        if (ms < best) best = ms, best_rank = rank;
+      }
+      cuda::matmul_set_heuristic_rank(0);
+      const std::string tag = std::string(kinds[o]) + " " + pr.name + " [" +
+                              std::to_string(pr.rows) + " x " + std::to_string(pr.in) +
+                              "] -> " + std::to_string(pr.out);
+      report(tag + ", first choice", first, flop, 0);
+      report(tag + ", best of " + std::to_string(std::min(results, 8)) + " (rank " +
+                 std::to_string(best_rank) + ")", best, flop, 0);
+      first_total += first * pr.per_step;
+      best_total += best * pr.per_step;
+    }
+  }
+  std::printf("TIMING 1B step's matmuls: first choice %.2f ms, best per product %.2f ms (%.2f%% less)\n",
+              first_total, best_total, 100.0 * (first_total - best_total) / first_total);
 }
 
 // One pass of the 1B model's depth-tiled mixes (full routing, S 73, d 1280, H 8) per
