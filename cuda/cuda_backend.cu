@@ -3,7 +3,12 @@
 // sum_squares (its per-block sums); memory ops and host transfers live here, kernels in
 // one .cu per op family (kernels.h).
 // - act_dtype BF16, stat_dtype F32, grad_dtype F32.
-// - allocate() is cudaMalloc, zero-filled and synchronous (not on the hot path).
+// - allocate() is cudaMalloc, zero-filled and synchronous (not on the hot path). The
+//   handles, workspace and sum_squares scratch are allocated in the constructor.
+// - The ops' temporaries (kernels.h, ScratchSlot) come from the model's op scratch while
+//   one is bound (Backend::op_scratch_bytes; scratch_layout below says what each slot
+//   holds and where), so a model's step allocates nothing; with none bound, from
+//   grow-only buffers of the backend's own (ops called without a model).
 // - upload/download convert on the host between float64 and the tensor's dtype (BF16
 //   rounds to nearest even; NaN stays NaN) through a host staging vector.
 #include <algorithm>
@@ -31,6 +36,74 @@ float host_bf16_to_float(uint16_t h) {
   float f;
   std::memcpy(&f, &bits, 4);
   return f;
+}
+
+constexpr size_t kSlots = size_t(cuda::ScratchSlot::Count);
+
+// A model's op scratch (Backend::op_scratch_bytes) by slot: each slot's most bytes for the
+// model's shapes (the requests of attention_backward and hyper_workspace below, norm.cu
+// and routing.cu), and where it sits. A depth tile carries its slot from one op to the
+// next (routing.cu), so the two tile slots come first and share their bytes: a mix tile
+// lives inside one forward pass, a backward tile inside one backward pass. Every other
+// slot is used within one op, and ops run one at a time on the one stream, so the ops'
+// groups share the bytes after the tiles: attention's row dots; the norms' partial sums;
+// hyper's partial sums; the routing tables, value and key rows and pair split side by side
+// (one routing source backward uses all four, and the backward tile, at once).
+struct ScratchLayout {
+  size_t offset[kSlots] = {}, bytes[kSlots] = {};
+  size_t total = 0;
+};
+ScratchLayout scratch_layout(const OpScratchShapes& s) {
+  using Slot = cuda::ScratchSlot;
+  static_assert(kSlots == 9, "every slot is sized and placed below");
+  ScratchLayout l;
+  auto bytes = [&](Slot slot) -> size_t& { return l.bytes[size_t(slot)]; };
+  const size_t N = size_t(std::max<int64_t>(s.tokens(), 0));
+  const size_t d = size_t(std::max<int64_t>(s.d_model, 0));
+  bytes(Slot::AttentionRowDots) = N * size_t(std::max(s.heads, 0)) * sizeof(float);  // B*T*Hq
+  bytes(Slot::NormPartials) = std::max(cuda::rmsnorm_backward_scratch_bytes(s.d_model),
+                                       cuda::rmsnorm_backward_scratch_bytes(s.head_dim));
+  const RoutingLayout& lay = s.routing;
+  if (lay.sites > 0 && s.routing_heads > 0) {
+    const size_t H = size_t(s.routing_heads);
+    size_t ns = 0;  // the most sites that read one slot (the tables' and the pairs' rows)
+    for (int i = 0; i < lay.sources; ++i) ns = std::max(ns, size_t(lay.last_site(i) - i + 1));
+    bytes(Slot::RoutingTables) = ns * d * sizeof(float);  // fp32 (backward); bf16 hi + lo (logits)
+    bytes(Slot::RoutingValueGrad) = N * d * sizeof(float);
+    bytes(Slot::RoutingKeyGrad) = N * d * sizeof(float);
+    bytes(Slot::RoutingPairSplit) = 2 * ns * H * N * sizeof(uint16_t);  // bf16 hi + lo
+    const int k =
+        std::min(s.mix_tile_sites, cuda::routing_tile_sites(lay, s.d_model, s.routing_heads));
+    if (k >= 2) bytes(Slot::RoutingTile) = size_t(k - 1) * (N * d + 2 * H * N) * sizeof(float);
+    if (std::min(s.backward_tile_slots,
+                 cuda::routing_backward_tile_slots(lay, s.d_model, s.routing_heads)) >= 2)
+      bytes(Slot::RoutingBackTile) = N * d * sizeof(float);
+  }
+  const int n = s.hyper_streams;
+  if (n >= 1 && n <= cuda::kHyperMaxStreams && N > 0) {
+    size_t floats = cuda::hyper_workspace_floats(int64_t(N * d), n);
+    if (s.hyper_dynamic)
+      floats = std::max(floats, cuda::hyper_dynamic_workspace_floats(int64_t(N), int64_t(d), n));
+    bytes(Slot::HyperPartials) = floats * sizeof(float);
+  }
+  auto up = [](size_t x) { return (x + 255) / 256 * 256; };  // MemoryPlan::kAlignment
+  const size_t tiles = std::max(up(bytes(Slot::RoutingTile)), up(bytes(Slot::RoutingBackTile)));
+  size_t local = 0;
+  static const std::vector<std::vector<Slot>> groups = {
+      {Slot::AttentionRowDots},
+      {Slot::NormPartials},
+      {Slot::HyperPartials},
+      {Slot::RoutingTables, Slot::RoutingValueGrad, Slot::RoutingKeyGrad, Slot::RoutingPairSplit}};
+  for (const std::vector<Slot>& group : groups) {
+    size_t at = tiles;
+    for (Slot slot : group) {
+      l.offset[size_t(slot)] = at;
+      at += up(bytes(slot));
+    }
+    local = std::max(local, at - tiles);
+  }
+  l.total = tiles + local;
+  return l;
 }
 
 class CudaBackend final : public Backend {
@@ -99,6 +172,27 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaFree(p));
   }
   int64_t peak_bytes_in_use() const override { return peak_; }
+  int64_t device_allocations() const override { return allocations_; }
+  size_t op_scratch_bytes(const OpScratchShapes& shapes) const override {
+    return scratch_layout(shapes).total;
+  }
+  OpScratch bind_op_scratch(const OpScratch& scratch) override {
+    ScratchLayout layout;
+    if (scratch.memory.data) {
+      layout = scratch_layout(scratch.shapes);
+      MHAR_CHECK(scratch.memory.bytes() >= layout.total, "CUDA op scratch: ",
+                 scratch.memory.bytes(), " bytes bound for shapes that need ", layout.total);
+    }
+    // A depth tile in flight (routing.cu) keeps its partial sums in the scratch it began in.
+    if (scratch.memory.data != bound_.memory.data) {
+      routing_ctx_.tile = cuda::MixTile{};
+      routing_ctx_.back_tile = cuda::BackTile{};
+    }
+    OpScratch previous = bound_;
+    bound_ = scratch;
+    layout_ = layout;
+    return previous;
+  }
   void zero(Tensor t) override {
     if (t.bytes()) CUDA_CHECK(cudaMemsetAsync(t.data, 0, t.bytes(), stream_));
   }
@@ -377,8 +471,9 @@ class CudaBackend final : public Backend {
  private:
   std::vector<cudaEvent_t> marks_;
   size_t used_marks_ = 0;
-  // Every cudaMalloc of this backend, for peak_bytes_in_use.
+  // Every cudaMalloc of this backend, for peak_bytes_in_use and device_allocations.
   void count(void* p, size_t bytes) {
+    ++allocations_;
     sizes_[p] = bytes;
     in_use_ += int64_t(bytes);
     peak_ = std::max(peak_, in_use_);
@@ -414,14 +509,24 @@ class CudaBackend final : public Backend {
  private:
   cuda::MatmulContext mm_;
   double* scratch_ = nullptr;
-  // The ops' temporaries (kernels.h, ScratchSlot): grow-only, so they are allocated in
-  // the first step and steady-state steps never allocate; they count in the peak.
+  // The ops' temporaries (kernels.h, ScratchSlot): the bound op scratch's part for the
+  // slot (scratch_layout), or with none bound the slot's grow-only buffer (allocated when
+  // first needed, counted in the peak).
+  OpScratch bound_;
+  ScratchLayout layout_;
   struct ScratchBuf {
     void* ptr = nullptr;
     size_t bytes = 0;
   };
-  ScratchBuf scratch_bufs_[size_t(cuda::ScratchSlot::Count)];
+  ScratchBuf scratch_bufs_[kSlots];
   void* scratch(cuda::ScratchSlot slot, size_t bytes) {
+    if (bound_.memory.data) {
+      const size_t i = size_t(slot);
+      MHAR_CHECK(bytes <= layout_.bytes[i], "CUDA op scratch: the ", cuda::scratch_slot_name(slot),
+                 " need ", bytes, " bytes, the model planned ", layout_.bytes[i],
+                 " (Backend::op_scratch_bytes for its shapes)");
+      return static_cast<char*>(bound_.memory.data) + layout_.offset[i];
+    }
     ScratchBuf& b = scratch_bufs_[size_t(slot)];
     if (bytes > b.bytes) {
       CUDA_CHECK(cudaStreamSynchronize(stream_));  // the old buffer may still be in use
@@ -438,7 +543,7 @@ class CudaBackend final : public Backend {
   }
   cuda::RoutingContext routing_ctx_;
   std::unordered_map<void*, size_t> sizes_;
-  int64_t in_use_ = 0, peak_ = 0;
+  int64_t in_use_ = 0, peak_ = 0, allocations_ = 0;
 };
 
 }  // namespace

@@ -75,9 +75,15 @@ void swiglu_backward(cudaStream_t s, Tensor d_gate_up, Tensor h, Tensor dh, Tens
 void cross_entropy(cudaStream_t s, Tensor losses, Tensor logits, Tensor targets,
                    double grad_scale, bool compute_grad);
 
-// Device scratch owned by the backend, grow-only: an op asks for `bytes` in its slot and
-// gets a buffer at least that large; a larger shape reallocates once (synchronising the
-// stream), so steady-state steps never allocate. Slots are independent buffers.
+// The ops' temporaries (Backend::op_scratch_bytes): an op asks for `bytes` in its slot and
+// gets memory at least that large. With a model's scratch bound, every slot is a fixed
+// part of that buffer (cuda_backend.cu lays them out from the model's shapes; a request
+// beyond the planned size is an MHAR_CHECK); unbound, each slot is a grow-only buffer of
+// the backend (a larger request reallocates it, synchronising the stream). A slot's
+// contents last until the next request of the same slot; RoutingTile and RoutingBackTile
+// carry a depth tile from one op to the next (routing.cu), the others are used within one
+// op. A new slot, or a request that grows with another shape, needs its size in
+// scratch_layout (cuda_backend.cu), or models will fail the size check.
 enum class ScratchSlot {
   AttentionRowDots,
   RoutingTables,
@@ -91,10 +97,29 @@ enum class ScratchSlot {
   Count
 };
 using ScratchFn = std::function<void*(ScratchSlot, size_t)>;
+inline const char* scratch_slot_name(ScratchSlot slot) {
+  switch (slot) {
+    case ScratchSlot::AttentionRowDots: return "attention row dots";
+    case ScratchSlot::RoutingTables: return "routing query-gain tables";
+    case ScratchSlot::RoutingValueGrad: return "routing value gradient rows";
+    case ScratchSlot::RoutingKeyGrad: return "routing key gradient rows";
+    case ScratchSlot::RoutingPairSplit: return "routing pair split";
+    case ScratchSlot::RoutingTile: return "routing depth tile";
+    case ScratchSlot::RoutingBackTile: return "routing backward depth tile";
+    case ScratchSlot::HyperPartials: return "hyper partial sums";
+    case ScratchSlot::NormPartials: return "norm partial sums";
+    case ScratchSlot::Count: break;
+  }
+  return "?";
+}
 
 // norm.cu (continued)
 void rmsnorm_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,
                       Tensor rstd, bool accumulate_dx, const ScratchFn& scratch);
+// The most NormPartials bytes rmsnorm_backward or qk_norm_rope_backward asks for with rows
+// of D elements, for any number of rows (its grid never exceeds the blocks resident at
+// once); 0 where they take no scratch.
+size_t rmsnorm_backward_scratch_bytes(int64_t D);
 // QK-norm + RoPE (Backend::qk_norm_rope_forward/backward): one pass where head_dim is 64,
 // 128 or 256 (BF16, aligned), else the two ops in turn.
 void qk_norm_rope_forward(cudaStream_t s, Tensor y, Tensor rstd, Tensor x, Tensor w, double eps,

@@ -992,6 +992,19 @@ bool fused_rope_shape(int64_t D) { return D == 64 || D == 128 || D == 256; }
 
 }  // namespace
 
+size_t rmsnorm_backward_scratch_bytes(int64_t D) {
+  if (D <= 0 || D % 8 != 0 || D > kVecMaxDBackward) return 0;  // the scalar path's atomics
+  // launch_backward_vec's grid: at most sm_count() x its kernel's resident blocks per SM,
+  // and an SM holds no more kVecThreads-thread blocks than its thread limit allows.
+  static const int per_sm = [] {
+    int dev = 0, threads = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&threads, cudaDevAttrMaxThreadsPerMultiProcessor, dev));
+    return std::max(1, threads / kVecThreads);
+  }();
+  return size_t(sm_count()) * size_t(per_sm) * size_t(D) * sizeof(float);
+}
+
 void rmsnorm_forward(cudaStream_t s, Tensor y, Tensor rstd, Tensor x, Tensor w, double eps) {
   const int64_t D = w.numel(), R = x.numel() / D;
   check_forward("rmsnorm_forward", y, rstd, x, R, D);

@@ -11,13 +11,15 @@
 //   three are the backend's scalar type; on CUDA: BF16, F32, F32.
 // - "+=" ops accumulate into their output (gradient accumulation); all others overwrite
 //   every element of their output.
-// - Every tensor an op is given comes from the model's memory plans (allocator.h). A
-//   backend's own temporaries (the CUDA backend's attention row dots, routing GEMM
-//   operands, depth-tile partial sums, hyper and norm partial sums) are its grow-only
-//   scratch: allocated when first needed, grown only when a call needs more (for a
-//   training run, within its first step), counted in peak_bytes_in_use(); so later steps
-//   of the same shapes allocate nothing. Moving them into the plan is an open item
-//   (issue 13).
+// - Every tensor an op is given comes from the model's memory plans (allocator.h), and so
+//   do the temporaries an op needs beyond them (the CUDA backend's attention row dots,
+//   routing GEMM operands, depth-tile partial sums, hyper and norm partial sums): the
+//   model plans one "backend.scratch" buffer of op_scratch_bytes() in its activation
+//   plan and binds it around each of its passes (op scratch, below). No op of a model's
+//   step allocates: once a Model (and its optimizer) is built, training allocates
+//   nothing. Ops called with no scratch bound (the op parity tests and kernel timings
+//   call them without a model) may take their temporaries from grow-only buffers of the
+//   backend's own instead (CUDA does).
 #pragma once
 #include <cstddef>
 #include <memory>
@@ -85,6 +87,27 @@ struct RoutingLayout {
   }
 };
 
+// What the temporaries of a model's ops depend on (Backend::op_scratch_bytes): the model's
+// shapes (Model::plan_activations) and what its residual scheme calls
+// (ResidualScheme::op_scratch_shapes). Every op of the model's passes is covered: its
+// sublayers, norms and head, and the scheme's routing or Hyper-Connections ops.
+struct OpScratchShapes {
+  int64_t batch = 0, seq_len = 0;  // N = batch * seq_len token rows
+  int64_t d_model = 0;
+  int heads = 0, kv_heads = 0, head_dim = 0;
+  // Depth routing (the routed and delta schemes; routing.sites == 0: none), its heads, and
+  // the largest count the scheme passes to routing_mix_tile / routing_source_backward_tile
+  // (1: it calls neither).
+  RoutingLayout routing;
+  int routing_heads = 0;
+  int mix_tile_sites = 1, backward_tile_slots = 1;
+  // Hyper-Connections (mode hyper; 0: none): streams, and whether per-token coefficients.
+  int hyper_streams = 0;
+  bool hyper_dynamic = false;
+
+  int64_t tokens() const { return batch * seq_len; }
+};
+
 // The per-site rows t[0], t[1], ... of a [sites, N, d] tensor (routing_source_backward's
 // site_dx when one buffer holds them all).
 inline std::vector<Tensor> routing_rows(Tensor t) {
@@ -126,6 +149,34 @@ class Backend {
   // The most bytes this backend has held from its device's allocator at any time so far
   // (arenas, library workspaces, scratch). -1 when the backend does not count.
   virtual int64_t peak_bytes_in_use() const { return -1; }
+  // How many allocations this backend has made from its device's allocator so far (every
+  // one peak_bytes_in_use() counts, released or not). -1 when the backend does not count.
+  virtual int64_t device_allocations() const { return -1; }
+
+  // ---- op scratch: the temporaries some ops need beyond the tensors they are given.
+  // op_scratch_bytes(shapes) is the size of one buffer that holds every temporary of every
+  // op a model of those shapes runs (0: none; the default, and the CPU reference's, whose
+  // temporaries are host vectors). The model plans it in its activation plan and binds it
+  // (OpScratchBinding, below) around each forward and backward pass: while bound, every op
+  // takes its temporaries from it, and an op that would need more than `shapes` promised
+  // is an internal error (MHAR_CHECK naming the temporary and both sizes), never an
+  // allocation. The binding is per pass, not per backend, so models that share a backend
+  // each run on their own buffer, and none is left bound to a model that is gone.
+  // Unbound, a backend may use grow-only buffers of its own (allocated when a call first
+  // needs more, counted in peak_bytes_in_use()): only ops called without a model do.
+  struct OpScratch {
+    Tensor memory;  // this backend's memory, >= op_scratch_bytes(shapes) bytes; empty: none
+    OpScratchShapes shapes;
+  };
+  virtual size_t op_scratch_bytes(const OpScratchShapes& shapes) const {
+    (void)shapes;
+    return 0;
+  }
+  // Binds `scratch` (an empty memory unbinds) and returns the binding it replaces.
+  virtual OpScratch bind_op_scratch(const OpScratch& scratch) {
+    (void)scratch;
+    return OpScratch{};
+  }
 
   // ---- timing marks, for op profiles (engine/op_profile.h). timing_mark() records how
   // far the backend's queue has come and returns the mark's number (0, 1, ... since
@@ -474,6 +525,21 @@ class Backend {
       adamw(s.param, s.master, s.grad, s.m, s.v, h);
     }
   }
+};
+
+// A model's op scratch bound for one pass (Backend::op_scratch_bytes); the binding it
+// replaced comes back on scope exit, also when the pass throws.
+class OpScratchBinding {
+ public:
+  OpScratchBinding(Backend& be, const Backend::OpScratch& scratch)
+      : be_(be), previous_(be.bind_op_scratch(scratch)) {}
+  ~OpScratchBinding() { be_.bind_op_scratch(previous_); }
+  OpScratchBinding(const OpScratchBinding&) = delete;
+  OpScratchBinding& operator=(const OpScratchBinding&) = delete;
+
+ private:
+  Backend& be_;
+  Backend::OpScratch previous_;
 };
 
 inline void Backend::rope_at(Tensor, double, int64_t) {

@@ -25,6 +25,14 @@ class ForwardingBackend : public Backend {
   void upload_tokens(Tensor dst, const int32_t* host) override { in_.upload_tokens(dst, host); }
   void synchronize() override { in_.synchronize(); }
   int64_t peak_bytes_in_use() const override { return in_.peak_bytes_in_use(); }
+  int64_t device_allocations() const override { return in_.device_allocations(); }
+  // The inner backend's ops run with the scratch bound here. A wrapper that runs an op as
+  // the default sequence of smaller ops (this class forwards only the ops listed) still
+  // fits: the inner backend sizes the scratch for every op a model can call, fused or not.
+  size_t op_scratch_bytes(const OpScratchShapes& s) const override {
+    return in_.op_scratch_bytes(s);
+  }
+  OpScratch bind_op_scratch(const OpScratch& s) override { return in_.bind_op_scratch(s); }
   int timing_mark() override { return in_.timing_mark(); }
   double timing_ms(int a, int b) override { return in_.timing_ms(a, b); }
   void timing_reset() override { in_.timing_reset(); }

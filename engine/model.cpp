@@ -71,6 +71,8 @@ struct Model::StepBuffers {
   int tokens = -1, targets = -1, history = -1, losses = -1;
   std::vector<int> site_x;  // planned by the scheme
   int xfn = -1, rstd_f = -1, logits = -1, d_xfn = -1;
+  int op_scratch = -1;  // the backend's op temporaries (Backend::op_scratch_bytes)
+  OpScratchShapes scratch_shapes;
 };
 
 struct Model::KvCache {
@@ -310,6 +312,15 @@ void Model::plan_activations() {
   s.rstd_f = P.add("head.rstd", st, {N}, tl.site(2 * L), tb(head_ev));
   s.logits = P.add("head.logits", at, {chunk_, V}, head_ev, head_ev);
   s.d_xfn = P.add("head.xn.grad", at, {N, d}, head_ev, tb(head_ev));
+  // Every op's temporaries, in one buffer for the whole step (the backend lays out its
+  // parts; some live from one op to the next), bound around each pass: no op allocates.
+  OpScratchShapes& sh = s.scratch_shapes;
+  sh = OpScratchShapes{};
+  sh.batch = B_, sh.seq_len = T_, sh.d_model = d;
+  sh.heads = cfg_.n_heads, sh.kv_heads = cfg_.n_kv_heads, sh.head_dim = cfg_.head_dim;
+  scheme_->op_scratch_shapes(sh);
+  const size_t scratch_bytes = be_.op_scratch_bytes(sh);
+  s.op_scratch = P.add("backend.scratch", DType::F32, {int64_t((scratch_bytes + 3) / 4)}, 0, last);
   P.plan();
   act_arena_ = std::make_unique<Arena>(be_, P);
 }
@@ -439,6 +450,13 @@ std::string Model::memory_report() const {
                   format_bytes(p->requested_bytes()).c_str(), p->buffers().size());
     out += line;
   }
+  if (step_) {  // part of the activations: the backend's op temporaries
+    char line[200];
+    std::snprintf(line, sizeof line, "%-12s %12s of the activations (backend.scratch)\n",
+                  "op scratch",
+                  format_bytes(act_plan_->buffers()[size_t(step_->op_scratch)].bytes).c_str());
+    out += line;
+  }
   return out;
 }
 
@@ -446,6 +464,7 @@ std::string Model::memory_report() const {
 
 double Model::forward(const int32_t* tokens, const int32_t* targets, double loss_scale) {
   const StepBuffers& s = *step_;
+  const OpScratchBinding scratch(be_, {act(s.op_scratch), s.scratch_shapes});
   loss_scale_ = loss_scale;
   be_.upload_tokens(act(s.targets), targets);
   run_layers(tokens);
@@ -553,6 +572,7 @@ void Model::forward_cached(const int32_t* tokens, int count) {
   }
   loss_scale_ = 0;
   decode_position_ = kv_->used;
+  const OpScratchBinding scratch(be_, {act(step_->op_scratch), step_->scratch_shapes});
   try {
     run_layers(tokens);
   } catch (...) {
@@ -611,6 +631,7 @@ void Model::mlp_forward(int l) {
 void Model::backward(const BucketHook& bucket_done) {
   MHAR_CHECK(loss_scale_ != 0, "backward() after a forward without a loss scale");
   const StepBuffers& s = *step_;
+  const OpScratchBinding scratch(be_, {act(s.op_scratch), s.scratch_shapes});
   const int last_site = 2 * cfg_.n_layers;
   auto done = [&](int bucket) {
     if (bucket_done) bucket_done(bucket);

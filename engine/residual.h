@@ -92,6 +92,11 @@ class ResidualScheme {
   virtual void plan(MemoryPlan& P, const Timeline& t, int64_t N, int history,
                     std::vector<int>& site_x) = 0;
 
+  // ---- what its backend ops' temporaries depend on (Backend::op_scratch_bytes): the
+  // scheme sets its part of `shapes` (routing layout, heads and depth tiles; hyper
+  // streams); the model has set the rest. The default: no ops beyond the model's.
+  virtual void op_scratch_shapes(OpScratchShapes& shapes) const { (void)shapes; }
+
   // ---- forward. site_forward(j) writes x_j once history slots 0..j are written;
   // sublayer_done(j) runs right after sublayer j has written history slot j+1.
   virtual void site_forward(int j) = 0;

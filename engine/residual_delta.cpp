@@ -93,6 +93,11 @@ class DeltaScheme final : public ResidualScheme {
 
   void plan(MemoryPlan& P, const Timeline& t, int64_t N, int history,
             std::vector<int>& site_x) override;
+  // The routing ops of block routing, untiled (site_forward, site_backward).
+  void op_scratch_shapes(OpScratchShapes& shapes) const override {
+    shapes.routing = layout_;
+    shapes.routing_heads = H_;
+  }
   void site_forward(int j) override;
   void sublayer_done(int j) override {
     Tensor hist = c_.act(history_);

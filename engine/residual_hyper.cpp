@@ -62,6 +62,10 @@ class HyperScheme final : public ResidualScheme {
 
   void plan(MemoryPlan& P, const Timeline& t, int64_t N, int history,
             std::vector<int>& site_x) override;
+  void op_scratch_shapes(OpScratchShapes& shapes) const override {
+    shapes.hyper_streams = n_;
+    shapes.hyper_dynamic = dyn_;
+  }
 
   void site_forward(int j) override {
     const int L2 = 2 * c_.cfg.n_layers;

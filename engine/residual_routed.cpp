@@ -54,6 +54,12 @@ class RoutedScheme final : public ResidualScheme {
 
   void plan(MemoryPlan& P, const Timeline& t, int64_t N, int history,
             std::vector<int>& site_x) override;
+  void op_scratch_shapes(OpScratchShapes& shapes) const override {
+    shapes.routing = layout_;
+    shapes.routing_heads = H_;
+    shapes.mix_tile_sites = tile_;  // site_forward's tiles: min(tile_, sites - j) sites
+    shapes.backward_tile_slots = back_tile_;
+  }
   void site_forward(int j) override;
   void sublayer_done(int j) override {
     // Slot j+1 holds v_{j+1}; inside a block it becomes the block's sum so far.
