@@ -55,7 +55,7 @@ struct ScratchLayout {
 };
 ScratchLayout scratch_layout(const OpScratchShapes& s) {
   using Slot = cuda::ScratchSlot;
-  static_assert(kSlots == 9, "every slot is sized and placed below");
+  static_assert(kSlots == 10, "every slot is sized and placed below");
   ScratchLayout l;
   auto bytes = [&](Slot slot) -> size_t& { return l.bytes[size_t(slot)]; };
   const size_t N = size_t(std::max<int64_t>(s.tokens(), 0));
@@ -63,6 +63,10 @@ ScratchLayout scratch_layout(const OpScratchShapes& s) {
   bytes(Slot::AttentionRowDots) = N * size_t(std::max(s.heads, 0)) * sizeof(float);  // B*T*Hq
   bytes(Slot::NormPartials) = std::max(cuda::rmsnorm_backward_scratch_bytes(s.d_model),
                                        cuda::rmsnorm_backward_scratch_bytes(s.head_dim));
+  // The timing of an accumulating product's algorithms (matmul.cu) at its first call: a
+  // fixed size, shared with the other ops' groups (at 1B it adds 64 MiB to standard's
+  // scratch, nothing to routing's, whose group is larger).
+  if (N > 0) bytes(Slot::MatmulTune) = cuda::kMatmulTuneScratchBytes;
   const RoutingLayout& lay = s.routing;
   if (lay.sites > 0 && s.routing_heads > 0) {
     const size_t H = size_t(s.routing_heads);
@@ -93,6 +97,7 @@ ScratchLayout scratch_layout(const OpScratchShapes& s) {
       {Slot::AttentionRowDots},
       {Slot::NormPartials},
       {Slot::HyperPartials},
+      {Slot::MatmulTune},
       {Slot::RoutingTables, Slot::RoutingValueGrad, Slot::RoutingKeyGrad, Slot::RoutingPairSplit}};
   for (const std::vector<Slot>& group : groups) {
     size_t at = tiles;
@@ -122,8 +127,12 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaMalloc(&mm_.workspace, mm_.workspace_bytes));
     count(mm_.workspace, mm_.workspace_bytes);
     CUBLAS_CHECK(cublasSetWorkspace(mm_.blas, mm_.workspace, mm_.workspace_bytes));
-    mm_.allocate = [this](size_t bytes) { return allocate(bytes); };
-    mm_.release = [this](void* p) { release(p); };
+    mm_.tune_scratch = [this](size_t bytes) -> void* {
+      const size_t slot = size_t(cuda::ScratchSlot::MatmulTune);
+      if (bytes > cuda::kMatmulTuneScratchBytes || (bound_.memory.data && bytes > layout_.bytes[slot]))
+        return nullptr;
+      return scratch(cuda::ScratchSlot::MatmulTune, bytes);
+    };
     CUDA_CHECK(cudaMalloc(&scratch_, cuda::kSumSquaresScratch * sizeof(double)));
     count(scratch_, cuda::kSumSquaresScratch * sizeof(double));
     routing_ctx_.blas = mm_.blas;

@@ -51,11 +51,15 @@ struct MatmulContext {
   cublasHandle_t blas = nullptr;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
-  // The backend's counted allocation, for the scratch C of a shape's first call (the
-  // timed choice of algorithm, matmul.cu); unset: Lt's first choice, untimed.
-  std::function<void*(size_t)> allocate;
-  std::function<void(void*)> release;
+  // A scratch C of `bytes` for timing an accumulating product's candidate algorithms at
+  // its shape's first call (matmul.cu; the backend's ScratchSlot::MatmulTune), or null
+  // where there is none that large (that shape then takes Lt's first choice). Unset:
+  // every shape takes Lt's first choice, untimed.
+  std::function<void*(size_t)> tune_scratch;
 };
+// The most bytes of C an accumulating product is timed in (larger ones, e.g. the LM
+// head's fp32 weight gradient, take Lt's first choice): ScratchSlot::MatmulTune's size.
+constexpr size_t kMatmulTuneScratchBytes = size_t(64) << 20;
 void matmul(cudaStream_t s, MatmulContext& ctx, Tensor c, Tensor a, Tensor b, bool trans_a,
             bool trans_b, bool accumulate);
 // Kernel lab (tests/op_timing_cudatest.cpp): shapes planned from now on take result number
@@ -94,6 +98,7 @@ enum class ScratchSlot {
   RoutingBackTile,
   HyperPartials,
   NormPartials,
+  MatmulTune,
   Count
 };
 using ScratchFn = std::function<void*(ScratchSlot, size_t)>;
@@ -108,6 +113,7 @@ inline const char* scratch_slot_name(ScratchSlot slot) {
     case ScratchSlot::RoutingBackTile: return "routing backward depth tile";
     case ScratchSlot::HyperPartials: return "hyper partial sums";
     case ScratchSlot::NormPartials: return "norm partial sums";
+    case ScratchSlot::MatmulTune: return "matmul tuning output";
     case ScratchSlot::Count: break;
   }
   return "?";

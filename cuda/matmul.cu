@@ -76,7 +76,6 @@ constexpr int kLabResults = 16;
 constexpr int kTuneCandidates = 8;
 constexpr int kTuneRounds = 3;
 constexpr float kTuneSegmentMs = 2.f;  // a candidate's runs in a round last about this long
-constexpr size_t kTuneScratchBytes = size_t(64) << 20;
 
 bool tuning_enabled() {
   static const bool on = [] {
@@ -109,9 +108,9 @@ struct LtObjects {
 // The index of the fastest of Lt's `found` results for one product: `run(algo, out)`
 // enqueues it on `s` writing the C `out`. A product that overwrites C (`accumulate`
 // false) is timed in C itself, which its real call then overwrites; one that adds into C
-// is timed in a scratch C from the backend's counted allocation (it adds to the peak
-// memory for a moment), only up to kTuneScratchBytes: larger ones (the LM head's weight
-// gradient, 0.78 GB at 1B) take result 0.
+// is timed in the backend's scratch C (ctx.tune_scratch: part of the model's planned op
+// scratch, kMatmulTuneScratchBytes): larger ones (the LM head's weight gradient, 0.78 GB
+// at 1B) take result 0.
 // The GPU is timed as training runs it: busy without a break, at the clocks its power
 // limit allows. Each round runs every candidate back to back for about kTuneSegmentMs
 // (events between them, one synchronisation per round), and a candidate's best round
@@ -122,15 +121,8 @@ struct LtObjects {
 template <class Run>
 int fastest(cudaStream_t s, MatmulContext& ctx, void* c, size_t c_bytes, bool accumulate,
             int found, const cublasLtMatmulHeuristicResult_t* results, Run&& run) {
-  void* out = c;
-  if (accumulate) {
-    if (c_bytes > kTuneScratchBytes) return 0;
-    try {
-      out = ctx.allocate(c_bytes);
-    } catch (const Error&) {
-      return 0;
-    }
-  }
+  void* out = accumulate ? ctx.tune_scratch(c_bytes) : c;
+  if (!out) return 0;
   std::vector<int> candidates;
   for (int i = 0; i < found; ++i) {
     if (results[i].state != CUBLAS_STATUS_SUCCESS ||
@@ -166,7 +158,6 @@ int fastest(cudaStream_t s, MatmulContext& ctx, void* c, size_t c_bytes, bool ac
       if (round == 0 || ms[k] < best_ms[k]) best_ms[k] = ms[k];
   }
   for (cudaEvent_t e : marks) cudaEventDestroy(e);
-  if (out != c) ctx.release(out);
   size_t best = 0;
   for (size_t k = 1; k < n; ++k)
     if (best_ms[k] < best_ms[best]) best = k;
@@ -245,7 +236,7 @@ void matmul(cudaStream_t s, MatmulContext& ctx, Tensor c, Tensor a, Tensor b, bo
       // the longer list's others.
       cublasLtMatmulHeuristicResult_t results[kLabResults + 1]{};
       int found = 0;
-      const bool tune = key.rank < 0 && tuning_enabled() && ctx.allocate && ctx.release;
+      const bool tune = key.rank < 0 && tuning_enabled() && ctx.tune_scratch;
       cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(ctx.lt, lt.op, lt.a, lt.b, lt.c, lt.c,
                                                          pref, 1, results, &found);
       if (st == CUBLAS_STATUS_SUCCESS && found > 0 && (key.rank > 0 || tune)) {
