@@ -107,7 +107,9 @@ TEST(MemoryPlan, StackedProjectionsAreAdjacentInBothAllocations) {
     }
   EXPECT_EQ(followers.size(), size_t(3 * c.model.n_layers));
   for (const Parameter& p : params)
-    if (!followers.count(p.name)) EXPECT_EQ(p.offset % Model::kParamAlign, 0) << p.name;
+    if (!followers.count(p.name)) {
+      EXPECT_EQ(p.offset % Model::kParamAlign, 0) << p.name;
+    }
   EXPECT_NE(m.parameter("model.layers.0.mlp.gate_proj.weight").value.numel() % Model::kParamAlign, 0)
       << "the test's shapes should need padding between unstacked parameters";
 }
