@@ -53,6 +53,16 @@ class OpTiming : public CudaParity {
     }
     return rp;
   }
+  // A linear layer's product as the model runs it: y [rows, out] = x [rows, in] W^T (W
+  // [out, in]), y doubling as the output gradient, dx and the fp32 weight gradient dw.
+  struct Operands {
+    Buffer x, w, y, dx, dw;
+  };
+  Operands operands(int64_t rows, int64_t in, int64_t out) {
+    return Operands{random_gpu(DType::BF16, {rows, in}), random_gpu(DType::BF16, {out, in}, 0.02),
+                   random_gpu(DType::BF16, {rows, out}), Buffer(*gpu, DType::BF16, {rows, in}),
+                   Buffer(*gpu, DType::F32, {out, in})};
+  }
   static void report(const std::string& what, double ms, double flop, double bytes) {
     std::printf("TIMING %-58s %9.3f ms", what.c_str(), ms);
     if (flop > 0) std::printf("  %7.1f TFLOP/s", flop / ms * 1e-9);
@@ -243,11 +253,8 @@ TEST_F(OpTiming, DISABLED_MatmulHeuristicRanks1B) {
                             Product{"gate_up_proj", N, d, 10240, 36},
                             Product{"down_proj", N, 5120, d, 36},
                             Product{"lm_head chunk", 5504, d, 151936, 3}}) {
-    Buffer x = random_gpu(DType::BF16, {pr.rows, pr.in});
-    Buffer w = random_gpu(DType::BF16, {pr.out, pr.in}, 0.02);
-    Buffer y = random_gpu(DType::BF16, {pr.rows, pr.out});
-    Buffer dx(*gpu, DType::BF16, {pr.rows, pr.in});
-    Buffer dw(*gpu, DType::F32, {pr.out, pr.in});
+    Operands bufs = operands(pr.rows, pr.in, pr.out);
+    Buffer &x = bufs.x, &w = bufs.w, &y = bufs.y, &dx = bufs.dx, &dw = bufs.dw;
     const double flop = 2.0 * pr.rows * pr.in * pr.out;
     const std::function<void()> ops[3] = {[&] { gpu->matmul_forward(y, x, w); },
                                           [&] { gpu->matmul_input_grad(dx, y, w, false); },
@@ -351,11 +358,8 @@ TEST_F(OpTiming, DISABLED_ProjectionFusion1B) {
                             Product{"lm_head chunk", 1664, d, 151936},
                             Product{"lm_head chunk x2", 3328, d, 151936},
                             Product{"lm_head chunk x4", 6656, d, 151936}}) {
-    Buffer x = random_gpu(DType::BF16, {pr.rows, pr.in});
-    Buffer w = random_gpu(DType::BF16, {pr.out, pr.in}, 0.02);
-    Buffer y = random_gpu(DType::BF16, {pr.rows, pr.out});
-    Buffer dx(*gpu, DType::BF16, {pr.rows, pr.in});
-    Buffer dw(*gpu, DType::F32, {pr.out, pr.in});
+    Operands bufs = operands(pr.rows, pr.in, pr.out);
+    Buffer &x = bufs.x, &w = bufs.w, &y = bufs.y, &dx = bufs.dx, &dw = bufs.dw;
     const double flop = 2.0 * pr.rows * pr.in * pr.out;
     const std::string tag = std::string(pr.name) + " [" + std::to_string(pr.rows) + " x " +
                             std::to_string(pr.in) + "] -> " + std::to_string(pr.out);
