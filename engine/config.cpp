@@ -144,7 +144,7 @@ template <class V> void visit_fields(TrainConfig& c, V& v) {
   v("device", c.device);
   v("logits_chunk", c.logits_chunk,
     IntRange{0, 1 << 30, "tokens per chunk of the LM head; 0 = automatic (chunk logits <= "
-                         "1 GiB); values above micro_batch x seq_len mean one chunk"});
+                         "2 GiB); values above micro_batch x seq_len mean one chunk"});
 }
 template <class V> void visit_fields(DataConfig& c, V& v) {
   v("train", c.train);

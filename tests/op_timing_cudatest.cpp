@@ -348,7 +348,7 @@ TEST_F(OpTiming, DISABLED_ProjectionFusion1B) {
   // and down projections (36 layers each) and chunks of the tied LM head over the
   // 151,936-word vocabulary: 1,664 tokens (10 chunks a step at 1B, the automatic chunk
   // under the 512 MiB budget this was first measured with), 2x (3,328: the automatic
-  // chunk now, 1 GiB) and 4x: each chunk's weight gradient re-reads and re-writes the
+  // chunk under a 1 GiB budget) and 4x: each chunk's weight gradient re-reads and re-writes the
   // fp32 [V, d] gradient.
   struct Product {
     const char* name;
