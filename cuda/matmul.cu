@@ -11,8 +11,9 @@
 // kTuneCandidates - 1 of its other heuristic results each run on the real A and B
 // (fastest(), below), and the fastest is kept. Lt's first choice was up to 18% slower than
 // its best at the 1B model's shapes (the weight and input gradients of the MLP
-// projections and the LM head; 5-6% of the step's matmul time; BENCHMARKS.md, 2026-12-01,
-// eighth session). Candidates with an in-place split-K reduction (atomics in C) are left
+// projections and the LM head; 4.4-6.6% of the step's matmul time; BENCHMARKS.md,
+// 2026-12-01, eighth session); the timed choice has gained 0-1.5% of a step so far.
+// Candidates with an in-place split-K reduction (atomics in C) are left
 // out, so every product stays deterministic given its algorithm; which algorithm wins can
 // differ between processes when two are within timing noise (GPU runs were not bitwise
 // reproducible before either: DESIGN.md section 4). MHAR_MATMUL_TUNE=0 in the environment
@@ -114,10 +115,10 @@ struct LtObjects {
 // The GPU is timed as training runs it: busy without a break, at the clocks its power
 // limit allows. Each round runs every candidate back to back for about kTuneSegmentMs
 // (events between them, one synchronisation per round), and a candidate's best round
-// counts. Timing each candidate alone after an idle moment (the first version: a few
-// runs, then a synchronisation) favoured algorithms that are fast at burst clocks and
-// slower under sustained load: its choices for the 1B forward products were up to 27%
-// slower than Lt's first choice in steady state.
+// counts. (The first version timed each candidate alone, a few runs and a
+// synchronisation; its choices for the 1B forward products measured slower than Lt's
+// first choice in steady state. They still do with this timing, in a lab test that
+// measured the timed choice last, which biases it: open, cuda/NOTES.md lead 1.)
 template <class Run>
 int fastest(cudaStream_t s, MatmulContext& ctx, void* c, size_t c_bytes, bool accumulate,
             int found, const cublasLtMatmulHeuristicResult_t* results, Run&& run) {
@@ -205,6 +206,12 @@ void matmul(cudaStream_t s, MatmulContext& ctx, Tensor c, Tensor a, Tensor b, bo
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lt.b, ab_type, a.dim(1), a.dim(0), ld_a));
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lt.c, c_type, N, M, ld_c));
 
+  // One product with Lt's algorithm `algo`, written to the C `out` (the timing runs
+  // candidates into another C than c's: fastest()).
+  auto run_lt = [&](const cublasLtMatmulAlgo_t& algo, void* out) {
+    return cublasLtMatmul(ctx.lt, lt.op, &alpha, b.data, lt.a, a.data, lt.b, &beta, out, lt.c,
+                          out, lt.c, &algo, ctx.workspace, ctx.workspace_bytes, s);
+  };
   Plan plan;
   {
     std::lock_guard<std::mutex> lock(plan_mutex);
@@ -229,11 +236,9 @@ void matmul(cudaStream_t s, MatmulContext& ctx, Tensor c, Tensor a, Tensor b, bo
           pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof al_c));
       CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
           pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof al_c));
-      // Result 0: Lt's first choice, from a request for one result. A request for more
-      // lists others, but its first is not always that one: at the 1B model's forward
-      // products every algorithm of the longer list ran slower than the single answer
-      // (BENCHMARKS.md, eighth session), so the candidates are the single answer and then
-      // the longer list's others.
+      // Result 0: Lt's first choice, from a request for one result, so that the untimed
+      // choice is always a candidate; then the others of a request for more (without a
+      // copy of result 0).
       cublasLtMatmulHeuristicResult_t results[kLabResults + 1]{};
       int found = 0;
       const bool tune = key.rank < 0 && tuning_enabled() && ctx.tune_scratch;
@@ -256,15 +261,9 @@ void matmul(cudaStream_t s, MatmulContext& ctx, Tensor c, Tensor a, Tensor b, bo
           plan.algo = results[std::min(key.rank, found - 1)].algo;
         } else {
           int pick = 0;
-          if (tune && found > 1) {
-            auto run = [&](const cublasLtMatmulAlgo_t& algo, void* out) {
-              return cublasLtMatmul(ctx.lt, lt.op, &alpha, b.data, lt.a, a.data, lt.b, &beta,
-                                    out, lt.c, out, lt.c, &algo, ctx.workspace,
-                                    ctx.workspace_bytes, s);
-            };
+          if (tune && found > 1)
             pick = fastest(s, ctx, c.data, c.bytes(), accumulate, std::min(found, kTuneCandidates),
-                           results, run);
-          }
+                           results, run_lt);
           plan.algo = results[pick].algo;
         }
       }
@@ -273,9 +272,7 @@ void matmul(cudaStream_t s, MatmulContext& ctx, Tensor c, Tensor a, Tensor b, bo
   }
 
   if (plan.use_lt) {
-    CUBLAS_CHECK(cublasLtMatmul(ctx.lt, lt.op, &alpha, b.data, lt.a, a.data, lt.b, &beta, c.data,
-                                lt.c, c.data, lt.c, &plan.algo, ctx.workspace,
-                                ctx.workspace_bytes, s));
+    CUBLAS_CHECK(run_lt(plan.algo, c.data));
   } else {
     CUBLAS_CHECK(cublasSetStream(ctx.blas, s));
     CUBLAS_CHECK(cublasGemmEx(ctx.blas, op_l, op_r, int(N), int(M), int(K), &alpha, b.data,

@@ -126,11 +126,7 @@ void swiglu_forward(cudaStream_t s, Tensor h, Tensor gate_up) {
 }
 
 void swiglu_backward(cudaStream_t s, Tensor d_gate_up, Tensor h, Tensor dh, Tensor gate_up) {
-  const int64_t F = swiglu_width(dh, gate_up, "swiglu_backward");
-  MHAR_CHECK(d_gate_up.numel() == gate_up.numel() && d_gate_up.dtype == gate_up.dtype &&
-                 (h.empty() || (h.numel() == dh.numel() && h.dtype == dh.dtype)),
-             "swiglu_backward: d_gate_up ", d_gate_up.shape_str(), " h ", h.shape_str(),
-             " against gate_up ", gate_up.shape_str());
+  const int64_t F = swiglu_backward_width(d_gate_up, h, dh, gate_up, "swiglu_backward");
   const int64_t n = dh.numel();
   if (n == 0) return;
   const int64_t rows = n / F;

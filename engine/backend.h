@@ -126,6 +126,16 @@ inline int64_t swiglu_width(const Tensor& h, const Tensor& gate_up, const char* 
              " (expected [rows, 2F] for h [rows, F], same dtype)");
   return F;
 }
+// The same for swiglu_backward's tensors: d_gate_up in gate_up's layout, h empty or dh's.
+inline int64_t swiglu_backward_width(const Tensor& d_gate_up, const Tensor& h, const Tensor& dh,
+                                     const Tensor& gate_up, const char* op) {
+  const int64_t F = swiglu_width(dh, gate_up, op);
+  MHAR_CHECK(d_gate_up.numel() == gate_up.numel() && d_gate_up.dtype == gate_up.dtype &&
+                 (h.empty() || (h.numel() == dh.numel() && h.dtype == dh.dtype)),
+             op, ": d_gate_up ", d_gate_up.shape_str(), " h ", h.shape_str(),
+             " against gate_up ", gate_up.shape_str());
+  return F;
+}
 
 class Backend {
  public:

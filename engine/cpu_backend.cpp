@@ -156,9 +156,7 @@ class CpuBackend final : public Backend {
     cpu::swiglu_forward(h.ptr<T>(), gate_up.ptr<T>(), h.numel() / std::max<int64_t>(F, 1), F);
   }
   void swiglu_backward(Tensor d_gate_up, Tensor h, Tensor dh, Tensor gate_up) override {
-    const int64_t F = swiglu_width(dh, gate_up, "swiglu_backward");
-    MHAR_CHECK(d_gate_up.numel() == gate_up.numel() && (h.empty() || h.numel() == dh.numel()),
-               "swiglu_backward: d_gate_up ", d_gate_up.shape_str(), " h ", h.shape_str());
+    const int64_t F = swiglu_backward_width(d_gate_up, h, dh, gate_up, "swiglu_backward");
     cpu::swiglu_backward(d_gate_up.ptr<T>(), h.empty() ? nullptr : h.ptr<T>(), dh.ptr<T>(),
                          gate_up.ptr<T>(), dh.numel() / std::max<int64_t>(F, 1), F);
   }

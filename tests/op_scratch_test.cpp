@@ -179,14 +179,17 @@ OpScratchShapes expected_shapes(const Config& c, int B, int T) {
   return s;
 }
 
-class OpScratchPlan : public ::testing::TestWithParam<ModeCase> {};
+// A model of the mode, built on a watcher of the CPU backend.
+class OpScratchPlan : public ::testing::TestWithParam<ModeCase> {
+ protected:
+  static constexpr int B = 2, T = 5;
+  const Config c = mode_config(GetParam());
+  std::unique_ptr<Backend> cpu = make_cpu_backend(DType::F32);
+  ScratchWatcher be{*cpu};
+  Model m{c.model, c.residual, be, B, T};
+};
 
 TEST_P(OpScratchPlan, PlannedAtTheReportedSizeAndListedInTheMemoryReport) {
-  const Config c = mode_config(GetParam());
-  auto cpu = make_cpu_backend(DType::F32);
-  ScratchWatcher be(*cpu);
-  const int B = 2, T = 5;
-  Model m(c.model, c.residual, be, B, T);
   const OpScratchShapes want = expected_shapes(c, B, T);
   ASSERT_EQ(be.asked.size(), 1u);
   EXPECT_TRUE(same_shapes(be.asked[0], want));
@@ -204,11 +207,6 @@ TEST_P(OpScratchPlan, PlannedAtTheReportedSizeAndListedInTheMemoryReport) {
 }
 
 TEST_P(OpScratchPlan, BoundAroundEveryPassAndOnlyThen) {
-  const Config c = mode_config(GetParam());
-  auto cpu = make_cpu_backend(DType::F32);
-  ScratchWatcher be(*cpu);
-  const int B = 2, T = 5;
-  Model m(c.model, c.residual, be, B, T);
   randomize_weights(m, 3);
   std::vector<int32_t> tokens, targets;
   random_tokens(B * T, c.model.vocab_size, 4, tokens, targets);
