@@ -22,6 +22,7 @@
 // choice), for the timing test that compares them.
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -78,6 +79,17 @@ constexpr int kTuneCandidates = 8;
 constexpr int kTuneRounds = 3;
 constexpr float kTuneSegmentMs = 2.f;  // a candidate's runs in a round last about this long
 
+// MHAR_MATMUL_TUNE_LOG=1: one line on stderr per timed choice (the shape, every
+// candidate's best time in microseconds, * on the one kept), to compare the choice with
+// the step's own times (`mhar bench --profile` lists the products).
+bool tuning_logged() {
+  static const bool on = [] {
+    const char* e = std::getenv("MHAR_MATMUL_TUNE_LOG");
+    return e && std::string(e) == "1";
+  }();
+  return on;
+}
+
 bool tuning_enabled() {
   static const bool on = [] {
     const char* e = std::getenv("MHAR_MATMUL_TUNE");
@@ -121,7 +133,8 @@ struct LtObjects {
 // measured the timed choice last, which biases it: open, cuda/NOTES.md lead 1.)
 template <class Run>
 int fastest(cudaStream_t s, MatmulContext& ctx, void* c, size_t c_bytes, bool accumulate,
-            int found, const cublasLtMatmulHeuristicResult_t* results, Run&& run) {
+            int found, const cublasLtMatmulHeuristicResult_t* results, Run&& run,
+            std::string* log) {
   void* out = accumulate ? ctx.tune_scratch(c_bytes) : c;
   if (!out) return 0;
   std::vector<int> candidates;
@@ -162,6 +175,10 @@ int fastest(cudaStream_t s, MatmulContext& ctx, void* c, size_t c_bytes, bool ac
   size_t best = 0;
   for (size_t k = 1; k < n; ++k)
     if (best_ms[k] < best_ms[best]) best = k;
+  if (log)
+    for (size_t k = 0; k < n; ++k)
+      *log += " " + std::to_string(candidates[k]) + ":" + std::to_string(best_ms[k] * 1000.f).substr(0, 7) +
+              (k == best ? "*" : "");
   return n == 0 ? 0 : candidates[best];
 }
 
@@ -261,9 +278,17 @@ void matmul(cudaStream_t s, MatmulContext& ctx, Tensor c, Tensor a, Tensor b, bo
           plan.algo = results[std::min(key.rank, found - 1)].algo;
         } else {
           int pick = 0;
-          if (tune && found > 1)
+          if (tune && found > 1) {
+            std::string log;
             pick = fastest(s, ctx, c.data, c.bytes(), accumulate, std::min(found, kTuneCandidates),
-                           results, run_lt);
+                           results, run_lt, tuning_logged() ? &log : nullptr);
+            if (tuning_logged())
+              std::fprintf(stderr, "matmul tune C[%lld,%lld] %s op(A)[%lld,%lld]%s op(B)%s us:%s\n",
+                           static_cast<long long>(M), static_cast<long long>(N),
+                           accumulate ? "+=" : "=", static_cast<long long>(M),
+                           static_cast<long long>(K), trans_a ? "^T" : "", trans_b ? "^T" : "",
+                           log.c_str());
+          }
           plan.algo = results[pick].algo;
         }
       }

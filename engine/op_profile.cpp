@@ -1,6 +1,7 @@
 // op_profile.cpp: the op profiler (see op_profile.h).
 #include "engine/op_profile.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <sstream>
@@ -63,7 +64,8 @@ double adamw_bytes(const Tensor& param, const Tensor& master, const Tensor& grad
 
 }  // namespace
 
-OpProfiler::Span::Span(OpProfiler& p, OpFamily f, double work) : p_(p), f_(f), work_(work) {
+OpProfiler::Span::Span(OpProfiler& p, OpFamily f, double work, int product)
+    : p_(p), f_(f), work_(work), product_(product) {
   if (!p_.armed_) return;
   mark_ = p_.in_.timing_mark();
   if (mark_ < 0) t0_ = std::chrono::steady_clock::now();
@@ -72,10 +74,10 @@ OpProfiler::Span::Span(OpProfiler& p, OpFamily f, double work) : p_(p), f_(f), w
 OpProfiler::Span::~Span() {
   if (!p_.armed_) return;
   if (mark_ >= 0) {
-    p_.pending_.push_back({f_, mark_, p_.in_.timing_mark(), 0, work_});
+    p_.pending_.push_back({f_, mark_, p_.in_.timing_mark(), 0, work_, product_});
   } else {
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0_).count();
-    p_.pending_.push_back({f_, -1, -1, ms, work_});
+    p_.pending_.push_back({f_, -1, -1, ms, work_, product_});
   }
 }
 
@@ -89,10 +91,14 @@ void OpProfiler::finish_step(double wall_ms) {
   armed_ = false;
   in_.synchronize();
   for (const Pending& p : pending_) {
-    OpFamilyTotals& t = totals_[size_t(p.family)];
-    t.ms += p.a >= 0 ? in_.timing_ms(p.a, p.b) : p.host_ms;
-    t.work += p.work;
-    ++t.calls;
+    const double ms = p.a >= 0 ? in_.timing_ms(p.a, p.b) : p.host_ms;
+    for (OpFamilyTotals* t : {&totals_[size_t(p.family)],
+                              p.product >= 0 ? &products_[size_t(p.product)].totals : nullptr}) {
+      if (!t) continue;
+      t->ms += ms;
+      t->work += p.work;
+      ++t->calls;
+    }
   }
   pending_.clear();
   in_.timing_reset();
@@ -119,9 +125,21 @@ nlohmann::json OpProfiler::report(double peak_tflops, double peak_tbps) const {
     }
     families.push_back(row);
   }
+  std::vector<const Product*> by_time;
+  for (const Product& p : products_)
+    if (p.totals.calls > 0) by_time.push_back(&p);
+  std::stable_sort(by_time.begin(), by_time.end(),
+                   [](const Product* a, const Product* b) { return a->totals.ms > b->totals.ms; });
+  nlohmann::json products = nlohmann::json::array();
+  for (const Product* p : by_time) {
+    const double ms = p->totals.ms / n;
+    nlohmann::json row = {{"product", p->label}, {"ms", ms}, {"calls", double(p->totals.calls) / n}};
+    if (ms > 0) row["tflops"] = p->totals.work / n / (ms * 1e-3) / 1e12;
+    products.push_back(row);
+  }
   return {{"steps", steps_}, {"wall_ms", wall}, {"families", families}, {"other_ms", wall - ops_ms},
           {"other_share", wall > 0 ? (wall - ops_ms) / wall : 0}, {"peak_tflops", peak_tflops},
-          {"peak_tbps", peak_tbps}};
+          {"peak_tbps", peak_tbps}, {"matmul_products", products}};
 }
 
 std::string OpProfiler::table(double peak_tflops, double peak_tbps) const {
@@ -153,6 +171,17 @@ std::string OpProfiler::table(double peak_tflops, double peak_tbps) const {
   std::snprintf(line, sizeof line, "%-28s %10.2f %6.1f%%\n%-28s %10.2f\n", "other / idle", r["other_ms"].get<double>(),
                 100 * r["other_share"].get<double>(), "step (profiled)", r["wall_ms"].get<double>());
   o << line;
+  if (!r["matmul_products"].empty()) {
+    std::snprintf(line, sizeof line, "\n%-44s %10s %7s %16s\n", "matmul by product", "ms/step", "calls",
+                  "achieved");
+    o << line;
+    for (const auto& p : r["matmul_products"]) {
+      std::snprintf(line, sizeof line, "%-44s %10.2f %7.0f %11.1f TFLOP/s\n",
+                    p["product"].get<std::string>().c_str(), p["ms"].get<double>(),
+                    p["calls"].get<double>(), p.value("tflops", 0.0));
+      o << line;
+    }
+  }
   return o.str();
 }
 
@@ -179,8 +208,27 @@ void OpProfiler::add_rmsnorm_forward(Tensor x, Tensor y, Tensor rstd, Tensor a, 
   Span s(*this, OpFamily::Norms, bytes_of({x, y, rstd, a, b, w}));
   in_.add_rmsnorm_forward(x, y, rstd, a, b, w, eps);
 }
+int OpProfiler::product_index(const std::string& label) {
+  for (size_t i = 0; i < products_.size(); ++i)
+    if (products_[i].label == label) return int(i);
+  products_.push_back({label, {}});
+  return int(products_.size()) - 1;
+}
+
 void OpProfiler::matmul(Tensor c, Tensor a, Tensor b, bool ta, bool tb, bool acc) {
-  Span s(*this, OpFamily::Matmul, matmul_flops(c, a, b));
+  int product = -1;
+  if (armed_) {
+    // Stored shapes, ^T where the operand enters transposed.
+    char label[112];
+    std::snprintf(label, sizeof label, "C[%lld,%lld] %s A[%lld,%lld]%s B[%lld,%lld]%s",
+                  static_cast<long long>(c.dim(0)), static_cast<long long>(c.dim(1)),
+                  acc ? "+=" : "=", static_cast<long long>(a.dim(0)),
+                  static_cast<long long>(a.dim(1)), ta ? "^T" : "",
+                  static_cast<long long>(b.dim(0)), static_cast<long long>(b.dim(1)),
+                  tb ? "^T" : "");
+    product = product_index(label);
+  }
+  Span s(*this, OpFamily::Matmul, matmul_flops(c, a, b), product);
   in_.matmul(c, a, b, ta, tb, acc);
 }
 void OpProfiler::rope(Tensor x, double theta, bool backward) {

@@ -54,10 +54,14 @@ class OpProfiler final : public ForwardingBackend {
   double wall_ms() const { return wall_ms_; }  // summed over the profiled steps
 
   // Per step: {"steps", "wall_ms", "families": [{"family", "ms", "share", "calls",
-  // "tflops" | "tbps", "roofline_share"}], "other_ms", "other_share"}. The roofline is
-  // `peak_tflops` for FLOP-counted families and `peak_tbps` for the others.
+  // "tflops" | "tbps", "roofline_share"}], "other_ms", "other_share", "matmul_products":
+  // [{"product", "ms", "calls", "tflops"}] (slowest first)}. The roofline is
+  // `peak_tflops` for FLOP-counted families and `peak_tbps` for the others. A product is
+  // "C[M,N] = A[M,K] B[K,N]" with ^T where an operand is transposed and += where it
+  // accumulates.
   nlohmann::json report(double peak_tflops, double peak_tbps) const;
-  // The same as an aligned text table (one line per family, then other/idle and total).
+  // The same as an aligned text table (one line per family, then other/idle and total,
+  // then the matmul products).
   std::string table(double peak_tflops, double peak_tbps) const;
 
   void embedding_forward(Tensor out, Tensor tokens, Tensor table) override;
@@ -135,12 +139,14 @@ class OpProfiler final : public ForwardingBackend {
   // One op in flight: marks (or host times) before and after, and its work.
   class Span {
    public:
-    Span(OpProfiler& p, OpFamily f, double work);
+    // product: an index into products_ (a matmul's shape), or -1.
+    Span(OpProfiler& p, OpFamily f, double work, int product = -1);
     ~Span();
    private:
     OpProfiler& p_;
     OpFamily f_;
     double work_;
+    int product_;
     int mark_ = -1;
     std::chrono::steady_clock::time_point t0_;
   };
@@ -149,7 +155,16 @@ class OpProfiler final : public ForwardingBackend {
     int a, b;           // timing marks, or -1 when timed on the host
     double host_ms;     // when timed on the host
     double work;
+    int product;        // products_ index, or -1
   };
+  // The matmul family split by product (shape, transposes, accumulation): which
+  // projection's GEMM runs below the family's rate.
+  struct Product {
+    std::string label;
+    OpFamilyTotals totals;
+  };
+  int product_index(const std::string& label);
+  std::vector<Product> products_;
   bool armed_ = false;
   std::vector<Pending> pending_;
   std::array<OpFamilyTotals, size_t(OpFamily::kCount)> totals_{};

@@ -9,7 +9,9 @@
 // - an unarmed profiler records nothing, and the results are the plain backend's.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 
 #include "engine/communicator.h"
 #include "engine/backend.h"
@@ -74,6 +76,27 @@ TEST(OpProfiler, CountsEveryOpOfAStepWithItsWork) {
     EXPECT_LE(ops, r["wall_ms"].get<double>());
     EXPECT_NEAR(r["other_ms"].get<double>(), r["wall_ms"].get<double>() - ops, 1e-9);
     EXPECT_NE(prof.table(989, 4.3).find("matmul"), std::string::npos);
+
+    // The matmul family split by product: every call and FLOP lands in exactly one
+    // product, slowest first; the q projection's forward is one of them, by its shape.
+    double product_calls = 0, product_ms = 0;
+    double last_ms = INFINITY;
+    for (const auto& p : r["matmul_products"]) {
+      product_calls += p["calls"].get<double>();
+      product_ms += p["ms"].get<double>();
+      EXPECT_LE(p["ms"].get<double>(), last_ms);
+      last_ms = p["ms"].get<double>();
+    }
+    EXPECT_EQ(product_calls, double(mm.calls));
+    EXPECT_NEAR(product_ms, mm.ms, 1e-9 * std::max(1.0, mm.ms));
+    const std::string o_forward = "C[" + std::to_string(B * T) + "," + std::to_string(m.d_model) +
+                                  "] = A[" + std::to_string(B * T) + "," + std::to_string(m.q_dim()) +
+                                  "] B[" + std::to_string(m.d_model) + "," +
+                                  std::to_string(m.q_dim()) + "]^T";
+    bool found = false;
+    for (const auto& p : r["matmul_products"]) found |= p["product"].get<std::string>() == o_forward;
+    EXPECT_TRUE(found) << o_forward << " in " << r["matmul_products"].dump();
+    EXPECT_NE(prof.table(989, 4.3).find(o_forward), std::string::npos);
 
     // Unarmed, it only forwards: nothing more is counted, and the step computes what the
     // plain backend computes.
