@@ -4,10 +4,9 @@
 // Builds the model of the config with random weights (DESIGN.md's scales; see
 // fast_random_init; no data needed), the
 // AdamW optimizer, and one fixed batch of uniform random tokens and targets
-// (train.micro_batch x train.seq_len, seed train.seed + rank). Runs the backend's kernel
-// tuning passes (train_step.h tune_kernels; their count and time are tuning_passes and
-// tuning_s), --warmup untimed steps, then --steps timed full training steps (TrainStep,
-// the step `mhar train` runs, one micro-batch per rank), each: zero gradients, forward (loss), backward, gradient
+// (train.micro_batch x train.seq_len, seed train.seed + rank). Runs --warmup untimed
+// steps, then --steps timed full training steps (TrainStep, the step `mhar train` runs,
+// one micro-batch per rank), each: zero gradients, forward (loss), backward, gradient
 // reduce-scatter, global gradient norm (a host-synchronising reduction), AdamW with
 // clipping at train.grad_clip on this rank's shard, all-gather of the parameters, then a
 // device synchronisation; each step is timed on the host clock between
@@ -133,8 +132,6 @@ struct PhaseResult {
   std::string backend_name;
   nlohmann::json profile;  // --profile: OpProfiler::report
   std::string profile_table;
-  int tuning_passes = 0;    // the backend's kernel tuning passes (train_step.h, tune_kernels)
-  double tuning_s = 0;
 };
 
 PhaseResult run_phase(const Config& cfg, const BenchOptions& o, int local_rank,
@@ -169,9 +166,6 @@ PhaseResult run_phase(const Config& cfg, const BenchOptions& o, int local_rank,
       r.embed_params += p.value.numel();
   r.params = model.num_parameters();
   r.backend_name = backend->name();
-  const auto tune0 = std::chrono::steady_clock::now();
-  r.tuning_passes = tune_kernels(model);
-  r.tuning_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - tune0).count();
   for (int i = 0; i < o.warmup; ++i) r.loss = step.run(r.steps++, batch).loss;
   for (int i = 0; i < o.steps; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -271,8 +265,6 @@ void run_bench(const BenchOptions& o) {
       {"seq_len", T},
       {"steps_timed", o.steps},
       {"warmup", o.warmup},
-      {"tuning_passes", r.tuning_passes},
-      {"tuning_s", r.tuning_s},
       {"tokens_per_s", std::round(tokens_per_s * 10) / 10},
       {"tokens_per_s_total", std::round(tokens_per_s * W * 10) / 10},
       {"ms_per_step", median * 1e3},

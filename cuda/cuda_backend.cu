@@ -269,9 +269,6 @@ class CudaBackend final : public Backend {
   }
   void synchronize() override { CUDA_CHECK(cudaStreamSynchronize(stream_)); }
   // Events recorded on the stream; the pool grows to the most marks one profile needs.
-  int kernel_tuning_passes() const override { return cuda::matmul_tuning_passes(); }
-  void begin_kernel_tuning_pass(int pass) override { cuda::matmul_begin_tuning_pass(stream_, pass); }
-  void end_kernel_tuning() override { cuda::matmul_end_tuning(stream_); }
   int timing_mark() override {
     if (used_marks_ == marks_.size()) {
       cudaEvent_t e;

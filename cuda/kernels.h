@@ -62,12 +62,6 @@ struct MatmulContext {
 constexpr size_t kMatmulTuneScratchBytes = size_t(64) << 20;
 void matmul(cudaStream_t s, MatmulContext& ctx, Tensor c, Tensor a, Tensor b, bool trans_a,
             bool trans_b, bool accumulate);
-// Tuning passes (matmul.cu's header): how many the timing in the step needs (0 with
-// MHAR_MATMUL_TUNE=0), the start of pass `pass` (0, 1, ...: synchronises `s` and reads the
-// previous pass's timings), and the end (synchronises, fixes each tuned shape's fastest).
-int matmul_tuning_passes();
-void matmul_begin_tuning_pass(cudaStream_t s, int pass);
-void matmul_end_tuning(cudaStream_t s);
 // Kernel lab (tests/op_timing_cudatest.cpp): shapes planned from now on take result number
 // `rank` of Lt's heuristic (0-15; 0 is its first choice; a shape offering fewer takes its
 // last), or with -1 (the default) the timed choice; returns the previous rank.

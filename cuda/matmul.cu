@@ -7,30 +7,17 @@
 // one, so we ask for C^T = op(B)^T op(A)^T, i.e. Lt's "A" is our B and its "B" our A.
 // Algorithms are chosen once per (shape, transposes, dtypes, alignments) and cached; when
 // Lt offers none (unusual alignments), cublasGemmEx computes the same product.
-// The choice is timed, in one of two ways.
-// - In the step (matmul_begin_tuning_pass, the backend's kernel tuning passes: `mhar
-//   train` and `mhar bench` run them before the first step, train_step.h tune_kernels):
-//   every shape the passes plan gets up to kTuneCandidates candidates (Lt's first choice
-//   and its next heuristic results); pass 0 plans and runs the first choice, pass 1 + r
-//   runs candidate r of every shape (r up, then down again: a drift of the clocks weighs
-//   on all alike) with events around each call, so a candidate is timed where the step
-//   runs it, after the kernels that run before it and with their bytes in L2, over every
-//   call of the shape in the pass; matmul_end_tuning keeps each shape's fastest mean.
-//   Timing the candidates apart from the step (below) picked choices whose in-step time
-//   was worse for some shapes (BENCHMARKS.md, ninth session: the gate/up input gradient
-//   0.566 ms a call with Lt's first choice in the step, 0.584 with the choice timed apart).
-// - At a shape's first call outside the passes (tests, evaluation shapes): Lt's first
-//   choice and up to kTuneCandidates - 1 others each run on the real A and B (fastest(),
-//   below), and the fastest is kept.
-// Lt's first choice was up to 18% slower than its best at the 1B model's shapes (the
-// weight and input gradients of the MLP projections and the LM head; 4.4-6.6% of the
-// step's matmul time timed apart; BENCHMARKS.md, 2026-12-01).
+// The choice is timed: at a shape's first call, Lt's first choice and up to
+// kTuneCandidates - 1 of its other heuristic results each run on the real A and B
+// (fastest(), below), and the fastest is kept. Lt's first choice was up to 18% slower than
+// its best at the 1B model's shapes (the weight and input gradients of the MLP
+// projections and the LM head; 4.4-6.6% of the step's matmul time; BENCHMARKS.md,
+// 2026-12-01, eighth session); the timed choice has gained 0-1.5% of a step so far.
 // Candidates with an in-place split-K reduction (atomics in C) are left
 // out, so every product stays deterministic given its algorithm; which algorithm wins can
 // differ between processes when two are within timing noise (GPU runs were not bitwise
-// reproducible before either: DESIGN.md section 4). During the passes a shape's
-// algorithm changes from pass to pass; after them it is fixed. MHAR_MATMUL_TUNE=0 in the
-// environment takes Lt's first choice instead, untimed, and asks for no passes.
+// reproducible before either: DESIGN.md section 4). MHAR_MATMUL_TUNE=0 in the environment
+// takes Lt's first choice instead, untimed.
 // Kernel lab (matmul_set_heuristic_rank): a given candidate instead (0 = the first
 // choice), for the timing test that compares them.
 #include <algorithm>
@@ -73,12 +60,6 @@ struct Key {
 struct Plan {
   bool use_lt = false;
   cublasLtMatmulAlgo_t algo{};
-  // Planned during tuning passes (matmul_begin_tuning_pass): not yet fixed; `candidates`
-  // (Lt's first choice first) are timed as the step runs them, then the fastest is kept.
-  bool fixed = true;
-  std::vector<cublasLtMatmulAlgo_t> candidates;
-  std::vector<double> ms;   // per candidate: device time summed over its timed calls
-  std::vector<int> calls;
 };
 
 // Largest power of two (up to 256) dividing the address: views into an arena may start
@@ -93,43 +74,6 @@ std::mutex plan_mutex;
 std::map<Key, Plan> plans;  // shapes repeat every step: one heuristic call per shape
 int heuristic_rank = -1;    // guarded by plan_mutex; -1: the timed choice
 int last_results = 0;
-
-// Tuning passes (guarded by plan_mutex). tuning_rank: kNotTuning outside them,
-// kWarmUpPass in the first (shapes are planned unfixed, their first choice runs,
-// untimed), else the candidate every unfixed shape runs and times in this pass.
-constexpr int kNotTuning = -2, kWarmUpPass = -1;
-int tuning_rank = kNotTuning;
-struct TimedCall {
-  Plan* plan;  // std::map keeps its elements in place
-  int candidate;
-  cudaEvent_t start, stop;
-};
-std::vector<TimedCall> timed_calls;     // this pass's, read when the next pass begins
-std::vector<cudaEvent_t> spare_events;  // reused across passes
-
-cudaEvent_t take_event() {
-  if (spare_events.empty()) {
-    cudaEvent_t e;
-    CUDA_CHECK(cudaEventCreate(&e));
-    return e;
-  }
-  cudaEvent_t e = spare_events.back();
-  spare_events.pop_back();
-  return e;
-}
-
-// Adds the finished pass's timed calls to their plans (the stream has synchronised).
-void collect_timed_calls() {
-  for (const TimedCall& t : timed_calls) {
-    float ms = 0;
-    CUDA_CHECK(cudaEventElapsedTime(&ms, t.start, t.stop));
-    t.plan->ms[size_t(t.candidate)] += ms;
-    ++t.plan->calls[size_t(t.candidate)];
-    spare_events.push_back(t.start);
-    spare_events.push_back(t.stop);
-  }
-  timed_calls.clear();
-}
 constexpr int kLabResults = 16;
 constexpr int kTuneCandidates = 8;
 constexpr int kTuneRounds = 3;
@@ -286,13 +230,14 @@ void matmul(cudaStream_t s, MatmulContext& ctx, Tensor c, Tensor a, Tensor b, bo
                           out, lt.c, &algo, ctx.workspace, ctx.workspace_bytes, s);
   };
   Plan plan;
-  TimedCall timed{nullptr, 0, nullptr, nullptr};
   {
     std::lock_guard<std::mutex> lock(plan_mutex);
     const Key key{M,       N,       K, trans_a, trans_b, a.dtype, c.dtype, alignment(a.data),
                   alignment(b.data), alignment(c.data), heuristic_rank};
     auto it = plans.find(key);
-    if (it == plans.end()) {
+    if (it != plans.end()) {
+      plan = it->second;
+    } else {
       cublasLtMatmulPreference_t pref = nullptr;
       CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
       CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
@@ -313,8 +258,7 @@ void matmul(cudaStream_t s, MatmulContext& ctx, Tensor c, Tensor a, Tensor b, bo
       // copy of result 0).
       cublasLtMatmulHeuristicResult_t results[kLabResults + 1]{};
       int found = 0;
-      const bool in_passes = key.rank < 0 && tuning_rank != kNotTuning;
-      const bool tune = key.rank < 0 && tuning_enabled() && (ctx.tune_scratch || in_passes);
+      const bool tune = key.rank < 0 && tuning_enabled() && ctx.tune_scratch;
       cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(ctx.lt, lt.op, lt.a, lt.b, lt.c, lt.c,
                                                          pref, 1, results, &found);
       if (st == CUBLAS_STATUS_SUCCESS && found > 0 && (key.rank > 0 || tune)) {
@@ -328,22 +272,10 @@ void matmul(cudaStream_t s, MatmulContext& ctx, Tensor c, Tensor a, Tensor b, bo
       }
       cublasLtMatmulPreferenceDestroy(pref);
       last_results = st == CUBLAS_STATUS_SUCCESS ? found : 0;
-      Plan made;
       if (st == CUBLAS_STATUS_SUCCESS && found > 0) {
-        made.use_lt = true;
+        plan.use_lt = true;
         if (key.rank >= 0) {
-          made.algo = results[std::min(key.rank, found - 1)].algo;
-        } else if (tune && in_passes) {
-          // Timed in the step by the passes; Lt's first choice until they decide.
-          for (int i = 0; i < found && int(made.candidates.size()) < kTuneCandidates; ++i)
-            if (results[i].state == CUBLAS_STATUS_SUCCESS &&
-                results[i].workspaceSize <= ctx.workspace_bytes &&
-                (i == 0 || !inplace_split_k(results[i].algo)))
-              made.candidates.push_back(results[i].algo);
-          made.algo = results[0].algo;
-          made.fixed = made.candidates.size() < 2;
-          made.ms.assign(made.candidates.size(), 0.0);
-          made.calls.assign(made.candidates.size(), 0);
+          plan.algo = results[std::min(key.rank, found - 1)].algo;
         } else {
           int pick = 0;
           if (tune && found > 1) {
@@ -357,80 +289,21 @@ void matmul(cudaStream_t s, MatmulContext& ctx, Tensor c, Tensor a, Tensor b, bo
                            static_cast<long long>(K), trans_a ? "^T" : "", trans_b ? "^T" : "",
                            log.c_str());
           }
-          made.algo = results[pick].algo;
+          plan.algo = results[pick].algo;
         }
       }
-      it = plans.emplace(key, std::move(made)).first;
-    }
-    Plan& planned = it->second;
-    plan.use_lt = planned.use_lt;
-    plan.algo = planned.algo;
-    if (!planned.fixed && tuning_rank >= 0 && size_t(tuning_rank) < planned.candidates.size()) {
-      plan.algo = planned.candidates[size_t(tuning_rank)];
-      timed = {&planned, tuning_rank, take_event(), take_event()};
+      plans[key] = plan;
     }
   }
 
   if (plan.use_lt) {
-    if (timed.plan) CUDA_CHECK(cudaEventRecord(timed.start, s));
     CUBLAS_CHECK(run_lt(plan.algo, c.data));
-    if (timed.plan) {
-      CUDA_CHECK(cudaEventRecord(timed.stop, s));
-      std::lock_guard<std::mutex> lock(plan_mutex);
-      timed_calls.push_back(timed);
-    }
   } else {
     CUBLAS_CHECK(cublasSetStream(ctx.blas, s));
     CUBLAS_CHECK(cublasGemmEx(ctx.blas, op_l, op_r, int(N), int(M), int(K), &alpha, b.data,
                               ab_type, int(ld_b), a.data, ab_type, int(ld_a), &beta, c.data,
                               c_type, int(ld_c), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   }
-}
-
-int matmul_tuning_passes() { return tuning_enabled() ? 1 + 2 * kTuneCandidates : 0; }
-
-void matmul_begin_tuning_pass(cudaStream_t s, int pass) {
-  MHAR_CHECK(pass >= 0 && pass < 1 + 2 * kTuneCandidates, "matmul tuning pass ", pass);
-  CUDA_CHECK(cudaStreamSynchronize(s));
-  std::lock_guard<std::mutex> lock(plan_mutex);
-  collect_timed_calls();
-  // Pass 0 plans; then the candidates in rank order and back again, so that a drift of
-  // the clocks over the passes weighs on every candidate alike.
-  const int r = pass - 1;
-  tuning_rank = pass == 0 ? kWarmUpPass : r < kTuneCandidates ? r : 2 * kTuneCandidates - 1 - r;
-}
-
-void matmul_end_tuning(cudaStream_t s) {
-  CUDA_CHECK(cudaStreamSynchronize(s));
-  std::lock_guard<std::mutex> lock(plan_mutex);
-  collect_timed_calls();
-  tuning_rank = kNotTuning;
-  for (auto& [key, plan] : plans) {
-    if (plan.fixed) continue;
-    // The fastest mean over the timed calls; Lt's first choice unless another was timed
-    // faster.
-    size_t best = 0;
-    auto mean = [&](size_t i) { return plan.ms[i] / std::max(1, plan.calls[i]); };
-    for (size_t i = 1; i < plan.candidates.size(); ++i)
-      if (plan.calls[i] > 0 && (plan.calls[best] == 0 || mean(i) < mean(best))) best = i;
-    plan.algo = plan.candidates[best];
-    if (tuning_logged()) {
-      std::string line;
-      for (size_t i = 0; i < plan.candidates.size(); ++i)
-        line += " " + std::to_string(i) + ":" + std::to_string(mean(i) * 1000).substr(0, 7) +
-                (i == best ? "*" : "");
-      std::fprintf(stderr, "matmul tuned in the step C[%lld,%lld] %s K %lld%s%s us:%s\n",
-                   static_cast<long long>(key.m), static_cast<long long>(key.n),
-                   key.c == DType::F32 ? "(f32)" : "", static_cast<long long>(key.k),
-                   key.ta ? " A^T" : "", key.tb ? " B^T" : "", line.c_str());
-    }
-    plan.fixed = true;
-    plan.candidates = {};
-    plan.ms = {};
-    plan.calls = {};
-  }
-  for (cudaEvent_t e : spare_events) cudaEventDestroy(e);
-  spare_events.clear();
 }
 
 int matmul_set_heuristic_rank(int rank) {

@@ -188,17 +188,6 @@ class Backend {
     return OpScratch{};
   }
 
-  // ---- kernel tuning in the step (train_step.h, tune_kernels): a backend that chooses
-  // among kernels by timing them as a training step runs them asks for
-  // kernel_tuning_passes() forward and backward passes (0: none, the default); the
-  // caller runs begin_kernel_tuning_pass(p) before pass p, then the pass, and
-  // end_kernel_tuning() after the last. The passes compute what a step computes (with
-  // kernels that may differ from pass to pass); after end_kernel_tuning() the choices are
-  // fixed. CUDA: the matmul algorithms (cuda/matmul.cu).
-  virtual int kernel_tuning_passes() const { return 0; }
-  virtual void begin_kernel_tuning_pass(int pass) { (void)pass; }
-  virtual void end_kernel_tuning() {}
-
   // ---- timing marks, for op profiles (engine/op_profile.h). timing_mark() records how
   // far the backend's queue has come and returns the mark's number (0, 1, ... since
   // timing_reset()); timing_ms(a, b) is the device time between marks a and b, valid

@@ -33,9 +33,6 @@ class ForwardingBackend : public Backend {
     return in_.op_scratch_bytes(s);
   }
   OpScratch bind_op_scratch(const OpScratch& s) override { return in_.bind_op_scratch(s); }
-  int kernel_tuning_passes() const override { return in_.kernel_tuning_passes(); }
-  void begin_kernel_tuning_pass(int pass) override { in_.begin_kernel_tuning_pass(pass); }
-  void end_kernel_tuning() override { in_.end_kernel_tuning(); }
   int timing_mark() override { return in_.timing_mark(); }
   double timing_ms(int a, int b) override { return in_.timing_ms(a, b); }
   void timing_reset() override { in_.timing_reset(); }

@@ -34,27 +34,6 @@ long long TrainStep::micro_batches_per_rank(long long batch_tokens, long long mi
   return batch_tokens / per_step;
 }
 
-int tune_kernels(Model& model) {
-  Backend& be = model.backend();
-  const int passes = be.kernel_tuning_passes();
-  if (passes <= 0) return 0;
-  const int64_t n = int64_t(model.batch()) * model.seq_len();
-  const int64_t vocab = model.config().vocab_size;
-  std::vector<int32_t> tokens(static_cast<size_t>(n)), targets(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) {  // any ids: the kernels' times do not depend on them
-    tokens[size_t(i)] = int32_t((i * 7919) % vocab);
-    targets[size_t(i)] = int32_t((i * 104729 + 1) % vocab);
-  }
-  for (int p = 0; p < passes; ++p) {
-    be.begin_kernel_tuning_pass(p);
-    model.forward(tokens.data(), targets.data(), 1.0);
-    model.backward(nullptr);
-  }
-  be.end_kernel_tuning();
-  model.zero_grads();
-  return passes;
-}
-
 Tensor TrainStep::bucket_view(Tensor flat, int bucket) const {
   const GradBucket& b = model_.buckets()[size_t(bucket)];
   return Tensor(static_cast<char*>(flat.data) + size_t(b.offset) * dtype_size(flat.dtype),

@@ -30,14 +30,6 @@ struct StepResult {
   bool stop = false;     // some rank asked to stop (the stop flag's all-reduce)
 };
 
-// The backend's kernel tuning passes (backend.h, kernel_tuning_passes; CUDA: the matmul
-// algorithms timed as the step runs them), each one forward and backward of one
-// micro-batch of fixed tokens, with no update and no communication; the gradients they
-// leave are zeroed by the next step, so training computes what it would without them
-// (up to the kernels chosen). Returns the number of passes run (0: the backend asks for
-// none). Run before the first step by `mhar train` and `mhar bench`.
-int tune_kernels(Model& model);
-
 class TrainStep {
  public:
   // `accum`: micro-batches per rank per step.

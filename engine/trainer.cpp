@@ -462,17 +462,6 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
       checkpoint_then_rethrow(std::move(at_step_start));
     }
   };
-  if (step < t.steps) {
-    // Before the first step: the backend times its kernel choices as the step runs them
-    // (CUDA: the matmul algorithms); nothing of these passes reaches the training.
-    watchdog::set_phase("kernel tuning", step + 1);
-    const auto tune0 = std::chrono::steady_clock::now();
-    const int passes = tune_kernels(model);
-    if (passes > 0)
-      spdlog::info("kernel tuning: {} forward and backward passes in {:.1f} s (matmul algorithms "
-                   "timed in the step; MHAR_MATMUL_TUNE=0 skips it)",
-                   passes, std::chrono::duration<double>(std::chrono::steady_clock::now() - tune0).count());
-  }
   while (step < t.steps) {
     const auto t0 = std::chrono::steady_clock::now();
     data_epoch = train_data.epoch(), data_step = train_data.step();

@@ -3,12 +3,8 @@
 // accumulate (a weight gradient summed into fp32), and fp32 inputs. Every check is the
 // first call of its shape, so it also checks the result after the timed choice of
 // algorithm (matmul.cu), which runs candidates into C itself (overwrite) or into a
-// scratch C (accumulate). The tuning passes (timing in the step) keep one of the
-// candidates they ran.
+// scratch C (accumulate).
 #include <gtest/gtest.h>
-
-#include <algorithm>
-#include <cmath>
 
 #include "cuda/kernels.h"
 #include "tests/cuda_test_util.h"
@@ -77,45 +73,6 @@ TEST_F(MatmulParity, TimedChoiceLeavesTheFirstCallExact) {
     cpu->matmul(c.c, a.c, b.c, false, true, acc);
     expect_close(std::string("timed matmul") + (acc ? " +=" : ""), c.g, c.c,
                  acc ? kTolF32Output : kTolBf16Output);
-  }
-}
-
-// The tuning passes (backend.h kernel_tuning_passes; matmul.cu's header): every pass's
-// product, whichever candidate it ran, matches the CPU; after the passes the shape's
-// algorithm is fixed (two calls give the same bits) and is one of the candidates the
-// passes ran (its bits are those of one of the passes).
-TEST_F(MatmulParity, TuningPassesKeepOneOfTheirCandidates) {
-  const int passes = gpu->kernel_tuning_passes();
-  if (passes == 0) GTEST_SKIP() << "MHAR_MATMUL_TUNE=0: no tuning passes";
-  EXPECT_GE(passes, 3);
-  for (bool acc : {false, true}) {
-    SCOPED_TRACE(acc ? "+=" : "=");
-    const DType out = acc ? DType::F32 : DType::BF16;
-    const int64_t M = 1472 + (acc ? 64 : 0), N = 896, K = 704;  // shapes no other test plans
-    Pair a = random_pair(DType::BF16, {M, K}), b = random_pair(DType::BF16, {N, K});
-    Pair c = acc ? random_pair(out, {M, N}) : pair(out, {M, N});
-    std::vector<double> start(size_t(M * N), std::nan(""));
-    if (acc) gpu->download(start.data(), c.g);
-    auto run_gpu = [&] {
-      gpu->upload(c.g, start.data());  // NaN where the call overwrites
-      gpu->matmul(c.g, a.g, b.g, false, true, acc);
-      std::vector<double> v(start.size());
-      gpu->download(v.data(), c.g);
-      return v;
-    };
-    cpu->matmul(c.c, a.c, b.c, false, true, acc);
-    std::vector<std::vector<double>> per_pass;
-    for (int p = 0; p < passes; ++p) {
-      gpu->begin_kernel_tuning_pass(p);
-      per_pass.push_back(run_gpu());
-      expect_close("tuning pass " + std::to_string(p), c.g, c.c, acc ? kTolF32Output : kTolBf16Output);
-    }
-    gpu->end_kernel_tuning();
-    const std::vector<double> fixed = run_gpu(), again = run_gpu();
-    expect_same_bits("after the passes", fixed, again);
-    bool one_of_them = false;
-    for (const auto& v : per_pass) one_of_them |= std::equal(v.begin(), v.end(), fixed.begin());
-    EXPECT_TRUE(one_of_them) << "the kept algorithm's bits are no pass's";
   }
 }
 
