@@ -17,7 +17,7 @@
 //     ~160 MB of rows between their two passes, 3x the 50 MB L2, so the second read comes
 //     from DRAM: 2 reads + 1 write, 1.5x the bytes, measured at copy rate by its own 3
 //     passes (3.9 TB/s) = 59% of copy by the 2-pass bytes. The fallback of every version.
-//  2-5: a thread-block cluster of c blocks per row (Hopper, sm_90: launched with a cluster
+//  2-7: a thread-block cluster of c blocks per row (Hopper, sm_90: launched with a cluster
 //     attribute, cudaLaunchKernelEx): block r takes the r-th of c equal runs of the row's
 //     vectors (rank 0 also the scalar prologue, rank c-1 the tail), folds its partial
 //     (max, sum) state, and the c states are exchanged through distributed shared memory
@@ -35,13 +35,16 @@
 //     before the first use. Rows of more than 163,840 bf16 or 81,920 fp32 elements do not
 //     fit (fp32 at V = 151,936 takes version 1).
 //  5  no on-chip copy: pass 2 re-reads the slice, but a persistent grid bounds the rows
-//     between their passes to half the L2 (bf16 V = 151,936: c = 8, ~66 rows, ~20 MB),
+//     between their passes to half the L2 (bf16 V = 151,936: c = 4, ~66 rows, ~20 MB),
 //     so the second read hits L2; it and the gradient stores are marked evict-first
 //     (ld/st .cs) so they do not push out rows still to be re-read.
-// Versions 2-4 keep the row on chip: 1 DRAM read + 1 write. Where a version's slice does
-// not fit (c would exceed 8, the portable cluster limit), the device has no cluster
-// launch, or the occupancy API finds no room for one cluster, the launch takes version 1
-// (classifier_last_launch says which ran). Default: version 1 until the device run
+//  6, 7: versions 2 and 4 on a persistent grid (the clusters resident at once, each
+//     looping over rows): no block launch per row (versions 2-4 launch N * c blocks of a
+//     few microseconds each: 44,032 for version 4 at [5504, 151936]).
+// Versions 2-4, 6 and 7 keep the row on chip: 1 DRAM read + 1 write. Where a version's
+// slice does not fit (c would exceed 8, the portable cluster limit), the device has no
+// cluster launch, or the occupancy API finds no room for one cluster, the launch takes
+// version 1 (classifier_last_launch says which ran). Default: version 1 until the device run
 // (tests/kernel_bandwidth_cudatest.cpp) picks one (cuda/NOTES.md).
 #include <cooperative_groups.h>
 
@@ -61,7 +64,7 @@ namespace cg = cooperative_groups;
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
-constexpr int kVersions = 5;
+constexpr int kVersions = 7;
 constexpr int kDefaultVersion = 1;
 constexpr int kMaxCluster = 8;     // the portable cluster size limit
 constexpr int kRegVectors = 5;     // version 4: 16-byte vectors a thread holds
@@ -223,7 +226,7 @@ __global__ void __launch_bounds__(kThreads)
     row[c] = store<T>(grad_one(load(row[c]), c, lse, grad_scale, target));
 }
 
-// ---- versions 2-5: a cluster of blocks per row -----------------------------------------
+// ---- versions 2-7: a cluster of blocks per row -----------------------------------------
 enum class Keep { Shared, Registers, None };  // where a block keeps its slice between passes
 
 // The cluster barrier in two halves: arrive (release: this thread's earlier accesses,
@@ -250,7 +253,7 @@ template <int kPending> __device__ __forceinline__ void cp_async_wait() {
 }
 
 // Rows n = cluster index, += number of clusters (one step each in versions 2-4, whose grid
-// has a cluster per row; version 5's grid is the bounded set of clusters in flight).
+// has a cluster per row; the grids of versions 5-7 are the clusters resident at once).
 // Thread t of a block owns vectors t, t + 512, ... of the block's run, in both passes, so
 // in Keep::Shared each thread reads back only what its own cp.async wrote: no block barrier
 // between load and use.
@@ -453,15 +456,16 @@ template <class T, Keep kKeep> Plan plan_cluster(int version, int64_t V, int dev
   const int64_t vectors = ceil_div(V * int64_t(sizeof(T)), 16);  // at most, any alignment
   const int64_t row_bytes = V * int64_t(sizeof(T));
   // The most vectors a block may keep (version 5 keeps none).
+  const int kind = version == 6 ? 2 : version == 7 ? 4 : version;  // 6, 7: 2, 4 persistent
   int64_t capacity = INT64_MAX;
-  if (version == 2)
+  if (kind == 2)
     capacity = std::min(lim.smem_sm / 2 - lim.smem_reserved, lim.smem_block) -
                int64_t(fa.sharedSizeBytes);
-  if (version == 3)
+  if (kind == 3)
     capacity = std::min(lim.smem_sm - lim.smem_reserved, lim.smem_block) -
                int64_t(fa.sharedSizeBytes);
-  if (version == 2 || version == 3) capacity /= 16;
-  if (version == 4) capacity = int64_t(kThreads) * kRegVectors;
+  if (kind == 2 || kind == 3) capacity /= 16;
+  if (kind == 4) capacity = int64_t(kThreads) * kRegVectors;
   int c = std::max(g_cluster, 1);
   while (c <= kMaxCluster && ceil_div(vectors, c) > capacity) c *= 2;
   if (version == 5) {
@@ -496,9 +500,11 @@ template <class T, Keep kKeep> Plan plan_cluster(int version, int64_t V, int dev
     return fallback("finds no room for a cluster of " + std::to_string(c) + " x " +
                     std::to_string(kThreads) + " threads with " + std::to_string(p.smem) +
                     " B shared");
-  // Version 5's grid: the clusters resident at once, at most half the L2 of rows.
-  p.clusters = version == 5 ? std::min<int64_t>(active, std::max<int64_t>(lim.l2 / 2 / row_bytes, 1))
-                            : 0;
+  // Version 5's grid: the clusters resident at once, at most half the L2 of rows; 6 and 7:
+  // the clusters resident at once; 2-4: one a row (0 here).
+  if (version == 5)
+    p.clusters = std::min<int64_t>(active, std::max<int64_t>(lim.l2 / 2 / row_bytes, 1));
+  if (version >= 6) p.clusters = active;
   return p;
 }
 
@@ -518,8 +524,10 @@ template <class T> Plan plan_for(int version, int64_t N, int64_t V) {
     if (it == cache.end()) {
       switch (version) {
         case 2:
-        case 3: p = plan_cluster<T, Keep::Shared>(version, V, dev); break;
-        case 4: p = plan_cluster<T, Keep::Registers>(version, V, dev); break;
+        case 3:
+        case 6: p = plan_cluster<T, Keep::Shared>(version, V, dev); break;
+        case 4:
+        case 7: p = plan_cluster<T, Keep::Registers>(version, V, dev); break;
         default: p = plan_cluster<T, Keep::None>(version, V, dev);
       }
       it = cache.emplace(key, p).first;
@@ -532,17 +540,19 @@ template <class T> Plan plan_for(int version, int64_t N, int64_t V) {
   return p;
 }
 
+// "v1: ..." or "v<k> c<c> <smem> B: ..." (the part before ':' labels timing lines).
 std::string describe(const Plan& p, int64_t N, int64_t V, size_t elem) {
-  char buf[256];
+  char buf[320];
   if (p.version == 1)
-    std::snprintf(buf, sizeof buf, "v1: a block of %d threads per row, %lld rows%s%s", kThreads,
-                  (long long)N, p.why.empty() ? "" : " (", p.why.empty() ? "" : (p.why + ")").c_str());
+    std::snprintf(buf, sizeof buf, "v1: a block of %d threads per row, %lld rows%s%s%s",
+                  kThreads, (long long)N, p.why.empty() ? "" : " (", p.why.c_str(),
+                  p.why.empty() ? "" : ")");
   else
     std::snprintf(buf, sizeof buf,
-                  "v%d: clusters of %d x %d threads, %lld B shared a block, %lld clusters for "
-                  "%lld rows of %lld B",
-                  p.version, p.c, kThreads, (long long)p.smem, (long long)p.clusters,
-                  (long long)N, (long long)(V * int64_t(elem)));
+                  "v%d c%d %lld B: clusters of %d blocks of %d threads with %lld B shared "
+                  "each, %lld clusters for %lld rows of %lld B",
+                  p.version, p.c, (long long)p.smem, p.c, kThreads, (long long)p.smem,
+                  (long long)p.clusters, (long long)N, (long long)(V * int64_t(elem)));
   return buf;
 }
 
@@ -594,10 +604,12 @@ void cross_entropy(cudaStream_t s, Tensor losses, Tensor logits, Tensor targets,
     switch (p.version) {
       case 2:
       case 3:
+      case 6:
         CUDA_CHECK(cudaLaunchKernelEx(&cfg, cluster_kernel<T, Keep::Shared>(), l, x, t, N, V,
                                       scale, compute_grad));
         break;
       case 4:
+      case 7:
         CUDA_CHECK(cudaLaunchKernelEx(&cfg, cluster_kernel<T, Keep::Registers>(), l, x, t, N,
                                       V, scale, compute_grad));
         break;
