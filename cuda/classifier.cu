@@ -71,7 +71,7 @@ constexpr int kRegVectors = 5;     // version 4: 16-byte vectors a thread holds
 
 int g_version = kDefaultVersion;   // classifier_set_kernel_version (kernel lab)
 int g_cluster = 0;                 // forced cluster size (0: the smallest that fits)
-std::string g_last_launch;         // classifier_last_launch
+thread_local std::string g_last_launch;  // classifier_last_launch (the calling thread's)
 
 // Merge two (max, sum) online-softmax states.
 __device__ __forceinline__ void merge(float& m, float& s, float m2, float s2) {
@@ -484,9 +484,14 @@ template <class T, Keep kKeep> Plan plan_cluster(int version, int64_t V, int dev
   p.smem = kKeep == Keep::Shared ? std::max<int64_t>(ceil_div(vectors, c), 1) * 16 : 0;
   // The device's whole opt-in limit (not this shape's bytes): the attribute is per kernel
   // and the cached plans of other shapes launch the same kernel.
-  if (p.smem > 0)
+  // All of the SM's unified L1/shared memory as shared (the slices stream: L1 keeps
+  // nothing they reuse), so that version 2's two blocks fit an SM.
+  if (p.smem > 0) {
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     int(lim.smem_block - int64_t(fa.sharedSizeBytes))));
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                    int(cudaSharedmemCarveoutMaxShared)));
+  }
   // The occupancy API says whether (and how many) clusters of this shape fit at once.
   p.clusters = 1;
   cudaLaunchAttribute attr[1];

@@ -85,7 +85,8 @@ void cross_entropy(cudaStream_t s, Tensor losses, Tensor logits, Tensor targets,
 // the default. cluster (versions 2-7): blocks per row, 0 for the smallest that fits, else
 // 1, 2, 4 or 8 (at least that: more where the slice needs it). Returns the previous
 // version. classifier_last_launch: how the last call launched ("v4 c8 0 B: clusters of 8
-// ...", or "v1: ... (version 4 <why it fell back>)"). Process-wide, not thread-safe.
+// ...", or "v1: ... (version 4 <why it fell back>)"), per calling thread. The setting is
+// process-wide, not thread-safe.
 int classifier_set_kernel_version(int version, int cluster = 0);
 int classifier_kernel_versions();
 std::string classifier_last_launch();
