@@ -9,7 +9,6 @@
 #include <cuda_runtime.h>
 
 #include <functional>
-#include <string>
 
 #include "engine/backend.h"
 #include "engine/tensor.h"
@@ -79,17 +78,6 @@ void swiglu_backward(cudaStream_t s, Tensor d_gate_up, Tensor h, Tensor dh, Tens
 // classifier.cu
 void cross_entropy(cudaStream_t s, Tensor losses, Tensor logits, Tensor targets,
                    double grad_scale, bool compute_grad);
-// Kernel lab (tests/kernel_bandwidth_cudatest.cpp times every version; the engine never
-// calls it): versions 1 .. classifier_kernel_versions() of the cross-entropy kernel
-// (cuda/classifier.cu says what each does), each with the same parity bounds; version <= 0:
-// the default. cluster (versions 2-7): blocks per row, 0 for the smallest that fits, else
-// 1, 2, 4 or 8 (at least that: more where the slice needs it). Returns the previous
-// version. classifier_last_launch: how the last call launched ("v4 c8 0 B: clusters of 8
-// ...", or "v1: ... (version 4 <why it fell back>)"), per calling thread. The setting is
-// process-wide, not thread-safe.
-int classifier_set_kernel_version(int version, int cluster = 0);
-int classifier_kernel_versions();
-std::string classifier_last_launch();
 
 // The ops' temporaries (Backend::op_scratch_bytes): an op asks for `bytes` in its slot and
 // gets memory at least that large. With a model's scratch bound, every slot is a fixed

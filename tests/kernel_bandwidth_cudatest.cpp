@@ -14,10 +14,6 @@
 // cuda::norm_set_kernel_version) at the 1B shapes, version 1 timed again last (the spread
 // between two runs of one version: differences below it are noise), so that one device
 // call measures them all and picks the defaults.
-// CrossEntropyVersions: the same for the fused cross-entropy with gradient
-// (cuda::classifier_set_kernel_version) at the 1B LM head's chunk [5504, 151936] and the
-// op timing lab's [2048, 151936], bf16 logits, by the bytes engine/op_profile.cpp counts
-// (one read and one write of the logits, the losses and the targets).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -233,46 +229,6 @@ TEST_F(KernelBandwidth, DISABLED_NormKernelVersions) {
   norms("rmsnorm", N, sh.d, at, all(cuda::NormKernel::Forward), all(cuda::NormKernel::Backward));
   qk("qk-norm+rope fused q", sh, sh.H, at, all(cuda::NormKernel::QkNormRope));
   qk("qk-norm+rope fused k", sh, sh.Hkv, at, all(cuda::NormKernel::QkNormRope));
-}
-
-// Versions 1 .. n of the cross-entropy kernel, then version 1 again; each line labelled by
-// how the call launched (cuda::classifier_last_launch: "v2 c4 75968 B" = version 2,
-// clusters of 4 blocks with 75,968 B of shared memory each); a version that fell back to
-// version 1 prints the reason on a second line. The op overwrites the logits with their
-// gradient, so calls after the first read the previous gradient (grad_scale 1: values
-// near 1/V, never zero); the time is the same for any finite data.
-TEST_F(KernelBandwidth, DISABLED_CrossEntropyVersions) {
-  measure_copy_rate();
-  std::vector<int> versions;
-  for (int v = 1; v <= cuda::classifier_kernel_versions(); ++v) versions.push_back(v);
-  versions.push_back(1);
-  for (int64_t N : {int64_t(5504), int64_t(2048)}) {
-    const int64_t V = 151936;
-    const double bytes = 2.0 * 2 * N * V + 4.0 * N + 4.0 * N;
-    const int sets = sets_for(bytes);
-    std::vector<Buffer> logits, targets, losses;
-    std::uniform_int_distribution<int32_t> pick(0, int32_t(V) - 1);
-    for (int i = 0; i < sets; ++i) {
-      logits.push_back(random_gpu(DType::BF16, {N, V}, 4.0));
-      std::vector<int32_t> ids(static_cast<size_t>(N));
-      for (auto& t : ids) t = pick(rng);
-      targets.emplace_back(*gpu, DType::I32, std::initializer_list<int64_t>{N});
-      gpu->upload_tokens(targets.back(), ids.data());
-      losses.emplace_back(*gpu, DType::F32, std::initializer_list<int64_t>{N});
-    }
-    const std::string shape = " [" + std::to_string(N) + ", " + std::to_string(V) + "] bf16";
-    for (int v : versions) {
-      cuda::classifier_set_kernel_version(v);
-      const double ms = median_ms([&](int i) {
-        const size_t k = size_t(i);
-        gpu->cross_entropy(losses[k], logits[k], targets[k], 1.0, true);
-      }, sets);
-      const std::string launch = cuda::classifier_last_launch();
-      report("cross-entropy+grad " + launch.substr(0, launch.find(':')) + shape, bytes, ms);
-      if (v != 1 && launch.rfind("v1:", 0) == 0) std::printf("  fell back: %s\n", launch.c_str());
-    }
-    cuda::classifier_set_kernel_version(0);
-  }
 }
 
 }  // namespace
