@@ -20,6 +20,9 @@ class ForwardingBackend : public Backend {
   void release(void* p) override { in_.release(p); }
   void zero(Tensor t) override { in_.zero(t); }
   void copy(Tensor dst, Tensor src) override { in_.copy(dst, src); }
+  void copy_rows(Tensor dst, Tensor src, int64_t stride) override {
+    in_.copy_rows(dst, src, stride);
+  }
   void upload(Tensor dst, const double* host) override { in_.upload(dst, host); }
   void download(double* host, Tensor src) override { in_.download(host, src); }
   void upload_tokens(Tensor dst, const int32_t* host) override { in_.upload_tokens(dst, host); }
@@ -53,12 +56,13 @@ class ForwardingBackend : public Backend {
   void attention_cached(Tensor out, Tensor q, Tensor k, Tensor v) override {
     in_.attention_cached(out, q, k, v);
   }
-  void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v) override {
-    in_.attention_forward(out, lse, q, k, v);
+  void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v,
+                         int64_t v_stride) override {
+    in_.attention_forward(out, lse, q, k, v, v_stride);
   }
   void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k,
-                          Tensor v, Tensor out, Tensor lse) override {
-    in_.attention_backward(dq, dk, dv, dout, q, k, v, out, lse);
+                          Tensor v, Tensor out, Tensor lse, int64_t v_stride) override {
+    in_.attention_backward(dq, dk, dv, dout, q, k, v, out, lse, v_stride);
   }
   void swiglu_forward(Tensor h, Tensor gu) override { in_.swiglu_forward(h, gu); }
   void swiglu_backward(Tensor dgu, Tensor h, Tensor dh, Tensor gu) override {

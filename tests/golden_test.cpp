@@ -156,17 +156,18 @@ class Fp32Noise final : public Backend {
     inner_->rope(x, theta, backward);
     round_all(x);
   }
-  void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v) override {
-    inner_->attention_forward(out, lse, q, k, v);
+  void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v,
+                         int64_t v_stride) override {
+    inner_->attention_forward(out, lse, q, k, v, v_stride);
     round_all(out);
     round_all(lse);
   }
   void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k,
-                          Tensor v, Tensor out, Tensor lse) override {
-    inner_->attention_backward(dq, dk, dv, dout, q, k, v, out, lse);
+                          Tensor v, Tensor out, Tensor lse, int64_t v_stride) override {
+    inner_->attention_backward(dq, dk, dv, dout, q, k, v, out, lse, v_stride);
     round_all(dq);
     round_all(dk);
-    round_all(dv);
+    round_token_rows(dv, v_stride);  // dv's rows may be a slice of the stacked q/k/v grad
   }
   void swiglu_forward(Tensor h, Tensor gate_up) override {
     inner_->swiglu_forward(h, gate_up);
@@ -316,6 +317,12 @@ class Fp32Noise final : public Backend {
   }
   void round_all(Tensor t) {
     for (int64_t i = 0; i < t.numel(); ++i) at(t)[i] = rounded(at(t)[i]);
+  }
+  // t [B, T, H, hd] whose token rows sit `stride` elements apart (Backend::token_rows).
+  void round_token_rows(Tensor t, int64_t stride) {
+    const int64_t rows = t.dim(0) * t.dim(1), width = t.dim(2) * t.dim(3);
+    stride = token_row_stride("round_token_rows", stride, width);
+    for (int64_t r = 0; r < rows; ++r) round_all(token_rows(t, r, stride, {width}));
   }
 
   std::unique_ptr<Backend> inner_;
