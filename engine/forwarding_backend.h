@@ -52,6 +52,17 @@ class ForwardingBackend : public Backend {
     in_.matmul(c, a, b, ta, tb, acc);
   }
   void rope(Tensor x, double theta, bool bw) override { in_.rope(x, theta, bw); }
+  // Forwarded (not Backend's default sequence) so that a wrapper computes what the inner
+  // backend computes, bit for bit, with a strided x too (the default's strided path sums
+  // dw token by token); a wrapper that wants the two ops calls Backend's default itself.
+  void qk_norm_rope_forward(Tensor y, Tensor r, Tensor x, Tensor w, double eps, double theta,
+                            int64_t first, int64_t x_stride) override {
+    in_.qk_norm_rope_forward(y, r, x, w, eps, theta, first, x_stride);
+  }
+  void qk_norm_rope_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor r,
+                             double theta, bool acc, int64_t x_stride) override {
+    in_.qk_norm_rope_backward(dx, dw, dy, x, w, r, theta, acc, x_stride);
+  }
   void rope_at(Tensor x, double theta, int64_t first) override { in_.rope_at(x, theta, first); }
   void attention_cached(Tensor out, Tensor q, Tensor k, Tensor v) override {
     in_.attention_cached(out, q, k, v);

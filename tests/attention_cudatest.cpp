@@ -28,7 +28,7 @@ TEST_P(AttentionParity, ForwardAndBackward) {
   Pair v = random_pair(DType::BF16, {c.B, c.T, c.Hkv, c.hd});
   Pair out = pair(DType::BF16, {c.B, c.T, c.Hq, c.hd});
   Pair lse = pair(DType::F32, {c.B, c.Hq, c.T});
-  cpu->attention_forward(out.c, lse.c, q.c, k.c, v.c);
+  cpu->attention_forward(out.c, lse.c, q.c, k.c, v.c, 0);
   // Both BF16 forward kernels, where the device has both: the Hopper wgmma kernel and the
   // mma.sync one (cuda::attention_set_hopper); each against the reference, same bounds.
   const bool had_hopper = cuda::attention_set_hopper(true);
@@ -41,7 +41,7 @@ TEST_P(AttentionParity, ForwardAndBackward) {
     const std::string path = path_name(use_hopper);
     out.g.poison();
     lse.g.poison();
-    gpu->attention_forward(out.g, lse.g, q.g, k.g, v.g);
+    gpu->attention_forward(out.g, lse.g, q.g, k.g, v.g, 0);
     expect_close("attention_forward out" + path + tag, out.g, out.c, kTolBf16Output);
     expect_close("attention_forward lse" + path + tag, lse.g, lse.c, kTolF32Output);
   }
@@ -55,14 +55,14 @@ TEST_P(AttentionParity, ForwardAndBackward) {
   Pair dq = pair(DType::BF16, {c.B, c.T, c.Hq, c.hd});
   Pair dk = pair(DType::BF16, {c.B, c.T, c.Hkv, c.hd});
   Pair dv = pair(DType::BF16, {c.B, c.T, c.Hkv, c.hd});
-  cpu->attention_backward(dq.c, dk.c, dv.c, dout.c, q.c, k.c, v.c, out.c, lse.c);
+  cpu->attention_backward(dq.c, dk.c, dv.c, dout.c, q.c, k.c, v.c, out.c, lse.c, 0);
   for (const bool use_hopper : paths) {
     cuda::attention_set_hopper(use_hopper);
     const std::string path = path_name(use_hopper);
     dq.g.poison();
     dk.g.poison();
     dv.g.poison();
-    gpu->attention_backward(dq.g, dk.g, dv.g, dout.g, q.g, k.g, v.g, out.g, lse.g);
+    gpu->attention_backward(dq.g, dk.g, dv.g, dout.g, q.g, k.g, v.g, out.g, lse.g, 0);
     if (c.T == 1) {
       // One key: p = 1 and D = dout.out = dout.v = dp, so ds = 0 and dq = dk = 0 exactly;
       // the GPU's two fp32 dot products of hd O(1) terms differ by rounding only (~1e-6).

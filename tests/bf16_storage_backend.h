@@ -63,6 +63,16 @@ class Bf16Storage final : public ForwardingBackend {
     in_.rope(x, theta, backward);
     round(x);
   }
+  // QK-norm + RoPE as Backend's two ops, each rounded above (the GPU's fused kernel rounds
+  // the normed row before rotating it, as the two ops store it).
+  void qk_norm_rope_forward(Tensor y, Tensor r, Tensor x, Tensor w, double eps, double theta,
+                            int64_t first, int64_t x_stride) override {
+    Backend::qk_norm_rope_forward(y, r, x, w, eps, theta, first, x_stride);
+  }
+  void qk_norm_rope_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor r,
+                             double theta, bool acc, int64_t x_stride) override {
+    Backend::qk_norm_rope_backward(dx, dw, dy, x, w, r, theta, acc, x_stride);
+  }
   void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v,
                          int64_t v_stride) override {
     in_.attention_forward(out, lse, q, k, v, v_stride);

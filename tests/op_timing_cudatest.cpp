@@ -102,9 +102,9 @@ TEST_F(OpTiming, DISABLED_ModelShapes) {
                             std::to_string(hd);
     const double fwd_flop = 4.0 * B * Hq * hd * double(T) * T / 2;  // causal: half the pairs
     report("attention_forward " + tag,
-           time_ms([&] { gpu->attention_forward(a.out, a.lse, a.q, a.k, a.v); }, 3), fwd_flop, 0);
+           time_ms([&] { gpu->attention_forward(a.out, a.lse, a.q, a.k, a.v, 0); }, 3), fwd_flop, 0);
     report("attention_backward " + tag, time_ms([&] {
-             gpu->attention_backward(a.dq, a.dk, a.dv, a.dout, a.q, a.k, a.v, a.out, a.lse);
+             gpu->attention_backward(a.dq, a.dk, a.dv, a.dout, a.q, a.k, a.v, a.out, a.lse, 0);
            }, 3),
            2.5 * fwd_flop, 0);
   }

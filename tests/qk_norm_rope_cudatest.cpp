@@ -37,7 +37,7 @@ class QkNormRopeParity : public CudaParity {
     round_bf16(y.c);
     if (first == 0) cpu->rope(y.c, theta, false);
     else cpu->rope_at(y.c, theta, first);
-    gpu->qk_norm_rope_forward(y.g, rstd.g, x.g, w.g, eps, theta, first);
+    gpu->qk_norm_rope_forward(y.g, rstd.g, x.g, w.g, eps, theta, first, 0);
     expect_close("qk_norm_rope_forward y " + tag, y.g, y.c, kTolBf16Output);
     expect_close("qk_norm_rope_forward rstd " + tag, rstd.g, rstd.c, kTolF32Output);
 
@@ -57,7 +57,7 @@ class QkNormRopeParity : public CudaParity {
     cpu->rope(dy.c, theta, true);
     round_bf16(dy.c);
     cpu->rmsnorm_backward(dx.c, dw.c, dy.c, x.c, w.c, rstd.c, acc);
-    gpu->qk_norm_rope_backward(dx.g, dw.g, dy.g, x.g, w.g, rstd.g, theta, acc);
+    gpu->qk_norm_rope_backward(dx.g, dw.g, dy.g, x.g, w.g, rstd.g, theta, acc, 0);
     expect_close("qk_norm_rope_backward dx " + tag, dx.g, dx.c, kTolBf16Output);
     expect_close("qk_norm_rope_backward dw " + tag, dw.g, dw.c, kTolF32Output);
   }
@@ -102,7 +102,7 @@ TEST_F(QkNormRopeParity, EveryKernelVersionSameBits) {
       cuda::norm_set_kernel_version(NormKernel::QkNormRope, v);
       y.poison();
       rstd.poison();
-      gpu->qk_norm_rope_forward(y, rstd, x, w, eps, theta, c.first);
+      gpu->qk_norm_rope_forward(y, rstd, x, w, eps, theta, c.first, 0);
       std::vector<std::vector<double>> got = {y.get(), rstd.get()};
       if (c.first == 0) {  // the backward is a training op: positions from 0
         rstd.set(v == 1 ? got[1] : ref[1]);
@@ -110,7 +110,7 @@ TEST_F(QkNormRopeParity, EveryKernelVersionSameBits) {
           if (acc) gpu->copy(dx, old_dx);
           else dx.poison();
           gpu->copy(dw, dw0);
-          gpu->qk_norm_rope_backward(dx, dw, dy, x, w, rstd, theta, acc);
+          gpu->qk_norm_rope_backward(dx, dw, dy, x, w, rstd, theta, acc, 0);
           got.push_back(dx.get());
           got.push_back(dw.get());
         }

@@ -222,11 +222,19 @@ void check_all(Backend& be, bool dw_exact, const std::string& tag) {
   check_attention<T>(be, tag);
 }
 
-// A wrapper with no QK-norm of its own: Backend's default sequence (per-token norms for
-// a strided x) over the CPU backend's ops.
+// A wrapper that runs Backend's default sequence (per-token norms for a strided x) over
+// the CPU backend's ops, as tests/bf16_storage_backend.h does.
 class Plain final : public ForwardingBackend {
  public:
   using ForwardingBackend::ForwardingBackend;
+  void qk_norm_rope_forward(Tensor y, Tensor r, Tensor x, Tensor w, double eps, double theta,
+                            int64_t first, int64_t x_stride) override {
+    Backend::qk_norm_rope_forward(y, r, x, w, eps, theta, first, x_stride);
+  }
+  void qk_norm_rope_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor r,
+                             double theta, bool acc, int64_t x_stride) override {
+    Backend::qk_norm_rope_backward(dx, dw, dy, x, w, r, theta, acc, x_stride);
+  }
 };
 
 TEST(QkvStride, StridedEqualsDenseFp32) {
