@@ -20,6 +20,12 @@
 // test-sized model) issues exactly the ops of the unchunked head. More chunks change one
 // thing numerically: the head's weight gradient sums its N token terms chunk by chunk.
 //
+// The projections that read one input run as one GEMM over their stacked weight
+// (plan_parameters): [q; k; v] into qkv_pre [N, (hq + 2 hkv) hd], whose columns QK-norm +
+// RoPE and attention read in place through their token-row stride arguments (backend.h;
+// their backwards write into the stacked gradient the same way), and [gate; up] into
+// gate_up, which SwiGLU reads.
+//
 // The residual mode is a ResidualScheme (residual.h): it builds the site inputs, owns
 // their buffers and their gradients and the gradients of the sources; the loop below
 // reads the same for every mode.

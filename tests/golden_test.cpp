@@ -152,6 +152,27 @@ class Fp32Noise final : public Backend {
         at(c)[m * N + n] += (accumulate ? rounded(old + noisy) : noisy) - (old + exact);
       }
   }
+  // The model passes q and k as strided columns of the stacked q/k/v projection (and
+  // their gradients' columns). Backend's default would norm a strided x token by token,
+  // adding to dw once per token: more roundings than the fp32 engine makes (its CPU
+  // backend sums dw over all rows, as for a dense x). So the strided rows are gathered
+  // and the dense sequence runs, the noise model of the dense call.
+  void qk_norm_rope_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor rstd,
+                             double theta, bool acc, int64_t x_stride) override {
+    const int64_t rows = dy.dim(0) * dy.dim(1), width = dy.dim(2) * dy.dim(3);
+    const int64_t stride = token_row_stride("Fp32Noise x", x_stride, width);
+    if (stride == width) return Backend::qk_norm_rope_backward(dx, dw, dy, x, w, rstd, theta, acc, 0);
+    std::vector<double> xd(size_t(rows * width)), dxd(size_t(rows * width));
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < width; ++c) {
+        xd[size_t(r * width + c)] = at(x)[r * stride + c];
+        dxd[size_t(r * width + c)] = at(dx)[r * stride + c];  // the old dx of "+="
+      }
+    Tensor xt(xd.data(), DType::F64, {rows, width}), dxt(dxd.data(), DType::F64, {rows, width});
+    Backend::qk_norm_rope_backward(dxt, dw, dy, xt, w, rstd, theta, acc, 0);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < width; ++c) at(dx)[r * stride + c] = dxd[size_t(r * width + c)];
+  }
   void rope(Tensor x, double theta, bool backward) override {
     inner_->rope(x, theta, backward);
     round_all(x);
