@@ -3,7 +3,11 @@
 // the reference and the CUDA backend (cuda/) is tested against it op by op.
 //
 // Conventions for every op:
-// - Tensors are row-major views; N = batch * seq_len token rows; d = d_model.
+// - Tensors are row-major views; N = batch * seq_len token rows; d = d_model. Tensor has
+//   no strides: the few calls that read a column slice of a wider matrix (the stacked
+//   q/k/v projection's output and gradient) take an explicit token-row stride argument
+//   (qk_norm_rope_forward/backward's x_row_stride, attention_forward/backward's
+//   v_row_stride, copy_rows' src_row_stride; token_row_stride below).
 // - Inputs and outputs are act_dtype() unless stated; saved statistics (RMSNorm rstd,
 //   attention log-sum-exp, routing inverse RMS and weights, per-token losses) are
 //   stat_dtype(). Parameter gradients (dtable, dw, dquery, dgain, and the output of a
