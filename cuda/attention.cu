@@ -13,12 +13,8 @@
 // - BF16 training forward and backward elsewhere: mma.sync tensor cores (attention_tc.cu).
 //   Either BF16 backward reads the row dots D = rowsum(dout * out) from a scratch of
 //   B*Hq*T floats, owned by the backend like the cuBLAS workspace.
-// - F32 storage, attention_cached (decode), and BF16 tensors not 16-byte aligned (or a
-//   v row stride that is not a multiple of 8 elements): fp32 CUDA cores
-//   (attention_fp32.cu).
-// v and dv may sit at a token-row stride of their own (v_row_stride: the model passes
-// v's columns of the stacked q/k/v projection output and of its gradient); every path
-// reads and writes them at AttentionArgs::vs and touches nothing else of those rows.
+// - F32 storage, attention_cached (decode), and BF16 tensors not 16-byte aligned: fp32
+//   CUDA cores (attention_fp32.cu).
 #include <atomic>
 #include <cmath>
 #include <type_traits>
@@ -50,17 +46,14 @@ Shape check_shapes(const char* what, const Tensor& q, const Tensor& k, const Ten
   return sh;
 }
 
-// vs: v's (and dv's) token stride in elements (token_row_stride: 0 is dense).
-AttentionArgs args_of(const char* what, const Shape& sh, int64_t v_row_stride) {
-  const int64_t vs = token_row_stride(what, v_row_stride, sh.Hkv * sh.hd);
-  return {sh.B, sh.T, sh.Hq, sh.Hkv, float(1.0 / std::sqrt(double(sh.hd))), vs};
+AttentionArgs args_of(const Shape& sh) {
+  return {sh.B, sh.T, sh.Hq, sh.Hkv, float(1.0 / std::sqrt(double(sh.hd)))};
 }
 
 // The tensor-core paths take BF16 tensors whose rows are 16-byte aligned (cp.async and
-// vector stores), v's token stride included; anything else goes to the fp32 CUDA-core
-// kernels.
-bool use_tensor_cores(const AttentionArgs& a, std::initializer_list<const Tensor*> ts) {
-  if (!tc::available() || a.vs % 8 != 0) return false;
+// vector stores); anything else goes to the fp32 CUDA-core kernels.
+bool use_tensor_cores(std::initializer_list<const Tensor*> ts) {
+  if (!tc::available()) return false;
   for (const Tensor* t : ts)
     if (t->dtype != DType::BF16 || reinterpret_cast<uintptr_t>(t->data) % 16 != 0) return false;
   return true;
@@ -79,16 +72,15 @@ std::atomic<bool> g_hopper_enabled{true};
 bool attention_set_hopper(bool enabled) { return g_hopper_enabled.exchange(enabled); }
 bool attention_uses_hopper() { return g_hopper_enabled.load() && hopper::available(); }
 
-void attention_forward(cudaStream_t s, Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v,
-                       int64_t v_row_stride) {
+void attention_forward(cudaStream_t s, Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v) {
   const Shape sh = check_shapes("attention_forward", q, k, v);
-  const AttentionArgs a = args_of("attention_forward v", sh, v_row_stride);
   check_numel(out, q.numel(), "attention_forward", "out");
   check_dtype(out, q.dtype, "attention_forward", "out");
   check_numel(lse, sh.B * sh.Hq * sh.T, "attention_forward", "lse");
   check_dtype(lse, DType::F32, "attention_forward", "lse");
   if (q.numel() == 0) return;
-  if (use_tensor_cores(a, {&out, &q, &k, &v})) {
+  if (use_tensor_cores({&out, &q, &k, &v})) {
+    const AttentionArgs a = args_of(sh);
     auto* o = static_cast<bf16*>(out.data);
     auto *qp = static_cast<const bf16*>(q.data), *kp = static_cast<const bf16*>(k.data),
          *vp = static_cast<const bf16*>(v.data);
@@ -99,14 +91,13 @@ void attention_forward(cudaStream_t s, Tensor out, Tensor lse, Tensor q, Tensor 
     });
     return;
   }
-  attn_fp32::forward(s, out, lse, q, k, v, sh.hd, a, sh.T);
+  attn_fp32::forward(s, out, lse, q, k, v, sh.hd, args_of(sh), sh.T);
 }
 
 void attention_backward(cudaStream_t s, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q,
-                        Tensor k, Tensor v, Tensor out, Tensor lse, int64_t v_row_stride,
-                        float* workspace, size_t workspace_floats) {
+                        Tensor k, Tensor v, Tensor out, Tensor lse, float* workspace,
+                        size_t workspace_floats) {
   const Shape sh = check_shapes("attention_backward", q, k, v);
-  const AttentionArgs a = args_of("attention_backward v", sh, v_row_stride);
   check_numel(dq, q.numel(), "attention_backward", "dq");
   check_numel(dout, q.numel(), "attention_backward", "dout");
   check_numel(out, q.numel(), "attention_backward", "out");
@@ -117,9 +108,10 @@ void attention_backward(cudaStream_t s, Tensor dq, Tensor dk, Tensor dv, Tensor 
   for (const Tensor* t : {&dq, &dk, &dv, &dout, &out})
     MHAR_CHECK(t->dtype == q.dtype, "attention_backward: gradient dtypes must match q");
   if (q.numel() == 0) return;
-  if (use_tensor_cores(a, {&dq, &dk, &dv, &dout, &q, &k, &v, &out})) {
+  if (use_tensor_cores({&dq, &dk, &dv, &dout, &q, &k, &v, &out})) {
     MHAR_CHECK(workspace && workspace_floats >= size_t(sh.B * sh.Hq * sh.T),
                "attention_backward: workspace of ", sh.B * sh.Hq * sh.T, " floats needed");
+    const AttentionArgs a = args_of(sh);
     auto bp = [](const Tensor& t) { return static_cast<bf16*>(t.data); };
     const float* l = lse.ptr<float>();
     with_head_dim(sh.hd, [&](auto hd) {
@@ -134,7 +126,7 @@ void attention_backward(cudaStream_t s, Tensor dq, Tensor dk, Tensor dv, Tensor 
     });
     return;
   }
-  attn_fp32::backward(s, dq, dk, dv, dout, q, k, v, out, lse, sh.hd, a);
+  attn_fp32::backward(s, dq, dk, dv, dout, q, k, v, out, lse, sh.hd, args_of(sh));
 }
 
 void attention_cached(cudaStream_t s, Tensor out, Tensor q, Tensor k_cache, Tensor v_cache) {
@@ -143,8 +135,7 @@ void attention_cached(cudaStream_t s, Tensor out, Tensor q, Tensor k_cache, Tens
   check_dtype(out, q.dtype, "attention_cached", "out");
   if (q.numel() == 0) return;
   const int64_t Tk = k_cache.dim(1);
-  attn_fp32::forward(s, out, Tensor(), q, k_cache, v_cache, sh.hd,
-                     args_of("attention_cached v_cache", sh, 0), Tk);
+  attn_fp32::forward(s, out, Tensor(), q, k_cache, v_cache, sh.hd, args_of(sh), Tk);
 }
 
 }  // namespace mhar::cuda

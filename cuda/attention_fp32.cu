@@ -11,8 +11,6 @@
 //   never race and need no atomics. Lane i handles query i of the tile.
 // Backward recomputes p = exp(scale q.k - lse), D = dout . out, ds = p (dout.v - D):
 //   dq = scale sum_u ds k_u;  dk = scale sum_t ds q_t;  dv = sum_t p dout_t.
-// v and dv are read and written at their own token stride (Dims::vs; the stacked q/k/v
-// output's row when the model passes a slice of it): only their addresses change.
 #include "cuda/attention_paths.h"
 #include "cuda/common.cuh"
 
@@ -29,15 +27,8 @@ constexpr int kQueryTile = 32;                        // queries per tile (dk/dv
 struct Dims {
   int64_t B, T, Hq, Hkv;  // T: query rows (and keys, except in the cached forward)
   float scale;
-  int64_t vs;                  // elements between consecutive tokens of v and dv
   int64_t Tk = 0, offset = 0;  // forward only: key rows; query t sits at offset + t
 };
-
-// Element offset of token t's KV head h in v or dv.
-__device__ __forceinline__ int64_t v_index(const Dims& dm, int64_t b, int64_t t, int64_t h,
-                                           int64_t T_len, int HD) {
-  return (b * T_len + t) * dm.vs + h * HD;
-}
 
 __device__ __forceinline__ int64_t row_index(int64_t b, int64_t t, int64_t h, int64_t heads,
                                              int64_t T_len) {
@@ -92,7 +83,7 @@ __global__ void __launch_bounds__(kWarps * 32)
       if (u < dm.Tk) {
         const int64_t base = row_index(b, u, hkv, dm.Hkv, dm.Tk) * HD + c;
         kv = load(k[base]);
-        vv = load(v[v_index(dm, b, u, hkv, dm.Tk, HD) + c]);
+        vv = load(v[base]);
       }
       ks[j * (HD + 1) + c] = kv;
       vs[j * HD + c] = vv;
@@ -209,7 +200,7 @@ __global__ void __launch_bounds__(kWarps * 32)
       if (u < dm.T) {
         const int64_t base = row_index(b, u, hkv, dm.Hkv, dm.T) * HD + c;
         kv = load(k[base]);
-        vv = load(v[v_index(dm, b, u, hkv, dm.T, HD) + c]);
+        vv = load(v[base]);
       }
       ks[j * (HD + 1) + c] = kv;
       vs[j * (HD + 1) + c] = vv;
@@ -292,7 +283,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     if (u < dm.T) {
       const int64_t base = row_index(b, u, hkv, dm.Hkv, dm.T) * HD + c;
       kv = load(k[base]);
-      vv = load(v[v_index(dm, b, u, hkv, dm.T, HD) + c]);
+      vv = load(v[base]);
     }
     ks[idx] = kv;
     vs[idx] = vv;
@@ -393,11 +384,10 @@ __global__ void __launch_bounds__(kWarps * 32)
     const int64_t u = my_key0 + kk;
     if (u >= dm.T) continue;
     const int64_t base = row_index(b, u, hkv, dm.Hkv, dm.T) * HD;
-    const int64_t vbase = v_index(dm, b, u, hkv, dm.T, HD);
 #pragma unroll
     for (int e = 0; e < DPL; ++e) {
       dk[base + lane + 32 * e] = store<T>(dk_acc[kk][e] * dm.scale);
-      dv[vbase + lane + 32 * e] = store<T>(dv_acc[kk][e]);
+      dv[base + lane + 32 * e] = store<T>(dv_acc[kk][e]);
     }
   }
 }
@@ -415,7 +405,7 @@ template <int HD> size_t dkdv_smem() {
 template <int HD, class T>
 void forward_impl(cudaStream_t s, Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v,
                   const AttentionArgs& sh, int64_t Tk) {
-  Dims dm{sh.B, sh.T, sh.Hq, sh.Hkv, float(1.0 / std::sqrt(double(HD))), sh.vs, Tk, Tk - sh.T};
+  Dims dm{sh.B, sh.T, sh.Hq, sh.Hkv, float(1.0 / std::sqrt(double(HD))), Tk, Tk - sh.T};
   const size_t smem = forward_smem<HD>();
   auto kernel = attention_forward_kernel<HD, T>;
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
@@ -431,7 +421,7 @@ void forward_impl(cudaStream_t s, Tensor out, Tensor lse, Tensor q, Tensor k, Te
 template <int HD, class T>
 void backward_impl(cudaStream_t s, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q,
                    Tensor k, Tensor v, Tensor out, Tensor lse, const AttentionArgs& sh) {
-  Dims dm{sh.B, sh.T, sh.Hq, sh.Hkv, float(1.0 / std::sqrt(double(HD))), sh.vs};
+  Dims dm{sh.B, sh.T, sh.Hq, sh.Hkv, float(1.0 / std::sqrt(double(HD)))};
   {
     const size_t smem = dq_smem<HD>();
     auto kernel = attention_backward_dq_kernel<HD, T>;

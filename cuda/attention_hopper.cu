@@ -29,9 +29,6 @@
 // address bits). Descriptors: K-major operands (Q, K) advance 32 bytes per k-step of 16
 // inside a column block, stride 1024 bytes between 8-row groups; the N-major operand (V)
 // advances 16 rows (2048 bytes) per k-step, column blocks rows*128 bytes apart.
-// V's tile loads and dV's stores use their own token stride (AttentionArgs::vs: a slice
-// of the stacked q/k/v projection's rows in the model); the tiles in shared memory, and
-// so every wgmma, are the same as with a dense V.
 #include "cuda/attention_paths.h"
 
 #include "cuda/attention_mma.cuh"
@@ -252,12 +249,12 @@ __device__ __forceinline__ void wgmma_rs_k(float (&d)[HD / 2], const uint32_t (&
 // every thread.
 template <int HD>
 __device__ __forceinline__ void kv_stage_advance(bf16* Ks, bf16* Vs, const bf16* kbase,
-                                                 const bf16* vbase, int64_t kvs, int64_t vs,
-                                                 int j, int n_tiles, int64_t T) {
+                                                 const bf16* vbase, int64_t kvs, int j,
+                                                 int n_tiles, int64_t T) {
   if (j + 1 < n_tiles) {
     load_tile_sw128<HD, kKeys>(Ks + ((j + 1) & 1) * kKeys * HD, kbase, kvs,
                                int64_t(j + 1) * kKeys, T);
-    load_tile_sw128<HD, kKeys>(Vs + ((j + 1) & 1) * kKeys * HD, vbase, vs,
+    load_tile_sw128<HD, kKeys>(Vs + ((j + 1) & 1) * kKeys * HD, vbase, kvs,
                                int64_t(j + 1) * kKeys, T);
     cp_async_commit();
     cp_async_wait<1>();
@@ -294,7 +291,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int64_t qs = a.Hq * HD, kvs = a.Hkv * HD;  // element stride between positions
   const bf16* qbase = q + (b * a.T * a.Hq + h) * HD;
   const bf16* kbase = k + (b * a.T * a.Hkv + hkv) * HD;
-  const bf16* vbase = v + b * a.T * a.vs + hkv * HD;  // v: its own token stride
+  const bf16* vbase = v + (b * a.T * a.Hkv + hkv) * HD;
 
   // Key tiles this block needs, and the last one (the diagonal) of this warpgroup.
   const int n_tiles = int(ceil_div(std::min<int64_t>(a.T, q0 + kRows), kKeys));
@@ -302,7 +299,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 
   load_tile_sw128<HD, kRows>(Qs, qbase, qs, q0, a.T);
   load_tile_sw128<HD, kKeys>(Ks, kbase, kvs, 0, a.T);
-  load_tile_sw128<HD, kKeys>(Vs, vbase, a.vs, 0, a.T);
+  load_tile_sw128<HD, kKeys>(Vs, vbase, kvs, 0, a.T);
   cp_async_commit();
 
   const float c = a.scale * kLog2e;
@@ -320,7 +317,7 @@ __global__ void __launch_bounds__(kThreads, 2)
                           (uint64_t((kKeys * 128 - 16) >> 4) << 16);  // N-major's LBO
 
   for (int j = 0; j < n_tiles; ++j) {
-    kv_stage_advance<HD>(Ks, Vs, kbase, vbase, kvs, a.vs, j, n_tiles, a.T);
+    kv_stage_advance<HD>(Ks, Vs, kbase, vbase, kvs, j, n_tiles, a.T);
     if (j <= wg_last) {
       const uint64_t st = stage_offset(j & 1, kKeys * HD);
       // S = Q K^T over HD in k-steps of 16 (32 bytes inside a 64-column block).
@@ -448,14 +445,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t qs = a.Hq * HD, kvs = a.Hkv * HD;
   const int64_t qoff = (b * a.T * a.Hq + h) * HD;
   const bf16* kbase = k + (b * a.T * a.Hkv + hkv) * HD;
-  const bf16* vbase = v + b * a.T * a.vs + hkv * HD;  // v: its own token stride
+  const bf16* vbase = v + (b * a.T * a.Hkv + hkv) * HD;
   const int n_tiles = int(ceil_div(std::min<int64_t>(a.T, q0 + kRows), kKeys));
   const int wg_last = std::min<int>(int((q0 + 64 * wg + 63) / kKeys), n_tiles - 1);
 
   load_tile_sw128<HD, kRows>(Qs, q + qoff, qs, q0, a.T);
   load_tile_sw128<HD, kRows>(dOs, dout + qoff, qs, q0, a.T);
   load_tile_sw128<HD, kKeys>(Ks, kbase, kvs, 0, a.T);
-  load_tile_sw128<HD, kKeys>(Vs, vbase, a.vs, 0, a.T);
+  load_tile_sw128<HD, kKeys>(Vs, vbase, kvs, 0, a.T);
   cp_async_commit();
 
   const float c = a.scale * kLog2e;
@@ -476,7 +473,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                  kn_desc = nmajor_base<kKeys>(Ks);
 
   for (int j = 0; j < n_tiles; ++j) {
-    kv_stage_advance<HD>(Ks, Vs, kbase, vbase, kvs, a.vs, j, n_tiles, a.T);
+    kv_stage_advance<HD>(Ks, Vs, kbase, vbase, kvs, j, n_tiles, a.T);
     if (j <= wg_last) {
       const uint64_t st = stage_offset(j & 1, kKeys * HD);
       wgmma_fence();
@@ -544,10 +541,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t u0 = int64_t(blockIdx.x) * kRows;
   const int64_t qs = a.Hq * HD, kvs = a.Hkv * HD;
   const int64_t kvoff = (b * a.T * a.Hkv + hkv) * HD;
-  const int64_t voff = b * a.T * a.vs + hkv * HD;  // v and dv: their own token stride
 
   load_tile_sw128<HD, kRows>(Ks, k + kvoff, kvs, u0, a.T);
-  load_tile_sw128<HD, kRows>(Vs, v + voff, a.vs, u0, a.T);
+  load_tile_sw128<HD, kRows>(Vs, v + kvoff, kvs, u0, a.T);
 
   const QueryTileWalk<kBwdQ> walk(hkv, group, u0, a.T);
   const int n_iter = int(group) * walk.tiles;
@@ -635,7 +631,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   bf16* stage = Qs + (threadIdx.x >> 5) * 16 * (HD + 8);
   const int64_t row0 = wg_u0 + 16 * warp;
   store_rows_staged<HD>(stage, dk_acc, a.scale, a.scale, dk + kvoff, kvs, row0, a.T, lane);
-  store_rows_staged<HD>(stage, dv_acc, 1.f, 1.f, dv + voff, a.vs, row0, a.T, lane);
+  store_rows_staged<HD>(stage, dv_acc, 1.f, 1.f, dv + kvoff, kvs, row0, a.T, lane);
 #endif
 }
 

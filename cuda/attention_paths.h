@@ -4,8 +4,7 @@
 //   attention_tc.cu      BF16 tensor cores through mma.sync (sm_80 and later)
 //   attention_hopper.cu  BF16 tensor cores through wgmma (sm_90a: compute capability 9.0)
 // Layouts, scale and lse are attention.cu's (its header): q, out [B, T, Hq, hd], k, v
-// [B, T, Hkv, hd], lse [B, Hq, T] fp32 (v and dv at the token stride AttentionArgs::vs);
-// the BF16 paths want rows 16-byte aligned.
+// [B, T, Hkv, hd], lse [B, Hq, T] fp32; the BF16 paths want rows 16-byte aligned.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -21,11 +20,6 @@ using bf16 = __nv_bfloat16;  // as in cuda/common.cuh
 struct AttentionArgs {
   int64_t B, T, Hq, Hkv;  // T: query rows (and keys, except in the cached forward)
   float scale;            // 1 / sqrt(head_dim)
-  // Elements between consecutive tokens of v and dv: Hkv * head_dim when dense, the
-  // stacked q/k/v row when the model passes v's columns of it (Backend::attention_forward's
-  // v_row_stride). Every other tensor is dense. The BF16 paths want it a multiple of 8
-  // (16-byte rows); attention.cu sends any other stride to the fp32 path.
-  int64_t vs;
 };
 
 namespace attn_fp32 {

@@ -16,8 +16,6 @@
 //   dk/dv: a block owns 64 keys of one (b, kv head), 16 per warp, and walks every query
 //       tile of 32 that can see them, for every query head of its group:
 //       S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q.
-// V and dV are loaded and stored at their own token stride (AttentionArgs::vs: a slice of
-// the stacked q/k/v projection's rows in the model); only their row addresses change.
 #include "cuda/attention_mma.cuh"
 #include "cuda/attention_paths.h"
 #include "cuda/common.cuh"
@@ -109,11 +107,11 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t qs = a.Hq * HD, kvs = a.Hkv * HD;  // element stride between positions
   const bf16* qbase = q + (b * a.T * a.Hq + h) * HD;
   const bf16* kbase = k + (b * a.T * a.Hkv + hkv) * HD;
-  const bf16* vbase = v + b * a.T * a.vs + hkv * HD;  // v: its own token stride
+  const bf16* vbase = v + (b * a.T * a.Hkv + hkv) * HD;
 
   load_tile<HD, kRows>(Qs, qbase, qs, q0, a.T);
   load_tile<HD, kKeys>(Ks, kbase, kvs, 0, a.T);
-  load_tile<HD, kKeys>(Vs, vbase, a.vs, 0, a.T);
+  load_tile<HD, kKeys>(Vs, vbase, kvs, 0, a.T);
   cp_async_commit();
 
   const float c = a.scale * kLog2e;
@@ -129,7 +127,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int j = 0; j < n_tiles; ++j) {
     if (j + 1 < n_tiles) {
       load_tile<HD, kKeys>(Ks + ((j + 1) & 1) * kKeys * LD, kbase, kvs, int64_t(j + 1) * kKeys, a.T);
-      load_tile<HD, kKeys>(Vs + ((j + 1) & 1) * kKeys * LD, vbase, a.vs, int64_t(j + 1) * kKeys, a.T);
+      load_tile<HD, kKeys>(Vs + ((j + 1) & 1) * kKeys * LD, vbase, kvs, int64_t(j + 1) * kKeys, a.T);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -278,12 +276,12 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t qs = a.Hq * HD, kvs = a.Hkv * HD;
   const int64_t qoff = (b * a.T * a.Hq + h) * HD;
   const bf16* kbase = k + (b * a.T * a.Hkv + hkv) * HD;
-  const bf16* vbase = v + b * a.T * a.vs + hkv * HD;  // v: its own token stride
+  const bf16* vbase = v + (b * a.T * a.Hkv + hkv) * HD;
 
   load_tile<HD, kRows>(Qs, q + qoff, qs, q0, a.T);
   load_tile<HD, kRows>(dOs, dout + qoff, qs, q0, a.T);
   load_tile<HD, kKeys>(Ks, kbase, kvs, 0, a.T);
-  load_tile<HD, kKeys>(Vs, vbase, a.vs, 0, a.T);
+  load_tile<HD, kKeys>(Vs, vbase, kvs, 0, a.T);
   cp_async_commit();
 
   const float c = a.scale * kLog2e;
@@ -304,7 +302,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int j = 0; j < n_tiles; ++j) {
     if (j + 1 < n_tiles) {
       load_tile<HD, kKeys>(Ks + ((j + 1) & 1) * kKeys * LD, kbase, kvs, int64_t(j + 1) * kKeys, a.T);
-      load_tile<HD, kKeys>(Vs + ((j + 1) & 1) * kKeys * LD, vbase, a.vs, int64_t(j + 1) * kKeys, a.T);
+      load_tile<HD, kKeys>(Vs + ((j + 1) & 1) * kKeys * LD, vbase, kvs, int64_t(j + 1) * kKeys, a.T);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -392,10 +390,9 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t u0 = int64_t(blockIdx.x) * kRows;
   const int64_t qs = a.Hq * HD, kvs = a.Hkv * HD;
   const int64_t kvoff = (b * a.T * a.Hkv + hkv) * HD;
-  const int64_t voff = b * a.T * a.vs + hkv * HD;  // v and dv: their own token stride
 
   load_tile<HD, kRows>(Ks, k + kvoff, kvs, u0, a.T);
-  load_tile<HD, kRows>(Vs, v + voff, a.vs, u0, a.T);
+  load_tile<HD, kRows>(Vs, v + kvoff, kvs, u0, a.T);
 
   const QueryTileWalk<kBwdQ> walk(hkv, group, u0, a.T);
   const int n_iter = int(group) * walk.tiles;
@@ -497,7 +494,7 @@ __global__ void __launch_bounds__(kThreads)
   // Each warp's 16 rows of Ks / Vs are read only by that warp: stage the results there.
   store_rows<HD>(Ks + warp * 16 * LD, dk_acc, a.scale, a.scale, dk + kvoff, kvs,
                  u0 + warp * 16, a.T, lane);
-  store_rows<HD>(Vs + warp * 16 * LD, dv_acc, 1.f, 1.f, dv + voff, a.vs, u0 + warp * 16, a.T,
+  store_rows<HD>(Vs + warp * 16 * LD, dv_acc, 1.f, 1.f, dv + kvoff, kvs, u0 + warp * 16, a.T,
                  lane);
 }
 

@@ -212,18 +212,6 @@ class CudaBackend final : public Backend {
       CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, dst.bytes(), cudaMemcpyDeviceToDevice,
                                  stream_));
   }
-  // One 2-D copy (decoding's v rows out of the stacked q/k/v output into the KV cache).
-  void copy_rows(Tensor dst, Tensor src, int64_t src_row_stride) override {
-    const int64_t rows = dst.ndim ? dst.dim(0) : 0, width = rows ? dst.numel() / rows : 0;
-    const int64_t stride = token_row_stride("copy_rows src", src_row_stride, width);
-    MHAR_CHECK(src.dtype == dst.dtype, "copy_rows: dtypes ", dtype_name(src.dtype), " and ",
-               dtype_name(dst.dtype));
-    if (rows == 0 || width == 0) return;
-    const size_t es = dtype_size(dst.dtype);
-    CUDA_CHECK(cudaMemcpy2DAsync(dst.data, size_t(width) * es, src.data, size_t(stride) * es,
-                                 size_t(width) * es, size_t(rows), cudaMemcpyDeviceToDevice,
-                                 stream_));
-  }
 
   void upload(Tensor dst, const double* host) override {
     const int64_t n = dst.numel();
@@ -320,12 +308,12 @@ class CudaBackend final : public Backend {
     cuda::matmul(stream_, mm_, c, a, b, trans_a, trans_b, accumulate);
   }
   void qk_norm_rope_forward(Tensor y, Tensor rstd, Tensor x, Tensor w, double eps,
-                            double theta, int64_t first_position, int64_t x_stride) override {
-    cuda::qk_norm_rope_forward(stream_, y, rstd, x, w, eps, theta, first_position, x_stride);
+                            double theta, int64_t first_position) override {
+    cuda::qk_norm_rope_forward(stream_, y, rstd, x, w, eps, theta, first_position);
   }
   void qk_norm_rope_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor rstd,
-                             double theta, bool accumulate_dx, int64_t x_stride) override {
-    cuda::qk_norm_rope_backward(stream_, dx, dw, dy, x, w, rstd, theta, accumulate_dx, x_stride,
+                             double theta, bool accumulate_dx) override {
+    cuda::qk_norm_rope_backward(stream_, dx, dw, dy, x, w, rstd, theta, accumulate_dx,
                                 routing_ctx_.scratch);
   }
   void rope(Tensor x, double theta, bool backward) override {
@@ -338,16 +326,15 @@ class CudaBackend final : public Backend {
   void attention_cached(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache) override {
     cuda::attention_cached(stream_, out, q, k_cache, v_cache);
   }
-  void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v,
-                         int64_t v_stride) override {
-    cuda::attention_forward(stream_, out, lse, q, k, v, v_stride);
+  void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v) override {
+    cuda::attention_forward(stream_, out, lse, q, k, v);
   }
   void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k,
-                          Tensor v, Tensor out, Tensor lse, int64_t v_stride) override {
+                          Tensor v, Tensor out, Tensor lse) override {
     // Scratch for the backward's row dots (B*Hq*T floats).
     const size_t need = size_t(q.dim(0) * q.dim(1) * q.dim(2));
     auto* rows = static_cast<float*>(scratch(cuda::ScratchSlot::AttentionRowDots, need * 4));
-    cuda::attention_backward(stream_, dq, dk, dv, dout, q, k, v, out, lse, v_stride, rows, need);
+    cuda::attention_backward(stream_, dq, dk, dv, dout, q, k, v, out, lse, rows, need);
   }
   void swiglu_forward(Tensor h, Tensor gate_up) override {
     cuda::swiglu_forward(stream_, h, gate_up);

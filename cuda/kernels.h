@@ -31,14 +31,12 @@ void add_rmsnorm_forward(cudaStream_t s, Tensor x, Tensor y, Tensor rstd, Tensor
 void rope(cudaStream_t s, Tensor x, double theta, bool backward, int64_t first_position = 0);
 
 // attention.cu
-// v_row_stride: v's (and dv's) token stride, Backend::attention_forward's (0 = dense).
-void attention_forward(cudaStream_t s, Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v,
-                       int64_t v_row_stride);
+void attention_forward(cudaStream_t s, Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v);
 // workspace: device scratch of at least B*Hq*T floats (the BF16 tensor-core path keeps the
 // row dots D = dout . out there); may be null for the fp32 path.
 void attention_backward(cudaStream_t s, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q,
-                        Tensor k, Tensor v, Tensor out, Tensor lse, int64_t v_row_stride,
-                        float* workspace, size_t workspace_floats);
+                        Tensor k, Tensor v, Tensor out, Tensor lse, float* workspace,
+                        size_t workspace_floats);
 void attention_cached(cudaStream_t s, Tensor out, Tensor q, Tensor k_cache, Tensor v_cache);
 // Kernel lab (the attention tests and timings compare both paths; the engine never calls
 // it): whether the BF16 training forward may take the Hopper wgmma kernels where the
@@ -129,13 +127,11 @@ void rmsnorm_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor x,
 // once); 0 where they take no scratch.
 size_t rmsnorm_backward_scratch_bytes(int64_t D);
 // QK-norm + RoPE (Backend::qk_norm_rope_forward/backward): one pass where head_dim is 64,
-// 128 or 256 (BF16, aligned; a strided x's stride a multiple of 8), else the two ops in
-// turn (the norm's scalar kernels where x is strided). x_row_stride: x's (and dx's)
-// token stride, Backend's (0 = dense).
+// 128 or 256 (BF16, aligned), else the two ops in turn.
 void qk_norm_rope_forward(cudaStream_t s, Tensor y, Tensor rstd, Tensor x, Tensor w, double eps,
-                          double theta, int64_t first_position, int64_t x_row_stride);
+                          double theta, int64_t first_position);
 void qk_norm_rope_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,
-                           Tensor rstd, double theta, bool accumulate_dx, int64_t x_row_stride,
+                           Tensor rstd, double theta, bool accumulate_dx,
                            const ScratchFn& scratch);
 // Kernel lab (tests/kernel_bandwidth_cudatest.cpp times every version; the engine never
 // calls it): numbered versions 1 .. norm_kernel_versions(k) of the vector norm kernels

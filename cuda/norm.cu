@@ -20,11 +20,6 @@
 // 128, heads a multiple of 8), and each lane group computes the token's cos/sin once, 4
 // pairs per lane, shared by shuffles: an eighth of a sincosf per element (was a quarter:
 // 8 pairs per lane, the rotate-half partner lane computing the same 8).
-// Their x (and the backward's dx) may be strided token rows (RopeArgs::x_stride: the
-// model passes q's or k's columns of the stacked q/k/v projection output and of its
-// gradient): row (token, head) sits at token * x_stride + head * head_dim. Only those
-// addresses change (the same bits as dense); the vector path needs the stride a multiple
-// of 8 elements (16-byte rows), else the scalar kernels take the strided rows.
 // add_rmsnorm_forward: the forward vector kernel with x = a + b (rounded to bf16 as add
 // does) formed from the loaded a, b and stored before the norm uses it: reads a, b, writes
 // x, y, rstd once; the same bits as add then rmsnorm_forward.
@@ -52,22 +47,13 @@ namespace {
 
 constexpr int kWarpsPerBlock = 8;
 
-// Element offset of row `row` of x (and dx) in the scalar kernels: dense (x_stride 0), or
-// the rows (token, head) of a QK-norm's strided x, token * x_stride + head * D.
-__device__ __forceinline__ int64_t strided_row(int64_t row, int64_t D, int64_t heads,
-                                               int64_t x_stride) {
-  if (x_stride == 0) return row * D;
-  const int64_t t = row / heads;
-  return t * x_stride + (row - t * heads) * D;
-}
-
 template <class T, class W>
 __global__ void rmsnorm_forward_kernel(T* y, float* rstd, const T* x, const W* w, int64_t R,
-                                       int64_t D, float eps, int64_t heads, int64_t x_stride) {
+                                       int64_t D, float eps) {
   const int lane = threadIdx.x & 31;
   const int64_t row = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   if (row >= R) return;
-  const T* xr = x + strided_row(row, D, heads, x_stride);
+  const T* xr = x + row * D;
   float ss = 0.f;
   for (int64_t c = lane; c < D; c += 32) {
     float v = load(xr[c]);
@@ -83,19 +69,18 @@ __global__ void rmsnorm_forward_kernel(T* y, float* rstd, const T* x, const W* w
 template <class T, class W>
 __global__ void rmsnorm_backward_dx_kernel(T* dx, const T* dy, const T* x, const W* w,
                                            const float* rstd, int64_t R, int64_t D,
-                                           bool accumulate, int64_t heads, int64_t x_stride) {
+                                           bool accumulate) {
   const int lane = threadIdx.x & 31;
   const int64_t row = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   if (row >= R) return;
-  const int64_t xo = strided_row(row, D, heads, x_stride);
-  const T* xr = x + xo;
+  const T* xr = x + row * D;
   const T* dyr = dy + row * D;
   float gx = 0.f;
   for (int64_t c = lane; c < D; c += 32) gx += load(dyr[c]) * load(w[c]) * load(xr[c]);
   gx = warp_sum(gx);
   const float r = rstd[row];
   const float coef = r * r * gx / float(D);
-  T* dxr = dx + xo;
+  T* dxr = dx + row * D;
   for (int64_t c = lane; c < D; c += 32) {
     float v = r * (load(dyr[c]) * load(w[c]) - load(xr[c]) * coef);
     if (accumulate) v = stored<T>(v) + load(dxr[c]);  // as dx, then add_inplace
@@ -106,8 +91,7 @@ __global__ void rmsnorm_backward_dx_kernel(T* dx, const T* dy, const T* x, const
 // Block (32 columns) x (8 row lanes); each block sums a slab of rows for its 32 columns.
 template <class T>
 __global__ void rmsnorm_backward_dw_kernel(float* dw, const T* dy, const T* x, const float* rstd,
-                                           int64_t R, int64_t D, int64_t rows_per_block,
-                                           int64_t heads, int64_t x_stride) {
+                                           int64_t R, int64_t D, int64_t rows_per_block) {
   __shared__ float partial[8][33];
   const int64_t c = int64_t(blockIdx.x) * 32 + threadIdx.x;
   const int64_t r0 = int64_t(blockIdx.y) * rows_per_block;
@@ -115,7 +99,7 @@ __global__ void rmsnorm_backward_dw_kernel(float* dw, const T* dy, const T* x, c
   float acc = 0.f;
   if (c < D)
     for (int64_t r = r0 + threadIdx.y; r < r1; r += 8)
-      acc += load(dy[r * D + c]) * load(x[strided_row(r, D, heads, x_stride) + c]) * rstd[r];
+      acc += load(dy[r * D + c]) * load(x[r * D + c]) * rstd[r];
   partial[threadIdx.y][threadIdx.x] = acc;
   __syncthreads();
   if (threadIdx.y == 0 && c < D) {
@@ -152,21 +136,7 @@ struct RopeArgs {
   int heads = 1;
   double base = 1.0;
   bool backward = false;
-  int64_t x_stride = 0;  // x's and dx's token stride in elements; 0: dense
 };
-
-// Element offset of row `row` (token, head) of x or dx in the vector kernels: row * D
-// unless kRope with a strided x (RopeArgs::x_stride). k32: the 32-bit token index of kLite.
-template <bool kRope, bool k32>
-__device__ __forceinline__ int64_t x_row_offset(const RopeArgs& ra, int64_t row, int D) {
-  if constexpr (!kRope) {
-    return row * D;
-  } else {
-    if (ra.x_stride == 0) return row * D;
-    const int64_t t = k32 ? int64_t(uint32_t(row) / uint32_t(ra.heads)) : row / ra.heads;
-    return t * ra.x_stride + (row - t * ra.heads) * D;
-  }
-}
 
 // Token of a row and its position: in 32-bit arithmetic where the host checked that the
 // row indices fit (kLite; the same values as the 64-bit division, several times cheaper).
@@ -280,21 +250,6 @@ __device__ __forceinline__ void prefetch_rows(int64_t next, int warp, int lane, 
   if (t2) prefetch_l2(t2 + first * D, bytes);
 }
 
-// prefetch_rows for x or dx of the vector kernels: with a strided x (kRope), the rows of
-// the step's first token only (the warp's rows from there to the token's last head are
-// contiguous; a warp-token step's are all of them).
-template <int RW, bool kRope, bool k32>
-__device__ __forceinline__ void prefetch_x_rows(int64_t next, int warp, int lane, int64_t R,
-                                                int D, const RopeArgs& ra, const bf16* t) {
-  if (!kRope || ra.x_stride == 0) return prefetch_rows<RW>(next, warp, lane, R, D, t);
-  const int64_t first = next + int64_t(warp) * RW;
-  if (lane != 0 || first >= R) return;
-  int64_t n = R - first < RW ? R - first : RW;
-  const int64_t in_token = ra.heads - first % ra.heads;
-  if (in_token < n) n = in_token;
-  prefetch_l2(t + x_row_offset<kRope, k32>(ra, first, D), uint32_t(n * D * 2));
-}
-
 // The residual add fused in front of the norm (add_rmsnorm_forward): x = a + b rounded to
 // bf16 exactly as reductions.cu's add does, stored, and normalised from the rounded value.
 // a or b may be x itself (each element is read before the same thread writes it), so no
@@ -402,10 +357,8 @@ __global__ void __launch_bounds__(kVecThreads)
           raw[1][r][k] = ok ? *reinterpret_cast<const uint4*>(aa.b + row * D + col)
                             : make_uint4(0, 0, 0, 0);
         } else {
-          raw[0][r][k] =
-              ok ? __ldg(reinterpret_cast<const uint4*>(
-                       x + x_row_offset<kRope, Opt::kLite>(ra, row, D) + col))
-                 : make_uint4(0, 0, 0, 0);
+          raw[0][r][k] = ok ? __ldg(reinterpret_cast<const uint4*>(x + row * D + col))
+                            : make_uint4(0, 0, 0, 0);
         }
       }
     }
@@ -437,7 +390,7 @@ __global__ void __launch_bounds__(kVecThreads)
     }
     if constexpr (Opt::kPrefetch) {
       if constexpr (kAdd) prefetch_rows<RW>(base + stride, warp, lane, R, D, aa.a, aa.b);
-      else prefetch_x_rows<RW, kRope, Opt::kLite>(base + stride, warp, lane, R, D, ra, x);
+      else prefetch_rows<RW>(base + stride, warp, lane, R, D, x);
     }
     if constexpr (kRope && kWarpToken) {
       if constexpr (Opt::kLite) rc.update_warp(ra, row_of(base, 0), sub, lane);
@@ -533,7 +486,7 @@ __device__ __forceinline__ void rmsnorm_backward_vec_body(
   // The first step's old dx (later steps' come with the previous step's prefetch): in L2
   // by the time dx is computed and added to it.
   if ((Opt::kPrefetch || Opt::kStaged) && accumulate)
-    prefetch_x_rows<RW, kRope, Opt::kLite>(int64_t(blockIdx.x) * RB, warp, lane, R, D, ra, dx);
+    prefetch_rows<RW>(int64_t(blockIdx.x) * RB, warp, lane, R, D, dx);
   // kStaged: a step's x and dy rows, copied a step ahead (each lane copies and later reads
   // its own 16-byte slots: no barrier), and its rstd values, loaded a step ahead too.
   extern __shared__ uint4 norm_stage[];
@@ -552,8 +505,7 @@ __device__ __forceinline__ void rmsnorm_backward_vec_body(
         const int col = (sub + k * TPR) * 8;
         const bool ok = row < R && col < D;
         const int64_t off = ok ? row * D + col : 0;
-        const int64_t xoff = ok ? x_row_offset<kRope, Opt::kLite>(ra, row, D) + col : 0;
-        stage_copy16(slot(buf, 0, r, k), x + xoff, ok);
+        stage_copy16(slot(buf, 0, r, k), x + off, ok);
         stage_copy16(slot(buf, 1, r, k), dy + off, ok);
       }
     }
@@ -576,8 +528,7 @@ __device__ __forceinline__ void rmsnorm_backward_vec_body(
           xv[r][k] = *slot(buf, 0, r, k);
           gv[r][k] = *slot(buf, 1, r, k);
         }
-      if (accumulate)
-        prefetch_x_rows<RW, kRope, Opt::kLite>(base + stride, warp, lane, R, D, ra, dx);
+      if (accumulate) prefetch_rows<RW>(base + stride, warp, lane, R, D, dx);
     } else {
 #pragma unroll
       for (int r = 0; r < RPI; ++r) {
@@ -587,24 +538,15 @@ __device__ __forceinline__ void rmsnorm_backward_vec_body(
         for (int k = 0; k < VPL; ++k) {
           const int col = (sub + k * TPR) * 8;
           const bool ok = row < R && col < D;
-          xv[r][k] = ok ? __ldg(reinterpret_cast<const uint4*>(
-                              x + x_row_offset<kRope, Opt::kLite>(ra, row, D) + col))
+          xv[r][k] = ok ? __ldg(reinterpret_cast<const uint4*>(x + row * D + col))
                         : make_uint4(0, 0, 0, 0);
           gv[r][k] = ok ? __ldg(reinterpret_cast<const uint4*>(dy + row * D + col))
                         : make_uint4(0, 0, 0, 0);
         }
       }
     }
-    if constexpr (Opt::kPrefetch) {
-      if (kRope && ra.x_stride != 0) {
-        prefetch_rows<RW>(base + stride, warp, lane, R, D, dy);
-        prefetch_x_rows<RW, kRope, Opt::kLite>(base + stride, warp, lane, R, D, ra, x);
-        if (accumulate)
-          prefetch_x_rows<RW, kRope, Opt::kLite>(base + stride, warp, lane, R, D, ra, dx);
-      } else {
-        prefetch_rows<RW>(base + stride, warp, lane, R, D, x, dy, accumulate ? dx : nullptr);
-      }
-    }
+    if constexpr (Opt::kPrefetch)
+      prefetch_rows<RW>(base + stride, warp, lane, R, D, x, dy, accumulate ? dx : nullptr);
     if constexpr (kRope) {
       if constexpr (kWarpToken) {
         if constexpr (Opt::kLite) rc.update_warp(ra, row_of(base, 0), sub, lane);
@@ -658,7 +600,7 @@ __device__ __forceinline__ void rmsnorm_backward_vec_body(
         float v[8];
 #pragma unroll
         for (int e = 0; e < 8; ++e) v[e] = rs[r] * (gf[e] * wf[e] - xf[e] * coef[r]);
-        bf16* out = dx + x_row_offset<kRope, Opt::kLite>(ra, row, D) + col;
+        bf16* out = dx + row * D + col;
         if (accumulate) {
           float old[8];
           load8(out, old);
@@ -1048,57 +990,6 @@ RopeArgs rope_args(const char* what, Tensor x, double theta, bool backward,
 }
 bool fused_rope_shape(int64_t D) { return D == 64 || D == 128 || D == 256; }
 
-// The scalar kernels (warp per row; dw by slabs with fp32 atomics), for any dtype, width
-// and alignment; x (and dx) rows (token, head) at token * x_stride + head * D when
-// x_stride != 0 (the QK-norms' strided x), else dense.
-void forward_scalar(cudaStream_t s, Tensor y, Tensor rstd, Tensor x, Tensor w, int64_t R,
-                    int64_t D, double eps, int64_t heads, int64_t x_stride) {
-  dispatch_float(x.dtype, "rmsnorm_forward", [&](auto tx) {
-    dispatch_float(w.dtype, "rmsnorm_forward", [&](auto tw) {
-      using T = decltype(tx);
-      using W = decltype(tw);
-      rmsnorm_forward_kernel<T, W><<<ceil_div(R, kWarpsPerBlock), 32 * kWarpsPerBlock, 0, s>>>(
-          static_cast<T*>(y.data), rstd.ptr<float>(), static_cast<const T*>(x.data),
-          static_cast<const W*>(w.data), R, D, float(eps), heads, x_stride);
-      CUDA_CHECK_LAUNCH();
-    });
-  });
-}
-void backward_scalar(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,
-                     Tensor rstd, int64_t R, int64_t D, bool accumulate_dx, int64_t heads,
-                     int64_t x_stride) {
-  dispatch_float(x.dtype, "rmsnorm_backward", [&](auto tx) {
-    dispatch_float(w.dtype, "rmsnorm_backward", [&](auto tw) {
-      using T = decltype(tx);
-      using W = decltype(tw);
-      rmsnorm_backward_dx_kernel<T, W>
-          <<<ceil_div(R, kWarpsPerBlock), 32 * kWarpsPerBlock, 0, s>>>(
-              static_cast<T*>(dx.data), static_cast<const T*>(dy.data),
-              static_cast<const T*>(x.data), static_cast<const W*>(w.data), rstd.ptr<float>(),
-              R, D, accumulate_dx, heads, x_stride);
-      CUDA_CHECK_LAUNCH();
-    });
-    using T = decltype(tx);
-    // About 4 blocks' worth of rows per SM in total keeps the atomics few and the SMs busy.
-    const int64_t col_blocks = ceil_div(D, 32);
-    const int64_t want_row_blocks = ceil_div(int64_t(grid_stride_blocks(R * D, 256)), col_blocks);
-    const int64_t row_blocks = want_row_blocks < 1 ? 1 : (want_row_blocks > R ? R : want_row_blocks);
-    const int64_t rows_per_block = ceil_div(R, row_blocks);
-    dim3 grid(unsigned(col_blocks), unsigned(ceil_div(R, rows_per_block)));
-    rmsnorm_backward_dw_kernel<T><<<grid, dim3(32, 8), 0, s>>>(
-        dw.ptr<float>(), static_cast<const T*>(dy.data), static_cast<const T*>(x.data),
-        rstd.ptr<float>(), R, D, rows_per_block, heads, x_stride);
-    CUDA_CHECK_LAUNCH();
-  });
-}
-
-// A QK-norm's x stride (Backend::qk_norm_rope_forward's x_row_stride) as RopeArgs and
-// the scalar kernels take it: 0 when dense.
-int64_t qk_x_stride(const char* what, int64_t x_row_stride, int64_t heads, int64_t D) {
-  const int64_t xs = token_row_stride(what, x_row_stride, heads * D);
-  return xs == heads * D ? 0 : xs;
-}
-
 }  // namespace
 
 size_t rmsnorm_backward_scratch_bytes(int64_t D) {
@@ -1121,7 +1012,16 @@ void rmsnorm_forward(cudaStream_t s, Tensor y, Tensor rstd, Tensor x, Tensor w, 
   if (vector_path(x.dtype, D, kVecMaxD, {x.data, y.data, w.data}) &&
       launch_forward_vec<false>(s, y, rstd, x, w, R, D, eps, RopeArgs{}))
     return;
-  forward_scalar(s, y, rstd, x, w, R, D, eps, 1, 0);
+  dispatch_float(x.dtype, "rmsnorm_forward", [&](auto tx) {
+    dispatch_float(w.dtype, "rmsnorm_forward", [&](auto tw) {
+      using T = decltype(tx);
+      using W = decltype(tw);
+      rmsnorm_forward_kernel<T, W><<<ceil_div(R, kWarpsPerBlock), 32 * kWarpsPerBlock, 0, s>>>(
+          static_cast<T*>(y.data), rstd.ptr<float>(), static_cast<const T*>(x.data),
+          static_cast<const W*>(w.data), R, D, float(eps));
+      CUDA_CHECK_LAUNCH();
+    });
+  });
 }
 
 void add_rmsnorm_forward(cudaStream_t s, Tensor x, Tensor y, Tensor rstd, Tensor a, Tensor b,
@@ -1154,7 +1054,29 @@ void rmsnorm_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor x,
       launch_backward_vec<false>(s, dx, dw, dy, x, w, rstd, R, D, accumulate_dx, scratch,
                                  RopeArgs{}))
     return;
-  backward_scalar(s, dx, dw, dy, x, w, rstd, R, D, accumulate_dx, 1, 0);
+  dispatch_float(x.dtype, "rmsnorm_backward", [&](auto tx) {
+    dispatch_float(w.dtype, "rmsnorm_backward", [&](auto tw) {
+      using T = decltype(tx);
+      using W = decltype(tw);
+      rmsnorm_backward_dx_kernel<T, W>
+          <<<ceil_div(R, kWarpsPerBlock), 32 * kWarpsPerBlock, 0, s>>>(
+              static_cast<T*>(dx.data), static_cast<const T*>(dy.data),
+              static_cast<const T*>(x.data), static_cast<const W*>(w.data), rstd.ptr<float>(),
+              R, D, accumulate_dx);
+      CUDA_CHECK_LAUNCH();
+    });
+    using T = decltype(tx);
+    // About 4 blocks' worth of rows per SM in total keeps the atomics few and the SMs busy.
+    const int64_t col_blocks = ceil_div(D, 32);
+    const int64_t want_row_blocks = ceil_div(int64_t(grid_stride_blocks(R * D, 256)), col_blocks);
+    const int64_t row_blocks = want_row_blocks < 1 ? 1 : (want_row_blocks > R ? R : want_row_blocks);
+    const int64_t rows_per_block = ceil_div(R, row_blocks);
+    dim3 grid(unsigned(col_blocks), unsigned(ceil_div(R, rows_per_block)));
+    rmsnorm_backward_dw_kernel<T><<<grid, dim3(32, 8), 0, s>>>(
+        dw.ptr<float>(), static_cast<const T*>(dy.data), static_cast<const T*>(x.data),
+        rstd.ptr<float>(), R, D, rows_per_block);
+    CUDA_CHECK_LAUNCH();
+  });
 }
 
 }  // namespace mhar::cuda
@@ -1162,38 +1084,33 @@ void rmsnorm_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor x,
 namespace mhar::cuda {
 
 void qk_norm_rope_forward(cudaStream_t s, Tensor y, Tensor rstd, Tensor x, Tensor w, double eps,
-                          double theta, int64_t first_position, int64_t x_row_stride) {
+                          double theta, int64_t first_position) {
   const int64_t D = w.numel(), R = x.numel() / D;
-  RopeArgs ra = rope_args("qk_norm_rope_forward", y, theta, false, first_position);
+  const RopeArgs ra = rope_args("qk_norm_rope_forward", y, theta, false, first_position);
   MHAR_CHECK(y.dim(3) == D, "qk_norm_rope_forward: head_dim ", y.dim(3), " but weight ", D);
   check_forward("qk_norm_rope_forward", y, rstd, x, R, D);
-  ra.x_stride = qk_x_stride("qk_norm_rope_forward x", x_row_stride, ra.heads, D);
   if (R == 0) return;
-  if (fused_rope_shape(D) && ra.x_stride % 8 == 0 &&
-      vector_path(x.dtype, D, kVecMaxD, {x.data, y.data, w.data}) &&
+  if (fused_rope_shape(D) && vector_path(x.dtype, D, kVecMaxD, {x.data, y.data, w.data}) &&
       launch_forward_vec<true>(s, y, rstd, x, w, R, D, eps, ra))
     return;
-  if (ra.x_stride == 0) rmsnorm_forward(s, y, rstd, x, w, eps);
-  else forward_scalar(s, y, rstd, x, w, R, D, eps, ra.heads, ra.x_stride);
+  rmsnorm_forward(s, y, rstd, x, w, eps);
   rope(s, y, theta, false, first_position);
 }
 
 void qk_norm_rope_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,
-                           Tensor rstd, double theta, bool accumulate_dx, int64_t x_row_stride,
+                           Tensor rstd, double theta, bool accumulate_dx,
                            const ScratchFn& scratch) {
   const int64_t D = w.numel(), R = x.numel() / D;
-  RopeArgs ra = rope_args("qk_norm_rope_backward", dy, theta, true, 0);
+  const RopeArgs ra = rope_args("qk_norm_rope_backward", dy, theta, true, 0);
   MHAR_CHECK(dy.dim(3) == D, "qk_norm_rope_backward: head_dim ", dy.dim(3), " but weight ", D);
   check_backward("qk_norm_rope_backward", dx, dw, dy, x, rstd, R, D);
-  ra.x_stride = qk_x_stride("qk_norm_rope_backward x", x_row_stride, ra.heads, D);
   if (R == 0) return;
-  if (fused_rope_shape(D) && ra.x_stride % 8 == 0 &&
+  if (fused_rope_shape(D) &&
       vector_path(x.dtype, D, kVecMaxDBackward, {x.data, dx.data, dy.data, w.data}) &&
       launch_backward_vec<true>(s, dx, dw, dy, x, w, rstd, R, D, accumulate_dx, scratch, ra))
     return;
   rope(s, dy, theta, true);
-  if (ra.x_stride == 0) rmsnorm_backward(s, dx, dw, dy, x, w, rstd, accumulate_dx, scratch);
-  else backward_scalar(s, dx, dw, dy, x, w, rstd, R, D, accumulate_dx, ra.heads, ra.x_stride);
+  rmsnorm_backward(s, dx, dw, dy, x, w, rstd, accumulate_dx, scratch);
 }
 
 }  // namespace mhar::cuda

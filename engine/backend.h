@@ -3,11 +3,7 @@
 // the reference and the CUDA backend (cuda/) is tested against it op by op.
 //
 // Conventions for every op:
-// - Tensors are row-major views; N = batch * seq_len token rows; d = d_model. Tensor has
-//   no strides: the few calls that read a column slice of a wider matrix (the stacked
-//   q/k/v projection's output and gradient) take an explicit token-row stride argument
-//   (qk_norm_rope_forward/backward's x_row_stride, attention_forward/backward's
-//   v_row_stride, copy_rows' src_row_stride; token_row_stride below).
+// - Tensors are row-major views; N = batch * seq_len token rows; d = d_model.
 // - Inputs and outputs are act_dtype() unless stated; saved statistics (RMSNorm rstd,
 //   attention log-sum-exp, routing inverse RMS and weights, per-token losses) are
 //   stat_dtype(). Parameter gradients (dtable, dw, dquery, dgain, and the output of a
@@ -141,22 +137,6 @@ inline int64_t swiglu_backward_width(const Tensor& d_gate_up, const Tensor& h, c
   return F;
 }
 
-// A token-row stride argument (qk_norm_rope's x, attention's v, copy_rows' src): the
-// elements from one token's row to the next, 0 meaning dense (`dense` elements). Returns
-// the stride in elements; refuses one below the dense width (rows would overlap).
-inline int64_t token_row_stride(const char* what, int64_t stride, int64_t dense) {
-  MHAR_CHECK(stride == 0 || stride >= dense, what, ": row stride ", stride,
-             " is below the dense row width ", dense, " (0 means dense)");
-  return stride == 0 ? dense : stride;
-}
-// Token n's row of a tensor whose token rows sit `stride` elements apart, as a dense
-// tensor of shape dims.
-inline Tensor token_rows(const Tensor& t, int64_t n, int64_t stride,
-                         std::initializer_list<int64_t> dims) {
-  return Tensor(static_cast<char*>(t.data) + size_t(n * stride) * dtype_size(t.dtype), t.dtype,
-                dims);
-}
-
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -170,18 +150,6 @@ class Backend {
   virtual void release(void* p) = 0;
   virtual void zero(Tensor t) = 0;
   virtual void copy(Tensor dst, Tensor src) = 0;  // same dtype and element count
-  // dst [rows, width] (dense) = rows of src that sit src_row_stride elements apart (a
-  // column slice of a wider matrix: decoding copies v out of the stacked q/k/v output
-  // into the KV cache); src.data is the first row's first element. The default copies
-  // row by row; a backend may do it in one call.
-  virtual void copy_rows(Tensor dst, Tensor src, int64_t src_row_stride) {
-    const int64_t rows = dst.ndim ? dst.dim(0) : 0, width = rows ? dst.numel() / rows : 0;
-    const int64_t stride = token_row_stride("copy_rows src", src_row_stride, width);
-    MHAR_CHECK(src.dtype == dst.dtype, "copy_rows: dtypes ", dtype_name(src.dtype), " and ",
-               dtype_name(dst.dtype));
-    for (int64_t r = 0; r < rows; ++r)
-      copy(token_rows(dst, r, width, {width}), token_rows(src, r, stride, {width}));
-  }
   // Host <-> backend transfers with conversion from/to float64 on the host side, for
   // initialisation, checkpoints and tests (never on the hot path).
   virtual void upload(Tensor dst, const double* host) = 0;
@@ -277,48 +245,16 @@ class Backend {
   // first_position + t (rope() when 0, else rope_at()). Backward: exactly rope(dy, theta,
   // true) then rmsnorm_backward(dx, dw, dy, x, w, rstd, accumulate_dx); dy's contents
   // are unspecified afterwards. These defaults are the reference; a backend may fuse.
-  // x (and, in the backward, dx) may be a column slice of a wider row-major matrix: the
-  // model reads q and k straight out of the stacked q/k/v projection's output [N,
-  // (hq + 2 hkv) head_dim] and writes their gradients into its stacked gradient.
-  // x_row_stride is the number of elements between one token's row of x (heads x
-  // head_dim, contiguous) and the next's: 0 or heads * head_dim is dense, anything else
-  // must be larger (token_row_stride); x.data is the first token's first element and x's
-  // element count is the dense one (Tensor has no strides: only these calls read one).
-  // y, rstd and dy are always dense. The strided call computes the same bits as the
-  // dense call on the same values.
   virtual void qk_norm_rope_forward(Tensor y, Tensor rstd, Tensor x, Tensor w, double eps,
-                                    double theta, int64_t first_position,
-                                    int64_t x_row_stride) {
-    const int64_t D = w.numel(), heads = y.dim(2), dense = heads * D;
-    const int64_t stride = token_row_stride("qk_norm_rope_forward x", x_row_stride, dense);
-    if (stride == dense) {
-      rmsnorm_forward(y, rstd, x, w, eps);
-    } else {  // token by token: each row's norm is its own, so the same values
-      const int64_t N = y.dim(0) * y.dim(1);
-      for (int64_t n = 0; n < N; ++n)
-        rmsnorm_forward(token_rows(y, n, dense, {heads, D}), token_rows(rstd, n, heads, {heads}),
-                        token_rows(x, n, stride, {heads, D}), w, eps);
-    }
+                                    double theta, int64_t first_position) {
+    rmsnorm_forward(y, rstd, x, w, eps);
     if (first_position == 0) rope(y, theta, false);
     else rope_at(y, theta, first_position);
   }
   virtual void qk_norm_rope_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,
-                                     Tensor rstd, double theta, bool accumulate_dx,
-                                     int64_t x_row_stride) {
-    const int64_t D = w.numel(), heads = dy.dim(2), dense = heads * D;
-    const int64_t stride = token_row_stride("qk_norm_rope_backward x", x_row_stride, dense);
+                                     Tensor rstd, double theta, bool accumulate_dx) {
     rope(dy, theta, true);
-    if (stride == dense) {
-      rmsnorm_backward(dx, dw, dy, x, w, rstd, accumulate_dx);
-      return;
-    }
-    // Token by token (dw sums the tokens in order; a backend that overrides this keeps
-    // its dense summation order instead, as the CPU backend does).
-    const int64_t N = dy.dim(0) * dy.dim(1);
-    for (int64_t n = 0; n < N; ++n)
-      rmsnorm_backward(token_rows(dx, n, stride, {heads, D}), dw,
-                       token_rows(dy, n, dense, {heads, D}), token_rows(x, n, stride, {heads, D}),
-                       w, token_rows(rstd, n, heads, {heads}), accumulate_dx);
+    rmsnorm_backward(dx, dw, dy, x, w, rstd, accumulate_dx);
   }
 
   // ---- incremental decoding (sampling with a KV cache; Model::forward_cached).
@@ -335,18 +271,10 @@ class Backend {
 
   // ---- causal grouped-query attention with scale 1/sqrt(head_dim).
   // q, out [B, T, Hq, hd]; k, v [B, T, Hkv, hd]; lse [B, Hq, T] (saved).
-  // v (and, in the backward, dv) may be a column slice of the stacked q/k/v projection's
-  // output (and of its gradient): v_row_stride elements from one token's Hkv x hd row to
-  // the next, 0 or Hkv * hd when dense (token_row_stride; the conventions of
-  // qk_norm_rope_forward's x_row_stride). Every other tensor is dense. A strided call
-  // computes the same bits as the dense call on the same values, and writes no element
-  // of dv's matrix outside its rows' Hkv * hd columns.
-  virtual void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v,
-                                 int64_t v_row_stride) = 0;
+  virtual void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v) = 0;
   // dq, dk, dv are overwritten.
   virtual void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q,
-                                  Tensor k, Tensor v, Tensor out, Tensor lse,
-                                  int64_t v_row_stride) = 0;
+                                  Tensor k, Tensor v, Tensor out, Tensor lse) = 0;
 
   // ---- SwiGLU: h = silu(gate) * up, on the stacked gate/up projection's output:
   // gate_up [N, 2F], row i = [gate_i | up_i] (F each), h and dh [N, F]. The backward

@@ -119,38 +119,6 @@ class CpuBackend final : public Backend {
     cpu::rope_at(x.ptr<T>(), 1, x.dim(1), x.dim(2), x.dim(3), theta, false, first_position);
   }
 
-  // QK-norm + RoPE as Backend's reference sequence (the same kernels, so the same bits),
-  // with x's strided token rows read (and dx's written) in place: the dense summation
-  // order of dw whatever the stride.
-  void qk_norm_rope_forward(Tensor y, Tensor rstd, Tensor x, Tensor w, double eps, double theta,
-                            int64_t first_position, int64_t x_row_stride) override {
-    MHAR_CHECK(y.ndim == 4, "qk_norm_rope_forward y wants [B, T, heads, hd], got ",
-               y.shape_str());
-    const int64_t D = w.numel(), heads = y.dim(2), R = y.numel() / std::max<int64_t>(D, 1);
-    MHAR_CHECK(y.dim(3) == D && x.numel() == y.numel() && rstd.numel() == R,
-               "qk_norm_rope_forward shapes: y ", y.shape_str(), " x ", x.shape_str(), " w ",
-               w.shape_str(), " rstd ", rstd.shape_str());
-    const int64_t xs = token_row_stride("qk_norm_rope_forward x", x_row_stride, heads * D);
-    cpu::rmsnorm_forward(y.ptr<T>(), rstd.ptr<T>(), x.ptr<T>(), w.ptr<T>(), R, D, eps, heads,
-                         xs);
-    if (first_position == 0) rope(y, theta, false);
-    else rope_at(y, theta, first_position);
-  }
-  void qk_norm_rope_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor rstd,
-                             double theta, bool accumulate_dx, int64_t x_row_stride) override {
-    MHAR_CHECK(dy.ndim == 4, "qk_norm_rope_backward dy wants [B, T, heads, hd], got ",
-               dy.shape_str());
-    const int64_t D = w.numel(), heads = dy.dim(2), R = dy.numel() / std::max<int64_t>(D, 1);
-    MHAR_CHECK(dy.dim(3) == D && x.numel() == dy.numel() && dx.numel() == dy.numel() &&
-                   dw.numel() == D && rstd.numel() == R,
-               "qk_norm_rope_backward shapes: dy ", dy.shape_str(), " x ", x.shape_str(),
-               " dx ", dx.shape_str(), " w ", w.shape_str(), " rstd ", rstd.shape_str());
-    const int64_t xs = token_row_stride("qk_norm_rope_backward x", x_row_stride, heads * D);
-    rope(dy, theta, true);
-    cpu::rmsnorm_backward(dx.ptr<T>(), dw.ptr<T>(), dy.ptr<T>(), x.ptr<T>(), w.ptr<T>(),
-                          rstd.ptr<T>(), R, D, accumulate_dx, heads, xs);
-  }
-
   void attention_cached(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache) override {
     MHAR_CHECK(q.ndim == 4 && q.dim(0) == 1, "attention_cached q ", q.shape_str());
     const int64_t Tq = q.dim(1), Hq = q.dim(2), hd = q.dim(3);
@@ -161,33 +129,26 @@ class CpuBackend final : public Backend {
     expect_shape(out, {1, Tq, Hq, hd}, "attention_cached out");
     MHAR_CHECK(Hq % Hkv == 0, "GQA heads");
     cpu::attention_forward_offset(out.ptr<T>(), static_cast<T*>(nullptr), q.ptr<T>(),
-                                  k_cache.ptr<T>(), v_cache.ptr<T>(), 1, Tq, Tk, Hq, Hkv, hd,
-                                  Hkv * hd);
+                                  k_cache.ptr<T>(), v_cache.ptr<T>(), 1, Tq, Tk, Hq, Hkv, hd);
   }
 
-  void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v,
-                         int64_t v_row_stride) override {
+  void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v) override {
     const int64_t B = q.dim(0), Tn = q.dim(1), Hq = q.dim(2), hd = q.dim(3), Hkv = k.dim(2);
     expect_shape(k, {B, Tn, Hkv, hd}, "attention k");
     expect_shape(v, {B, Tn, Hkv, hd}, "attention v");
     expect_shape(out, {B, Tn, Hq, hd}, "attention out");
     expect_shape(lse, {B, Hq, Tn}, "attention lse");
     MHAR_CHECK(Hq % Hkv == 0, "GQA heads");
-    const int64_t vs = token_row_stride("attention_forward v", v_row_stride, Hkv * hd);
     cpu::attention_forward(out.ptr<T>(), lse.ptr<T>(), q.ptr<T>(), k.ptr<T>(), v.ptr<T>(), B,
-                           Tn, Hq, Hkv, hd, vs);
+                           Tn, Hq, Hkv, hd);
   }
   void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k,
-                          Tensor v, Tensor out, Tensor lse, int64_t v_row_stride) override {
+                          Tensor v, Tensor out, Tensor lse) override {
     const int64_t B = q.dim(0), Tn = q.dim(1), Hq = q.dim(2), hd = q.dim(3), Hkv = k.dim(2);
     MHAR_CHECK(dq.numel() == q.numel() && dk.numel() == k.numel() && dv.numel() == v.numel() &&
-                   v.numel() == k.numel() && dout.numel() == q.numel(),
-               "attention backward shapes");
-    MHAR_CHECK(Hq % Hkv == 0, "GQA heads");
-    const int64_t vs = token_row_stride("attention_backward v", v_row_stride, Hkv * hd);
+                   dout.numel() == q.numel(), "attention backward shapes");
     cpu::attention_backward(dq.ptr<T>(), dk.ptr<T>(), dv.ptr<T>(), dout.ptr<T>(), q.ptr<T>(),
-                            k.ptr<T>(), v.ptr<T>(), out.ptr<T>(), lse.ptr<T>(), B, Tn, Hq, Hkv, hd,
-                            vs);
+                            k.ptr<T>(), v.ptr<T>(), out.ptr<T>(), lse.ptr<T>(), B, Tn, Hq, Hkv, hd);
   }
 
   void swiglu_forward(Tensor h, Tensor gate_up) override {

@@ -20,9 +20,6 @@ class ForwardingBackend : public Backend {
   void release(void* p) override { in_.release(p); }
   void zero(Tensor t) override { in_.zero(t); }
   void copy(Tensor dst, Tensor src) override { in_.copy(dst, src); }
-  void copy_rows(Tensor dst, Tensor src, int64_t stride) override {
-    in_.copy_rows(dst, src, stride);
-  }
   void upload(Tensor dst, const double* host) override { in_.upload(dst, host); }
   void download(double* host, Tensor src) override { in_.download(host, src); }
   void upload_tokens(Tensor dst, const int32_t* host) override { in_.upload_tokens(dst, host); }
@@ -52,28 +49,16 @@ class ForwardingBackend : public Backend {
     in_.matmul(c, a, b, ta, tb, acc);
   }
   void rope(Tensor x, double theta, bool bw) override { in_.rope(x, theta, bw); }
-  // Forwarded (not Backend's default sequence) so that a wrapper computes what the inner
-  // backend computes, bit for bit, with a strided x too (the default's strided path sums
-  // dw token by token); a wrapper that wants the two ops calls Backend's default itself.
-  void qk_norm_rope_forward(Tensor y, Tensor r, Tensor x, Tensor w, double eps, double theta,
-                            int64_t first, int64_t x_stride) override {
-    in_.qk_norm_rope_forward(y, r, x, w, eps, theta, first, x_stride);
-  }
-  void qk_norm_rope_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor r,
-                             double theta, bool acc, int64_t x_stride) override {
-    in_.qk_norm_rope_backward(dx, dw, dy, x, w, r, theta, acc, x_stride);
-  }
   void rope_at(Tensor x, double theta, int64_t first) override { in_.rope_at(x, theta, first); }
   void attention_cached(Tensor out, Tensor q, Tensor k, Tensor v) override {
     in_.attention_cached(out, q, k, v);
   }
-  void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v,
-                         int64_t v_stride) override {
-    in_.attention_forward(out, lse, q, k, v, v_stride);
+  void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v) override {
+    in_.attention_forward(out, lse, q, k, v);
   }
   void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k,
-                          Tensor v, Tensor out, Tensor lse, int64_t v_stride) override {
-    in_.attention_backward(dq, dk, dv, dout, q, k, v, out, lse, v_stride);
+                          Tensor v, Tensor out, Tensor lse) override {
+    in_.attention_backward(dq, dk, dv, dout, q, k, v, out, lse);
   }
   void swiglu_forward(Tensor h, Tensor gu) override { in_.swiglu_forward(h, gu); }
   void swiglu_backward(Tensor dgu, Tensor h, Tensor dh, Tensor gu) override {

@@ -20,12 +20,6 @@
 // test-sized model) issues exactly the ops of the unchunked head. More chunks change one
 // thing numerically: the head's weight gradient sums its N token terms chunk by chunk.
 //
-// The projections that read one input run as one GEMM over their stacked weight
-// (plan_parameters): [q; k; v] into qkv_pre [N, (hq + 2 hkv) hd], whose columns QK-norm +
-// RoPE and attention read in place through their token-row stride arguments (backend.h;
-// their backwards write into the stacked gradient the same way), and [gate; up] into
-// gate_up, which SwiGLU reads.
-//
 // The residual mode is a ResidualScheme (residual.h): it builds the site inputs, owns
 // their buffers and their gradients and the gradients of the sources; the loop below
 // reads the same for every mode.
@@ -62,15 +56,15 @@ struct SplitMix64 {
 struct Model::SublayerActs {
   // Saved for the backward (both kinds).
   int xn = -1, rstd = -1;
-  // Attention: the stacked projection's output [N, (hq + 2 hkv) hd], row = [q | k | v]
-  // (q and k before QK-norm + RoPE; attention reads v from it in place).
-  int qkv_pre = -1, q = -1, k = -1, q_rstd = -1, k_rstd = -1, att = -1, lse = -1;
+  // Attention.
+  int q_pre = -1, k_pre = -1, q = -1, k = -1, v = -1, q_rstd = -1, k_rstd = -1, att = -1,
+      lse = -1;
   // MLP: the stacked projection's output [N, 2F], row = [gate | up] (h is forward-only:
   // the backward recomputes it into h_again).
   int gate_up = -1, h = -1;
   // Backward scratch.
-  int d_xn = -1, d_att = -1, dq = -1, dk = -1, d_qkv = -1, d_h = -1, d_gate_up = -1,
-      h_again = -1;
+  int d_xn = -1, d_att = -1, dq = -1, dk = -1, dv = -1, dq_pre = -1, dk_pre = -1, d_h = -1,
+      d_gate_up = -1, h_again = -1;
 };
 
 struct Model::StepBuffers {
@@ -282,11 +276,11 @@ void Model::plan_activations() {
     A->d_xn = P.add(name + "xn.grad", at, {N, d}, b, b);
     if (j % 2 == 0) {
       const int64_t hq = cfg_.n_heads, hkv = cfg_.n_kv_heads;
-      // One buffer for q_pre, k_pre and v (the stacked projection's output; the three
-      // buffers it replaces had its lifetime), one for their gradients.
-      A->qkv_pre = P.add(name + "qkv_pre", at, {N, qd + 2 * kvd}, e, b);
+      A->q_pre = P.add(name + "q_pre", at, {N, qd}, e, b);
+      A->k_pre = P.add(name + "k_pre", at, {N, kvd}, e, b);
       A->q = P.add(name + "q", at, {N, qd}, e, b);
       A->k = P.add(name + "k", at, {N, kvd}, e, b);
+      A->v = P.add(name + "v", at, {N, kvd}, e, b);
       A->q_rstd = P.add(name + "q_rstd", st, {N * hq}, e, b);
       A->k_rstd = P.add(name + "k_rstd", st, {N * hkv}, e, b);
       A->att = P.add(name + "att", at, {N, qd}, e, b);
@@ -294,7 +288,9 @@ void Model::plan_activations() {
       A->d_att = P.add(name + "att.grad", at, {N, qd}, b, b);
       A->dq = P.add(name + "q.grad", at, {N, qd}, b, b);
       A->dk = P.add(name + "k.grad", at, {N, kvd}, b, b);
-      A->d_qkv = P.add(name + "qkv_pre.grad", at, {N, qd + 2 * kvd}, b, b);
+      A->dv = P.add(name + "v.grad", at, {N, kvd}, b, b);
+      A->dq_pre = P.add(name + "q_pre.grad", at, {N, qd}, b, b);
+      A->dk_pre = P.add(name + "k_pre.grad", at, {N, kvd}, b, b);
     } else {
       A->gate_up = P.add(name + "gate_up", at, {N, 2 * F}, e, b);
       // h = silu(gate) * up is not kept for the backward: swiglu_backward writes it again,
@@ -587,42 +583,25 @@ void Model::forward_cached(const int32_t* tokens, int count) {
   kv_->used += count;
 }
 
-// The q, k and v columns of a stacked [N, (hq + 2 hkv) hd] matrix (qkv_pre or its
-// gradient): views of each block's first element with the dense element count, `stride`
-// (the full row) elements apart per token, for the ops that take a token-row stride.
-Model::QkvColumns Model::qkv_columns(Tensor stacked_rows) const {
-  const int64_t hq = cfg_.n_heads, hkv = cfg_.n_kv_heads, hd = cfg_.head_dim;
-  const int64_t qd = hq * hd, kvd = hkv * hd;
-  MHAR_CHECK(stacked_rows.ndim == 2 && stacked_rows.dim(0) == N_ &&
-                 stacked_rows.dim(1) == qd + 2 * kvd,
-             "q/k/v rows ", stacked_rows.shape_str());
-  auto at = [&](int64_t col, std::initializer_list<int64_t> dims) {
-    return Tensor(static_cast<char*>(stacked_rows.data) + size_t(col) * dtype_size(stacked_rows.dtype),
-                  stacked_rows.dtype, dims);
-  };
-  return {at(0, {N_, qd}), at(qd, {N_, kvd}), at(qd + kvd, {B_, T_, hkv, hd}), qd + 2 * kvd};
-}
-
 void Model::attention_forward(int l) {
   const int j = 2 * l;
   const SublayerActs& A = *acts_[j];
   const LayerParams& lp = layers_[l];
   const int64_t hq = cfg_.n_heads, hkv = cfg_.n_kv_heads, hd = cfg_.head_dim;
   // A.xn, the input norm of site j, was written at the site (run_layers).
-  // One GEMM for q, k and v (the stacked weight [(hq + 2 hkv) hd, d]); QK-norm + RoPE and
-  // attention read their columns in place, a row of qkv_pre apart per token.
-  be_.matmul_forward(act(A.qkv_pre), act(A.xn), stacked(lp.qkv));
-  const QkvColumns c = qkv_columns(act(A.qkv_pre));
+  be_.matmul_forward(act(A.q_pre), act(A.xn), p(lp.wq));
+  be_.matmul_forward(act(A.k_pre), act(A.xn), p(lp.wk));
+  be_.matmul_forward(act(A.v), act(A.xn), p(lp.wv));
   Tensor q4 = act(A.q).view({B_, T_, hq, hd}), k4 = act(A.k).view({B_, T_, hkv, hd});
-  Tensor att4 = act(A.att).view({B_, T_, hq, hd});
+  Tensor v4 = act(A.v).view({B_, T_, hkv, hd}), att4 = act(A.att).view({B_, T_, hq, hd});
   // QK-norm then RoPE; decode: the chunk continues the cached prefix at decode_position_.
   const int64_t first_position = decode_position_ < 0 ? 0 : decode_position_;
-  be_.qk_norm_rope_forward(q4, act(A.q_rstd), c.q, p(lp.q_norm), cfg_.rms_eps, cfg_.rope_theta,
-                           first_position, c.stride);
-  be_.qk_norm_rope_forward(k4, act(A.k_rstd), c.k, p(lp.k_norm), cfg_.rms_eps, cfg_.rope_theta,
-                           first_position, c.stride);
+  be_.qk_norm_rope_forward(q4, act(A.q_rstd), act(A.q_pre), p(lp.q_norm), cfg_.rms_eps,
+                           cfg_.rope_theta, first_position);
+  be_.qk_norm_rope_forward(k4, act(A.k_rstd), act(A.k_pre), p(lp.k_norm), cfg_.rms_eps,
+                           cfg_.rope_theta, first_position);
   if (decode_position_ < 0) {
-    be_.attention_forward(att4, act(A.lse), q4, k4, c.v, c.stride);
+    be_.attention_forward(att4, act(A.lse), q4, k4, v4);
   } else {
     auto cache_rows = [&](int id, int64_t first, int64_t count) {
       Tensor c = kv_->arena->tensor(id);
@@ -630,8 +609,7 @@ void Model::attention_forward(int l) {
       return Tensor(base, c.dtype, {1, count, hkv, hd});
     };
     be_.copy(cache_rows(kv_->k[l], decode_position_, T_), k4);
-    be_.copy_rows(cache_rows(kv_->v[l], decode_position_, T_).view({T_, hkv * hd}), c.v,
-                  c.stride);
+    be_.copy(cache_rows(kv_->v[l], decode_position_, T_), v4);
     const int64_t seen = decode_position_ + T_;
     be_.attention_cached(att4, q4, cache_rows(kv_->k[l], 0, seen), cache_rows(kv_->v[l], 0, seen));
   }
@@ -695,19 +673,20 @@ void Model::attention_backward(int l) {
   be_.matmul_input_grad(act(A.d_att), dout, p(lp.wo), false);
   be_.matmul_weight_grad(g(lp.wo), dout, act(A.att));
   Tensor dq4 = act(A.dq).view({B_, T_, hq, hd}), dk4 = act(A.dk).view({B_, T_, hkv, hd});
-  // Every column of d_qkv is written (dv by attention, dq_pre and dk_pre by the QK-norm
-  // backwards, in place, a row apart per token); then one GEMM each for d xn and the
-  // stacked weight's gradient.
-  const QkvColumns c = qkv_columns(act(A.qkv_pre)), dc = qkv_columns(act(A.d_qkv));
-  be_.attention_backward(dq4, dk4, dc.v, act(A.d_att).view({B_, T_, hq, hd}),
-                         act(A.q).view({B_, T_, hq, hd}), act(A.k).view({B_, T_, hkv, hd}), c.v,
-                         act(A.att).view({B_, T_, hq, hd}), act(A.lse), c.stride);
-  be_.qk_norm_rope_backward(dc.q, g(lp.q_norm), dq4, c.q, p(lp.q_norm), act(A.q_rstd),
-                            cfg_.rope_theta, false, c.stride);
-  be_.qk_norm_rope_backward(dc.k, g(lp.k_norm), dk4, c.k, p(lp.k_norm), act(A.k_rstd),
-                            cfg_.rope_theta, false, c.stride);
-  be_.matmul_input_grad(act(A.d_xn), act(A.d_qkv), stacked(lp.qkv), false);
-  be_.matmul_weight_grad(stacked_grad(lp.qkv), act(A.d_qkv), act(A.xn));
+  be_.attention_backward(dq4, dk4, act(A.dv).view({B_, T_, hkv, hd}),
+                         act(A.d_att).view({B_, T_, hq, hd}), act(A.q).view({B_, T_, hq, hd}),
+                         act(A.k).view({B_, T_, hkv, hd}), act(A.v).view({B_, T_, hkv, hd}),
+                         act(A.att).view({B_, T_, hq, hd}), act(A.lse));
+  be_.qk_norm_rope_backward(act(A.dq_pre), g(lp.q_norm), dq4, act(A.q_pre), p(lp.q_norm),
+                            act(A.q_rstd), cfg_.rope_theta, false);
+  be_.qk_norm_rope_backward(act(A.dk_pre), g(lp.k_norm), dk4, act(A.k_pre), p(lp.k_norm),
+                            act(A.k_rstd), cfg_.rope_theta, false);
+  be_.matmul_input_grad(act(A.d_xn), act(A.dq_pre), p(lp.wq), false);
+  be_.matmul_input_grad(act(A.d_xn), act(A.dk_pre), p(lp.wk), true);
+  be_.matmul_input_grad(act(A.d_xn), act(A.dv), p(lp.wv), true);
+  be_.matmul_weight_grad(g(lp.wq), act(A.dq_pre), act(A.xn));
+  be_.matmul_weight_grad(g(lp.wk), act(A.dk_pre), act(A.xn));
+  be_.matmul_weight_grad(g(lp.wv), act(A.dv), act(A.xn));
   // Last: the scheme's site_grad(j) may be the buffer of source_grad(j + 1) (residual.h).
   be_.rmsnorm_backward(scheme_->site_grad(j), g(lp.attn_norm), act(A.d_xn), site_input(j),
                        p(lp.attn_norm), act(A.rstd), scheme_->site_grad_accumulates(j));

@@ -180,13 +180,6 @@ class Model {
   Tensor stacked(int plan_id) const;
   Tensor stacked_grad(int plan_id) const;
   Tensor act(int id) const;
-  // The q, k, v column blocks of the stacked projection's output (or of its gradient),
-  // `stride` elements apart per token: q [N, q_dim], k [N, kv_dim], v [B, T, hkv, hd].
-  struct QkvColumns {
-    Tensor q, k, v;
-    int64_t stride;
-  };
-  QkvColumns qkv_columns(Tensor stacked_rows) const;
   void attention_forward(int layer);
   void attention_backward(int layer);
   void mlp_forward(int layer);

@@ -236,24 +236,23 @@ void OpProfiler::rope(Tensor x, double theta, bool backward) {
   in_.rope(x, theta, backward);
 }
 void OpProfiler::qk_norm_rope_forward(Tensor y, Tensor rstd, Tensor x, Tensor w, double eps,
-                                      double theta, int64_t first_position, int64_t x_stride) {
+                                      double theta, int64_t first_position) {
   Span s(*this, OpFamily::Rope, bytes_of({y, rstd, x, w}));
-  in_.qk_norm_rope_forward(y, rstd, x, w, eps, theta, first_position, x_stride);
+  in_.qk_norm_rope_forward(y, rstd, x, w, eps, theta, first_position);
 }
 void OpProfiler::qk_norm_rope_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,
-                                       Tensor rstd, double theta, bool acc, int64_t x_stride) {
+                                       Tensor rstd, double theta, bool acc) {
   Span s(*this, OpFamily::Rope, bytes_of({dx, dw, dy, x, w, rstd}) + (acc ? bytes_of({dx}) : 0));
-  in_.qk_norm_rope_backward(dx, dw, dy, x, w, rstd, theta, acc, x_stride);
+  in_.qk_norm_rope_backward(dx, dw, dy, x, w, rstd, theta, acc);
 }
-void OpProfiler::attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v,
-                                   int64_t v_stride) {
+void OpProfiler::attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v) {
   Span s(*this, OpFamily::AttentionForward, attention_forward_flops(q));
-  in_.attention_forward(out, lse, q, k, v, v_stride);
+  in_.attention_forward(out, lse, q, k, v);
 }
 void OpProfiler::attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v,
-                                    Tensor out, Tensor lse, int64_t v_stride) {
+                                    Tensor out, Tensor lse) {
   Span s(*this, OpFamily::AttentionBackward, 2.5 * attention_forward_flops(q));
-  in_.attention_backward(dq, dk, dv, dout, q, k, v, out, lse, v_stride);
+  in_.attention_backward(dq, dk, dv, dout, q, k, v, out, lse);
 }
 void OpProfiler::swiglu_forward(Tensor h, Tensor gate_up) {
   Span s(*this, OpFamily::Swiglu, bytes_of({h, gate_up}));

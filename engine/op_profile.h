@@ -78,16 +78,14 @@ class OpProfiler final : public ForwardingBackend {
   void rope(Tensor x, double theta, bool backward) override;
   // The fused QK-norm + RoPE is timed as one op, so the profile times the fused kernels
   // an unprofiled step runs; it counts in the RoPE family (whose row then includes the
-  // QK-norms), with the bytes it must move (the norm's: the rotation rides along; a
-  // strided x moves its dense element count, as its tensor's numel says).
+  // QK-norms), with the bytes it must move (the norm's: the rotation rides along).
   void qk_norm_rope_forward(Tensor y, Tensor rstd, Tensor x, Tensor w, double eps,
-                            double theta, int64_t first_position, int64_t x_row_stride) override;
+                            double theta, int64_t first_position) override;
   void qk_norm_rope_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor rstd,
-                             double theta, bool accumulate_dx, int64_t x_row_stride) override;
-  void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v,
-                         int64_t v_row_stride) override;
+                             double theta, bool accumulate_dx) override;
+  void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v) override;
   void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k,
-                          Tensor v, Tensor out, Tensor lse, int64_t v_row_stride) override;
+                          Tensor v, Tensor out, Tensor lse) override;
   void swiglu_forward(Tensor h, Tensor gate_up) override;
   void swiglu_backward(Tensor d_gate_up, Tensor h, Tensor dh, Tensor gate_up) override;
   void add(Tensor out, Tensor a, Tensor b) override;

@@ -50,7 +50,7 @@ TEST_F(AttentionTiming, DISABLED_ComparisonShapes) {
     for (const bool use_hopper : {true, false}) {
       if (use_hopper && !hopper) continue;
       cuda::attention_set_hopper(use_hopper);
-      const double ms = median_ms([&] { gpu->attention_forward(a.out, a.lse, a.q, a.k, a.v, 0); });
+      const double ms = median_ms([&] { gpu->attention_forward(a.out, a.lse, a.q, a.k, a.v); });
       std::printf("ATTENTION forward  %-8s %-22s %8.3f ms %7.1f TFLOP/s\n",
                   use_hopper ? "wgmma" : "mma.sync", shape.c_str(), ms, fwd_flop / ms * 1e-9);
     }
@@ -58,7 +58,7 @@ TEST_F(AttentionTiming, DISABLED_ComparisonShapes) {
       if (use_hopper && !hopper) continue;
       cuda::attention_set_hopper(use_hopper);
       const double ms = median_ms([&] {
-        gpu->attention_backward(a.dq, a.dk, a.dv, a.dout, a.q, a.k, a.v, a.out, a.lse, 0);
+        gpu->attention_backward(a.dq, a.dk, a.dv, a.dout, a.q, a.k, a.v, a.out, a.lse);
       });
       std::printf("ATTENTION backward %-8s %-22s %8.3f ms %7.1f TFLOP/s\n",
                   use_hopper ? "wgmma" : "mma.sync", shape.c_str(), ms,

@@ -63,30 +63,14 @@ class Bf16Storage final : public ForwardingBackend {
     in_.rope(x, theta, backward);
     round(x);
   }
-  // QK-norm + RoPE as Backend's two ops, each rounded above (the GPU's fused kernel rounds
-  // the normed row before rotating it, as the two ops store it).
-  void qk_norm_rope_forward(Tensor y, Tensor r, Tensor x, Tensor w, double eps, double theta,
-                            int64_t first, int64_t x_stride) override {
-    Backend::qk_norm_rope_forward(y, r, x, w, eps, theta, first, x_stride);
-  }
-  void qk_norm_rope_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor r,
-                             double theta, bool acc, int64_t x_stride) override {
-    Backend::qk_norm_rope_backward(dx, dw, dy, x, w, r, theta, acc, x_stride);
-  }
-  void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v,
-                         int64_t v_stride) override {
-    in_.attention_forward(out, lse, q, k, v, v_stride);
+  void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v) override {
+    in_.attention_forward(out, lse, q, k, v);
     round(out);
   }
   void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k,
-                          Tensor v, Tensor out, Tensor lse, int64_t v_stride) override {
-    in_.attention_backward(dq, dk, dv, dout, q, k, v, out, lse, v_stride);
-    round(dq);
-    round(dk);
-    // dv's token rows may be a slice of the stacked q/k/v gradient (v_stride apart).
-    const int64_t rows = dv.dim(0) * dv.dim(1), width = dv.dim(2) * dv.dim(3);
-    const int64_t stride = token_row_stride("Bf16Storage dv", v_stride, width);
-    for (int64_t r = 0; r < rows; ++r) round(token_rows(dv, r, stride, {width}));
+                          Tensor v, Tensor out, Tensor lse) override {
+    in_.attention_backward(dq, dk, dv, dout, q, k, v, out, lse);
+    for (Tensor t : {dq, dk, dv}) round(t);
   }
   void swiglu_forward(Tensor h, Tensor gu) override {
     in_.swiglu_forward(h, gu);

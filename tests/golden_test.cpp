@@ -152,43 +152,21 @@ class Fp32Noise final : public Backend {
         at(c)[m * N + n] += (accumulate ? rounded(old + noisy) : noisy) - (old + exact);
       }
   }
-  // The model passes q and k as strided columns of the stacked q/k/v projection (and
-  // their gradients' columns). Backend's default would norm a strided x token by token,
-  // adding to dw once per token: more roundings than the fp32 engine makes (its CPU
-  // backend sums dw over all rows, as for a dense x). So the strided rows are gathered
-  // and the dense sequence runs, the noise model of the dense call.
-  void qk_norm_rope_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor rstd,
-                             double theta, bool acc, int64_t x_stride) override {
-    const int64_t rows = dy.dim(0) * dy.dim(1), width = dy.dim(2) * dy.dim(3);
-    const int64_t stride = token_row_stride("Fp32Noise x", x_stride, width);
-    if (stride == width) return Backend::qk_norm_rope_backward(dx, dw, dy, x, w, rstd, theta, acc, 0);
-    std::vector<double> xd(size_t(rows * width)), dxd(size_t(rows * width));
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t c = 0; c < width; ++c) {
-        xd[size_t(r * width + c)] = at(x)[r * stride + c];
-        dxd[size_t(r * width + c)] = at(dx)[r * stride + c];  // the old dx of "+="
-      }
-    Tensor xt(xd.data(), DType::F64, {rows, width}), dxt(dxd.data(), DType::F64, {rows, width});
-    Backend::qk_norm_rope_backward(dxt, dw, dy, xt, w, rstd, theta, acc, 0);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t c = 0; c < width; ++c) at(dx)[r * stride + c] = dxd[size_t(r * width + c)];
-  }
   void rope(Tensor x, double theta, bool backward) override {
     inner_->rope(x, theta, backward);
     round_all(x);
   }
-  void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v,
-                         int64_t v_stride) override {
-    inner_->attention_forward(out, lse, q, k, v, v_stride);
+  void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v) override {
+    inner_->attention_forward(out, lse, q, k, v);
     round_all(out);
     round_all(lse);
   }
   void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k,
-                          Tensor v, Tensor out, Tensor lse, int64_t v_stride) override {
-    inner_->attention_backward(dq, dk, dv, dout, q, k, v, out, lse, v_stride);
+                          Tensor v, Tensor out, Tensor lse) override {
+    inner_->attention_backward(dq, dk, dv, dout, q, k, v, out, lse);
     round_all(dq);
     round_all(dk);
-    round_token_rows(dv, v_stride);  // dv's rows may be a slice of the stacked q/k/v grad
+    round_all(dv);
   }
   void swiglu_forward(Tensor h, Tensor gate_up) override {
     inner_->swiglu_forward(h, gate_up);
@@ -338,12 +316,6 @@ class Fp32Noise final : public Backend {
   }
   void round_all(Tensor t) {
     for (int64_t i = 0; i < t.numel(); ++i) at(t)[i] = rounded(at(t)[i]);
-  }
-  // t [B, T, H, hd] whose token rows sit `stride` elements apart (Backend::token_rows).
-  void round_token_rows(Tensor t, int64_t stride) {
-    const int64_t rows = t.dim(0) * t.dim(1), width = t.dim(2) * t.dim(3);
-    stride = token_row_stride("round_token_rows", stride, width);
-    for (int64_t r = 0; r < rows; ++r) round_all(token_rows(t, r, stride, {width}));
   }
 
   std::unique_ptr<Backend> inner_;

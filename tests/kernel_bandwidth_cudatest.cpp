@@ -99,12 +99,12 @@ class KernelBandwidth : public BandwidthTest {
                             std::to_string(heads) + ", " + std::to_string(D) + "]" + at;
     each_version(cuda::NormKernel::QkNormRope, versions, [&](const std::string& v) {
       report(what + " forward" + v + tag, fwd, median_ms([&](int i) {
-               gpu->qk_norm_rope_forward(y[size_t(i)], rstd, x[size_t(i)], w, 1e-6, 1e6, 0, 0);
+               gpu->qk_norm_rope_forward(y[size_t(i)], rstd, x[size_t(i)], w, 1e-6, 1e6, 0);
              }, sets));
       gpu->rmsnorm_forward(dx[0], rstd, x[0], w, 1e-6);  // a valid rstd
       report(what + " backward" + v + tag, bwd, median_ms([&](int i) {
                gpu->qk_norm_rope_backward(dx[size_t(i)], dw, dy[size_t(i)], x[size_t(i)], w, rstd,
-                                          1e6, false, 0);
+                                          1e6, false);
              }, sets));
     });
   }

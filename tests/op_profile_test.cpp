@@ -58,7 +58,7 @@ TEST(OpProfiler, CountsEveryOpOfAStepWithItsWork) {
     const double per_layer = d * m.q_dim() + 2 * d * m.kv_dim() + m.q_dim() * d + 3 * d * m.d_ff;
     const double matrices = L * per_layer + double(m.vocab_size) * d;  // + the (tied) LM head
     const OpFamilyTotals& mm = prof.totals(OpFamily::Matmul);
-    const double products_per_layer = 4;  // [q; k; v], o, [gate; up], down
+    const double products_per_layer = 6;  // q, k, v, o, [gate; up], down
     EXPECT_EQ(mm.calls, int64_t(3 * (products_per_layer * L + 1)));
     EXPECT_DOUBLE_EQ(mm.work, 3 * 2 * N * matrices);
     const double attn = L * 4 * B * m.n_heads * double(T) * T * m.head_dim / 2;

@@ -175,9 +175,9 @@ struct AttentionCall {
     std::mt19937_64 rng(41);
     for (Buffer* t : {&q, &k, &v, &dout})
       t->set(random_normal(rng, t->t().numel(), DType::BF16));
-    be.attention_forward(out, lse, q, k, v, 0);
+    be.attention_forward(out, lse, q, k, v);
   }
-  void backward(Backend& be) { be.attention_backward(dq, dk, dv, dout, q, k, v, out, lse, 0); }
+  void backward(Backend& be) { be.attention_backward(dq, dk, dv, dout, q, k, v, out, lse); }
 };
 
 TEST(OpScratchCudaControl, UnboundOpsGrowTheirOwnBuffersAndTooSmallABindingFails) {

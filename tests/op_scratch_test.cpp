@@ -67,9 +67,9 @@ class ScratchWatcher final : public ForwardingBackend {
     ForwardingBackend::rmsnorm_backward(dx, dw, dy, x, w, r, acc);
   }
   void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k,
-                          Tensor v, Tensor out, Tensor lse, int64_t v_stride) override {
+                          Tensor v, Tensor out, Tensor lse) override {
     see();
-    ForwardingBackend::attention_backward(dq, dk, dv, dout, q, k, v, out, lse, v_stride);
+    ForwardingBackend::attention_backward(dq, dk, dv, dout, q, k, v, out, lse);
   }
   void routing_mix(Tensor x, Tensor w, Tensor h, const RoutingLayout& lay, int site,
                    int heads) override {

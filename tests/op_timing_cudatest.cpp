@@ -102,9 +102,9 @@ TEST_F(OpTiming, DISABLED_ModelShapes) {
                             std::to_string(hd);
     const double fwd_flop = 4.0 * B * Hq * hd * double(T) * T / 2;  // causal: half the pairs
     report("attention_forward " + tag,
-           time_ms([&] { gpu->attention_forward(a.out, a.lse, a.q, a.k, a.v, 0); }, 3), fwd_flop, 0);
+           time_ms([&] { gpu->attention_forward(a.out, a.lse, a.q, a.k, a.v); }, 3), fwd_flop, 0);
     report("attention_backward " + tag, time_ms([&] {
-             gpu->attention_backward(a.dq, a.dk, a.dv, a.dout, a.q, a.k, a.v, a.out, a.lse, 0);
+             gpu->attention_backward(a.dq, a.dk, a.dv, a.dout, a.q, a.k, a.v, a.out, a.lse);
            }, 3),
            2.5 * fwd_flop, 0);
   }
@@ -315,16 +315,12 @@ TEST_F(OpTiming, DISABLED_MatmulHeuristicRanks1B) {
 // --gtest_also_run_disabled_tests` (version 1 is mix_tile_kernel, versions 2 to 4
 // mix_tile_ring_kernel). Random logits stand in for the real ones (the kernels' work
 // does not depend on their values).
-// Issue 13 item 3: what fusing the projections that read the same input buys. One 1B
-// layer (configs/1b_standard.json: N 16384 tokens, d 1280, q 2048, k and v 1024 each,
-// d_ff 5120): the separate products of the old path (matmul_forward, matmul_input_grad
-// accumulating after the first, matmul_weight_grad into fp32) against the one GEMM over
-// the stacked weights ([q; k; v] and [gate; up]) that the model runs now. The stacked
-// products compute the same sums, so those lines measure only cuBLAS's shapes. Since the
-// model reads q, k and v in place from the stacked output (and writes their gradients
-// into the stacked gradient), the q/k/v part also times what that costs its consumers:
-// QK-norm + RoPE forward and backward of q and k and attention forward and backward with
-// v (and dv) at the stacked row's stride, against the same ops on dense tensors.
+// Issue 13 item 3, before building it: what fusing the projections that read the same
+// input would buy. One 1B layer (configs/1b_standard.json: N 16384 tokens, d 1280, q 2048,
+// k and v 1024 each, d_ff 5120), each product as the model runs it (matmul_forward,
+// matmul_input_grad accumulating after the first, matmul_weight_grad into fp32), against
+// the one GEMM over the stacked weights ([q; k; v] and [gate; up]) that would replace it.
+// The stacked products compute the same sums, so this measures only cuBLAS's shapes.
 TEST_F(OpTiming, DISABLED_ProjectionFusion1B) {
   const int64_t N = 16384, d = 1280;
   struct Group {
@@ -363,55 +359,6 @@ TEST_F(OpTiming, DISABLED_ProjectionFusion1B) {
            }), flop, 0);
     report("weight grad, stacked " + tag, time_ms([&] { gpu->matmul_weight_grad(dw, y, x); }),
            flop, 0);
-    if (grp.outs.size() != 3) continue;
-    // The consumers of the stacked q/k/v output, strided (the model now) and dense (the
-    // old path): y is the stacked output, dy its gradient's buffer.
-    const int64_t B = 16, T = 1024, hq = 16, hkv = 8, hd = 128, qd = hq * hd, kvd = hkv * hd;
-    auto cols = [&](const Buffer& b, int64_t c0, std::initializer_list<int64_t> dims) {
-      return Tensor(static_cast<char*>(b.t().data) + size_t(c0) * 2, DType::BF16, dims);
-    };
-    Buffer dy(*gpu, DType::BF16, {N, total});
-    Buffer qn = random_gpu(DType::BF16, {hd}), kn = random_gpu(DType::BF16, {hd});
-    Buffer q4(*gpu, DType::BF16, {B, T, hq, hd}), k4(*gpu, DType::BF16, {B, T, hkv, hd});
-    Buffer rq(*gpu, DType::F32, {N * hq}), rk(*gpu, DType::F32, {N * hkv});
-    Buffer dq4 = random_gpu(DType::BF16, {B, T, hq, hd}), dk4 = random_gpu(DType::BF16, {B, T, hkv, hd});
-    Buffer dwq(*gpu, DType::F32, {hd}), dwk(*gpu, DType::F32, {hd});
-    Buffer gqd(*gpu, DType::BF16, {N, qd}), gkd(*gpu, DType::BF16, {N, kvd});
-    const double norm_fwd_bytes = 2.0 * 2 * N * (qd + kvd) + 4.0 * N * (hq + hkv);
-    const double norm_bwd_bytes = 3.0 * 2 * N * (qd + kvd) + 4.0 * N * (hq + hkv);
-    for (bool strided : {true, false}) {
-      const std::string how = strided ? ", strided (stacked rows)" : ", dense";
-      const int64_t st = strided ? total : 0;
-      Tensor xq = strided ? cols(y, 0, {N, qd}) : ys[0].t(), xk = strided ? cols(y, qd, {N, kvd}) : ys[1].t();
-      Tensor gq = strided ? cols(dy, 0, {N, qd}) : gqd.t(), gk = strided ? cols(dy, qd, {N, kvd}) : gkd.t();
-      report("qk_norm_rope forward q and k" + how, time_ms([&] {
-               gpu->qk_norm_rope_forward(q4, rq, xq, qn, 1e-6, 1e6, 0, st);
-               gpu->qk_norm_rope_forward(k4, rk, xk, kn, 1e-6, 1e6, 0, st);
-             }), 0, norm_fwd_bytes);
-      // Dense: the gradients in buffers of their own; strided: the stacked gradient's q and
-      // k columns.
-      report("qk_norm_rope backward q and k" + how, time_ms([&] {
-               gpu->qk_norm_rope_backward(gq, dwq, dq4, xq, qn, rq, 1e6, false, st);
-               gpu->qk_norm_rope_backward(gk, dwk, dk4, xk, kn, rk, 1e6, false, st);
-             }), 0, norm_bwd_bytes);
-    }
-    Buffer att(*gpu, DType::BF16, {B, T, hq, hd}), lse(*gpu, DType::F32, {B, hq, T});
-    Buffer datt = random_gpu(DType::BF16, {B, T, hq, hd});
-    Buffer dq(*gpu, DType::BF16, {B, T, hq, hd}), dk(*gpu, DType::BF16, {B, T, hkv, hd});
-    Buffer vd = random_gpu(DType::BF16, {B, T, hkv, hd}), dvd(*gpu, DType::BF16, {B, T, hkv, hd});
-    const double attn_flop = 4.0 * B * hq * double(T) * T * hd / 2;  // causal
-    for (bool strided : {true, false}) {
-      const std::string how = strided ? ", v strided (stacked rows)" : ", v dense";
-      const int64_t st = strided ? total : 0;
-      Tensor v = strided ? cols(y, qd + kvd, {B, T, hkv, hd}) : vd.t();
-      Tensor dv = strided ? cols(dy, qd + kvd, {B, T, hkv, hd}) : dvd.t();
-      report("attention forward 1B" + how, time_ms([&] {
-               gpu->attention_forward(att, lse, q4, k4, v, st);
-             }, 3), attn_flop, 0);
-      report("attention backward 1B" + how, time_ms([&] {
-               gpu->attention_backward(dq, dk, dv, datt, q4, k4, v, att, lse, st);
-             }, 3), 2.5 * attn_flop, 0);
-    }
   }
   // The step's other products, so that the lines sum to the step's matmul time: the output
   // and down projections (36 layers each) and chunks of the tied LM head over the

@@ -223,10 +223,9 @@ class CountingBackend final : public ForwardingBackend {
     counts.cached_tk.push_back(k.dim(1));
     in_.attention_cached(out, q, k, v);
   }
-  void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v,
-                         int64_t v_stride) override {
+  void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v) override {
     ++counts.full_attention_calls;
-    in_.attention_forward(out, lse, q, k, v, v_stride);
+    in_.attention_forward(out, lse, q, k, v);
   }
 
  private:

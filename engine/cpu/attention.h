@@ -8,9 +8,6 @@
 //   p = exp(s - lse);  D_t = dout_t . out_t;  ds = p * (dout_t . v_u - D_t)
 //   dq_t = scale * sum_u ds k_u;  dk_u += scale * ds q_t;  dv_u += p dout_t
 // Work is split over (batch, KV head) so the dk/dv sums of a group never race.
-// v and dv may have strided token rows (Backend::attention_forward's v_row_stride): vs
-// elements from one token's Hkv x hd row to the next (vs = Hkv * hd is dense). Only the
-// addresses change: the same bits.
 #pragma once
 #include "engine/cpu/parallel.h"
 #include <cmath>
@@ -23,8 +20,7 @@ namespace mhar::cpu {
 
 template <class T>
 void attention_forward_offset(T* out, T* lse, const T* q, const T* k, const T* v, int64_t B,
-                              int64_t Tq, int64_t Tk, int64_t Hq, int64_t Hkv, int64_t hd,
-                              int64_t vs) {
+                              int64_t Tq, int64_t Tk, int64_t Hq, int64_t Hkv, int64_t hd) {
   const int64_t group = Hq / Hkv, offset = Tk - Tq;
   const T scale = T(1.0 / std::sqrt(double(hd)));
 #pragma omp parallel if (worth_parallel(B * Hq * Tq * Tk * hd))
@@ -51,7 +47,7 @@ void attention_forward_offset(T* out, T* lse, const T* q, const T* k, const T* v
           T* ot = out + ((b * Tq + t) * Hq + h) * hd;
           std::memset(ot, 0, sizeof(T) * hd);
           for (int64_t u = 0; u <= last; ++u) {
-            const T* vu = v + (b * Tk + u) * vs + g * hd;
+            const T* vu = v + ((b * Tk + u) * Hkv + g) * hd;
             const T w = p[u] / sum;
             for (int64_t c = 0; c < hd; ++c) ot[c] += w * vu[c];
           }
@@ -62,14 +58,14 @@ void attention_forward_offset(T* out, T* lse, const T* q, const T* k, const T* v
 
 template <class T>
 void attention_forward(T* out, T* lse, const T* q, const T* k, const T* v, int64_t B,
-                       int64_t Tn, int64_t Hq, int64_t Hkv, int64_t hd, int64_t vs) {
-  attention_forward_offset(out, lse, q, k, v, B, Tn, Tn, Hq, Hkv, hd, vs);
+                       int64_t Tn, int64_t Hq, int64_t Hkv, int64_t hd) {
+  attention_forward_offset(out, lse, q, k, v, B, Tn, Tn, Hq, Hkv, hd);
 }
 
 template <class T>
 void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T* k, const T* v,
                         const T* out, const T* lse, int64_t B, int64_t Tn, int64_t Hq,
-                        int64_t Hkv, int64_t hd, int64_t vs) {
+                        int64_t Hkv, int64_t hd) {
   const int64_t group = Hq / Hkv;
   const T scale = T(1.0 / std::sqrt(double(hd)));
 #pragma omp parallel if (worth_parallel(B * Hq * Tn * Tn * hd))
@@ -80,7 +76,7 @@ void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T*
       for (int64_t g = 0; g < Hkv; ++g) {
         for (int64_t t = 0; t < Tn; ++t) {
           std::memset(dk + ((b * Tn + t) * Hkv + g) * hd, 0, sizeof(T) * hd);
-          std::memset(dv + (b * Tn + t) * vs + g * hd, 0, sizeof(T) * hd);
+          std::memset(dv + ((b * Tn + t) * Hkv + g) * hd, 0, sizeof(T) * hd);
         }
         for (int64_t h = g * group; h < (g + 1) * group; ++h)
           for (int64_t t = 0; t < Tn; ++t) {
@@ -93,11 +89,10 @@ void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T*
             for (int64_t c = 0; c < hd; ++c) D += dot[c] * ot[c];
             for (int64_t u = 0; u <= t; ++u) {
               const int64_t kv_row = ((b * Tn + u) * Hkv + g) * hd;
-              const int64_t v_row = (b * Tn + u) * vs + g * hd;
               T s = 0, dp = 0;
               for (int64_t c = 0; c < hd; ++c) {
                 s += qt[c] * k[kv_row + c];
-                dp += dot[c] * v[v_row + c];
+                dp += dot[c] * v[kv_row + c];
               }
               p[u] = std::exp(s * scale - l);
               ds[u] = p[u] * (dp - D);
@@ -106,11 +101,10 @@ void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T*
             std::memset(dqt, 0, sizeof(T) * hd);
             for (int64_t u = 0; u <= t; ++u) {
               const int64_t kv_row = ((b * Tn + u) * Hkv + g) * hd;
-              const int64_t v_row = (b * Tn + u) * vs + g * hd;
               for (int64_t c = 0; c < hd; ++c) {
                 dqt[c] += scale * ds[u] * k[kv_row + c];
                 dk[kv_row + c] += scale * ds[u] * qt[c];
-                dv[v_row + c] += p[u] * dot[c];
+                dv[kv_row + c] += p[u] * dot[c];
               }
             }
           }

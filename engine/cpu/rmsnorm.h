@@ -4,9 +4,6 @@
 // Backward, with xhat = x * rstd:
 //   dw += sum_r dy * xhat
 //   dx  = rstd * (dy*w - xhat * mean(dy*w*xhat))
-// x (and dx) may have strided token rows (Backend::qk_norm_rope_forward's x_row_stride):
-// rows r = token * heads + head sit at token * x_stride + head * D; heads = 1 and
-// x_stride = D (the defaults) is dense. Only the addresses change: the same bits.
 #pragma once
 #include "engine/cpu/parallel.h"
 #include <cmath>
@@ -17,17 +14,11 @@
 
 namespace mhar::cpu {
 
-// Element offset of row r of x when its tokens' rows of `heads` x D sit x_stride apart.
-inline int64_t norm_row_offset(int64_t r, int64_t D, int64_t heads, int64_t x_stride) {
-  return x_stride == 0 ? r * D : (r / heads) * x_stride + (r % heads) * D;
-}
-
 template <class T>
-void rmsnorm_forward(T* y, T* rstd, const T* x, const T* w, int64_t R, int64_t D, double eps,
-                     int64_t heads = 1, int64_t x_stride = 0) {
+void rmsnorm_forward(T* y, T* rstd, const T* x, const T* w, int64_t R, int64_t D, double eps) {
 #pragma omp parallel for if (worth_parallel(R * D))
   for (int64_t r = 0; r < R; ++r) {
-    const T* xr = x + norm_row_offset(r, D, heads, x_stride);
+    const T* xr = x + r * D;
     double ss = 0;
     for (int64_t c = 0; c < D; ++c) ss += double(xr[c]) * xr[c];
     T s = T(1.0 / std::sqrt(ss / D + eps));
@@ -39,8 +30,7 @@ void rmsnorm_forward(T* y, T* rstd, const T* x, const T* w, int64_t R, int64_t D
 
 template <class T>
 void rmsnorm_backward(T* dx, T* dw, const T* dy, const T* x, const T* w, const T* rstd,
-                      int64_t R, int64_t D, bool accumulate_dx, int64_t heads = 1,
-                      int64_t x_stride = 0) {
+                      int64_t R, int64_t D, bool accumulate_dx) {
   const int threads = omp_get_max_threads();
   std::vector<T> dw_partial(size_t(threads) * D, T(0));  // per-thread, no races on dw
 #pragma omp parallel if (worth_parallel(R * D))
@@ -48,8 +38,7 @@ void rmsnorm_backward(T* dx, T* dw, const T* dy, const T* x, const T* w, const T
     T* my_dw = dw_partial.data() + size_t(omp_get_thread_num()) * D;
 #pragma omp for
     for (int64_t r = 0; r < R; ++r) {
-      const int64_t xo = norm_row_offset(r, D, heads, x_stride);
-      const T* xr = x + xo;
+      const T* xr = x + r * D;
       const T* gr = dy + r * D;
       const T s = rstd[r];
       double dot = 0;  // sum_c dy*w*xhat
@@ -59,7 +48,7 @@ void rmsnorm_backward(T* dx, T* dw, const T* dy, const T* x, const T* w, const T
         my_dw[c] += gr[c] * xhat;
       }
       const T mean = T(dot / D);
-      T* dxr = dx + xo;
+      T* dxr = dx + r * D;
       for (int64_t c = 0; c < D; ++c) {
         T v = s * (gr[c] * w[c] - xr[c] * s * mean);
         dxr[c] = accumulate_dx ? dxr[c] + v : v;
