@@ -64,9 +64,10 @@ double adamw_bytes(const Tensor& param, const Tensor& master, const Tensor& grad
 
 }  // namespace
 
-OpProfiler::Span::Span(OpProfiler& p, OpFamily f, double work, int product)
+OpProfiler::Span::Span(OpProfiler& p, const char* op, OpFamily f, double work, int product)
     : p_(p), f_(f), work_(work), product_(product) {
   if (!p_.armed_) return;
+  op_ = p_.op_index(f, op);
   mark_ = p_.in_.timing_mark();
   if (mark_ < 0) t0_ = std::chrono::steady_clock::now();
 }
@@ -74,10 +75,10 @@ OpProfiler::Span::Span(OpProfiler& p, OpFamily f, double work, int product)
 OpProfiler::Span::~Span() {
   if (!p_.armed_) return;
   if (mark_ >= 0) {
-    p_.pending_.push_back({f_, mark_, p_.in_.timing_mark(), 0, work_, product_});
+    p_.pending_.push_back({f_, mark_, p_.in_.timing_mark(), 0, work_, product_, op_});
   } else {
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0_).count();
-    p_.pending_.push_back({f_, -1, -1, ms, work_, product_});
+    p_.pending_.push_back({f_, -1, -1, ms, work_, product_, op_});
   }
 }
 
@@ -92,7 +93,7 @@ void OpProfiler::finish_step(double wall_ms) {
   in_.synchronize();
   for (const Pending& p : pending_) {
     const double ms = p.a >= 0 ? in_.timing_ms(p.a, p.b) : p.host_ms;
-    for (OpFamilyTotals* t : {&totals_[size_t(p.family)],
+    for (OpFamilyTotals* t : {&totals_[size_t(p.family)], &ops_[size_t(p.op)].totals,
                               p.product >= 0 ? &products_[size_t(p.product)].totals : nullptr}) {
       if (!t) continue;
       t->ms += ms;
@@ -137,9 +138,26 @@ nlohmann::json OpProfiler::report(double peak_tflops, double peak_tbps) const {
     if (ms > 0) row["tflops"] = p->totals.work / n / (ms * 1e-3) / 1e12;
     products.push_back(row);
   }
+  std::vector<const OpPart*> ops_by_time;
+  for (const OpPart& o : ops_)
+    if (o.totals.calls > 0) ops_by_time.push_back(&o);
+  std::stable_sort(ops_by_time.begin(), ops_by_time.end(),
+                   [](const OpPart* a, const OpPart* b) { return a->totals.ms > b->totals.ms; });
+  nlohmann::json ops = nlohmann::json::array();
+  for (const OpPart* o : ops_by_time) {
+    const double ms = o->totals.ms / n;
+    nlohmann::json row = {{"family", op_family_name(o->family)}, {"op", o->op}, {"ms", ms},
+                          {"calls", double(o->totals.calls) / n}};
+    if (ms > 0) {
+      const double rate = o->totals.work / n / (ms * 1e-3) / 1e12;
+      row[op_family_counts_flops(o->family) ? "tflops" : "tbps"] = rate;
+      row["roofline_share"] = rate / (op_family_counts_flops(o->family) ? peak_tflops : peak_tbps);
+    }
+    ops.push_back(row);
+  }
   return {{"steps", steps_}, {"wall_ms", wall}, {"families", families}, {"other_ms", wall - ops_ms},
           {"other_share", wall > 0 ? (wall - ops_ms) / wall : 0}, {"peak_tflops", peak_tflops},
-          {"peak_tbps", peak_tbps}, {"matmul_products", products}};
+          {"peak_tbps", peak_tbps}, {"ops", ops}, {"matmul_products", products}};
 }
 
 std::string OpProfiler::table(double peak_tflops, double peak_tbps) const {
@@ -171,6 +189,31 @@ std::string OpProfiler::table(double peak_tflops, double peak_tbps) const {
   std::snprintf(line, sizeof line, "%-28s %10.2f %6.1f%%\n%-28s %10.2f\n", "other / idle", r["other_ms"].get<double>(),
                 100 * r["other_share"].get<double>(), "step (profiled)", r["wall_ms"].get<double>());
   o << line;
+  if (!r["ops"].empty()) {
+    std::snprintf(line, sizeof line, "\n%-28s %-28s %10s %7s %16s %9s\n", "by op: family", "op", "ms/step",
+                  "calls", "achieved", "of peak");
+    o << line;
+    for (const auto& op : r["ops"]) {
+      if (op["family"] == op_family_name(OpFamily::Matmul)) continue;  // by product, below
+      std::string rate = "-", of_peak = "-";
+      char b[64];
+      if (op.contains("tflops")) {
+        std::snprintf(b, sizeof b, "%.1f TFLOP/s", op["tflops"].get<double>());
+        rate = b;
+      } else if (op.contains("tbps")) {
+        std::snprintf(b, sizeof b, "%.2f TB/s", op["tbps"].get<double>());
+        rate = b;
+      }
+      if (op.contains("roofline_share")) {
+        std::snprintf(b, sizeof b, "%.0f%%", 100 * op["roofline_share"].get<double>());
+        of_peak = b;
+      }
+      std::snprintf(line, sizeof line, "%-28s %-28s %10.2f %7.0f %16s %9s\n",
+                    op["family"].get<std::string>().c_str(), op["op"].get<std::string>().c_str(),
+                    op["ms"].get<double>(), op["calls"].get<double>(), rate.c_str(), of_peak.c_str());
+      o << line;
+    }
+  }
   if (!r["matmul_products"].empty()) {
     std::snprintf(line, sizeof line, "\n%-44s %10s %7s %16s\n", "matmul by product", "ms/step", "calls",
                   "achieved");
@@ -188,26 +231,33 @@ std::string OpProfiler::table(double peak_tflops, double peak_tbps) const {
 // ---- the ops: each one timed, with its work.
 
 void OpProfiler::embedding_forward(Tensor out, Tensor tokens, Tensor table) {
-  Span s(*this, OpFamily::Embedding, 2 * bytes_of({out}) + bytes_of({tokens}));  // rows read, rows written
+  Span s(*this, __func__, OpFamily::Embedding, 2 * bytes_of({out}) + bytes_of({tokens}));  // rows read, rows written
   in_.embedding_forward(out, tokens, table);
 }
 void OpProfiler::embedding_backward(Tensor dtable, Tensor dout, Tensor tokens) {
-  Span s(*this, OpFamily::Embedding, bytes_of({dout, tokens}) + 2.0 * double(dout.numel()) * dtype_size(dtable.dtype));
+  Span s(*this, __func__, OpFamily::Embedding, bytes_of({dout, tokens}) + 2.0 * double(dout.numel()) * dtype_size(dtable.dtype));
   in_.embedding_backward(dtable, dout, tokens);
 }
 void OpProfiler::rmsnorm_forward(Tensor y, Tensor rstd, Tensor x, Tensor w, double eps) {
-  Span s(*this, OpFamily::Norms, bytes_of({y, rstd, x, w}));
+  Span s(*this, __func__, OpFamily::Norms, bytes_of({y, rstd, x, w}));
   in_.rmsnorm_forward(y, rstd, x, w, eps);
 }
 void OpProfiler::rmsnorm_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor rstd, bool acc) {
-  Span s(*this, OpFamily::Norms, bytes_of({dx, dw, dy, x, w, rstd}) + (acc ? bytes_of({dx}) : 0));
+  Span s(*this, __func__, OpFamily::Norms, bytes_of({dx, dw, dy, x, w, rstd}) + (acc ? bytes_of({dx}) : 0));
   in_.rmsnorm_backward(dx, dw, dy, x, w, rstd, acc);
 }
 void OpProfiler::add_rmsnorm_forward(Tensor x, Tensor y, Tensor rstd, Tensor a, Tensor b, Tensor w,
                                      double eps) {
-  Span s(*this, OpFamily::Norms, bytes_of({x, y, rstd, a, b, w}));
+  Span s(*this, __func__, OpFamily::Norms, bytes_of({x, y, rstd, a, b, w}));
   in_.add_rmsnorm_forward(x, y, rstd, a, b, w, eps);
 }
+int OpProfiler::op_index(OpFamily f, const char* op) {
+  for (size_t i = 0; i < ops_.size(); ++i)
+    if (ops_[i].family == f && ops_[i].op == op) return int(i);
+  ops_.push_back({f, op, {}});
+  return int(ops_.size()) - 1;
+}
+
 int OpProfiler::product_index(const std::string& label) {
   for (size_t i = 0; i < products_.size(); ++i)
     if (products_[i].label == label) return int(i);
@@ -228,50 +278,50 @@ void OpProfiler::matmul(Tensor c, Tensor a, Tensor b, bool ta, bool tb, bool acc
                   tb ? "^T" : "");
     product = product_index(label);
   }
-  Span s(*this, OpFamily::Matmul, matmul_flops(c, a, b), product);
+  Span s(*this, __func__, OpFamily::Matmul, matmul_flops(c, a, b), product);
   in_.matmul(c, a, b, ta, tb, acc);
 }
 void OpProfiler::rope(Tensor x, double theta, bool backward) {
-  Span s(*this, OpFamily::Rope, 2 * bytes_of({x}));
+  Span s(*this, __func__, OpFamily::Rope, 2 * bytes_of({x}));
   in_.rope(x, theta, backward);
 }
 void OpProfiler::qk_norm_rope_forward(Tensor y, Tensor rstd, Tensor x, Tensor w, double eps,
                                       double theta, int64_t first_position) {
-  Span s(*this, OpFamily::Rope, bytes_of({y, rstd, x, w}));
+  Span s(*this, __func__, OpFamily::Rope, bytes_of({y, rstd, x, w}));
   in_.qk_norm_rope_forward(y, rstd, x, w, eps, theta, first_position);
 }
 void OpProfiler::qk_norm_rope_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,
                                        Tensor rstd, double theta, bool acc) {
-  Span s(*this, OpFamily::Rope, bytes_of({dx, dw, dy, x, w, rstd}) + (acc ? bytes_of({dx}) : 0));
+  Span s(*this, __func__, OpFamily::Rope, bytes_of({dx, dw, dy, x, w, rstd}) + (acc ? bytes_of({dx}) : 0));
   in_.qk_norm_rope_backward(dx, dw, dy, x, w, rstd, theta, acc);
 }
 void OpProfiler::attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v) {
-  Span s(*this, OpFamily::AttentionForward, attention_forward_flops(q));
+  Span s(*this, __func__, OpFamily::AttentionForward, attention_forward_flops(q));
   in_.attention_forward(out, lse, q, k, v);
 }
 void OpProfiler::attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v,
                                     Tensor out, Tensor lse) {
-  Span s(*this, OpFamily::AttentionBackward, 2.5 * attention_forward_flops(q));
+  Span s(*this, __func__, OpFamily::AttentionBackward, 2.5 * attention_forward_flops(q));
   in_.attention_backward(dq, dk, dv, dout, q, k, v, out, lse);
 }
 void OpProfiler::swiglu_forward(Tensor h, Tensor gate_up) {
-  Span s(*this, OpFamily::Swiglu, bytes_of({h, gate_up}));
+  Span s(*this, __func__, OpFamily::Swiglu, bytes_of({h, gate_up}));
   in_.swiglu_forward(h, gate_up);
 }
 void OpProfiler::swiglu_backward(Tensor d_gate_up, Tensor h, Tensor dh, Tensor gate_up) {
-  Span s(*this, OpFamily::Swiglu, bytes_of({d_gate_up, h, dh, gate_up}));
+  Span s(*this, __func__, OpFamily::Swiglu, bytes_of({d_gate_up, h, dh, gate_up}));
   in_.swiglu_backward(d_gate_up, h, dh, gate_up);
 }
 void OpProfiler::add(Tensor out, Tensor a, Tensor b) {
-  Span s(*this, OpFamily::Elementwise, bytes_of({out, a, b}));
+  Span s(*this, __func__, OpFamily::Elementwise, bytes_of({out, a, b}));
   in_.add(out, a, b);
 }
 void OpProfiler::add_inplace(Tensor y, Tensor x) {
-  Span s(*this, OpFamily::Elementwise, bytes_of({y, y, x}));
+  Span s(*this, __func__, OpFamily::Elementwise, bytes_of({y, y, x}));
   in_.add_inplace(y, x);
 }
 void OpProfiler::cross_entropy(Tensor losses, Tensor logits, Tensor targets, double grad_scale, bool compute_grad) {
-  Span s(*this, OpFamily::Classifier,
+  Span s(*this, __func__, OpFamily::Classifier,
          bytes_of({losses, logits, targets}) + (compute_grad ? bytes_of({logits}) : 0));
   in_.cross_entropy(losses, logits, targets, grad_scale, compute_grad);
 }
@@ -280,7 +330,7 @@ void OpProfiler::routing_source_logits(Tensor weights, Tensor inv_rms, Tensor v,
   // One read of the slot's row; one logit per later site that reads it, per head and token.
   const int sites = layout.last_site(source) - source + 1;
   const double logits = double(sites) * heads * double(inv_rms.numel()) * dtype_size(weights.dtype);
-  Span s(*this, OpFamily::Routing, bytes_of({v, inv_rms}) + logits);
+  Span s(*this, __func__, OpFamily::Routing, bytes_of({v, inv_rms}) + logits);
   in_.routing_source_logits(weights, inv_rms, v, params, layout, source, heads, eps);
 }
 void OpProfiler::routing_mix(Tensor x, Tensor weights, Tensor history, const RoutingLayout& layout, int site,
@@ -295,7 +345,7 @@ void OpProfiler::routing_mix(Tensor x, Tensor weights, Tensor history, const Rou
   const bool tiled = site > tile_first_ && site < tile_end_;
   const double rows = tiled ? 2.0 + (site - tile_first_) + 1 : src + 1.0;
   if (site + 1 >= tile_end_) tile_first_ = tile_end_ = -1;
-  Span s(*this, OpFamily::Routing, rows * row + w);
+  Span s(*this, __func__, OpFamily::Routing, rows * row + w);
   in_.routing_mix(x, weights, history, layout, site, heads);
 }
 void OpProfiler::routing_mix_tile(Tensor x, Tensor weights, Tensor history,
@@ -307,7 +357,7 @@ void OpProfiler::routing_mix_tile(Tensor x, Tensor weights, Tensor history,
   const double w = 2.0 * src * heads * double(x.dim(0)) * dtype_size(weights.dtype) * count;
   tile_first_ = site;
   tile_end_ = site + count;
-  Span s(*this, OpFamily::Routing, (src + 1 + 2.0 * (count - 1)) * row + w);
+  Span s(*this, __func__, OpFamily::Routing, (src + 1 + 2.0 * (count - 1)) * row + w);
   in_.routing_mix_tile(x, weights, history, layout, site, count, heads);
 }
 void OpProfiler::routing_source_backward(Tensor dv, Tensor weights, Tensor ubar, Tensor gsum,
@@ -322,7 +372,7 @@ void OpProfiler::routing_source_backward(Tensor dv, Tensor weights, Tensor ubar,
   const bool tiled = source < back_first_ && source > back_end_;
   const int sites = tiled ? back_first_ - source : layout.last_site(source) - source + 1;
   if (source <= back_end_ + 1) back_first_ = back_end_ = -1;
-  Span s(*this, OpFamily::Routing, bytes_of({dv, v, x, inv_rms}) +
+  Span s(*this, __func__, OpFamily::Routing, bytes_of({dv, v, x, inv_rms}) +
                                        (sites + (tiled ? 2.0 : 0.0)) * double(dv.bytes()));
   in_.routing_source_backward(dv, weights, ubar, gsum, site_dx, x, v, inv_rms, params, layout, source, heads);
 }
@@ -338,75 +388,75 @@ void OpProfiler::routing_source_backward_tile(Tensor dv, Tensor weights, Tensor 
   const double row = double(dv.bytes());
   back_first_ = source;
   back_end_ = source - count;
-  Span s(*this, OpFamily::Routing,
+  Span s(*this, __func__, OpFamily::Routing,
          bytes_of({dv, x, inv_rms[source]}) + row + (sites + 3.0 * (count - 1)) * row);
   in_.routing_source_backward_tile(dv, weights, ubar, gsum, site_dx, x, history, inv_rms, params,
                                    layout, source, count, heads);
 }
 void OpProfiler::routing_param_grads(const RoutingParams& params, Tensor gsum) {
-  Span s(*this, OpFamily::Routing, bytes_of({gsum}));
+  Span s(*this, __func__, OpFamily::Routing, bytes_of({gsum}));
   in_.routing_param_grads(params, gsum);
 }
 void OpProfiler::hyper_mix(Tensor x, Tensor H, Tensor coef) {
-  Span s(*this, OpFamily::Elementwise, bytes_of({x, H}));
+  Span s(*this, __func__, OpFamily::Elementwise, bytes_of({x, H}));
   in_.hyper_mix(x, H, coef);
 }
 void OpProfiler::hyper_mix_backward(Tensor dH, Tensor dcoef, Tensor dx, Tensor H, Tensor coef,
                                     bool accumulate) {
   // dx read, dH written (and read when accumulating), H read for the coefficient sums.
-  Span s(*this, OpFamily::Elementwise, bytes_of({dx, dH}) + (H.empty() ? 0 : bytes_of({H})) +
+  Span s(*this, __func__, OpFamily::Elementwise, bytes_of({dx, dH}) + (H.empty() ? 0 : bytes_of({H})) +
                                            (accumulate ? bytes_of({dH}) : 0));
   in_.hyper_mix_backward(dH, dcoef, dx, H, coef, accumulate);
 }
 void OpProfiler::hyper_update(Tensor out, Tensor in, Tensor v, Tensor Ar, Tensor B) {
-  Span s(*this, OpFamily::Elementwise, bytes_of({out, in, v}));
+  Span s(*this, __func__, OpFamily::Elementwise, bytes_of({out, in, v}));
   in_.hyper_update(out, in, v, Ar, B);
 }
 void OpProfiler::hyper_update_backward(Tensor din, Tensor dv, Tensor dAr, Tensor dB, Tensor dout,
                                        Tensor in, Tensor v, Tensor Ar, Tensor B) {
-  Span s(*this, OpFamily::Elementwise, bytes_of({din, dv, dout, in, v}));
+  Span s(*this, __func__, OpFamily::Elementwise, bytes_of({din, dv, dout, in, v}));
   in_.hyper_update_backward(din, dv, dAr, dB, dout, in, v, Ar, B);
 }
 void OpProfiler::delta_gate(Tensor x, Tensor base, Tensor alpha, Tensor r) {
-  Span s(*this, OpFamily::Elementwise, bytes_of({x, base, r}));
+  Span s(*this, __func__, OpFamily::Elementwise, bytes_of({x, base, r}));
   in_.delta_gate(x, base, alpha, r);
 }
 void OpProfiler::delta_gate_backward(Tensor dr, Tensor dalpha, Tensor dx, Tensor r, Tensor alpha,
                                      Tensor scratch) {
-  Span s(*this, OpFamily::Elementwise, bytes_of({dr, dx, r}));
+  Span s(*this, __func__, OpFamily::Elementwise, bytes_of({dr, dx, r}));
   in_.delta_gate_backward(dr, dalpha, dx, r, alpha, scratch);
 }
 void OpProfiler::delta_null_forward(Tensor out, Tensor row) {
-  Span s(*this, OpFamily::Elementwise, bytes_of({out}));
+  Span s(*this, __func__, OpFamily::Elementwise, bytes_of({out}));
   in_.delta_null_forward(out, row);
 }
 void OpProfiler::delta_null_backward(Tensor drow, Tensor dout, Tensor scratch) {
-  Span s(*this, OpFamily::Elementwise, bytes_of({dout}));
+  Span s(*this, __func__, OpFamily::Elementwise, bytes_of({dout}));
   in_.delta_null_backward(drow, dout, scratch);
 }
 void OpProfiler::delta_stream_advance(Tensor stream, Tensor slot, Tensor prev) {
   // stream read and written, slot read (and written back and prev read when prev is given).
-  Span s(*this, OpFamily::Elementwise,
+  Span s(*this, __func__, OpFamily::Elementwise,
          2 * bytes_of({stream}) + bytes_of({slot}) + (prev.empty() ? 0 : bytes_of({slot, prev})));
   in_.delta_stream_advance(stream, slot, prev);
 }
 void OpProfiler::delta_resid_gate_backward(Tensor dresid, Tensor dr, Tensor dalpha, Tensor dx,
                                            Tensor r, Tensor alpha, Tensor scratch) {
-  Span s(*this, OpFamily::Elementwise, 2 * bytes_of({dresid}) + bytes_of({dr, dx, r}));
+  Span s(*this, __func__, OpFamily::Elementwise, 2 * bytes_of({dresid}) + bytes_of({dr, dx, r}));
   in_.delta_resid_gate_backward(dresid, dr, dalpha, dx, r, alpha, scratch);
 }
 void OpProfiler::delta_source_grad(Tensor out, Tensor dresid, Tensor slot, Tensor next) {
   // slot read (and written back when next is given), next and dresid read, out written.
-  Span s(*this, OpFamily::Elementwise,
+  Span s(*this, __func__, OpFamily::Elementwise,
          bytes_of({out, dresid, slot}) + (next.empty() ? 0 : bytes_of({slot, next})));
   in_.delta_source_grad(out, dresid, slot, next);
 }
 double OpProfiler::sum_squares(Tensor t) {
-  Span s(*this, OpFamily::Optimizer, bytes_of({t}));
+  Span s(*this, __func__, OpFamily::Optimizer, bytes_of({t}));
   return in_.sum_squares(t);
 }
 void OpProfiler::adamw(Tensor param, Tensor master, Tensor grad, Tensor m, Tensor v, const AdamW& hp) {
-  Span s(*this, OpFamily::Optimizer, adamw_bytes(param, master, grad, m, v));
+  Span s(*this, __func__, OpFamily::Optimizer, adamw_bytes(param, master, grad, m, v));
   in_.adamw(param, master, grad, m, v, hp);
 }
 std::unique_ptr<Backend::AdamWGroup> OpProfiler::adamw_group(std::vector<AdamWSegment> segments) {
@@ -416,15 +466,15 @@ void OpProfiler::adamw_step(const AdamWGroup& group, const AdamW& hp) {
   double bytes = 0;
   for (const AdamWSegment& g : group.segments())
     bytes += adamw_bytes(g.param, g.master, g.grad, g.m, g.v);
-  Span s(*this, OpFamily::Optimizer, bytes);
+  Span s(*this, __func__, OpFamily::Optimizer, bytes);
   in_.adamw_step(group, hp);
 }
 void OpProfiler::zero(Tensor t) {
-  Span s(*this, OpFamily::Memory, bytes_of({t}));
+  Span s(*this, __func__, OpFamily::Memory, bytes_of({t}));
   in_.zero(t);
 }
 void OpProfiler::copy(Tensor dst, Tensor src) {
-  Span s(*this, OpFamily::Memory, bytes_of({dst, src}));
+  Span s(*this, __func__, OpFamily::Memory, bytes_of({dst, src}));
   in_.copy(dst, src);
 }
 

@@ -8,7 +8,9 @@
 //               (five matmuls against two), as FlashAttention counts them
 //   others      bytes: every tensor the op reads once and every tensor it writes once,
 //               the least any kernel must move
-// so that each family's achieved TFLOP/s or TB/s can be set against the roofline.
+// so that each family's achieved TFLOP/s or TB/s can be set against the roofline. Each
+// family is also split by op (the backend call), and the matmul family by product (its
+// shape, transposes and accumulation), to find the one call that runs below its family.
 // "other / idle" is the step's wall time minus every op's time: launch gaps, host work,
 // synchronisations, communication the ops do not hide. Profiled steps run slower than
 // plain ones (two event records per op), so the table is a budget, not the step time.
@@ -54,14 +56,16 @@ class OpProfiler final : public ForwardingBackend {
   double wall_ms() const { return wall_ms_; }  // summed over the profiled steps
 
   // Per step: {"steps", "wall_ms", "families": [{"family", "ms", "share", "calls",
-  // "tflops" | "tbps", "roofline_share"}], "other_ms", "other_share", "matmul_products":
-  // [{"product", "ms", "calls", "tflops"}] (slowest first)}. The roofline is
+  // "tflops" | "tbps", "roofline_share"}], "other_ms", "other_share", "ops": [{"family",
+  // "op", "ms", "calls", "tflops" | "tbps", "roofline_share"}] (every family split by the
+  // backend call, slowest first), "matmul_products": [{"product", "ms", "calls",
+  // "tflops"}] (slowest first)}. The roofline is
   // `peak_tflops` for FLOP-counted families and `peak_tbps` for the others. A product is
   // "C[M,N] = A[M,K] B[K,N]" with ^T where an operand is transposed and += where it
   // accumulates.
   nlohmann::json report(double peak_tflops, double peak_tbps) const;
   // The same as an aligned text table (one line per family, then other/idle and total,
-  // then the matmul products).
+  // then the ops of every family but matmul, then the matmul products).
   std::string table(double peak_tflops, double peak_tbps) const;
 
   void embedding_forward(Tensor out, Tensor tokens, Tensor table) override;
@@ -139,14 +143,16 @@ class OpProfiler final : public ForwardingBackend {
   // One op in flight: marks (or host times) before and after, and its work.
   class Span {
    public:
+    // op: the profiler method's name (__func__), the op's row in the "by op" table;
     // product: an index into products_ (a matmul's shape), or -1.
-    Span(OpProfiler& p, OpFamily f, double work, int product = -1);
+    Span(OpProfiler& p, const char* op, OpFamily f, double work, int product = -1);
     ~Span();
    private:
     OpProfiler& p_;
     OpFamily f_;
     double work_;
     int product_;
+    int op_ = -1;
     int mark_ = -1;
     std::chrono::steady_clock::time_point t0_;
   };
@@ -156,7 +162,16 @@ class OpProfiler final : public ForwardingBackend {
     double host_ms;     // when timed on the host
     double work;
     int product;        // products_ index, or -1
+    int op;             // ops_ index
   };
+  // Every family split by op (the backend call: routing_mix, delta_gate, ...).
+  struct OpPart {
+    OpFamily family;
+    std::string op;
+    OpFamilyTotals totals;
+  };
+  int op_index(OpFamily f, const char* op);
+  std::vector<OpPart> ops_;
   // The matmul family split by product (shape, transposes, accumulation): which
   // projection's GEMM runs below the family's rate.
   struct Product {

@@ -6,6 +6,7 @@
 //   backward: two of the same size per forward matmul, input and weight gradient);
 // - the attention FLOPs are the causal count of the config's shapes;
 // - the families' times add up to no more than the step's wall time;
+// - the "by op" and "by product" splits add up to their families;
 // - an unarmed profiler records nothing, and the results are the plain backend's.
 #include <gtest/gtest.h>
 
@@ -76,6 +77,20 @@ TEST(OpProfiler, CountsEveryOpOfAStepWithItsWork) {
     EXPECT_LE(ops, r["wall_ms"].get<double>());
     EXPECT_NEAR(r["other_ms"].get<double>(), r["wall_ms"].get<double>() - ops, 1e-9);
     EXPECT_NE(prof.table(989, 4.3).find("matmul"), std::string::npos);
+
+    // Every family split by op: each family's calls and time are its ops' sums; the
+    // routing's mix is an op of mhar's routing only.
+    for (const auto& f : r["families"]) {
+      double calls = 0, ms = 0;
+      for (const auto& op : r["ops"])
+        if (op["family"] == f["family"]) calls += op["calls"].get<double>(), ms += op["ms"].get<double>();
+      EXPECT_EQ(calls, f["calls"].get<double>()) << f["family"];
+      EXPECT_NEAR(ms, f["ms"].get<double>(), 1e-9 * std::max(1.0, ms)) << f["family"];
+    }
+    bool mix = false;
+    for (const auto& op : r["ops"]) mix |= op["op"] == "routing_mix" && op["family"] == "routing";
+    EXPECT_EQ(mix, mode == ResidualMode::Mhar);
+    EXPECT_NE(prof.table(989, 4.3).find("rmsnorm_backward"), std::string::npos);
 
     // The matmul family split by product: every call and FLOP lands in exactly one
     // product, slowest first; the q projection's forward is one of them, by its shape.
