@@ -67,7 +67,7 @@ double adamw_bytes(const Tensor& param, const Tensor& master, const Tensor& grad
 OpProfiler::Span::Span(OpProfiler& p, const char* op, OpFamily f, double work, int product)
     : p_(p), f_(f), work_(work), product_(product) {
   if (!p_.armed_) return;
-  op_ = p_.op_index(f, op);
+  op_ = p_.part_index(p_.ops_, f, op);
   mark_ = p_.in_.timing_mark();
   if (mark_ < 0) t0_ = std::chrono::steady_clock::now();
 }
@@ -109,56 +109,68 @@ void OpProfiler::finish_step(double wall_ms) {
 
 nlohmann::json OpProfiler::report(double peak_tflops, double peak_tbps) const {
   const double n = std::max(1, steps_), wall = wall_ms_ / n;
+  // A row's rate (TFLOP/s or TB/s) and its share of the roofline, per step.
+  auto add_rate = [&](nlohmann::json& row, OpFamily f, const OpFamilyTotals& t) {
+    const double ms = t.ms / n;
+    if (ms <= 0) return;
+    const double rate = t.work / n / (ms * 1e-3) / 1e12;
+    row[op_family_counts_flops(f) ? "tflops" : "tbps"] = rate;
+    row["roofline_share"] = rate / (op_family_counts_flops(f) ? peak_tflops : peak_tbps);
+  };
   nlohmann::json families = nlohmann::json::array();
   double ops_ms = 0;
   for (size_t i = 0; i < totals_.size(); ++i) {
     const OpFamilyTotals& t = totals_[i];
     if (t.calls == 0) continue;
     const auto f = OpFamily(i);
-    const double ms = t.ms / n, work = t.work / n;
+    const double ms = t.ms / n;
     ops_ms += ms;
     nlohmann::json row = {{"family", op_family_name(f)}, {"ms", ms}, {"share", wall > 0 ? ms / wall : 0},
                           {"calls", double(t.calls) / n}};
-    if (ms > 0) {
-      const double rate = work / (ms * 1e-3) / 1e12;  // TFLOP/s or TB/s
-      row[op_family_counts_flops(f) ? "tflops" : "tbps"] = rate;
-      row["roofline_share"] = rate / (op_family_counts_flops(f) ? peak_tflops : peak_tbps);
-    }
+    add_rate(row, f, t);
     families.push_back(row);
   }
-  std::vector<const Product*> by_time;
-  for (const Product& p : products_)
-    if (p.totals.calls > 0) by_time.push_back(&p);
-  std::stable_sort(by_time.begin(), by_time.end(),
-                   [](const Product* a, const Product* b) { return a->totals.ms > b->totals.ms; });
-  nlohmann::json products = nlohmann::json::array();
-  for (const Product* p : by_time) {
-    const double ms = p->totals.ms / n;
-    nlohmann::json row = {{"product", p->label}, {"ms", ms}, {"calls", double(p->totals.calls) / n}};
-    if (ms > 0) row["tflops"] = p->totals.work / n / (ms * 1e-3) / 1e12;
-    products.push_back(row);
-  }
-  std::vector<const OpPart*> ops_by_time;
-  for (const OpPart& o : ops_)
-    if (o.totals.calls > 0) ops_by_time.push_back(&o);
-  std::stable_sort(ops_by_time.begin(), ops_by_time.end(),
-                   [](const OpPart* a, const OpPart* b) { return a->totals.ms > b->totals.ms; });
-  nlohmann::json ops = nlohmann::json::array();
-  for (const OpPart* o : ops_by_time) {
-    const double ms = o->totals.ms / n;
-    nlohmann::json row = {{"family", op_family_name(o->family)}, {"op", o->op}, {"ms", ms},
-                          {"calls", double(o->totals.calls) / n}};
-    if (ms > 0) {
-      const double rate = o->totals.work / n / (ms * 1e-3) / 1e12;
-      row[op_family_counts_flops(o->family) ? "tflops" : "tbps"] = rate;
-      row["roofline_share"] = rate / (op_family_counts_flops(o->family) ? peak_tflops : peak_tbps);
+  // The splits, slowest first; `key` names a row's label ("op" or "product").
+  auto split = [&](const std::vector<Part>& parts, const char* key, bool with_family) {
+    std::vector<const Part*> by_time;
+    for (const Part& p : parts)
+      if (p.totals.calls > 0) by_time.push_back(&p);
+    std::stable_sort(by_time.begin(), by_time.end(),
+                     [](const Part* x, const Part* y) { return x->totals.ms > y->totals.ms; });
+    nlohmann::json rows = nlohmann::json::array();
+    for (const Part* p : by_time) {
+      nlohmann::json row = {{key, p->label}, {"ms", p->totals.ms / n}, {"calls", double(p->totals.calls) / n}};
+      if (with_family) row["family"] = op_family_name(p->family);
+      add_rate(row, p->family, p->totals);
+      rows.push_back(row);
     }
-    ops.push_back(row);
-  }
+    return rows;
+  };
   return {{"steps", steps_}, {"wall_ms", wall}, {"families", families}, {"other_ms", wall - ops_ms},
           {"other_share", wall > 0 ? (wall - ops_ms) / wall : 0}, {"peak_tflops", peak_tflops},
-          {"peak_tbps", peak_tbps}, {"ops", ops}, {"matmul_products", products}};
+          {"peak_tbps", peak_tbps}, {"ops", split(ops_, "op", true)},
+          {"matmul_products", split(products_, "product", false)}};
 }
+
+namespace {
+// A report row's "achieved" and "of peak" columns ("-" where it has no time).
+std::pair<std::string, std::string> rate_columns(const nlohmann::json& row) {
+  std::pair<std::string, std::string> cols{"-", "-"};
+  char b[64];
+  if (row.contains("tflops")) {
+    std::snprintf(b, sizeof b, "%.1f TFLOP/s", row["tflops"].get<double>());
+    cols.first = b;
+  } else if (row.contains("tbps")) {
+    std::snprintf(b, sizeof b, "%.2f TB/s", row["tbps"].get<double>());
+    cols.first = b;
+  }
+  if (row.contains("roofline_share")) {
+    std::snprintf(b, sizeof b, "%.0f%%", 100 * row["roofline_share"].get<double>());
+    cols.second = b;
+  }
+  return cols;
+}
+}  // namespace
 
 std::string OpProfiler::table(double peak_tflops, double peak_tbps) const {
   const nlohmann::json r = report(peak_tflops, peak_tbps);
@@ -168,19 +180,7 @@ std::string OpProfiler::table(double peak_tflops, double peak_tbps) const {
                 "achieved", "of peak");
   o << line;
   for (const auto& f : r["families"]) {
-    std::string rate = "-", of_peak = "-";
-    char b[64];
-    if (f.contains("tflops")) {
-      std::snprintf(b, sizeof b, "%.1f TFLOP/s", f["tflops"].get<double>());
-      rate = b;
-    } else if (f.contains("tbps")) {
-      std::snprintf(b, sizeof b, "%.2f TB/s", f["tbps"].get<double>());
-      rate = b;
-    }
-    if (f.contains("roofline_share")) {
-      std::snprintf(b, sizeof b, "%.0f%%", 100 * f["roofline_share"].get<double>());
-      of_peak = b;
-    }
+    const auto [rate, of_peak] = rate_columns(f);
     std::snprintf(line, sizeof line, "%-28s %10.2f %6.1f%% %7.0f %16s %9s\n", f["family"].get<std::string>().c_str(),
                   f["ms"].get<double>(), 100 * f["share"].get<double>(), f["calls"].get<double>(), rate.c_str(),
                   of_peak.c_str());
@@ -195,19 +195,7 @@ std::string OpProfiler::table(double peak_tflops, double peak_tbps) const {
     o << line;
     for (const auto& op : r["ops"]) {
       if (op["family"] == op_family_name(OpFamily::Matmul)) continue;  // by product, below
-      std::string rate = "-", of_peak = "-";
-      char b[64];
-      if (op.contains("tflops")) {
-        std::snprintf(b, sizeof b, "%.1f TFLOP/s", op["tflops"].get<double>());
-        rate = b;
-      } else if (op.contains("tbps")) {
-        std::snprintf(b, sizeof b, "%.2f TB/s", op["tbps"].get<double>());
-        rate = b;
-      }
-      if (op.contains("roofline_share")) {
-        std::snprintf(b, sizeof b, "%.0f%%", 100 * op["roofline_share"].get<double>());
-        of_peak = b;
-      }
+      const auto [rate, of_peak] = rate_columns(op);
       std::snprintf(line, sizeof line, "%-28s %-28s %10.2f %7.0f %16s %9s\n",
                     op["family"].get<std::string>().c_str(), op["op"].get<std::string>().c_str(),
                     op["ms"].get<double>(), op["calls"].get<double>(), rate.c_str(), of_peak.c_str());
@@ -251,18 +239,11 @@ void OpProfiler::add_rmsnorm_forward(Tensor x, Tensor y, Tensor rstd, Tensor a, 
   Span s(*this, __func__, OpFamily::Norms, bytes_of({x, y, rstd, a, b, w}));
   in_.add_rmsnorm_forward(x, y, rstd, a, b, w, eps);
 }
-int OpProfiler::op_index(OpFamily f, const char* op) {
-  for (size_t i = 0; i < ops_.size(); ++i)
-    if (ops_[i].family == f && ops_[i].op == op) return int(i);
-  ops_.push_back({f, op, {}});
-  return int(ops_.size()) - 1;
-}
-
-int OpProfiler::product_index(const std::string& label) {
-  for (size_t i = 0; i < products_.size(); ++i)
-    if (products_[i].label == label) return int(i);
-  products_.push_back({label, {}});
-  return int(products_.size()) - 1;
+int OpProfiler::part_index(std::vector<Part>& parts, OpFamily f, const std::string& label) {
+  for (size_t i = 0; i < parts.size(); ++i)
+    if (parts[i].family == f && parts[i].label == label) return int(i);
+  parts.push_back({f, label, {}});
+  return int(parts.size()) - 1;
 }
 
 void OpProfiler::matmul(Tensor c, Tensor a, Tensor b, bool ta, bool tb, bool acc) {
@@ -276,7 +257,7 @@ void OpProfiler::matmul(Tensor c, Tensor a, Tensor b, bool ta, bool tb, bool acc
                   static_cast<long long>(a.dim(1)), ta ? "^T" : "",
                   static_cast<long long>(b.dim(0)), static_cast<long long>(b.dim(1)),
                   tb ? "^T" : "");
-    product = product_index(label);
+    product = part_index(products_, OpFamily::Matmul, label);
   }
   Span s(*this, __func__, OpFamily::Matmul, matmul_flops(c, a, b), product);
   in_.matmul(c, a, b, ta, tb, acc);

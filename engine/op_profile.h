@@ -143,8 +143,8 @@ class OpProfiler final : public ForwardingBackend {
   // One op in flight: marks (or host times) before and after, and its work.
   class Span {
    public:
-    // op: the profiler method's name (__func__), the op's row in the "by op" table;
-    // product: an index into products_ (a matmul's shape), or -1.
+    // op: the profiler method's name (__func__), its row in ops_; product: an index into
+    // products_ (a matmul's shape), or -1.
     Span(OpProfiler& p, const char* op, OpFamily f, double work, int product = -1);
     ~Span();
    private:
@@ -164,22 +164,16 @@ class OpProfiler final : public ForwardingBackend {
     int product;        // products_ index, or -1
     int op;             // ops_ index
   };
-  // Every family split by op (the backend call: routing_mix, delta_gate, ...).
-  struct OpPart {
+  // A family's split: by op (the backend call: routing_mix, delta_gate, ...) for every
+  // family, and the matmul family by product (shape, transposes, accumulation), to find
+  // the call that runs below its family's rate.
+  struct Part {
     OpFamily family;
-    std::string op;
-    OpFamilyTotals totals;
-  };
-  int op_index(OpFamily f, const char* op);
-  std::vector<OpPart> ops_;
-  // The matmul family split by product (shape, transposes, accumulation): which
-  // projection's GEMM runs below the family's rate.
-  struct Product {
     std::string label;
     OpFamilyTotals totals;
   };
-  int product_index(const std::string& label);
-  std::vector<Product> products_;
+  static int part_index(std::vector<Part>& parts, OpFamily f, const std::string& label);
+  std::vector<Part> ops_, products_;
   bool armed_ = false;
   std::vector<Pending> pending_;
   std::array<OpFamilyTotals, size_t(OpFamily::kCount)> totals_{};
