@@ -12,7 +12,11 @@
 // (fastest(), below), and the fastest is kept. Lt's first choice was up to 18% slower than
 // its best at the 1B model's shapes (the weight and input gradients of the MLP
 // projections and the LM head; 4.4-6.6% of the step's matmul time; BENCHMARKS.md,
-// 2026-12-01, eighth session); the timed choice has gained 0-1.5% of a step so far.
+// 2026-12-01, eighth session). Timed apart, the choice is 4.4% faster than the first
+// choice over those products; in the step it gains 0-1.5%: the 1B step runs at the power
+// limit (681 W of 700 at 1,635 MHz), so a kernel faster at a given clock is not faster
+// when it spends the same power (BENCHMARKS.md, ninth session; timing the candidates in
+// the step itself gained no more and was dropped).
 // Candidates with an in-place split-K reduction (atomics in C) are left
 // out, so every product stays deterministic given its algorithm; which algorithm wins can
 // differ between processes when two are within timing noise (GPU runs were not bitwise
@@ -129,8 +133,9 @@ struct LtObjects {
 // (events between them, one synchronisation per round), and a candidate's best round
 // counts. (The first version timed each candidate alone, a few runs and a
 // synchronisation; its choices for the 1B forward products measured slower than Lt's
-// first choice in steady state. They still do with this timing, in a lab test that
-// measured the timed choice last, which biases it: open, cuda/NOTES.md lead 1.)
+// first choice in steady state; with this timing, measured interleaved with the
+// others in the lab test, the 1B step's timed choices sum to 166.44 ms against 164.88 for
+// the best per product and 174.07 for the first choice; ninth session.)
 template <class Run>
 int fastest(cudaStream_t s, MatmulContext& ctx, void* c, size_t c_bytes, bool accumulate,
             int found, const cublasLtMatmulHeuristicResult_t* results, Run&& run,

@@ -59,10 +59,10 @@ class OpProfiler final : public ForwardingBackend {
   // "tflops" | "tbps", "roofline_share"}], "other_ms", "other_share", "ops": [{"family",
   // "op", "ms", "calls", "tflops" | "tbps", "roofline_share"}] (every family split by the
   // backend call, slowest first), "matmul_products": [{"product", "ms", "calls",
-  // "tflops"}] (slowest first)}. The roofline is
-  // `peak_tflops` for FLOP-counted families and `peak_tbps` for the others. A product is
-  // "C[M,N] = A[M,K] B[K,N]" with ^T where an operand is transposed and += where it
-  // accumulates.
+  // "tflops", "roofline_share"}] (slowest first)}. The roofline is `peak_tflops` for
+  // FLOP-counted families and `peak_tbps` for the others. A product is named by its
+  // stored shapes, "C[M,N] = A[M,K] B[N,K]^T", with ^T after an operand that enters
+  // transposed and += where it accumulates.
   nlohmann::json report(double peak_tflops, double peak_tbps) const;
   // The same as an aligned text table (one line per family, then other/idle and total,
   // then the ops of every family but matmul, then the matmul products).
