@@ -982,11 +982,9 @@ __device__ __forceinline__ float head_sum(float x, int G) {
 // lane's chunks, already loaded) and its input x: head h's sum of dx . x; the head's
 // leader lane stores it in ubar's row `source`.
 template <int NT>
-__device__ __forceinline__ float span_ubar(float* ubar, const Row<NT>& dx, const bf16* x,
-                                           const Geometry& g, int source, int64_t n) {
+__device__ __forceinline__ float span_ubar_row(float* ubar, const Row<NT>& dx, const Row<NT>& rx,
+                                               const Geometry& g, int source, int64_t n) {
   const int lane = threadIdx.x & 31, G = 32 / g.H, h = lane / G;
-  Row<NT> rx;
-  load_span(rx, x + n * g.d);
   float p = 0.f;
 #pragma unroll
   for (int t = 0; t < NT; ++t)
@@ -995,6 +993,13 @@ __device__ __forceinline__ float span_ubar(float* ubar, const Row<NT>& dx, const
   const float ub = head_sum(p, G);
   if (lane % G == 0) ubar[(int64_t(source) * g.H + h) * g.N + n] = ub;
   return ub;
+}
+template <int NT>
+__device__ __forceinline__ float span_ubar(float* ubar, const Row<NT>& dx, const bf16* x,
+                                           const Geometry& g, int source, int64_t n) {
+  Row<NT> rx;
+  load_span(rx, x + n * g.d);
+  return span_ubar_row(ubar, dx, rx, g, source, n);
 }
 
 // routing_mix of one site, span layout. The softmax statistics of head h come from its G
@@ -1051,15 +1056,33 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
 // Sites source..last are read; inside a backward depth tile (source_value_pair_span_kernel
 // below) `last` stops before the tile's first slot and the value row starts from the
 // tile's partial `resume` (their share), else from zero (resume null, last = last_site).
-template <int NT, bool FUSED>
+// DELTA (FUSED, a slot read by its own site only: Backend::delta_site_backward): the
+// delta scheme's steps around the slot's backward run here on the rows already in
+// registers, each with the operations and roundings of its op (cuda/delta.cu), so the
+// same bits: before, dresid += dx and dr = alpha dx (dr is the site's gradient the slot
+// reads); after, slot = dv (+ next) and out = dresid + slot. dalpha's sum of dx r goes
+// by lane, warp and block into dl.partial[blockIdx.x] (summed by the caller's next kernel).
+struct DeltaRows {
+  bf16* dresid;
+  bf16* dr;
+  bf16* out;
+  const bf16* dx;
+  const bf16* next;  // may be null
+  const bf16* alpha;
+  float* partial;
+};
+
+template <int NT, bool FUSED, bool DELTA = false>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, FUSED ? 2 : span_blocks_per_sm(NT))
     source_value_span_kernel(float* __restrict__ val, bf16* __restrict__ dv,
                              float* __restrict__ weights, float* __restrict__ ubar,
                              const SiteRows site_dx, const bf16* __restrict__ x,
                              const bf16* __restrict__ v, const float* __restrict__ inv_rms,
                              const float* __restrict__ qg, const float* __restrict__ resume,
-                             const Geometry g, int source, int last) {
+                             const Geometry g, int source, int last, const DeltaRows dl = {}) {
+  static_assert(!DELTA || FUSED, "the delta steps ride on the fused kernel");
   const int lane = threadIdx.x & 31, G = 32 / g.H, h = lane / G;
+  float dalpha = 0.f;  // DELTA: this lane's share of sum dx r
   const bool leader = lane % G == 0;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
   float* w_src = weights + (g.lay.pair_base(source) * g.H + h) * g.N;  // head h's rows
@@ -1069,8 +1092,33 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, FUSED ? 2 : span_blocks_p
     const float r = inv_rms[n];
     Row<NT> rv, rdx, nxt;
     load_span(rv, v + n * g.d);
-    load_span(rdx, site_dx.dx[source] + n * g.d);
-    float ub = span_ubar(ubar, rdx, x, g, source, n);
+    float ub;
+    Row<NT> dres;  // DELTA: dresid + dx, as stored
+    if constexpr (DELTA) {
+      Row<NT> rg, rx;
+      load_span(rg, dl.dx + n * g.d);
+      load_span(dres, dl.dresid + n * g.d);
+      load_span(rx, x + n * g.d);
+      const float al = load(dl.alpha[0]);
+      float sum[NT][8], scaled[NT][8];
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const float gx = elem(rg.raw[t], e);
+          sum[t][e] = __fadd_rn(elem(dres.raw[t], e), gx);
+          scaled[t][e] = __fmul_rn(al, gx);
+          dalpha = __fmaf_rn(gx, elem(rx.raw[t], e), dalpha);
+        }
+      store_span(dl.dresid + n * g.d, sum);
+      store_span(dl.dr + n * g.d, scaled);
+#pragma unroll
+      for (int t = 0; t < NT; ++t) dres.raw[t] = pack8(sum[t]), rdx.raw[t] = pack8(scaled[t]);
+      ub = span_ubar_row(ubar, rdx, rx, g, source, n);
+    } else {
+      load_span(rdx, site_dx.dx[source] + n * g.d);
+      ub = span_ubar(ubar, rdx, x, g, source, n);
+    }
     float a = w_src[n];
     float acc[NT][8];
     if (resume) {
@@ -1128,9 +1176,91 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, FUSED ? 2 : span_blocks_p
       for (int t = 0; t < NT; ++t)
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[t][e] -= scale * elem(rv.raw[t], e);
-      store_span(dv + n * g.d, acc);
+      if constexpr (DELTA) {
+        // delta_source_grad: slot (as stored) += next, stored; out = dresid + slot.
+        Row<NT> nx;
+        if (dl.next) load_span(nx, dl.next + n * g.d);
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+          const uint4 stored_dv = pack8(acc[t]);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[t][e] = elem(stored_dv, e);
+        }
+        if (dl.next) {
+#pragma unroll
+          for (int t = 0; t < NT; ++t) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[t][e] = __fadd_rn(acc[t][e], elem(nx.raw[t], e));
+            const uint4 stored_slot = pack8(acc[t]);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[t][e] = elem(stored_slot, e);
+          }
+        }
+        store_span(dv + n * g.d, acc);
+#pragma unroll
+        for (int t = 0; t < NT; ++t)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[t][e] = __fadd_rn(elem(dres.raw[t], e), acc[t][e]);
+        store_span(dl.out + n * g.d, acc);
+      } else {
+        store_span(dv + n * g.d, acc);
+      }
     } else {
       store_span_f32(val + n * g.d, acc);
+    }
+  }
+  if constexpr (DELTA) {
+    const float block = block_sum(dalpha);
+    if (threadIdx.x == 0) dl.partial[blockIdx.x] = block;
+  }
+}
+
+// dalpha[0] += sum of partial[0..count) (one block; each thread a strided run, then
+// block_sum's fixed tree): the second half of delta_site_backward's dalpha.
+__global__ void sum_partials_kernel(float* __restrict__ out, const float* __restrict__ partial,
+                                    int count) {
+  float acc = 0.f;
+  for (int i = threadIdx.x; i < count; i += blockDim.x) acc += partial[i];
+  acc = block_sum(acc);
+  if (threadIdx.x == 0) out[0] += acc;
+}
+
+// routing_source_logits of a slot read by few sites (ns <= kFusedKeyMaxSites), span
+// layout: one read of v gives its inv_rms and its logits for every site, from the fp32 q*g
+// table [ns, d] (L1-resident). The general path (inv_rms kernel, two per-head GEMMs over v
+// for q*g's hi and lo parts, a scaling pass) took 52 us a slot at ns = 1 (ncu, tenth
+// session: delta's partial block sums at 1B), 4 launches and 3 reads of v for a row of
+// logits per head that this kernel writes from one.
+template <int NT>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
+    source_logits_span_kernel(float* __restrict__ w_src, float* __restrict__ inv_rms,
+                              const bf16* __restrict__ v, const float* __restrict__ qg,
+                              const Geometry g, int ns, float eps) {
+  const int lane = threadIdx.x & 31, G = 32 / g.H, h = lane / G;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
+  for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); n < g.N;
+       n += warps) {
+    Row<NT> rv;
+    load_span(rv, v + n * g.d);
+    float ss = 0.f;
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) ss += elem(rv.raw[t], e) * elem(rv.raw[t], e);
+    const float r = rsqrtf(warp_sum(ss) / float(g.d) + eps);
+    if (lane == 0) inv_rms[n] = r;
+    for (int k = 0; k < ns; ++k) {
+      const float4* qrow = reinterpret_cast<const float4*>(qg + int64_t(k) * g.d) + lane * 2 * NT;
+      float p = 0.f;
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        const float4 q0 = qrow[2 * t], q1 = qrow[2 * t + 1];
+        const float q[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+#pragma unroll
+        for (int e = 0; e < 8; ++e) p += q[e] * elem(rv.raw[t], e);
+      }
+      p = head_sum(p, G);
+      if (lane % G == 0) w_src[(int64_t(k) * g.H + h) * g.N + n] = r * p;
     }
   }
 }
@@ -1217,9 +1347,75 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
 
 // ---------------------------------------------------------------- key gradient
 // G_k[c] = sum_n (ds_k r)[head(c), n] v[n, c] of one slot against its sites is, per head,
-// a GEMM over the tokens (cuBLAS, tensor cores, fp32 accumulate into gsum's slab 0; the
-// other slabs stay zero): [dh x N] x [N x ns]. ds r is fp32, v bf16, so ds r goes in as
-// bf16 hi + lo parts (two GEMMs), which carry it to ~2^-17 relative.
+// a GEMM over the tokens (cuBLAS, tensor cores, fp32 accumulate into gsum's slab 0): [dh x
+// N] x [N x ns]. ds r is fp32, v bf16, so ds r goes in as bf16 hi + lo parts (two GEMMs),
+// which carry it to ~2^-17 relative.
+// A slot read by few sites (ns <= kKeyGradKernelMaxSites, every chunk in one head) takes
+// key_grad_kernel instead: at ns = 1 (delta's partial block sums: 64 of the 1B model's 73
+// slots) the two GEMMs and the split took 55 us a slot (ncu, tenth session), for 42 MB of
+// v that one pass reads in ~12 us. The kernel reads v and the fp32 ds r once and adds
+// into every slab of gsum: slab c gets the sum over its share of the tokens [N c / C,
+// N (c+1) / C). Each gsum element is written by one thread, the token partials of a block
+// summed in a fixed order: deterministic, like the GEMMs.
+// Block: kKeyGradRows token rows x 32 chunk lanes (a warp reads 512 contiguous bytes of a
+// row); grid: C slabs x ceil(d / 256) chunk groups (320 blocks at the 1B shape, C = 64).
+constexpr int kKeyGradKernelMaxSites = 8;
+constexpr int kKeyGradRows = 4;
+
+template <int NS>  // NS >= ns, the slot's sites
+__global__ void __launch_bounds__(32 * kKeyGradRows)
+    key_grad_kernel(float* __restrict__ gsum, const float* __restrict__ dsr,
+                    const bf16* __restrict__ v, const Geometry g, int source, int ns, int slabs) {
+  constexpr int U = NS <= 2 ? 8 : 4;  // token rows in flight per thread
+  __shared__ float part[kKeyGradRows][256];
+  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+  const int slab = blockIdx.x, chunk = blockIdx.y * 32 + tx;
+  const bool active = chunk < g.nchunks;
+  const int64_t n0 = g.N * slab / slabs, n1 = g.N * (slab + 1) / slabs;
+  const int h = active ? chunk * 8 / g.dh : 0;
+  const uint4* vp = reinterpret_cast<const uint4*>(v) + chunk;
+  const float* wp = dsr + int64_t(h) * g.N;  // site k's row: + k H N
+  float acc[NS][8];
+#pragma unroll
+  for (int k = 0; k < NS; ++k)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[k][e] = 0.f;
+  for (int64_t n = n0 + ty; n < n1; n += kKeyGradRows * U) {
+    uint4 raw[U];
+    float w[U][NS];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t m = n + int64_t(kKeyGradRows) * u;
+      const bool ok = active && m < n1;
+      raw[u] = ok ? vp[m * g.nchunks] : make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int k = 0; k < NS; ++k) w[u][k] = ok && k < ns ? wp[int64_t(k) * g.H * g.N + m] : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int k = 0; k < NS; ++k)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[k][e] += w[u][k] * elem(raw[u], e);
+  }
+  const int64_t feature0 = int64_t(blockIdx.y) * 256;
+#pragma unroll
+  for (int k = 0; k < NS; ++k) {
+    if (k >= ns) break;  // uniform over the block
+    __syncthreads();     // the previous site's partials have been read
+#pragma unroll
+    for (int e = 0; e < 8; ++e) part[ty][tx * 8 + e] = acc[k][e];
+    __syncthreads();
+    for (int f = threadIdx.x; f < 256; f += 32 * kKeyGradRows) {
+      if (feature0 + f >= g.d) break;
+      float sum = 0.f;
+#pragma unroll
+      for (int r = 0; r < kKeyGradRows; ++r) sum += part[r][f];
+      gsum[(int64_t(slab) * g.lay.sites + source + k) * g.d + feature0 + f] += sum;
+    }
+  }
+}
+
 __global__ void split_bf16_kernel(bf16* __restrict__ hi, bf16* __restrict__ lo,
                                   const float* __restrict__ x, int64_t n) {
   for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
@@ -1377,6 +1573,20 @@ void routing_source_logits(cudaStream_t s, RoutingContext& ctx, Tensor weights, 
   const SiteParams sp = site_params(what, params, g.d);
   const int ns = layout.last_site(source) - source + 1;
   const int64_t table = int64_t(ns) * g.d;
+  float* w = weights.ptr<float>() + g.lay.pair_base(source) * g.H * N;
+  if (span_layout(g) && ns <= kFusedKeyMaxSites) {  // few sites: one pass (see the kernel)
+    auto* qg = static_cast<float*>(ctx.scratch(ScratchSlot::RoutingTables, table * sizeof(float)));
+    qg_tables_kernel<<<grid_stride_blocks(table, 256), 256, 0, s>>>(nullptr, nullptr, qg, sp,
+                                                                     source, ns, g.d);
+    CUDA_CHECK_LAUNCH();
+    dispatch_span(g, [&](auto nt) {
+      source_logits_span_kernel<decltype(nt)::value>
+          <<<token_blocks(N), 32 * kWarpsPerBlock, 0, s>>>(
+              w, inv_rms.ptr<float>(), static_cast<const bf16*>(v.data), qg, g, ns, float(eps));
+      CUDA_CHECK_LAUNCH();
+    });
+    return;
+  }
   auto* hi = static_cast<bf16*>(ctx.scratch(ScratchSlot::RoutingTables, 2 * table * sizeof(bf16)));
   bf16* lo = hi + table;
   qg_tables_kernel<<<grid_stride_blocks(table, 256), 256, 0, s>>>(hi, lo, nullptr, sp, source, ns,
@@ -1387,7 +1597,6 @@ void routing_source_logits(cudaStream_t s, RoutingContext& ctx, Tensor weights, 
         inv_rms.ptr<float>(), static_cast<const bf16*>(v.data), g, float(eps));
     CUDA_CHECK_LAUNCH();
   });
-  float* w = weights.ptr<float>() + g.lay.pair_base(source) * g.H * N;
   for (const bf16* part : {static_cast<const bf16*>(hi), static_cast<const bf16*>(lo)})
     head_gemm(s, ctx.blas, CUBLAS_OP_T, CUBLAS_OP_N, N, ns, g.dh, v.data, CUDA_R_16BF, g.d, g.dh,
               part, CUDA_R_16BF, g.d, g.dh, part == lo ? 1.f : 0.f, w, int64_t(g.H) * N, N, g.H);
@@ -1593,10 +1802,12 @@ struct TileSlot {
 // the sites >= source left in the RoutingBackTile scratch); or the tile's next slot
 // (`resume_last` >= source: its value row starts from that share and reads only the sites
 // source .. resume_last).
+// `delta` (routing_delta_site_backward): the fused slot's kernel does the delta steps too.
 void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weights, Tensor ubar,
                      Tensor gsum, const std::vector<Tensor>& site_dx, Tensor x, Tensor v,
                      Tensor inv_rms, const RoutingParams& params, const RoutingLayout& layout,
-                     int source, int heads, const TileSlot* older, int resume_last) {
+                     int source, int heads, const TileSlot* older, int resume_last,
+                     const DeltaRows* delta = nullptr, Tensor dalpha = Tensor()) {
   const char* what = "routing_source_backward";
   const Geometry g = source_geometry(what, weights, inv_rms, v, params, layout, source, heads);
   const int64_t N = g.N;
@@ -1635,6 +1846,8 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
                      : static_cast<float*>(ctx.scratch(ScratchSlot::RoutingValueGrad, N * g.d * 4));
   MHAR_CHECK(!fused || (!older && resume_last < 0), "CUDA ", what, ": a backward depth tile of "
              "fused slots (source ", source, ")");
+  MHAR_CHECK(!delta || (fused && ns == 1 && resume_last < 0), "CUDA ", what,
+             ": the delta steps need a fused slot read by its own site (source ", source, ")");
   if (older) {
     auto* partial = static_cast<float*>(ctx.scratch(ScratchSlot::RoutingBackTile, N * g.d * 4));
     dispatch_span(g, [&](auto nt) {
@@ -1662,12 +1875,19 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
     const int last = resume_last >= 0 ? resume_last : layout.last_site(source);
     dispatch_span(g, [&](auto nt) {
       constexpr int NT = decltype(nt)::value;
-      auto kernel = fused ? source_value_span_kernel<NT, true> : source_value_span_kernel<NT, false>;
+      auto kernel = delta   ? source_value_span_kernel<NT, true, true>
+                    : fused ? source_value_span_kernel<NT, true>
+                            : source_value_span_kernel<NT, false>;
       kernel<<<token_blocks(N), 32 * kWarpsPerBlock, 0, s>>>(
           val, fused ? dv_out : nullptr, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in,
-          v_in, inv_rms.ptr<float>(), fused ? qg : nullptr, resume, g, source, last);
+          v_in, inv_rms.ptr<float>(), fused ? qg : nullptr, resume, g, source, last,
+          delta ? *delta : DeltaRows{});
       CUDA_CHECK_LAUNCH();
     });
+    if (delta) {
+      sum_partials_kernel<<<1, 256, 0, s>>>(dalpha.ptr<float>(), delta->partial, token_blocks(N));
+      CUDA_CHECK_LAUNCH();
+    }
   } else {
     MHAR_CHECK(resume_last < 0, "CUDA ", what, ": a backward depth tile outside the span layout");
     const size_t smem = sizeof(float) * kWarpsPerBlock * heads;
@@ -1691,7 +1911,21 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
       CUDA_CHECK_LAUNCH();
     });
   }
-  // The key gradients: gsum[0][k] += G_k for the slot's sites k.
+  // The key gradients: gsum[.][k] += G_k for the slot's sites k.
+  if (ns <= kKeyGradKernelMaxSites && g.dh % 8 == 0) {  // one pass (see the kernel)
+    const int slabs = int(gsum.dim(0));
+    const dim3 grid(unsigned(slabs), unsigned(ceil_div(g.nchunks, 32)));
+    auto launch = [&](auto kernel) {
+      kernel<<<grid, 32 * kKeyGradRows, 0, s>>>(gsum.ptr<float>(), w_src, v_in, g, source, ns,
+                                                slabs);
+      CUDA_CHECK_LAUNCH();
+    };
+    if (ns == 1) launch(key_grad_kernel<1>);
+    else if (ns == 2) launch(key_grad_kernel<2>);
+    else if (ns <= 4) launch(key_grad_kernel<4>);
+    else launch(key_grad_kernel<kKeyGradKernelMaxSites>);
+    return;
+  }
   const int64_t pair_vals = int64_t(ns) * g.H * N;
   auto* dsr_hi = static_cast<bf16*>(
       ctx.scratch(ScratchSlot::RoutingPairSplit, 2 * pair_vals * sizeof(bf16)));
@@ -1723,6 +1957,43 @@ void routing_source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Ten
                       site_dx[size_t(tile.first)].data == tile.first_dx;
   source_backward(s, ctx, dv, weights, ubar, gsum, site_dx, x, v, inv_rms, params, layout, source,
                   heads, nullptr, resume ? tile.first - 1 : -1);
+}
+
+bool routing_delta_site_backward_fuses(const DeltaSiteBackward& a) {
+  const int64_t n = a.dx.numel();
+  if (a.inv_rms.numel() <= 0 || a.heads < 1 || n % a.inv_rms.numel() != 0) return false;
+  const int64_t N = a.inv_rms.numel(), d = n / N;
+  const bool span = d % 256 == 0 && d <= 256 * kMaxNT && 32 % a.heads == 0;
+  bool ok = span && g_fused_key_max_sites >= 1 &&  // the kernel lab may turn fusion off
+            a.layout.last_site(a.site) == a.site && a.alpha.dtype == DType::BF16 &&
+            a.alpha.numel() == 1 && a.dalpha.dtype == DType::F32 && a.dalpha.numel() == 1 &&
+            a.scratch.dtype == DType::F32 && a.scratch.numel() >= token_blocks(N);
+  for (const Tensor* t : {&a.dresid, &a.dr, &a.dx, &a.r, &a.slot, &a.v, &a.out, &a.next}) {
+    if (t == &a.next && t->empty()) continue;
+    ok = ok && t->dtype == DType::BF16 && t->numel() == n && aligned16(t->data);
+  }
+  return ok;
+}
+
+bool routing_delta_site_backward(cudaStream_t s, RoutingContext& ctx, const DeltaSiteBackward& a) {
+  const char* what = "delta_site_backward";
+  const int j = a.site;
+  const RoutingLayout& lay = a.layout;
+  MHAR_CHECK(a.site_dx && a.params, "CUDA ", what, ": site_dx and params must be given");
+  MHAR_CHECK(j >= 1 && j < lay.sources && lay.last_site(j) == j, "CUDA ", what, ": site ", j,
+             " must be >= 1 and read only its own slot (layout of ", lay.sources,
+             " sources, block ", lay.block, ")");
+  MHAR_CHECK(size_t(j) < a.site_dx->size() && (*a.site_dx)[size_t(j)].data == a.dr.data, "CUDA ",
+             what, ": site_dx[", j, "] must be dr");
+  if (!routing_delta_site_backward_fuses(a)) return false;
+  ctx.back_tile = BackTile{};
+  const DeltaRows rows{static_cast<bf16*>(a.dresid.data), static_cast<bf16*>(a.dr.data),
+                       static_cast<bf16*>(a.out.data),    static_cast<const bf16*>(a.dx.data),
+                       a.next.empty() ? nullptr : static_cast<const bf16*>(a.next.data),
+                       static_cast<const bf16*>(a.alpha.data), a.scratch.ptr<float>()};
+  source_backward(s, ctx, a.slot, a.weights, a.ubar, a.gsum, *a.site_dx, a.r, a.v, a.inv_rms,
+                  *a.params, lay, j, a.heads, nullptr, -1, &rows, a.dalpha);
+  return true;
 }
 
 int routing_backward_tile_slots(const RoutingLayout& layout, int64_t d, int heads) {

@@ -87,6 +87,19 @@ struct RoutingLayout {
   }
 };
 
+// The operands of Backend::delta_site_backward (residual_delta.cpp's names): those of
+// delta_resid_gate_backward, then routing_source_backward's (x is r, and site_dx[site] is
+// dr), then delta_source_grad's (next may be empty).
+struct DeltaSiteBackward {
+  Tensor dresid, dr, dalpha, dx, r, alpha, scratch;
+  Tensor slot, weights, ubar, gsum, v, inv_rms;
+  const std::vector<Tensor>* site_dx = nullptr;
+  const RoutingParams* params = nullptr;
+  RoutingLayout layout;
+  int site = 0, heads = 0;
+  Tensor out, next;
+};
+
 // What the temporaries of a model's ops depend on (Backend::op_scratch_bytes): the model's
 // shapes (Model::plan_activations) and what its residual scheme calls
 // (ResidualScheme::op_scratch_shapes). Every op of the model's passes is covered: its
@@ -488,6 +501,22 @@ class Backend {
   virtual void delta_source_grad(Tensor out, Tensor dresid, Tensor slot, Tensor next) {
     if (!next.empty()) add_inplace(slot, next);
     add(out, dresid, slot);
+  }
+  // The whole backward of a site j >= 1 whose slot is read by site j alone (a block's
+  // partial sum: layout.last_site(j) == j), as residual_delta.cpp runs it:
+  //   delta_resid_gate_backward(dresid, dr, dalpha, dx, r, alpha, scratch);
+  //   routing_source_backward(slot, weights, ubar, gsum, *site_dx, r, v, inv_rms, *params,
+  //                           layout, j, heads);          ((*site_dx)[j] is dr)
+  //   delta_source_grad(out, dresid, slot, next)
+  // An override gives the sequence's bits in every output but dalpha, whose sum over the
+  // tokens may run in another fixed order (deterministic; within the fp32 bound of its
+  // length). The fusion's point: the five row-sized tensors it reads come from memory
+  // once, where the sequence reads dx, r, dresid and slot twice.
+  virtual void delta_site_backward(const DeltaSiteBackward& a) {
+    delta_resid_gate_backward(a.dresid, a.dr, a.dalpha, a.dx, a.r, a.alpha, a.scratch);
+    routing_source_backward(a.slot, a.weights, a.ubar, a.gsum, *a.site_dx, a.r, a.v, a.inv_rms,
+                            *a.params, a.layout, a.site, a.heads);
+    delta_source_grad(a.out, a.dresid, a.slot, a.next);
   }
 
   // ---- optimizer support

@@ -432,6 +432,15 @@ void OpProfiler::delta_source_grad(Tensor out, Tensor dresid, Tensor slot, Tenso
          bytes_of({out, dresid, slot}) + (next.empty() ? 0 : bytes_of({slot, next})));
   in_.delta_source_grad(out, dresid, slot, next);
 }
+void OpProfiler::delta_site_backward(const DeltaSiteBackward& a) {
+  // Read once each: dx, r, dresid, v (the value path and the key gradients), next; written:
+  // dresid, dr, slot, out; and the slot's per-head rows (weights read and written, ubar).
+  const double heads_rows = 3.0 * double(a.inv_rms.numel()) * a.heads * sizeof(float);
+  Span s(*this, __func__, OpFamily::Routing,
+         bytes_of({a.dx, a.r, a.dresid, a.v, a.dresid, a.dr, a.slot, a.out}) +
+             (a.next.empty() ? 0 : bytes_of({a.next})) + heads_rows);
+  in_.delta_site_backward(a);
+}
 double OpProfiler::sum_squares(Tensor t) {
   Span s(*this, __func__, OpFamily::Optimizer, bytes_of({t}));
   return in_.sum_squares(t);

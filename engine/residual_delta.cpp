@@ -193,18 +193,30 @@ void DeltaScheme::site_forward(int j) {
 
 void DeltaScheme::site_backward(int j) {
   Tensor dx = site_grad(j), dresid = c_.act(dresid_), scratch = c_.act(scratch_);
-  c_.be.delta_resid_gate_backward(dresid, c_.act(route_dx_[size_t(j)]), g(alpha_[size_t(j)]), dx,
-                                  c_.act(route_x_[size_t(j)]), p(alpha_[size_t(j)]), scratch);
+  Tensor r = c_.act(route_x_[size_t(j)]), slot = c_.act(slot_dx_[size_t(j)]);
   std::vector<Tensor> dr;
   for (int id : route_dx_) dr.push_back(c_.act(id));
-  Tensor slot = c_.act(slot_dx_[size_t(j)]);
-  c_.be.routing_source_backward(slot, c_.act(route_w_), c_.act(ubar_), c_.act(gsum_), dr,
-                                c_.act(route_x_[size_t(j)]), c_.act(history_)[j],
-                                c_.act(inv_rms_)[j], params_, layout_, j, H_);
   // Slot j's gradient gathers the later slots of its block (slot j+1's, already gathered).
   const Tensor next = j + 1 < layout_.sources && continues_block(j + 1)
                           ? c_.act(slot_dx_[size_t(j + 1)])
                           : Tensor();
+  if (j >= 1 && layout_.last_site(j) == j) {
+    // Slot j is read by site j alone (a partial block sum): the steps below as one op,
+    // which the CUDA backend runs as one pass over the rows (backend.h).
+    DeltaSiteBackward a;
+    a.dresid = dresid, a.dr = dr[size_t(j)], a.dalpha = g(alpha_[size_t(j)]), a.dx = dx, a.r = r;
+    a.alpha = p(alpha_[size_t(j)]), a.scratch = scratch;
+    a.slot = slot, a.weights = c_.act(route_w_), a.ubar = c_.act(ubar_), a.gsum = c_.act(gsum_);
+    a.v = c_.act(history_)[j], a.inv_rms = c_.act(inv_rms_)[j];
+    a.site_dx = &dr, a.params = &params_, a.layout = layout_, a.site = j, a.heads = H_;
+    a.out = c_.act(source_dx_[size_t(j)]), a.next = next;
+    c_.be.delta_site_backward(a);
+    return;
+  }
+  c_.be.delta_resid_gate_backward(dresid, dr[size_t(j)], g(alpha_[size_t(j)]), dx, r,
+                                  p(alpha_[size_t(j)]), scratch);
+  c_.be.routing_source_backward(slot, c_.act(route_w_), c_.act(ubar_), c_.act(gsum_), dr, r,
+                                c_.act(history_)[j], c_.act(inv_rms_)[j], params_, layout_, j, H_);
   if (j == 0) {
     MHAR_CHECK(next.empty(), "slot 1 starts a block");  // slot 0 is the null, alone
     c_.be.delta_null_backward(g(null_), slot, scratch);

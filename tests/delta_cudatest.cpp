@@ -31,11 +31,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <functional>
 #include <limits>
 #include <iterator>
+#include <tuple>
 
+#include "cuda/kernels.h"
 #include "engine/config.h"
 #include "engine/model.h"
 #include "tests/cuda_test_util.h"
@@ -322,6 +325,107 @@ TEST_F(DeltaParity, FusedStepsAreTheirSequencesBitForBitAndMatchTheCpu) {
       const size_t half = fused_bits.size() / 2;
       for (size_t i = 0; i < half; ++i)
         EXPECT_EQ(fused_bits[i], fused_bits[half + i]) << "output " << i << " n" << n;
+    }
+  }
+}
+
+// Backend::delta_site_backward on the CUDA backend (one fused pass where the shapes allow
+// it: cuda/routing.cu) against its default, the op sequence run on the GPU: the same bits
+// in dresid, dr, the slot's gradient, out, ubar, ds r and the key-gradient slabs; dalpha
+// (whose sum runs in the fused kernel's own fixed order) against the fp64 sum within the
+// fp32 bound of its longest chain: a lane's run of ceil(N / warps) tokens x (d / 32)
+// elements, then the warp, block and partials trees (5 + 5 + ceil(blocks / 256) + 5 + 5
+// steps), plus the rounding of the "+=" to fp32. Block layout of 9 sites in blocks of 4:
+// site 3 (its slot continues into slot 4: `next` given) and site 8 (the last: no next);
+// widths 256 and 1280 (1 and 5 chunks per lane), H 4 and 8, N 37 (a partial warp's share).
+TEST_F(DeltaParity, SiteBackwardFusedIsItsSequence) {
+  const int S = 9, block = 4;
+  const RoutingLayout lay = RoutingLayout::blocks(S, block);
+  for (auto [N, d, H] : {std::tuple<int64_t, int64_t, int>{37, 256, 4}, {37, 1280, 8},
+                         {300, 1280, 8}}) {
+    for (int j : {3, 8}) {
+      const std::string tag = " N" + std::to_string(N) + " d" + std::to_string(d) + " H" +
+                              std::to_string(H) + " site " + std::to_string(j);
+      auto normal = [&](int64_t m, DType t, double sd = 1.0, double mean = 0.0) {
+        return random_normal(rng, m, t, sd, mean);
+      };
+      const int64_t P = lay.pairs(), rows = N * d;
+      const auto v_dresid = normal(rows, DType::BF16), v_dx = normal(rows, DType::BF16);
+      const auto v_r = normal(rows, DType::BF16), v_v = normal(rows, DType::BF16, 2.0);
+      const auto v_next = normal(rows, DType::BF16, 0.5);
+      const auto v_w = normal(P * H * N, DType::F32, 0.2, 0.3);  // softmax weights' scale
+      const auto v_inv = normal(N, DType::F32, 0.05, 0.5);
+      const auto v_alpha = normal(1, DType::BF16, 0.5), v_dalpha = normal(1, DType::F32);
+      std::vector<double> qv, gv;
+      for (int k = 0; k < S; ++k) {
+        for (double x : normal(d, DType::BF16, 1.0 / std::sqrt(double(d / H)))) qv.push_back(x);
+        for (double x : normal(d, DType::BF16, 0.3, 1.0)) gv.push_back(x);
+      }
+      // Every tensor twice: [0] for the fused op, [1] for the sequence.
+      struct Side {
+        std::vector<Buffer> keep;
+        DeltaSiteBackward a;
+        std::vector<Tensor> site_dx;
+        RoutingParams params;
+      };
+      std::vector<Side> sides(2);
+      for (Side& sd : sides) {
+        auto buf = [&](DType t, std::initializer_list<int64_t> shape, const std::vector<double>& v) {
+          sd.keep.emplace_back(*gpu, t, shape);
+          sd.keep.back().set(v);
+          return sd.keep.back().t();
+        };
+        const std::vector<double> nan_rows(size_t(rows), std::nan(""));
+        DeltaSiteBackward& a = sd.a;
+        a.dresid = buf(DType::BF16, {N, d}, v_dresid);
+        a.dx = buf(DType::BF16, {N, d}, v_dx);
+        a.r = buf(DType::BF16, {N, d}, v_r);
+        a.v = buf(DType::BF16, {N, d}, v_v);
+        a.dr = buf(DType::BF16, {N, d}, nan_rows);
+        a.slot = buf(DType::BF16, {N, d}, nan_rows);
+        a.out = buf(DType::BF16, {N, d}, nan_rows);
+        if (j + 1 < S) a.next = buf(DType::BF16, {N, d}, v_next);
+        a.alpha = buf(DType::BF16, {1}, v_alpha);
+        a.dalpha = buf(DType::F32, {1}, v_dalpha);
+        a.scratch = buf(DType::F32, {64, d}, std::vector<double>(size_t(64 * d), std::nan("")));
+        a.weights = buf(DType::F32, {P, H, N}, v_w);
+        a.inv_rms = buf(DType::F32, {N}, v_inv);
+        a.ubar = buf(DType::F32, {S, H, N}, std::vector<double>(size_t(S * H * N), 0.0));
+        a.gsum = buf(DType::F32, {8, S, d}, std::vector<double>(size_t(8 * S * d), 0.0));
+        for (int k = 0; k < S; ++k) {
+          // Site k's gradient rows: dr at site j, zeros elsewhere (the slot reads site j only).
+          sd.site_dx.push_back(k == j ? a.dr : buf(DType::BF16, {N, d}, std::vector<double>(size_t(rows), 0.0)));
+          sd.params.query.push_back(buf(DType::BF16, {d}, std::vector<double>(
+              qv.begin() + k * d, qv.begin() + (k + 1) * d)));
+          sd.params.gain.push_back(buf(DType::BF16, {d}, std::vector<double>(
+              gv.begin() + k * d, gv.begin() + (k + 1) * d)));
+        }
+        a.site_dx = &sd.site_dx, a.params = &sd.params, a.layout = lay, a.site = j, a.heads = H;
+      }
+      ASSERT_TRUE(cuda::routing_delta_site_backward_fuses(sides[0].a)) << "no fused path" << tag;
+      gpu->delta_site_backward(sides[0].a);
+      gpu->Backend::delta_site_backward(sides[1].a);
+      auto get = [&](const Tensor& t) { return download(*gpu, t); };
+      const DeltaSiteBackward &f = sides[0].a, &q = sides[1].a;
+      for (auto [name, tf, tq] : {std::tuple<const char*, Tensor, Tensor>{"dresid", f.dresid, q.dresid},
+                                  {"dr", f.dr, q.dr}, {"slot", f.slot, q.slot}, {"out", f.out, q.out},
+                                  {"ubar", f.ubar, q.ubar}, {"ds r", f.weights, q.weights},
+                                  {"key gradient slabs", f.gsum, q.gsum}})
+        EXPECT_EQ(get(tf), get(tq)) << name << tag << ": fused differs from the op sequence";
+      double ref = v_dalpha[0], abs_sum = 0;
+      for (int64_t e = 0; e < rows; ++e) {
+        ref += v_dx[size_t(e)] * v_r[size_t(e)];
+        abs_sum += std::fabs(v_dx[size_t(e)] * v_r[size_t(e)]);
+      }
+      const double blocks = double(cuda::grid_stride_blocks(N * 32, 128));
+      const double run = std::ceil(double(N) / (4 * blocks)) * double(d / 32);
+      const double bound = (run + 5 + 5 + std::ceil(blocks / 256) + 5 + 5) * 0x1p-24 * abs_sum +
+                           0x1p-24 * (std::fabs(v_dalpha[0]) + abs_sum);
+      expect_within("delta_site_backward dalpha" + tag, get(f.dalpha), {ref},
+                    [&](size_t) { return bound; });
+      // The sequence's dalpha is the gate backward's (tested above): both within their bounds.
+      expect_within("delta_site_backward dalpha, sequence" + tag, get(q.dalpha), {ref},
+                    [&](size_t) { return dalpha_bound(rows, 64 * d, abs_sum, v_dalpha[0]); });
     }
   }
 }

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <functional>
 
 #include "cuda/kernels.h"
@@ -527,6 +528,64 @@ TEST_F(OpTiming, DISABLED_RoutingBackwardFusedLimit) {
       cuda::routing_set_kernel_version(cuda::RoutingKernel::BackwardPair, 0);
     }
     cuda::routing_set_fused_key_max_sites(-1);
+  }
+}
+
+// Delta's routing at the 1B shape (configs/1b_delta.json: d 1280, 73 sites, H 8, blocks
+// of 8 sublayers), split by slot class: "short" slots (a block's partial sums, read by
+// their own site only: 63 of 73) and "long" ones (the null and each closed block's last
+// slot, read by every later site). Per class: the logits of every such source, and its
+// source backward, in ms for the whole step's calls and by the bytes each must move
+// (logits: v read, inv_rms and ns H fp32 logits written; backward: v, x, dv, the ns site
+// rows, ns H weights read and written, ubar). MHAR_OP_TIMING_REPS (default 10) sets the
+// repetitions: 1 under a kernel profiler (ncu), whose per-kernel summary splits each op.
+TEST_F(OpTiming, DISABLED_DeltaRouting1B) {
+  const int64_t N = 16384, d = 1280;
+  const int S = 73, H = 8, reps = [] {
+    const char* e = std::getenv("MHAR_OP_TIMING_REPS");
+    return e ? std::max(1, std::atoi(e)) : 10;
+  }();
+  const RoutingLayout lay = RoutingLayout::blocks(S, 8);
+  Buffer hist = random_gpu(DType::BF16, {S, N, d});
+  Buffer site_dx(*gpu, DType::BF16, {S, N, d}), xs(*gpu, DType::BF16, {S, N, d});
+  gpu->copy(site_dx, hist);
+  const std::vector<Tensor> dx_rows = routing_rows(site_dx.t());
+  Buffer inv_rms(*gpu, DType::F32, {S, N}), weights(*gpu, DType::F32, {lay.pairs(), H, N});
+  Buffer ubar(*gpu, DType::F32, {S, H, N});
+  Buffer gsum(*gpu, DType::F32, {64, S, d}), dv(*gpu, DType::BF16, {N, d});
+  std::vector<Buffer> params;
+  const RoutingParams rp = random_routing_params(S, d, params);
+  for (int i = 0; i < S; ++i)
+    gpu->routing_source_logits(weights, inv_rms.t()[i], hist.t()[i], rp, lay, i, H, 1e-6);
+  for (int i = 0; i < S; ++i) gpu->routing_mix(xs.t()[i], weights, hist, lay, i, H);
+  Buffer mixed(*gpu, DType::F32, {lay.pairs(), H, N});
+  gpu->copy(mixed, weights);
+  const double row = 2.0 * N * d, stat = 4.0 * H * N;
+  for (bool long_slots : {false, true}) {
+    std::vector<int> slots;
+    double logit_bytes = 0, back_bytes = 0;
+    for (int i = 0; i < S; ++i) {
+      const int ns = lay.last_site(i) - i + 1;
+      if ((ns > 1) != long_slots) continue;
+      slots.push_back(i);
+      logit_bytes += row + 4.0 * N + stat * ns;
+      back_bytes += row * (3 + ns) + 2 * stat * ns + stat;
+    }
+    const std::string tag = std::string(long_slots ? "long" : "short") + " slots (" +
+                            std::to_string(slots.size()) + "), 1B delta N16384 d1280 S73 H8";
+    report("routing_source_logits, " + tag, time_ms([&] {
+             for (int i : slots)
+               gpu->routing_source_logits(weights, inv_rms.t()[i], hist.t()[i], rp, lay, i, H, 1e-6);
+           }, reps), 0, logit_bytes);
+    gpu->copy(weights, mixed);
+    // The backward overwrites each pair's weight with ds r; the values do not change the
+    // work, so the repetitions run on without restoring them.
+    report("routing_source_backward, " + tag, time_ms([&] {
+             for (auto it = slots.rbegin(); it != slots.rend(); ++it)
+               gpu->routing_source_backward(dv, weights, ubar, gsum, dx_rows, xs.t()[*it],
+                                            hist.t()[*it], inv_rms.t()[*it], rp, lay, *it, H);
+           }, reps), 0, back_bytes);
+    gpu->copy(weights, mixed);
   }
 }
 
