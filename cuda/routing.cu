@@ -1072,8 +1072,19 @@ struct DeltaRows {
   float* partial;
 };
 
-template <int NT, bool FUSED, bool DELTA = false>
-__global__ void __launch_bounds__(32 * kWarpsPerBlock, FUSED ? 2 : span_blocks_per_sm(NT))
+// Kernel-lab versions of the DELTA kernel (routing_set_kernel_version(DeltaSite, v); the
+// same operations, so the same bits): 1 runs the general site loop (2 blocks per SM); 2
+// fixes it at one site at compile time (the prefetch of a next site's row and its
+// registers go); 3 is 2 with 3 blocks per SM where NT <= 5 (<= 168 registers).
+constexpr int kDeltaSiteVersions = 3;
+constexpr int kDeltaSiteDefault = 2;
+int g_delta_site_version = kDeltaSiteDefault;
+constexpr int value_span_blocks_per_sm(int NT, bool fused, int delta) {
+  return !fused ? span_blocks_per_sm(NT) : delta == 3 && NT <= 5 ? 3 : 2;
+}
+
+template <int NT, bool FUSED, int DELTA = 0>  // DELTA: 0 none, else the lab's version
+__global__ void __launch_bounds__(32 * kWarpsPerBlock, value_span_blocks_per_sm(NT, FUSED, DELTA))
     source_value_span_kernel(float* __restrict__ val, bf16* __restrict__ dv,
                              float* __restrict__ weights, float* __restrict__ ubar,
                              const SiteRows site_dx, const bf16* __restrict__ x,
@@ -1081,6 +1092,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, FUSED ? 2 : span_blocks_p
                              const float* __restrict__ qg, const float* __restrict__ resume,
                              const Geometry g, int source, int last, const DeltaRows dl = {}) {
   static_assert(!DELTA || FUSED, "the delta steps ride on the fused kernel");
+  if constexpr (DELTA >= 2) last = source;  // the slot's own site only, known here
   const int lane = threadIdx.x & 31, G = 32 / g.H, h = lane / G;
   float dalpha = 0.f;  // DELTA: this lane's share of sum dx r
   const bool leader = lane % G == 0;
@@ -1770,16 +1782,26 @@ void routing_mix_tile(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weig
 }
 
 int routing_kernel_versions(RoutingKernel kernel) {
-  return kernel == RoutingKernel::MixTile ? kMixTileVersions : kPairVersions;
+  switch (kernel) {
+    case RoutingKernel::MixTile: return kMixTileVersions;
+    case RoutingKernel::BackwardPair: return kPairVersions;
+    case RoutingKernel::DeltaSite: return kDeltaSiteVersions;
+  }
+  return 0;
 }
 
 int routing_set_kernel_version(RoutingKernel kernel, int version) {
   const int versions = routing_kernel_versions(kernel);
   MHAR_CHECK(version <= versions, "routing_set_kernel_version: version ", version, " of a kernel "
              "with versions 1 .. ", versions, " (<= 0: the default)");
-  int& v = kernel == RoutingKernel::MixTile ? g_mix_tile_version : g_pair_version;
+  int& v = kernel == RoutingKernel::MixTile        ? g_mix_tile_version
+           : kernel == RoutingKernel::BackwardPair ? g_pair_version
+                                                   : g_delta_site_version;
+  const int fallback = kernel == RoutingKernel::MixTile        ? kMixTileDefault
+                       : kernel == RoutingKernel::BackwardPair ? kPairDefault
+                                                               : kDeltaSiteDefault;
   const int before = v;
-  v = version > 0 ? version : kernel == RoutingKernel::MixTile ? kMixTileDefault : kPairDefault;
+  v = version > 0 ? version : fallback;
   return before;
 }
 
@@ -1875,9 +1897,11 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
     const int last = resume_last >= 0 ? resume_last : layout.last_site(source);
     dispatch_span(g, [&](auto nt) {
       constexpr int NT = decltype(nt)::value;
-      auto kernel = delta   ? source_value_span_kernel<NT, true, true>
-                    : fused ? source_value_span_kernel<NT, true>
-                            : source_value_span_kernel<NT, false>;
+      auto kernel = !delta ? (fused ? source_value_span_kernel<NT, true>
+                                    : source_value_span_kernel<NT, false>)
+                    : g_delta_site_version == 1 ? source_value_span_kernel<NT, true, 1>
+                    : g_delta_site_version == 2 ? source_value_span_kernel<NT, true, 2>
+                                                : source_value_span_kernel<NT, true, 3>;
       kernel<<<token_blocks(N), 32 * kWarpsPerBlock, 0, s>>>(
           val, fused ? dv_out : nullptr, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in,
           v_in, inv_rms.ptr<float>(), fused ? qg : nullptr, resume, g, source, last,

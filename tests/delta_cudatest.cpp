@@ -361,6 +361,11 @@ TEST_F(DeltaParity, SiteBackwardFusedIsItsSequence) {
         for (double x : normal(d, DType::BF16, 1.0 / std::sqrt(double(d / H)))) qv.push_back(x);
         for (double x : normal(d, DType::BF16, 0.3, 1.0)) gv.push_back(x);
       }
+      // Every version of the fused kernel (the kernel lab's, cuda/routing.cu): the same bits.
+      const int versions = cuda::routing_kernel_versions(cuda::RoutingKernel::DeltaSite);
+      for (int version = 1; version <= versions; ++version) {
+      cuda::routing_set_kernel_version(cuda::RoutingKernel::DeltaSite, version);
+      const std::string vtag = tag + " kernel v" + std::to_string(version);
       // Every tensor twice: [0] for the fused op, [1] for the sequence.
       struct Side {
         std::vector<Buffer> keep;
@@ -402,7 +407,7 @@ TEST_F(DeltaParity, SiteBackwardFusedIsItsSequence) {
         }
         a.site_dx = &sd.site_dx, a.params = &sd.params, a.layout = lay, a.site = j, a.heads = H;
       }
-      ASSERT_TRUE(cuda::routing_delta_site_backward_fuses(sides[0].a)) << "no fused path" << tag;
+      ASSERT_TRUE(cuda::routing_delta_site_backward_fuses(sides[0].a)) << "no fused path" << vtag;
       gpu->delta_site_backward(sides[0].a);
       gpu->Backend::delta_site_backward(sides[1].a);
       auto get = [&](const Tensor& t) { return download(*gpu, t); };
@@ -411,7 +416,7 @@ TEST_F(DeltaParity, SiteBackwardFusedIsItsSequence) {
                                   {"dr", f.dr, q.dr}, {"slot", f.slot, q.slot}, {"out", f.out, q.out},
                                   {"ubar", f.ubar, q.ubar}, {"ds r", f.weights, q.weights},
                                   {"key gradient slabs", f.gsum, q.gsum}})
-        EXPECT_EQ(get(tf), get(tq)) << name << tag << ": fused differs from the op sequence";
+        EXPECT_EQ(get(tf), get(tq)) << name << vtag << ": fused differs from the op sequence";
       double ref = v_dalpha[0], abs_sum = 0;
       for (int64_t e = 0; e < rows; ++e) {
         ref += v_dx[size_t(e)] * v_r[size_t(e)];
@@ -421,11 +426,13 @@ TEST_F(DeltaParity, SiteBackwardFusedIsItsSequence) {
       const double run = std::ceil(double(N) / (4 * blocks)) * double(d / 32);
       const double bound = (run + 5 + 5 + std::ceil(blocks / 256) + 5 + 5) * 0x1p-24 * abs_sum +
                            0x1p-24 * (std::fabs(v_dalpha[0]) + abs_sum);
-      expect_within("delta_site_backward dalpha" + tag, get(f.dalpha), {ref},
+      expect_within("delta_site_backward dalpha" + vtag, get(f.dalpha), {ref},
                     [&](size_t) { return bound; });
       // The sequence's dalpha is the gate backward's (tested above): both within their bounds.
-      expect_within("delta_site_backward dalpha, sequence" + tag, get(q.dalpha), {ref},
+      expect_within("delta_site_backward dalpha, sequence" + vtag, get(q.dalpha), {ref},
                     [&](size_t) { return dalpha_bound(rows, 64 * d, abs_sum, v_dalpha[0]); });
+      }
+      cuda::routing_set_kernel_version(cuda::RoutingKernel::DeltaSite, 0);
     }
   }
 }

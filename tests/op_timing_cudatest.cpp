@@ -587,6 +587,43 @@ TEST_F(OpTiming, DISABLED_DeltaRouting1B) {
            }, reps), 0, back_bytes);
     gpu->copy(weights, mixed);
   }
+  // The short slots' whole site backward as residual_delta.cpp runs it
+  // (Backend::delta_site_backward: the gate backward, the slot's backward, its gradient
+  // gathered): by the op sequence (the default) and by the fused kernel's lab versions.
+  // Bytes: dx, r, dresid, v, next read once; dresid, dr, slot, out written.
+  {
+    Buffer dresid = random_gpu(DType::BF16, {N, d}), out(*gpu, DType::BF16, {N, d});
+    Buffer next = random_gpu(DType::BF16, {N, d}), dx = random_gpu(DType::BF16, {N, d});
+    Buffer alpha = random_gpu(DType::BF16, {1}), dalpha(*gpu, DType::F32, {1});
+    Buffer scratch(*gpu, DType::F32, {64, d});
+    std::vector<int> slots;
+    for (int i = 1; i < S; ++i)
+      if (lay.last_site(i) == i) slots.push_back(i);
+    auto site_backward = [&](bool sequence) {
+      for (auto it = slots.rbegin(); it != slots.rend(); ++it) {
+        const int i = *it;
+        DeltaSiteBackward a;
+        a.dresid = dresid, a.dr = dx_rows[size_t(i)], a.dalpha = dalpha, a.dx = dx, a.r = xs.t()[i];
+        a.alpha = alpha, a.scratch = scratch, a.slot = dv, a.weights = weights, a.ubar = ubar;
+        a.gsum = gsum, a.v = hist.t()[i], a.inv_rms = inv_rms.t()[i], a.site_dx = &dx_rows;
+        a.params = &rp, a.layout = lay, a.site = i, a.heads = H, a.out = out;
+        if (i % 8 != 0) a.next = next;
+        if (sequence) gpu->Backend::delta_site_backward(a);
+        else gpu->delta_site_backward(a);
+      }
+    };
+    const double bytes = double(slots.size()) * 9 * row;
+    const std::string tag = "short slots (" + std::to_string(slots.size()) + "), 1B delta";
+    report("delta_site_backward, op sequence, " + tag, time_ms([&] { site_backward(true); }, reps),
+           0, bytes);
+    const int versions = cuda::routing_kernel_versions(cuda::RoutingKernel::DeltaSite);
+    for (int version = 1; version <= versions; ++version) {
+      cuda::routing_set_kernel_version(cuda::RoutingKernel::DeltaSite, version);
+      report("delta_site_backward, fused kernel v" + std::to_string(version) + ", " + tag,
+             time_ms([&] { site_backward(false); }, reps), 0, bytes);
+    }
+    cuda::routing_set_kernel_version(cuda::RoutingKernel::DeltaSite, 0);
+  }
 }
 
 }  // namespace
