@@ -14,6 +14,7 @@
 //                            that both read, so that slot then reads only its newest
 //                            site (section "depth tiling of the backward")
 //   routing_param_grads      dquery/dgain of every site from the slabs of gsum
+//   routing_delta_site_backward  Backend::delta_site_backward in one pass (delta mode)
 // Which slots a site reads is the RoutingLayout (backend.h), passed by value in the
 // launch geometry: a source's sites are a contiguous run [source, last_site(source)] with
 // contiguous pairs, so the per-source kernels only change loop bounds; the mix derives
@@ -28,6 +29,12 @@
 // the [N, d] rows: the mix, and the backward's value path with the softmax backward.
 // Operands that the GEMMs need in bf16 but that are fp32 (q*g, ds*r) go in as bf16
 // hi + lo parts, two GEMMs, so no result carries a bf16 rounding the CPU reference lacks.
+// Slots read by few sites (<= 8: full routing's last slots, block routing's partial block
+// sums) are the exception: a GEMM with one to eight columns is launches and re-reads of
+// v, so their logits come from one token kernel (source_logits_span_kernel), their key
+// path runs inside the value kernel (FUSED), and their key gradients from one pass over v
+// (key_grad_kernel); in fp32 throughout. routing_delta_site_backward runs the delta
+// scheme's steps around such a slot's backward in the same kernel (DELTA).
 //
 // Token kernels run one warp per token, rows read in 16-byte chunks of 8 bf16 (d % 8 ==
 // 0, d <= 256 * kMaxNT), in one of two layouts:
@@ -1371,8 +1378,11 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
 // summed in a fixed order: deterministic, like the GEMMs.
 // Block: kKeyGradRows token rows x 32 chunk lanes (a warp reads 512 contiguous bytes of a
 // row); grid: C slabs x ceil(d / 256) chunk groups (320 blocks at the 1B shape, C = 64).
+// Measured (ncu, tenth session, 1B, ns = 1): with 4 rows a block the kernel took 31 us
+// (1.35 TB/s): ~10 warps per SM, each thread 8 batches of 8 rows in turn, latency-bound;
+// 8 rows a block doubles the warps in flight and halves each thread's batches.
 constexpr int kKeyGradKernelMaxSites = 8;
-constexpr int kKeyGradRows = 4;
+constexpr int kKeyGradRows = 8;
 
 template <int NS>  // NS >= ns, the slot's sites
 __global__ void __launch_bounds__(32 * kKeyGradRows)
