@@ -979,6 +979,13 @@ __device__ __forceinline__ void load_span_f32(float (&f)[NT][8], const float* ro
   }
 }
 
+// Chunk t of this lane's span of an fp32 q*g row (qrow: the lane's first float4).
+__device__ __forceinline__ void load_qg8(float (&q)[8], const float4* qrow, int t) {
+  const float4 q0 = qrow[2 * t], q1 = qrow[2 * t + 1];
+  q[0] = q0.x, q[1] = q0.y, q[2] = q0.z, q[3] = q0.w;
+  q[4] = q1.x, q[5] = q1.y, q[6] = q1.z, q[7] = q1.w;
+}
+
 // Sum over the G lanes of this lane's head (G a power of two <= 32).
 __device__ __forceinline__ float head_sum(float x, int G) {
   for (int o = G >> 1; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
@@ -1173,8 +1180,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, value_span_blocks_per_sm(
         float vq = 0.f;
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
-          const float4 q0 = qrow[2 * t], q1 = qrow[2 * t + 1];
-          const float q[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+          float q[8];
+          load_qg8(q, qrow, t);
 #pragma unroll
           for (int e = 0; e < 8; ++e) {
             vq += q[e] * elem(rv.raw[t], e);
@@ -1273,8 +1280,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
       float p = 0.f;
 #pragma unroll
       for (int t = 0; t < NT; ++t) {
-        const float4 q0 = qrow[2 * t], q1 = qrow[2 * t + 1];
-        const float q[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+        float q[8];
+        load_qg8(q, qrow, t);
 #pragma unroll
         for (int e = 0; e < 8; ++e) p += q[e] * elem(rv.raw[t], e);
       }

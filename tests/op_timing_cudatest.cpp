@@ -64,6 +64,39 @@ class OpTiming : public CudaParity {
                    random_gpu(DType::BF16, {rows, out}), Buffer(*gpu, DType::BF16, {rows, in}),
                    Buffer(*gpu, DType::F32, {out, in})};
   }
+  // A whole step's routing state at one shape, as the routing backward timings start from:
+  // a random [S, N, d] history (filled on the host: slow at these sizes), the site
+  // gradients a device copy of it, real logits, inv_rms and normalised weights from the
+  // ops (the site inputs xs from the mixes), and `mixed`, a copy of those weights (the
+  // backward overwrites them with ds r).
+  struct RoutingStep {
+    Buffer hist, site_dx, xs, inv_rms, weights, ubar, gsum, dv, mixed;
+    std::vector<Buffer> keep;
+    RoutingParams rp;
+    std::vector<Tensor> dx_rows;
+  };
+  RoutingStep routing_step(const RoutingLayout& lay, int64_t N, int64_t d, int H) {
+    const int S = lay.sites;
+    RoutingStep st{random_gpu(DType::BF16, {S, N, d}),
+                   Buffer(*gpu, DType::BF16, {S, N, d}),
+                   Buffer(*gpu, DType::BF16, {S, N, d}),
+                   Buffer(*gpu, DType::F32, {S, N}),
+                   Buffer(*gpu, DType::F32, {lay.pairs(), H, N}),
+                   Buffer(*gpu, DType::F32, {S, H, N}),
+                   Buffer(*gpu, DType::F32, {64, S, d}),
+                   Buffer(*gpu, DType::BF16, {N, d}),
+                   Buffer(*gpu, DType::F32, {lay.pairs(), H, N}),
+                   {}, {}, {}};
+    gpu->copy(st.site_dx, st.hist);
+    st.dx_rows = routing_rows(st.site_dx.t());
+    st.rp = random_routing_params(S, d, st.keep);
+    for (int i = 0; i < S; ++i)
+      gpu->routing_source_logits(st.weights, st.inv_rms.t()[i], st.hist.t()[i], st.rp, lay, i,
+                                 H, 1e-6);
+    for (int i = 0; i < S; ++i) gpu->routing_mix(st.xs.t()[i], st.weights, st.hist, lay, i, H);
+    gpu->copy(st.mixed, st.weights);
+    return st;
+  }
   static void report(const std::string& what, double ms, double flop, double bytes) {
     std::printf("TIMING %-58s %9.3f ms", what.c_str(), ms);
     if (flop > 0) std::printf("  %7.1f TFLOP/s", flop / ms * 1e-9);
@@ -476,25 +509,13 @@ TEST_F(OpTiming, DISABLED_RoutingBackwardFusedLimit) {
     const RoutingLayout lay = RoutingLayout::full(sh.S);
     const int64_t d = sh.d;
     const int S = sh.S, H = sh.H;
-    // One random [S, N, d] block on the host (slow at these sizes), copied on the device
-    // for the site inputs and gradients; real logits, weights and inv_rms from the ops.
-    Buffer hist = random_gpu(DType::BF16, {S, N, d});
-    Buffer site_dx(*gpu, DType::BF16, {S, N, d}), xs(*gpu, DType::BF16, {S, N, d});
-    gpu->copy(site_dx, hist);
-    gpu->copy(xs, hist);
-    const std::vector<Tensor> dx_rows = routing_rows(site_dx.t());
-    Buffer inv_rms(*gpu, DType::F32, {S, N}), weights(*gpu, DType::F32, {lay.pairs(), H, N});
-    Buffer ubar(*gpu, DType::F32, {S, H, N});
-    Buffer gsum(*gpu, DType::F32, {64, S, d}), dv(*gpu, DType::BF16, {N, d});
-    std::vector<Buffer> params;
-    const RoutingParams rp = random_routing_params(S, d, params);
-    for (int i = 0; i < S; ++i)
-      gpu->routing_source_logits(weights, inv_rms.t()[i], hist.t()[i], rp, lay, i, H, 1e-6);
-    for (int i = 0; i < S; ++i) gpu->routing_mix(xs.t()[i], weights, hist, lay, i, H);
+    RoutingStep st = routing_step(lay, N, d, H);
+    Buffer &hist = st.hist, &xs = st.xs, &inv_rms = st.inv_rms, &weights = st.weights;
+    Buffer &ubar = st.ubar, &gsum = st.gsum, &dv = st.dv, &mixed = st.mixed;
+    const std::vector<Tensor>& dx_rows = st.dx_rows;
+    const RoutingParams& rp = st.rp;
     // The backward overwrites the weights with ds r: each repetition starts from the
     // same weights (a device copy, timed separately and subtracted).
-    Buffer mixed(*gpu, DType::F32, {lay.pairs(), H, N});
-    gpu->copy(mixed, weights);
     auto restore = [&] { gpu->copy(weights, mixed); };
     const int tile = gpu->routing_backward_tile_slots(lay, d, H);
     auto backward = [&](bool tiled) {
@@ -546,20 +567,11 @@ TEST_F(OpTiming, DISABLED_DeltaRouting1B) {
     return e ? std::max(1, std::atoi(e)) : 10;
   }();
   const RoutingLayout lay = RoutingLayout::blocks(S, 8);
-  Buffer hist = random_gpu(DType::BF16, {S, N, d});
-  Buffer site_dx(*gpu, DType::BF16, {S, N, d}), xs(*gpu, DType::BF16, {S, N, d});
-  gpu->copy(site_dx, hist);
-  const std::vector<Tensor> dx_rows = routing_rows(site_dx.t());
-  Buffer inv_rms(*gpu, DType::F32, {S, N}), weights(*gpu, DType::F32, {lay.pairs(), H, N});
-  Buffer ubar(*gpu, DType::F32, {S, H, N});
-  Buffer gsum(*gpu, DType::F32, {64, S, d}), dv(*gpu, DType::BF16, {N, d});
-  std::vector<Buffer> params;
-  const RoutingParams rp = random_routing_params(S, d, params);
-  for (int i = 0; i < S; ++i)
-    gpu->routing_source_logits(weights, inv_rms.t()[i], hist.t()[i], rp, lay, i, H, 1e-6);
-  for (int i = 0; i < S; ++i) gpu->routing_mix(xs.t()[i], weights, hist, lay, i, H);
-  Buffer mixed(*gpu, DType::F32, {lay.pairs(), H, N});
-  gpu->copy(mixed, weights);
+  RoutingStep st = routing_step(lay, N, d, H);
+  Buffer &hist = st.hist, &xs = st.xs, &inv_rms = st.inv_rms, &weights = st.weights;
+  Buffer &ubar = st.ubar, &gsum = st.gsum, &dv = st.dv, &mixed = st.mixed;
+  const std::vector<Tensor>& dx_rows = st.dx_rows;
+  const RoutingParams& rp = st.rp;
   const double row = 2.0 * N * d, stat = 4.0 * H * N;
   for (bool long_slots : {false, true}) {
     std::vector<int> slots;
