@@ -510,8 +510,9 @@ class Backend {
   //   delta_source_grad(out, dresid, slot, next)
   // An override gives the sequence's bits in every output but dalpha, whose sum over the
   // tokens may run in another fixed order (deterministic; within the fp32 bound of its
-  // length). The fusion's point: the five row-sized tensors it reads come from memory
-  // once, where the sequence reads dx, r, dresid and slot twice.
+  // length). The fusion's point: each row-sized tensor is read or written once, where the
+  // sequence reads r and dresid twice and writes dr and the slot's gradient, then reads
+  // them back.
   virtual void delta_site_backward(const DeltaSiteBackward& a) {
     delta_resid_gate_backward(a.dresid, a.dr, a.dalpha, a.dx, a.r, a.alpha, a.scratch);
     routing_source_backward(a.slot, a.weights, a.ubar, a.gsum, *a.site_dx, a.r, a.v, a.inv_rms,
