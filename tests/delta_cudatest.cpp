@@ -364,73 +364,73 @@ TEST_F(DeltaParity, SiteBackwardFusedIsItsSequence) {
       // Every version of the fused kernel (the kernel lab's, cuda/routing.cu): the same bits.
       const int versions = cuda::routing_kernel_versions(cuda::RoutingKernel::DeltaSite);
       for (int version = 1; version <= versions; ++version) {
-      cuda::routing_set_kernel_version(cuda::RoutingKernel::DeltaSite, version);
-      const std::string vtag = tag + " kernel v" + std::to_string(version);
-      // Every tensor twice: [0] for the fused op, [1] for the sequence.
-      struct Side {
-        std::vector<Buffer> keep;
-        DeltaSiteBackward a;
-        std::vector<Tensor> site_dx;
-        RoutingParams params;
-      };
-      std::vector<Side> sides(2);
-      for (Side& sd : sides) {
-        auto buf = [&](DType t, std::initializer_list<int64_t> shape, const std::vector<double>& v) {
-          sd.keep.emplace_back(*gpu, t, shape);
-          sd.keep.back().set(v);
-          return sd.keep.back().t();
+        cuda::routing_set_kernel_version(cuda::RoutingKernel::DeltaSite, version);
+        const std::string vtag = tag + " kernel v" + std::to_string(version);
+        // Every tensor twice: [0] for the fused op, [1] for the sequence.
+        struct Side {
+          std::vector<Buffer> keep;
+          DeltaSiteBackward a;
+          std::vector<Tensor> site_dx;
+          RoutingParams params;
         };
-        const std::vector<double> nan_rows(size_t(rows), std::nan(""));
-        DeltaSiteBackward& a = sd.a;
-        a.dresid = buf(DType::BF16, {N, d}, v_dresid);
-        a.dx = buf(DType::BF16, {N, d}, v_dx);
-        a.r = buf(DType::BF16, {N, d}, v_r);
-        a.v = buf(DType::BF16, {N, d}, v_v);
-        a.dr = buf(DType::BF16, {N, d}, nan_rows);
-        a.slot = buf(DType::BF16, {N, d}, nan_rows);
-        a.out = buf(DType::BF16, {N, d}, nan_rows);
-        if (j + 1 < S) a.next = buf(DType::BF16, {N, d}, v_next);
-        a.alpha = buf(DType::BF16, {1}, v_alpha);
-        a.dalpha = buf(DType::F32, {1}, v_dalpha);
-        a.scratch = buf(DType::F32, {64, d}, std::vector<double>(size_t(64 * d), std::nan("")));
-        a.weights = buf(DType::F32, {P, H, N}, v_w);
-        a.inv_rms = buf(DType::F32, {N}, v_inv);
-        a.ubar = buf(DType::F32, {S, H, N}, std::vector<double>(size_t(S * H * N), 0.0));
-        a.gsum = buf(DType::F32, {8, S, d}, std::vector<double>(size_t(8 * S * d), 0.0));
-        for (int k = 0; k < S; ++k) {
-          // Site k's gradient rows: dr at site j, zeros elsewhere (the slot reads site j only).
-          sd.site_dx.push_back(k == j ? a.dr : buf(DType::BF16, {N, d}, std::vector<double>(size_t(rows), 0.0)));
-          sd.params.query.push_back(buf(DType::BF16, {d}, std::vector<double>(
-              qv.begin() + k * d, qv.begin() + (k + 1) * d)));
-          sd.params.gain.push_back(buf(DType::BF16, {d}, std::vector<double>(
-              gv.begin() + k * d, gv.begin() + (k + 1) * d)));
+        std::vector<Side> sides(2);
+        for (Side& sd : sides) {
+          auto buf = [&](DType t, std::initializer_list<int64_t> shape, const std::vector<double>& v) {
+            sd.keep.emplace_back(*gpu, t, shape);
+            sd.keep.back().set(v);
+            return sd.keep.back().t();
+          };
+          const std::vector<double> nan_rows(size_t(rows), std::nan(""));
+          DeltaSiteBackward& a = sd.a;
+          a.dresid = buf(DType::BF16, {N, d}, v_dresid);
+          a.dx = buf(DType::BF16, {N, d}, v_dx);
+          a.r = buf(DType::BF16, {N, d}, v_r);
+          a.v = buf(DType::BF16, {N, d}, v_v);
+          a.dr = buf(DType::BF16, {N, d}, nan_rows);
+          a.slot = buf(DType::BF16, {N, d}, nan_rows);
+          a.out = buf(DType::BF16, {N, d}, nan_rows);
+          if (j + 1 < S) a.next = buf(DType::BF16, {N, d}, v_next);
+          a.alpha = buf(DType::BF16, {1}, v_alpha);
+          a.dalpha = buf(DType::F32, {1}, v_dalpha);
+          a.scratch = buf(DType::F32, {64, d}, std::vector<double>(size_t(64 * d), std::nan("")));
+          a.weights = buf(DType::F32, {P, H, N}, v_w);
+          a.inv_rms = buf(DType::F32, {N}, v_inv);
+          a.ubar = buf(DType::F32, {S, H, N}, std::vector<double>(size_t(S * H * N), 0.0));
+          a.gsum = buf(DType::F32, {8, S, d}, std::vector<double>(size_t(8 * S * d), 0.0));
+          for (int k = 0; k < S; ++k) {
+            // Site k's gradient rows: dr at site j, zeros elsewhere (the slot reads site j only).
+            sd.site_dx.push_back(k == j ? a.dr : buf(DType::BF16, {N, d}, std::vector<double>(size_t(rows), 0.0)));
+            sd.params.query.push_back(buf(DType::BF16, {d}, std::vector<double>(
+                qv.begin() + k * d, qv.begin() + (k + 1) * d)));
+            sd.params.gain.push_back(buf(DType::BF16, {d}, std::vector<double>(
+                gv.begin() + k * d, gv.begin() + (k + 1) * d)));
+          }
+          a.site_dx = &sd.site_dx, a.params = &sd.params, a.layout = lay, a.site = j, a.heads = H;
         }
-        a.site_dx = &sd.site_dx, a.params = &sd.params, a.layout = lay, a.site = j, a.heads = H;
-      }
-      ASSERT_TRUE(cuda::routing_delta_site_backward_fuses(sides[0].a)) << "no fused path" << vtag;
-      gpu->delta_site_backward(sides[0].a);
-      gpu->Backend::delta_site_backward(sides[1].a);
-      auto get = [&](const Tensor& t) { return download(*gpu, t); };
-      const DeltaSiteBackward &f = sides[0].a, &q = sides[1].a;
-      for (auto [name, tf, tq] : {std::tuple<const char*, Tensor, Tensor>{"dresid", f.dresid, q.dresid},
-                                  {"dr", f.dr, q.dr}, {"slot", f.slot, q.slot}, {"out", f.out, q.out},
-                                  {"ubar", f.ubar, q.ubar}, {"ds r", f.weights, q.weights},
-                                  {"key gradient slabs", f.gsum, q.gsum}})
-        EXPECT_EQ(get(tf), get(tq)) << name << vtag << ": fused differs from the op sequence";
-      double ref = v_dalpha[0], abs_sum = 0;
-      for (int64_t e = 0; e < rows; ++e) {
-        ref += v_dx[size_t(e)] * v_r[size_t(e)];
-        abs_sum += std::fabs(v_dx[size_t(e)] * v_r[size_t(e)]);
-      }
-      const double blocks = double(cuda::grid_stride_blocks(N * 32, 128));
-      const double run = std::ceil(double(N) / (4 * blocks)) * double(d / 32);
-      const double bound = (run + 5 + 5 + std::ceil(blocks / 256) + 5 + 5) * 0x1p-24 * abs_sum +
-                           0x1p-24 * (std::fabs(v_dalpha[0]) + abs_sum);
-      expect_within("delta_site_backward dalpha" + vtag, get(f.dalpha), {ref},
-                    [&](size_t) { return bound; });
-      // The sequence's dalpha is the gate backward's (tested above): both within their bounds.
-      expect_within("delta_site_backward dalpha, sequence" + vtag, get(q.dalpha), {ref},
-                    [&](size_t) { return dalpha_bound(rows, 64 * d, abs_sum, v_dalpha[0]); });
+        ASSERT_TRUE(cuda::routing_delta_site_backward_fuses(sides[0].a)) << "no fused path" << vtag;
+        gpu->delta_site_backward(sides[0].a);
+        gpu->Backend::delta_site_backward(sides[1].a);
+        auto get = [&](const Tensor& t) { return download(*gpu, t); };
+        const DeltaSiteBackward &f = sides[0].a, &q = sides[1].a;
+        for (auto [name, tf, tq] : {std::tuple<const char*, Tensor, Tensor>{"dresid", f.dresid, q.dresid},
+                                    {"dr", f.dr, q.dr}, {"slot", f.slot, q.slot}, {"out", f.out, q.out},
+                                    {"ubar", f.ubar, q.ubar}, {"ds r", f.weights, q.weights},
+                                    {"key gradient slabs", f.gsum, q.gsum}})
+          EXPECT_EQ(get(tf), get(tq)) << name << vtag << ": fused differs from the op sequence";
+        double ref = v_dalpha[0], abs_sum = 0;
+        for (int64_t e = 0; e < rows; ++e) {
+          ref += v_dx[size_t(e)] * v_r[size_t(e)];
+          abs_sum += std::fabs(v_dx[size_t(e)] * v_r[size_t(e)]);
+        }
+        const double blocks = double(cuda::grid_stride_blocks(N * 32, 128));
+        const double run = std::ceil(double(N) / (4 * blocks)) * double(d / 32);
+        const double bound = (run + 5 + 5 + std::ceil(blocks / 256) + 5 + 5) * 0x1p-24 * abs_sum +
+                             0x1p-24 * (std::fabs(v_dalpha[0]) + abs_sum);
+        expect_within("delta_site_backward dalpha" + vtag, get(f.dalpha), {ref},
+                      [&](size_t) { return bound; });
+        // The sequence's dalpha is the gate backward's (tested above): both within their bounds.
+        expect_within("delta_site_backward dalpha, sequence" + vtag, get(q.dalpha), {ref},
+                      [&](size_t) { return dalpha_bound(rows, 64 * d, abs_sum, v_dalpha[0]); });
       }
       cuda::routing_set_kernel_version(cuda::RoutingKernel::DeltaSite, 0);
     }
