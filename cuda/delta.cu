@@ -264,14 +264,18 @@ void gate_backward(cudaStream_t s, const char* what, Tensor dresid, Tensor dr, T
       CUDA_CHECK_LAUNCH();
     });
   });
-  dispatch_float(dalpha.dtype, what, [&](auto to) {
-    using TO = decltype(to);
-    sum_partials_kernel<TO><<<1, kThreads, 0, s>>>(static_cast<TO*>(dalpha.data), partial, blocks);
-    CUDA_CHECK_LAUNCH();
-  });
+  delta_add_partials(s, dalpha, partial, blocks);
 }
 
 }  // namespace
+
+void delta_add_partials(cudaStream_t s, Tensor out, const float* partial, int count) {
+  dispatch_float(out.dtype, "delta_add_partials", [&](auto to) {
+    using TO = decltype(to);
+    sum_partials_kernel<TO><<<1, kThreads, 0, s>>>(static_cast<TO*>(out.data), partial, count);
+    CUDA_CHECK_LAUNCH();
+  });
+}
 
 void delta_gate(cudaStream_t s, Tensor x, Tensor base, Tensor alpha, Tensor r) {
   const int64_t n = x.numel();

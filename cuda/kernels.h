@@ -272,6 +272,10 @@ void delta_stream_advance(cudaStream_t s, Tensor stream, Tensor slot, Tensor pre
 void delta_resid_gate_backward(cudaStream_t s, Tensor dresid, Tensor dr, Tensor dalpha, Tensor dx,
                                Tensor r, Tensor alpha, Tensor scratch);
 void delta_source_grad(cudaStream_t s, Tensor out, Tensor dresid, Tensor slot, Tensor next);
+// out[0] += the sum of partial[0..count) in a fixed order (one block): the second half of
+// the gate's dalpha reductions (delta_gate_backward's, and routing.cu's fused site
+// backward's).
+void delta_add_partials(cudaStream_t s, Tensor out, const float* partial, int count);
 
 // optimizer.cu
 void adamw(cudaStream_t s, Tensor param, Tensor master, Tensor grad, Tensor m, Tensor v,

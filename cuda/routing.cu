@@ -944,7 +944,8 @@ constexpr int span_blocks_per_sm(int NT) { return NT <= 5 ? 4 : 2; }
 // key path's q*g row from L1 and a second per-head sum) stays small next to that.
 constexpr int kFusedKeyMaxSites = 8;
 int g_fused_key_max_sites = kFusedKeyMaxSites;  // routing_set_fused_key_max_sites (timing lab)
-bool span_layout(const Geometry& g) { return g.d % 256 == 0 && 32 % g.H == 0; }
+bool span_layout(int64_t d, int heads) { return d % 256 == 0 && heads >= 1 && 32 % heads == 0; }
+bool span_layout(const Geometry& g) { return span_layout(g.d, g.H); }
 
 template <int NT>
 __device__ __forceinline__ void load_span(Row<NT>& r, const bf16* row) {
@@ -1075,7 +1076,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
 // registers, each with the operations and roundings of its op (cuda/delta.cu), so the
 // same bits: before, dresid += dx and dr = alpha dx (dr is the site's gradient the slot
 // reads); after, slot = dv (+ next) and out = dresid + slot. dalpha's sum of dx r goes
-// by lane, warp and block into dl.partial[blockIdx.x] (summed by the caller's next kernel).
+// by lane, warp and block into dl.partial[blockIdx.x] (summed by delta_add_partials).
 struct DeltaRows {
   bf16* dresid;
   bf16* dr;
@@ -1239,16 +1240,6 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, value_span_blocks_per_sm(
     const float block = block_sum(dalpha);
     if (threadIdx.x == 0) dl.partial[blockIdx.x] = block;
   }
-}
-
-// dalpha[0] += sum of partial[0..count) (one block; each thread a strided run, then
-// block_sum's fixed tree): the second half of delta_site_backward's dalpha.
-__global__ void sum_partials_kernel(float* __restrict__ out, const float* __restrict__ partial,
-                                    int count) {
-  float acc = 0.f;
-  for (int i = threadIdx.x; i < count; i += blockDim.x) acc += partial[i];
-  acc = block_sum(acc);
-  if (threadIdx.x == 0) out[0] += acc;
 }
 
 // routing_source_logits of a slot read by few sites (ns <= kFusedKeyMaxSites), span
@@ -1925,10 +1916,7 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
           delta ? *delta : DeltaRows{});
       CUDA_CHECK_LAUNCH();
     });
-    if (delta) {
-      sum_partials_kernel<<<1, 256, 0, s>>>(dalpha.ptr<float>(), delta->partial, token_blocks(N));
-      CUDA_CHECK_LAUNCH();
-    }
+    if (delta) delta_add_partials(s, dalpha, delta->partial, token_blocks(N));
   } else {
     MHAR_CHECK(resume_last < 0, "CUDA ", what, ": a backward depth tile outside the span layout");
     const size_t smem = sizeof(float) * kWarpsPerBlock * heads;
@@ -2004,8 +1992,8 @@ bool routing_delta_site_backward_fuses(const DeltaSiteBackward& a) {
   const int64_t n = a.dx.numel();
   if (a.inv_rms.numel() <= 0 || a.heads < 1 || n % a.inv_rms.numel() != 0) return false;
   const int64_t N = a.inv_rms.numel(), d = n / N;
-  const bool span = d % 256 == 0 && d <= 256 * kMaxNT && 32 % a.heads == 0;
-  bool ok = span && g_fused_key_max_sites >= 1 &&  // the kernel lab may turn fusion off
+  // (g_fused_key_max_sites: the kernel lab may turn fusion off)
+  bool ok = span_layout(d, a.heads) && d <= 256 * kMaxNT && g_fused_key_max_sites >= 1 &&
             a.layout.last_site(a.site) == a.site && a.alpha.dtype == DType::BF16 &&
             a.alpha.numel() == 1 && a.dalpha.dtype == DType::F32 && a.dalpha.numel() == 1 &&
             a.scratch.dtype == DType::F32 && a.scratch.numel() >= token_blocks(N);
