@@ -464,6 +464,10 @@ class CudaBackend final : public Backend {
   void delta_source_grad(Tensor out, Tensor dresid, Tensor slot, Tensor next) override {
     cuda::delta_source_grad(stream_, out, dresid, slot, next);
   }
+  void delta_site_forward(const DeltaSiteForward& a) override {
+    // One fused kernel where the shapes allow it (cuda/routing.cu), else the sequence.
+    if (!cuda::routing_delta_site_forward(stream_, routing_ctx_, a)) Backend::delta_site_forward(a);
+  }
   void delta_site_backward(const DeltaSiteBackward& a) override {
     // One fused kernel where the shapes allow it (cuda/routing.cu), else the sequence.
     if (!cuda::routing_delta_site_backward(stream_, routing_ctx_, a)) Backend::delta_site_backward(a);

@@ -200,6 +200,11 @@ int routing_backward_tile_slots(const RoutingLayout& layout, int64_t d, int head
 // slot read by its own site only. Returns false (nothing done) otherwise.
 bool routing_delta_site_backward(cudaStream_t s, RoutingContext& ctx, const DeltaSiteBackward& a);
 bool routing_delta_site_backward_fuses(const DeltaSiteBackward& a);  // the shapes allow it
+// Backend::delta_site_forward in one token kernel when the shapes allow it: span layout,
+// bf16 rows, 16-byte aligned, the slot read by its own site only. Returns false (nothing
+// done) otherwise.
+bool routing_delta_site_forward(cudaStream_t s, RoutingContext& ctx, const DeltaSiteForward& a);
+bool routing_delta_site_forward_fuses(const DeltaSiteForward& a);  // the shapes allow it
 void routing_param_grads(cudaStream_t s, const RoutingParams& params, Tensor gsum);
 // Kernel lab (tests/op_timing_cudatest.cpp sweeps it; the engine never calls it): slots
 // read by at most `sites` sites take the fused source backward (-1: the built-in rule).

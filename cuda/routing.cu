@@ -15,6 +15,7 @@
 //                            site (section "depth tiling of the backward")
 //   routing_param_grads      dquery/dgain of every site from the slabs of gsum
 //   routing_delta_site_backward  Backend::delta_site_backward in one pass (delta mode)
+//   routing_delta_site_forward   Backend::delta_site_forward in one pass (delta mode)
 // Which slots a site reads is the RoutingLayout (backend.h), passed by value in the
 // launch geometry: a source's sites are a contiguous run [source, last_site(source)] with
 // contiguous pairs, so the per-source kernels only change loop bounds; the mix derives
@@ -963,6 +964,13 @@ __device__ __forceinline__ void store_span(bf16* row, const float (&f)[NT][8]) {
 }
 
 template <int NT>
+__device__ __forceinline__ void store_span_row(bf16* row, const Row<NT>& r) {
+  uint4* p = reinterpret_cast<uint4*>(row) + (threadIdx.x & 31) * NT;
+#pragma unroll
+  for (int t = 0; t < NT; ++t) p[t] = r.raw[t];
+}
+
+template <int NT>
 __device__ __forceinline__ void store_span_f32(float* row, const float (&f)[NT][8]) {
   float4* p = reinterpret_cast<float4*>(row) + (threadIdx.x & 31) * 2 * NT;
 #pragma unroll
@@ -1017,48 +1025,60 @@ __device__ __forceinline__ float span_ubar(float* ubar, const Row<NT>& dx, const
   return span_ubar_row(ubar, dx, rx, g, source, n);
 }
 
-// routing_mix of one site, span layout. The softmax statistics of head h come from its G
-// lanes, each taking every G-th source (online max/sum), merged by shuffles; then the
-// sources are summed with the next row and logit prefetched.
+// routing_mix of one site for token n, span layout: acc = the sum of its sources weighted
+// by their softmax weights, which are written over the site's logits. The softmax
+// statistics of head h come from its G lanes, each taking every G-th source (online
+// max/sum), merged by shuffles; then the sources are summed with the next row and logit
+// prefetched. OWN: the site's last source is the row `own` this lane already holds (the
+// fused delta forward's new slot), not read back from hist.
+template <int NT, bool OWN>
+__device__ __forceinline__ void mix_span_token(float (&acc)[NT][8], float* weights,
+                                               const bf16* hist, const Geometry& g, int site,
+                                               int64_t n, const Row<NT>& own) {
+  const int lane = threadIdx.x & 31, G = 32 / g.H, h = lane / G, sub = lane % G;
+  const int src = g.lay.site_sources(site), closed = site / g.lay.block;
+  auto slot = [&](int t) { return t <= closed ? t * g.lay.block : site; };
+  auto logit = [&](int t) { return weights + (g.lay.site_pair(site, t, closed) * g.H + h) * g.N + n; };
+  auto load_source = [&](Row<NT>& row, int t) {
+    if (OWN && t == src - 1) row = own;
+    else load_span(row, hist + (int64_t(slot(t)) * g.N + n) * g.d);
+  };
+  float m = -INFINITY, l = 0.f;
+  for (int i = sub; i < src; i += G) online_add(m, l, *logit(i));
+  online_merge_lanes(m, l, G);
+  const float linv = 1.f / l;
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[t][e] = 0.f;
+  Row<NT> cur, nxt;
+  load_source(cur, 0);
+  float s_cur = *logit(0), s_nxt = 0.f;
+  for (int i = 0; i < src; ++i) {
+    if (i + 1 < src) {
+      load_source(nxt, i + 1);
+      s_nxt = *logit(i + 1);
+    }
+    const float a = __expf(s_cur - m) * linv;
+    __syncwarp();  // every lane of the head has read logit i before it is overwritten
+    if (sub == 0) *logit(i) = a;
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[t][e] += a * elem(cur.raw[t], e);
+    if (i + 1 < src) cur = nxt, s_cur = s_nxt;
+  }
+}
+
 template <int NT>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
     mix_span_kernel(bf16* __restrict__ x, float* __restrict__ weights,
                     const bf16* __restrict__ hist, const Geometry g, int site) {
-  const int lane = threadIdx.x & 31, G = 32 / g.H, h = lane / G, sub = lane % G;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
-  const int src = g.lay.site_sources(site), closed = site / g.lay.block;
-  auto slot = [&](int t) { return t <= closed ? t * g.lay.block : site; };
   for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); n < g.N;
        n += warps) {
-    auto logit = [&](int t) {
-      return weights + (g.lay.site_pair(site, t, closed) * g.H + h) * g.N + n;
-    };
-    float m = -INFINITY, l = 0.f;
-    for (int i = sub; i < src; i += G) online_add(m, l, *logit(i));
-    online_merge_lanes(m, l, G);
-    const float linv = 1.f / l;
     float acc[NT][8];
-#pragma unroll
-    for (int t = 0; t < NT; ++t)
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc[t][e] = 0.f;
-    Row<NT> cur, nxt;
-    load_span(cur, hist + (int64_t(slot(0)) * g.N + n) * g.d);
-    float s_cur = *logit(0), s_nxt = 0.f;
-    for (int i = 0; i < src; ++i) {
-      if (i + 1 < src) {
-        load_span(nxt, hist + (int64_t(slot(i + 1)) * g.N + n) * g.d);
-        s_nxt = *logit(i + 1);
-      }
-      const float a = __expf(s_cur - m) * linv;
-      __syncwarp();  // every lane of the head has read logit i before it is overwritten
-      if (sub == 0) *logit(i) = a;
-#pragma unroll
-      for (int t = 0; t < NT; ++t)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[t][e] += a * elem(cur.raw[t], e);
-      if (i + 1 < src) cur = nxt, s_cur = s_nxt;
-    }
+    mix_span_token<NT, false>(acc, weights, hist, g, site, n, Row<NT>{});
     store_span(x + n * g.d, acc);
   }
 }
@@ -1248,37 +1268,128 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, value_span_blocks_per_sm(
 // for q*g's hi and lo parts, a scaling pass) took 52 us a slot at ns = 1 (ncu, tenth
 // session: delta's partial block sums at 1B), 4 launches and 3 reads of v for a row of
 // logits per head that this kernel writes from one.
+// A slot's inv_rms and its logits for its ns sites, token n, span layout, from the slot's
+// row rv in registers: qg8(k, t, q) fills q with chunk t of this lane's span of site k's
+// q*g (exact in fp32: the product of two bf16 values).
+template <int NT, class QG>
+__device__ __forceinline__ void logits_span_token(float* w_src, float* inv_rms, const Row<NT>& rv,
+                                                  QG&& qg8, const Geometry& g, int ns, float eps,
+                                                  int64_t n) {
+  const int lane = threadIdx.x & 31, G = 32 / g.H, h = lane / G;
+  float ss = 0.f;
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) ss += elem(rv.raw[t], e) * elem(rv.raw[t], e);
+  const float r = rsqrtf(warp_sum(ss) / float(g.d) + eps);
+  if (lane == 0) inv_rms[n] = r;
+  for (int k = 0; k < ns; ++k) {
+    float p = 0.f;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      float q[8];
+      qg8(k, t, q);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) p += q[e] * elem(rv.raw[t], e);
+    }
+    p = head_sum(p, G);
+    if (lane % G == 0) w_src[(int64_t(k) * g.H + h) * g.N + n] = r * p;
+  }
+}
+
 template <int NT>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
     source_logits_span_kernel(float* __restrict__ w_src, float* __restrict__ inv_rms,
                               const bf16* __restrict__ v, const float* __restrict__ qg,
                               const Geometry g, int ns, float eps) {
-  const int lane = threadIdx.x & 31, G = 32 / g.H, h = lane / G;
+  const int lane = threadIdx.x & 31;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
+  auto qg8 = [&](int k, int t, float (&q)[8]) {
+    load_qg8(q, reinterpret_cast<const float4*>(qg + int64_t(k) * g.d) + lane * 2 * NT, t);
+  };
   for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); n < g.N;
        n += warps) {
     Row<NT> rv;
     load_span(rv, v + n * g.d);
-    float ss = 0.f;
+    logits_span_token(w_src, inv_rms, rv, qg8, g, ns, eps, n);
+  }
+}
+
+// Backend::delta_site_forward for a slot read by its own site only (a block's partial
+// sum), span layout, one warp per token, each step with the operations and roundings of
+// its op (delta.cu's advance and gate, the logits and mix above), so the same bits:
+//   stream += v; slot = v + prev (continues); the slot's inv_rms and logit (from the new
+//   slot row in registers); the site's mix (its closed slots read, its own slot from
+//   registers); r stored; x = stream + alpha r.
+// It reads the stream, v, prev and the closed slots once and writes the stream, the slot,
+// r and x: 6-7 rows and the closed slots, where the four ops move 11 (5 + 1 + the mix's
+// own slot and r, then 3) and the closed slots.
+// At 4 blocks per SM (128 registers) d = 1280 spills 92 bytes (the stream row, the new
+// slot row, two source rows and the fp32 sum are live in the mix): 3 blocks there.
+constexpr int delta_forward_blocks_per_sm(int NT) { return NT <= 4 ? 4 : NT == 5 ? 3 : 2; }
+template <int NT>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock, delta_forward_blocks_per_sm(NT))
+    delta_site_forward_span_kernel(bf16* __restrict__ x, bf16* __restrict__ r_out,
+                                   bf16* __restrict__ stream, bf16* hist, float* weights,
+                                   float* __restrict__ inv_rms, const bf16* __restrict__ query,
+                                   const bf16* __restrict__ gain, const bf16* __restrict__ alpha,
+                                   const Geometry g, int site, bool continues, float eps) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
+  const float a = __bfloat162float(alpha[0]);
+  bf16* slot = hist + int64_t(site) * g.N * g.d;
+  const bf16* prev = slot - g.N * g.d;
+  float* w_site = weights + g.lay.pair_base(site) * g.H * g.N;
+  auto qg8 = [&](int, int t, float (&q)[8]) {
+    const uint4 qc = reinterpret_cast<const uint4*>(query)[lane * NT + t];
+    const uint4 gc = reinterpret_cast<const uint4*>(gain)[lane * NT + t];
 #pragma unroll
-    for (int t = 0; t < NT; ++t)
-#pragma unroll
-      for (int e = 0; e < 8; ++e) ss += elem(rv.raw[t], e) * elem(rv.raw[t], e);
-    const float r = rsqrtf(warp_sum(ss) / float(g.d) + eps);
-    if (lane == 0) inv_rms[n] = r;
-    for (int k = 0; k < ns; ++k) {
-      const float4* qrow = reinterpret_cast<const float4*>(qg + int64_t(k) * g.d) + lane * 2 * NT;
-      float p = 0.f;
+    for (int e = 0; e < 8; ++e) q[e] = __fmul_rn(elem(qc, e), elem(gc, e));
+  };
+  for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); n < g.N;
+       n += warps) {
+    Row<NT> sv, vv, own;
+    load_span(sv, stream + n * g.d);
+    load_span(vv, slot + n * g.d);
+    if (continues) {
+      Row<NT> pv;
+      load_span(pv, prev + n * g.d);
 #pragma unroll
       for (int t = 0; t < NT; ++t) {
-        float q[8];
-        load_qg8(q, qrow, t);
+        float f[8];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) p += q[e] * elem(rv.raw[t], e);
+        for (int e = 0; e < 8; ++e) f[e] = __fadd_rn(elem(vv.raw[t], e), elem(pv.raw[t], e));
+        own.raw[t] = pack8(f);
       }
-      p = head_sum(p, G);
-      if (lane % G == 0) w_src[(int64_t(k) * g.H + h) * g.N + n] = r * p;
+    } else {
+      own = vv;
     }
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      float f[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) f[e] = __fadd_rn(elem(sv.raw[t], e), elem(vv.raw[t], e));
+      sv.raw[t] = pack8(f);  // now the advanced stream
+    }
+    store_span_row(stream + n * g.d, sv);
+    if (continues) store_span_row(slot + n * g.d, own);
+    logits_span_token(w_site, inv_rms, own, qg8, g, 1, eps, n);
+    __syncwarp();  // the head's leader lane stored the logit the mix reads
+    float acc[NT][8];
+    mix_span_token<NT, true>(acc, weights, hist, g, site, n, own);
+    Row<NT> rr;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) rr.raw[t] = pack8(acc[t]);
+    store_span_row(r_out + n * g.d, rr);
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      float f[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        f[e] = __fadd_rn(elem(sv.raw[t], e), __fmul_rn(a, elem(rr.raw[t], e)));
+      sv.raw[t] = pack8(f);
+    }
+    store_span_row(x + n * g.d, sv);
   }
 }
 
@@ -2022,6 +2133,45 @@ bool routing_delta_site_backward(cudaStream_t s, RoutingContext& ctx, const Delt
                        static_cast<const bf16*>(a.alpha.data), a.scratch.ptr<float>()};
   source_backward(s, ctx, a.slot, a.weights, a.ubar, a.gsum, *a.site_dx, a.r, a.v, a.inv_rms,
                   *a.params, lay, j, a.heads, nullptr, -1, &rows, a.dalpha);
+  return true;
+}
+
+bool routing_delta_site_forward_fuses(const DeltaSiteForward& a) {
+  if (a.history.ndim != 3 || a.heads < 1 || !a.params) return false;
+  const int64_t N = a.history.dim(1), d = a.history.dim(2);
+  const RoutingLayout& lay = a.layout;
+  bool ok = N > 0 && a.history.dim(0) == lay.sources && span_layout(d, a.heads) &&
+            d <= 256 * kMaxNT && a.site >= 1 && a.site < lay.sources &&
+            lay.last_site(a.site) == a.site && (!a.continues || a.site >= 2) &&
+            lay.sites <= kMaxSites && a.params->sites() == lay.sites &&
+            a.history.dtype == DType::BF16 && aligned16(a.history.data) &&
+            a.alpha.dtype == DType::BF16 && a.alpha.numel() == 1 &&
+            a.inv_rms.dtype == DType::F32 && a.inv_rms.numel() == N &&
+            a.weights.dtype == DType::F32 && a.weights.numel() == lay.pairs() * a.heads * N;
+  for (const Tensor* t : {&a.stream, &a.x, &a.r})
+    ok = ok && t->dtype == DType::BF16 && t->numel() == N * d && aligned16(t->data);
+  if (!ok) return false;
+  for (const Tensor* t : {&a.params->query[size_t(a.site)], &a.params->gain[size_t(a.site)]})
+    ok = ok && t->dtype == DType::BF16 && t->numel() == d && aligned16(t->data);
+  return ok;
+}
+
+bool routing_delta_site_forward(cudaStream_t s, RoutingContext& ctx, const DeltaSiteForward& a) {
+  if (!routing_delta_site_forward_fuses(a)) return false;
+  const int64_t N = a.history.dim(1);
+  const Geometry g = geometry("delta_site_forward", N, a.history.dim(2), a.heads, a.layout);
+  ctx.tile = MixTile{};  // as routing_mix: a plain mix ends any depth tile in flight
+  dispatch_span(g, [&](auto nt) {
+    delta_site_forward_span_kernel<decltype(nt)::value>
+        <<<token_blocks(N), 32 * kWarpsPerBlock, 0, s>>>(
+            static_cast<bf16*>(a.x.data), static_cast<bf16*>(a.r.data),
+            static_cast<bf16*>(a.stream.data), static_cast<bf16*>(a.history.data),
+            a.weights.ptr<float>(), a.inv_rms.ptr<float>(),
+            static_cast<const bf16*>(a.params->query[size_t(a.site)].data),
+            static_cast<const bf16*>(a.params->gain[size_t(a.site)].data),
+            static_cast<const bf16*>(a.alpha.data), g, a.site, a.continues, float(a.eps));
+    CUDA_CHECK_LAUNCH();
+  });
   return true;
 }
 

@@ -100,6 +100,19 @@ struct DeltaSiteBackward {
   Tensor out, next;
 };
 
+// The operands of Backend::delta_site_forward (residual_delta.cpp's names): the running
+// standard stream, the history (slot `site` holds v_site, the sublayer output just written),
+// the site's input x and routed term r, its gate alpha, and routing_source_logits' weights,
+// inv_rms (slot site's row, [N]), params and eps.
+struct DeltaSiteForward {
+  Tensor stream, history, x, r, alpha, weights, inv_rms;
+  const RoutingParams* params = nullptr;
+  RoutingLayout layout;
+  int site = 0, heads = 0;
+  bool continues = false;  // slot site continues its block: it becomes v_site + slot site-1
+  double eps = 0;
+};
+
 // What the temporaries of a model's ops depend on (Backend::op_scratch_bytes): the model's
 // shapes (Model::plan_activations) and what its residual scheme calls
 // (ResidualScheme::op_scratch_shapes). Every op of the model's passes is covered: its
@@ -501,6 +514,23 @@ class Backend {
   virtual void delta_source_grad(Tensor out, Tensor dresid, Tensor slot, Tensor next) {
     if (!next.empty()) add_inplace(slot, next);
     add(out, dresid, slot);
+  }
+  // The whole forward of a site j >= 1 (residual_delta.cpp): v_j joins the stream and its
+  // slot becomes its block's running sum, the slot's logits, site j's mix, the gate:
+  //   delta_stream_advance(stream, history[j], continues ? history[j-1] : Tensor());
+  //   routing_source_logits(weights, inv_rms, history[j], *params, layout, j, heads, eps);
+  //   routing_mix(r, weights, history, layout, j, heads);
+  //   delta_gate(x, stream, alpha, r)
+  // An override gives the sequence's bits in every output. The fusion's point, for a slot
+  // read by site j alone (a block's partial sum): the new slot row is in registers when
+  // its logits and the mix need it, and so is the advanced stream when the gate does, so
+  // the stream, v, the slot and r are read once where the sequence reads them 2-3 times.
+  virtual void delta_site_forward(const DeltaSiteForward& a) {
+    const Tensor slot = a.history[a.site];
+    delta_stream_advance(a.stream, slot, a.continues ? a.history[a.site - 1] : Tensor());
+    routing_source_logits(a.weights, a.inv_rms, slot, *a.params, a.layout, a.site, a.heads, a.eps);
+    routing_mix(a.r, a.weights, a.history, a.layout, a.site, a.heads);
+    delta_gate(a.x, a.stream, a.alpha, a.r);
   }
   // The whole backward of a site j >= 1 whose slot is read by site j alone (a block's
   // partial sum: layout.last_site(j) == j), as residual_delta.cpp runs it:

@@ -432,6 +432,19 @@ void OpProfiler::delta_source_grad(Tensor out, Tensor dresid, Tensor slot, Tenso
          bytes_of({out, dresid, slot}) + (next.empty() ? 0 : bytes_of({slot, next})));
   in_.delta_source_grad(out, dresid, slot, next);
 }
+void OpProfiler::delta_site_forward(const DeltaSiteForward& a) {
+  // As fused (one pass): read the stream, v and (continuing) the block's previous slot,
+  // and the site's other sources; written: the stream, the slot (continuing), r and x; the
+  // slot's logits written, the site's logits read and written back as weights.
+  const Tensor slot = a.history[a.site];
+  const int src = a.layout.site_sources(a.site);
+  const double row = double(slot.bytes());
+  const double heads_rows =
+      (1.0 + 2.0 * src) * a.heads * double(a.inv_rms.numel()) * dtype_size(a.weights.dtype);
+  Span s(*this, __func__, OpFamily::Routing,
+         (2 + 1 + (a.continues ? 2 : 0) + (src - 1) + 2) * row + heads_rows);
+  in_.delta_site_forward(a);
+}
 void OpProfiler::delta_site_backward(const DeltaSiteBackward& a) {
   // Read once each: dx, r, dresid, v (the value path and the key gradients), next; written:
   // dresid, dr, slot, out; and the slot's per-head rows (weights read and written, ubar).

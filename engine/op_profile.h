@@ -131,6 +131,7 @@ class OpProfiler final : public ForwardingBackend {
   void delta_resid_gate_backward(Tensor dresid, Tensor dr, Tensor dalpha, Tensor dx, Tensor r,
                                  Tensor alpha, Tensor scratch) override;
   void delta_source_grad(Tensor out, Tensor dresid, Tensor slot, Tensor next) override;
+  void delta_site_forward(const DeltaSiteForward& a) override;
   void delta_site_backward(const DeltaSiteBackward& a) override;
   double sum_squares(Tensor t) override;
   void adamw(Tensor param, Tensor master, Tensor grad, Tensor m, Tensor v, const AdamW& hp) override;

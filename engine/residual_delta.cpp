@@ -13,7 +13,7 @@
 //
 // The routed term reuses the block routing of residual_routed.cpp unchanged: backend.h's
 // RoutingLayout::blocks(S, s) over the model's history, whose slot j (j >= 1) becomes the
-// current block's sum up to v_j as sublayer j-1 finishes, and whose slot 0 holds the null
+// current block's sum up to v_j as site j starts, and whose slot 0 holds the null
 // source instead of v_0 (materialised as [N, d] rows when site 0 runs, after v_0 has been
 // copied into the running standard stream: the routing ops read a slot as [N, d]).
 // The current partial block IS a source (the layout's own choice, kept): it lets a site
@@ -62,9 +62,12 @@
 // dr, the slot and out: 9R where the three ops moved 14R (gate 5R, the slot's backward
 // 4R, source grad 5R), plus the key gradients' 1R either way. Measured at 1B (tenth
 // session, OpTiming.DISABLED_DeltaRouting1B): 11.2 ms a step against 13.8 ms.
-// Still open: the gate fused into the mix's store (r and x written together) would save
-// 1R a site, and the slot's logits computed by the advance while it holds the new slot's
-// row 1R a site.
+// Forward: site j >= 1 runs as one op, delta_site_forward (backend.h): the stream advance
+// by v_j, the slot's logits, the mix and the gate. Where the slot is read by site j alone
+// the GPU runs it as one pass (cuda/routing.cu): the stream, v and prev read once, the new
+// slot's logits and the mix's own source taken from registers, r and x written together:
+// 7R (5R when the slot starts its block) plus the closed slots, where the four ops moved
+// 11R (9R) plus the closed slots.
 #include "engine/model.h"
 #include "engine/residual.h"
 
@@ -104,13 +107,9 @@ class DeltaScheme final : public ResidualScheme {
     shapes.routing = layout_;
     shapes.routing_heads = H_;
   }
+  // Site j >= 1 also advances the stream by v_j (sublayer j-1's output), as its first step
+  // (Backend::delta_site_forward), so sublayer_done has nothing to do.
   void site_forward(int j) override;
-  void sublayer_done(int j) override {
-    Tensor hist = c_.act(history_);
-    // v_{j+1} joins the standard stream first, then its slot becomes the block's sum.
-    c_.be.delta_stream_advance(c_.act(std_), hist[j + 1],
-                               continues_block(j + 1) ? hist[j] : Tensor());
-  }
 
   void begin_backward() override {
     c_.be.zero(c_.act(dresid_));
@@ -186,15 +185,25 @@ void DeltaScheme::plan(MemoryPlan& P, const Timeline& t, int64_t N, int history,
 
 void DeltaScheme::site_forward(int j) {
   Tensor hist = c_.act(history_), w = c_.act(route_w_), r = c_.act(route_x_[size_t(j)]);
-  if (j == 0) {
-    // v_0 starts the standard stream; its slot then holds the null source.
-    c_.be.copy(c_.act(std_), hist[0]);
-    c_.be.delta_null_forward(hist[0], p(null_));
+  if (j >= 1) {
+    // v_j joins the standard stream first, then its slot becomes the block's sum; then the
+    // slot's logits, the mix and the gate: one op (one pass where the slot is read by
+    // site j alone, backend.h).
+    DeltaSiteForward a;
+    a.stream = c_.act(std_), a.history = hist, a.x = c_.act(site_x_[size_t(j)]), a.r = r;
+    a.alpha = p(alpha_[size_t(j)]), a.weights = w, a.inv_rms = c_.act(inv_rms_)[j];
+    a.params = &params_, a.layout = layout_, a.site = j, a.heads = H_;
+    a.continues = continues_block(j), a.eps = c_.cfg.rms_eps;
+    c_.be.delta_site_forward(a);
+    return;
   }
-  c_.be.routing_source_logits(w, c_.act(inv_rms_)[j], hist[j], params_, layout_, j, H_,
+  // v_0 starts the standard stream; its slot then holds the null source.
+  c_.be.copy(c_.act(std_), hist[0]);
+  c_.be.delta_null_forward(hist[0], p(null_));
+  c_.be.routing_source_logits(w, c_.act(inv_rms_)[0], hist[0], params_, layout_, 0, H_,
                               c_.cfg.rms_eps);
-  c_.be.routing_mix(r, w, hist, layout_, j, H_);
-  c_.be.delta_gate(c_.act(site_x_[size_t(j)]), c_.act(std_), p(alpha_[size_t(j)]), r);
+  c_.be.routing_mix(r, w, hist, layout_, 0, H_);
+  c_.be.delta_gate(c_.act(site_x_[0]), c_.act(std_), p(alpha_[0]), r);
 }
 
 void DeltaScheme::site_backward(int j) {

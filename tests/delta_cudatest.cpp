@@ -329,6 +329,84 @@ TEST_F(DeltaParity, FusedStepsAreTheirSequencesBitForBitAndMatchTheCpu) {
   }
 }
 
+// Backend::delta_site_forward on the CUDA backend (one fused pass where the slot is read by
+// its own site: cuda/routing.cu) against its default, the op sequence (stream advance, the
+// slot's logits, the mix, the gate) run on the GPU: the same bits in the stream, the whole
+// history, x, r, inv_rms and the weights (logits and softmax weights). Block layout of 9
+// sites in blocks of 4: site 1 (starts a block: no prev), 3 (continues its block; sources
+// null and the slot) and 6 (continues; closed slot 4 too); widths 256, 512 and 1280 (1, 2 and
+// 5 chunks per lane: 4, 4 and 3 blocks per SM), H 4, 2 and 8, N 37 (a partial warp's share)
+// and 300; alpha nonzero, so x carries r.
+TEST_F(DeltaParity, SiteForwardFusedIsItsSequence) {
+  const int S = 9, block = 4;
+  const RoutingLayout lay = RoutingLayout::blocks(S, block);
+  for (auto [N, d, H] : {std::tuple<int64_t, int64_t, int>{37, 256, 4}, {64, 512, 2},
+                         {37, 1280, 8}, {300, 1280, 8}}) {
+    for (int j : {1, 3, 6}) {
+      const bool continues = j >= 2 && (j - 1) % block != 0;
+      const std::string tag = " N" + std::to_string(N) + " d" + std::to_string(d) + " H" +
+                              std::to_string(H) + " site " + std::to_string(j);
+      auto normal = [&](int64_t m, DType t, double sd = 1.0, double mean = 0.0) {
+        return random_normal(rng, m, t, sd, mean);
+      };
+      const int64_t P = lay.pairs(), rows = N * d;
+      const auto v_hist = normal(S * rows, DType::BF16), v_stream = normal(rows, DType::BF16, 2.0);
+      const auto v_w = normal(P * H * N, DType::F32, 1.0);  // the closed slots' logits
+      const auto v_alpha = normal(1, DType::BF16, 0.5);
+      std::vector<double> qv, gv;
+      for (int k = 0; k < S; ++k) {
+        for (double x : normal(d, DType::BF16, 1.0 / std::sqrt(double(d / H)))) qv.push_back(x);
+        for (double x : normal(d, DType::BF16, 0.3, 1.0)) gv.push_back(x);
+      }
+      // Every tensor twice: [0] for the fused op, [1] for the sequence.
+      struct Side {
+        std::vector<Buffer> keep;
+        DeltaSiteForward a;
+        RoutingParams params;
+      };
+      std::vector<Side> sides(2);
+      for (Side& sd : sides) {
+        auto buf = [&](DType t, std::initializer_list<int64_t> shape, const std::vector<double>& v) {
+          sd.keep.emplace_back(*gpu, t, shape);
+          sd.keep.back().set(v);
+          return sd.keep.back().t();
+        };
+        const std::vector<double> nan_rows(size_t(rows), std::nan(""));
+        DeltaSiteForward& a = sd.a;
+        a.stream = buf(DType::BF16, {N, d}, v_stream);
+        a.history = buf(DType::BF16, {S, N, d}, v_hist);
+        a.x = buf(DType::BF16, {N, d}, nan_rows);
+        a.r = buf(DType::BF16, {N, d}, nan_rows);
+        a.alpha = buf(DType::BF16, {1}, v_alpha);
+        a.weights = buf(DType::F32, {P, H, N}, v_w);
+        a.inv_rms = buf(DType::F32, {N}, std::vector<double>(size_t(N), std::nan("")));
+        for (int k = 0; k < S; ++k) {
+          sd.params.query.push_back(buf(DType::BF16, {d}, std::vector<double>(
+              qv.begin() + k * d, qv.begin() + (k + 1) * d)));
+          sd.params.gain.push_back(buf(DType::BF16, {d}, std::vector<double>(
+              gv.begin() + k * d, gv.begin() + (k + 1) * d)));
+        }
+        a.params = &sd.params, a.layout = lay, a.site = j, a.heads = H;
+        a.continues = continues, a.eps = 1e-6;
+      }
+      ASSERT_TRUE(cuda::routing_delta_site_forward_fuses(sides[0].a)) << "no fused path" << tag;
+      gpu->delta_site_forward(sides[0].a);
+      gpu->Backend::delta_site_forward(sides[1].a);
+      auto get = [&](const Tensor& t) { return download(*gpu, t); };
+      const DeltaSiteForward &f = sides[0].a, &q = sides[1].a;
+      for (auto [name, tf, tq] : {std::tuple<const char*, Tensor, Tensor>{"stream", f.stream, q.stream},
+                                  {"history", f.history, q.history}, {"x", f.x, q.x}, {"r", f.r, q.r},
+                                  {"inv_rms", f.inv_rms, q.inv_rms}, {"weights", f.weights, q.weights}}) {
+        const auto got = get(tf);
+        EXPECT_EQ(got, get(tq)) << name << tag << ": fused differs from the op sequence";
+        // The inputs' NaN rows make an output left unwritten fail above too; this names it.
+        EXPECT_TRUE(std::none_of(got.begin(), got.end(), [](double x) { return std::isnan(x); }))
+            << name << tag << ": an output was not written";
+      }
+    }
+  }
+}
+
 // Backend::delta_site_backward on the CUDA backend (one fused pass where the shapes allow
 // it: cuda/routing.cu) against its default, the op sequence run on the GPU: the same bits
 // in dresid, dr, the slot's gradient, out, ubar, ds r and the key-gradient slabs; dalpha

@@ -599,6 +599,39 @@ TEST_F(OpTiming, DISABLED_DeltaRouting1B) {
            }, reps), 0, back_bytes);
     gpu->copy(weights, mixed);
   }
+  // The short slots' whole site forward as residual_delta.cpp runs it
+  // (Backend::delta_site_forward: the stream advance, the slot's logits, the mix, the
+  // gate): by the op sequence (the default) and by the fused kernel. Bytes as fused: the
+  // stream, v, prev (continuing) and the closed slots read; the stream, the slot
+  // (continuing), r and x written.
+  {
+    Buffer stream = random_gpu(DType::BF16, {N, d}), x(*gpu, DType::BF16, {N, d});
+    Buffer alpha = random_gpu(DType::BF16, {1});
+    std::vector<int> sites;
+    double bytes = 0;
+    for (int i = 1; i < S; ++i) {
+      if (lay.last_site(i) != i) continue;
+      const bool continues = (i - 1) % 8 != 0;
+      sites.push_back(i);
+      bytes += row * (2 + 1 + (continues ? 2 : 0) + (lay.site_sources(i) - 1) + 2);
+    }
+    auto site_forward = [&](bool sequence) {
+      for (int i : sites) {
+        DeltaSiteForward a;
+        a.stream = stream, a.history = hist, a.x = x, a.r = xs.t()[i], a.alpha = alpha;
+        a.weights = weights, a.inv_rms = inv_rms.t()[i], a.params = &rp, a.layout = lay;
+        a.site = i, a.heads = H, a.continues = (i - 1) % 8 != 0, a.eps = 1e-6;
+        if (sequence) gpu->Backend::delta_site_forward(a);
+        else gpu->delta_site_forward(a);
+      }
+    };
+    const std::string tag = "short slots (" + std::to_string(sites.size()) + "), 1B delta";
+    report("delta_site_forward, op sequence, " + tag, time_ms([&] { site_forward(true); }, reps),
+           0, bytes);
+    report("delta_site_forward, fused kernel, " + tag, time_ms([&] { site_forward(false); }, reps),
+           0, bytes);
+    gpu->copy(weights, mixed);
+  }
   // The short slots' whole site backward as residual_delta.cpp runs it
   // (Backend::delta_site_backward: the gate backward, the slot's backward, its gradient
   // gathered): by the op sequence (the default) and by the fused kernel's lab versions.
