@@ -158,17 +158,19 @@ struct MixTile {
   int first = -1, count = 0;
   int next = -1;  // the site whose routing_mix may use the tile next
 };
-// The backward depth tile in flight (routing_source_backward_tile): slot first - 1's
-// fp32 share of the sites >= first in the RoutingBackTile scratch, valid until that
-// slot's routing_source_backward (or any other routing backward call).
+// The backward depth tile in flight (routing_source_backward_tile): the older slot's
+// (first - layout.block: RoutingLayout::back_tile_count) fp32 share of the sites >= first
+// in the RoutingBackTile scratch, valid until that slot's routing_source_backward. The
+// backward calls of the slots between the two leave it in flight; any other routing
+// backward call ends it.
 struct BackTile {
   const void* weights = nullptr;
   const void* ubar = nullptr;
-  const void* next_v = nullptr;    // history row of slot first - 1
+  const void* older_v = nullptr;   // history row of the older slot
   const void* first_dx = nullptr;  // site_dx[first], to recognise the same call sequence
   RoutingLayout layout;
   int heads = 0;
-  int first = -1;
+  int first = -1, older = -1;
 };
 struct RoutingContext {
   cublasHandle_t blas = nullptr;
@@ -216,7 +218,7 @@ int routing_fused_key_max_sites();
 // times them all. version <= 0: the default (the measured fastest, cuda/routing.cu).
 // Returns the previous version.
 // Process-wide, not thread-safe; the engine never calls it.
-enum class RoutingKernel { MixTile, BackwardPair, DeltaSite };
+enum class RoutingKernel { MixTile, BackwardPair, DeltaSite, DeltaForward };
 int routing_set_kernel_version(RoutingKernel kernel, int version);
 int routing_kernel_versions(RoutingKernel kernel);
 // routing_stats.cu (the routing probe's device reduction)

@@ -1319,21 +1319,32 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
 // sum), span layout, one warp per token, each step with the operations and roundings of
 // its op (delta.cu's advance and gate, the logits and mix above), so the same bits:
 //   stream += v; slot = v + prev (continues); the slot's inv_rms and logit (from the new
-//   slot row in registers); the site's mix (its closed slots read, its own slot from
-//   registers); r stored; x = stream + alpha r.
-// It reads the stream, v, prev and the closed slots once and writes the stream, the slot,
-// r and x: 6-7 rows and the closed slots, where the four ops move 11 (5 + 1 + the mix's
-// own slot and r, then 3) and the closed slots.
-// At 4 blocks per SM (128 registers) d = 1280 spills 92 bytes (the stream row, the new
-// slot row, two source rows and the fp32 sum are live in the mix): 3 blocks there.
-constexpr int delta_forward_blocks_per_sm(int NT) { return NT <= 4 ? 4 : NT == 5 ? 3 : 2; }
-template <int NT>
-__global__ void __launch_bounds__(32 * kWarpsPerBlock, delta_forward_blocks_per_sm(NT))
+//   slot row in registers); the site's mix (its closed slots and its own slot); r stored;
+//   x = stream + alpha r.
+// It reads the stream, v, prev and the closed slots once from DRAM and writes the stream,
+// the slot, r and x: 5-7 rows and the closed slots, where the four ops move 9-11 and the
+// closed slots.
+// Kernel-lab versions (routing_set_kernel_version(DeltaForward, v); the same operations, so
+// the same bits):
+// 1 keeps the advanced stream and the new slot row in registers through the mix (160
+//   registers at d = 1280: 3 blocks per SM; at 4, 92 bytes spill);
+// 2 re-reads both after the mix from where this lane just stored them (L2, not DRAM: the
+//   rows were written microseconds before), which frees their registers: 4 blocks per SM
+//   up to d = 1280, so more rows in flight.
+constexpr int kDeltaForwardVersions = 2;
+constexpr int kDeltaForwardDefault = 2;
+int g_delta_forward_version = kDeltaForwardDefault;
+constexpr int delta_forward_blocks_per_sm(int NT, int version) {
+  return NT <= 4 || (version == 2 && NT == 5) ? 4 : NT == 5 ? 3 : 2;
+}
+template <int NT, int V>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock, delta_forward_blocks_per_sm(NT, V))
     delta_site_forward_span_kernel(bf16* __restrict__ x, bf16* __restrict__ r_out,
-                                   bf16* __restrict__ stream, bf16* hist, float* weights,
+                                   bf16* stream, bf16* hist, float* weights,
                                    float* __restrict__ inv_rms, const bf16* __restrict__ query,
                                    const bf16* __restrict__ gain, const bf16* __restrict__ alpha,
                                    const Geometry g, int site, bool continues, float eps) {
+  constexpr bool kKeep = V == 1;  // the rows stay in registers through the mix
   const int lane = threadIdx.x & 31;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
   const float a = __bfloat162float(alpha[0]);
@@ -1348,39 +1359,44 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, delta_forward_blocks_per_
   };
   for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); n < g.N;
        n += warps) {
-    Row<NT> sv, vv, own;
-    load_span(sv, stream + n * g.d);
-    load_span(vv, slot + n * g.d);
-    if (continues) {
-      Row<NT> pv;
-      load_span(pv, prev + n * g.d);
+    Row<NT> sv, own;
+    {
+      Row<NT> vv;
+      load_span(sv, stream + n * g.d);
+      load_span(vv, slot + n * g.d);
+      if (continues) {
+        Row<NT> pv;
+        load_span(pv, prev + n * g.d);
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+          float f[8];
+#pragma unroll
+          for (int e = 0; e < 8; ++e) f[e] = __fadd_rn(elem(vv.raw[t], e), elem(pv.raw[t], e));
+          own.raw[t] = pack8(f);
+        }
+      } else {
+        own = vv;
+      }
 #pragma unroll
       for (int t = 0; t < NT; ++t) {
         float f[8];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) f[e] = __fadd_rn(elem(vv.raw[t], e), elem(pv.raw[t], e));
-        own.raw[t] = pack8(f);
+        for (int e = 0; e < 8; ++e) f[e] = __fadd_rn(elem(sv.raw[t], e), elem(vv.raw[t], e));
+        sv.raw[t] = pack8(f);  // now the advanced stream
       }
-    } else {
-      own = vv;
-    }
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      float f[8];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) f[e] = __fadd_rn(elem(sv.raw[t], e), elem(vv.raw[t], e));
-      sv.raw[t] = pack8(f);  // now the advanced stream
     }
     store_span_row(stream + n * g.d, sv);
     if (continues) store_span_row(slot + n * g.d, own);
     logits_span_token(w_site, inv_rms, own, qg8, g, 1, eps, n);
     __syncwarp();  // the head's leader lane stored the logit the mix reads
     float acc[NT][8];
-    mix_span_token<NT, true>(acc, weights, hist, g, site, n, own);
+    // (version 2: the own slot's row comes back from this lane's store above)
+    mix_span_token<NT, kKeep>(acc, weights, hist, g, site, n, own);
     Row<NT> rr;
 #pragma unroll
     for (int t = 0; t < NT; ++t) rr.raw[t] = pack8(acc[t]);
     store_span_row(r_out + n * g.d, rr);
+    if (!kKeep) load_span(sv, stream + n * g.d);
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
       float f[8];
@@ -1394,11 +1410,12 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, delta_forward_blocks_per_
 }
 
 // Depth tiling of the backward (backend.h routing_source_backward_tile; unfused slots,
-// full routing, span layout): slots p0 = source and p1 = source - 1 in one pass over the
-// site gradients dx_j, j = source .. last_site(source), each read once for both: slot
-// p0's whole value row (val, as source_value_span_kernel writes it), slot p1's share of
-// the same sites (partial), and the logit gradients ds r of both slots' pairs with those
-// sites. Slot p1's own call then reads only site p1's gradient (resume). Both slot rows
+// span layout): slots p0 = source and p1 = older (source - 1 in full routing, the
+// previous closed slot source - block in a block layout) in one pass over the site
+// gradients dx_j, j = source .. last_site(source), each read once for both: slot p0's
+// whole value row (val, as source_value_span_kernel writes it), slot p1's share of the
+// same sites (partial), and the logit gradients ds r of both slots' pairs with those
+// sites. Slot p1's own call then reads only its sites before p0 (resume). Both slot rows
 // and both value rows stay in registers (234 at d = 1280, 2 blocks per SM), so each
 // dx_j chunk serves two slots: half the site-gradient reads of two plain calls.
 // Numbered versions (kernel lab, routing_set_kernel_version; the same code, so the same
@@ -1420,13 +1437,14 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
                                   const bf16* __restrict__ v0, const bf16* __restrict__ v1,
                                   const float* __restrict__ inv_rms0,
                                   const float* __restrict__ inv_rms1, const Geometry g,
-                                  int source) {
+                                  int source, int older) {
   const int lane = threadIdx.x & 31, G = 32 / g.H, h = lane / G;
   const bool leader = lane % G == 0;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
-  // Head h's pair rows of both slots: pair(p, j) = pair_base(p) + j - p in full routing.
+  // Head h's pair rows of both slots from site `source` on: pair(p, j) = pair_base(p) +
+  // j - p for a slot read by every later site (full routing; a block layout's closed slots).
   float* w0 = weights + (g.lay.pair_base(source) * g.H + h) * g.N;
-  float* w1 = weights + ((g.lay.pair_base(source - 1) + 1) * g.H + h) * g.N;  // from j = source
+  float* w1 = weights + ((g.lay.pair_base(older) + (source - older)) * g.H + h) * g.N;
   const float* ub_h = ubar + int64_t(h) * g.N;
   const int last = g.lay.last_site(source);
   for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); n < g.N;
@@ -1905,6 +1923,7 @@ int routing_kernel_versions(RoutingKernel kernel) {
     case RoutingKernel::MixTile: return kMixTileVersions;
     case RoutingKernel::BackwardPair: return kPairVersions;
     case RoutingKernel::DeltaSite: return kDeltaSiteVersions;
+    case RoutingKernel::DeltaForward: return kDeltaForwardVersions;
   }
   return 0;
 }
@@ -1915,10 +1934,12 @@ int routing_set_kernel_version(RoutingKernel kernel, int version) {
              "with versions 1 .. ", versions, " (<= 0: the default)");
   int& v = kernel == RoutingKernel::MixTile        ? g_mix_tile_version
            : kernel == RoutingKernel::BackwardPair ? g_pair_version
-                                                   : g_delta_site_version;
+           : kernel == RoutingKernel::DeltaSite    ? g_delta_site_version
+                                                   : g_delta_forward_version;
   const int fallback = kernel == RoutingKernel::MixTile        ? kMixTileDefault
                        : kernel == RoutingKernel::BackwardPair ? kPairDefault
-                                                               : kDeltaSiteDefault;
+                       : kernel == RoutingKernel::DeltaSite    ? kDeltaSiteDefault
+                                                               : kDeltaForwardDefault;
   const int before = v;
   v = version > 0 ? version : fallback;
   return before;
@@ -1934,13 +1955,23 @@ namespace {
 
 // Slot source - 1 of a backward depth tile that starts at `source` (the pair kernel).
 struct TileSlot {
+  int slot = -1;
   const bf16* v = nullptr;
   const float* inv_rms = nullptr;
 };
 
+// Whether a routing backward call for `source` leaves the depth tile in flight: a slot
+// strictly between the tile's older and first slots (a block layout's partial slots,
+// running their own backward between the two; backend.h) on the same tensors.
+bool between_tile_slots(const BackTile& tile, const void* weights, const void* ubar,
+                        const RoutingLayout& layout, int source) {
+  return tile.first >= 0 && source > tile.older && source < tile.first &&
+         weights == tile.weights && ubar == tile.ubar && layout == tile.layout;
+}
+
 // One slot's backward (routing_source_backward), in one of three forms: plain; the first
-// slot of a backward depth tile (`older` set: slot source - 1 rides along, its share of
-// the sites >= source left in the RoutingBackTile scratch); or the tile's next slot
+// slot of a backward depth tile (`older` set: that slot rides along, its share of the
+// sites >= source left in the RoutingBackTile scratch); or the tile's older slot
 // (`resume_last` >= source: its value row starts from that share and reads only the sites
 // source .. resume_last).
 // `delta` (routing_delta_site_backward): the fused slot's kernel does the delta steps too.
@@ -2003,7 +2034,7 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
               blocks, int64_t(sm_count()) * resident_blocks_per_sm(kernel, 32 * kWarpsPerBlock)));
         kernel<<<blocks, 32 * kWarpsPerBlock, 0, s>>>(
             val, partial, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in, older->v,
-            inv_rms.ptr<float>(), older->inv_rms, g, source);
+            inv_rms.ptr<float>(), older->inv_rms, g, source, older->slot);
         CUDA_CHECK_LAUNCH();
       } else {
         MHAR_CHECK(false, "CUDA ", what, ": a backward depth tile at d = ", g.d);
@@ -2087,14 +2118,16 @@ void routing_source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Ten
                              Tensor ubar, Tensor gsum, const std::vector<Tensor>& site_dx,
                              Tensor x, Tensor v, Tensor inv_rms, const RoutingParams& params,
                              const RoutingLayout& layout, int source, int heads) {
-  // The next slot of the backward depth tile in flight: its share of the tile's sites is
-  // in the scratch. Any other call ends the tile.
+  // The older slot of the backward depth tile in flight: its share of the tile's sites is
+  // in the scratch. A slot between the two leaves the tile in flight; any other call
+  // ends it.
   const BackTile tile = ctx.back_tile;
   ctx.back_tile = BackTile{};
-  const bool resume = tile.first >= 0 && source == tile.first - 1 && weights.data == tile.weights &&
-                      ubar.data == tile.ubar && v.data == tile.next_v && layout == tile.layout &&
+  const bool resume = tile.first >= 0 && source == tile.older && weights.data == tile.weights &&
+                      ubar.data == tile.ubar && v.data == tile.older_v && layout == tile.layout &&
                       heads == tile.heads && size_t(tile.first) < site_dx.size() &&
                       site_dx[size_t(tile.first)].data == tile.first_dx;
+  if (between_tile_slots(tile, weights.data, ubar.data, layout, source)) ctx.back_tile = tile;
   source_backward(s, ctx, dv, weights, ubar, gsum, site_dx, x, v, inv_rms, params, layout, source,
                   heads, nullptr, resume ? tile.first - 1 : -1);
 }
@@ -2126,7 +2159,9 @@ bool routing_delta_site_backward(cudaStream_t s, RoutingContext& ctx, const Delt
   MHAR_CHECK(size_t(j) < a.site_dx->size() && (*a.site_dx)[size_t(j)].data == a.dr.data, "CUDA ",
              what, ": site_dx[", j, "] must be dr");
   if (!routing_delta_site_backward_fuses(a)) return false;
-  ctx.back_tile = BackTile{};
+  // A partial slot between a depth tile's two closed slots leaves the tile in flight.
+  if (!between_tile_slots(ctx.back_tile, a.weights.data, a.ubar.data, lay, j))
+    ctx.back_tile = BackTile{};
   const DeltaRows rows{static_cast<bf16*>(a.dresid.data), static_cast<bf16*>(a.dr.data),
                        static_cast<bf16*>(a.out.data),    static_cast<const bf16*>(a.dx.data),
                        a.next.empty() ? nullptr : static_cast<const bf16*>(a.next.data),
@@ -2162,8 +2197,10 @@ bool routing_delta_site_forward(cudaStream_t s, RoutingContext& ctx, const Delta
   const Geometry g = geometry("delta_site_forward", N, a.history.dim(2), a.heads, a.layout);
   ctx.tile = MixTile{};  // as routing_mix: a plain mix ends any depth tile in flight
   dispatch_span(g, [&](auto nt) {
-    delta_site_forward_span_kernel<decltype(nt)::value>
-        <<<token_blocks(N), 32 * kWarpsPerBlock, 0, s>>>(
+    constexpr int NT = decltype(nt)::value;
+    auto kernel = g_delta_forward_version == 1 ? delta_site_forward_span_kernel<NT, 1>
+                                               : delta_site_forward_span_kernel<NT, 2>;
+    kernel<<<token_blocks(N), 32 * kWarpsPerBlock, 0, s>>>(
             static_cast<bf16*>(a.x.data), static_cast<bf16*>(a.r.data),
             static_cast<bf16*>(a.stream.data), static_cast<bf16*>(a.history.data),
             a.weights.ptr<float>(), a.inv_rms.ptr<float>(),
@@ -2176,10 +2213,12 @@ bool routing_delta_site_forward(cudaStream_t s, RoutingContext& ctx, const Delta
 }
 
 int routing_backward_tile_slots(const RoutingLayout& layout, int64_t d, int heads) {
-  // The pair kernel: full routing, span layout, both slots' rows and value rows in
-  // registers (d <= 1280; wider rows would spill).
+  // The pair kernel: span layout, both slots' rows and value rows in registers (d <= 1280;
+  // wider rows would spill). Full routing pairs every slot with the one before it, block
+  // layouts their closed slots (RoutingLayout::back_tile_count).
+  (void)layout;
   const bool span = heads >= 1 && 32 % heads == 0 && d % 256 == 0 && d / 256 <= kBackTileMaxNT;
-  return layout.block == 1 && span ? 2 : 1;
+  return span ? 2 : 1;
 }
 
 void routing_source_backward_tile(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weights,
@@ -2194,7 +2233,11 @@ void routing_source_backward_tile(cudaStream_t s, RoutingContext& ctx, Tensor dv
              layout.sources, ", N], got ", inv_rms.shape_str());
   MHAR_CHECK(source >= 0 && source < layout.sources && count >= 1 && count <= source + 1, what,
              ": source ", source, ", count ", count, " of ", layout.sources, " sources");
-  const int ns = layout.last_site(source) - source + 1;
+  MHAR_CHECK(count == 1 || (layout.closes_block(source) && source >= (count - 1) * layout.block),
+             what, ": a backward tile of ", count, " slots cannot start at slot ", source,
+             " (block ", layout.block, ": its slots are source, source - block, ..., closed "
+             "slots; RoutingLayout::back_tile_count)");
+  const int ns = layout.last_site(source) - source + 1, older_slot = source - layout.block;
   // Tiles pair unfused slots only (the fused ones read few sites and have no value row).
   const bool tile = std::min(count, routing_backward_tile_slots(layout, history.dim(2), heads)) >= 2 &&
                     ns > g_fused_key_max_sites && history.dim(1) > 0;
@@ -2203,12 +2246,12 @@ void routing_source_backward_tile(cudaStream_t s, RoutingContext& ctx, Tensor dv
                     params, layout, source, heads, nullptr, -1);
     return;
   }
-  const TileSlot older{static_cast<const bf16*>(history[source - 1].data),
-                       static_cast<const float*>(inv_rms[source - 1].data)};
+  const TileSlot older{older_slot, static_cast<const bf16*>(history[older_slot].data),
+                       static_cast<const float*>(inv_rms[older_slot].data)};
   source_backward(s, ctx, dv, weights, ubar, gsum, site_dx, x, history[source], inv_rms[source],
                   params, layout, source, heads, &older, -1);
-  ctx.back_tile = BackTile{weights.data, ubar.data, history[source - 1].data,
-                           site_dx[size_t(source)].data, layout, heads, source};
+  ctx.back_tile = BackTile{weights.data, ubar.data, history[older_slot].data,
+                           site_dx[size_t(source)].data, layout, heads, source, older_slot};
 }
 
 void routing_param_grads(cudaStream_t s, const RoutingParams& params, Tensor gsum) {

@@ -21,6 +21,7 @@
 //   call them without a model) may take their temporaries from grow-only buffers of the
 //   backend's own instead (CUDA does).
 #pragma once
+#include <algorithm>
 #include <cstddef>
 #include <memory>
 #include <string>
@@ -81,6 +82,20 @@ struct RoutingLayout {
     const int64_t c = t <= closed ? t : closed + 1;  // closed slots before the source
     const int i = t <= closed ? t * block : k;
     return c * sites - int64_t(block) * c * (c - 1) / 2 + (i - c) + (k - i);
+  }
+  // Backward depth tiles (Backend::routing_source_backward_tile): the tile of `count`
+  // slots that starts at slot i is i, i - block, ..., i - (count - 1) block: every slot in
+  // full routing, closed slots only in a block layout (every site that reads closed slot
+  // i reads the older closed slots too; a partial slot's one site is read by no other
+  // partial slot). back_tile_count(i, k): the count of the tile that starts at slot i
+  // when the backend wants tiles of k slots, 0 where none starts. Full routing: slots
+  // S-1, S-1-k, ... but slot 0, count min(k, i + 1). Block layouts: the closed slots
+  // c * block with c % k == k - 1, count k (the oldest slots tile up, so that what is
+  // left alone is the newest, read by the fewest sites).
+  int back_tile_count(int i, int k) const {
+    if (k < 2 || i < 1) return 0;
+    if (block == 1) return (sources - 1 - i) % k == 0 ? std::min(k, i + 1) : 0;
+    return closes_block(i) && (i / block) % k == k - 1 ? k : 0;
   }
   bool operator==(const RoutingLayout& o) const {
     return sources == o.sources && sites == o.sites && block == o.block;
@@ -387,14 +402,17 @@ class Backend {
   // Depth tiling of the backward, a speed-up with the same results (up to fp32 summation
   // order): routing_source_backward_tile(..., history, inv_rms, ..., source, count, ...)
   // is routing_source_backward(..., history[source], inv_rms[source], ..., source, ...)
-  // (history [layout.sources, N, d], inv_rms [layout.sources, N]) plus a promise that
-  // sources source-1 .. source-count+1 come next, in order, by routing_source_backward
-  // with the same weights, ubar, gsum, site_dx and x/v/inv_rms rows of those slots, and
-  // that until then only site_dx[k] for k < source and the pairs of sites < source are
-  // written. A backend may then stream each site gradient k >= source once for the
-  // tile's slots, keeping their partial gradients in its own memory, so that the later
-  // slots read only their newer sites. routing_backward_tile_slots() is the tile this
-  // backend wants (1: it does not tile; the default and the CPU reference).
+  // (history [layout.sources, N, d], inv_rms [layout.sources, N]) plus a promise that the
+  // tile's older slots (RoutingLayout::back_tile_count: source - block, ...,
+  // source - (count-1) block) come next, in order, by routing_source_backward with the
+  // same weights, ubar, gsum, site_dx and x/v/inv_rms rows of those slots; that between
+  // them only the slots in between run their own backward (routing_source_backward,
+  // delta_site_backward); and that until the tile's last slot only site_dx[k] for
+  // k < source, the pairs and ubar rows of sites < source are written. A backend may then
+  // stream each site gradient k >= source once for the tile's slots, keeping their
+  // partial gradients in its own memory, so that the older slots read only their newer
+  // sites. routing_backward_tile_slots() is the tile this backend wants (1: it does not
+  // tile; the default and the CPU reference).
   virtual void routing_source_backward_tile(Tensor dv, Tensor weights, Tensor ubar, Tensor gsum,
                                             const std::vector<Tensor>& site_dx, Tensor x,
                                             Tensor history, Tensor inv_rms,

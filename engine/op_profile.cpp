@@ -350,9 +350,10 @@ void OpProfiler::routing_source_backward(Tensor dv, Tensor weights, Tensor ubar,
   // sites before the tile's first slot instead of the later ones. (A backend that
   // declines a tile, as the CUDA one does for slots read by <= 8 sites, moves a few rows
   // more than this counts.)
-  const bool tiled = source < back_first_ && source > back_end_;
+  const bool tiled = source < back_first_ && source > back_end_ &&
+                     (back_first_ - source) % layout.block == 0;
   const int sites = tiled ? back_first_ - source : layout.last_site(source) - source + 1;
-  if (source <= back_end_ + 1) back_first_ = back_end_ = -1;
+  if (source <= back_end_ + layout.block) back_first_ = back_end_ = -1;
   Span s(*this, __func__, OpFamily::Routing, bytes_of({dv, v, x, inv_rms}) +
                                        (sites + (tiled ? 2.0 : 0.0)) * double(dv.bytes()));
   in_.routing_source_backward(dv, weights, ubar, gsum, site_dx, x, v, inv_rms, params, layout, source, heads);
@@ -368,7 +369,7 @@ void OpProfiler::routing_source_backward_tile(Tensor dv, Tensor weights, Tensor 
   const int sites = layout.last_site(source) - source + 1;
   const double row = double(dv.bytes());
   back_first_ = source;
-  back_end_ = source - count;
+  back_end_ = source - count * layout.block;
   Span s(*this, __func__, OpFamily::Routing,
          bytes_of({dv, x, inv_rms[source]}) + row + (sites + 3.0 * (count - 1)) * row);
   in_.routing_source_backward_tile(dv, weights, ubar, gsum, site_dx, x, history, inv_rms, params,

@@ -184,8 +184,9 @@ class OpProfiler final : public ForwardingBackend {
   // The depth tile in flight (routing_mix_tile): sites (tile_first_, tile_end_) read
   // their partial sums and newer slots only, which their bytes count.
   int tile_first_ = -1, tile_end_ = -1;
-  // The backward depth tile in flight (routing_source_backward_tile): slots
-  // (back_end_, back_first_) read their partial gradient and the sites < back_first_ only.
+  // The backward depth tile in flight (routing_source_backward_tile): its older slots,
+  // back_first_ - m * block in (back_end_, back_first_), read their partial gradient and
+  // the sites < back_first_ only.
   int back_first_ = -1, back_end_ = -1;
 };
 

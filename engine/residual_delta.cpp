@@ -80,7 +80,8 @@ class DeltaScheme final : public ResidualScheme {
   explicit DeltaScheme(const SchemeContext& ctx)
       : c_(ctx),
         layout_(RoutingLayout::blocks(ctx.cfg.n_sites(), ctx.res.delta_block())),
-        H_(ctx.res.heads) {
+        H_(ctx.res.heads),
+        back_tile_(ctx.be.routing_backward_tile_slots(layout_, ctx.cfg.d_model, H_)) {
     if (!c_.be.has_delta_ops()) delta_unsupported(c_.be.name());
     MHAR_CHECK(H_ >= 1 && c_.cfg.d_model % H_ == 0, "delta routing heads ", H_);
     MHAR_CHECK(c_.res.block_layers >= 1 && c_.res.block_layers <= c_.cfg.n_layers,
@@ -102,10 +103,12 @@ class DeltaScheme final : public ResidualScheme {
 
   void plan(MemoryPlan& P, const Timeline& t, int64_t N, int history,
             std::vector<int>& site_x) override;
-  // The routing ops of block routing, untiled (site_forward, site_backward).
+  // The routing ops of block routing: the mix untiled, the closed slots' backward in
+  // depth tiles where the backend wants them (site_backward).
   void op_scratch_shapes(OpScratchShapes& shapes) const override {
     shapes.routing = layout_;
     shapes.routing_heads = H_;
+    shapes.backward_tile_slots = back_tile_;
   }
   // Site j >= 1 also advances the stream by v_j (sublayer j-1's output), as its first step
   // (Backend::delta_site_forward), so sublayer_done has nothing to do.
@@ -136,6 +139,7 @@ class DeltaScheme final : public ResidualScheme {
   SchemeContext c_;
   RoutingLayout layout_;
   int H_;
+  int back_tile_;  // backward depth tile in slots (routing_backward_tile_slots)
   std::vector<int> alpha_, query_, gain_;  // parameter indices, per site
   int null_ = -1;
   RoutingParams params_;
@@ -230,8 +234,18 @@ void DeltaScheme::site_backward(int j) {
   }
   c_.be.delta_resid_gate_backward(dresid, dr[size_t(j)], g(alpha_[size_t(j)]), dx, r,
                                   p(alpha_[size_t(j)]), scratch);
-  c_.be.routing_source_backward(slot, c_.act(route_w_), c_.act(ubar_), c_.act(gsum_), dr, r,
-                                c_.act(history_)[j], c_.act(inv_rms_)[j], params_, layout_, j, H_);
+  // A closed slot: where a backward depth tile starts (RoutingLayout::back_tile_count:
+  // with tiles of 2, (8, 0), (24, 16), ... at block 8), the backend streams the site
+  // gradients >= j once for it and the older closed slot j - block, whose own call,
+  // 8 sites later, then reads only its sites before j.
+  if (const int count = layout_.back_tile_count(j, back_tile_); count > 0)
+    c_.be.routing_source_backward_tile(slot, c_.act(route_w_), c_.act(ubar_), c_.act(gsum_), dr,
+                                       r, c_.act(history_), c_.act(inv_rms_), params_, layout_,
+                                       j, count, H_);
+  else
+    c_.be.routing_source_backward(slot, c_.act(route_w_), c_.act(ubar_), c_.act(gsum_), dr, r,
+                                  c_.act(history_)[j], c_.act(inv_rms_)[j], params_, layout_, j,
+                                  H_);
   if (j == 0) {
     MHAR_CHECK(next.empty(), "slot 1 starts a block");  // slot 0 is the null, alone
     c_.be.delta_null_backward(g(null_), slot, scratch);

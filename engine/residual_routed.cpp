@@ -158,15 +158,14 @@ void RoutedScheme::site_backward(int j) {
   // Every site that reads slot j has its input gradient now.
   std::vector<Tensor> dx;
   for (int id : site_dx_) dx.push_back(c_.act(id));
-  // Backward depth tiles start at slots S-1, S-1-k, ...: the backend streams the site
-  // gradients >= j once for the tile's slots (backend.h, routing_source_backward_tile).
-  const int from_last = layout_.sources - 1 - j;
-  if (back_tile_ > 1 && from_last % back_tile_ == 0 && j >= 1)
+  // Backward depth tiles start where RoutingLayout::back_tile_count says (full routing:
+  // slots S-1, S-1-k, ...): the backend streams the site gradients >= j once for the
+  // tile's slots (backend.h, routing_source_backward_tile).
+  if (const int count = layout_.back_tile_count(j, back_tile_); count > 0)
     c_.be.routing_source_backward_tile(c_.act(source_dx_[size_t(j)]), c_.act(route_w_),
                                        c_.act(ubar_), c_.act(gsum_), dx,
                                        c_.act(site_x_[size_t(j)]), c_.act(history_),
-                                       c_.act(inv_rms_), params_, layout_, j,
-                                       std::min(back_tile_, j + 1), H_);
+                                       c_.act(inv_rms_), params_, layout_, j, count, H_);
   else
     c_.be.routing_source_backward(c_.act(source_dx_[size_t(j)]), c_.act(route_w_),
                                   c_.act(ubar_), c_.act(gsum_), dx, c_.act(site_x_[size_t(j)]),

@@ -390,19 +390,32 @@ TEST_F(DeltaParity, SiteForwardFusedIsItsSequence) {
         a.continues = continues, a.eps = 1e-6;
       }
       ASSERT_TRUE(cuda::routing_delta_site_forward_fuses(sides[0].a)) << "no fused path" << tag;
-      gpu->delta_site_forward(sides[0].a);
       gpu->Backend::delta_site_forward(sides[1].a);
       auto get = [&](const Tensor& t) { return download(*gpu, t); };
       const DeltaSiteForward &f = sides[0].a, &q = sides[1].a;
-      for (auto [name, tf, tq] : {std::tuple<const char*, Tensor, Tensor>{"stream", f.stream, q.stream},
-                                  {"history", f.history, q.history}, {"x", f.x, q.x}, {"r", f.r, q.r},
-                                  {"inv_rms", f.inv_rms, q.inv_rms}, {"weights", f.weights, q.weights}}) {
-        const auto got = get(tf);
-        EXPECT_EQ(got, get(tq)) << name << tag << ": fused differs from the op sequence";
-        // The inputs' NaN rows make an output left unwritten fail above too; this names it.
-        EXPECT_TRUE(std::none_of(got.begin(), got.end(), [](double x) { return std::isnan(x); }))
-            << name << tag << ": an output was not written";
+      const std::vector<std::tuple<const char*, Tensor, Tensor>> outputs = {
+          {"stream", f.stream, q.stream}, {"history", f.history, q.history}, {"x", f.x, q.x},
+          {"r", f.r, q.r}, {"inv_rms", f.inv_rms, q.inv_rms}, {"weights", f.weights, q.weights}};
+      // The fused op updates the stream and the history in place: each version runs on a
+      // fresh copy of the inputs.
+      std::vector<std::vector<double>> inputs;
+      for (const auto& o : outputs) inputs.push_back(get(std::get<1>(o)));
+      // Every version of the fused kernel (the kernel lab's, cuda/routing.cu): the same bits.
+      const int versions = cuda::routing_kernel_versions(cuda::RoutingKernel::DeltaForward);
+      for (int version = 1; version <= versions; ++version) {
+        cuda::routing_set_kernel_version(cuda::RoutingKernel::DeltaForward, version);
+        const std::string vtag = tag + " kernel v" + std::to_string(version);
+        for (size_t o = 0; o < outputs.size(); ++o) gpu->upload(std::get<1>(outputs[o]), inputs[o].data());
+        gpu->delta_site_forward(f);
+        for (auto [name, tf, tq] : outputs) {
+          const auto got = get(tf);
+          EXPECT_EQ(got, get(tq)) << name << vtag << ": fused differs from the op sequence";
+          // The inputs' NaN rows make an output left unwritten fail above too; this names it.
+          EXPECT_TRUE(std::none_of(got.begin(), got.end(), [](double x) { return std::isnan(x); }))
+              << name << vtag << ": an output was not written";
+        }
       }
+      cuda::routing_set_kernel_version(cuda::RoutingKernel::DeltaForward, 0);
     }
   }
 }

@@ -50,9 +50,7 @@ class ScratchWatcher final : public ForwardingBackend {
   int routing_tile_sites(const RoutingLayout& lay, int64_t, int) const override {
     return lay.block == 1 ? 3 : 1;
   }
-  int routing_backward_tile_slots(const RoutingLayout& lay, int64_t, int) const override {
-    return lay.block == 1 ? 2 : 1;
-  }
+  int routing_backward_tile_slots(const RoutingLayout&, int64_t, int) const override { return 2; }
 
   // What is bound while ops run: the model's own ops (through matmul, the norms' backward)
   // and each scheme's.
@@ -163,12 +161,13 @@ OpScratchShapes expected_shapes(const Config& c, int B, int T) {
       s.routing_heads = c.residual.heads;
       const bool full = s.routing.block == 1;  // ScratchWatcher's tiles
       s.mix_tile_sites = full ? 3 : 1;
-      s.backward_tile_slots = full ? 2 : 1;
+      s.backward_tile_slots = 2;
       break;
     }
     case ResidualMode::Delta:
       s.routing = RoutingLayout::blocks(S, c.residual.delta_block());
       s.routing_heads = c.residual.heads;
+      s.backward_tile_slots = 2;  // its closed slots' backward tiles
       break;
     case ResidualMode::Hyper:
       s.hyper_streams = c.residual.hyper_n;

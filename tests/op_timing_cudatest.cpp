@@ -522,9 +522,9 @@ TEST_F(OpTiming, DISABLED_RoutingBackwardFusedLimit) {
       restore();
       gpu->zero(gsum);
       for (int i = S - 1; i >= 0; --i)
-        if (tiled && tile > 1 && (S - 1 - i) % tile == 0 && i >= 1)
+        if (const int count = tiled ? lay.back_tile_count(i, tile) : 0; count > 0)
           gpu->routing_source_backward_tile(dv, weights, ubar, gsum, dx_rows, xs.t()[i], hist,
-                                            inv_rms, rp, lay, i, std::min(tile, i + 1), H);
+                                            inv_rms, rp, lay, i, count, H);
         else
           gpu->routing_source_backward(dv, weights, ubar, gsum, dx_rows, xs.t()[i],
                                        hist.t()[i], inv_rms.t()[i], rp, lay, i, H);
@@ -598,6 +598,28 @@ TEST_F(OpTiming, DISABLED_DeltaRouting1B) {
                                             hist.t()[*it], inv_rms.t()[*it], rp, lay, *it, H);
            }, reps), 0, back_bytes);
     gpu->copy(weights, mixed);
+    if (!long_slots) continue;
+    // The long slots in the backward depth tiles residual_delta.cpp runs them in
+    // (RoutingLayout::back_tile_count: (8, 0), (24, 16), ...; slot 64 alone); bytes by the
+    // tiles: an older slot reads only its sites before the tile's first, plus its fp32
+    // partial written and read (4 rows' bytes).
+    const int tile = gpu->routing_backward_tile_slots(lay, d, H);
+    double tiled_bytes = back_bytes;
+    for (int i : slots)
+      if (lay.back_tile_count(i, tile) == 2)
+        tiled_bytes -= row * (lay.last_site(i) - i + 1) - 4 * row;
+    report("routing_source_backward, tiles of " + std::to_string(tile) + ", " + tag,
+           time_ms([&] {
+             for (auto it = slots.rbegin(); it != slots.rend(); ++it) {
+               if (const int count = lay.back_tile_count(*it, tile); count > 0)
+                 gpu->routing_source_backward_tile(dv, weights, ubar, gsum, dx_rows, xs.t()[*it],
+                                                   hist, inv_rms, rp, lay, *it, count, H);
+               else
+                 gpu->routing_source_backward(dv, weights, ubar, gsum, dx_rows, xs.t()[*it],
+                                              hist.t()[*it], inv_rms.t()[*it], rp, lay, *it, H);
+             }
+           }, reps), 0, tiled_bytes);
+    gpu->copy(weights, mixed);
   }
   // The short slots' whole site forward as residual_delta.cpp runs it
   // (Backend::delta_site_forward: the stream advance, the slot's logits, the mix, the
@@ -628,8 +650,13 @@ TEST_F(OpTiming, DISABLED_DeltaRouting1B) {
     const std::string tag = "short slots (" + std::to_string(sites.size()) + "), 1B delta";
     report("delta_site_forward, op sequence, " + tag, time_ms([&] { site_forward(true); }, reps),
            0, bytes);
-    report("delta_site_forward, fused kernel, " + tag, time_ms([&] { site_forward(false); }, reps),
-           0, bytes);
+    const int versions = cuda::routing_kernel_versions(cuda::RoutingKernel::DeltaForward);
+    for (int version = 1; version <= versions; ++version) {
+      cuda::routing_set_kernel_version(cuda::RoutingKernel::DeltaForward, version);
+      report("delta_site_forward, fused kernel v" + std::to_string(version) + ", " + tag,
+             time_ms([&] { site_forward(false); }, reps), 0, bytes);
+    }
+    cuda::routing_set_kernel_version(cuda::RoutingKernel::DeltaForward, 0);
     gpu->copy(weights, mixed);
   }
   // The short slots' whole site backward as residual_delta.cpp runs it

@@ -90,13 +90,16 @@ class RoutingParity : public CudaParity {
     expect_close("routing_mix after a tile cut short " + tag, got, x1.get(), kTolBf16Output);
   }
 
-  // Backward depth tiles (routing_source_backward_tile, k slots from S-1, S-1-k, ... but
-  // slot 0) as the layer loop runs them, from the same normalised weights (`mixed`) and
-  // site gradients as the plain backward: dv, ubar, ds*r and the key-gradient slab sums
-  // against the CPU's plain backward. Where the backend tiles (unfused slots: read by
-  // more than routing_fused_key_max_sites() sites), the site gradients >= the tile's
-  // first slot hold NaN until the tile ends, so an older slot of the tile that read them
-  // again instead of its partial gradient would show.
+  // Backward depth tiles (routing_source_backward_tile of k slots where
+  // RoutingLayout::back_tile_count starts them: full routing from S-1, S-1-k, ... but slot
+  // 0, block layouts at closed slots, paired with the closed slots before them) as the
+  // layer loops run them, from the same normalised weights (`mixed`) and site gradients as
+  // the plain backward: dv, ubar, ds*r and the key-gradient slab sums against the CPU's
+  // plain backward. Where the backend tiles (unfused slots: read by more than
+  // routing_fused_key_max_sites() sites), the site gradients >= the tile's first slot
+  // hold NaN until the tile ends, so an older slot of the tile that read them again
+  // instead of its partial gradient would show; in a block layout the partial slots
+  // between the tile's slots run their plain calls in between, as in the layer loop.
   void check_back_tiles(const std::string& tag, int k, const RoutingLayout& lay, int64_t N,
                         int64_t d, int H, Pair& history, Pair& xs, Pair& inv_rms, Pair& site_dx,
                         const std::vector<double>& mixed, const RoutingParams& pg, Pair& dv,
@@ -114,21 +117,20 @@ class RoutingParity : public CudaParity {
     const int fused_limit = cuda::routing_fused_key_max_sites();
     int poisoned_from = -1, tile_end = -1, tiles = 0;
     for (int i = S - 1; i >= 0; --i) {
-      if ((S - 1 - i) % k == 0 && i >= 1) {
-        const int count = std::min(k, i + 1);
+      if (const int count = lay.back_tile_count(i, k); count > 0) {
         gpu->routing_source_backward_tile(dvt.t()[i], w, ub, gs, rows, xs.g.t()[i], history.g,
                                           inv_rms.g, pg, lay, i, count, H);
         if (lay.last_site(i) - i + 1 > fused_limit) {
           ++tiles;
           poisoned_from = i;
-          tile_end = i - count;
+          tile_end = i - count * lay.block;  // the tile's oldest slot is tile_end + block
           for (int j = i; j < S; ++j) gpu->upload(site_dx.g.t()[j], nan_row.data());
         }
       } else {
         gpu->routing_source_backward(dvt.t()[i], w, ub, gs, rows, xs.g.t()[i], history.g.t()[i],
                                      inv_rms.g.t()[i], pg, lay, i, H);
       }
-      if (poisoned_from >= 0 && i == tile_end + 1) {
+      if (poisoned_from >= 0 && i == tile_end + lay.block) {
         for (int j = poisoned_from; j < S; ++j)
           gpu->upload(site_dx.g.t()[j], dx_clean.data() + size_t(j) * size_t(N * d));
         poisoned_from = -1;
@@ -295,6 +297,7 @@ TEST_F(RoutingParity, BlockLayouts) {
       for (int H : {1, 4}) check(37, 96, S, H, block);
   check(32, 640, 9, 8, 3);    // heads spanning chunk rows
   check(21, 1280, 73, 8, 9);  // configs/1b_block_mhar.json: 72 sublayers in 8 blocks of 9
+  check(21, 1280, 73, 8, 8);  // configs/1b_delta.json's routing: blocks of 8 sublayers
   check(24, 1024, 49, 8, 6);  // configs/350m_block_mhar.json
 }
 

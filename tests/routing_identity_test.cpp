@@ -197,12 +197,15 @@ TEST(RoutingIdentity, BlocksOfOneAreFullRouting) {
 // 2k, ... with count min(k, sites - site); the tile's later sites come next, in order,
 // through routing_mix with the same tensors; until then the slots <= the tile's first
 // site and their pairs for the tile's sites are left as they were. The same for the
-// backward's tiles of k slots (routing_source_backward_tile): they start at slots S-1,
-// S-1-k, ... (but slot 0) with count min(k, slot + 1); the tile's older slots come next,
-// in order, through routing_source_backward with the same tensors, and until then the
-// site gradients >= the tile's first slot, the older slots' rows, inv_rms and pairs
-// with those sites, and ubar's rows of those sites are left as they were. The ops
-// themselves are the inner backend's.
+// backward's tiles of k slots (routing_source_backward_tile): in full routing they start
+// at slots S-1, S-1-k, ... (but slot 0) with count min(k, slot + 1) and their older slots
+// are slot - 1, ...; in a block layout of blocks of s they start at the closed slots c s
+// with c % k == k - 1, count k, and their older slots are slot - s, ... (the closed slots
+// before it). The tile's older slots come next, in order, through routing_source_backward
+// with the same tensors (in a block layout the partial slots between them run their own
+// plain calls in between), and until the last of them the site gradients >= the tile's
+// first slot, the older slots' rows, inv_rms and pairs with those sites, and ubar's rows
+// of those sites are left as they were. The ops themselves are the inner backend's.
 class TileAuditor final : public ForwardingBackend {
  public:
   TileAuditor(Backend& inner, int k) : ForwardingBackend(inner), k_(k) {}
@@ -210,6 +213,13 @@ class TileAuditor final : public ForwardingBackend {
   int back_tiles = 0, back_tiled_slots = 0, back_plain = 0;
 
   int routing_backward_tile_slots(const RoutingLayout&, int64_t, int) const override { return k_; }
+  // The tile of k_ slots the layer loop must start at slot i (0: none), stated here apart
+  // from RoutingLayout::back_tile_count, whose rule it checks.
+  int tile_count(const RoutingLayout& lay, int i) const {
+    if (i < 1) return 0;
+    if (lay.block == 1) return (lay.sources - 1 - i) % k_ == 0 ? std::min(k_, i + 1) : 0;
+    return i % lay.block == 0 && (i / lay.block) % k_ == k_ - 1 ? k_ : 0;
+  }
   void routing_source_backward_tile(Tensor dv, Tensor w, Tensor ub, Tensor gs,
                                     const std::vector<Tensor>& dx, Tensor x, Tensor h, Tensor r,
                                     const RoutingParams& p, const RoutingLayout& lay, int i,
@@ -217,13 +227,12 @@ class TileAuditor final : public ForwardingBackend {
     EXPECT_EQ(back_next_, -1) << "a backward tile began at slot " << i << " before slot "
                               << back_next_;
     EXPECT_GE(i, 1) << "a backward tile of slot 0 alone";
-    EXPECT_EQ((lay.sources - 1 - i) % k_, 0) << "backward tile at slot " << i;
-    EXPECT_EQ(count, std::min(k_, i + 1)) << "backward tile at slot " << i;
+    EXPECT_EQ(count, tile_count(lay, i)) << "backward tile at slot " << i;
     ++back_tiles;
     in_.routing_source_backward_tile(dv, w, ub, gs, dx, x, h, r, p, lay, i, count, heads);
     back_first_ = i;
-    back_end_ = i - count;
-    back_next_ = count > 1 ? i - 1 : -1;
+    back_end_ = i - count * lay.block;
+    back_next_ = count > 1 ? i - lay.block : -1;
     back_ptrs_ = {w.data, ub.data, h.data, r.data, gs.data};
     back_snapshot_ = back_state(w, ub, dx, h, r, lay);
   }
@@ -231,9 +240,10 @@ class TileAuditor final : public ForwardingBackend {
                                const std::vector<Tensor>& dx, Tensor x, Tensor v, Tensor r,
                                const RoutingParams& p, const RoutingLayout& lay, int i,
                                int heads) override {
-    if (back_next_ < 0) {
-      EXPECT_TRUE(i == 0 || (lay.sources - 1 - i) % k_ != 0)
-          << "slot " << i << " starts a backward tile but came as a plain call";
+    if (back_next_ < 0 || i > back_next_) {
+      EXPECT_EQ(tile_count(lay, i), 0) << "slot " << i << " starts a backward tile but came as a plain call";
+      EXPECT_TRUE(back_next_ < 0 || (i < back_first_ && lay.block > 1))
+          << "slot " << i << " came inside the backward tile at slot " << back_first_;
       ++back_plain;
     } else {
       EXPECT_EQ(i, back_next_) << "slot " << i << " out of its backward tile's order";
@@ -255,7 +265,7 @@ class TileAuditor final : public ForwardingBackend {
             << " changed before slot " << i;
       }
       ++back_tiled_slots;
-      back_next_ = i - 1 > back_end_ ? i - 1 : -1;
+      back_next_ = i - lay.block > back_end_ ? i - lay.block : -1;
     }
     in_.routing_source_backward(dv, w, ub, gs, dx, x, v, r, p, lay, i, heads);
   }
@@ -329,7 +339,7 @@ class TileAuditor final : public ForwardingBackend {
       out[{0, k}] = mhar::test::download(in_, dx[size_t(k)]);
       out[{1, k}] = mhar::test::download(in_, ub[k]);
     }
-    for (int i = back_first_ - 1; i > back_end_; --i) {
+    for (int i = back_first_ - lay.block; i > back_end_; i -= lay.block) {
       std::vector<double> row = mhar::test::download(in_, h[i]), rms = mhar::test::download(in_, r[i]);
       row.insert(row.end(), rms.begin(), rms.end());
       out[{2 + i, -1}] = row;
@@ -375,9 +385,12 @@ TEST(RoutingIdentity, DepthTilesKeepTheLayerLoopsPromise) {
         EXPECT_EQ(download(*cpu, plain.logits()), download(*cpu, tiled.logits())) << tag;
         plain.backward();
         tiled.backward();
-        // Backward tiles start at slots S-1, S-1-k, ... but slot 0; the rest are plain.
+        // Backward tiles start at slots S-1, S-1-k, ... but slot 0 (full routing), at the
+        // closed slots c s with c % k == k - 1 (blocks of s); the rest are plain.
         int back_tiles = 0, back_tiled = 0;
-        for (int i = S - 1; i >= 1; i -= k) ++back_tiles, back_tiled += std::min(k, i + 1) - 1;
+        for (int i = 1; i < S; ++i)
+          if (const int count = tiled_be.tile_count(RoutingLayout::blocks(S, std::max(s, 1)), i))
+            ++back_tiles, back_tiled += count - 1;
         EXPECT_EQ(tiled_be.back_tiles, back_tiles) << tag;
         EXPECT_EQ(tiled_be.back_tiled_slots, back_tiled) << tag;
         EXPECT_EQ(tiled_be.back_tiles + tiled_be.back_tiled_slots + tiled_be.back_plain, S) << tag;
