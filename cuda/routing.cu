@@ -1326,13 +1326,17 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
 // closed slots.
 // Kernel-lab versions (routing_set_kernel_version(DeltaForward, v); the same operations, so
 // the same bits):
-// 1 keeps the advanced stream and the new slot row in registers through the mix (160
-//   registers at d = 1280: 3 blocks per SM; at 4, 92 bytes spill);
+// 1 (default) keeps the advanced stream and the new slot row in registers through the
+//   mix (160 registers at d = 1280: 3 blocks per SM; at 4, 92 bytes spill);
 // 2 re-reads both after the mix from where this lane just stored them (L2, not DRAM: the
 //   rows were written microseconds before), which frees their registers: 4 blocks per SM
 //   up to d = 1280, so more rows in flight.
+// Measured at 1B (OpTiming.DISABLED_DeltaRouting1B, 64 sites a step, eleventh session):
+// the op sequence 12.92 ms, v1 12.32, v2 13.10: the re-reads cost more than the extra
+// warps gain. The kernel is latency-bound (2.6 TB/s by its bytes): each token's rows
+// are loaded, then used, in turn.
 constexpr int kDeltaForwardVersions = 2;
-constexpr int kDeltaForwardDefault = 2;
+constexpr int kDeltaForwardDefault = 1;
 int g_delta_forward_version = kDeltaForwardDefault;
 constexpr int delta_forward_blocks_per_sm(int NT, int version) {
   return NT <= 4 || (version == 2 && NT == 5) ? 4 : NT == 5 ? 3 : 2;
