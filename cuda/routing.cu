@@ -11,8 +11,9 @@
 //                            the query/gain gradients
 //   routing_source_backward_tile  the same for the first slot of a backward depth tile:
 //                            with it the next older slot's share of the site gradients
-//                            that both read, so that slot then reads only its newest
-//                            site (section "depth tiling of the backward")
+//                            that both read, so that slot then reads only its sites
+//                            before the tile's first (section "depth tiling of the
+//                            backward"; block layouts pair closed slots)
 //   routing_param_grads      dquery/dgain of every site from the slabs of gsum
 //   routing_delta_site_backward  Backend::delta_site_backward in one pass (delta mode)
 //   routing_delta_site_forward   Backend::delta_site_forward in one pass (delta mode)
@@ -1957,7 +1958,7 @@ int routing_set_fused_key_max_sites(int sites) {
 
 namespace {
 
-// Slot source - 1 of a backward depth tile that starts at `source` (the pair kernel).
+// The older slot of a backward depth tile that starts at `source` (the pair kernel).
 struct TileSlot {
   int slot = -1;
   const bf16* v = nullptr;
