@@ -109,6 +109,18 @@ __device__ __forceinline__ float elem(const uint4& raw, int e) {
   return __uint_as_float(bits);
 }
 
+// This lane's share of the dot product of two rows it holds (either layout): the sum over
+// its chunks, in chunk and element order, of a * b.
+template <int NT>
+__device__ __forceinline__ float lane_dot(const Row<NT>& a, const Row<NT>& b) {
+  float p = 0.f;
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) p += elem(a.raw[t], e) * elem(b.raw[t], e);
+  return p;
+}
+
 __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&b);
@@ -339,12 +351,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
        n += warps) {
     Row<NT> rv;
     load_row(rv, v + n * g.d, g.nchunks);
-    float ss = 0.f;
-#pragma unroll
-    for (int t = 0; t < NT; ++t)
-#pragma unroll
-      for (int e = 0; e < 8; ++e) ss += elem(rv.raw[t], e) * elem(rv.raw[t], e);
-    ss = warp_sum(ss);
+    const float ss = warp_sum(lane_dot(rv, rv));
     if ((threadIdx.x & 31) == 0) inv_rms[n] = rsqrtf(ss / float(g.d) + eps);
   }
 }
@@ -1009,12 +1016,7 @@ template <int NT>
 __device__ __forceinline__ float span_ubar_row(float* ubar, const Row<NT>& dx, const Row<NT>& rx,
                                                const Geometry& g, int source, int64_t n) {
   const int lane = threadIdx.x & 31, G = 32 / g.H, h = lane / G;
-  float p = 0.f;
-#pragma unroll
-  for (int t = 0; t < NT; ++t)
-#pragma unroll
-    for (int e = 0; e < 8; ++e) p += elem(dx.raw[t], e) * elem(rx.raw[t], e);
-  const float ub = head_sum(p, G);
+  const float ub = head_sum(lane_dot(dx, rx), G);
   if (lane % G == 0) ubar[(int64_t(source) * g.H + h) * g.N + n] = ub;
   return ub;
 }
@@ -1263,12 +1265,6 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, value_span_blocks_per_sm(
   }
 }
 
-// routing_source_logits of a slot read by few sites (ns <= kFusedKeyMaxSites), span
-// layout: one read of v gives its inv_rms and its logits for every site, from the fp32 q*g
-// table [ns, d] (L1-resident). The general path (inv_rms kernel, two per-head GEMMs over v
-// for q*g's hi and lo parts, a scaling pass) took 52 us a slot at ns = 1 (ncu, tenth
-// session: delta's partial block sums at 1B), 4 launches and 3 reads of v for a row of
-// logits per head that this kernel writes from one.
 // A slot's inv_rms and its logits for its ns sites, token n, span layout, from the slot's
 // row rv in registers: qg8(k, t, q) fills q with chunk t of this lane's span of site k's
 // q*g (exact in fp32: the product of two bf16 values).
@@ -1277,12 +1273,7 @@ __device__ __forceinline__ void logits_span_token(float* w_src, float* inv_rms, 
                                                   QG&& qg8, const Geometry& g, int ns, float eps,
                                                   int64_t n) {
   const int lane = threadIdx.x & 31, G = 32 / g.H, h = lane / G;
-  float ss = 0.f;
-#pragma unroll
-  for (int t = 0; t < NT; ++t)
-#pragma unroll
-    for (int e = 0; e < 8; ++e) ss += elem(rv.raw[t], e) * elem(rv.raw[t], e);
-  const float r = rsqrtf(warp_sum(ss) / float(g.d) + eps);
+  const float r = rsqrtf(warp_sum(lane_dot(rv, rv)) / float(g.d) + eps);
   if (lane == 0) inv_rms[n] = r;
   for (int k = 0; k < ns; ++k) {
     float p = 0.f;
@@ -1298,6 +1289,12 @@ __device__ __forceinline__ void logits_span_token(float* w_src, float* inv_rms, 
   }
 }
 
+// routing_source_logits of a slot read by few sites (ns <= kFusedKeyMaxSites), span
+// layout: one read of v gives its inv_rms and its logits for every site, from the fp32 q*g
+// table [ns, d] (L1-resident). The general path (inv_rms kernel, two per-head GEMMs over v
+// for q*g's hi and lo parts, a scaling pass) took 52 us a slot at ns = 1 (ncu, tenth
+// session: delta's partial block sums at 1B), 4 launches and 3 reads of v for a row of
+// logits per head that this kernel writes from one.
 template <int NT>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
     source_logits_span_kernel(float* __restrict__ w_src, float* __restrict__ inv_rms,

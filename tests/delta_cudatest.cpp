@@ -104,6 +104,18 @@ class Sides {
 
 class DeltaParity : public CudaParity {};
 
+// Device tensors of one side of a fused-op-against-its-sequence comparison, each filled
+// from host values and kept alive with the side.
+struct DeviceTensors {
+  Backend* be = nullptr;
+  std::vector<Buffer> keep;
+  Tensor add(DType t, std::initializer_list<int64_t> shape, const std::vector<double>& v) {
+    keep.emplace_back(*be, t, shape);
+    keep.back().set(v);
+    return keep.back().t();
+  }
+};
+
 TEST_F(DeltaParity, GateForwardAndBackward) {
   for (int64_t n : {int64_t(1), int64_t(4097), int64_t(3000017)}) {
     const std::string tag = " n" + std::to_string(n);
@@ -360,30 +372,27 @@ TEST_F(DeltaParity, SiteForwardFusedIsItsSequence) {
       }
       // Every tensor twice: [0] for the fused op, [1] for the sequence.
       struct Side {
-        std::vector<Buffer> keep;
+        DeviceTensors buf;
         DeltaSiteForward a;
         RoutingParams params;
       };
       std::vector<Side> sides(2);
       for (Side& sd : sides) {
-        auto buf = [&](DType t, std::initializer_list<int64_t> shape, const std::vector<double>& v) {
-          sd.keep.emplace_back(*gpu, t, shape);
-          sd.keep.back().set(v);
-          return sd.keep.back().t();
-        };
+        DeviceTensors& buf = sd.buf;
+        buf.be = gpu.get();
         const std::vector<double> nan_rows(size_t(rows), std::nan(""));
         DeltaSiteForward& a = sd.a;
-        a.stream = buf(DType::BF16, {N, d}, v_stream);
-        a.history = buf(DType::BF16, {S, N, d}, v_hist);
-        a.x = buf(DType::BF16, {N, d}, nan_rows);
-        a.r = buf(DType::BF16, {N, d}, nan_rows);
-        a.alpha = buf(DType::BF16, {1}, v_alpha);
-        a.weights = buf(DType::F32, {P, H, N}, v_w);
-        a.inv_rms = buf(DType::F32, {N}, std::vector<double>(size_t(N), std::nan("")));
+        a.stream = buf.add(DType::BF16, {N, d}, v_stream);
+        a.history = buf.add(DType::BF16, {S, N, d}, v_hist);
+        a.x = buf.add(DType::BF16, {N, d}, nan_rows);
+        a.r = buf.add(DType::BF16, {N, d}, nan_rows);
+        a.alpha = buf.add(DType::BF16, {1}, v_alpha);
+        a.weights = buf.add(DType::F32, {P, H, N}, v_w);
+        a.inv_rms = buf.add(DType::F32, {N}, std::vector<double>(size_t(N), std::nan("")));
         for (int k = 0; k < S; ++k) {
-          sd.params.query.push_back(buf(DType::BF16, {d}, std::vector<double>(
+          sd.params.query.push_back(buf.add(DType::BF16, {d}, std::vector<double>(
               qv.begin() + k * d, qv.begin() + (k + 1) * d)));
-          sd.params.gain.push_back(buf(DType::BF16, {d}, std::vector<double>(
+          sd.params.gain.push_back(buf.add(DType::BF16, {d}, std::vector<double>(
               gv.begin() + k * d, gv.begin() + (k + 1) * d)));
         }
         a.params = &sd.params, a.layout = lay, a.site = j, a.heads = H;
@@ -459,41 +468,38 @@ TEST_F(DeltaParity, SiteBackwardFusedIsItsSequence) {
         const std::string vtag = tag + " kernel v" + std::to_string(version);
         // Every tensor twice: [0] for the fused op, [1] for the sequence.
         struct Side {
-          std::vector<Buffer> keep;
+          DeviceTensors buf;
           DeltaSiteBackward a;
           std::vector<Tensor> site_dx;
           RoutingParams params;
         };
         std::vector<Side> sides(2);
         for (Side& sd : sides) {
-          auto buf = [&](DType t, std::initializer_list<int64_t> shape, const std::vector<double>& v) {
-            sd.keep.emplace_back(*gpu, t, shape);
-            sd.keep.back().set(v);
-            return sd.keep.back().t();
-          };
+          DeviceTensors& buf = sd.buf;
+          buf.be = gpu.get();
           const std::vector<double> nan_rows(size_t(rows), std::nan(""));
           DeltaSiteBackward& a = sd.a;
-          a.dresid = buf(DType::BF16, {N, d}, v_dresid);
-          a.dx = buf(DType::BF16, {N, d}, v_dx);
-          a.r = buf(DType::BF16, {N, d}, v_r);
-          a.v = buf(DType::BF16, {N, d}, v_v);
-          a.dr = buf(DType::BF16, {N, d}, nan_rows);
-          a.slot = buf(DType::BF16, {N, d}, nan_rows);
-          a.out = buf(DType::BF16, {N, d}, nan_rows);
-          if (j + 1 < S) a.next = buf(DType::BF16, {N, d}, v_next);
-          a.alpha = buf(DType::BF16, {1}, v_alpha);
-          a.dalpha = buf(DType::F32, {1}, v_dalpha);
-          a.scratch = buf(DType::F32, {64, d}, std::vector<double>(size_t(64 * d), std::nan("")));
-          a.weights = buf(DType::F32, {P, H, N}, v_w);
-          a.inv_rms = buf(DType::F32, {N}, v_inv);
-          a.ubar = buf(DType::F32, {S, H, N}, std::vector<double>(size_t(S * H * N), 0.0));
-          a.gsum = buf(DType::F32, {8, S, d}, std::vector<double>(size_t(8 * S * d), 0.0));
+          a.dresid = buf.add(DType::BF16, {N, d}, v_dresid);
+          a.dx = buf.add(DType::BF16, {N, d}, v_dx);
+          a.r = buf.add(DType::BF16, {N, d}, v_r);
+          a.v = buf.add(DType::BF16, {N, d}, v_v);
+          a.dr = buf.add(DType::BF16, {N, d}, nan_rows);
+          a.slot = buf.add(DType::BF16, {N, d}, nan_rows);
+          a.out = buf.add(DType::BF16, {N, d}, nan_rows);
+          if (j + 1 < S) a.next = buf.add(DType::BF16, {N, d}, v_next);
+          a.alpha = buf.add(DType::BF16, {1}, v_alpha);
+          a.dalpha = buf.add(DType::F32, {1}, v_dalpha);
+          a.scratch = buf.add(DType::F32, {64, d}, std::vector<double>(size_t(64 * d), std::nan("")));
+          a.weights = buf.add(DType::F32, {P, H, N}, v_w);
+          a.inv_rms = buf.add(DType::F32, {N}, v_inv);
+          a.ubar = buf.add(DType::F32, {S, H, N}, std::vector<double>(size_t(S * H * N), 0.0));
+          a.gsum = buf.add(DType::F32, {8, S, d}, std::vector<double>(size_t(8 * S * d), 0.0));
           for (int k = 0; k < S; ++k) {
             // Site k's gradient rows: dr at site j, zeros elsewhere (the slot reads site j only).
-            sd.site_dx.push_back(k == j ? a.dr : buf(DType::BF16, {N, d}, std::vector<double>(size_t(rows), 0.0)));
-            sd.params.query.push_back(buf(DType::BF16, {d}, std::vector<double>(
+            sd.site_dx.push_back(k == j ? a.dr : buf.add(DType::BF16, {N, d}, std::vector<double>(size_t(rows), 0.0)));
+            sd.params.query.push_back(buf.add(DType::BF16, {d}, std::vector<double>(
                 qv.begin() + k * d, qv.begin() + (k + 1) * d)));
-            sd.params.gain.push_back(buf(DType::BF16, {d}, std::vector<double>(
+            sd.params.gain.push_back(buf.add(DType::BF16, {d}, std::vector<double>(
                 gv.begin() + k * d, gv.begin() + (k + 1) * d)));
           }
           a.site_dx = &sd.site_dx, a.params = &sd.params, a.layout = lay, a.site = j, a.heads = H;
