@@ -43,9 +43,10 @@ double step_loss(Model& model, const Config& cfg, OpProfiler* prof) {
 }
 
 TEST(OpProfiler, CountsEveryOpOfAStepWithItsWork) {
-  for (ResidualMode mode : {ResidualMode::Standard, ResidualMode::Mhar}) {
+  for (ResidualMode mode : {ResidualMode::Standard, ResidualMode::Mhar, ResidualMode::Delta}) {
     SCOPED_TRACE(residual_mode_name(mode));
-    const Config cfg = tiny_config(mode, mode == ResidualMode::Mhar ? 2 : 0);
+    const bool routed = mode != ResidualMode::Standard;
+    const Config cfg = tiny_config(mode, routed ? 2 : 0);
     const ModelConfig& m = cfg.model;
     auto cpu = make_cpu_backend(DType::F64);
     OpProfiler prof(*cpu);
@@ -69,7 +70,7 @@ TEST(OpProfiler, CountsEveryOpOfAStepWithItsWork) {
     for (OpFamily f : {OpFamily::Norms, OpFamily::Rope, OpFamily::Swiglu, OpFamily::Embedding, OpFamily::Classifier,
                        OpFamily::Optimizer})
       EXPECT_GT(prof.totals(f).calls, 0) << op_family_name(f);
-    EXPECT_EQ(prof.totals(OpFamily::Routing).calls > 0, mode == ResidualMode::Mhar);
+    EXPECT_EQ(prof.totals(OpFamily::Routing).calls > 0, routed);
 
     const nlohmann::json r = prof.report(989, 4.3);
     double ops = 0;
@@ -79,7 +80,8 @@ TEST(OpProfiler, CountsEveryOpOfAStepWithItsWork) {
     EXPECT_NE(prof.table(989, 4.3).find("matmul"), std::string::npos);
 
     // Every family split by op: each family's calls and time are its ops' sums; the
-    // routing's mix is an op of mhar's routing only.
+    // routing's mix is an op of the routed modes only; delta's sites j >= 1 run their
+    // whole forward as one routing op, one call each (its site 0 runs the mix itself).
     for (const auto& f : r["families"]) {
       double calls = 0, ms = 0;
       for (const auto& op : r["ops"])
@@ -88,8 +90,14 @@ TEST(OpProfiler, CountsEveryOpOfAStepWithItsWork) {
       EXPECT_NEAR(ms, f["ms"].get<double>(), 1e-9 * std::max(1.0, ms)) << f["family"];
     }
     bool mix = false;
-    for (const auto& op : r["ops"]) mix |= op["op"] == "routing_mix" && op["family"] == "routing";
-    EXPECT_EQ(mix, mode == ResidualMode::Mhar);
+    double site_forward_calls = 0;
+    for (const auto& op : r["ops"]) {
+      mix |= op["op"] == "routing_mix" && op["family"] == "routing";
+      if (op["op"] == "delta_site_forward" && op["family"] == "routing")
+        site_forward_calls += op["calls"].get<double>();
+    }
+    EXPECT_EQ(mix, routed);
+    EXPECT_EQ(site_forward_calls, mode == ResidualMode::Delta ? double(m.n_sites() - 1) : 0.0);
     EXPECT_NE(prof.table(989, 4.3).find("rmsnorm_backward"), std::string::npos);
 
     // The matmul family split by product: every call and FLOP lands in exactly one
