@@ -2129,6 +2129,15 @@ void routing_source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Ten
                       ubar.data == tile.ubar && v.data == tile.older_v && layout == tile.layout &&
                       heads == tile.heads && size_t(tile.first) < site_dx.size() &&
                       site_dx[size_t(tile.first)].data == tile.first_dx;
+  // The tile's first call overwrote the older slot's pairs with the tile's sites by ds r:
+  // that slot computed afresh would read them as softmax weights. A call for it that is
+  // not the tile's continuation breaks backend.h's promise; say so rather than compute a
+  // wrong gradient. (A tile left over from an aborted pass never gets here: the next
+  // pass's first call, a later slot, ends it.)
+  MHAR_CHECK(resume || tile.first < 0 || source != tile.older, "CUDA routing_source_backward: "
+             "slot ", source, " is the older slot of the backward depth tile started at slot ",
+             tile.first, " but came with other tensors (weights, ubar, its history row or the "
+             "site gradients); routing_source_backward_tile's promise (backend.h) is broken");
   if (between_tile_slots(tile, weights.data, ubar.data, layout, source)) ctx.back_tile = tile;
   source_backward(s, ctx, dv, weights, ubar, gsum, site_dx, x, v, inv_rms, params, layout, source,
                   heads, nullptr, resume ? tile.first - 1 : -1);
