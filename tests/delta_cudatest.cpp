@@ -27,7 +27,8 @@
 //   (queries, gains and null random, so the gated-off term is not 0), give the same loss
 //   and logits bit for bit (max |logit difference| = 0), and the same gradients of the
 //   shared weights bit for bit (all but the embedding table's, which fp32 atomics make
-//   run-dependent on either model).
+//   run-dependent on either model); at d 128 (the general paths) and d 256 (the span
+//   layout: the fused site forward and backward run inside the layer loop).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -534,10 +535,11 @@ TEST_F(DeltaParity, SiteBackwardFusedIsItsSequence) {
   }
 }
 
-Config gpu_config(const std::string& mode) {
+// A 4-layer model of width d (128 or 256: 2 or 4 query heads of 64).
+Config gpu_config(const std::string& mode, int d = 128) {
   nlohmann::json j = {
-      {"model", {{"vocab_size", 256}, {"d_model", 128}, {"n_layers", 4}, {"n_heads", 4},
-                 {"n_kv_heads", 2}, {"head_dim", 64}, {"d_ff", 256}, {"context_length", 128},
+      {"model", {{"vocab_size", 256}, {"d_model", d}, {"n_layers", 4}, {"n_heads", d / 64},
+                 {"n_kv_heads", 2}, {"head_dim", 64}, {"d_ff", 2 * d}, {"context_length", 128},
                  {"rope_theta", 10000.0}, {"tie_embeddings", true}}},
       {"residual", {{"mode", mode}}},
       {"train", {{"micro_batch", 2}, {"seq_len", 96}, {"warmup_steps", 0}}}};
@@ -545,11 +547,14 @@ Config gpu_config(const std::string& mode) {
   return config_from_json(j, "delta_cudatest");
 }
 
-TEST(DeltaGpuIdentity, ZeroGatesGiveTheStandardLogitsExactlyOnRealText) {
-  if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
+// The identity at one width: d 128 runs the delta ops' general paths, d 256 the span
+// layout's fused ones (delta_site_forward and delta_site_backward in one kernel each)
+// inside the layer loop.
+void check_gpu_identity(int d) {
+  SCOPED_TRACE("d_model " + std::to_string(d));
   std::ifstream in(std::string(MHAR_SOURCE_DIR) + "/DESIGN.md", std::ios::binary);
   const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const Config s = gpu_config("standard"), dc = gpu_config("delta");
+  const Config s = gpu_config("standard", d), dc = gpu_config("delta", d);
   const int B = s.train.micro_batch, T = s.train.seq_len, N = B * T;
   ASSERT_GT(text.size(), size_t(8 * N + 1));
   auto gpu = make_cuda_backend(0);
@@ -579,8 +584,8 @@ TEST(DeltaGpuIdentity, ZeroGatesGiveTheStandardLogitsExactlyOnRealText) {
     const auto xs = download(*gpu, ms.logits()), xd = download(*gpu, md.logits());
     for (size_t i = 0; i < xs.size(); ++i) worst = std::max(worst, std::fabs(xs[i] - xd[i]));
   }
-  std::printf("DELTA_IDENTITY gpu: max |logit difference| over 8 batches of %d x %d bytes of DESIGN.md: %g\n",
-              B, T, worst);
+  std::printf("DELTA_IDENTITY gpu d%d: max |logit difference| over 8 batches of %d x %d bytes of DESIGN.md: %g\n",
+              d, B, T, worst);
   EXPECT_EQ(worst, 0.0);
   std::vector<int32_t> tok(static_cast<size_t>(N)), tgt(static_cast<size_t>(N));
   for (int i = 0; i < N; ++i) tok[size_t(i)] = int32_t(uint8_t(text[size_t(i)])), tgt[size_t(i)] = int32_t(uint8_t(text[size_t(i + 1)]));
@@ -609,9 +614,9 @@ TEST(DeltaGpuIdentity, ZeroGatesGiveTheStandardLogitsExactlyOnRealText) {
     ++compared;
     EXPECT_EQ(gd[i], gs1[i]) << name << ": the delta model's gradient differs at alpha = 0";
   }
-  std::printf("DELTA_IDENTITY gpu gradients: %d of %zu shared tensors bit-identical to standard; "
+  std::printf("DELTA_IDENTITY gpu d%d gradients: %d of %zu shared tensors bit-identical to standard; "
               "not compared (atomics, or not reproducible on standard itself):%s\n",
-              compared, gs1.size(), varying.empty() ? " none" : varying.c_str());
+              d, compared, gs1.size(), varying.empty() ? " none" : varying.c_str());
   // Expected left out: only the embedding (every other kernel of the backward is
   // deterministic at these shapes); at least half must be compared for the check to mean
   // something.
@@ -620,6 +625,11 @@ TEST(DeltaGpuIdentity, ZeroGatesGiveTheStandardLogitsExactlyOnRealText) {
   const double alpha = 0.5;
   gpu->upload(md.parameter("model.delta.5.alpha").value, &alpha);
   EXPECT_NE(ms.forward(tok.data(), tgt.data(), 0.0), md.forward(tok.data(), tgt.data(), 0.0));
+}
+
+TEST(DeltaGpuIdentity, ZeroGatesGiveTheStandardLogitsExactlyOnRealText) {
+  if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  for (int d : {128, 256}) check_gpu_identity(d);
 }
 
 }  // namespace
