@@ -15,6 +15,7 @@
 #include <cmath>
 
 #include "engine/communicator.h"
+#include "engine/forwarding_backend.h"
 #include "engine/backend.h"
 #include "engine/model.h"
 #include "engine/op_profile.h"
@@ -130,6 +131,43 @@ TEST(OpProfiler, CountsEveryOpOfAStepWithItsWork) {
     b.init_weights(5);
     EXPECT_EQ(step_loss(a, cfg, nullptr), step_loss(b, cfg, nullptr));
     EXPECT_EQ(prof.totals(OpFamily::Matmul).calls, calls);
+  }
+}
+
+// A CPU backend that asks for backward depth tiles of 2 (the CPU runs them untiled: the
+// same results), so that the layer loop's tile calls reach the profiler.
+class TilingCpu final : public ForwardingBackend {
+ public:
+  using ForwardingBackend::ForwardingBackend;
+  int routing_backward_tile_slots(const RoutingLayout&, int64_t, int) const override { return 2; }
+};
+
+// The routing bytes a backward depth tile changes, in a block layout (blocks of 2
+// sublayers, 5 slots: closed 0, 2, 4, partial 1, 3; one tile, slots 2 and 0): the tile's
+// first call counts 3 rows more (the older slot's row, and its fp32 partial written: two
+// rows' bytes), and the older slot counts its 2 sites before the tile plus its partial
+// read (2 rows' bytes) in place of all 5 of its sites. The partial slot between them
+// (block routing's slot 1, a plain call) counts as it would untiled. So the tiled step
+// counts 3 + (2 + 2) - 5 = 2 rows more than the untiled one, for delta and for block mhar.
+TEST(OpProfiler, BackwardTilesOfBlockLayoutsCountTheOlderSlotsNewSitesOnly) {
+  for (ResidualMode mode : {ResidualMode::Delta, ResidualMode::Mhar}) {
+    SCOPED_TRACE(residual_mode_name(mode));
+    // delta: block_layers 1 (blocks of 2 sublayers); mhar: routing block_size 2.
+    const Config cfg = tiny_config(mode, 2, true, mode == ResidualMode::Mhar ? 2 : 0);
+    ASSERT_EQ(cfg.model.n_sites(), 5);
+    const int B = 2, T = 5;
+    double routing_bytes[2] = {0, 0};
+    for (int tiled = 0; tiled < 2; ++tiled) {
+      auto cpu = make_cpu_backend(DType::F64);
+      TilingCpu tiling(*cpu);
+      OpProfiler prof(tiled ? static_cast<Backend&>(tiling) : *cpu);
+      Model model(cfg.model, cfg.residual, prof, B, T);
+      model.init_weights(3);
+      step_loss(model, cfg, &prof);
+      routing_bytes[tiled] = prof.totals(OpFamily::Routing).work;
+    }
+    const double row = double(B * T) * cfg.model.d_model * dtype_size(DType::F64);
+    EXPECT_DOUBLE_EQ(routing_bytes[1] - routing_bytes[0], 2 * row);
   }
 }
 
