@@ -7,24 +7,26 @@
 # (MODE names a config: standard attnres mhar block_mhar hyper hyper_dynamic delta)
 # The first mode is the reference (default modes: standard mhar block_mhar). Writes
 # bench.jsonl (one bench JSON line per mode and round) and profile.txt (the tables) into
-# $OUT (or the current folder); prints BENCH_MODES lines.
+# $OUT (relative to the current folder; default: the current folder); prints BENCH_MODES
+# lines.
 #   MHAR (default build-gpu/mhar), STEPS (10), WARMUP (3), PROFILE (0: none; first round)
 #   ROUNDS (1): run the modes in turn that many times (A B A B ...) and report each mode's
 #   median tokens/s and step time over the rounds, and the ratio of each round's pair:
 #   the GPU's clock drifts between runs (the 1B step runs at the power cap), so
 #   alternating rounds bound a ratio better than one run of each.
 set -uo pipefail
+caller_dir="$PWD"  # the default for $OUT: the folder it was called from, not the repo
 cd "$(dirname "$0")/.."
 [ $# -ge 1 ] || { echo "usage: tools/bench_modes.sh SIZE [MODE ...]" >&2; exit 2; }
 size="$1"; shift
 modes=("$@"); [ ${#modes[@]} -gt 0 ] || modes=(standard mhar block_mhar)
 MHAR="${MHAR:-build-gpu/mhar}"
-dir="${OUT:-.}"
+rounds="${ROUNDS:-1}"
+[[ "$rounds" =~ ^[1-9][0-9]*$ ]] || { echo "bench_modes.sh: ROUNDS must be a positive integer, got '$rounds'" >&2; exit 2; }
+dir="${OUT:-$caller_dir}"; [[ "$dir" = /* ]] || dir="$caller_dir/$dir"
 mkdir -p "$dir"
 out="$dir/bench.jsonl"; prof="$dir/profile.txt"
 : >"$out"; : >"$prof"
-rounds="${ROUNDS:-1}"
-[[ "$rounds" =~ ^[1-9][0-9]*$ ]] || { echo "bench_modes.sh: ROUNDS must be a positive integer, got '$rounds'" >&2; exit 2; }
 rc=0
 for ((round = 1; round <= rounds; ++round)); do
   for mode in "${modes[@]}"; do
@@ -41,7 +43,7 @@ for ((round = 1; round <= rounds; ++round)); do
     fi
   done
 done
-python3 - "$out" "${modes[0]}" <<'PY' || rc=1
+python3 - "$out" <<'PY' || rc=1
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
 if not rows:
@@ -55,6 +57,7 @@ ref_name = name(rows[0])
 ref = by_mode[ref_name]
 med = lambda rs, k: statistics.median(r[k] for r in rs)
 ref_tok, ref_peak = med(ref, "tokens_per_s"), max(r["peak_mem_bytes"] for r in ref)
+ref_round = {r["bench_round"]: r["tokens_per_s"] for r in ref}  # each round's reference run
 for mode, rs in by_mode.items():
     tok, peak = med(rs, "tokens_per_s"), max(r["peak_mem_bytes"] for r in rs)
     line = (f"BENCH_MODES {mode}: {tok:.0f} tok/s ({tok / ref_tok:.3f}x the first), "
@@ -62,7 +65,6 @@ for mode, rs in by_mode.items():
             f"({peak / ref_peak:.3f}x), MFU {med(rs, 'mfu'):.3f}")
     if len(rs) > 1:
         # Each round's ratio against the reference's run of the same round.
-        ref_round = {r["bench_round"]: r["tokens_per_s"] for r in ref}
         pairs = [r["tokens_per_s"] / ref_round[r["bench_round"]] for r in rs
                  if r["bench_round"] in ref_round]
         line += (f"; median of {len(rs)} rounds, the rounds' ratios "
