@@ -170,7 +170,8 @@ struct BackTile {
   const void* first_dx = nullptr;  // site_dx[first], to recognise the same call sequence
   RoutingLayout layout;
   int heads = 0;
-  int first = -1, older = -1;
+  int first = -1;
+  int older() const { return first - layout.block; }  // RoutingLayout::back_tile_count
 };
 struct RoutingContext {
   cublasHandle_t blas = nullptr;

@@ -1439,12 +1439,13 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
                                   const bf16* __restrict__ v0, const bf16* __restrict__ v1,
                                   const float* __restrict__ inv_rms0,
                                   const float* __restrict__ inv_rms1, const Geometry g,
-                                  int source, int older) {
+                                  int source) {
   const int lane = threadIdx.x & 31, G = 32 / g.H, h = lane / G;
   const bool leader = lane % G == 0;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
   // Head h's pair rows of both slots from site `source` on: pair(p, j) = pair_base(p) +
   // j - p for a slot read by every later site (full routing; a block layout's closed slots).
+  const int older = source - g.lay.block;  // RoutingLayout::back_tile_count's pairing
   float* w0 = weights + (g.lay.pair_base(source) * g.H + h) * g.N;
   float* w1 = weights + ((g.lay.pair_base(older) + (source - older)) * g.H + h) * g.N;
   const float* ub_h = ubar + int64_t(h) * g.N;
@@ -1957,7 +1958,6 @@ namespace {
 
 // The older slot of a backward depth tile that starts at `source` (the pair kernel).
 struct TileSlot {
-  int slot = -1;
   const bf16* v = nullptr;
   const float* inv_rms = nullptr;
 };
@@ -1967,7 +1967,7 @@ struct TileSlot {
 // running their own backward between the two; backend.h) on the same tensors.
 bool between_tile_slots(const BackTile& tile, const void* weights, const void* ubar,
                         const RoutingLayout& layout, int source) {
-  return tile.first >= 0 && source > tile.older && source < tile.first &&
+  return tile.first >= 0 && source > tile.older() && source < tile.first &&
          weights == tile.weights && ubar == tile.ubar && layout == tile.layout;
 }
 
@@ -2036,7 +2036,7 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
               blocks, int64_t(sm_count()) * resident_blocks_per_sm(kernel, 32 * kWarpsPerBlock)));
         kernel<<<blocks, 32 * kWarpsPerBlock, 0, s>>>(
             val, partial, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in, older->v,
-            inv_rms.ptr<float>(), older->inv_rms, g, source, older->slot);
+            inv_rms.ptr<float>(), older->inv_rms, g, source);
         CUDA_CHECK_LAUNCH();
       } else {
         MHAR_CHECK(false, "CUDA ", what, ": a backward depth tile at d = ", g.d);
@@ -2125,7 +2125,7 @@ void routing_source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Ten
   // ends it.
   const BackTile tile = ctx.back_tile;
   ctx.back_tile = BackTile{};
-  const bool resume = tile.first >= 0 && source == tile.older && weights.data == tile.weights &&
+  const bool resume = tile.first >= 0 && source == tile.older() && weights.data == tile.weights &&
                       ubar.data == tile.ubar && v.data == tile.older_v && layout == tile.layout &&
                       heads == tile.heads && size_t(tile.first) < site_dx.size() &&
                       site_dx[size_t(tile.first)].data == tile.first_dx;
@@ -2134,7 +2134,7 @@ void routing_source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Ten
   // not the tile's continuation breaks backend.h's promise; say so rather than compute a
   // wrong gradient. (A tile left over from an aborted pass never gets here: the next
   // pass's first call, a later slot, ends it.)
-  MHAR_CHECK(resume || tile.first < 0 || source != tile.older, "CUDA routing_source_backward: "
+  MHAR_CHECK(resume || tile.first < 0 || source != tile.older(), "CUDA routing_source_backward: "
              "slot ", source, " is the older slot of the backward depth tile started at slot ",
              tile.first, " but came with other tensors (weights, ubar, its history row or the "
              "site gradients); routing_source_backward_tile's promise (backend.h) is broken");
@@ -2212,12 +2212,12 @@ bool routing_delta_site_forward(cudaStream_t s, RoutingContext& ctx, const Delta
     auto kernel = g_delta_forward_version == 1 ? delta_site_forward_span_kernel<NT, 1>
                                                : delta_site_forward_span_kernel<NT, 2>;
     kernel<<<token_blocks(N), 32 * kWarpsPerBlock, 0, s>>>(
-            static_cast<bf16*>(a.x.data), static_cast<bf16*>(a.r.data),
-            static_cast<bf16*>(a.stream.data), static_cast<bf16*>(a.history.data),
-            a.weights.ptr<float>(), a.inv_rms.ptr<float>(),
-            static_cast<const bf16*>(a.params->query[size_t(a.site)].data),
-            static_cast<const bf16*>(a.params->gain[size_t(a.site)].data),
-            static_cast<const bf16*>(a.alpha.data), g, a.site, a.continues, float(a.eps));
+        static_cast<bf16*>(a.x.data), static_cast<bf16*>(a.r.data),
+        static_cast<bf16*>(a.stream.data), static_cast<bf16*>(a.history.data),
+        a.weights.ptr<float>(), a.inv_rms.ptr<float>(),
+        static_cast<const bf16*>(a.params->query[size_t(a.site)].data),
+        static_cast<const bf16*>(a.params->gain[size_t(a.site)].data),
+        static_cast<const bf16*>(a.alpha.data), g, a.site, a.continues, float(a.eps));
     CUDA_CHECK_LAUNCH();
   });
   return true;
@@ -2257,12 +2257,12 @@ void routing_source_backward_tile(cudaStream_t s, RoutingContext& ctx, Tensor dv
                     params, layout, source, heads, nullptr, -1);
     return;
   }
-  const TileSlot older{older_slot, static_cast<const bf16*>(history[older_slot].data),
+  const TileSlot older{static_cast<const bf16*>(history[older_slot].data),
                        static_cast<const float*>(inv_rms[older_slot].data)};
   source_backward(s, ctx, dv, weights, ubar, gsum, site_dx, x, history[source], inv_rms[source],
                   params, layout, source, heads, &older, -1);
   ctx.back_tile = BackTile{weights.data, ubar.data, history[older_slot].data,
-                           site_dx[size_t(source)].data, layout, heads, source, older_slot};
+                           site_dx[size_t(source)].data, layout, heads, source};
 }
 
 void routing_param_grads(cudaStream_t s, const RoutingParams& params, Tensor gsum) {

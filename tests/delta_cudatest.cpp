@@ -115,6 +115,17 @@ struct DeviceTensors {
     keep.back().set(v);
     return keep.back().t();
   }
+  // Per-site routing parameters (bf16 query and gain rows of d) from host values
+  // [sites * d] each.
+  RoutingParams routing_params(const std::vector<double>& q, const std::vector<double>& g,
+                               int sites, int64_t d) {
+    RoutingParams p;
+    for (int k = 0; k < sites; ++k) {
+      p.query.push_back(add(DType::BF16, {d}, std::vector<double>(q.begin() + k * d, q.begin() + (k + 1) * d)));
+      p.gain.push_back(add(DType::BF16, {d}, std::vector<double>(g.begin() + k * d, g.begin() + (k + 1) * d)));
+    }
+    return p;
+  }
 };
 
 TEST_F(DeltaParity, GateForwardAndBackward) {
@@ -390,12 +401,7 @@ TEST_F(DeltaParity, SiteForwardFusedIsItsSequence) {
         a.alpha = buf.add(DType::BF16, {1}, v_alpha);
         a.weights = buf.add(DType::F32, {P, H, N}, v_w);
         a.inv_rms = buf.add(DType::F32, {N}, std::vector<double>(size_t(N), std::nan("")));
-        for (int k = 0; k < S; ++k) {
-          sd.params.query.push_back(buf.add(DType::BF16, {d}, std::vector<double>(
-              qv.begin() + k * d, qv.begin() + (k + 1) * d)));
-          sd.params.gain.push_back(buf.add(DType::BF16, {d}, std::vector<double>(
-              gv.begin() + k * d, gv.begin() + (k + 1) * d)));
-        }
+        sd.params = buf.routing_params(qv, gv, S, d);
         a.params = &sd.params, a.layout = lay, a.site = j, a.heads = H;
         a.continues = continues, a.eps = 1e-6;
       }
@@ -495,14 +501,10 @@ TEST_F(DeltaParity, SiteBackwardFusedIsItsSequence) {
           a.inv_rms = buf.add(DType::F32, {N}, v_inv);
           a.ubar = buf.add(DType::F32, {S, H, N}, std::vector<double>(size_t(S * H * N), 0.0));
           a.gsum = buf.add(DType::F32, {8, S, d}, std::vector<double>(size_t(8 * S * d), 0.0));
-          for (int k = 0; k < S; ++k) {
-            // Site k's gradient rows: dr at site j, zeros elsewhere (the slot reads site j only).
+          // Site k's gradient rows: dr at site j, zeros elsewhere (the slot reads site j only).
+          for (int k = 0; k < S; ++k)
             sd.site_dx.push_back(k == j ? a.dr : buf.add(DType::BF16, {N, d}, std::vector<double>(size_t(rows), 0.0)));
-            sd.params.query.push_back(buf.add(DType::BF16, {d}, std::vector<double>(
-                qv.begin() + k * d, qv.begin() + (k + 1) * d)));
-            sd.params.gain.push_back(buf.add(DType::BF16, {d}, std::vector<double>(
-                gv.begin() + k * d, gv.begin() + (k + 1) * d)));
-          }
+          sd.params = buf.routing_params(qv, gv, S, d);
           a.site_dx = &sd.site_dx, a.params = &sd.params, a.layout = lay, a.site = j, a.heads = H;
         }
         ASSERT_TRUE(cuda::routing_delta_site_backward_fuses(sides[0].a)) << "no fused path" << vtag;
