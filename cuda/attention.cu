@@ -11,8 +11,10 @@
 // - BF16 training forward and backward on compute capability 9.0: the Hopper wgmma
 //   kernels (attention_hopper.cu; attention_set_hopper turns them off).
 // - BF16 training forward and backward elsewhere: mma.sync tensor cores (attention_tc.cu).
-//   Either BF16 backward reads the row dots D = rowsum(dout * out) from a scratch of
-//   B*Hq*T floats, owned by the backend like the cuBLAS workspace.
+//   Either BF16 backward reads the row dots D = rowsum(dout * out) from a workspace owned
+//   by the backend (its op scratch); the Hopper backward (version 2) also keeps its bf16
+//   score-gradient tiles there (attention_backward_workspace_bytes: B*Hq*T floats, then
+//   hopper::score_grad_bytes).
 // - F32 storage, attention_cached (decode), and BF16 tensors not 16-byte aligned: fp32
 //   CUDA cores (attention_fp32.cu).
 #include <atomic>
@@ -66,11 +68,34 @@ template <class F> void with_head_dim(int64_t hd, F&& f) {
 }
 
 std::atomic<bool> g_hopper_enabled{true};
+std::atomic<int> g_hopper_backward{2};
+
+// The workspace's row dots, rounded up so that the score-gradient tiles after them start
+// 256-byte aligned (the workspace itself is).
+size_t row_dot_bytes(int64_t B, int64_t T, int64_t Hq) {
+  return (size_t(B * T * Hq) * sizeof(float) + 255) / 256 * 256;
+}
+bool hopper_stores_score_grads() {
+  return attention_uses_hopper() && g_hopper_backward.load() == 2;
+}
 
 }  // namespace
 
 bool attention_set_hopper(bool enabled) { return g_hopper_enabled.exchange(enabled); }
 bool attention_uses_hopper() { return g_hopper_enabled.load() && hopper::available(); }
+int attention_set_hopper_backward(int version) {
+  MHAR_CHECK(version == 1 || version == 2, "attention_set_hopper_backward: version ", version,
+             " (valid: 1, 2)");
+  return g_hopper_backward.exchange(version);
+}
+
+size_t attention_backward_workspace_bytes(int64_t B, int64_t T, int64_t Hq, int64_t hd) {
+  if (B <= 0 || T <= 0 || Hq <= 0 || !tc::available()) return 0;
+  size_t bytes = row_dot_bytes(B, T, Hq);
+  if ((hd == 64 || hd == 128) && hopper_stores_score_grads())
+    bytes += hopper::score_grad_bytes(AttentionArgs{B, T, Hq, 1, 1.f});
+  return bytes;
+}
 
 void attention_forward(cudaStream_t s, Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v) {
   const Shape sh = check_shapes("attention_forward", q, k, v);
@@ -95,8 +120,8 @@ void attention_forward(cudaStream_t s, Tensor out, Tensor lse, Tensor q, Tensor 
 }
 
 void attention_backward(cudaStream_t s, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q,
-                        Tensor k, Tensor v, Tensor out, Tensor lse, float* workspace,
-                        size_t workspace_floats) {
+                        Tensor k, Tensor v, Tensor out, Tensor lse, void* workspace,
+                        size_t workspace_bytes) {
   const Shape sh = check_shapes("attention_backward", q, k, v);
   check_numel(dq, q.numel(), "attention_backward", "dq");
   check_numel(dout, q.numel(), "attention_backward", "dout");
@@ -109,20 +134,28 @@ void attention_backward(cudaStream_t s, Tensor dq, Tensor dk, Tensor dv, Tensor 
     MHAR_CHECK(t->dtype == q.dtype, "attention_backward: gradient dtypes must match q");
   if (q.numel() == 0) return;
   if (use_tensor_cores({&dq, &dk, &dv, &dout, &q, &k, &v, &out})) {
-    MHAR_CHECK(workspace && workspace_floats >= size_t(sh.B * sh.Hq * sh.T),
-               "attention_backward: workspace of ", sh.B * sh.Hq * sh.T, " floats needed");
+    const size_t need = attention_backward_workspace_bytes(sh.B, sh.T, sh.Hq, sh.hd);
+    MHAR_CHECK(workspace && workspace_bytes >= need, "attention_backward: a workspace of ",
+               need, " bytes needed (attention_backward_workspace_bytes), ", workspace_bytes,
+               " given");
     const AttentionArgs a = args_of(sh);
     auto bp = [](const Tensor& t) { return static_cast<bf16*>(t.data); };
     const float* l = lse.ptr<float>();
+    auto* dots = static_cast<float*>(workspace);
+    // Version 1 passes no tiles: the dq kernel then recomputes S and dP itself.
+    bf16* score_grads = hopper_stores_score_grads()
+                            ? reinterpret_cast<bf16*>(static_cast<char*>(workspace) +
+                                                      row_dot_bytes(sh.B, sh.T, sh.Hq))
+                            : nullptr;
     with_head_dim(sh.hd, [&](auto hd) {
       constexpr int HD = decltype(hd)::value;
-      tc::row_dots<HD>(s, workspace, bp(dout), bp(out), a);
+      tc::row_dots<HD>(s, dots, bp(dout), bp(out), a);
       if (attention_uses_hopper())
         hopper::backward<HD>(s, bp(dq), bp(dk), bp(dv), bp(dout), bp(q), bp(k), bp(v), l,
-                             workspace, a);
+                             dots, score_grads, a);
       else
-        tc::backward<HD>(s, bp(dq), bp(dk), bp(dv), bp(dout), bp(q), bp(k), bp(v), l,
-                         workspace, a);
+        tc::backward<HD>(s, bp(dq), bp(dk), bp(dv), bp(dout), bp(q), bp(k), bp(v), l, dots,
+                         a);
     });
     return;
   }

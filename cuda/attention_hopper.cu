@@ -125,6 +125,41 @@ __device__ __forceinline__ void wgmma_rs_m64n128_tb(float (&d)[64], const uint32
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1));
 }
+// d += A B, m64n64k16 / m64n128k16: A and B from shared memory, both MN-major (A an
+// [k][m] tile, B a [k][n] tile; wgmma reads both transposed), accumulating.
+__device__ __forceinline__ void wgmma_ss_m64n64_tt(float (&d)[32], uint64_t a_desc,
+                                                   uint64_t b_desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(a_desc), "l"(b_desc), "r"(1));
+}
+__device__ __forceinline__ void wgmma_ss_m64n128_tt(float (&d)[64], uint64_t a_desc,
+                                                    uint64_t b_desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(a_desc), "l"(b_desc), "r"(1));
+}
+// d += A B with N = HD (64 or 128), both operands MN-major from shared memory.
+template <int HD>
+__device__ __forceinline__ void wgmma_ss_tt(float (&d)[HD / 2], uint64_t a_desc,
+                                            uint64_t b_desc) {
+  if constexpr (HD == 128) wgmma_ss_m64n128_tt(d, a_desc, b_desc);
+  else wgmma_ss_m64n64_tt(d, a_desc, b_desc);
+}
 // d += A B with N = HD (64 or 128): A from registers, B N-major.
 template <int HD>
 __device__ __forceinline__ void wgmma_rs_tb(float (&d)[HD / 2], const uint32_t (&a)[4],
@@ -189,14 +224,20 @@ __device__ __forceinline__ uint64_t stage_offset(int st, int tile_elems) {
   return uint64_t(st * (tile_elems * 2 / 16));
 }
 
+// The global rows a warp's 16 accumulator rows go to: row0 + r, or (RowOf) any map.
+struct ConsecutiveRows {
+  int64_t row0;
+  __device__ int64_t operator()(int r) const { return row0 + r; }
+};
+
 // A warp's 16 rows of wgmma accumulators (m64nHD layout, this warp's quarter) times
 // mul_lo / mul_hi (rows g / g + 8) -> bf16, staged through `stage` (16 rows of HD + 8
-// elements, this warp's alone) and written as 16-byte stores to global rows row0 + 0..15
+// elements, this warp's alone) and written as 16-byte stores to global rows row_of(0..15)
 // (`stride` elements apart; rows >= n_rows skipped).
-template <int HD>
+template <int HD, class RowOf = ConsecutiveRows>
 __device__ __forceinline__ void store_rows_staged(bf16* stage, const float (&acc)[HD / 2],
                                                   float mul_lo, float mul_hi, bf16* base,
-                                                  int64_t stride, int64_t row0, int64_t n_rows,
+                                                  int64_t stride, RowOf row_of, int64_t n_rows,
                                                   int lane) {
   constexpr int LD = HD + 8, CPR = HD / 8;
   const int g = lane >> 2, c2 = 2 * (lane & 3);
@@ -211,8 +252,9 @@ __device__ __forceinline__ void store_rows_staged(bf16* stage, const float (&acc
 #pragma unroll
   for (int i = lane; i < 16 * CPR; i += 32) {
     const int r = i / CPR, c = i % CPR;
-    if (row0 + r < n_rows)
-      *reinterpret_cast<uint4*>(base + (row0 + r) * stride + c * 8) =
+    const int64_t row = row_of(r);
+    if (row < n_rows)
+      *reinterpret_cast<uint4*>(base + row * stride + c * 8) =
           *reinterpret_cast<const uint4*>(stage + r * LD + c * 8);
   }
   __syncwarp();
@@ -395,8 +437,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   // The K/V stages are free now: each warp stages its 16 output rows there.
   store_rows_staged<HD>(Ks + (threadIdx.x >> 5) * 16 * (HD + 8), o, 1.f / l_lo, 1.f / l_hi,
-                        out + (b * a.T * a.Hq + h) * HD, qs, q0 + 64 * wg + 16 * warp, a.T,
-                        lane);
+                        out + (b * a.T * a.Hq + h) * HD, qs,
+                        ConsecutiveRows{q0 + 64 * wg + 16 * warp}, a.T, lane);
 #endif
 }
 
@@ -406,13 +448,44 @@ __global__ void __launch_bounds__(kThreads, 2)
 // scratch); then two kernels that never race and need no atomics, as on the mma.sync
 // path, with the same numerics (P and dS rounded to bf16 as matrix operands, fp32
 // accumulators, exp2 domain):
-//   dq:   a block owns 128 query rows (64 per warpgroup) and walks key tiles of 64 up to
-//         the diagonal: S = Q K^T and dP = dO V^T (both operands K-major), P = exp2(S c -
-//         lse2), dS = P (dP - D), dQ += dS K (K read N-major).
 //   dkdv: a block owns 128 keys of one (b, KV head) (64 per warpgroup) and walks every
 //         query tile of 64 that can see them, for each query head of its group:
 //         S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q (dO, Q read N-major).
-// One block per SM (128 KB of shared memory): the accumulators take most of the registers.
+//   dq, version 2 (the default; score_grads given): dkdv also stores each bf16 dS^T tile
+//         it computed (64 keys x 64 queries, [key][query position], tiles on and below the
+//         diagonal packed per (b, h): score_grad_tile, tile_query), and dq, run after it,
+//         is one product per tile: a block owns 128 query rows (64 per warpgroup), walks
+//         key tiles of 64 up to the diagonal and accumulates dQ += dS K with both operands
+//         read MN-major from shared memory. Five products in all, as FlashAttention-2's,
+//         and deterministic;
+//         the price is the tiles' bytes, written once and read once (B Hq T^2 bytes,
+//         causal half; cuda/NOTES.md "Hopper attention" has the measurements).
+//   dq, version 1 (no score_grads): the block walks the same key tiles recomputing S = Q
+//         K^T and dP = dO V^T (both operands K-major), P = exp2(S c - lse2), dS = P (dP -
+//         D), dQ += dS K (K read N-major): seven products, dq independent of dkdv.
+// dkdv and dq version 1 run one block per SM (128 KB of shared memory): the accumulators
+// take most of the registers.
+constexpr int kGradTile = 64;  // a score-gradient tile's keys and queries
+static_assert(kGradTile == kKeys, "dq walks key tiles of the tiles' size");
+
+// Tiles on and below the diagonal of one (b, h): tile (qt, kt), kt <= qt, is number
+// qt (qt + 1) / 2 + kt.
+__host__ __device__ inline int64_t grad_tiles_per_head(int64_t T) {
+  return ceil_div(T, int64_t(kGradTile)) * (ceil_div(T, int64_t(kGradTile)) + 1) / 2;
+}
+// Inside a tile, row (key) u holds its 64 queries in the order that lets dk/dv's threads
+// store 16-byte chunks: the thread with column pair c (2c, 2c + 1 of each n8 tile) writes
+// n8 tiles 4a .. 4a + 3 at positions 32a + 8c .. 32a + 8c + 7. So position p holds query
+// tile_query(p); dq's product rows come out in position order and its store maps them back.
+__device__ __forceinline__ int tile_query(int p) {
+  return 8 * (4 * (p >> 5) + ((p >> 1) & 3)) + 2 * ((p >> 3) & 3) + (p & 1);
+}
+template <class P>  // bf16* or const bf16*
+__device__ __forceinline__ P score_grad_tile(P base, int64_t bh, int64_t T, int qt, int kt) {
+  return base + (bh * grad_tiles_per_head(T) + int64_t(qt) * (qt + 1) / 2 + kt) *
+                    (kGradTile * kGradTile);
+}
+
 template <int HD> constexpr size_t dq_smem() {
   return 2 * tile_bytes<HD>(kRows) + 4 * tile_bytes<HD>(kKeys) + 1024;
 }
@@ -511,16 +584,104 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncthreads();
   }
   store_rows_staged<HD>(Qs + (threadIdx.x >> 5) * 16 * (HD + 8), acc, a.scale, a.scale,
-                        dq + qoff, qs, q0 + 64 * wg + 16 * warp, a.T, lane);
+                        dq + qoff, qs, ConsecutiveRows{q0 + 64 * wg + 16 * warp}, a.T, lane);
 #endif
 }
 
+// dq, version 2: dQ = scale * sum over key tiles of dS K, dS^T from dkdv's tiles. Per key
+// tile: K (N-major, as version 1's dQ product reads it) and each warpgroup's dS^T tile
+// (rows: keys, the product's K dimension; columns: its 64 queries, M), both staged by
+// cp.async two deep; no softmax, so two blocks share an SM.
+template <int HD> constexpr size_t dq_tiles_smem() {
+  return 2 * tile_bytes<HD>(kKeys) + 2 * kWarpgroups * tile_bytes<kGradTile>(kGradTile) + 1024;
+}
 template <int HD>
+__global__ void __launch_bounds__(kThreads, 2)
+    dq_tiles_kernel(bf16* __restrict__ dq, const bf16* __restrict__ k,
+                    const bf16* __restrict__ score_grads, AttentionArgs a) {
+#ifdef MHAR_NO_WGMMA
+  __trap();
+#else
+  constexpr int KSTEPS = kKeys / 16, TILE = kGradTile * kGradTile;
+  extern __shared__ unsigned char smem_raw[];
+  bf16* Ks = aligned_smem(smem_raw);  // [2][kKeys * HD]
+  bf16* Ds = Ks + 2 * kKeys * HD;     // [2][kWarpgroups][TILE]
+  static_assert(dq_tiles_smem<HD>() - 1024 >= size_t(kThreads / 32) * 16 * (HD + 8) * 2,
+                "the output staging reuses the K and dS stages");
+
+  const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  const int64_t b = blockIdx.z, h = blockIdx.y, hkv = h / (a.Hq / a.Hkv);
+  const int qb = int(gridDim.x) - 1 - int(blockIdx.x);
+  const int64_t q0 = int64_t(qb) * kRows;
+  const int64_t qs = a.Hq * HD, kvs = a.Hkv * HD;
+  const int64_t qoff = (b * a.T * a.Hq + h) * HD;
+  const bf16* kbase = k + (b * a.T * a.Hkv + hkv) * HD;
+  const int64_t bh = b * a.Hq + h;
+  // Warpgroup w's query tile is 2 qb + w; it has tiles for key tiles 0 .. 2 qb + w when
+  // its rows start before T (dkdv wrote those), none otherwise.
+  const int n_tiles = int(ceil_div(std::min<int64_t>(a.T, q0 + kRows), kKeys));
+  auto wg_tiles = [&](int w) { return q0 + 64 * w < a.T ? 2 * qb + w + 1 : 0; };
+  const int my_tiles = wg_tiles(wg);
+
+  auto issue = [&](int j) {
+    const int st = j & 1;
+    load_tile_sw128<HD, kKeys>(Ks + st * kKeys * HD, kbase, kvs, int64_t(j) * kKeys, a.T);
+#pragma unroll
+    for (int w = 0; w < kWarpgroups; ++w)
+      if (j < wg_tiles(w))
+        load_tile_sw128<kGradTile, kGradTile>(
+            Ds + (st * kWarpgroups + w) * TILE,
+            score_grad_tile(score_grads, bh, a.T, 2 * qb + w, j), kGradTile,
+            0, kGradTile);
+  };
+  issue(0);
+  cp_async_commit();
+
+  float acc[HD / 2];
+#pragma unroll
+  for (int i = 0; i < HD / 2; ++i) acc[i] = 0.f;
+  const uint64_t kn_desc = nmajor_base<kKeys>(Ks);
+  const uint64_t ds_desc = nmajor_base<kGradTile>(Ds + wg * TILE);
+
+  for (int j = 0; j < n_tiles; ++j) {
+    if (j + 1 < n_tiles) {
+      issue(j + 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    fence_proxy_async();
+    __syncthreads();
+    if (j < my_tiles) {
+      const uint64_t sk = stage_offset(j & 1, kKeys * HD);
+      const uint64_t sd = stage_offset(j & 1, kWarpgroups * TILE);
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < KSTEPS; ++ks)
+        wgmma_ss_tt<HD>(acc, nmajor_step(ds_desc + sd, ks), nmajor_step(kn_desc + sk, ks));
+      wgmma_commit();
+      wgmma_wait_all();
+      pin(acc);
+    }
+    __syncthreads();  // this stage is refilled by the next iteration's loads
+  }
+  // The product's rows are tile positions: position p is query tile_query(p).
+  const int64_t wg_q0 = q0 + 64 * wg;
+  const int p0 = 16 * warp;
+  store_rows_staged<HD>(Ks + (threadIdx.x >> 5) * 16 * (HD + 8), acc, a.scale, a.scale,
+                        dq + qoff, qs, [=](int r) { return wg_q0 + tile_query(p0 + r); },
+                        a.T, lane);
+#endif
+}
+
+template <int HD, bool STORE_DS>
 __global__ void __launch_bounds__(kThreads, 1)
-    dkdv_kernel(bf16* __restrict__ dk, bf16* __restrict__ dv, const bf16* __restrict__ dout,
-                const bf16* __restrict__ q, const bf16* __restrict__ k,
-                const bf16* __restrict__ v, const float* __restrict__ lse,
-                const float* __restrict__ Dsum, AttentionArgs a) {
+    dkdv_kernel(bf16* __restrict__ dk, bf16* __restrict__ dv, bf16* __restrict__ score_grads,
+                const bf16* __restrict__ dout, const bf16* __restrict__ q,
+                const bf16* __restrict__ k, const bf16* __restrict__ v,
+                const float* __restrict__ lse, const float* __restrict__ Dsum,
+                AttentionArgs a) {
 #ifdef MHAR_NO_WGMMA
   __trap();
 #else
@@ -621,6 +782,27 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_rs_k<HD>(dv_acc, pa, don_desc + so);
       wgmma_rs_k<HD>(dk_acc, da, qn_desc + so);
       wgmma_commit();
+      if constexpr (STORE_DS) {
+        // While the products run (they only read da): this warp's 16 key rows of the
+        // tile, the bf16 values dK's product reads, in the tile's column order (below),
+        // where each thread's 4 n8 tiles of a row are 16 contiguous bytes and a warp's
+        // store fills whole 32-byte sectors. A warpgroup wholly past T stores nothing (no
+        // dq reads its keys).
+        if (wg_u0 < a.T) {
+          bf16* row = score_grad_tile(score_grads, b * a.Hq + walk.head(it), a.T,
+                                      int(t0 / kGradTile), int(wg_u0 / kGradTile)) +
+                      (16 * warp + g) * kGradTile + 4 * c2;
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            *reinterpret_cast<uint4*>(row + 32 * half) =
+                make_uint4(da[2 * half][0], da[2 * half][2], da[2 * half + 1][0],
+                           da[2 * half + 1][2]);
+            *reinterpret_cast<uint4*>(row + 8 * kGradTile + 32 * half) =
+                make_uint4(da[2 * half][1], da[2 * half][3], da[2 * half + 1][1],
+                           da[2 * half + 1][3]);
+          }
+        }
+      }
       wgmma_wait_all();
       pin(dv_acc);
       pin(dk_acc);
@@ -630,8 +812,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   // The Q and dO stages are free now: each warp stages its 16 rows there.
   bf16* stage = Qs + (threadIdx.x >> 5) * 16 * (HD + 8);
   const int64_t row0 = wg_u0 + 16 * warp;
-  store_rows_staged<HD>(stage, dk_acc, a.scale, a.scale, dk + kvoff, kvs, row0, a.T, lane);
-  store_rows_staged<HD>(stage, dv_acc, 1.f, 1.f, dv + kvoff, kvs, row0, a.T, lane);
+  store_rows_staged<HD>(stage, dk_acc, a.scale, a.scale, dk + kvoff, kvs, ConsecutiveRows{row0},
+                        a.T, lane);
+  store_rows_staged<HD>(stage, dv_acc, 1.f, 1.f, dv + kvoff, kvs, ConsecutiveRows{row0}, a.T,
+                        lane);
 #endif
 }
 
@@ -647,7 +831,14 @@ template <int HD> bool configure() {
                                     int(forward_smem<HD>())));
     CUDA_CHECK(cudaFuncSetAttribute(dq_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     int(dq_smem<HD>())));
-    CUDA_CHECK(cudaFuncSetAttribute(dkdv_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    CUDA_CHECK(cudaFuncSetAttribute(dq_tiles_kernel<HD>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    int(dq_tiles_smem<HD>())));
+    CUDA_CHECK(cudaFuncSetAttribute(dkdv_kernel<HD, false>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    int(dkdv_smem<HD>())));
+    CUDA_CHECK(cudaFuncSetAttribute(dkdv_kernel<HD, true>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     int(dkdv_smem<HD>())));
     return fa.binaryVersion == 90;
   }();
@@ -680,24 +871,39 @@ void forward(cudaStream_t s, bf16* out, float* lse, const bf16* q, const bf16* k
   CUDA_CHECK_LAUNCH();
 }
 
+size_t score_grad_bytes(const AttentionArgs& a) {
+  return size_t(a.B * a.Hq * grad_tiles_per_head(a.T)) * kGradTile * kGradTile * sizeof(bf16);
+}
+
 template <int HD>
 void backward(cudaStream_t s, bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q,
               const bf16* k, const bf16* v, const float* lse, const float* Dsum,
-              const AttentionArgs& a) {
+              bf16* score_grads, const AttentionArgs& a) {
   MHAR_CHECK(available(), "hopper::backward called without a compute capability 9.0 device");
+  MHAR_CHECK(reinterpret_cast<uintptr_t>(score_grads) % 16 == 0,
+             "hopper::backward: score-gradient tiles not 16-byte aligned");
   dim3 gq(unsigned(ceil_div(a.T, kRows)), unsigned(a.Hq), unsigned(a.B));
+  dim3 gk(unsigned(ceil_div(a.T, kRows)), unsigned(a.Hkv), unsigned(a.B));
+  if (score_grads) {
+    dkdv_kernel<HD, true><<<gk, kThreads, dkdv_smem<HD>(), s>>>(dk, dv, score_grads, dout, q, k,
+                                                                v, lse, Dsum, a);
+    CUDA_CHECK_LAUNCH();
+    dq_tiles_kernel<HD><<<gq, kThreads, dq_tiles_smem<HD>(), s>>>(dq, k, score_grads, a);
+    CUDA_CHECK_LAUNCH();
+    return;
+  }
   dq_kernel<HD><<<gq, kThreads, dq_smem<HD>(), s>>>(dq, dout, q, k, v, lse, Dsum, a);
   CUDA_CHECK_LAUNCH();
-  dim3 gk(unsigned(ceil_div(a.T, kRows)), unsigned(a.Hkv), unsigned(a.B));
-  dkdv_kernel<HD><<<gk, kThreads, dkdv_smem<HD>(), s>>>(dk, dv, dout, q, k, v, lse, Dsum, a);
+  dkdv_kernel<HD, false><<<gk, kThreads, dkdv_smem<HD>(), s>>>(dk, dv, nullptr, dout, q, k, v,
+                                                               lse, Dsum, a);
   CUDA_CHECK_LAUNCH();
 }
 
 template void backward<64>(cudaStream_t, bf16*, bf16*, bf16*, const bf16*, const bf16*,
-                           const bf16*, const bf16*, const float*, const float*,
+                           const bf16*, const bf16*, const float*, const float*, bf16*,
                            const AttentionArgs&);
 template void backward<128>(cudaStream_t, bf16*, bf16*, bf16*, const bf16*, const bf16*,
-                            const bf16*, const bf16*, const float*, const float*,
+                            const bf16*, const bf16*, const float*, const float*, bf16*,
                             const AttentionArgs&);
 template void forward<64>(cudaStream_t, bf16*, float*, const bf16*, const bf16*, const bf16*,
                           const AttentionArgs&);

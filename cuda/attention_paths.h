@@ -55,11 +55,16 @@ bool available();
 template <int HD>
 void forward(cudaStream_t s, bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
              const AttentionArgs& a);
-// Causal backward from the row dots Dsum (tc::row_dots) and lse; writes dq, dk, dv.
+// The bf16 score-gradient tiles of one backward (B*Hq of 64 x 64 tiles on and below the
+// diagonal, T rounded up to 64).
+size_t score_grad_bytes(const AttentionArgs& a);
+// Causal backward from the row dots Dsum (tc::row_dots) and lse; writes dq, dk, dv. With
+// score_grads (score_grad_bytes(a), 16-byte aligned) the dk/dv kernel stores dS there and
+// dq is one product over it; null: dq recomputes S and dP (attention_hopper.cu).
 template <int HD>
 void backward(cudaStream_t s, bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q,
               const bf16* k, const bf16* v, const float* lse, const float* Dsum,
-              const AttentionArgs& a);
+              bf16* score_grads, const AttentionArgs& a);
 }  // namespace hopper
 
 }  // namespace mhar::cuda

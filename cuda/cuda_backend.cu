@@ -46,7 +46,8 @@ constexpr size_t kSlots = size_t(cuda::ScratchSlot::Count);
 // next (routing.cu), so the two tile slots come first and share their bytes: a mix tile
 // lives inside one forward pass, a backward tile inside one backward pass. Every other
 // slot is used within one op, and ops run one at a time on the one stream, so the ops'
-// groups share the bytes after the tiles: attention's row dots; the norms' partial sums;
+// groups share the bytes after the tiles: attention's backward (row dots, score-gradient
+// tiles); the norms' partial sums;
 // hyper's partial sums; the routing tables, value and key rows and pair split side by side
 // (one routing source backward uses all four, and the backward tile, at once).
 struct ScratchLayout {
@@ -60,7 +61,9 @@ ScratchLayout scratch_layout(const OpScratchShapes& s) {
   auto bytes = [&](Slot slot) -> size_t& { return l.bytes[size_t(slot)]; };
   const size_t N = size_t(std::max<int64_t>(s.tokens(), 0));
   const size_t d = size_t(std::max<int64_t>(s.d_model, 0));
-  bytes(Slot::AttentionRowDots) = N * size_t(std::max(s.heads, 0)) * sizeof(float);  // B*T*Hq
+  if (N > 0 && s.heads > 0)
+    bytes(Slot::AttentionBackward) =
+        cuda::attention_backward_workspace_bytes(s.batch, s.seq_len, s.heads, s.head_dim);
   bytes(Slot::NormPartials) = std::max(cuda::rmsnorm_backward_scratch_bytes(s.d_model),
                                        cuda::rmsnorm_backward_scratch_bytes(s.head_dim));
   // The timing of an accumulating product's algorithms (matmul.cu) at its first call: a
@@ -94,7 +97,7 @@ ScratchLayout scratch_layout(const OpScratchShapes& s) {
   const size_t tiles = std::max(up(bytes(Slot::RoutingTile)), up(bytes(Slot::RoutingBackTile)));
   size_t local = 0;
   static const std::vector<std::vector<Slot>> groups = {
-      {Slot::AttentionRowDots},
+      {Slot::AttentionBackward},
       {Slot::NormPartials},
       {Slot::HyperPartials},
       {Slot::MatmulTune},
@@ -331,10 +334,12 @@ class CudaBackend final : public Backend {
   }
   void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k,
                           Tensor v, Tensor out, Tensor lse) override {
-    // Scratch for the backward's row dots (B*Hq*T floats).
-    const size_t need = size_t(q.dim(0) * q.dim(1) * q.dim(2));
-    auto* rows = static_cast<float*>(scratch(cuda::ScratchSlot::AttentionRowDots, need * 4));
-    cuda::attention_backward(stream_, dq, dk, dv, dout, q, k, v, out, lse, rows, need);
+    // Scratch for the backward's row dots and (Hopper) score-gradient tiles.
+    const size_t need = q.ndim == 4 ? cuda::attention_backward_workspace_bytes(
+                                          q.dim(0), q.dim(1), q.dim(2), q.dim(3))
+                                    : 0;
+    void* workspace = need ? scratch(cuda::ScratchSlot::AttentionBackward, need) : nullptr;
+    cuda::attention_backward(stream_, dq, dk, dv, dout, q, k, v, out, lse, workspace, need);
   }
   void swiglu_forward(Tensor h, Tensor gate_up) override {
     cuda::swiglu_forward(stream_, h, gate_up);

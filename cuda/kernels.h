@@ -32,11 +32,16 @@ void rope(cudaStream_t s, Tensor x, double theta, bool backward, int64_t first_p
 
 // attention.cu
 void attention_forward(cudaStream_t s, Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v);
-// workspace: device scratch of at least B*Hq*T floats (the BF16 tensor-core path keeps the
-// row dots D = dout . out there); may be null for the fp32 path.
+// workspace: device scratch of at least attention_backward_workspace_bytes(B, T, Hq, hd)
+// bytes, 256-byte aligned (the BF16 tensor-core paths keep the row dots D = dout . out
+// there, and the Hopper backward its bf16 score-gradient tiles); may be null for the fp32
+// path.
 void attention_backward(cudaStream_t s, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q,
-                        Tensor k, Tensor v, Tensor out, Tensor lse, float* workspace,
-                        size_t workspace_floats);
+                        Tensor k, Tensor v, Tensor out, Tensor lse, void* workspace,
+                        size_t workspace_bytes);
+// The workspace attention_backward needs at these shapes on this device with the current
+// kernel-lab settings (0 where nothing but the fp32 path could run).
+size_t attention_backward_workspace_bytes(int64_t B, int64_t T, int64_t Hq, int64_t hd);
 void attention_cached(cudaStream_t s, Tensor out, Tensor q, Tensor k_cache, Tensor v_cache);
 // Kernel lab (the attention tests and timings compare both paths; the engine never calls
 // it): whether the BF16 training forward may take the Hopper wgmma kernels where the
@@ -44,6 +49,11 @@ void attention_cached(cudaStream_t s, Tensor out, Tensor q, Tensor k_cache, Tens
 bool attention_set_hopper(bool enabled);
 // Whether attention_forward would take the Hopper kernels now (enabled and available).
 bool attention_uses_hopper();
+// Kernel lab: the Hopper backward's version (returns the previous one). 1: the dq kernel
+// recomputes S and dP itself (7 matrix products, dq and dk/dv independent); 2 (default):
+// the dk/dv kernel writes its bf16 dS tiles to the workspace and dq reads them (5
+// products).
+int attention_set_hopper_backward(int version);
 
 // matmul.cu: cuBLASLt first, cuBLAS GemmEx when Lt offers no algorithm for a shape.
 struct MatmulContext {
@@ -89,7 +99,7 @@ void cross_entropy(cudaStream_t s, Tensor losses, Tensor logits, Tensor targets,
 // op. A new slot, or a request that grows with another shape, needs its size in
 // scratch_layout (cuda_backend.cu), or models will fail the size check.
 enum class ScratchSlot {
-  AttentionRowDots,
+  AttentionBackward,
   RoutingTables,
   RoutingValueGrad,
   RoutingKeyGrad,
@@ -104,7 +114,7 @@ enum class ScratchSlot {
 using ScratchFn = std::function<void*(ScratchSlot, size_t)>;
 inline const char* scratch_slot_name(ScratchSlot slot) {
   switch (slot) {
-    case ScratchSlot::AttentionRowDots: return "attention row dots";
+    case ScratchSlot::AttentionBackward: return "attention backward row dots and score gradients";
     case ScratchSlot::RoutingTables: return "routing query-gain tables";
     case ScratchSlot::RoutingValueGrad: return "routing value gradient rows";
     case ScratchSlot::RoutingKeyGrad: return "routing key gradient rows";

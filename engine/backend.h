@@ -12,7 +12,7 @@
 // - "+=" ops accumulate into their output (gradient accumulation); all others overwrite
 //   every element of their output.
 // - Every tensor an op is given comes from the model's memory plans (allocator.h), and so
-//   do the temporaries an op needs beyond them (the CUDA backend's attention row dots,
+//   do the temporaries an op needs beyond them (the CUDA backend's attention workspace,
 //   routing GEMM operands, depth-tile partial sums, hyper and norm partial sums): the
 //   model plans one "backend.scratch" buffer of op_scratch_bytes() in its activation
 //   plan and binds it around each of its passes (op scratch, below). No op of a model's

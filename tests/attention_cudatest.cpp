@@ -1,6 +1,7 @@
 // attention_cudatest.cpp: CUDA causal GQA attention forward/backward against the CPU
 // reference, head_dim 64 and 128, GQA ratios 1, 2, 3 and 8, T not a multiple of the tiles;
-// forward and backward through each BF16 kernel the device has (Hopper wgmma, mma.sync).
+// forward and backward through each BF16 kernel the device has (Hopper wgmma, both of its
+// backward versions, and mma.sync).
 #include <gtest/gtest.h>
 
 #include <vector>
@@ -56,9 +57,22 @@ TEST_P(AttentionParity, ForwardAndBackward) {
   Pair dk = pair(DType::BF16, {c.B, c.T, c.Hkv, c.hd});
   Pair dv = pair(DType::BF16, {c.B, c.T, c.Hkv, c.hd});
   cpu->attention_backward(dq.c, dk.c, dv.c, dout.c, q.c, k.c, v.c, out.c, lse.c);
-  for (const bool use_hopper : paths) {
+  // The Hopper backward in both versions (cuda::attention_set_hopper_backward: dq reading
+  // dk/dv's score-gradient tiles, or recomputing them), then mma.sync; same bounds.
+  struct BackwardPath {
+    bool use_hopper;
+    int version;
+  };
+  std::vector<BackwardPath> backward_paths;
+  for (const bool use_hopper : paths)
+    for (const int version : {2, 1})
+      if (use_hopper || version == 2) backward_paths.push_back({use_hopper, version});
+  const int had_version = cuda::attention_set_hopper_backward(2);
+  for (const auto [use_hopper, version] : backward_paths) {
     cuda::attention_set_hopper(use_hopper);
-    const std::string path = path_name(use_hopper);
+    cuda::attention_set_hopper_backward(version);
+    const std::string path =
+        use_hopper ? " (wgmma v" + std::to_string(version) + ") " : path_name(false);
     dq.g.poison();
     dk.g.poison();
     dv.g.poison();
@@ -80,6 +94,7 @@ TEST_P(AttentionParity, ForwardAndBackward) {
     expect_close("attention_backward dv" + path + tag, dv.g, dv.c, kTolBf16Output);
   }
   cuda::attention_set_hopper(had_hopper);
+  cuda::attention_set_hopper_backward(had_version);
 }
 
 // Incremental decoding: a chunk of Tq queries against Tk >= Tq cached keys (the chunk's own

@@ -41,6 +41,7 @@ class AttentionTiming : public CudaParity {
 
 TEST_F(AttentionTiming, DISABLED_ComparisonShapes) {
   const bool had_hopper = cuda::attention_set_hopper(true);
+  const int had_version = cuda::attention_set_hopper_backward(2);
   const bool hopper = cuda::attention_uses_hopper();
   for (auto [B, T] : {std::pair<int64_t, int64_t>{16, 1024}, {8, 2048}}) {
     const int64_t Hq = 16, Hkv = 8, hd = 128;
@@ -54,18 +55,23 @@ TEST_F(AttentionTiming, DISABLED_ComparisonShapes) {
       std::printf("ATTENTION forward  %-8s %-22s %8.3f ms %7.1f TFLOP/s\n",
                   use_hopper ? "wgmma" : "mma.sync", shape.c_str(), ms, fwd_flop / ms * 1e-9);
     }
-    for (const bool use_hopper : {true, false}) {
+    // The Hopper backward's two versions (cuda::attention_set_hopper_backward), then
+    // mma.sync.
+    for (const int path : {2, 1, 0}) {
+      const bool use_hopper = path > 0;
       if (use_hopper && !hopper) continue;
       cuda::attention_set_hopper(use_hopper);
+      if (use_hopper) cuda::attention_set_hopper_backward(path);
       const double ms = median_ms([&] {
         gpu->attention_backward(a.dq, a.dk, a.dv, a.dout, a.q, a.k, a.v, a.out, a.lse);
       });
       std::printf("ATTENTION backward %-8s %-22s %8.3f ms %7.1f TFLOP/s\n",
-                  use_hopper ? "wgmma" : "mma.sync", shape.c_str(), ms,
-                  2.5 * fwd_flop / ms * 1e-9);
+                  path == 2 ? "wgmma v2" : path == 1 ? "wgmma v1" : "mma.sync", shape.c_str(),
+                  ms, 2.5 * fwd_flop / ms * 1e-9);
     }
   }
   cuda::attention_set_hopper(had_hopper);
+  cuda::attention_set_hopper_backward(had_version);
 }
 
 }  // namespace

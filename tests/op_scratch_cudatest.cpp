@@ -163,7 +163,8 @@ TEST(OpScratchCudaShared, ModelsSharingABackendAllocateNothingAndKeepTheirResult
   EXPECT_LT(rel_error(grads, grads_alone), 1e-5);
 }
 
-// attention_backward at [2, 80, 4, 64] with GQA 2 (its row dots: 2 * 80 * 4 floats).
+// attention_backward at [2, 80, 4, 64] with GQA 2 (its workspace: row dots, 2 * 80 * 4
+// floats, and on Hopper 2 * 4 * 3 score-gradient tiles).
 struct AttentionCall {
   Buffer q, k, v, out, dout, lse, dq, dk, dv;
   explicit AttentionCall(Backend& be)
@@ -186,7 +187,7 @@ TEST(OpScratchCudaControl, UnboundOpsGrowTheirOwnBuffersAndTooSmallABindingFails
   AttentionCall call(*gpu);
   gpu->synchronize();
   const int64_t before = gpu->device_allocations();
-  call.backward(*gpu);  // nothing bound: the row dots' grow-only buffer
+  call.backward(*gpu);  // nothing bound: the workspace's grow-only buffer
   const auto unbound = call.dq.get();
   EXPECT_EQ(gpu->device_allocations(), before + 1);
   call.backward(*gpu);  // the same shapes again: that buffer is large enough
@@ -203,7 +204,8 @@ TEST(OpScratchCudaControl, UnboundOpsGrowTheirOwnBuffersAndTooSmallABindingFails
     call.backward(*gpu);
     EXPECT_EQ(call.dq.get(), unbound);  // deterministic kernels: the same bits
   }
-  // Bound for half the tokens: the row dots do not fit; an error, never an allocation.
+  // Bound for half the tokens: the row dots (and score-gradient tiles) do not fit; an
+  // error, never an allocation.
   OpScratchShapes half = fits;
   half.seq_len = 40;
   {
@@ -213,7 +215,7 @@ TEST(OpScratchCudaControl, UnboundOpsGrowTheirOwnBuffersAndTooSmallABindingFails
       ADD_FAILURE() << "an op needing more scratch than planned ran";
     } catch (const Error& e) {
       const std::string what = e.what();
-      EXPECT_NE(what.find("attention row dots"), std::string::npos) << what;
+      EXPECT_NE(what.find("attention backward row dots"), std::string::npos) << what;
     }
   }
   gpu->synchronize();
