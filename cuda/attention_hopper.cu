@@ -457,9 +457,9 @@ __global__ void __launch_bounds__(kThreads, 2)
 //         is one product per tile: a block owns 128 query rows (64 per warpgroup), walks
 //         key tiles of 64 up to the diagonal and accumulates dQ += dS K with both operands
 //         read MN-major from shared memory. Five products in all, as FlashAttention-2's,
-//         and deterministic;
-//         the price is the tiles' bytes, written once and read once (B Hq T^2 bytes,
-//         causal half; cuda/NOTES.md "Hopper attention" has the measurements).
+//         and deterministic; the price is the tiles' bytes, written once and read once
+//         (B Hq T^2 bytes: bf16, the causal half; cuda/NOTES.md, "Five products in the
+//         backward", has the measurements).
 //   dq, version 1 (no score_grads): the block walks the same key tiles recomputing S = Q
 //         K^T and dP = dO V^T (both operands K-major), P = exp2(S c - lse2), dS = P (dP -
 //         D), dQ += dS K (K read N-major): seven products, dq independent of dkdv.
