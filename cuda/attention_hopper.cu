@@ -286,18 +286,13 @@ __device__ __forceinline__ void wgmma_rs_k(float (&d)[HD / 2], const uint32_t (&
 }
 #endif
 
-// The key-tile walk of the forward and of dq: key tile j + 1's K and V into the other
-// stage, then wait for tile j's and publish it to the tensor cores (async proxy) and to
-// every thread.
-template <int HD>
-__device__ __forceinline__ void kv_stage_advance(bf16* Ks, bf16* Vs, const bf16* kbase,
-                                                 const bf16* vbase, int64_t kvs, int j,
-                                                 int n_tiles, int64_t T) {
-  if (j + 1 < n_tiles) {
-    load_tile_sw128<HD, kKeys>(Ks + ((j + 1) & 1) * kKeys * HD, kbase, kvs,
-                               int64_t(j + 1) * kKeys, T);
-    load_tile_sw128<HD, kKeys>(Vs + ((j + 1) & 1) * kKeys * HD, vbase, kvs,
-                               int64_t(j + 1) * kKeys, T);
+// Step j of a walk over n tiles staged two deep: issue(j + 1) starts the next step's
+// copies into the other stage, then this waits for step j's and publishes them to the
+// tensor cores (async proxy) and to every thread.
+template <class Issue>
+__device__ __forceinline__ void stage_advance(Issue&& issue, int j, int n) {
+  if (j + 1 < n) {
+    issue(j + 1);
     cp_async_commit();
     cp_async_wait<1>();
   } else {
@@ -305,6 +300,22 @@ __device__ __forceinline__ void kv_stage_advance(bf16* Ks, bf16* Vs, const bf16*
   }
   fence_proxy_async();
   __syncthreads();
+}
+// The key-tile walk of the forward and of dq version 1: key tile j's K and V.
+template <int HD>
+__device__ __forceinline__ void kv_stage_advance(bf16* Ks, bf16* Vs, const bf16* kbase,
+                                                 const bf16* vbase, int64_t kvs, int j,
+                                                 int n_tiles, int64_t T) {
+  // Written from j, not from the lambda's argument (j + 1): so the forward's and dq's
+  // integer code stays what it was when they were measured (the same stage either way).
+  stage_advance(
+      [&](int) {
+        load_tile_sw128<HD, kKeys>(Ks + ((j + 1) & 1) * kKeys * HD, kbase, kvs,
+                                   int64_t(j + 1) * kKeys, T);
+        load_tile_sw128<HD, kKeys>(Vs + ((j + 1) & 1) * kKeys * HD, vbase, kvs,
+                                   int64_t(j + 1) * kKeys, T);
+      },
+      j, n_tiles);
 }
 
 template <int HD> constexpr size_t tile_bytes(int rows) { return size_t(rows) * HD * 2; }
@@ -644,15 +655,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   const uint64_t ds_desc = nmajor_base<kGradTile>(Ds + wg * TILE);
 
   for (int j = 0; j < n_tiles; ++j) {
-    if (j + 1 < n_tiles) {
-      issue(j + 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    fence_proxy_async();
-    __syncthreads();
+    stage_advance(issue, j, n_tiles);
     if (j < my_tiles) {
       const uint64_t sk = stage_offset(j & 1, kKeys * HD);
       const uint64_t sd = stage_offset(j & 1, kWarpgroups * TILE);
@@ -732,15 +735,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                  qn_desc = nmajor_base<kBwdQ>(Qs), don_desc = nmajor_base<kBwdQ>(dOs);
 
   for (int it = 0; it < n_iter; ++it) {
-    if (it + 1 < n_iter) {
-      issue(it + 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    fence_proxy_async();
-    __syncthreads();
+    stage_advance(issue, it, n_iter);
     const int st = it & 1;
     const int64_t t0 = walk.t0(it);
     // Tiles wholly before this warpgroup's keys see none of them.
