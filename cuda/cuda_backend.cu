@@ -47,9 +47,9 @@ constexpr size_t kSlots = size_t(cuda::ScratchSlot::Count);
 // lives inside one forward pass, a backward tile inside one backward pass. Every other
 // slot is used within one op, and ops run one at a time on the one stream, so the ops'
 // groups share the bytes after the tiles: attention's backward (row dots, score-gradient
-// tiles); the norms' partial sums;
-// hyper's partial sums; the routing tables, value and key rows and pair split side by side
-// (one routing source backward uses all four, and the backward tile, at once).
+// tiles); the norms' partial sums; hyper's partial sums; the routing tables, value and key
+// rows and pair split side by side (one routing source backward uses all four, and the
+// backward tile, at once).
 struct ScratchLayout {
   size_t offset[kSlots] = {}, bytes[kSlots] = {};
   size_t total = 0;
