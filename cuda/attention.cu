@@ -9,7 +9,9 @@
 //
 // This file checks the arguments and picks a strategy (attention_paths.h):
 // - BF16 training forward and backward on compute capability 9.0: the Hopper wgmma
-//   kernels (attention_hopper.cu; attention_set_hopper turns them off).
+//   kernels (attention_set_hopper turns them off): the forward warp-specialized
+//   (attention_hopper_ws.cu; attention_set_hopper_forward(1) takes attention_hopper.cu's
+//   instead), the backward in attention_hopper.cu.
 // - BF16 training forward and backward elsewhere: mma.sync tensor cores (attention_tc.cu).
 //   Either BF16 backward reads the row dots D = rowsum(dout * out) from a workspace owned
 //   by the backend (its op scratch); the Hopper backward (version 2) also keeps its bf16
@@ -68,6 +70,7 @@ template <class F> void with_head_dim(int64_t hd, F&& f) {
 }
 
 std::atomic<bool> g_hopper_enabled{true};
+std::atomic<int> g_hopper_forward{2};
 std::atomic<int> g_hopper_backward{2};
 
 // The workspace's row dots, rounded up so that the score-gradient tiles after them start
@@ -83,6 +86,11 @@ bool hopper_stores_score_grads() {
 
 bool attention_set_hopper(bool enabled) { return g_hopper_enabled.exchange(enabled); }
 bool attention_uses_hopper() { return g_hopper_enabled.load() && hopper::available(); }
+int attention_set_hopper_forward(int version) {
+  MHAR_CHECK(version == 1 || version == 2, "attention_set_hopper_forward: version ", version,
+             " (valid: 1, 2)");
+  return g_hopper_forward.exchange(version);
+}
 int attention_set_hopper_backward(int version) {
   MHAR_CHECK(version == 1 || version == 2, "attention_set_hopper_backward: version ", version,
              " (valid: 1, 2)");
@@ -111,8 +119,10 @@ void attention_forward(cudaStream_t s, Tensor out, Tensor lse, Tensor q, Tensor 
          *vp = static_cast<const bf16*>(v.data);
     with_head_dim(sh.hd, [&](auto hd) {
       constexpr int HD = decltype(hd)::value;
-      if (attention_uses_hopper()) hopper::forward<HD>(s, o, lse.ptr<float>(), qp, kp, vp, a);
-      else tc::forward<HD>(s, o, lse.ptr<float>(), qp, kp, vp, a);
+      if (!attention_uses_hopper()) tc::forward<HD>(s, o, lse.ptr<float>(), qp, kp, vp, a);
+      else if (g_hopper_forward.load() == 2)
+        hopper::forward_ws<HD>(s, o, lse.ptr<float>(), qp, kp, vp, a);
+      else hopper::forward<HD>(s, o, lse.ptr<float>(), qp, kp, vp, a);
     });
     return;
   }

@@ -23,159 +23,22 @@
 // 2^(s c - m) is one FFMA and the exponentials flush results below 2^-126 to zero
 // (fast_exp2). The backward: section "backward" below.
 //
-// Shared-memory tile layout (wgmma "128B swizzle"): a [rows][HD] bf16 tile is stored as
-// HD/64 column blocks of [rows][64]; each 128-byte row holds eight 16-byte chunks, chunk c
-// of row r at position c ^ (r % 8). Tiles start 1024-byte aligned (the swizzle reads the
-// address bits). Descriptors: K-major operands (Q, K) advance 32 bytes per k-step of 16
-// inside a column block, stride 1024 bytes between 8-row groups; the N-major operand (V)
-// advances 16 rows (2048 bytes) per k-step, column blocks rows*128 bytes apart.
+// Shared-memory tiles use the 128-byte-swizzled layout and descriptors of
+// attention_wgmma.cuh.
 #include "cuda/attention_paths.h"
 
-#include "cuda/attention_mma.cuh"
+#include "cuda/attention_wgmma.cuh"
 
 namespace mhar::cuda::hopper {
 namespace {
 
-using namespace attn_mma;
+using namespace attn_wgmma;
 
 constexpr int kWarpgroups = 2;
 constexpr int kThreads = 128 * kWarpgroups;
 constexpr int kRows = 64 * kWarpgroups;  // query rows per block
 constexpr int kKeys = 64;                // keys per tile: one warpgroup's rows, so only the
                                          // tile holding a warpgroup's rows needs the mask
-
-// wgmma and its fences exist only in the sm_90a target; this file is built for it alone
-// (CMakeLists.txt), and available() checks the device before anything launches.
-#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define MHAR_NO_WGMMA 1
-#endif
-
-#ifndef MHAR_NO_WGMMA
-__device__ __forceinline__ void wgmma_fence() {
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void wgmma_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void wgmma_wait_all() {
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-}
-// Writes to shared memory by ordinary stores or cp.async are seen by wgmma (the async
-// proxy) only after this fence in the writing thread, followed by a barrier.
-__device__ __forceinline__ void fence_proxy_async() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-// 2^x on the special-function unit, denormal inputs and results flushed to zero (exp2f
-// adds a denormal fix-up around the same instruction). Every use here is a probability
-// 2^(s c - m) <= 1 or a rescale factor, where a result below 2^-126 is zero to every
-// digit the sums and bf16 operands keep.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-// Keeps the compiler from moving reads or writes of an accumulator across a wgmma wait.
-template <int N> __device__ __forceinline__ void pin(float (&d)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-// d (+)= A B, m64n64k16: A and B from shared memory (K-major, descriptors); accumulate
-// into d when `accumulate`, else overwrite it.
-__device__ __forceinline__ void wgmma_ss_m64n64(float (&d)[32], uint64_t a_desc,
-                                                uint64_t b_desc, bool accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(a_desc), "l"(b_desc), "r"(int(accumulate)));
-}
-
-// d += A B, m64n64k16: A from registers (the m16n8k16 A-fragment layout per warp), B from
-// shared memory N-major (transposed: a [k][n] tile), accumulating.
-__device__ __forceinline__ void wgmma_rs_m64n64_tb(float (&d)[32], const uint32_t (&a)[4],
-                                                   uint64_t b_desc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1));
-}
-
-// d += A B, m64n128k16: A from registers (the m16n8k16 A-fragment layout per warp), B from
-// shared memory N-major (transposed: a [k][n] tile), accumulating.
-__device__ __forceinline__ void wgmma_rs_m64n128_tb(float (&d)[64], const uint32_t (&a)[4],
-                                                   uint64_t b_desc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1));
-}
-// d += A B, m64n64k16 / m64n128k16: A and B from shared memory, both MN-major (A an
-// [k][m] tile, B a [k][n] tile; wgmma reads both transposed), accumulating.
-__device__ __forceinline__ void wgmma_ss_m64n64_tt(float (&d)[32], uint64_t a_desc,
-                                                   uint64_t b_desc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(a_desc), "l"(b_desc), "r"(1));
-}
-__device__ __forceinline__ void wgmma_ss_m64n128_tt(float (&d)[64], uint64_t a_desc,
-                                                    uint64_t b_desc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(a_desc), "l"(b_desc), "r"(1));
-}
-// d += A B with N = HD (64 or 128), both operands MN-major from shared memory.
-template <int HD>
-__device__ __forceinline__ void wgmma_ss_tt(float (&d)[HD / 2], uint64_t a_desc,
-                                            uint64_t b_desc) {
-  if constexpr (HD == 128) wgmma_ss_m64n128_tt(d, a_desc, b_desc);
-  else wgmma_ss_m64n64_tt(d, a_desc, b_desc);
-}
-// d += A B with N = HD (64 or 128): A from registers, B N-major.
-template <int HD>
-__device__ __forceinline__ void wgmma_rs_tb(float (&d)[HD / 2], const uint32_t (&a)[4],
-                                            uint64_t b_desc) {
-  if constexpr (HD == 128) wgmma_rs_m64n128_tb(d, a, b_desc);
-  else wgmma_rs_m64n64_tb(d, a, b_desc);
-}
-#endif
-
-// Descriptor of a 128B-swizzled operand at p (shared memory): leading byte offset `lbo`
-// (the column-block stride for N-major operands; ignored for K-major ones), stride byte
-// offset 1024 (8 rows of 128 bytes), swizzle mode 1 (128 bytes).
-__device__ __forceinline__ uint64_t sw128_desc(const void* p, uint32_t lbo) {
-  return uint64_t((smem_addr(p) & 0x3FFFF) >> 4) | (uint64_t(lbo >> 4) << 16) |
-         (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
-}
 
 // Rows r0 .. r0 + ROWS - 1 of HD bf16 (`stride` elements apart in global memory; rows >=
 // n_rows zero-filled) into the swizzled layout above. A thread always copies the same
@@ -197,94 +60,6 @@ __device__ __forceinline__ void load_tile_sw128(bf16* dst, const bf16* base, int
     cp_async16(d + p * ROWS_PER_PASS * 64, ok ? src + p * step : base, ok);
   }
 }
-
-// Descriptors of a swizzled tile of TILE_ROWS rows: a base descriptor, made once per
-// buffer, plus the k-step's offset (16 along K), a compile-time constant added to the
-// address field (addresses stay below 256 KB, so the 14-bit field cannot carry over).
-// - K-major (the tile's rows are M or N, its features K), from row `row0` (a multiple of
-//   8): 32 bytes per k-step inside a 64-column block, then the next column block.
-__device__ __forceinline__ uint64_t kmajor_base(const bf16* tile, int row0) {
-  return sw128_desc(tile + row0 * 64, 16);
-}
-template <int TILE_ROWS>
-__device__ __forceinline__ uint64_t kmajor_step(uint64_t base, int ks) {
-  return base + uint64_t(((ks / 4) * TILE_ROWS * 128 + (ks % 4) * 32) >> 4);
-}
-// - N-major (the tile's rows are K, its features N; wgmma reads it transposed): 16 rows
-//   (2048 bytes) per k-step, column blocks TILE_ROWS * 128 bytes apart.
-template <int TILE_ROWS>
-__device__ __forceinline__ uint64_t nmajor_base(const bf16* tile) {
-  return sw128_desc(tile, uint32_t(TILE_ROWS) * 128);
-}
-__device__ __forceinline__ uint64_t nmajor_step(uint64_t base, int ks) {
-  return base + uint64_t(ks * 2048 >> 4);
-}
-// The descriptor offset of stage `st` of a two-stage buffer of tiles of `tile_elems`.
-__device__ __forceinline__ uint64_t stage_offset(int st, int tile_elems) {
-  return uint64_t(st * (tile_elems * 2 / 16));
-}
-
-// The global rows a warp's 16 accumulator rows go to: row0 + r, or (RowOf) any map.
-struct ConsecutiveRows {
-  int64_t row0;
-  __device__ int64_t operator()(int r) const { return row0 + r; }
-};
-
-// A warp's 16 rows of wgmma accumulators (m64nHD layout, this warp's quarter) times
-// mul_lo / mul_hi (rows g / g + 8) -> bf16, staged through `stage` (16 rows of HD + 8
-// elements, this warp's alone) and written as 16-byte stores to global rows row_of(0..15)
-// (`stride` elements apart; rows >= n_rows skipped).
-template <int HD, class RowOf = ConsecutiveRows>
-__device__ __forceinline__ void store_rows_staged(bf16* stage, const float (&acc)[HD / 2],
-                                                  float mul_lo, float mul_hi, bf16* base,
-                                                  int64_t stride, RowOf row_of, int64_t n_rows,
-                                                  int lane) {
-  constexpr int LD = HD + 8, CPR = HD / 8;
-  const int g = lane >> 2, c2 = 2 * (lane & 3);
-#pragma unroll
-  for (int dt = 0; dt < HD / 8; ++dt) {
-    *reinterpret_cast<uint32_t*>(stage + g * LD + dt * 8 + c2) =
-        pack(acc[4 * dt] * mul_lo, acc[4 * dt + 1] * mul_lo);
-    *reinterpret_cast<uint32_t*>(stage + (g + 8) * LD + dt * 8 + c2) =
-        pack(acc[4 * dt + 2] * mul_hi, acc[4 * dt + 3] * mul_hi);
-  }
-  __syncwarp();
-#pragma unroll
-  for (int i = lane; i < 16 * CPR; i += 32) {
-    const int r = i / CPR, c = i % CPR;
-    const int64_t row = row_of(r);
-    if (row < n_rows)
-      *reinterpret_cast<uint4*>(base + row * stride + c * 8) =
-          *reinterpret_cast<const uint4*>(stage + r * LD + c * 8);
-  }
-  __syncwarp();
-}
-
-// The dynamic shared memory, its start rounded up to the swizzle's 1024 bytes (the
-// shared-memory address, which the swizzle reads, not the generic pointer).
-__device__ __forceinline__ bf16* aligned_smem(unsigned char* raw) {
-  const uint32_t a = smem_addr(raw);
-  return reinterpret_cast<bf16*>(raw + (((a + 1023) & ~1023u) - a));
-}
-
-#ifndef MHAR_NO_WGMMA
-// d = A B over K = 16 KSTEPS, both operands K-major swizzled tiles (of A_ROWS and B_ROWS
-// rows) from their base descriptors; m64n64 products.
-template <int KSTEPS, int A_ROWS, int B_ROWS>
-__device__ __forceinline__ void wgmma_ss_k(float (&d)[32], uint64_t a_desc, uint64_t b_desc) {
-#pragma unroll
-  for (int ks = 0; ks < KSTEPS; ++ks)
-    wgmma_ss_m64n64(d, kmajor_step<A_ROWS>(a_desc, ks), kmajor_step<B_ROWS>(b_desc, ks), ks > 0);
-}
-// d += A B over K = 16 KSTEPS, A from registers (one m16n8k16 A fragment per k-step), B an
-// N-major swizzled tile; N = HD.
-template <int HD, int KSTEPS>
-__device__ __forceinline__ void wgmma_rs_k(float (&d)[HD / 2], const uint32_t (&a)[KSTEPS][4],
-                                           uint64_t b_desc) {
-#pragma unroll
-  for (int kk = 0; kk < KSTEPS; ++kk) wgmma_rs_tb<HD>(d, a[kk], nmajor_step(b_desc, kk));
-}
-#endif
 
 // Step j of a walk over n tiles staged two deep: issue(j + 1) starts the next step's
 // copies into the other stage, then this waits for step j's and publishes them to the

@@ -3,6 +3,7 @@
 //   attention_fp32.cu    fp32 CUDA cores, any storage type and alignment, decoding
 //   attention_tc.cu      BF16 tensor cores through mma.sync (sm_80 and later)
 //   attention_hopper.cu  BF16 tensor cores through wgmma (sm_90a: compute capability 9.0)
+//   attention_hopper_ws.cu  the same, warp-specialized forward (TMA producer, two consumers)
 // Layouts, scale and lse are attention.cu's (its header): q, out [B, T, Hq, hd], k, v
 // [B, T, Hkv, hd], lse [B, Hq, T] fp32; the BF16 paths want rows 16-byte aligned.
 #pragma once
@@ -55,6 +56,10 @@ bool available();
 template <int HD>
 void forward(cudaStream_t s, bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
              const AttentionArgs& a);
+// The same forward, warp-specialized (attention_hopper_ws.cu): forward version 2.
+template <int HD>
+void forward_ws(cudaStream_t s, bf16* out, float* lse, const bf16* q, const bf16* k,
+                const bf16* v, const AttentionArgs& a);
 // The bf16 score-gradient tiles of one backward (B*Hq of 64 x 64 tiles on and below the
 // diagonal, T rounded up to 64).
 size_t score_grad_bytes(const AttentionArgs& a);

@@ -49,6 +49,10 @@ void attention_cached(cudaStream_t s, Tensor out, Tensor q, Tensor k_cache, Tens
 bool attention_set_hopper(bool enabled);
 // Whether attention_forward would take the Hopper kernels now (enabled and available).
 bool attention_uses_hopper();
+// Kernel lab: the Hopper forward's version (returns the previous one). 1: two blocks per
+// SM, every warp loading and computing (attention_hopper.cu); 2 (default): one persistent
+// block per SM, a TMA producer warp and two consumer warpgroups (attention_hopper_ws.cu).
+int attention_set_hopper_forward(int version);
 // Kernel lab: the Hopper backward's version (returns the previous one). 1: the dq kernel
 // recomputes S and dP itself (7 matrix products, dq and dk/dv independent); 2 (default):
 // the dk/dv kernel writes its bf16 dS tiles to the workspace and dq reads them (5

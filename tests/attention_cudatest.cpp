@@ -1,7 +1,7 @@
 // attention_cudatest.cpp: CUDA causal GQA attention forward/backward against the CPU
 // reference, head_dim 64 and 128, GQA ratios 1, 2, 3 and 8, T not a multiple of the tiles;
 // forward and backward through each BF16 kernel the device has (Hopper wgmma, both of its
-// backward versions, and mma.sync).
+// forward and both of its backward versions, and mma.sync).
 #include <gtest/gtest.h>
 
 #include <vector>
@@ -30,22 +30,29 @@ TEST_P(AttentionParity, ForwardAndBackward) {
   Pair out = pair(DType::BF16, {c.B, c.T, c.Hq, c.hd});
   Pair lse = pair(DType::F32, {c.B, c.Hq, c.T});
   cpu->attention_forward(out.c, lse.c, q.c, k.c, v.c);
-  // Both BF16 forward kernels, where the device has both: the Hopper wgmma kernel and the
+  // Every BF16 forward kernel the device has: the Hopper wgmma kernels in both versions
+  // (cuda::attention_set_hopper_forward: warp-specialized, or every warp loading) and the
   // mma.sync one (cuda::attention_set_hopper); each against the reference, same bounds.
   const bool had_hopper = cuda::attention_set_hopper(true);
   std::vector<bool> paths{false};  // use_hopper
   if (cuda::attention_uses_hopper()) paths.insert(paths.begin(), true);
   else std::printf("PARITY attention %s: no Hopper kernels on this device\n", tag.c_str());
   auto path_name = [](bool use_hopper) { return use_hopper ? " (wgmma) " : " (mma.sync) "; };
-  for (const bool use_hopper : paths) {
-    cuda::attention_set_hopper(use_hopper);
-    const std::string path = path_name(use_hopper);
-    out.g.poison();
-    lse.g.poison();
-    gpu->attention_forward(out.g, lse.g, q.g, k.g, v.g);
-    expect_close("attention_forward out" + path + tag, out.g, out.c, kTolBf16Output);
-    expect_close("attention_forward lse" + path + tag, lse.g, lse.c, kTolF32Output);
-  }
+  const int had_forward = cuda::attention_set_hopper_forward(2);
+  for (const bool use_hopper : paths)
+    for (const int version : {2, 1}) {
+      if (!use_hopper && version == 1) continue;
+      cuda::attention_set_hopper(use_hopper);
+      cuda::attention_set_hopper_forward(version);
+      const std::string path =
+          use_hopper ? " (wgmma v" + std::to_string(version) + ") " : path_name(false);
+      out.g.poison();
+      lse.g.poison();
+      gpu->attention_forward(out.g, lse.g, q.g, k.g, v.g);
+      expect_close("attention_forward out" + path + tag, out.g, out.c, kTolBf16Output);
+      expect_close("attention_forward lse" + path + tag, lse.g, lse.c, kTolF32Output);
+    }
+  cuda::attention_set_hopper_forward(had_forward);
   cuda::attention_set_hopper(had_hopper);
 
   // Backward from the same saved tensors on both sides: the reference's out, rounded to

@@ -42,18 +42,23 @@ class AttentionTiming : public CudaParity {
 TEST_F(AttentionTiming, DISABLED_ComparisonShapes) {
   const bool had_hopper = cuda::attention_set_hopper(true);
   const int had_version = cuda::attention_set_hopper_backward(2);
+  const int had_forward = cuda::attention_set_hopper_forward(2);
   const bool hopper = cuda::attention_uses_hopper();
   for (auto [B, T] : {std::pair<int64_t, int64_t>{16, 1024}, {8, 2048}}) {
     const int64_t Hq = 16, Hkv = 8, hd = 128;
     const AttentionTensors a = attention_tensors(B, T, Hq, Hkv, hd);
     const double fwd_flop = 4.0 * B * Hq * hd * double(T) * T / 2;
     const std::string shape = "B" + std::to_string(B) + " T" + std::to_string(T) + " H16/8 hd128";
-    for (const bool use_hopper : {true, false}) {
+    // The Hopper forward's two versions (cuda::attention_set_hopper_forward), then mma.sync.
+    for (const int path : {2, 1, 0}) {
+      const bool use_hopper = path > 0;
       if (use_hopper && !hopper) continue;
       cuda::attention_set_hopper(use_hopper);
+      if (use_hopper) cuda::attention_set_hopper_forward(path);
       const double ms = median_ms([&] { gpu->attention_forward(a.out, a.lse, a.q, a.k, a.v); });
       std::printf("ATTENTION forward  %-8s %-22s %8.3f ms %7.1f TFLOP/s\n",
-                  use_hopper ? "wgmma" : "mma.sync", shape.c_str(), ms, fwd_flop / ms * 1e-9);
+                  path == 2 ? "wgmma v2" : path == 1 ? "wgmma v1" : "mma.sync", shape.c_str(),
+                  ms, fwd_flop / ms * 1e-9);
     }
     // The Hopper backward's two versions (cuda::attention_set_hopper_backward), then
     // mma.sync.
@@ -72,6 +77,7 @@ TEST_F(AttentionTiming, DISABLED_ComparisonShapes) {
   }
   cuda::attention_set_hopper(had_hopper);
   cuda::attention_set_hopper_backward(had_version);
+  cuda::attention_set_hopper_forward(had_forward);
 }
 
 }  // namespace

@@ -1,0 +1,411 @@
+// attention_hopper_ws.cu: the warp-specialized Hopper (sm_90a) forward of causal
+// grouped-query attention, BF16, head_dim 64 or 128: forward version 2, the default on
+// compute capability 9.0 (attention_set_hopper_forward in kernels.h; version 1 is
+// attention_hopper.cu's forward_kernel). Layouts and the lse convention are attention.cu's.
+//
+// FlashAttention-3's schedule (cuda/NOTES.md, "A producer warp and two consumer
+// warpgroups", has the measurements):
+// - one block per SM, persistent: it takes work items (128 query rows of one (b, h)) in a
+//   fixed order, longest rows first, every gridDim.x-th.
+// - warpgroup 0 is the producer: one thread issues TMA copies (128-byte swizzle, the layout
+//   of attention_wgmma.cuh) of each item's Q tile and of its key tiles (128 keys of K, then
+//   of V) into a ring of two stages, each guarded by a "full" mbarrier (the copy's bytes
+//   arrived) and an "empty" one (all eight consumer warps are done reading it). The
+//   producer gives its registers to the consumers (setmaxnreg).
+// - warpgroups 1 and 2 are consumers, 64 query rows each. Per key tile j: S_j = Q K_j^T
+//   (wgmma m64n128, both operands from shared memory), issued together with the previous
+//   tile's O += P_{j-1} V_{j-1} (P from registers); the softmax of S_j runs while that
+//   product does (FA3's intra-warpgroup overlap), then O is rescaled. The two consumers
+//   take turns issuing their products (named barriers 1 and 2), so one's softmax overlaps
+//   the other's products (FA3's ping-pong).
+// - an item's Q stage is released after its last S product, so the producer loads the next
+//   item's Q and first tiles while the consumers finish and store this item's rows.
+// Numerics are forward version 1's: fp32 scores and statistics, p = 2^(s c - m) as one
+// FFMA and fast_exp2, P rounded to bf16 for P V, the row sum l from the unrounded p.
+#include <cuda.h>  // CUtensorMap
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+
+#include "cuda/attention_paths.h"
+#include "cuda/attention_wgmma.cuh"
+
+namespace mhar::cuda::hopper {
+namespace {
+
+using namespace attn_wgmma;
+
+constexpr int kConsumers = 2;                    // warpgroups of 64 query rows
+constexpr int kWsThreads = 128 * (kConsumers + 1);
+constexpr int kItemRows = 64 * kConsumers;       // query rows per work item
+constexpr int kTileKeys = 128;                   // keys per tile
+constexpr int kConsumerWarps = 4 * kConsumers;   // arrivals that empty a stage
+constexpr int kBoxCols = 64;                     // a TMA box is one 128-byte column block
+
+template <int HD> constexpr int tile_elems() { return kTileKeys * HD; }  // == kItemRows * HD
+static_assert(kItemRows == kTileKeys, "Q and key tiles share the box shape");
+template <int HD> constexpr int staging_elems() { return kConsumerWarps * 16 * (HD + 8); }
+
+// Shared memory: Q, two stages of K, two of V (each tile_elems), the output staging, then
+// the mbarriers; 1 KB for aligning the base to the swizzle's 1024 bytes.
+struct Barriers {
+  uint64_t q_full, q_empty, k_full[2], k_empty[2], v_full[2], v_empty[2];
+};
+template <int HD> constexpr size_t ws_smem() {
+  return size_t(5 * tile_elems<HD>() + staging_elems<HD>()) * sizeof(bf16) + sizeof(Barriers) +
+         1024;
+}
+
+#ifndef MHAR_NO_WGMMA
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count));
+}
+// The producer's arrival: the barrier completes once `bytes` more have been written to it.
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+// Waits for the completion of the barrier's phase with this parity.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done)
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
+}
+// One box of the 4-D map (feature, head, position, batch) into shared memory, completing
+// on `bar`. Positions past the tensor's end arrive as zeros.
+__device__ __forceinline__ void tma_load(bf16* dst, const CUtensorMap* map, uint64_t* bar,
+                                         int col, int head, int pos, int batch) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(col), "r"(head), "r"(pos), "r"(batch),
+      "r"(smem_addr(bar))
+      : "memory");
+}
+// A tile of kTileKeys rows from position pos: HD / 64 boxes, one per column block.
+template <int HD>
+__device__ __forceinline__ void tma_tile(bf16* dst, const CUtensorMap* map, uint64_t* bar,
+                                         int head, int pos, int batch) {
+  mbar_expect_tx(bar, uint32_t(tile_elems<HD>() * sizeof(bf16)));
+#pragma unroll
+  for (int cb = 0; cb < HD / kBoxCols; ++cb)
+    tma_load(dst + cb * kTileKeys * kBoxCols, map, bar, cb * kBoxCols, head, pos, batch);
+}
+// The consumers' turns at the tensor cores: named barrier 1 + w is warpgroup w's.
+__device__ __forceinline__ void turn_wait(int w) {
+  asm volatile("bar.sync %0, 256;\n" ::"r"(1 + w) : "memory");
+}
+__device__ __forceinline__ void turn_pass(int w) {
+  asm volatile("bar.arrive %0, 256;\n" ::"r"(1 + (w ^ 1)) : "memory");
+}
+#endif
+
+// Work item i (longest first): query block, head, batch.
+struct Item {
+  int qb, h, b;
+};
+__device__ __forceinline__ Item item_of(int i, int n_qblocks, int Hq, int B) {
+  const int per_block = Hq * B;
+  const int rem = i % per_block;
+  return Item{n_qblocks - 1 - i / per_block, rem % Hq, rem / Hq};
+}
+
+template <int HD>
+__global__ void __launch_bounds__(kWsThreads, 1)
+    forward_ws_kernel(bf16* __restrict__ out, float* __restrict__ lse,
+                      const __grid_constant__ CUtensorMap q_map,
+                      const __grid_constant__ CUtensorMap k_map,
+                      const __grid_constant__ CUtensorMap v_map, AttentionArgs a) {
+#ifdef MHAR_NO_WGMMA
+  __trap();
+#else
+  constexpr int KS = HD / 16, NT = kTileKeys / 8, PV_STEPS = kTileKeys / 16;
+  constexpr int TE = tile_elems<HD>();
+  extern __shared__ unsigned char smem_raw[];
+  bf16* Qs = aligned_smem(smem_raw);
+  bf16* Ks = Qs + TE;      // [2][TE]
+  bf16* Vs = Ks + 2 * TE;  // [2][TE]
+  bf16* staging = Vs + 2 * TE;
+  Barriers& bar = *reinterpret_cast<Barriers*>(staging + staging_elems<HD>());
+
+  const int n_qblocks = int(ceil_div(a.T, kItemRows));
+  const int n_items = n_qblocks * int(a.Hq) * int(a.B);
+  const int group = int(a.Hq / a.Hkv);
+  if (threadIdx.x == 0) {
+    mbar_init(&bar.q_full, 1);
+    mbar_init(&bar.q_empty, kConsumerWarps);
+    for (int s = 0; s < 2; ++s) {
+      mbar_init(&bar.k_full[s], 1);
+      mbar_init(&bar.v_full[s], 1);
+      mbar_init(&bar.k_empty[s], kConsumerWarps);
+      mbar_init(&bar.v_empty[s], kConsumerWarps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  const int wg = threadIdx.x >> 7;
+  if (wg == 0) {
+    // Producer. Its 128 threads keep 24 registers; one issues every copy.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+    if (threadIdx.x != 0) return;
+    int tile = 0, it = 0;  // key tiles and items this block has loaded so far
+    for (int i = blockIdx.x; i < n_items; i += gridDim.x, ++it) {
+      const Item w = item_of(i, n_qblocks, int(a.Hq), int(a.B));
+      const int n_tiles = int(ceil_div(std::min<int64_t>(a.T, int64_t(w.qb + 1) * kItemRows),
+                                       kTileKeys));
+      if (it > 0) mbar_wait(&bar.q_empty, (it - 1) & 1);
+      tma_tile<HD>(Qs, &q_map, &bar.q_full, w.h, w.qb * kItemRows, w.b);
+      for (int j = 0; j < n_tiles; ++j, ++tile) {
+        const int st = tile & 1, use = tile >> 1;
+        if (use > 0) mbar_wait(&bar.k_empty[st], (use - 1) & 1);
+        tma_tile<HD>(Ks + st * TE, &k_map, &bar.k_full[st], w.h / group, j * kTileKeys, w.b);
+        if (use > 0) mbar_wait(&bar.v_empty[st], (use - 1) & 1);
+        tma_tile<HD>(Vs + st * TE, &v_map, &bar.v_full[st], w.h / group, j * kTileKeys, w.b);
+      }
+    }
+    return;
+  }
+
+  // Consumers: warpgroup cw (0 or 1) owns query rows 64 cw .. 64 cw + 63 of each item.
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+  const int cw = wg - 1, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  const int g = lane >> 2, c2 = 2 * (lane & 3);
+  const float c = a.scale * kLog2e;
+  const int64_t qs = a.Hq * HD;
+  const uint64_t q_desc = kmajor_base(Qs, 64 * cw);
+  const uint64_t k_desc = kmajor_base(Ks, 0);
+  const uint64_t v_desc = nmajor_base<kTileKeys>(Vs);
+  bf16* my_staging = staging + ((threadIdx.x - 128) >> 5) * 16 * (HD + 8);
+  auto release = [&](uint64_t* b) {
+    if (lane == 0) mbar_arrive(b);
+  };
+  if (cw == 1) turn_pass(cw);  // consumer 0 issues first
+
+  // S = Q K^T for the key tile in stage st (one commit group).
+  auto issue_scores = [&](float (&acc)[kTileKeys / 2], int st) {
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+      wgmma_ss_m64n128(acc, kmajor_step<kItemRows>(q_desc, ks),
+                       kmajor_step<kTileKeys>(k_desc + stage_offset(st, TE), ks), ks > 0);
+    wgmma_commit();
+  };
+
+  int tile = 0, it = 0;
+  for (int i = blockIdx.x; i < n_items; i += gridDim.x, ++it) {
+    const Item w = item_of(i, n_qblocks, int(a.Hq), int(a.B));
+    const int64_t q0 = int64_t(w.qb) * kItemRows;
+    const int n_tiles = int(ceil_div(std::min<int64_t>(a.T, q0 + kItemRows), kTileKeys));
+    const int64_t t_lo = q0 + 64 * cw + 16 * warp + g;  // this thread's rows: t_lo, t_lo + 8
+    float o[HD / 2], s[kTileKeys / 2];
+    uint32_t p[PV_STEPS][4];
+#pragma unroll
+    for (int e = 0; e < HD / 2; ++e) o[e] = 0.f;
+    float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;
+
+    // The softmax of tile j's scores, in place: keys after the row masked on the diagonal
+    // tile (the last: item and key tiles are both 128 long), the running maxima updated,
+    // s = 2^(s c - m) as one FFMA; returns the old statistics' rescale factors and adds
+    // the row sums (per thread; reduced at the end) after rescaling l.
+    auto softmax = [&](int j, float& al_lo, float& al_hi) {
+      float mx_lo = -INFINITY, mx_hi = -INFINITY;
+      const int lim_lo = int(t_lo - int64_t(j) * kTileKeys), lim_hi = lim_lo + 8;
+      const bool diag = j == n_tiles - 1;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        if (diag) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (nt * 8 + c2 + (e & 1) > (e < 2 ? lim_lo : lim_hi)) s[4 * nt + e] = -INFINITY;
+        }
+        mx_lo = fmaxf(mx_lo, fmaxf(s[4 * nt], s[4 * nt + 1]));
+        mx_hi = fmaxf(mx_hi, fmaxf(s[4 * nt + 2], s[4 * nt + 3]));
+      }
+      mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
+      mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
+      mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
+      mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
+      // Finite: key 0 of tile 0 is visible to every row.
+      mx_lo = fmaxf(m_lo, mx_lo * c);
+      mx_hi = fmaxf(m_hi, mx_hi * c);
+      al_lo = fast_exp2(m_lo - mx_lo);
+      al_hi = fast_exp2(m_hi - mx_hi);
+      m_lo = mx_lo;
+      m_hi = mx_hi;
+      float sum_lo = 0.f, sum_hi = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        s[4 * nt] = fast_exp2(fmaf(s[4 * nt], c, -m_lo));
+        s[4 * nt + 1] = fast_exp2(fmaf(s[4 * nt + 1], c, -m_lo));
+        s[4 * nt + 2] = fast_exp2(fmaf(s[4 * nt + 2], c, -m_hi));
+        s[4 * nt + 3] = fast_exp2(fmaf(s[4 * nt + 3], c, -m_hi));
+        sum_lo += s[4 * nt] + s[4 * nt + 1];
+        sum_hi += s[4 * nt + 2] + s[4 * nt + 3];
+      }
+      l_lo = l_lo * al_lo + sum_lo;
+      l_hi = l_hi * al_hi + sum_hi;
+    };
+    // P rounded to bf16 as P V's A operand: n8 tile nt holds keys 8 nt ..: the low or high
+    // half of k-step nt / 2.
+    auto pack_p = [&] {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        p[nt / 2][2 * (nt & 1)] = pack(s[4 * nt], s[4 * nt + 1]);
+        p[nt / 2][2 * (nt & 1) + 1] = pack(s[4 * nt + 2], s[4 * nt + 3]);
+      }
+    };
+
+    mbar_wait(&bar.q_full, it & 1);
+    // Tile 0: its scores alone (O is still zero).
+    {
+      const int st = tile & 1;
+      mbar_wait(&bar.k_full[st], (tile >> 1) & 1);
+      turn_wait(cw);
+      wgmma_fence();
+      issue_scores(s, st);
+      turn_pass(cw);
+      wgmma_wait<0>();
+      pin(s);
+      release(&bar.k_empty[st]);
+      if (n_tiles == 1) release(&bar.q_empty);
+      float al_lo, al_hi;
+      softmax(0, al_lo, al_hi);
+      pack_p();
+      ++tile;
+    }
+    // Tile j's scores and tile j - 1's P V in flight together; tile j's softmax runs
+    // while P V does.
+    for (int j = 1; j < n_tiles; ++j, ++tile) {
+      const int st = tile & 1, pst = st ^ 1;  // this tile's stage and the previous one's
+      mbar_wait(&bar.k_full[st], (tile >> 1) & 1);
+      mbar_wait(&bar.v_full[pst], ((tile - 1) >> 1) & 1);
+      turn_wait(cw);
+      wgmma_fence();
+      issue_scores(s, st);
+      wgmma_rs_k<HD>(o, p, v_desc + stage_offset(pst, TE));
+      wgmma_commit();
+      turn_pass(cw);
+      wgmma_wait<1>();
+      pin(s);
+      release(&bar.k_empty[st]);
+      if (j == n_tiles - 1) release(&bar.q_empty);
+      float al_lo, al_hi;
+      softmax(j, al_lo, al_hi);
+      wgmma_wait<0>();
+      pin(o);
+      release(&bar.v_empty[pst]);
+#pragma unroll
+      for (int dt = 0; dt < HD / 8; ++dt) {
+        o[4 * dt] *= al_lo;
+        o[4 * dt + 1] *= al_lo;
+        o[4 * dt + 2] *= al_hi;
+        o[4 * dt + 3] *= al_hi;
+      }
+      pack_p();
+    }
+    // The last tile's P V.
+    {
+      const int lst = (tile - 1) & 1;
+      mbar_wait(&bar.v_full[lst], ((tile - 1) >> 1) & 1);
+      turn_wait(cw);
+      wgmma_fence();
+      wgmma_rs_k<HD>(o, p, v_desc + stage_offset(lst, TE));
+      wgmma_commit();
+      turn_pass(cw);
+      wgmma_wait<0>();
+      pin(o);
+      release(&bar.v_empty[lst]);
+    }
+
+    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
+    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
+    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
+    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
+    if (lse && (lane & 3) == 0) {
+      const float ln2 = 0.6931471805599453f;
+      float* lrow = lse + (int64_t(w.b) * a.Hq + w.h) * a.T;
+      if (t_lo < a.T) lrow[t_lo] = (m_lo + log2f(l_lo)) * ln2;
+      if (t_lo + 8 < a.T) lrow[t_lo + 8] = (m_hi + log2f(l_hi)) * ln2;
+    }
+    store_rows_staged<HD>(my_staging, o, 1.f / l_lo, 1.f / l_hi,
+                          out + (int64_t(w.b) * a.T * a.Hq + w.h) * HD, qs,
+                          ConsecutiveRows{q0 + 64 * cw + 16 * warp}, a.T, lane);
+  }
+  // Consumer 1's last pass has no turn of consumer 0's to wait for: take it, so that both
+  // named barriers end complete.
+  if (cw == 0) turn_wait(cw);
+#endif
+}
+
+// cuTensorMapEncodeTiled from the driver, through the runtime (no link to libcuda).
+PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000,
+                                                cudaEnableDefault, &found));
+    MHAR_CHECK(found == cudaDriverEntryPointSuccess && f,
+               "attention: the CUDA driver has no cuTensorMapEncodeTiled (CUDA 12.0 or later)");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// The map of a [B, T, H, HD] bf16 tensor as (feature, head, position, batch), boxes of
+// 64 features x 1 head x kTileKeys positions, swizzled 128 bytes.
+template <int HD>
+CUtensorMap tensor_map(const bf16* base, int64_t B, int64_t T, int64_t H) {
+  CUtensorMap map{};
+  const cuuint64_t dims[4] = {cuuint64_t(HD), cuuint64_t(H), cuuint64_t(T), cuuint64_t(B)};
+  const cuuint64_t strides[3] = {cuuint64_t(HD) * sizeof(bf16), cuuint64_t(H * HD) * sizeof(bf16),
+                                 cuuint64_t(T * H * HD) * sizeof(bf16)};
+  const cuuint32_t box[4] = {kBoxCols, 1, kTileKeys, 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  const CUresult r = encode_tiled()(
+      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<bf16*>(base), dims, strides, box,
+      elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  MHAR_CHECK(r == CUDA_SUCCESS, "attention: cuTensorMapEncodeTiled failed (error ", int(r),
+             ") for a [", B, ", ", T, ", ", H, ", ", HD, "] tensor");
+  return map;
+}
+
+}  // namespace
+
+template <int HD>
+void forward_ws(cudaStream_t s, bf16* out, float* lse, const bf16* q, const bf16* k,
+                const bf16* v, const AttentionArgs& a) {
+  MHAR_CHECK(available(), "hopper::forward_ws called without a compute capability 9.0 device");
+  static const int sms = [] {
+    int dev = 0, n = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    CUDA_CHECK(cudaFuncSetAttribute(forward_ws_kernel<HD>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    int(ws_smem<HD>())));
+    return n;
+  }();
+  const CUtensorMap qm = tensor_map<HD>(q, a.B, a.T, a.Hq);
+  const CUtensorMap km = tensor_map<HD>(k, a.B, a.T, a.Hkv);
+  const CUtensorMap vm = tensor_map<HD>(v, a.B, a.T, a.Hkv);
+  const int64_t items = ceil_div(a.T, kItemRows) * a.Hq * a.B;
+  const unsigned blocks = unsigned(std::min<int64_t>(items, sms));
+  forward_ws_kernel<HD><<<blocks, kWsThreads, ws_smem<HD>(), s>>>(out, lse, qm, km, vm, a);
+  CUDA_CHECK_LAUNCH();
+}
+
+template void forward_ws<64>(cudaStream_t, bf16*, float*, const bf16*, const bf16*,
+                             const bf16*, const AttentionArgs&);
+template void forward_ws<128>(cudaStream_t, bf16*, float*, const bf16*, const bf16*,
+                              const bf16*, const AttentionArgs&);
+
+}  // namespace mhar::cuda::hopper
