@@ -79,7 +79,7 @@ size_t row_dot_bytes(int64_t B, int64_t T, int64_t Hq) {
   return (size_t(B * T * Hq) * sizeof(float) + 255) / 256 * 256;
 }
 bool hopper_stores_score_grads() {
-  return attention_uses_hopper() && g_hopper_backward.load() == 2;
+  return attention_uses_hopper() && g_hopper_backward.load() >= 2;
 }
 
 }  // namespace
@@ -92,8 +92,8 @@ int attention_set_hopper_forward(int version) {
   return g_hopper_forward.exchange(version);
 }
 int attention_set_hopper_backward(int version) {
-  MHAR_CHECK(version == 1 || version == 2, "attention_set_hopper_backward: version ", version,
-             " (valid: 1, 2)");
+  MHAR_CHECK(version >= 1 && version <= 3, "attention_set_hopper_backward: version ", version,
+             " (valid: 1, 2, 3)");
   return g_hopper_backward.exchange(version);
 }
 
@@ -162,7 +162,7 @@ void attention_backward(cudaStream_t s, Tensor dq, Tensor dk, Tensor dv, Tensor 
       tc::row_dots<HD>(s, dots, bp(dout), bp(out), a);
       if (attention_uses_hopper())
         hopper::backward<HD>(s, bp(dq), bp(dk), bp(dv), bp(dout), bp(q), bp(k), bp(v), l,
-                             dots, score_grads, a);
+                             dots, score_grads, g_hopper_backward.load() == 3, a);
       else
         tc::backward<HD>(s, bp(dq), bp(dk), bp(dv), bp(dout), bp(q), bp(k), bp(v), l, dots,
                          a);

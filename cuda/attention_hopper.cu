@@ -251,26 +251,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 //         D), dQ += dS K (K read N-major): seven products, dq independent of dkdv.
 // dkdv and dq version 1 run one block per SM (128 KB of shared memory): the accumulators
 // take most of the registers.
-constexpr int kGradTile = 64;  // a score-gradient tile's keys and queries
 static_assert(kGradTile == kKeys, "dq walks key tiles of the tiles' size");
-
-// Tiles on and below the diagonal of one (b, h): tile (qt, kt), kt <= qt, is number
-// qt (qt + 1) / 2 + kt.
-__host__ __device__ inline int64_t grad_tiles_per_head(int64_t T) {
-  return ceil_div(T, int64_t(kGradTile)) * (ceil_div(T, int64_t(kGradTile)) + 1) / 2;
-}
-// Inside a tile, row (key) u holds its 64 queries in the order that lets dk/dv's threads
-// store 16-byte chunks: the thread with column pair c (2c, 2c + 1 of each n8 tile) writes
-// n8 tiles 4a .. 4a + 3 at positions 32a + 8c .. 32a + 8c + 7. So position p holds query
-// tile_query(p); dq's product rows come out in position order and its store maps them back.
-__device__ __forceinline__ int tile_query(int p) {
-  return 8 * (4 * (p >> 5) + ((p >> 1) & 3)) + 2 * ((p >> 3) & 3) + (p & 1);
-}
-template <class P>  // bf16* or const bf16*
-__device__ __forceinline__ P score_grad_tile(P base, int64_t bh, int64_t T, int qt, int kt) {
-  return base + (bh * grad_tiles_per_head(T) + int64_t(qt) * (qt + 1) / 2 + kt) *
-                    (kGradTile * kGradTile);
-}
 
 template <int HD> constexpr size_t dq_smem() {
   return 2 * tile_bytes<HD>(kRows) + 4 * tile_bytes<HD>(kKeys) + 1024;
@@ -554,24 +535,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_commit();
       if constexpr (STORE_DS) {
         // While the products run (they only read da): this warp's 16 key rows of the
-        // tile, the bf16 values dK's product reads, in the tile's column order (below),
-        // where each thread's 4 n8 tiles of a row are 16 contiguous bytes and a warp's
-        // store fills whole 32-byte sectors. A warpgroup wholly past T stores nothing (no
-        // dq reads its keys).
-        if (wg_u0 < a.T) {
-          bf16* row = score_grad_tile(score_grads, b * a.Hq + walk.head(it), a.T,
-                                      int(t0 / kGradTile), int(wg_u0 / kGradTile)) +
-                      (16 * warp + g) * kGradTile + 4 * c2;
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            *reinterpret_cast<uint4*>(row + 32 * half) =
-                make_uint4(da[2 * half][0], da[2 * half][2], da[2 * half + 1][0],
-                           da[2 * half + 1][2]);
-            *reinterpret_cast<uint4*>(row + 8 * kGradTile + 32 * half) =
-                make_uint4(da[2 * half][1], da[2 * half][3], da[2 * half + 1][1],
-                           da[2 * half + 1][3]);
-          }
-        }
+        // tile, the bf16 values dK's product reads. A warpgroup wholly past T stores
+        // nothing (no dq reads its keys).
+        if (wg_u0 < a.T)
+          store_score_grad_rows(score_grad_tile(score_grads, b * a.Hq + walk.head(it), a.T,
+                                                int(t0 / kGradTile), int(wg_u0 / kGradTile)),
+                                warp, lane, da);
       }
       wgmma_wait_all();
       pin(dv_acc);
@@ -648,16 +617,20 @@ size_t score_grad_bytes(const AttentionArgs& a) {
 template <int HD>
 void backward(cudaStream_t s, bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q,
               const bf16* k, const bf16* v, const float* lse, const float* Dsum,
-              bf16* score_grads, const AttentionArgs& a) {
+              bf16* score_grads, bool warp_specialized, const AttentionArgs& a) {
   MHAR_CHECK(available(), "hopper::backward called without a compute capability 9.0 device");
   MHAR_CHECK(reinterpret_cast<uintptr_t>(score_grads) % 16 == 0,
              "hopper::backward: score-gradient tiles not 16-byte aligned");
   dim3 gq(unsigned(ceil_div(a.T, kRows)), unsigned(a.Hq), unsigned(a.B));
   dim3 gk(unsigned(ceil_div(a.T, kRows)), unsigned(a.Hkv), unsigned(a.B));
   if (score_grads) {
-    dkdv_kernel<HD, true><<<gk, kThreads, dkdv_smem<HD>(), s>>>(dk, dv, score_grads, dout, q, k,
-                                                                v, lse, Dsum, a);
-    CUDA_CHECK_LAUNCH();
+    if (warp_specialized) {
+      dkdv_ws<HD>(s, dk, dv, score_grads, dout, q, k, v, lse, Dsum, a);
+    } else {
+      dkdv_kernel<HD, true><<<gk, kThreads, dkdv_smem<HD>(), s>>>(dk, dv, score_grads, dout, q,
+                                                                  k, v, lse, Dsum, a);
+      CUDA_CHECK_LAUNCH();
+    }
     dq_tiles_kernel<HD><<<gq, kThreads, dq_tiles_smem<HD>(), s>>>(dq, k, score_grads, a);
     CUDA_CHECK_LAUNCH();
     return;
@@ -671,10 +644,10 @@ void backward(cudaStream_t s, bf16* dq, bf16* dk, bf16* dv, const bf16* dout, co
 
 template void backward<64>(cudaStream_t, bf16*, bf16*, bf16*, const bf16*, const bf16*,
                            const bf16*, const bf16*, const float*, const float*, bf16*,
-                           const AttentionArgs&);
+                           bool, const AttentionArgs&);
 template void backward<128>(cudaStream_t, bf16*, bf16*, bf16*, const bf16*, const bf16*,
                             const bf16*, const bf16*, const float*, const float*, bf16*,
-                            const AttentionArgs&);
+                            bool, const AttentionArgs&);
 template void forward<64>(cudaStream_t, bf16*, float*, const bf16*, const bf16*, const bf16*,
                           const AttentionArgs&);
 template void forward<128>(cudaStream_t, bf16*, float*, const bf16*, const bf16*, const bf16*,

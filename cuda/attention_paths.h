@@ -60,16 +60,24 @@ void forward(cudaStream_t s, bf16* out, float* lse, const bf16* q, const bf16* k
 template <int HD>
 void forward_ws(cudaStream_t s, bf16* out, float* lse, const bf16* q, const bf16* k,
                 const bf16* v, const AttentionArgs& a);
+// The backward's dk/dv kernel, warp-specialized (attention_hopper_ws.cu; backward version
+// 3): dk, dv and the score-gradient tiles exactly as backward's dk/dv kernel with
+// score_grads writes them.
+template <int HD>
+void dkdv_ws(cudaStream_t s, bf16* dk, bf16* dv, bf16* score_grads, const bf16* dout,
+             const bf16* q, const bf16* k, const bf16* v, const float* lse, const float* Dsum,
+             const AttentionArgs& a);
 // The bf16 score-gradient tiles of one backward (B*Hq of 64 x 64 tiles on and below the
 // diagonal, T rounded up to 64).
 size_t score_grad_bytes(const AttentionArgs& a);
 // Causal backward from the row dots Dsum (tc::row_dots) and lse; writes dq, dk, dv. With
 // score_grads (score_grad_bytes(a), 16-byte aligned) the dk/dv kernel stores dS there and
-// dq is one product over it; null: dq recomputes S and dP (attention_hopper.cu).
+// dq is one product over it, the dk/dv kernel being dkdv_ws when warp_specialized; null:
+// dq recomputes S and dP (attention_hopper.cu).
 template <int HD>
 void backward(cudaStream_t s, bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q,
               const bf16* k, const bf16* v, const float* lse, const float* Dsum,
-              bf16* score_grads, const AttentionArgs& a);
+              bf16* score_grads, bool warp_specialized, const AttentionArgs& a);
 }  // namespace hopper
 
 }  // namespace mhar::cuda

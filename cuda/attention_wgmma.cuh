@@ -151,6 +151,41 @@ __device__ __forceinline__ void wgmma_ss_m64n128_tt(float (&d)[64], uint64_t a_d
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "l"(a_desc), "l"(b_desc), "r"(1));
 }
+// d += A B, m64n64k16 / m64n128k16: A and B from shared memory, A K-major (an [m][k]
+// tile), B N-major (a [k][n] tile, read transposed), accumulating.
+__device__ __forceinline__ void wgmma_ss_m64n64_kn(float (&d)[32], uint64_t a_desc,
+                                                   uint64_t b_desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(a_desc), "l"(b_desc), "r"(1));
+}
+__device__ __forceinline__ void wgmma_ss_m64n128_kn(float (&d)[64], uint64_t a_desc,
+                                                   uint64_t b_desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(a_desc), "l"(b_desc), "r"(1));
+}
+// d += A B with N = HD (64 or 128), A K-major and B N-major from shared memory.
+template <int HD>
+__device__ __forceinline__ void wgmma_ss_kn(float (&d)[HD / 2], uint64_t a_desc,
+                                            uint64_t b_desc) {
+  if constexpr (HD == 128) wgmma_ss_m64n128_kn(d, a_desc, b_desc);
+  else wgmma_ss_m64n64_kn(d, a_desc, b_desc);
+}
 // d += A B with N = HD (64 or 128), both operands MN-major from shared memory.
 template <int HD>
 __device__ __forceinline__ void wgmma_ss_tt(float (&d)[HD / 2], uint64_t a_desc,
@@ -237,6 +272,25 @@ __device__ __forceinline__ void store_rows_staged(bf16* stage, const float (&acc
   __syncwarp();
 }
 
+// The same rows (this thread's: row_lo and row_lo + 8) times `mul` -> bf16, written straight
+// from the accumulators as 4-byte pairs: for a kernel with no shared memory to stage in,
+// whose store is rare (once per work item).
+template <int HD>
+__device__ __forceinline__ void store_rows_direct(const float (&acc)[HD / 2], float mul,
+                                                  bf16* base, int64_t stride, int64_t row_lo,
+                                                  int64_t n_rows, int lane) {
+  const int c2 = 2 * (lane & 3);
+#pragma unroll
+  for (int dt = 0; dt < HD / 8; ++dt) {
+    if (row_lo < n_rows)
+      *reinterpret_cast<uint32_t*>(base + row_lo * stride + dt * 8 + c2) =
+          pack(acc[4 * dt] * mul, acc[4 * dt + 1] * mul);
+    if (row_lo + 8 < n_rows)
+      *reinterpret_cast<uint32_t*>(base + (row_lo + 8) * stride + dt * 8 + c2) =
+          pack(acc[4 * dt + 2] * mul, acc[4 * dt + 3] * mul);
+  }
+}
+
 // The dynamic shared memory, its start rounded up to the swizzle's 1024 bytes (the
 // shared-memory address, which the swizzle reads, not the generic pointer).
 __device__ __forceinline__ bf16* aligned_smem(unsigned char* raw) {
@@ -262,5 +316,41 @@ __device__ __forceinline__ void wgmma_rs_k(float (&d)[HD / 2], const uint32_t (&
   for (int kk = 0; kk < KSTEPS; ++kk) wgmma_rs_tb<HD>(d, a[kk], nmajor_step(b_desc, kk));
 }
 #endif
+
+// ---- the backward's score-gradient tiles (dk/dv writes them, dq reads them)
+constexpr int kGradTile = 64;  // a score-gradient tile's keys and queries
+
+// Tiles on and below the diagonal of one (b, h): tile (qt, kt), kt <= qt, is number
+// qt (qt + 1) / 2 + kt.
+__host__ __device__ inline int64_t grad_tiles_per_head(int64_t T) {
+  return ceil_div(T, int64_t(kGradTile)) * (ceil_div(T, int64_t(kGradTile)) + 1) / 2;
+}
+// Inside a tile, row (key) u holds its 64 queries in the order that lets dk/dv's threads
+// store 16-byte chunks: the thread with column pair c (2c, 2c + 1 of each n8 tile) writes
+// n8 tiles 4a .. 4a + 3 at positions 32a + 8c .. 32a + 8c + 7. So position p holds query
+// tile_query(p); dq's product rows come out in position order and its store maps them back.
+__device__ __forceinline__ int tile_query(int p) {
+  return 8 * (4 * (p >> 5) + ((p >> 1) & 3)) + 2 * ((p >> 3) & 3) + (p & 1);
+}
+template <class P>  // bf16* or const bf16*
+__device__ __forceinline__ P score_grad_tile(P base, int64_t bh, int64_t T, int qt, int kt) {
+  return base + (bh * grad_tiles_per_head(T) + int64_t(qt) * (qt + 1) / 2 + kt) *
+                    (kGradTile * kGradTile);
+}
+// A warp's 16 key rows of a dS^T tile (this warp's quarter of an m64n64 accumulator, as
+// the bf16 A fragments `da` that dK's product reads) in the tile's column order: each
+// thread's 4 n8 tiles of a row are 16 contiguous bytes, so a warp's store fills whole
+// 32-byte sectors.
+__device__ __forceinline__ void store_score_grad_rows(bf16* tile, int warp, int lane,
+                                                      const uint32_t (&da)[4][4]) {
+  bf16* row = tile + (16 * warp + (lane >> 2)) * kGradTile + 8 * (lane & 3);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    *reinterpret_cast<uint4*>(row + 32 * half) =
+        make_uint4(da[2 * half][0], da[2 * half][2], da[2 * half + 1][0], da[2 * half + 1][2]);
+    *reinterpret_cast<uint4*>(row + 8 * kGradTile + 32 * half) =
+        make_uint4(da[2 * half][1], da[2 * half][3], da[2 * half + 1][1], da[2 * half + 1][3]);
+  }
+}
 
 }  // namespace mhar::cuda::attn_wgmma

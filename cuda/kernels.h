@@ -56,7 +56,7 @@ int attention_set_hopper_forward(int version);
 // Kernel lab: the Hopper backward's version (returns the previous one). 1: the dq kernel
 // recomputes S and dP itself (7 matrix products, dq and dk/dv independent); 2 (default):
 // the dk/dv kernel writes its bf16 dS tiles to the workspace and dq reads them (5
-// products).
+// products); 3: as 2 with the warp-specialized dk/dv kernel (attention_hopper_ws.cu).
 int attention_set_hopper_backward(int version);
 
 // matmul.cu: cuBLASLt first, cuBLAS GemmEx when Lt offers no algorithm for a shape.

@@ -1,7 +1,7 @@
 // attention_cudatest.cpp: CUDA causal GQA attention forward/backward against the CPU
 // reference, head_dim 64 and 128, GQA ratios 1, 2, 3 and 8, T not a multiple of the tiles;
 // forward and backward through each BF16 kernel the device has (Hopper wgmma, both of its
-// forward and both of its backward versions, and mma.sync).
+// forward and its three backward versions, and mma.sync).
 #include <gtest/gtest.h>
 
 #include <vector>
@@ -64,15 +64,16 @@ TEST_P(AttentionParity, ForwardAndBackward) {
   Pair dk = pair(DType::BF16, {c.B, c.T, c.Hkv, c.hd});
   Pair dv = pair(DType::BF16, {c.B, c.T, c.Hkv, c.hd});
   cpu->attention_backward(dq.c, dk.c, dv.c, dout.c, q.c, k.c, v.c, out.c, lse.c);
-  // The Hopper backward in both versions (cuda::attention_set_hopper_backward: dq reading
-  // dk/dv's score-gradient tiles, or recomputing them), then mma.sync; same bounds.
+  // The Hopper backward in its three versions (cuda::attention_set_hopper_backward: dq
+  // reading the score-gradient tiles of the warp-specialized dk/dv kernel or of the other
+  // one, or recomputing them), then mma.sync; same bounds.
   struct BackwardPath {
     bool use_hopper;
     int version;
   };
   std::vector<BackwardPath> backward_paths;
   for (const bool use_hopper : paths)
-    for (const int version : {2, 1})
+    for (const int version : {3, 2, 1})
       if (use_hopper || version == 2) backward_paths.push_back({use_hopper, version});
   const int had_version = cuda::attention_set_hopper_backward(2);
   for (const auto [use_hopper, version] : backward_paths) {

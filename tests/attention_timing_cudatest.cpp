@@ -60,9 +60,9 @@ TEST_F(AttentionTiming, DISABLED_ComparisonShapes) {
                   path == 2 ? "wgmma v2" : path == 1 ? "wgmma v1" : "mma.sync", shape.c_str(),
                   ms, fwd_flop / ms * 1e-9);
     }
-    // The Hopper backward's two versions (cuda::attention_set_hopper_backward), then
+    // The Hopper backward's three versions (cuda::attention_set_hopper_backward), then
     // mma.sync.
-    for (const int path : {2, 1, 0}) {
+    for (const int path : {3, 2, 1, 0}) {
       const bool use_hopper = path > 0;
       if (use_hopper && !hopper) continue;
       cuda::attention_set_hopper(use_hopper);
@@ -71,8 +71,8 @@ TEST_F(AttentionTiming, DISABLED_ComparisonShapes) {
         gpu->attention_backward(a.dq, a.dk, a.dv, a.dout, a.q, a.k, a.v, a.out, a.lse);
       });
       std::printf("ATTENTION backward %-8s %-22s %8.3f ms %7.1f TFLOP/s\n",
-                  path == 2 ? "wgmma v2" : path == 1 ? "wgmma v1" : "mma.sync", shape.c_str(),
-                  ms, 2.5 * fwd_flop / ms * 1e-9);
+                  path > 0 ? ("wgmma v" + std::to_string(path)).c_str() : "mma.sync",
+                  shape.c_str(), ms, 2.5 * fwd_flop / ms * 1e-9);
     }
   }
   cuda::attention_set_hopper(had_hopper);
