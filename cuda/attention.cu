@@ -71,7 +71,7 @@ template <class F> void with_head_dim(int64_t hd, F&& f) {
 
 std::atomic<bool> g_hopper_enabled{true};
 std::atomic<int> g_hopper_forward{2};
-std::atomic<int> g_hopper_backward{2};
+std::atomic<int> g_hopper_backward{3};
 
 // The workspace's row dots, rounded up so that the score-gradient tiles after them start
 // 256-byte aligned (the workspace itself is).

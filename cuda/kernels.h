@@ -54,9 +54,9 @@ bool attention_uses_hopper();
 // block per SM, a TMA producer warp and two consumer warpgroups (attention_hopper_ws.cu).
 int attention_set_hopper_forward(int version);
 // Kernel lab: the Hopper backward's version (returns the previous one). 1: the dq kernel
-// recomputes S and dP itself (7 matrix products, dq and dk/dv independent); 2 (default):
-// the dk/dv kernel writes its bf16 dS tiles to the workspace and dq reads them (5
-// products); 3: as 2 with the warp-specialized dk/dv kernel (attention_hopper_ws.cu).
+// recomputes S and dP itself (7 matrix products, dq and dk/dv independent); 2: the dk/dv
+// kernel writes its bf16 dS tiles to the workspace and dq reads them (5 products); 3
+// (default): as 2 with the warp-specialized dk/dv kernel (attention_hopper_ws.cu).
 int attention_set_hopper_backward(int version);
 
 // matmul.cu: cuBLASLt first, cuBLAS GemmEx when Lt offers no algorithm for a shape.
