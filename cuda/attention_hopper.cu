@@ -2,10 +2,13 @@
 // attention on wgmma, BF16, head_dim 64 or 128. attention.cu sends the BF16 training
 // forward and backward here when the device is compute capability 9.0 (other devices take
 // attention_tc.cu; other storage types attention_fp32.cu). Layouts and the lse convention
-// are attention.cu's; the declarations are in attention_paths.h.
+// are attention.cu's; the declarations are in attention_paths.h. The default forward and
+// dK/dV kernels are the warp-specialized ones of attention_hopper_ws.cu; this file has the
+// dQ kernel every backward version runs, and the earlier forward (version 1) and dK/dV
+// kernel (backward version 2) for the kernel lab.
 //
-// Forward (FlashAttention-3's math, without its producer warp and TMA; cuda/NOTES.md
-// "Hopper attention" has the measurements):
+// Forward version 1 (FlashAttention-3's math, without its producer warp and TMA;
+// cuda/NOTES.md "Hopper attention" has the measurements):
 // - a block owns 128 query rows of one (b, h): two warpgroups of 64 rows each; it walks
 //   key tiles of 64 up to the diagonal. K and V tiles are staged by cp.async, two stages
 //   deep, in the 128-byte-swizzled layout that wgmma's shared-memory descriptors read

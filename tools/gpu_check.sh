@@ -136,7 +136,7 @@ fi
 
 echo "== mhar_cuda_tests"
 start=$(date +%s)
-timeout 180 "$BUILD_DIR/mhar_cuda_tests" --gtest_filter="${GTEST_FILTER:-*}" >"$LOG_DIR/cuda_tests.log" 2>&1
+timeout 300 "$BUILD_DIR/mhar_cuda_tests" --gtest_filter="${GTEST_FILTER:-*}" >"$LOG_DIR/cuda_tests.log" 2>&1
 rc=$?
 echo "tests ran in $(( $(date +%s) - start )) s, exit $rc (at $(elapsed))"
 
