@@ -361,9 +361,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 // dq, version 2: dQ = scale * sum over key tiles of dS K, dS^T from dkdv's tiles. Per key
 // tile: K (N-major, as version 1's dQ product reads it) and each warpgroup's dS^T tile
 // (rows: keys, the product's K dimension; columns: its 64 queries, M), both staged by
-// cp.async two deep; no softmax, so two blocks share an SM.
+// cp.async three deep: the kernel does little but wait for its tiles (one short product
+// per stage), so the bytes in flight set its rate; no softmax, so two blocks (97 KB of
+// shared memory each) share an SM.
+constexpr int kDqStages = 3;
 template <int HD> constexpr size_t dq_tiles_smem() {
-  return 2 * tile_bytes<HD>(kKeys) + 2 * kWarpgroups * tile_bytes<kGradTile>(kGradTile) + 1024;
+  return kDqStages * (tile_bytes<HD>(kKeys) + kWarpgroups * tile_bytes<kGradTile>(kGradTile)) +
+         1024;
 }
 template <int HD>
 __global__ void __launch_bounds__(kThreads, 2)
@@ -374,8 +378,8 @@ __global__ void __launch_bounds__(kThreads, 2)
 #else
   constexpr int KSTEPS = kKeys / 16, TILE = kGradTile * kGradTile;
   extern __shared__ unsigned char smem_raw[];
-  bf16* Ks = aligned_smem(smem_raw);  // [2][kKeys * HD]
-  bf16* Ds = Ks + 2 * kKeys * HD;     // [2][kWarpgroups][TILE]
+  bf16* Ks = aligned_smem(smem_raw);       // [kDqStages][kKeys * HD]
+  bf16* Ds = Ks + kDqStages * kKeys * HD;  // [kDqStages][kWarpgroups][TILE]
   static_assert(dq_tiles_smem<HD>() - 1024 >= size_t(kThreads / 32) * 16 * (HD + 8) * 2,
                 "the output staging reuses the K and dS stages");
 
@@ -394,7 +398,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int my_tiles = wg_tiles(wg);
 
   auto issue = [&](int j) {
-    const int st = j & 1;
+    const int st = j % kDqStages;
     load_tile_sw128<HD, kKeys>(Ks + st * kKeys * HD, kbase, kvs, int64_t(j) * kKeys, a.T);
 #pragma unroll
     for (int w = 0; w < kWarpgroups; ++w)
@@ -404,8 +408,14 @@ __global__ void __launch_bounds__(kThreads, 2)
             score_grad_tile(score_grads, bh, a.T, 2 * qb + w, j), kGradTile,
             0, kGradTile);
   };
-  issue(0);
-  cp_async_commit();
+  // Key tile j's copies are commit group j; tiles 0 .. kDqStages - 2 go first, and every
+  // iteration commits one group (empty past the last tile), so that waiting for all but
+  // the newest kDqStages - 1 groups always means tile j's.
+#pragma unroll
+  for (int j = 0; j < kDqStages - 1; ++j) {
+    if (j < n_tiles) issue(j);
+    cp_async_commit();
+  }
 
   float acc[HD / 2];
 #pragma unroll
@@ -414,10 +424,14 @@ __global__ void __launch_bounds__(kThreads, 2)
   const uint64_t ds_desc = nmajor_base<kGradTile>(Ds + wg * TILE);
 
   for (int j = 0; j < n_tiles; ++j) {
-    stage_advance(issue, j, n_tiles);
+    if (j + kDqStages - 1 < n_tiles) issue(j + kDqStages - 1);
+    cp_async_commit();
+    cp_async_wait<kDqStages - 1>();
+    fence_proxy_async();
+    __syncthreads();
     if (j < my_tiles) {
-      const uint64_t sk = stage_offset(j & 1, kKeys * HD);
-      const uint64_t sd = stage_offset(j & 1, kWarpgroups * TILE);
+      const uint64_t sk = stage_offset(j % kDqStages, kKeys * HD);
+      const uint64_t sd = stage_offset(j % kDqStages, kWarpgroups * TILE);
       wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < KSTEPS; ++ks)
