@@ -157,31 +157,11 @@ __global__ void __launch_bounds__(kThreads, 2)
       wgmma_commit();
       wgmma_wait_all();
       pin(s);
-      // Row maxima of the raw scores (c > 0: scaling after the max gives the same max),
-      // keys after the row masked on the diagonal tile; then p = 2^(s c - m) as one FFMA.
-      const bool diag = j == wg_last;
-      float mx_lo = -INFINITY, mx_hi = -INFINITY;
-      const int lim_lo = int(t_lo - int64_t(j) * kKeys), lim_hi = lim_lo + 8;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        if (diag) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            if (nt * 8 + c2 + (e & 1) > (e < 2 ? lim_lo : lim_hi)) s[4 * nt + e] = -INFINITY;
-        }
-        mx_lo = fmaxf(mx_lo, fmaxf(s[4 * nt], s[4 * nt + 1]));
-        mx_hi = fmaxf(mx_hi, fmaxf(s[4 * nt + 2], s[4 * nt + 3]));
-      }
-      mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
-      mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
-      mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
-      mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
-      // Finite: key 0 of tile 0 is visible to every row.
-      mx_lo = fmaxf(m_lo, mx_lo * c);
-      mx_hi = fmaxf(m_hi, mx_hi * c);
-      const float al_lo = fast_exp2(m_lo - mx_lo), al_hi = fast_exp2(m_hi - mx_hi);
-      m_lo = mx_lo;
-      m_hi = mx_hi;
+      // Row maxima (keys after the row masked on the diagonal tile); then p = 2^(s c - m)
+      // as one FFMA.
+      const float2 al = update_row_max<kKeys>(s, j == wg_last, int(t_lo - int64_t(j) * kKeys),
+                                              c2, c, m_lo, m_hi);
+      const float al_lo = al.x, al_hi = al.y;
       float sum_lo = 0.f, sum_hi = 0.f;
       uint32_t p[PV_STEPS][4];
 #pragma unroll

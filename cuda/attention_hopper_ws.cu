@@ -1,10 +1,13 @@
-// attention_hopper_ws.cu: the warp-specialized Hopper (sm_90a) forward of causal
-// grouped-query attention, BF16, head_dim 64 or 128: forward version 2, the default on
-// compute capability 9.0 (attention_set_hopper_forward in kernels.h; version 1 is
-// attention_hopper.cu's forward_kernel). Layouts and the lse convention are attention.cu's.
+// attention_hopper_ws.cu: the warp-specialized Hopper (sm_90a) kernels of causal
+// grouped-query attention, BF16, head_dim 64 or 128, the defaults on compute capability
+// 9.0: the forward (forward version 2; version 1 is attention_hopper.cu's forward_kernel)
+// and the backward's dK/dV kernel (backward version 3, section "dK and dV" below; version
+// 2's is attention_hopper.cu's dkdv_kernel, and both feed attention_hopper.cu's dQ
+// kernel). Kernel-lab switches: attention_set_hopper_forward / _backward in kernels.h.
+// Layouts and the lse convention are attention.cu's.
 //
-// FlashAttention-3's schedule (cuda/NOTES.md, "A producer warp and two consumer
-// warpgroups", has the measurements):
+// The forward, FlashAttention-3's schedule (cuda/NOTES.md, "A producer warp and two
+// consumer warpgroups", has the measurements):
 // - one block per SM, persistent: it takes work items (128 query rows of one (b, h)) in a
 //   fixed order, longest rows first, every gridDim.x-th.
 // - warpgroup 0 is the producer: one thread issues TMA copies (128-byte swizzle, the layout
@@ -112,7 +115,7 @@ __device__ __forceinline__ void turn_pass(int w) {
 }
 #endif
 
-// Work item i (longest first): query block, head, batch.
+// The forward's work item i (longest first): query block, head, batch.
 struct Item {
   int qb, h, b;
 };
@@ -225,30 +228,11 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     // s = 2^(s c - m) as one FFMA; returns the old statistics' rescale factors and adds
     // the row sums (per thread; reduced at the end) after rescaling l.
     auto softmax = [&](int j, float& al_lo, float& al_hi) {
-      float mx_lo = -INFINITY, mx_hi = -INFINITY;
-      const int lim_lo = int(t_lo - int64_t(j) * kTileKeys), lim_hi = lim_lo + 8;
-      const bool diag = j == n_tiles - 1;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        if (diag) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            if (nt * 8 + c2 + (e & 1) > (e < 2 ? lim_lo : lim_hi)) s[4 * nt + e] = -INFINITY;
-        }
-        mx_lo = fmaxf(mx_lo, fmaxf(s[4 * nt], s[4 * nt + 1]));
-        mx_hi = fmaxf(mx_hi, fmaxf(s[4 * nt + 2], s[4 * nt + 3]));
-      }
-      mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
-      mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
-      mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
-      mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
-      // Finite: key 0 of tile 0 is visible to every row.
-      mx_lo = fmaxf(m_lo, mx_lo * c);
-      mx_hi = fmaxf(m_hi, mx_hi * c);
-      al_lo = fast_exp2(m_lo - mx_lo);
-      al_hi = fast_exp2(m_hi - mx_hi);
-      m_lo = mx_lo;
-      m_hi = mx_hi;
+      const float2 al = update_row_max<kTileKeys>(s, j == n_tiles - 1,
+                                                  int(t_lo - int64_t(j) * kTileKeys), c2, c,
+                                                  m_lo, m_hi);
+      al_lo = al.x;
+      al_hi = al.y;
       float sum_lo = 0.f, sum_hi = 0.f;
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
@@ -663,12 +647,19 @@ CUtensorMap tensor_map(const bf16* base, int64_t B, int64_t T, int64_t H, int bo
   return map;
 }
 
-// The persistent kernels' grid: one block per SM.
-int multiprocessors() {
-  int dev = 0, n = 0;
-  CUDA_CHECK(cudaGetDevice(&dev));
-  CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-  return n;
+// A persistent kernel's grid: one block per SM, at most one per work item. The first call
+// for a kernel also raises its shared-memory limit to `smem`.
+template <auto Kernel>
+unsigned persistent_blocks(size_t smem, int64_t items) {
+  static const int sms = [smem] {
+    CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    int(smem)));
+    int dev = 0, n = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    return n;
+  }();
+  return unsigned(std::min<int64_t>(items, sms));
 }
 
 }  // namespace
@@ -677,17 +668,11 @@ template <int HD>
 void forward_ws(cudaStream_t s, bf16* out, float* lse, const bf16* q, const bf16* k,
                 const bf16* v, const AttentionArgs& a) {
   MHAR_CHECK(available(), "hopper::forward_ws called without a compute capability 9.0 device");
-  static const int sms = [] {
-    CUDA_CHECK(cudaFuncSetAttribute(forward_ws_kernel<HD>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    int(ws_smem<HD>())));
-    return multiprocessors();
-  }();
   const CUtensorMap qm = tensor_map<HD>(q, a.B, a.T, a.Hq, kItemRows);
   const CUtensorMap km = tensor_map<HD>(k, a.B, a.T, a.Hkv, kTileKeys);
   const CUtensorMap vm = tensor_map<HD>(v, a.B, a.T, a.Hkv, kTileKeys);
-  const int64_t items = ceil_div(a.T, kItemRows) * a.Hq * a.B;
-  const unsigned blocks = unsigned(std::min<int64_t>(items, sms));
+  const unsigned blocks = persistent_blocks<forward_ws_kernel<HD>>(
+      ws_smem<HD>(), ceil_div(a.T, kItemRows) * a.Hq * a.B);
   forward_ws_kernel<HD><<<blocks, kWsThreads, ws_smem<HD>(), s>>>(out, lse, qm, km, vm, a);
   CUDA_CHECK_LAUNCH();
 }
@@ -697,18 +682,12 @@ void dkdv_ws(cudaStream_t s, bf16* dk, bf16* dv, bf16* score_grads, const bf16* 
              const bf16* q, const bf16* k, const bf16* v, const float* lse, const float* Dsum,
              const AttentionArgs& a) {
   MHAR_CHECK(available(), "hopper::dkdv_ws called without a compute capability 9.0 device");
-  static const int sms = [] {
-    CUDA_CHECK(cudaFuncSetAttribute(dkdv_ws_kernel<HD>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    int(dkdv_ws_smem<HD>())));
-    return multiprocessors();
-  }();
   const CUtensorMap qm = tensor_map<HD>(q, a.B, a.T, a.Hq, kBwdRows);
   const CUtensorMap dom = tensor_map<HD>(dout, a.B, a.T, a.Hq, kBwdRows);
   const CUtensorMap km = tensor_map<HD>(k, a.B, a.T, a.Hkv, kTileKeys);
   const CUtensorMap vm = tensor_map<HD>(v, a.B, a.T, a.Hkv, kTileKeys);
-  const int64_t items = ceil_div(a.T, kTileKeys) * a.Hkv * a.B;
-  const unsigned blocks = unsigned(std::min<int64_t>(items, sms));
+  const unsigned blocks = persistent_blocks<dkdv_ws_kernel<HD>>(
+      dkdv_ws_smem<HD>(), ceil_div(a.T, kTileKeys) * a.Hkv * a.B);
   dkdv_ws_kernel<HD><<<blocks, kWsThreads, dkdv_ws_smem<HD>(), s>>>(dk, dv, score_grads, lse,
                                                                      Dsum, qm, dom, km, vm, a);
   CUDA_CHECK_LAUNCH();

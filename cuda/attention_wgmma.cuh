@@ -291,6 +291,40 @@ __device__ __forceinline__ void store_rows_direct(const float (&acc)[HD / 2], fl
   }
 }
 
+// The online softmax's running maxima for a thread's two rows (g and g + 8 of its warp's
+// 16) of a score tile s in the m64nN accumulator layout (N / 8 n8 tiles): on the diagonal
+// tile (`diag`) keys after each row's last visible one (tile columns lim_lo, and lim_lo + 8
+// for the second row) are set to -inf first; then the rows' maxima, reduced over the quad,
+// scaled by c (> 0, so scaling after the max gives the same max) and merged into m_lo and
+// m_hi. Returns the old statistics' rescale factors 2^(m_old - m_new). The maxima are
+// finite: key 0 of tile 0 is visible to every row.
+template <int N>
+__device__ __forceinline__ float2 update_row_max(float (&s)[N / 2], bool diag, int lim_lo,
+                                                 int c2, float c, float& m_lo, float& m_hi) {
+  const int lim_hi = lim_lo + 8;
+  float mx_lo = -INFINITY, mx_hi = -INFINITY;
+#pragma unroll
+  for (int nt = 0; nt < N / 8; ++nt) {
+    if (diag) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (nt * 8 + c2 + (e & 1) > (e < 2 ? lim_lo : lim_hi)) s[4 * nt + e] = -INFINITY;
+    }
+    mx_lo = fmaxf(mx_lo, fmaxf(s[4 * nt], s[4 * nt + 1]));
+    mx_hi = fmaxf(mx_hi, fmaxf(s[4 * nt + 2], s[4 * nt + 3]));
+  }
+  mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
+  mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
+  mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
+  mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
+  mx_lo = fmaxf(m_lo, mx_lo * c);
+  mx_hi = fmaxf(m_hi, mx_hi * c);
+  const float2 alpha = make_float2(fast_exp2(m_lo - mx_lo), fast_exp2(m_hi - mx_hi));
+  m_lo = mx_lo;
+  m_hi = mx_hi;
+  return alpha;
+}
+
 // The dynamic shared memory, its start rounded up to the swizzle's 1024 bytes (the
 // shared-memory address, which the swizzle reads, not the generic pointer).
 __device__ __forceinline__ bf16* aligned_smem(unsigned char* raw) {
