@@ -9,12 +9,13 @@
 //
 // This file checks the arguments and picks a strategy (attention_paths.h):
 // - BF16 training forward and backward on compute capability 9.0: the Hopper wgmma
-//   kernels (attention_set_hopper turns them off): the forward warp-specialized
-//   (attention_hopper_ws.cu; attention_set_hopper_forward(1) takes attention_hopper.cu's
-//   instead), the backward in attention_hopper.cu.
+//   kernels (attention_set_hopper turns them off): the forward and the backward's dK/dV
+//   kernel warp-specialized (attention_hopper_ws.cu), the backward's dQ kernel in
+//   attention_hopper.cu, with the earlier versions for the kernel lab
+//   (attention_set_hopper_forward / _backward).
 // - BF16 training forward and backward elsewhere: mma.sync tensor cores (attention_tc.cu).
 //   Either BF16 backward reads the row dots D = rowsum(dout * out) from a workspace owned
-//   by the backend (its op scratch); the Hopper backward (version 2) also keeps its bf16
+//   by the backend (its op scratch); the Hopper backward (versions 2, 3) also keeps its bf16
 //   score-gradient tiles there (attention_backward_workspace_bytes: B*Hq*T floats, then
 //   hopper::score_grad_bytes).
 // - F32 storage, attention_cached (decode), and BF16 tensors not 16-byte aligned: fp32

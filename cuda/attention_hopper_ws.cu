@@ -141,6 +141,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   bf16* Ks = Qs + TE;      // [2][TE]
   bf16* Vs = Ks + 2 * TE;  // [2][TE]
   bf16* staging = Vs + 2 * TE;
+  static_assert((5 * TE + staging_elems<HD>()) * sizeof(bf16) % 8 == 0,
+                "mbarriers are 8-byte aligned");
   Barriers& bar = *reinterpret_cast<Barriers*>(staging + staging_elems<HD>());
 
   const int n_qblocks = int(ceil_div(a.T, kItemRows));
@@ -344,8 +346,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 // (b, KV head), 64 per consumer warpgroup, whose K and V rows stay in shared memory; it
 // walks every query tile of 64 that can see them, for each query head of the group:
 //   S^T = K Q^T, dP^T = V dO^T (m64n64, both from shared memory), P^T = 2^(S^T c - lse),
-//   dS^T = P^T (dP^T - D), dV += P^T dO, dK += dS^T Q (P^T and dS^T from registers, dO and
-//   Q read N-major), and dS^T stored as a bf16 score-gradient tile for dq_tiles_kernel.
+//   dS^T = P^T (dP^T - D), dV += P^T dO, dK += dS^T Q (P^T and dS^T from shared memory, dO
+//   and Q read N-major), and dS^T stored as a bf16 score-gradient tile for dq_tiles_kernel.
 // The producer warp stages Q and dO by TMA and the tile's lse and D rows by its 32 lanes,
 // three stages deep (a stage is read by two iterations: its S^T and dP^T products, then
 // its dV and dK ones). Per tile j, S^T_j and dP^T_j are issued with tile j - 1's dV and dK
@@ -392,13 +394,16 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   constexpr int KS = HD / 16, NT = kBwdRows / 8, QSTEPS = kBwdRows / 16;
   constexpr int TE = tile_elems<HD>(), QE = q_tile_elems<HD>();
   extern __shared__ unsigned char smem_raw[];
-  bf16* Ks = aligned_smem(smem_raw);   // [TE]: the item's keys
-  bf16* Vs = Ks + TE;                  // [TE]
-  bf16* Qs = Vs + TE;                  // [kQStages][QE]
-  bf16* dOs = Qs + kQStages * QE;      // [kQStages][QE]
+  bf16* Ks = aligned_smem(smem_raw);     // [TE]: the item's keys
+  bf16* Vs = Ks + TE;                    // [TE]
+  bf16* Qs = Vs + TE;                    // [kQStages][QE]
+  bf16* dOs = Qs + kQStages * QE;        // [kQStages][QE]
   bf16* operands = dOs + kQStages * QE;  // [kConsumers][P^T, dS^T][kOperandElems]
   float* lse_s = reinterpret_cast<float*>(operands + 2 * kConsumers * kOperandElems);
-  float* D_s = lse_s + kQStages * kBwdRows;                                // [kQStages][64]
+  float* D_s = lse_s + kQStages * kBwdRows;  // both [kQStages][kBwdRows], lse in exp2 units
+  static_assert(((2 * TE + 2 * kQStages * QE + 2 * kConsumers * kOperandElems) * sizeof(bf16) +
+                 2 * kQStages * kBwdRows * sizeof(float)) % 8 == 0,
+                "mbarriers are 8-byte aligned");
   BwdBarriers& bar = *reinterpret_cast<BwdBarriers*>(D_s + kQStages * kBwdRows);
 
   const int n_kblocks = int(ceil_div(a.T, kTileKeys));

@@ -3,7 +3,7 @@
 //   attention_fp32.cu    fp32 CUDA cores, any storage type and alignment, decoding
 //   attention_tc.cu      BF16 tensor cores through mma.sync (sm_80 and later)
 //   attention_hopper.cu  BF16 tensor cores through wgmma (sm_90a: compute capability 9.0)
-//   attention_hopper_ws.cu  the same, warp-specialized forward (TMA producer, two consumers)
+//   attention_hopper_ws.cu  the same, warp-specialized: the forward and the dK/dV kernel
 // Layouts, scale and lse are attention.cu's (its header): q, out [B, T, Hq, hd], k, v
 // [B, T, Hkv, hd], lse [B, Hq, T] fp32; the BF16 paths want rows 16-byte aligned.
 #pragma once
