@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 
   const float c = a.scale * kLog2e;
   const int g = lane >> 2, c2 = 2 * (lane & 3);
-  const int64_t t_lo = q0 + 64 * wg + 16 * warp + g, t_hi = t_lo + 8;  // this thread's rows
+  const int64_t t_lo = q0 + 64 * wg + 16 * warp + g;  // this thread's rows: t_lo, t_lo + 8
   float o[HD / 2], s[kKeys / 2];
 #pragma unroll
   for (int i = 0; i < HD / 2; ++i) o[i] = 0.f;
@@ -195,15 +195,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     __syncthreads();  // this stage is refilled by the next iteration's loads
   }
 
-  l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
-  l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
-  l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
-  l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
-  if (lse && (lane & 3) == 0) {
-    const float ln2 = 0.6931471805599453f;
-    if (t_lo < a.T) lse[(b * a.Hq + h) * a.T + t_lo] = (m_lo + log2f(l_lo)) * ln2;
-    if (t_hi < a.T) lse[(b * a.Hq + h) * a.T + t_hi] = (m_hi + log2f(l_hi)) * ln2;
-  }
+  finish_row_sums(l_lo, l_hi, m_lo, m_hi, lse, (b * a.Hq + h) * a.T, t_lo, a.T, lane);
   // The K/V stages are free now: each warp stages its 16 output rows there.
   store_rows_staged<HD>(Ks + (threadIdx.x >> 5) * 16 * (HD + 8), o, 1.f / l_lo, 1.f / l_hi,
                         out + (b * a.T * a.Hq + h) * HD, qs,

@@ -320,16 +320,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       release(&bar.v_empty[lst]);
     }
 
-    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
-    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
-    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
-    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
-    if (lse && (lane & 3) == 0) {
-      const float ln2 = 0.6931471805599453f;
-      float* lrow = lse + (int64_t(w.b) * a.Hq + w.h) * a.T;
-      if (t_lo < a.T) lrow[t_lo] = (m_lo + log2f(l_lo)) * ln2;
-      if (t_lo + 8 < a.T) lrow[t_lo + 8] = (m_hi + log2f(l_hi)) * ln2;
-    }
+    finish_row_sums(l_lo, l_hi, m_lo, m_hi, lse, (int64_t(w.b) * a.Hq + w.h) * a.T, t_lo, a.T,
+                    lane);
     store_rows_staged<HD>(my_staging, o, 1.f / l_lo, 1.f / l_hi,
                           out + (int64_t(w.b) * a.T * a.Hq + w.h) * HD, qs,
                           ConsecutiveRows{q0 + 64 * cw + 16 * warp}, a.T, lane);

@@ -99,6 +99,24 @@ __device__ __forceinline__ void stage_query_stats(float* lse_st, float* D_st, co
   }
 }
 
+// The end of a forward's online softmax for a thread's two rows t_lo and t_lo + 8: the row
+// sums l (partial per thread) reduced over the quad of lanes that share the rows and, when
+// lse is given, lse[row0 + t] = (m + log2 l) ln 2 (m and l in the exp2 domain) stored by the
+// quad's first lane for the rows before T.
+__device__ __forceinline__ void finish_row_sums(float& l_lo, float& l_hi, float m_lo,
+                                                float m_hi, float* lse, int64_t row0,
+                                                int64_t t_lo, int64_t T, int lane) {
+  l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
+  l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
+  l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
+  l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
+  if (lse && (lane & 3) == 0) {
+    const float ln2 = 0.6931471805599453f;
+    if (t_lo < T) lse[row0 + t_lo] = (m_lo + log2f(l_lo)) * ln2;
+    if (t_lo + 8 < T) lse[row0 + t_lo + 8] = (m_hi + log2f(l_hi)) * ln2;
+  }
+}
+
 // The dk/dv kernels' walk for a block of keys starting at u0: every query tile of BQ that
 // can see one of them (tiles u0 / BQ .. the last), for each query head of KV head hkv's
 // group in turn. Iteration `it` (0 .. group * tiles - 1) visits head(it), tile t0(it).

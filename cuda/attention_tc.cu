@@ -215,15 +215,7 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();  // this stage is refilled by the next iteration's loads
   }
 
-  l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
-  l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
-  l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
-  l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
-  if (lse && (lane & 3) == 0) {
-    const float ln2 = 0.6931471805599453f;
-    if (t_lo < a.T) lse[(b * a.Hq + h) * a.T + t_lo] = (m_lo + log2f(l_lo)) * ln2;
-    if (t_hi < a.T) lse[(b * a.Hq + h) * a.T + t_hi] = (m_hi + log2f(l_hi)) * ln2;
-  }
+  finish_row_sums(l_lo, l_hi, m_lo, m_hi, lse, (b * a.Hq + h) * a.T, t_lo, a.T, lane);
   // Qs is free (Q lives in registers); each warp stages its own 16 rows there.
   store_rows<HD>(Qs + warp * 16 * LD, o, 1.f / l_lo, 1.f / l_hi,
                  out + (b * a.T * a.Hq + h) * HD, qs, q0 + warp * 16, a.T, lane);
