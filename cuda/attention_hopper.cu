@@ -178,13 +178,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       }
       l_lo = l_lo * al_lo + sum_lo;  // per-thread partial sums; reduced at the end
       l_hi = l_hi * al_hi + sum_hi;
-#pragma unroll
-      for (int dt = 0; dt < HD / 8; ++dt) {
-        o[4 * dt] *= al_lo;
-        o[4 * dt + 1] *= al_lo;
-        o[4 * dt + 2] *= al_hi;
-        o[4 * dt + 3] *= al_hi;
-      }
+      rescale_rows<HD>(o, al_lo, al_hi);
       // O += P V, 16 keys per k-step (2048 bytes of the V tile).
       wgmma_fence();
       wgmma_rs_k<HD>(o, p, v_desc + st);

@@ -297,13 +297,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       wgmma_wait<0>();
       pin(o);
       release(&bar.v_empty[pst]);
-#pragma unroll
-      for (int dt = 0; dt < HD / 8; ++dt) {
-        o[4 * dt] *= al_lo;
-        o[4 * dt + 1] *= al_lo;
-        o[4 * dt + 2] *= al_hi;
-        o[4 * dt + 3] *= al_hi;
-      }
+      rescale_rows<HD>(o, al_lo, al_hi);
       pack_p();
     }
     // The last tile's P V.

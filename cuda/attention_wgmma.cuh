@@ -325,6 +325,19 @@ __device__ __forceinline__ float2 update_row_max(float (&s)[N / 2], bool diag, i
   return alpha;
 }
 
+// A thread's two rows of an m64n{HD} accumulator (rows g and g + 8 of its warp's 16) times
+// their rescale factors: the online softmax's O after the running maxima moved.
+template <int HD>
+__device__ __forceinline__ void rescale_rows(float (&o)[HD / 2], float al_lo, float al_hi) {
+#pragma unroll
+  for (int dt = 0; dt < HD / 8; ++dt) {
+    o[4 * dt] *= al_lo;
+    o[4 * dt + 1] *= al_lo;
+    o[4 * dt + 2] *= al_hi;
+    o[4 * dt + 3] *= al_hi;
+  }
+}
+
 // The dynamic shared memory, its start rounded up to the swizzle's 1024 bytes (the
 // shared-memory address, which the swizzle reads, not the generic pointer).
 __device__ __forceinline__ bf16* aligned_smem(unsigned char* raw) {
