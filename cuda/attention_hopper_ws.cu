@@ -115,14 +115,17 @@ __device__ __forceinline__ void turn_pass(int w) {
 }
 #endif
 
-// The forward's work item i (longest first): query block, head, batch.
+// Work item i of a persistent kernel whose items are (block of rows, head, batch), each
+// block's heads and batches in turn: for the forward the query block counted from the
+// last (the longest rows first), for dK/dV the key block (the blocks that see the most
+// query tiles first).
 struct Item {
-  int qb, h, b;
+  int block, h, b;
 };
-__device__ __forceinline__ Item item_of(int i, int n_qblocks, int Hq, int B) {
-  const int per_block = Hq * B;
+__device__ __forceinline__ Item item_of(int i, int heads, int B) {
+  const int per_block = heads * B;
   const int rem = i % per_block;
-  return Item{n_qblocks - 1 - i / per_block, rem % Hq, rem / Hq};
+  return Item{i / per_block, rem % heads, rem / heads};
 }
 
 template <int HD>
@@ -168,12 +171,13 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     if (threadIdx.x != 0) return;
     int tile = 0, it = 0;  // key tiles and items this block has loaded so far
     for (int i = blockIdx.x; i < n_items; i += gridDim.x, ++it) {
-      const Item w = item_of(i, n_qblocks, int(a.Hq), int(a.B));
-      const int n_tiles = int(ceil_div(std::min<int64_t>(a.T, int64_t(w.qb + 1) * kItemRows),
+      const Item w = item_of(i, int(a.Hq), int(a.B));
+      const int qb = n_qblocks - 1 - w.block;
+      const int n_tiles = int(ceil_div(std::min<int64_t>(a.T, int64_t(qb + 1) * kItemRows),
                                        kTileKeys));
       if (it > 0) mbar_wait(&bar.q_empty, (it - 1) & 1);
       mbar_expect_tx(&bar.q_full, tile_tx_bytes<HD, kItemRows>());
-      tma_tile<HD, kItemRows>(Qs, &q_map, &bar.q_full, w.h, w.qb * kItemRows, w.b);
+      tma_tile<HD, kItemRows>(Qs, &q_map, &bar.q_full, w.h, qb * kItemRows, w.b);
       for (int j = 0; j < n_tiles; ++j, ++tile) {
         const int st = tile & 1, use = tile >> 1;
         if (use > 0) mbar_wait(&bar.k_empty[st], (use - 1) & 1);
@@ -215,8 +219,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 
   int tile = 0, it = 0;
   for (int i = blockIdx.x; i < n_items; i += gridDim.x, ++it) {
-    const Item w = item_of(i, n_qblocks, int(a.Hq), int(a.B));
-    const int64_t q0 = int64_t(w.qb) * kItemRows;
+    const Item w = item_of(i, int(a.Hq), int(a.B));
+    const int64_t q0 = int64_t(n_qblocks - 1 - w.block) * kItemRows;
     const int n_tiles = int(ceil_div(std::min<int64_t>(a.T, q0 + kItemRows), kTileKeys));
     const int64_t t_lo = q0 + 64 * cw + 16 * warp + g;  // this thread's rows: t_lo, t_lo + 8
     float o[HD / 2], s[kTileKeys / 2];
@@ -395,14 +399,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   const int n_kblocks = int(ceil_div(a.T, kTileKeys));
   const int n_items = n_kblocks * int(a.Hkv) * int(a.B);
   const int64_t group = a.Hq / a.Hkv;
-  // Item i: key block kb (ascending: the blocks that see the most query tiles first), KV
-  // head, batch.
-  auto item_of = [&](int i, int& kb, int& hkv, int& b) {
-    const int per = int(a.Hkv * a.B), rem = i % per;
-    kb = i / per;
-    hkv = rem % int(a.Hkv);
-    b = rem / int(a.Hkv);
-  };
   if (threadIdx.x == 0) {
     mbar_init(&bar.kv_full, 1);
     mbar_init(&bar.kv_empty, kConsumerWarps);
@@ -422,9 +418,9 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     Ring ring;
     int n_staged = 0, it = 0;
     for (int i = blockIdx.x; i < n_items; i += gridDim.x, ++it) {
-      int kb, hkv, b;
-      item_of(i, kb, hkv, b);
-      const int64_t u0 = int64_t(kb) * kTileKeys;
+      const Item w = item_of(i, int(a.Hkv), int(a.B));
+      const int hkv = w.h, b = w.b;
+      const int64_t u0 = int64_t(w.block) * kTileKeys;
       if (it > 0) mbar_wait(&bar.kv_empty, (it - 1) & 1);
       if (lane == 0) {
         mbar_expect_tx(&bar.kv_full, 2 * tile_tx_bytes<HD, kTileKeys>());
@@ -476,9 +472,9 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   Ring ring;
   int it = 0;
   for (int i = blockIdx.x; i < n_items; i += gridDim.x, ++it) {
-    int kb, hkv, b;
-    item_of(i, kb, hkv, b);
-    const int64_t u0 = int64_t(kb) * kTileKeys, wg_u0 = u0 + 64 * cw;
+    const Item w = item_of(i, int(a.Hkv), int(a.B));
+    const int hkv = w.h, b = w.b;
+    const int64_t u0 = int64_t(w.block) * kTileKeys, wg_u0 = u0 + 64 * cw;
     const int64_t u_lo = wg_u0 + 16 * warp + g, u_hi = u_lo + 8;  // this thread's two keys
     const QueryTileWalk<kBwdRows> walk(hkv, group, u0, a.T);
     const int n_q = int(group) * walk.tiles;
