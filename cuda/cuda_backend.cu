@@ -44,7 +44,8 @@ constexpr size_t kSlots = size_t(cuda::ScratchSlot::Count);
 // model's shapes (the requests of attention_backward and hyper_workspace below, norm.cu
 // and routing.cu), and where it sits. A depth tile carries its slot from one op to the
 // next (routing.cu), so the two tile slots come first and share their bytes: a mix tile
-// lives inside one forward pass, a backward tile inside one backward pass. Every other
+// lives inside one forward pass, a backward tile inside one backward pass. The RoPE table
+// lasts from one call to the next as well: it has its own bytes after the tiles. Every other
 // slot is used within one op, and ops run one at a time on the one stream, so the ops'
 // groups share the bytes after the tiles: attention's backward (row dots, score-gradient
 // tiles); the norms' partial sums; hyper's partial sums; the routing tables, value and key
@@ -56,7 +57,7 @@ struct ScratchLayout {
 };
 ScratchLayout scratch_layout(const OpScratchShapes& s) {
   using Slot = cuda::ScratchSlot;
-  static_assert(kSlots == 10, "every slot is sized and placed below");
+  static_assert(kSlots == 11, "every slot is sized and placed below");
   ScratchLayout l;
   auto bytes = [&](Slot slot) -> size_t& { return l.bytes[size_t(slot)]; };
   const size_t N = size_t(std::max<int64_t>(s.tokens(), 0));
@@ -93,8 +94,11 @@ ScratchLayout scratch_layout(const OpScratchShapes& s) {
       floats = std::max(floats, cuda::hyper_dynamic_workspace_floats(int64_t(N), int64_t(d), n));
     bytes(Slot::HyperPartials) = floats * sizeof(float);
   }
+  bytes(Slot::RopeTable) = cuda::rope_table_bytes(s.head_dim, s.seq_len);
   auto up = [](size_t x) { return (x + 255) / 256 * 256; };  // MemoryPlan::kAlignment
-  const size_t tiles = std::max(up(bytes(Slot::RoutingTile)), up(bytes(Slot::RoutingBackTile)));
+  l.offset[size_t(Slot::RopeTable)] =
+      std::max(up(bytes(Slot::RoutingTile)), up(bytes(Slot::RoutingBackTile)));
+  const size_t tiles = l.offset[size_t(Slot::RopeTable)] + up(bytes(Slot::RopeTable));
   size_t local = 0;
   static const std::vector<std::vector<Slot>> groups = {
       {Slot::AttentionBackward},
@@ -200,6 +204,7 @@ class CudaBackend final : public Backend {
       routing_ctx_.tile = cuda::MixTile{};
       routing_ctx_.back_tile = cuda::BackTile{};
     }
+    rope_table_ = cuda::RopeTable{};  // the new scratch holds no table yet
     OpScratch previous = bound_;
     bound_ = scratch;
     layout_ = layout;
@@ -312,12 +317,15 @@ class CudaBackend final : public Backend {
   }
   void qk_norm_rope_forward(Tensor y, Tensor rstd, Tensor x, Tensor w, double eps,
                             double theta, int64_t first_position) override {
-    cuda::qk_norm_rope_forward(stream_, y, rstd, x, w, eps, theta, first_position);
+    const int64_t T = y.ndim == 4 ? y.dim(1) : 0;
+    cuda::qk_norm_rope_forward(stream_, y, rstd, x, w, eps, theta, first_position,
+                               rope_table(theta, w.numel(), first_position + T));
   }
   void qk_norm_rope_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor rstd,
                              double theta, bool accumulate_dx) override {
+    const int64_t T = dy.ndim == 4 ? dy.dim(1) : 0;
     cuda::qk_norm_rope_backward(stream_, dx, dw, dy, x, w, rstd, theta, accumulate_dx,
-                                routing_ctx_.scratch);
+                                routing_ctx_.scratch, rope_table(theta, w.numel(), T));
   }
   void rope(Tensor x, double theta, bool backward) override {
     cuda::rope(stream_, x, theta, backward);
@@ -541,6 +549,33 @@ class CudaBackend final : public Backend {
     size_t bytes = 0;
   };
   ScratchBuf scratch_bufs_[kSlots];
+  // The fused QK-norm + RoPE's cos/sin table covering positions [0, positions) (computed
+  // once, then kept while theta and head_dim stay), or none where its slot cannot hold
+  // them: the model's plan sizes it for seq_len positions; unbound (tests, tools), up to
+  // kUnboundRopeTableBytes. Without a table the kernels compute cos/sin themselves.
+  static constexpr size_t kUnboundRopeTableBytes = size_t(16) << 20;
+  cuda::RopeTable rope_table(double theta, int64_t head_dim, int64_t positions) {
+    const size_t bytes = cuda::rope_table_bytes(head_dim, positions);
+    if (bytes == 0) return {};
+    const cuda::RopeTable& t = rope_table_;
+    if (t.data && t.theta == theta && t.head_dim == head_dim && t.positions >= positions) return t;
+    const size_t slot = size_t(cuda::ScratchSlot::RopeTable);
+    if (bound_.memory.data ? bytes > layout_.bytes[slot] : bytes > kUnboundRopeTableBytes)
+      return {};
+    // Unbound, whole blocks of 1024 positions: decoding one token a call refills it rarely.
+    int64_t fill = positions;
+    if (!bound_.memory.data) {
+      fill = std::max(fill, (positions + 1023) / 1024 * 1024);
+      if (cuda::rope_table_bytes(head_dim, fill) > kUnboundRopeTableBytes) fill = positions;
+    } else {
+      fill = int64_t(layout_.bytes[slot] / cuda::rope_table_bytes(head_dim, 1));
+    }
+    void* p = scratch(cuda::ScratchSlot::RopeTable, cuda::rope_table_bytes(head_dim, fill));
+    rope_table_ = cuda::rope_table_fill(stream_, p, theta, head_dim, fill);
+    return rope_table_;
+  }
+  cuda::RopeTable rope_table_;
+
   void* scratch(cuda::ScratchSlot slot, size_t bytes) {
     if (bound_.memory.data) {
       const size_t i = size_t(slot);

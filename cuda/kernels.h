@@ -99,8 +99,9 @@ void cross_entropy(cudaStream_t s, Tensor losses, Tensor logits, Tensor targets,
 // beyond the planned size is an MHAR_CHECK); unbound, each slot is a grow-only buffer of
 // the backend (a larger request reallocates it, synchronising the stream). A slot's
 // contents last until the next request of the same slot; RoutingTile and RoutingBackTile
-// carry a depth tile from one op to the next (routing.cu), the others are used within one
-// op. A new slot, or a request that grows with another shape, needs its size in
+// carry a depth tile from one op to the next (routing.cu), RopeTable the cos/sin table from
+// one call to the next (the backend refills it when theta, head_dim or the positions
+// change), the others are used within one op. A new slot, or a request that grows with another shape, needs its size in
 // scratch_layout (cuda_backend.cu), or models will fail the size check.
 enum class ScratchSlot {
   AttentionBackward,
@@ -113,6 +114,7 @@ enum class ScratchSlot {
   HyperPartials,
   NormPartials,
   MatmulTune,
+  RopeTable,
   Count
 };
 using ScratchFn = std::function<void*(ScratchSlot, size_t)>;
@@ -128,6 +130,7 @@ inline const char* scratch_slot_name(ScratchSlot slot) {
     case ScratchSlot::HyperPartials: return "hyper partial sums";
     case ScratchSlot::NormPartials: return "norm partial sums";
     case ScratchSlot::MatmulTune: return "matmul tuning output";
+    case ScratchSlot::RopeTable: return "RoPE cos/sin table";
     case ScratchSlot::Count: break;
   }
   return "?";
@@ -140,13 +143,27 @@ void rmsnorm_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor x,
 // of D elements, for any number of rows (its grid never exceeds the blocks resident at
 // once); 0 where they take no scratch.
 size_t rmsnorm_backward_scratch_bytes(int64_t D);
+// The fused QK-norm + RoPE's cos/sin table (kernel version 6): positions [0, positions)
+// of one head_dim (64, 128 or 256) and theta, fp32, the values the kernels would compute
+// (the same bits). rope_table_bytes: its size, 0 where no table applies. rope_table_fill
+// writes it into `table` (on the stream) and returns its description; the backend keeps
+// it (ScratchSlot::RopeTable) and hands it to the calls below.
+struct RopeTable {
+  const float* data = nullptr;
+  int64_t head_dim = 0, positions = 0;
+  double theta = 0;
+};
+size_t rope_table_bytes(int64_t head_dim, int64_t positions);
+RopeTable rope_table_fill(cudaStream_t s, void* table, double theta, int64_t head_dim,
+                          int64_t positions);
 // QK-norm + RoPE (Backend::qk_norm_rope_forward/backward): one pass where head_dim is 64,
-// 128 or 256 (BF16, aligned), else the two ops in turn.
+// 128 or 256 (BF16, aligned), else the two ops in turn. `table` (optional): a cos/sin table
+// of this theta and head_dim; used where it covers the call's positions.
 void qk_norm_rope_forward(cudaStream_t s, Tensor y, Tensor rstd, Tensor x, Tensor w, double eps,
-                          double theta, int64_t first_position);
+                          double theta, int64_t first_position, const RopeTable& table = {});
 void qk_norm_rope_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,
                            Tensor rstd, double theta, bool accumulate_dx,
-                           const ScratchFn& scratch);
+                           const ScratchFn& scratch, const RopeTable& table = {});
 // Kernel lab (tests/kernel_bandwidth_cudatest.cpp times every version; the engine never
 // calls it): numbered versions 1 .. norm_kernel_versions(k) of the vector norm kernels
 // (Forward: rmsnorm_forward and add_rmsnorm_forward; Backward: rmsnorm_backward;

@@ -665,6 +665,221 @@ __global__ void __launch_bounds__(kVecThreads, 3)
                                                                   D, accumulate, ra);
 }
 
+// ---- QK-norm + RoPE version 6: a lane holds both halves of its rotate-half pairs ------
+// Rows are (token, head) of head_dim D = 8 * TPR, half H = D / 2. Lane `sub` of a row's
+// TPR lanes holds features [4 sub, 4 sub + 4) and [H + 4 sub, H + 4 sub + 4): two 8-byte
+// accesses (a lane group still reads whole 128-byte lines), the rotation needs no
+// shuffle, and the lane's four pairs are exactly the pairs of one 32-byte record of the
+// cos/sin table (rope_table_fill), read from L1/L2 instead of four sincosf. The ncu
+// profile of versions 1-5 (cuda/NOTES.md, "Paired lanes") had them issue-bound: 28
+// instructions an element, 0.71-0.76 warps issuing per scheduler cycle.
+// In registers the lane's 8 values sit as one bf16x8 vector {first half, second half}, so
+// unpack8/pack8 serve. Numerics: version 1's operations on every value, except the order
+// of a row's fp32 sums (rstd's sum of squares, the backward's sum of g w x), whose terms a
+// lane now meets in another order: rstd and coef can differ from version 1's in the last
+// bit (tests compare this version with the CPU, not with version 1's bits). Row mapping
+// and dw's summation order per column are version 1's.
+struct RopeTableArgs {
+  const float* table = nullptr;  // [positions][H / 4][cos x4, sin x4]
+  int64_t T_len = 1, first_position = 0;
+  int heads = 1;
+};
+
+__device__ __forceinline__ uint4 join_halves(uint2 a, uint2 b) { return make_uint4(a.x, a.y, b.x, b.y); }
+
+// The four pairs' cos and sin of this lane at the row's position (sin negated: the
+// backward's inverse rotation).
+template <int TPR, bool kBackward>
+__device__ __forceinline__ void pair_cos_sin(const RopeTableArgs& rt, int64_t row, int sub,
+                                             float (&c)[4], float (&s)[4]) {
+  const uint32_t t = uint32_t(row) / uint32_t(rt.heads);
+  const int64_t pos = rt.first_position + int64_t(t % uint32_t(rt.T_len));
+  // A position's H / 4 = TPR records of 8 floats; this lane's is record `sub`.
+  const float4* rec = reinterpret_cast<const float4*>(rt.table + (pos * TPR + sub) * 8);
+  const float4 cv = __ldg(rec), sv = __ldg(rec + 1);
+  c[0] = cv.x, c[1] = cv.y, c[2] = cv.z, c[3] = cv.w;
+  s[0] = sv.x, s[1] = sv.y, s[2] = sv.z, s[3] = sv.w;
+  if constexpr (kBackward) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) s[k] = -s[k];
+  }
+}
+
+// Rotate-half on the lane's {first, second} values: version 1's RopeCache::rotate (v
+// rounded to bf16 first; first half v c + (-p) s, second half v c + p s, p the partner).
+__device__ __forceinline__ void rotate_pairs(float (&v)[8], const float (&c)[4], const float (&s)[4]) {
+  unpack8(pack8(v), v);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const float a = v[k], b = v[k + 4];
+    v[k] = a * c[k] + (-1.f * b) * s[k];
+    v[k + 4] = b * c[k] + (1.f * a) * s[k];
+  }
+}
+
+constexpr int kPairRpi = 4;  // rows per lane group and step (version 1's at these D)
+
+// kWarpToken: a warp's rows of a step are heads of one token (heads % RW == 0): one table
+// read a step.
+template <int TPR, bool kWarpToken>
+__global__ void __launch_bounds__(kVecThreads)
+    qk_norm_rope_forward_pairs_kernel(bf16* __restrict__ y, float* __restrict__ rstd,
+                                      const bf16* __restrict__ x, const bf16* __restrict__ w,
+                                      int64_t R, float eps, RopeTableArgs rt) {
+  constexpr int D = 8 * TPR, H = D / 2, G = 32 / TPR, RPI = kPairRpi, RW = G * RPI,
+                RB = (kVecThreads / 32) * RW;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int grp = lane / TPR, sub = lane % TPR;
+  const int c1 = 4 * sub, c2 = H + 4 * sub;
+  float wf[8];
+  unpack8(join_halves(*reinterpret_cast<const uint2*>(w + c1), *reinterpret_cast<const uint2*>(w + c2)), wf);
+  const int64_t stride = int64_t(gridDim.x) * RB;
+  for (int64_t base = int64_t(blockIdx.x) * RB; base < R; base += stride) {
+    uint4 xv[RPI];
+#pragma unroll
+    for (int r = 0; r < RPI; ++r) {
+      const int64_t row = vec_row<G, RPI>(base, warp, grp, r);
+      xv[r] = make_uint4(0, 0, 0, 0);
+      if (row < R) {
+        const bf16* p = x + row * D;
+        xv[r] = join_halves(__ldg(reinterpret_cast<const uint2*>(p + c1)),
+                            __ldg(reinterpret_cast<const uint2*>(p + c2)));
+      }
+    }
+    float c[4], s[4];
+    if constexpr (kWarpToken) pair_cos_sin<TPR, false>(rt, vec_row<G, RPI>(base, warp, 0, 0), sub, c, s);
+#pragma unroll
+    for (int r = 0; r < RPI; ++r) {
+      const int64_t row = vec_row<G, RPI>(base, warp, grp, r);
+      float f[8];
+      unpack8(xv[r], f);
+      float acc = 0.f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc += f[e] * f[e];
+      const float ss = rsqrtf(group_sum<TPR>(acc) / float(D) + eps);
+      if (row >= R) continue;  // after the group's shuffles
+#pragma unroll
+      for (int e = 0; e < 8; ++e) f[e] = f[e] * ss * wf[e];
+      if constexpr (!kWarpToken) pair_cos_sin<TPR, false>(rt, row, sub, c, s);
+      rotate_pairs(f, c, s);
+      const uint4 out = pack8(f);
+      bf16* q = y + row * D;
+      *reinterpret_cast<uint2*>(q + c1) = make_uint2(out.x, out.y);
+      *reinterpret_cast<uint2*>(q + c2) = make_uint2(out.z, out.w);
+      if (sub == 0) rstd[row] = ss;
+    }
+  }
+}
+
+// The backward of the above: dy rotated back (rounded to bf16, as version 1), then
+// version 1's operations; dw's partial row per block as rmsnorm_backward_vec_body, the
+// finish kernel launched as a programmatic dependent.
+// Held to 80 registers (3 blocks an SM; unbounded it took 95, 2 blocks).
+template <int TPR, bool kWarpToken>
+__global__ void __launch_bounds__(kVecThreads, 3)
+    qk_norm_rope_backward_pairs_kernel(bf16* dx, float* __restrict__ partials,
+                                       const bf16* __restrict__ dy, const bf16* __restrict__ x,
+                                       const bf16* __restrict__ w, const float* __restrict__ rstd,
+                                       int64_t R, bool accumulate, RopeTableArgs rt) {
+  pdl_launch_dependents();
+  constexpr int D = 8 * TPR, H = D / 2, G = 32 / TPR, RPI = kPairRpi, RW = G * RPI,
+                RB = (kVecThreads / 32) * RW;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int grp = lane / TPR, sub = lane % TPR;
+  const int c1 = 4 * sub, c2 = H + 4 * sub;
+  float wf[8], dw_acc[8];
+  unpack8(join_halves(*reinterpret_cast<const uint2*>(w + c1), *reinterpret_cast<const uint2*>(w + c2)), wf);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) dw_acc[e] = 0.f;
+  const int64_t stride = int64_t(gridDim.x) * RB;
+  for (int64_t base = int64_t(blockIdx.x) * RB; base < R; base += stride) {
+    uint4 xv[RPI], gv[RPI];
+    float rs[RPI];
+#pragma unroll
+    for (int r = 0; r < RPI; ++r) {
+      const int64_t row = vec_row<G, RPI>(base, warp, grp, r);
+      xv[r] = gv[r] = make_uint4(0, 0, 0, 0);
+      rs[r] = 0.f;
+      if (row < R) {
+        const bf16 *px = x + row * D, *pg = dy + row * D;
+        xv[r] = join_halves(__ldg(reinterpret_cast<const uint2*>(px + c1)),
+                            __ldg(reinterpret_cast<const uint2*>(px + c2)));
+        gv[r] = join_halves(__ldg(reinterpret_cast<const uint2*>(pg + c1)),
+                            __ldg(reinterpret_cast<const uint2*>(pg + c2)));
+        rs[r] = rstd[row];
+      }
+    }
+    float c[4], s[4];
+    if constexpr (kWarpToken) pair_cos_sin<TPR, true>(rt, vec_row<G, RPI>(base, warp, 0, 0), sub, c, s);
+#pragma unroll
+    for (int r = 0; r < RPI; ++r) {
+      const int64_t row = vec_row<G, RPI>(base, warp, grp, r);
+      float xf[8], gf[8];
+      unpack8(xv[r], xf);
+      unpack8(gv[r], gf);
+      if constexpr (!kWarpToken) pair_cos_sin<TPR, true>(rt, row < R ? row : 0, sub, c, s);
+      rotate_pairs(gf, c, s);
+      unpack8(pack8(gf), gf);  // the rotated gradient as the unfused inverse RoPE stores it
+      float gx = 0.f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) gx += gf[e] * wf[e] * xf[e];
+      const float coef = rs[r] * rs[r] * group_sum<TPR>(gx) / float(D);
+      // Rows past R hold zeros: they add nothing to dw.
+#pragma unroll
+      for (int e = 0; e < 8; ++e) dw_acc[e] += gf[e] * (xf[e] * rs[r]);
+      if (row >= R) continue;
+      float v[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[e] = rs[r] * (gf[e] * wf[e] - xf[e] * coef);
+      bf16* q = dx + row * D;
+      if (accumulate) {
+        float old[8];
+        unpack8(join_halves(*reinterpret_cast<const uint2*>(q + c1), *reinterpret_cast<const uint2*>(q + c2)), old);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[e] = stored<bf16>(v[e]) + old[e];
+      }
+      const uint4 out = pack8(v);
+      *reinterpret_cast<uint2*>(q + c1) = make_uint2(out.x, out.y);
+      *reinterpret_cast<uint2*>(q + c2) = make_uint2(out.z, out.w);
+    }
+  }
+  // dw: lane groups by shuffles, then warps in order through shared memory (version 1's order).
+#pragma unroll
+  for (int e = 0; e < 8; ++e)
+#pragma unroll
+    for (int o = 16; o >= TPR; o >>= 1) dw_acc[e] += __shfl_xor_sync(0xffffffffu, dw_acc[e], o);
+  __shared__ float col_sum[D];
+  for (int wi = 0; wi < kVecThreads / 32; ++wi) {
+    if (warp == wi && grp == 0) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const int col = e < 4 ? c1 + e : c2 + e - 4;
+        col_sum[col] = wi == 0 ? dw_acc[e] : col_sum[col] + dw_acc[e];
+      }
+    }
+    __syncthreads();
+  }
+  for (int c = threadIdx.x; c < D; c += kVecThreads) partials[int64_t(blockIdx.x) * D + c] = col_sum[c];
+}
+
+// The cos/sin table of version 6: record (pos, q) holds pairs 4q .. 4q + 3 (cos, then
+// sin) at position pos. inv_freq of pair p is RopeCache::update's sequence of fp64
+// products (ipow(base, 8 (p / 8)), then base p % 8 times), and rope_cos_sin the same
+// call: the same bits as versions 1-5 compute in the kernel.
+__global__ void rope_table_kernel(float* table, double base, int half, int64_t positions) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= positions * half) return;
+  const int64_t pos = i / half;
+  const int p = int(i % half);
+  double f = ipow(base, p & ~7);
+  for (int k = 0; k < (p & 7); ++k) f *= base;
+  float c, s;
+  rope_cos_sin(f, pos, false, c, s);
+  float* rec = table + (pos * (half / 4) + p / 4) * 8;
+  rec[p % 4] = c;
+  rec[4 + p % 4] = s;
+}
+
 // dw[c] += sum over blocks b (in order per row lane, then lanes in order) of
 // partials[b][c]. Block (32 columns) x (kFinishLanes row lanes): with one partial row per
 // resident block (~264 at D 1280) every lane has all its ~8 loads in flight at once (was 8
@@ -751,11 +966,16 @@ bool vector_path(DType t, int64_t D, int64_t max_d, std::initializer_list<const 
 //   at head_dim 128; 32-bit token index), no prefetch. 3 version 2, forward on the
 //   balanced grid, backward with the programmatic dependent finish. 4 version 3 with the
 //   forward's register pipeline. 5 version 4 with the backward's x and dy staged.
+//   6 the paired-lane kernels (qk_norm_rope_*_pairs_kernel: both halves of a rotate-half
+//   pair in one lane, cos/sin from the backend's table; forward on the balanced grid,
+//   backward on its own resident grid with the programmatic dependent finish). Not
+//   version 1's bits: a row's fp32 sums meet their terms in another order. Where the
+//   call has no table covering its positions, version 3.
 // Lab versions apply to BF16 weights (the model's); F32 weights take version 1.
-constexpr int kForwardVersions = 5, kBackwardVersions = 4, kQkVersions = 5;
+constexpr int kForwardVersions = 5, kBackwardVersions = 4, kQkVersions = 6;
 // Defaults: the fastest of the device run of 2026-12-01 (cuda/NOTES.md, "Norm kernel
 // versions", measured table): forward 4, backward 1 (no lab version beat it), QK 3.
-constexpr int kForwardDefault = 4, kBackwardDefault = 1, kQkDefault = 3;
+constexpr int kForwardDefault = 4, kBackwardDefault = 1, kQkDefault = 6;
 int g_forward_version = kForwardDefault;    // norm_set_kernel_version (timing lab)
 int g_backward_version = kBackwardDefault;
 int g_qk_version = kQkDefault;
@@ -955,6 +1175,67 @@ bool launch_backward_vec(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor
   return launched;
 }
 
+// Version 6 (the paired-lane kernels) where it applies: BF16 weights, head_dim 64, 128 or
+// 256, row indices in 32 bits, and a table of this head_dim covering every position of
+// the call. f(integral_constant<TPR>, RopeTableArgs) launches; false: not taken.
+template <class F>
+bool with_pairs(const Tensor& w, int64_t R, int64_t D, const RopeArgs& ra, const RopeTable& table,
+                F&& f) {
+  if (g_qk_version != 6 || w.dtype != DType::BF16 || !lite_rows_fit(R) || !table.data ||
+      table.head_dim != D || ra.first_position < 0 || ra.first_position + ra.T_len > table.positions)
+    return false;
+  RopeTableArgs rt;
+  rt.table = table.data;
+  rt.T_len = ra.T_len;
+  rt.first_position = ra.first_position;
+  rt.heads = ra.heads;
+  if (D == 64) f(std::integral_constant<int, 8>{}, rt);
+  else if (D == 128) f(std::integral_constant<int, 16>{}, rt);
+  else if (D == 256) f(std::integral_constant<int, 32>{}, rt);
+  else return false;
+  return true;
+}
+
+bool launch_forward_pairs(cudaStream_t s, Tensor y, Tensor rstd, Tensor x, Tensor w, int64_t R,
+                          int64_t D, double eps, const RopeArgs& ra, const RopeTable& table) {
+  return with_pairs(w, R, D, ra, table, [&](auto tpr, const RopeTableArgs& rt) {
+    constexpr int TPR = decltype(tpr)::value, RW = (32 / TPR) * kPairRpi;
+    auto go = [&](auto kern) {
+      const int64_t steps = ceil_div(R, int64_t(kVecThreads / 32) * RW);
+      const int64_t blocks = vec_grid(GridRule::Balanced, steps, per_sm_cached(kern));
+      kern<<<unsigned(blocks), kVecThreads, 0, s>>>(
+          static_cast<bf16*>(y.data), rstd.ptr<float>(), static_cast<const bf16*>(x.data),
+          static_cast<const bf16*>(w.data), R, float(eps), rt);
+      CUDA_CHECK_LAUNCH();
+    };
+    if (ra.heads % RW == 0) go(qk_norm_rope_forward_pairs_kernel<TPR, true>);
+    else go(qk_norm_rope_forward_pairs_kernel<TPR, false>);
+  });
+}
+
+bool launch_backward_pairs(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,
+                           Tensor rstd, int64_t R, int64_t D, bool accumulate_dx,
+                           const ScratchFn& scratch, const RopeArgs& ra, const RopeTable& table) {
+  return with_pairs(w, R, D, ra, table, [&](auto tpr, const RopeTableArgs& rt) {
+    constexpr int TPR = decltype(tpr)::value, RW = (32 / TPR) * kPairRpi;
+    auto go = [&](auto kern) {
+      const int64_t rb = (kVecThreads / 32) * RW;
+      const int64_t blocks =
+          std::min<int64_t>(ceil_div(R, rb), int64_t(sm_count()) * per_sm_cached(kern));
+      auto* partials = static_cast<float*>(
+          scratch(ScratchSlot::NormPartials, size_t(blocks) * size_t(D) * sizeof(float)));
+      kern<<<unsigned(blocks), kVecThreads, 0, s>>>(
+          static_cast<bf16*>(dx.data), partials, static_cast<const bf16*>(dy.data),
+          static_cast<const bf16*>(x.data), static_cast<const bf16*>(w.data), rstd.ptr<float>(),
+          R, accumulate_dx, rt);
+      CUDA_CHECK_LAUNCH();
+      launch_dw_finish(s, true, dw.ptr<float>(), partials, int(blocks), int(D));
+    };
+    if (ra.heads % RW == 0) go(qk_norm_rope_backward_pairs_kernel<TPR, true>);
+    else go(qk_norm_rope_backward_pairs_kernel<TPR, false>);
+  });
+}
+
 void check_forward(const char* what, Tensor y, Tensor rstd, Tensor x, int64_t R, int64_t D) {
   check_numel(x, R * D, what, "x");
   check_numel(y, R * D, what, "y");
@@ -1084,14 +1365,15 @@ void rmsnorm_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor x,
 namespace mhar::cuda {
 
 void qk_norm_rope_forward(cudaStream_t s, Tensor y, Tensor rstd, Tensor x, Tensor w, double eps,
-                          double theta, int64_t first_position) {
+                          double theta, int64_t first_position, const RopeTable& table) {
   const int64_t D = w.numel(), R = x.numel() / D;
   const RopeArgs ra = rope_args("qk_norm_rope_forward", y, theta, false, first_position);
   MHAR_CHECK(y.dim(3) == D, "qk_norm_rope_forward: head_dim ", y.dim(3), " but weight ", D);
   check_forward("qk_norm_rope_forward", y, rstd, x, R, D);
   if (R == 0) return;
   if (fused_rope_shape(D) && vector_path(x.dtype, D, kVecMaxD, {x.data, y.data, w.data}) &&
-      launch_forward_vec<true>(s, y, rstd, x, w, R, D, eps, ra))
+      (launch_forward_pairs(s, y, rstd, x, w, R, D, eps, ra, table.theta == theta ? table : RopeTable{}) ||
+       launch_forward_vec<true>(s, y, rstd, x, w, R, D, eps, ra)))
     return;
   rmsnorm_forward(s, y, rstd, x, w, eps);
   rope(s, y, theta, false, first_position);
@@ -1099,7 +1381,7 @@ void qk_norm_rope_forward(cudaStream_t s, Tensor y, Tensor rstd, Tensor x, Tenso
 
 void qk_norm_rope_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,
                            Tensor rstd, double theta, bool accumulate_dx,
-                           const ScratchFn& scratch) {
+                           const ScratchFn& scratch, const RopeTable& table) {
   const int64_t D = w.numel(), R = x.numel() / D;
   const RopeArgs ra = rope_args("qk_norm_rope_backward", dy, theta, true, 0);
   MHAR_CHECK(dy.dim(3) == D, "qk_norm_rope_backward: head_dim ", dy.dim(3), " but weight ", D);
@@ -1107,7 +1389,9 @@ void qk_norm_rope_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tens
   if (R == 0) return;
   if (fused_rope_shape(D) &&
       vector_path(x.dtype, D, kVecMaxDBackward, {x.data, dx.data, dy.data, w.data}) &&
-      launch_backward_vec<true>(s, dx, dw, dy, x, w, rstd, R, D, accumulate_dx, scratch, ra))
+      (launch_backward_pairs(s, dx, dw, dy, x, w, rstd, R, D, accumulate_dx, scratch, ra,
+                             table.theta == theta ? table : RopeTable{}) ||
+       launch_backward_vec<true>(s, dx, dw, dy, x, w, rstd, R, D, accumulate_dx, scratch, ra)))
     return;
   rope(s, dy, theta, true);
   rmsnorm_backward(s, dx, dw, dy, x, w, rstd, accumulate_dx, scratch);
@@ -1116,6 +1400,30 @@ void qk_norm_rope_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tens
 }  // namespace mhar::cuda
 
 namespace mhar::cuda {
+
+size_t rope_table_bytes(int64_t head_dim, int64_t positions) {
+  if (!fused_rope_shape(head_dim) || positions <= 0) return 0;
+  return size_t(positions) * size_t(head_dim) * sizeof(float);  // cos and sin of D/2 pairs
+}
+
+RopeTable rope_table_fill(cudaStream_t s, void* table, double theta, int64_t head_dim,
+                          int64_t positions) {
+  MHAR_CHECK(rope_table_bytes(head_dim, positions) > 0, "rope_table_fill: head_dim ", head_dim,
+             " (64, 128 or 256) and positions ", positions, " (> 0)");
+  MHAR_CHECK(theta > 0, "rope_table_fill: theta ", theta, " (> 0)");
+  const int half = int(head_dim / 2);
+  const double base = std::pow(theta, -2.0 / double(head_dim));  // as rope_args
+  const int64_t n = positions * half;
+  rope_table_kernel<<<unsigned(ceil_div(n, int64_t(256))), 256, 0, s>>>(static_cast<float*>(table),
+                                                                      base, half, positions);
+  CUDA_CHECK_LAUNCH();
+  RopeTable t;
+  t.data = static_cast<const float*>(table);
+  t.head_dim = head_dim;
+  t.positions = positions;
+  t.theta = theta;
+  return t;
+}
 
 int norm_kernel_versions(NormKernel kernel) {
   switch (kernel) {
