@@ -267,16 +267,19 @@ struct AddArgs {
 // warp (RopeCache::update_warp) and the token index in 32 bits; kPdl (backward), the dw
 // finish kernel may launch while this one still runs (programmatic dependent launch);
 // kStaged (backward), x and dy of the next step copied into shared memory by cp.async
-// while this step computes (two stages; the step reads its rows from shared memory).
+// while this step computes (two stages; the step reads its rows from shared memory);
+// kDwShared (backward, rows of one warp: TPR 32, RPI 1), dw's per-column partial sums in
+// shared memory instead of registers (the same additions in the same order per column),
+// which frees VPL x 8 registers a thread for a third block an SM.
 // None changes an operation on a value or the rows a lane handles: the same bits.
 // (Outside the unnamed namespace: nvcc warns about its unused members there.)
 }  // namespace
 namespace norm_lab {
 template <bool Prefetch, bool Pipeline = false, bool Lite = false, bool Pdl = false,
-          bool Staged = false>
+          bool Staged = false, bool DwShared = false>
 struct VecOpt {
   static constexpr bool kPrefetch = Prefetch, kPipeline = Pipeline, kLite = Lite, kPdl = Pdl,
-                        kStaged = Staged;
+                        kStaged = Staged, kDwShared = DwShared;
 };
 }  // namespace norm_lab
 namespace {
@@ -473,13 +476,29 @@ __device__ __forceinline__ void rmsnorm_backward_vec_body(
   if constexpr (Opt::kPdl) pdl_launch_dependents();
   RopeCache<TPR, Opt::kLite> rc;
   constexpr int G = 32 / TPR, RW = G * RPI, RB = (kVecThreads / 32) * RW;
+  constexpr bool kDwShared = Opt::kDwShared;
+  static_assert(!kDwShared || (TPR == 32 && RPI == 1 && !kRope && !Opt::kStaged),
+                "dw in shared memory: one row a warp, no staging");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int grp = lane / TPR, sub = lane % TPR;
-  float dw_acc[VPL][8];
+  // kDwShared: this lane's 8 columns of vector k, half h (4 floats) at dw_slot(k, h): lanes
+  // side by side, so a warp's 16-byte accesses touch every bank once per 128 bytes.
+  float dw_acc[kDwShared ? 1 : VPL][8];
+  extern __shared__ uint4 norm_stage[];
+  auto dw_slot = [&](int wi, int k, int h) {
+    return reinterpret_cast<float4*>(norm_stage) + ((wi * VPL + k) * 2 + h) * 32 + lane;
+  };
+  if constexpr (kDwShared) {
 #pragma unroll
-  for (int k = 0; k < VPL; ++k)
+    for (int k = 0; k < VPL; ++k)
 #pragma unroll
-    for (int e = 0; e < 8; ++e) dw_acc[k][e] = 0.f;
+      for (int h = 0; h < 2; ++h) *dw_slot(warp, k, h) = make_float4(0.f, 0.f, 0.f, 0.f);
+  } else {
+#pragma unroll
+    for (int k = 0; k < VPL; ++k)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) dw_acc[k][e] = 0.f;
+  }
 
   auto row_of = [&](int64_t base, int r) { return vec_row<G, RPI>(base, warp, grp, r); };
   const int64_t stride = int64_t(gridDim.x) * RB;
@@ -489,7 +508,6 @@ __device__ __forceinline__ void rmsnorm_backward_vec_body(
     prefetch_rows<RW>(int64_t(blockIdx.x) * RB, warp, lane, R, D, dx);
   // kStaged: a step's x and dy rows, copied a step ahead (each lane copies and later reads
   // its own 16-byte slots: no barrier), and its rstd values, loaded a step ahead too.
-  extern __shared__ uint4 norm_stage[];
   auto slot = [&](int buf, int t, int r, int k) {
     return norm_stage + ((((buf * 2 + t) * (kVecThreads / 32) + warp) * RPI + r) * VPL + k) * 32 +
            lane;
@@ -594,8 +612,22 @@ __device__ __forceinline__ void rmsnorm_backward_vec_body(
         unpack8(xv[r][k], xf);
         unpack8(gv[r][k], gf);
         // Rows past R hold zeros: they add nothing to dw.
+        if constexpr (kDwShared) {
+          float4 a = *dw_slot(warp, k, 0), b = *dw_slot(warp, k, 1);
+          a.x += gf[0] * (xf[0] * rs[r]);
+          a.y += gf[1] * (xf[1] * rs[r]);
+          a.z += gf[2] * (xf[2] * rs[r]);
+          a.w += gf[3] * (xf[3] * rs[r]);
+          b.x += gf[4] * (xf[4] * rs[r]);
+          b.y += gf[5] * (xf[5] * rs[r]);
+          b.z += gf[6] * (xf[6] * rs[r]);
+          b.w += gf[7] * (xf[7] * rs[r]);
+          *dw_slot(warp, k, 0) = a;
+          *dw_slot(warp, k, 1) = b;
+        } else {
 #pragma unroll
-        for (int e = 0; e < 8; ++e) dw_acc[k][e] += gf[e] * (xf[e] * rs[r]);
+          for (int e = 0; e < 8; ++e) dw_acc[k][e] += gf[e] * (xf[e] * rs[r]);
+        }
         if (row >= R) continue;
         float v[8];
 #pragma unroll
@@ -614,31 +646,45 @@ __device__ __forceinline__ void rmsnorm_backward_vec_body(
 
   if constexpr (Opt::kStaged) stage_wait<0>();  // the last (zero-filled) stage
 
-  // dw partial of this block: lane groups of a warp (same columns) by shuffles, then the
-  // warps in warp order through shared memory; one row of `partials` per block.
-#pragma unroll
-  for (int k = 0; k < VPL; ++k)
-#pragma unroll
-    for (int e = 0; e < 8; ++e)
-#pragma unroll
-      for (int o = 16; o >= TPR; o >>= 1)
-        dw_acc[k][e] += __shfl_xor_sync(0xffffffffu, dw_acc[k][e], o);
-  __shared__ float col_sum[kVecMaxDBackward];
-  for (int wi = 0; wi < kVecThreads / 32; ++wi) {
-    if (warp == wi && grp == 0) {
-#pragma unroll
-      for (int k = 0; k < VPL; ++k) {
-        const int col = (sub + k * TPR) * 8;
-        if (col >= D) continue;
-#pragma unroll
-        for (int e = 0; e < 8; ++e)
-          col_sum[col + e] = wi == 0 ? dw_acc[k][e] : col_sum[col + e] + dw_acc[k][e];
-      }
-    }
+  if constexpr (kDwShared) {
+    // Column c's sums of the 8 warps, in warp order: the additions below, as version 1's.
     __syncthreads();
+    const float* sums = reinterpret_cast<const float*>(norm_stage);
+    for (int c = threadIdx.x; c < D; c += kVecThreads) {
+      const int k = c / (8 * TPR), l = (c / 8) % TPR, h = (c / 4) % 2, j = c % 4;
+      auto at = [&](int wi) { return sums[(((wi * VPL + k) * 2 + h) * 32 + l) * 4 + j]; };
+      float t = at(0);
+#pragma unroll
+      for (int wi = 1; wi < kVecThreads / 32; ++wi) t += at(wi);
+      partials[int64_t(blockIdx.x) * D + c] = t;
+    }
+  } else {
+    // dw partial of this block: lane groups of a warp (same columns) by shuffles, then the
+    // warps in warp order through shared memory; one row of `partials` per block.
+#pragma unroll
+    for (int k = 0; k < VPL; ++k)
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+#pragma unroll
+        for (int o = 16; o >= TPR; o >>= 1)
+          dw_acc[k][e] += __shfl_xor_sync(0xffffffffu, dw_acc[k][e], o);
+    __shared__ float col_sum[kVecMaxDBackward];
+    for (int wi = 0; wi < kVecThreads / 32; ++wi) {
+      if (warp == wi && grp == 0) {
+#pragma unroll
+        for (int k = 0; k < VPL; ++k) {
+          const int col = (sub + k * TPR) * 8;
+          if (col >= D) continue;
+#pragma unroll
+          for (int e = 0; e < 8; ++e)
+            col_sum[col + e] = wi == 0 ? dw_acc[k][e] : col_sum[col + e] + dw_acc[k][e];
+        }
+      }
+      __syncthreads();
+    }
+    for (int c = threadIdx.x; c < D; c += kVecThreads)
+      partials[int64_t(blockIdx.x) * D + c] = col_sum[c];
   }
-  for (int c = threadIdx.x; c < D; c += kVecThreads)
-    partials[int64_t(blockIdx.x) * D + c] = col_sum[c];
 }
 
 template <class W, int TPR, int VPL, int RPI, bool kRope = false, bool kWarpToken = false,
@@ -961,6 +1007,10 @@ bool vector_path(DType t, int64_t D, int64_t max_d, std::initializer_list<const 
 //   memory for its rows (the old dx of "+=" is still asked of L2 a step ahead).
 //   Shared memory 2 x 2 x 8 x RPI x VPL x 512 bytes (80 KB at D 1280; the blocks per SM
 //   of version 1 still fit up to D 2048).
+//   5 version 3 with dw's partial sums in shared memory (kDwShared; rows of one warp,
+//   512 < D <= 1536: 8 x VPL KB, 40 KB at D 1280) held to 3 blocks an SM, on its own resident
+//   grid: not version 1's dw bits (other partial rows; dx is version 1's bits). Shorter
+//   rows run version 3.
 // QkNormRope (qk_norm_rope_forward and _backward):
 //   1 as version 1 of the others. 2 kLite (cos/sin split over the warp: half the sincosf
 //   at head_dim 128; 32-bit token index), no prefetch. 3 version 2, forward on the
@@ -972,10 +1022,10 @@ bool vector_path(DType t, int64_t D, int64_t max_d, std::initializer_list<const 
 //   version 1's bits: a row's fp32 sums meet their terms in another order. Where the
 //   call has no table covering its positions, version 3.
 // Lab versions apply to BF16 weights (the model's); F32 weights take version 1.
-constexpr int kForwardVersions = 5, kBackwardVersions = 4, kQkVersions = 6;
-// Defaults: the fastest of the device run of 2026-12-01 (cuda/NOTES.md, "Norm kernel
-// versions", measured table): forward 4, backward 1 (no lab version beat it), QK 3.
-constexpr int kForwardDefault = 4, kBackwardDefault = 1, kQkDefault = 6;
+constexpr int kForwardVersions = 5, kBackwardVersions = 5, kQkVersions = 6;
+// Defaults: the fastest of the device runs (cuda/NOTES.md, "Norm kernel versions" and
+// "Paired lanes"): forward 4, backward 5, QK 6.
+constexpr int kForwardDefault = 4, kBackwardDefault = 5, kQkDefault = 6;
 int g_forward_version = kForwardDefault;    // norm_set_kernel_version (timing lab)
 int g_backward_version = kBackwardDefault;
 int g_qk_version = kQkDefault;
@@ -1079,7 +1129,7 @@ bool launch_forward_vec(cudaStream_t s, Tensor y, Tensor rstd, Tensor x, Tensor 
             };
             using Lite = VecOpt<false, false, true>;
             if (v == 2) both(Lite{}, GridRule::Resident);
-            else if (v == 3) both(Lite{}, GridRule::Balanced);
+            else if (v == 3 || v == 6) both(Lite{}, GridRule::Balanced);  // 6: no table here
             else both(VecOpt<false, true, true>{}, GridRule::Balanced);
           } else {
             using Plain = VecOpt<false>;
@@ -1120,9 +1170,7 @@ bool launch_backward_vec(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor
         // Version 1's grid for every version (dw's bits depend on it).
         const int per_sm = warp_token ? per_sm_warp_token : per_sm_any;
         const int64_t rb = (kVecThreads / 32) * RW;
-        const int64_t blocks = std::min<int64_t>(ceil_div(R, rb), int64_t(sm_count()) * per_sm);
-        auto* partials = static_cast<float*>(
-            scratch(ScratchSlot::NormPartials, size_t(blocks) * size_t(D) * sizeof(float)));
+        int64_t blocks = std::min<int64_t>(ceil_div(R, rb), int64_t(sm_count()) * per_sm);
         int v = std::is_same_v<W, bf16> ? version : 1;
         if (kRope && !lite_rows_fit(R)) v = 1;
         bool pdl = false;
@@ -1156,12 +1204,42 @@ bool launch_backward_vec(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor
             }
           };
           // Plain: 2, 3, 4 as listed above; QK-norm + RoPE: 2, 3 (and 4, whose change is
-          // the forward's), 5.
+          // the forward's), 5 (6 is the paired-lane kernels, launched before this).
+          // Plain version 5, rows of one warp: dw in shared memory, 3 blocks an SM, its own
+          // resident grid (so its own partial rows: dw's sum order differs from version 1's).
+          // (VPL <= 6: at 8, the 3-block bound spills.)
+          constexpr bool kDwSharedFits = !kRope && C::TPR == 32 && RPI == 1 && C::VPL <= 6;
           const int staged_from = kRope ? 5 : 4;
           if (v == 2) pick(VecOpt<false, false, kRope>{});
-          else if (v < staged_from) pick(VecOpt<false, false, kRope, true>{});
-          else pick(VecOpt<false, false, kRope, true, true>{});
+          else if (v < staged_from || (kRope && v == 6)) pick(VecOpt<false, false, kRope, true>{});
+          else if (kRope || v == 4) pick(VecOpt<false, false, kRope, true, true>{});
+          else if constexpr (!kDwSharedFits) pick(VecOpt<false, false, false, true>{});
+          else {
+            using Opt = VecOpt<false, false, false, true, false, true>;
+            auto k3 = rmsnorm_backward_vec_kernel3<W, C::TPR, C::VPL, RPI, Opt>;
+            kern = k3;
+            pdl = true;
+            smem = size_t(kVecThreads / 32) * C::VPL * 2 * 32 * 16;
+            static thread_local int sized_for = -1;  // per device, as the staged kernels
+            int dev = 0;
+            CUDA_CHECK(cudaGetDevice(&dev));
+            if (sized_for != dev) {
+              CUDA_CHECK(cudaFuncSetAttribute(k3, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              int(smem)));
+              CUDA_CHECK(cudaFuncSetAttribute(k3, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                              100));
+              sized_for = dev;
+            }
+            static const int per_sm_k3 = [&] {
+              int n = 0;
+              CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k3, kVecThreads, smem));
+              return std::max(n, 1);
+            }();
+            blocks = std::min<int64_t>(ceil_div(R, rb), int64_t(sm_count()) * per_sm_k3);
+          }
         }
+        auto* partials = static_cast<float*>(
+            scratch(ScratchSlot::NormPartials, size_t(blocks) * size_t(D) * sizeof(float)));
         kern<<<unsigned(blocks), kVecThreads, smem, s>>>(
             static_cast<bf16*>(dx.data), partials, static_cast<const bf16*>(dy.data),
             static_cast<const bf16*>(x.data), static_cast<const W*>(w.data), rstd.ptr<float>(),
