@@ -262,8 +262,8 @@ struct AddArgs {
 
 // What a kernel-lab version changes in a vector kernel, at compile time (norm_set_kernel_version;
 // version 1 is OptV1): kPrefetch, the L2 prefetch of the next step's rows; kPipeline
-// (forward), the next step's rows loaded into registers before this step's arithmetic, so
-// a warp always has a step's loads in flight; kLite (fused RoPE), cos/sin split over the
+// (forward; backward version 6), the next step's rows loaded into registers before this
+// step's arithmetic, so a warp always has a step's loads in flight; kLite (fused RoPE), cos/sin split over the
 // warp (RopeCache::update_warp) and the token index in 32 bits; kPdl (backward), the dw
 // finish kernel may launch while this one still runs (programmatic dependent launch);
 // kStaged (backward), x and dy of the next step copied into shared memory by cp.async
@@ -531,10 +531,43 @@ __device__ __forceinline__ void rmsnorm_backward_vec_body(
   };
   int buf = 0;
   if constexpr (Opt::kStaged) stage_issue(int64_t(blockIdx.x) * RB, 0);
+  // A step's rows x, dy and their rstd (rows past R: zeros, nothing read).
+  auto load_rows = [&](int64_t b, uint4 (&xo)[RPI][VPL], uint4 (&go)[RPI][VPL], float (&ro)[RPI]) {
+#pragma unroll
+    for (int r = 0; r < RPI; ++r) {
+      const int64_t row = row_of(b, r);
+      ro[r] = row < R ? rstd[row] : 0.f;
+#pragma unroll
+      for (int k = 0; k < VPL; ++k) {
+        const int col = (sub + k * TPR) * 8;
+        const bool ok = row < R && col < D;
+        xo[r][k] = ok ? __ldg(reinterpret_cast<const uint4*>(x + row * D + col))
+                      : make_uint4(0, 0, 0, 0);
+        go[r][k] = ok ? __ldg(reinterpret_cast<const uint4*>(dy + row * D + col))
+                      : make_uint4(0, 0, 0, 0);
+      }
+    }
+  };
+  // kPipeline: the next step's rows are requested before this step's arithmetic and
+  // stores, so a warp always has a step's loads in flight.
+  [[maybe_unused]] uint4 nx[RPI][VPL], ng[RPI][VPL];
+  [[maybe_unused]] float nrs[RPI];
+  if constexpr (Opt::kPipeline) load_rows(int64_t(blockIdx.x) * RB, nx, ng, nrs);
   for (int64_t base = int64_t(blockIdx.x) * RB; base < R; base += stride, buf ^= 1) {
     uint4 xv[RPI][VPL], gv[RPI][VPL];
     float rs[RPI], coef[RPI];
-    if constexpr (Opt::kStaged) {
+    if constexpr (Opt::kPipeline) {
+#pragma unroll
+      for (int r = 0; r < RPI; ++r) {
+        rs[r] = nrs[r];
+#pragma unroll
+        for (int k = 0; k < VPL; ++k) {
+          xv[r][k] = nx[r][k];
+          gv[r][k] = ng[r][k];
+        }
+      }
+      load_rows(base + stride, nx, ng, nrs);
+    } else if constexpr (Opt::kStaged) {
 #pragma unroll
       for (int r = 0; r < RPI; ++r) rs[r] = rs_next[r];
       stage_issue(base + stride, buf ^ 1);  // rows past R: zero-filled, nothing read
@@ -548,20 +581,7 @@ __device__ __forceinline__ void rmsnorm_backward_vec_body(
         }
       if (accumulate) prefetch_rows<RW>(base + stride, warp, lane, R, D, dx);
     } else {
-#pragma unroll
-      for (int r = 0; r < RPI; ++r) {
-        const int64_t row = row_of(base, r);
-        rs[r] = row < R ? rstd[row] : 0.f;
-#pragma unroll
-        for (int k = 0; k < VPL; ++k) {
-          const int col = (sub + k * TPR) * 8;
-          const bool ok = row < R && col < D;
-          xv[r][k] = ok ? __ldg(reinterpret_cast<const uint4*>(x + row * D + col))
-                        : make_uint4(0, 0, 0, 0);
-          gv[r][k] = ok ? __ldg(reinterpret_cast<const uint4*>(dy + row * D + col))
-                        : make_uint4(0, 0, 0, 0);
-        }
-      }
+      load_rows(base, xv, gv, rs);
     }
     if constexpr (Opt::kPrefetch)
       prefetch_rows<RW>(base + stride, warp, lane, R, D, x, dy, accumulate ? dx : nullptr);
@@ -1011,6 +1031,9 @@ bool vector_path(DType t, int64_t D, int64_t max_d, std::initializer_list<const 
 //   512 < D <= 1536: 8 x VPL KB, 40 KB at D 1280) held to 3 blocks an SM, on its own resident
 //   grid: not version 1's dw bits (other partial rows; dx is version 1's bits). Shorter
 //   rows run version 3.
+//   6 version 5 with the next step's x, dy and rstd loaded into registers before this
+//   step's arithmetic (kPipeline), 2 blocks an SM, its own resident grid (as 5: dw's
+//   partial rows differ from version 1's). Shorter rows run version 3.
 // QkNormRope (qk_norm_rope_forward and _backward):
 //   1 as version 1 of the others. 2 kLite (cos/sin split over the warp: half the sincosf
 //   at head_dim 128; 32-bit token index), no prefetch. 3 version 2, forward on the
@@ -1022,7 +1045,7 @@ bool vector_path(DType t, int64_t D, int64_t max_d, std::initializer_list<const 
 //   version 1's bits: a row's fp32 sums meet their terms in another order. Where the
 //   call has no table covering its positions, version 3.
 // Lab versions apply to BF16 weights (the model's); F32 weights take version 1.
-constexpr int kForwardVersions = 5, kBackwardVersions = 5, kQkVersions = 6;
+constexpr int kForwardVersions = 5, kBackwardVersions = 6, kQkVersions = 6;
 // Defaults: the fastest of the device runs (cuda/NOTES.md, "Norm kernel versions" and
 // "Paired lanes"): forward 4, backward 5, QK 6.
 constexpr int kForwardDefault = 4, kBackwardDefault = 5, kQkDefault = 6;
@@ -1214,7 +1237,31 @@ bool launch_backward_vec(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor
           else if (v < staged_from || (kRope && v == 6)) pick(VecOpt<false, false, kRope, true>{});
           else if (kRope || v == 4) pick(VecOpt<false, false, kRope, true, true>{});
           else if constexpr (!kDwSharedFits) pick(VecOpt<false, false, false, true>{});
-          else {
+          else if (v == 6) {
+            // Version 5 with the register pipeline: 2 blocks an SM, each warp always with
+            // a step's loads in flight. Its own resident grid, as version 5.
+            using Opt = VecOpt<false, true, false, true, false, true>;
+            auto k2 = rmsnorm_backward_vec_kernel<W, C::TPR, C::VPL, RPI, false, false, Opt>;
+            kern = k2;
+            pdl = true;
+            smem = size_t(kVecThreads / 32) * C::VPL * 2 * 32 * 16;
+            static thread_local int sized_for = -1;
+            int dev = 0;
+            CUDA_CHECK(cudaGetDevice(&dev));
+            if (sized_for != dev) {
+              CUDA_CHECK(cudaFuncSetAttribute(k2, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              int(smem)));
+              CUDA_CHECK(cudaFuncSetAttribute(k2, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                              100));
+              sized_for = dev;
+            }
+            static const int per_sm_k2 = [&] {
+              int n = 0;
+              CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k2, kVecThreads, smem));
+              return std::max(n, 1);
+            }();
+            blocks = std::min<int64_t>(ceil_div(R, rb), int64_t(sm_count()) * per_sm_k2);
+          } else {
             using Opt = VecOpt<false, false, false, true, false, true>;
             auto k3 = rmsnorm_backward_vec_kernel3<W, C::TPR, C::VPL, RPI, Opt>;
             kern = k3;
