@@ -168,7 +168,9 @@ void qk_norm_rope_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tens
 // calls it): numbered versions 1 .. norm_kernel_versions(k) of the vector norm kernels
 // (Forward: rmsnorm_forward and add_rmsnorm_forward; Backward: rmsnorm_backward;
 // QkNormRope: both fused QK-norm + RoPE ops), each a complete alternative with the same
-// bits as version 1 (cuda/norm.cu says what each changes). version <= 0: the default.
+// bits as version 1 except Backward 5 and 6 (dw summed over their own grid) and QkNormRope
+// 6 (a row's sums in another order) (cuda/norm.cu says what each changes). version <= 0:
+// the default.
 // Returns the previous version. Process-wide, not thread-safe.
 enum class NormKernel { Forward, Backward, QkNormRope };
 int norm_set_kernel_version(NormKernel kernel, int version);

@@ -29,11 +29,16 @@
 // Other shapes/dtypes take the scalar path (warp per row, dw by a slab kernel with one
 // fp32 atomic per column per block, whose summation order can vary run to run).
 // Kernel lab (norm_set_kernel_version, kernels.h; "kernel lab" below lists them): numbered
-// versions of the vector kernels that change only how bytes are scheduled (no L2 prefetch,
-// balanced or one-step grids, a register pipeline of the next step's rows, the backward's
-// rows staged in shared memory by cp.async, the dw finish kernel by programmatic dependent
-// launch, the fused RoPE's cos/sin split over the warp), each the same bits as version 1;
-// version 1 (the kernels described above) is the default until the device run picks.
+// versions of the vector kernels. Most change only how bytes are scheduled (no L2
+// prefetch, balanced or one-step grids, a register pipeline of the next step's rows, the
+// backward's rows staged in shared memory by cp.async, the dw finish kernel by
+// programmatic dependent launch, the fused RoPE's cos/sin split over the warp) and give
+// version 1's bits. Two change a sum's order and are compared with the CPU instead: the
+// backward's dw partials in shared memory on their own grid (backward 5, the default at
+// model widths 768-1536) and the paired-lane QK-norm + RoPE (QK 6, the default: a lane
+// holds both halves of its rotate-half pairs and reads cos/sin from a table the backend
+// fills once, ScratchSlot::RopeTable). The defaults are the device runs' fastest
+// (kForwardDefault etc. below; cuda/NOTES.md has the measured tables).
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
 
