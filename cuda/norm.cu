@@ -43,6 +43,7 @@
 #include "cuda/kernels.h"
 
 #include <algorithm>
+#include <map>
 #include <mutex>
 #include <type_traits>
 #include <unordered_map>
@@ -1079,6 +1080,26 @@ template <class K> int per_sm_cached(K kern) {
   return n;
 }
 
+// Backward versions 5 and 6 (dw in shared memory): the kernel allowed its dynamic shared
+// memory, with the largest carveout, once per device; its resident blocks per SM with it.
+template <class K> int prepare_dw_shared(K kern, size_t smem) {
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, int> per_sm;  // (kernel, device)
+  int dev = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_pair(reinterpret_cast<const void*>(kern), dev);
+  auto it = per_sm.find(key);
+  if (it != per_sm.end()) return it->second;
+  CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
+  int n = 0;
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kern, kVecThreads, smem));
+  n = std::max(n, 1);
+  per_sm.emplace(key, n);
+  return n;
+}
+
 // The 32-bit token index of kLite needs row indices (plus a step) below 2^31.
 bool lite_rows_fit(int64_t R) { return R < (int64_t(1) << 30); }
 
@@ -1231,63 +1252,28 @@ bool launch_backward_vec(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor
               }
             }
           };
-          // Plain: 2, 3, 4 as listed above; QK-norm + RoPE: 2, 3 (and 4, whose change is
-          // the forward's), 5 (6 is the paired-lane kernels, launched before this).
-          // Plain version 5, rows of one warp: dw in shared memory, 3 blocks an SM, its own
-          // resident grid (so its own partial rows: dw's sum order differs from version 1's).
-          // (VPL <= 6: at 8, the 3-block bound spills.)
+          // Plain: 2, 3, 4 as listed above, 5 and 6 where rows are one warp's (VPL <= 6: at
+          // 8, version 5's 3-block bound spills), else 3; QK-norm + RoPE: 2, 3 (and 4,
+          // whose change is the forward's), 5, and 3 for 6 (the paired-lane kernels, tried
+          // before this, had no table).
           constexpr bool kDwSharedFits = !kRope && C::TPR == 32 && RPI == 1 && C::VPL <= 6;
           const int staged_from = kRope ? 5 : 4;
           if (v == 2) pick(VecOpt<false, false, kRope>{});
           else if (v < staged_from || (kRope && v == 6)) pick(VecOpt<false, false, kRope, true>{});
           else if (kRope || v == 4) pick(VecOpt<false, false, kRope, true, true>{});
           else if constexpr (!kDwSharedFits) pick(VecOpt<false, false, false, true>{});
-          else if (v == 6) {
-            // Version 5 with the register pipeline: 2 blocks an SM, each warp always with
-            // a step's loads in flight. Its own resident grid, as version 5.
-            using Opt = VecOpt<false, true, false, true, false, true>;
-            auto k2 = rmsnorm_backward_vec_kernel<W, C::TPR, C::VPL, RPI, false, false, Opt>;
-            kern = k2;
+          else {
+            // 5: dw in shared memory, 3 blocks an SM; 6: 5 plus the register pipeline (2
+            // blocks). Each on its own resident grid, so dw sums other partial rows than
+            // version 1's.
+            using Opt5 = VecOpt<false, false, false, true, false, true>;
+            using Opt6 = VecOpt<false, true, false, true, false, true>;
+            kern = v == 6 ? rmsnorm_backward_vec_kernel<W, C::TPR, C::VPL, RPI, false, false, Opt6>
+                          : rmsnorm_backward_vec_kernel3<W, C::TPR, C::VPL, RPI, Opt5>;
             pdl = true;
             smem = size_t(kVecThreads / 32) * C::VPL * 2 * 32 * 16;
-            static thread_local int sized_for = -1;
-            int dev = 0;
-            CUDA_CHECK(cudaGetDevice(&dev));
-            if (sized_for != dev) {
-              CUDA_CHECK(cudaFuncSetAttribute(k2, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                              int(smem)));
-              CUDA_CHECK(cudaFuncSetAttribute(k2, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                              100));
-              sized_for = dev;
-            }
-            static const int per_sm_k2 = [&] {
-              int n = 0;
-              CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k2, kVecThreads, smem));
-              return std::max(n, 1);
-            }();
-            blocks = std::min<int64_t>(ceil_div(R, rb), int64_t(sm_count()) * per_sm_k2);
-          } else {
-            using Opt = VecOpt<false, false, false, true, false, true>;
-            auto k3 = rmsnorm_backward_vec_kernel3<W, C::TPR, C::VPL, RPI, Opt>;
-            kern = k3;
-            pdl = true;
-            smem = size_t(kVecThreads / 32) * C::VPL * 2 * 32 * 16;
-            static thread_local int sized_for = -1;  // per device, as the staged kernels
-            int dev = 0;
-            CUDA_CHECK(cudaGetDevice(&dev));
-            if (sized_for != dev) {
-              CUDA_CHECK(cudaFuncSetAttribute(k3, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                              int(smem)));
-              CUDA_CHECK(cudaFuncSetAttribute(k3, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                              100));
-              sized_for = dev;
-            }
-            static const int per_sm_k3 = [&] {
-              int n = 0;
-              CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k3, kVecThreads, smem));
-              return std::max(n, 1);
-            }();
-            blocks = std::min<int64_t>(ceil_div(R, rb), int64_t(sm_count()) * per_sm_k3);
+            blocks = std::min<int64_t>(ceil_div(R, rb),
+                                       int64_t(sm_count()) * prepare_dw_shared(kern, smem));
           }
         }
         auto* partials = static_cast<float*>(
