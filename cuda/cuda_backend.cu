@@ -45,10 +45,10 @@ constexpr size_t kSlots = size_t(cuda::ScratchSlot::Count);
 // and routing.cu), and where it sits. A depth tile carries its slot from one op to the
 // next (routing.cu), so the two tile slots come first and share their bytes: a mix tile
 // lives inside one forward pass, a backward tile inside one backward pass. The RoPE table
-// lasts from one call to the next as well: it has its own bytes after the tiles. Every other
-// slot is used within one op, and ops run one at a time on the one stream, so the ops'
-// groups share the bytes after the tiles: attention's backward (row dots, score-gradient
-// tiles); the norms' partial sums; hyper's partial sums; the routing tables, value and key
+// lasts from one call to the next as well: it has its own bytes after the tiles. Every
+// other slot is used within one op, and ops run one at a time on the one stream, so the
+// ops' groups share the bytes after the tiles and the table: attention's backward (row dots,
+// score-gradient tiles); the norms' partial sums; hyper's partial sums; the routing tables, value and key
 // rows and pair split side by side (one routing source backward uses all four, and the
 // backward tile, at once).
 struct ScratchLayout {
@@ -204,7 +204,9 @@ class CudaBackend final : public Backend {
       routing_ctx_.tile = cuda::MixTile{};
       routing_ctx_.back_tile = cuda::BackTile{};
     }
-    rope_table_ = cuda::RopeTable{};  // the new scratch holds no table yet
+    // The RoPE table is refilled after every binding (a pass's; one small kernel): a slot
+    // at the same address may belong to another plan and hold anything.
+    rope_table_ = cuda::RopeTable{};
     OpScratch previous = bound_;
     bound_ = scratch;
     layout_ = layout;

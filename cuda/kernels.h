@@ -101,8 +101,9 @@ void cross_entropy(cudaStream_t s, Tensor losses, Tensor logits, Tensor targets,
 // contents last until the next request of the same slot; RoutingTile and RoutingBackTile
 // carry a depth tile from one op to the next (routing.cu), RopeTable the cos/sin table from
 // one call to the next (the backend refills it when theta, head_dim or the positions
-// change), the others are used within one op. A new slot, or a request that grows with another shape, needs its size in
-// scratch_layout (cuda_backend.cu), or models will fail the size check.
+// change, and after every binding), the others are used within one op. A new slot, or a
+// request that grows with another shape, needs its size in scratch_layout
+// (cuda_backend.cu), or models will fail the size check.
 enum class ScratchSlot {
   AttentionBackward,
   RoutingTables,

@@ -269,9 +269,10 @@ struct AddArgs {
 // What a kernel-lab version changes in a vector kernel, at compile time (norm_set_kernel_version;
 // version 1 is OptV1): kPrefetch, the L2 prefetch of the next step's rows; kPipeline
 // (forward; backward version 6), the next step's rows loaded into registers before this
-// step's arithmetic, so a warp always has a step's loads in flight; kLite (fused RoPE), cos/sin split over the
-// warp (RopeCache::update_warp) and the token index in 32 bits; kPdl (backward), the dw
-// finish kernel may launch while this one still runs (programmatic dependent launch);
+// step's arithmetic, so a warp always has a step's loads in flight; kLite (fused RoPE),
+// cos/sin split over the warp (RopeCache::update_warp) and the token index in 32 bits;
+// kPdl (backward), the dw finish kernel may launch while this one still runs
+// (programmatic dependent launch);
 // kStaged (backward), x and dy of the next step copied into shared memory by cp.async
 // while this step computes (two stages; the step reads its rows from shared memory);
 // kDwShared (backward, rows of one warp: TPR 32, RPI 1), dw's per-column partial sums in
@@ -487,8 +488,8 @@ __device__ __forceinline__ void rmsnorm_backward_vec_body(
                 "dw in shared memory: one row a warp, no staging");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int grp = lane / TPR, sub = lane % TPR;
-  // kDwShared: this lane's 8 columns of vector k, half h (4 floats) at dw_slot(k, h): lanes
-  // side by side, so a warp's 16-byte accesses touch every bank once per 128 bytes.
+  // kDwShared: warp wi's sums of this lane's 8 columns of vector k, half h (4 floats), at
+  // dw_slot(wi, k, h): lanes side by side, so a warp's 16-byte accesses are conflict-free.
   float dw_acc[kDwShared ? 1 : VPL][8];
   extern __shared__ uint4 norm_stage[];
   auto dw_slot = [&](int wi, int k, int h) {
@@ -757,7 +758,22 @@ struct RopeTableArgs {
   int heads = 1;
 };
 
-__device__ __forceinline__ uint4 join_halves(uint2 a, uint2 b) { return make_uint4(a.x, a.y, b.x, b.y); }
+// A lane's 8 values of a row p: 4 at column c1, 4 at column c2 (8-byte aligned), as one
+// bf16x8 vector {c1's, c2's}; and back.
+__device__ __forceinline__ uint4 load_halves(const bf16* p, int c1, int c2) {
+  const uint2 a = *reinterpret_cast<const uint2*>(p + c1),
+              b = *reinterpret_cast<const uint2*>(p + c2);
+  return make_uint4(a.x, a.y, b.x, b.y);
+}
+__device__ __forceinline__ uint4 ldg_halves(const bf16* p, int c1, int c2) {
+  const uint2 a = __ldg(reinterpret_cast<const uint2*>(p + c1)),
+              b = __ldg(reinterpret_cast<const uint2*>(p + c2));
+  return make_uint4(a.x, a.y, b.x, b.y);
+}
+__device__ __forceinline__ void store_halves(bf16* p, int c1, int c2, uint4 v) {
+  *reinterpret_cast<uint2*>(p + c1) = make_uint2(v.x, v.y);
+  *reinterpret_cast<uint2*>(p + c2) = make_uint2(v.z, v.w);
+}
 
 // The four pairs' cos and sin of this lane at the row's position (sin negated: the
 // backward's inverse rotation).
@@ -779,7 +795,8 @@ __device__ __forceinline__ void pair_cos_sin(const RopeTableArgs& rt, int64_t ro
 
 // Rotate-half on the lane's {first, second} values: version 1's RopeCache::rotate (v
 // rounded to bf16 first; first half v c + (-p) s, second half v c + p s, p the partner).
-__device__ __forceinline__ void rotate_pairs(float (&v)[8], const float (&c)[4], const float (&s)[4]) {
+__device__ __forceinline__ void rotate_pairs(float (&v)[8], const float (&c)[4],
+                                             const float (&s)[4]) {
   unpack8(pack8(v), v);
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
@@ -804,7 +821,7 @@ __global__ void __launch_bounds__(kVecThreads)
   const int grp = lane / TPR, sub = lane % TPR;
   const int c1 = 4 * sub, c2 = H + 4 * sub;
   float wf[8];
-  unpack8(join_halves(*reinterpret_cast<const uint2*>(w + c1), *reinterpret_cast<const uint2*>(w + c2)), wf);
+  unpack8(load_halves(w, c1, c2), wf);
   const int64_t stride = int64_t(gridDim.x) * RB;
   for (int64_t base = int64_t(blockIdx.x) * RB; base < R; base += stride) {
     uint4 xv[RPI];
@@ -813,13 +830,12 @@ __global__ void __launch_bounds__(kVecThreads)
       const int64_t row = vec_row<G, RPI>(base, warp, grp, r);
       xv[r] = make_uint4(0, 0, 0, 0);
       if (row < R) {
-        const bf16* p = x + row * D;
-        xv[r] = join_halves(__ldg(reinterpret_cast<const uint2*>(p + c1)),
-                            __ldg(reinterpret_cast<const uint2*>(p + c2)));
+        xv[r] = ldg_halves(x + row * D, c1, c2);
       }
     }
     float c[4], s[4];
-    if constexpr (kWarpToken) pair_cos_sin<TPR, false>(rt, vec_row<G, RPI>(base, warp, 0, 0), sub, c, s);
+    if constexpr (kWarpToken)
+      pair_cos_sin<TPR, false>(rt, vec_row<G, RPI>(base, warp, 0, 0), sub, c, s);
 #pragma unroll
     for (int r = 0; r < RPI; ++r) {
       const int64_t row = vec_row<G, RPI>(base, warp, grp, r);
@@ -834,10 +850,7 @@ __global__ void __launch_bounds__(kVecThreads)
       for (int e = 0; e < 8; ++e) f[e] = f[e] * ss * wf[e];
       if constexpr (!kWarpToken) pair_cos_sin<TPR, false>(rt, row, sub, c, s);
       rotate_pairs(f, c, s);
-      const uint4 out = pack8(f);
-      bf16* q = y + row * D;
-      *reinterpret_cast<uint2*>(q + c1) = make_uint2(out.x, out.y);
-      *reinterpret_cast<uint2*>(q + c2) = make_uint2(out.z, out.w);
+      store_halves(y + row * D, c1, c2, pack8(f));
       if (sub == 0) rstd[row] = ss;
     }
   }
@@ -860,7 +873,7 @@ __global__ void __launch_bounds__(kVecThreads, 3)
   const int grp = lane / TPR, sub = lane % TPR;
   const int c1 = 4 * sub, c2 = H + 4 * sub;
   float wf[8], dw_acc[8];
-  unpack8(join_halves(*reinterpret_cast<const uint2*>(w + c1), *reinterpret_cast<const uint2*>(w + c2)), wf);
+  unpack8(load_halves(w, c1, c2), wf);
 #pragma unroll
   for (int e = 0; e < 8; ++e) dw_acc[e] = 0.f;
   const int64_t stride = int64_t(gridDim.x) * RB;
@@ -873,16 +886,14 @@ __global__ void __launch_bounds__(kVecThreads, 3)
       xv[r] = gv[r] = make_uint4(0, 0, 0, 0);
       rs[r] = 0.f;
       if (row < R) {
-        const bf16 *px = x + row * D, *pg = dy + row * D;
-        xv[r] = join_halves(__ldg(reinterpret_cast<const uint2*>(px + c1)),
-                            __ldg(reinterpret_cast<const uint2*>(px + c2)));
-        gv[r] = join_halves(__ldg(reinterpret_cast<const uint2*>(pg + c1)),
-                            __ldg(reinterpret_cast<const uint2*>(pg + c2)));
+        xv[r] = ldg_halves(x + row * D, c1, c2);
+        gv[r] = ldg_halves(dy + row * D, c1, c2);
         rs[r] = rstd[row];
       }
     }
     float c[4], s[4];
-    if constexpr (kWarpToken) pair_cos_sin<TPR, true>(rt, vec_row<G, RPI>(base, warp, 0, 0), sub, c, s);
+    if constexpr (kWarpToken)
+      pair_cos_sin<TPR, true>(rt, vec_row<G, RPI>(base, warp, 0, 0), sub, c, s);
 #pragma unroll
     for (int r = 0; r < RPI; ++r) {
       const int64_t row = vec_row<G, RPI>(base, warp, grp, r);
@@ -906,13 +917,11 @@ __global__ void __launch_bounds__(kVecThreads, 3)
       bf16* q = dx + row * D;
       if (accumulate) {
         float old[8];
-        unpack8(join_halves(*reinterpret_cast<const uint2*>(q + c1), *reinterpret_cast<const uint2*>(q + c2)), old);
+        unpack8(load_halves(q, c1, c2), old);
 #pragma unroll
         for (int e = 0; e < 8; ++e) v[e] = stored<bf16>(v[e]) + old[e];
       }
-      const uint4 out = pack8(v);
-      *reinterpret_cast<uint2*>(q + c1) = make_uint2(out.x, out.y);
-      *reinterpret_cast<uint2*>(q + c2) = make_uint2(out.z, out.w);
+      store_halves(q, c1, c2, pack8(v));
     }
   }
   // dw: lane groups by shuffles, then warps in order through shared memory (version 1's order).
@@ -931,7 +940,8 @@ __global__ void __launch_bounds__(kVecThreads, 3)
     }
     __syncthreads();
   }
-  for (int c = threadIdx.x; c < D; c += kVecThreads) partials[int64_t(blockIdx.x) * D + c] = col_sum[c];
+  for (int c = threadIdx.x; c < D; c += kVecThreads)
+    partials[int64_t(blockIdx.x) * D + c] = col_sum[c];
 }
 
 // The cos/sin table of version 6: record (pos, q) holds pairs 4q .. 4q + 3 (cos, then
@@ -1298,7 +1308,8 @@ template <class F>
 bool with_pairs(const Tensor& w, int64_t R, int64_t D, const RopeArgs& ra, const RopeTable& table,
                 F&& f) {
   if (g_qk_version != 6 || w.dtype != DType::BF16 || !lite_rows_fit(R) || !table.data ||
-      table.head_dim != D || ra.first_position < 0 || ra.first_position + ra.T_len > table.positions)
+      table.head_dim != D || ra.first_position < 0 ||
+      ra.first_position + ra.T_len > table.positions)
     return false;
   RopeTableArgs rt;
   rt.table = table.data;
@@ -1488,7 +1499,8 @@ void qk_norm_rope_forward(cudaStream_t s, Tensor y, Tensor rstd, Tensor x, Tenso
   check_forward("qk_norm_rope_forward", y, rstd, x, R, D);
   if (R == 0) return;
   if (fused_rope_shape(D) && vector_path(x.dtype, D, kVecMaxD, {x.data, y.data, w.data}) &&
-      (launch_forward_pairs(s, y, rstd, x, w, R, D, eps, ra, table.theta == theta ? table : RopeTable{}) ||
+      (launch_forward_pairs(s, y, rstd, x, w, R, D, eps, ra,
+                            table.theta == theta ? table : RopeTable{}) ||
        launch_forward_vec<true>(s, y, rstd, x, w, R, D, eps, ra)))
     return;
   rmsnorm_forward(s, y, rstd, x, w, eps);
@@ -1496,8 +1508,8 @@ void qk_norm_rope_forward(cudaStream_t s, Tensor y, Tensor rstd, Tensor x, Tenso
 }
 
 void qk_norm_rope_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,
-                           Tensor rstd, double theta, bool accumulate_dx,
-                           const ScratchFn& scratch, const RopeTable& table) {
+                           Tensor rstd, double theta, bool accumulate_dx, const ScratchFn& scratch,
+                           const RopeTable& table) {
   const int64_t D = w.numel(), R = x.numel() / D;
   const RopeArgs ra = rope_args("qk_norm_rope_backward", dy, theta, true, 0);
   MHAR_CHECK(dy.dim(3) == D, "qk_norm_rope_backward: head_dim ", dy.dim(3), " but weight ", D);
