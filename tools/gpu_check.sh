@@ -14,6 +14,14 @@
 #   OP_TIMING=0     skip the op timings
 #   CHECKS="..."    then run tools/gpu_extra_checks.sh with these stages (eval probe
 #                   export nccl: end-to-end checks against PyTorch/transformers, NCCL)
+#   NCU_KERNELS=RE  also profile kernels with Nsight Compute: the first NCU_COUNT (default
+#                   1) kernels whose demangled name matches the regex RE (template
+#                   arguments read "(int)32, (bool)1"), launched by the GPU tests of
+#                   NCU_FILTER (a gtest filter, disabled tests included; default
+#                   'KernelBandwidth.DISABLED_NormKernelVersions'): speed of light,
+#                   occupancy, warp states, scheduler, instruction and memory statistics
+#                   into ncu.txt, their key lines in the summary (what says why a
+#                   memory-bound kernel runs under the copy rate: cuda/NOTES.md)
 #   BENCH=1         also run tools/bench_compare.sh; it starts first, so the PyTorch jobs
 #                   compile while this script builds and tests, and our runs wait for
 #                   the tests to finish. BENCH_DEADLINE (s, default 420) bounds it;
@@ -156,6 +164,25 @@ if [ "${OP_TIMING:-1}" != 0 ]; then
 fi
 touch "$tests_done"
 
+if [ -n "${NCU_KERNELS:-}" ]; then
+  echo "== ncu: kernels matching '$NCU_KERNELS' (at $(elapsed))"
+  ncu_bin=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+  if [ -z "$ncu_bin" ]; then
+    echo "no ncu on this machine: skipped"
+  else
+    timeout 300 "$ncu_bin" --clock-control none --kernel-name-base demangled \
+      -k "regex:$NCU_KERNELS" -c "${NCU_COUNT:-1}" --section SpeedOfLight \
+      --section Occupancy --section WarpStateStats --section SchedulerStats \
+      --section InstructionStats --section MemoryWorkloadAnalysis \
+      "$BUILD_DIR/mhar_cuda_tests" --gtest_also_run_disabled_tests \
+      --gtest_filter="${NCU_FILTER:-KernelBandwidth.DISABLED_NormKernelVersions}" \
+      >"$LOG_DIR/ncu.txt" 2>&1 || echo "ncu run failed (exit $?)"
+    if grep -q "No kernels were profiled" "$LOG_DIR/ncu.txt"; then
+      echo "ncu: no kernel matched; ncu.txt lists the launched ones"
+    fi
+  fi
+fi
+
 extra_rc=0
 if [ -n "${CHECKS:-}" ]; then
   echo "== extra checks: $CHECKS (at $(elapsed))"
@@ -174,5 +201,9 @@ grep -E "^MODEL_PARITY .*worst|^TRAIN .*mean|^NCCL_1RANK" "$LOG_DIR/cuda_tests.l
 grep -E "^PARITY" "$LOG_DIR/cuda_tests.log" | sort -k7 -g -r | head -8 || true
 grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[  FAILED  \]|tests? ran|Failure" "$LOG_DIR/cuda_tests.log" | tail -30
 [ -e "$LOG_DIR/bench_table.md" ] && cat "$LOG_DIR/bench_table.md"
+if [ -e "$LOG_DIR/ncu.txt" ]; then
+  grep -E "^  [a-z_].*\(|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Issued Warp|Eligible Warps|Executed Instructions  |Stall" \
+    "$LOG_DIR/ncu.txt" | cut -c1-160 | head -40
+fi
 [ "$rc" = 0 ] && rc=$extra_rc
 exit "$rc"
