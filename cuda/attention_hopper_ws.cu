@@ -212,8 +212,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   auto issue_scores = [&](float (&acc)[kTileKeys / 2], int st) {
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks)
-      wgmma_ss_m64n128(acc, kmajor_step<kItemRows>(q_desc, ks),
-                       kmajor_step<kTileKeys>(k_desc + stage_offset(st, TE), ks), ks > 0);
+      wgmma_ss<kTileKeys, 0, 0>(acc, kmajor_step<kItemRows>(q_desc, ks),
+                                kmajor_step<kTileKeys>(k_desc + stage_offset(st, TE), ks), ks > 0);
     wgmma_commit();
   };
 

@@ -82,26 +82,27 @@ template <int N> __device__ __forceinline__ void pin(float (&d)[N]) {
   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
 
-// d (+)= A B, m64n64k16: A and B from shared memory (K-major, descriptors); accumulate
-// into d when `accumulate`, else overwrite it.
-__device__ __forceinline__ void wgmma_ss_m64n64(float (&d)[32], uint64_t a_desc,
-                                                uint64_t b_desc, bool accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " MHAR_WGMMA_D32 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
-      : MHAR_WGMMA_ACC32(d)
-      : "l"(a_desc), "l"(b_desc), "r"(int(accumulate)));
-}
-
-// d (+)= A B, m64n128k16: A and B from shared memory (K-major, descriptors); accumulate
-// into d when `accumulate`, else overwrite it.
-__device__ __forceinline__ void wgmma_ss_m64n128(float (&d)[64], uint64_t a_desc,
-                                                 uint64_t b_desc, bool accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " MHAR_WGMMA_D64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
-      : MHAR_WGMMA_ACC64(d)
-      : "l"(a_desc), "l"(b_desc), "r"(int(accumulate)));
+// d (+)= A B, m64n64k16 (N 64, 32 accumulators) or m64n128k16 (N 128, 64): A and B from
+// shared memory by descriptors; kTransA / kTransB 0 for a K-major operand (A an [m][k]
+// tile, B an [n][k] tile), 1 for an MN-major one (A [k][m], B [k][n], read transposed).
+// Accumulates into d when `accumulate`, else overwrites it.
+template <int N, int kTransA, int kTransB>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t a_desc, uint64_t b_desc,
+                                         bool accumulate) {
+  static_assert(N == 64 || N == 128, "m64n64k16 or m64n128k16");
+  if constexpr (N == 64) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " MHAR_WGMMA_D32 ", %32, %33, p, 1, 1, %35, %36;\n}\n"
+        : MHAR_WGMMA_ACC32(d)
+        : "l"(a_desc), "l"(b_desc), "r"(int(accumulate)), "n"(kTransA), "n"(kTransB));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " MHAR_WGMMA_D64 ", %64, %65, p, 1, 1, %67, %68;\n}\n"
+        : MHAR_WGMMA_ACC64(d)
+        : "l"(a_desc), "l"(b_desc), "r"(int(accumulate)), "n"(kTransA), "n"(kTransB));
+  }
 }
 
 // d += A B, m64n64k16: A from registers (the m16n8k16 A-fragment layout per warp), B from
@@ -125,42 +126,6 @@ __device__ __forceinline__ void wgmma_rs_m64n128_tb(float (&d)[64], const uint32
       : MHAR_WGMMA_ACC64(d)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1));
 }
-// d += A B, m64n64k16 / m64n128k16: A and B from shared memory, both MN-major (A an
-// [k][m] tile, B a [k][n] tile; wgmma reads both transposed), accumulating.
-__device__ __forceinline__ void wgmma_ss_m64n64_tt(float (&d)[32], uint64_t a_desc,
-                                                   uint64_t b_desc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " MHAR_WGMMA_D32 ", %32, %33, p, 1, 1, 1, 1;\n}\n"
-      : MHAR_WGMMA_ACC32(d)
-      : "l"(a_desc), "l"(b_desc), "r"(1));
-}
-__device__ __forceinline__ void wgmma_ss_m64n128_tt(float (&d)[64], uint64_t a_desc,
-                                                    uint64_t b_desc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " MHAR_WGMMA_D64 ", %64, %65, p, 1, 1, 1, 1;\n}\n"
-      : MHAR_WGMMA_ACC64(d)
-      : "l"(a_desc), "l"(b_desc), "r"(1));
-}
-// d += A B, m64n64k16 / m64n128k16: A and B from shared memory, A K-major (an [m][k]
-// tile), B N-major (a [k][n] tile, read transposed), accumulating.
-__device__ __forceinline__ void wgmma_ss_m64n64_kn(float (&d)[32], uint64_t a_desc,
-                                                   uint64_t b_desc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " MHAR_WGMMA_D32 ", %32, %33, p, 1, 1, 0, 1;\n}\n"
-      : MHAR_WGMMA_ACC32(d)
-      : "l"(a_desc), "l"(b_desc), "r"(1));
-}
-__device__ __forceinline__ void wgmma_ss_m64n128_kn(float (&d)[64], uint64_t a_desc,
-                                                   uint64_t b_desc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " MHAR_WGMMA_D64 ", %64, %65, p, 1, 1, 0, 1;\n}\n"
-      : MHAR_WGMMA_ACC64(d)
-      : "l"(a_desc), "l"(b_desc), "r"(1));
-}
 #undef MHAR_WGMMA_D32
 #undef MHAR_WGMMA_D64
 #undef MHAR_WGMMA_ACC32
@@ -170,15 +135,13 @@ __device__ __forceinline__ void wgmma_ss_m64n128_kn(float (&d)[64], uint64_t a_d
 template <int HD>
 __device__ __forceinline__ void wgmma_ss_kn(float (&d)[HD / 2], uint64_t a_desc,
                                             uint64_t b_desc) {
-  if constexpr (HD == 128) wgmma_ss_m64n128_kn(d, a_desc, b_desc);
-  else wgmma_ss_m64n64_kn(d, a_desc, b_desc);
+  wgmma_ss<HD, 0, 1>(d, a_desc, b_desc, true);
 }
 // d += A B with N = HD (64 or 128), both operands MN-major from shared memory.
 template <int HD>
 __device__ __forceinline__ void wgmma_ss_tt(float (&d)[HD / 2], uint64_t a_desc,
                                             uint64_t b_desc) {
-  if constexpr (HD == 128) wgmma_ss_m64n128_tt(d, a_desc, b_desc);
-  else wgmma_ss_m64n64_tt(d, a_desc, b_desc);
+  wgmma_ss<HD, 1, 1>(d, a_desc, b_desc, true);
 }
 // d += A B with N = HD (64 or 128): A from registers, B N-major.
 template <int HD>
@@ -339,7 +302,7 @@ template <int KSTEPS, int A_ROWS, int B_ROWS>
 __device__ __forceinline__ void wgmma_ss_k(float (&d)[32], uint64_t a_desc, uint64_t b_desc) {
 #pragma unroll
   for (int ks = 0; ks < KSTEPS; ++ks)
-    wgmma_ss_m64n64(d, kmajor_step<A_ROWS>(a_desc, ks), kmajor_step<B_ROWS>(b_desc, ks), ks > 0);
+    wgmma_ss<64, 0, 0>(d, kmajor_step<A_ROWS>(a_desc, ks), kmajor_step<B_ROWS>(b_desc, ks), ks > 0);
 }
 // d += A B over K = 16 KSTEPS, A from registers (one m16n8k16 A fragment per k-step), B an
 // N-major swizzled tile; N = HD.
