@@ -32,6 +32,7 @@
 
 #include "cuda/attention_paths.h"
 #include "cuda/attention_wgmma.cuh"
+#include "cuda/mbarrier.cuh"
 
 namespace mhar::cuda::hopper {
 namespace {
@@ -60,29 +61,6 @@ template <int HD> constexpr size_t ws_smem() {
 }
 
 #ifndef MHAR_NO_WGMMA
-__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count));
-}
-// The producer's arrival: the barrier completes once `bytes` more have been written to it.
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)),
-               "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
-}
-// Waits for the completion of the barrier's phase with this parity.
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  uint32_t done = 0;
-  while (!done)
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(smem_addr(bar)), "r"(parity)
-        : "memory");
-}
 // One box of the 4-D map (feature, head, position, batch) into shared memory, completing
 // on `bar`. Positions past the tensor's end arrive as zeros.
 __device__ __forceinline__ void tma_load(bf16* dst, const CUtensorMap* map, uint64_t* bar,
@@ -160,7 +138,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       mbar_init(&bar.k_empty[s], kConsumerWarps);
       mbar_init(&bar.v_empty[s], kConsumerWarps);
     }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    mbar_init_fence();
   }
   __syncthreads();
 
@@ -406,7 +384,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       mbar_init(&bar.q_full[s], 33);  // lane 0's expect_tx, then the 32 lanes' statistics
       mbar_init(&bar.q_empty[s], kConsumerWarps);
     }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    mbar_init_fence();
   }
   __syncthreads();
 

@@ -21,9 +21,6 @@ constexpr float kLog2e = 1.4426950408889634f;
 #define MHAR_TC_OLD_ARCH 1
 #endif
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 // 16 bytes global -> shared; zero-filled when !valid (src is then never read).
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
 #ifdef MHAR_TC_OLD_ARCH

@@ -68,6 +68,12 @@ __device__ __forceinline__ void store8(float* p, const float (&f)[8]) {
   reinterpret_cast<float4*>(p)[1] = make_float4(f[4], f[5], f[6], f[7]);
 }
 
+// The 32-bit shared-memory address of a pointer into shared memory (the operand of PTX's
+// shared-memory instructions).
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
 // Asks L2 to fetch [p, p + bytes) from device memory without waiting for it (sm_90's bulk
 // prefetch; p and bytes multiples of 16): the memory-bound kernels issue it for their
 // next step's rows, so that more bytes are in flight than their registers hold and the

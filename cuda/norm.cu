@@ -41,6 +41,7 @@
 // (kForwardDefault etc. below; cuda/NOTES.md has the measured tables).
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
+#include "cuda/norm_backward_ring.h"
 
 #include <algorithm>
 #include <map>
@@ -1050,6 +1051,12 @@ bool vector_path(DType t, int64_t D, int64_t max_d, std::initializer_list<const 
 //   6 version 5 with the next step's x, dy and rstd loaded into registers before this
 //   step's arithmetic (kPipeline), 2 blocks an SM, its own resident grid (as 5: dw's
 //   partial rows differ from version 1's). Shorter rows run version 3.
+//   7 the ring kernel (norm_backward_ring.cu): one block an SM whose producer lane keeps
+//   up to 32 rows of x and dy (and the old dx of "+=") in flight into shared memory by
+//   cp.async.bulk while 8 consumer warps compute version 1's dx bits from them; dw
+//   finished inside the kernel after a grid synchronisation (cooperative launch): no
+//   finish kernel, dw summed over its own grid. 8: 7 with 16 consumer warps. Where
+//   512 < D <= 2048; other widths run version 5's rule.
 // QkNormRope (qk_norm_rope_forward and _backward):
 //   1 as version 1 of the others. 2 kLite (cos/sin split over the warp: half the sincosf
 //   at head_dim 128; 32-bit token index), no prefetch. 3 version 2, forward on the
@@ -1061,7 +1068,7 @@ bool vector_path(DType t, int64_t D, int64_t max_d, std::initializer_list<const 
 //   version 1's bits: a row's fp32 sums meet their terms in another order. Where the
 //   call has no table covering its positions, version 3.
 // Lab versions apply to BF16 weights (the model's); F32 weights take version 1.
-constexpr int kForwardVersions = 5, kBackwardVersions = 6, kQkVersions = 6;
+constexpr int kForwardVersions = 5, kBackwardVersions = 8, kQkVersions = 6;
 // Defaults: the fastest of the device runs (cuda/NOTES.md, "Norm kernel versions" and
 // "Paired lanes"): forward 4, backward 5, QK 6.
 constexpr int kForwardDefault = 4, kBackwardDefault = 5, kQkDefault = 6;
@@ -1458,8 +1465,14 @@ void rmsnorm_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor x,
   const int64_t D = w.numel(), R = x.numel() / D;
   check_backward("rmsnorm_backward", dx, dw, dy, x, rstd, R, D);
   if (R == 0) return;
-  if (vector_path(x.dtype, D, kVecMaxDBackward, {x.data, dx.data, dy.data, w.data}) &&
-      launch_backward_vec<false>(s, dx, dw, dy, x, w, rstd, R, D, accumulate_dx, scratch,
+  const bool vec = vector_path(x.dtype, D, kVecMaxDBackward, {x.data, dx.data, dy.data, w.data});
+  if (vec && g_backward_version >= 7 && w.dtype == DType::BF16 &&
+      rmsnorm_backward_ring(s, g_backward_version == 8 ? 16 : 8, static_cast<bf16*>(dx.data),
+                            dw.ptr<float>(), static_cast<const bf16*>(dy.data),
+                            static_cast<const bf16*>(x.data), static_cast<const bf16*>(w.data),
+                            rstd.ptr<float>(), R, int(D), accumulate_dx, scratch))
+    return;
+  if (vec && launch_backward_vec<false>(s, dx, dw, dy, x, w, rstd, R, D, accumulate_dx, scratch,
                                  RopeArgs{}))
     return;
   dispatch_float(x.dtype, "rmsnorm_backward", [&](auto tx) {

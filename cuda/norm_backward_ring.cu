@@ -1,0 +1,267 @@
+// norm_backward_ring.cu: the RMSNorm backward with its rows brought into shared memory by
+// the copy engine (norm backward lab versions 7 and 8; the operation is norm.cu's header's).
+// Why: ncu of the register kernels (versions 1-6) at 1B found them latency-bound, not
+// bandwidth-bound: 24 warps an SM load their rows, then all reduce and store, in phase,
+// so the memory system idles while they compute (40% issue, 59% of DRAM peak). Here one
+// producer lane per block keeps a ring of S row stages (x, dy and, for "+=", the old dx:
+// 5 or 7.5 KB a stage at D 1280; S up to 32, about 200 KB) in flight with cp.async.bulk,
+// whatever the consumer warps are doing, so loads never wait on arithmetic.
+// Layout: one block an SM on a cooperative grid (G = the SMs), block b owns the rows
+// [b R / G, (b + 1) R / G); its row i sits in stage i % S and is consumed by warp i % C
+// (C = 8 or 16 consumer warps), which computes it exactly as version 1 does (the same
+// lanes' columns, fp32 operations and warp sum: dx is version 1's bits) and writes dx
+// straight to global memory; each warp keeps dw's per-column sums in registers.
+// dw: the C warps' sums are added in warp order into one partial row per block
+// (scratch), the grid synchronises (cooperative launch), and block b then adds every
+// partial row, in a fixed order, into its share of dw's columns: no second kernel and no
+// atomics, the same bits every run (another order than version 1's: tests compare dw
+// within fp32 rounding).
+// Barriers per stage (mbarrier.cuh): full (the producer's expect_tx, completed by the
+// copies' bytes) and empty (one arrival by the consuming warp's lane 0).
+#include "cuda/norm_backward_ring.h"
+
+#include <cooperative_groups.h>
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+
+#include "cuda/mbarrier.cuh"
+
+namespace mhar::cuda {
+namespace {
+
+constexpr int kMaxStages = 32;
+// Dynamic shared memory a block may take for its barriers, w and the ring (of the 227 KB
+// an sm_90 block can have), and the bytes kept in flight an SM to reach the copy rate
+// (~4.3 TB/s x ~1.5 us of loaded latency / 132 SMs is ~50 KB; the ring holds up to 4x).
+constexpr size_t kSmemBudget = 208 * 1024;
+constexpr int kFinishParts = 16;  // lanes summing one dw column's partial rows
+
+struct RingArgs {
+  bf16* dx;
+  float* dw;
+  float* partials;  // [G][D]
+  const bf16* dy;
+  const bf16* x;
+  const bf16* w;
+  const float* rstd;
+  int64_t R;
+  int D, stages;
+  bool accumulate;
+};
+
+// Shared memory: full[kMaxStages], empty[kMaxStages] (uint64), w as fp32 [D], then the
+// stages [S][x | dy | old dx][D] bf16. After the row loop the stage area holds the block's
+// dw sums and the finish's partial sums.
+__host__ __device__ constexpr size_t ring_fixed_bytes(int D) {
+  return 2 * kMaxStages * sizeof(uint64_t) + size_t(D) * sizeof(float);
+}
+
+template <int VPL, int C>
+__global__ void __launch_bounds__(32 * (C + 1), 1) rmsnorm_backward_ring_kernel(RingArgs a) {
+  extern __shared__ __align__(128) unsigned char ring_smem[];
+  const int D = a.D, S = a.stages, tensors = a.accumulate ? 3 : 2;
+  uint64_t* full = reinterpret_cast<uint64_t*>(ring_smem);
+  uint64_t* empty = full + kMaxStages;
+  float* w_s = reinterpret_cast<float*>(empty + kMaxStages);
+  bf16* stages = reinterpret_cast<bf16*>(w_s + D);  // D * 4 bytes: 16-byte aligned
+  const int64_t stage_elems = int64_t(tensors) * D;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t G = gridDim.x, b = blockIdx.x;
+  const int64_t r0 = b * a.R / G;
+  const int n = int((b + 1) * a.R / G - r0);
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full + s, 1);
+      mbar_init(empty + s, 1);
+    }
+    mbar_init_fence();
+  }
+  for (int c = threadIdx.x; c < D; c += blockDim.x) w_s[c] = load(a.w[c]);
+  __syncthreads();
+
+  float dw_acc[VPL][8];
+#pragma unroll
+  for (int k = 0; k < VPL; ++k)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) dw_acc[k][e] = 0.f;
+
+  if (warp == C) {
+    // The producer: stage i % S is free again once row i - S's warp has arrived on empty.
+    if (lane == 0) {
+      const uint32_t row_bytes = uint32_t(D) * sizeof(bf16);
+      for (int i = 0; i < n; ++i) {
+        const int s = i % S, use = i / S;
+        if (use > 0) mbar_wait(empty + s, uint32_t(use - 1) & 1);
+        mbar_expect_tx(full + s, row_bytes * uint32_t(tensors));
+        bf16* st = stages + s * stage_elems;
+        const int64_t off = (r0 + i) * D;
+        bulk_load(st, a.x + off, row_bytes, full + s);
+        bulk_load(st + D, a.dy + off, row_bytes, full + s);
+        if (a.accumulate) bulk_load(st + 2 * D, a.dx + off, row_bytes, full + s);
+      }
+    }
+  } else {
+    // A consumer: version 1's arithmetic on rows warp, warp + C, ... (rstd a row ahead).
+    float rs_next = warp < n ? __ldg(a.rstd + r0 + warp) : 0.f;
+    for (int i = warp; i < n; i += C) {
+      const float rs = rs_next;
+      if (i + C < n) rs_next = __ldg(a.rstd + r0 + i + C);
+      const int s = i % S;
+      mbar_wait(full + s, uint32_t(i / S) & 1);
+      const bf16* st = stages + s * stage_elems;
+      float gx = 0.f;
+#pragma unroll
+      for (int k = 0; k < VPL; ++k) {
+        const int col = (lane + k * 32) * 8;
+        if (col >= D) continue;
+        float xf[8], gf[8], wf[8];
+        unpack8(*reinterpret_cast<const uint4*>(st + col), xf);
+        unpack8(*reinterpret_cast<const uint4*>(st + D + col), gf);
+        load8(w_s + col, wf);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) gx += gf[e] * wf[e] * xf[e];
+      }
+      const float coef = rs * rs * warp_sum(gx) / float(D);
+      bf16* out_row = a.dx + (r0 + i) * D;
+#pragma unroll
+      for (int k = 0; k < VPL; ++k) {
+        const int col = (lane + k * 32) * 8;
+        if (col >= D) continue;
+        float xf[8], gf[8], wf[8];
+        unpack8(*reinterpret_cast<const uint4*>(st + col), xf);
+        unpack8(*reinterpret_cast<const uint4*>(st + D + col), gf);
+        load8(w_s + col, wf);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) dw_acc[k][e] += gf[e] * (xf[e] * rs);
+        float v[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[e] = rs * (gf[e] * wf[e] - xf[e] * coef);
+        if (a.accumulate) {
+          float old[8];
+          unpack8(*reinterpret_cast<const uint4*>(st + 2 * D + col), old);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) v[e] = stored<bf16>(v[e]) + old[e];
+        }
+        store8(out_row + col, v);
+      }
+      __syncwarp();  // every lane's reads of the stage are done
+      if (lane == 0) mbar_arrive(empty + s);
+    }
+  }
+  __syncthreads();  // every stage consumed: the stage area is free
+
+  // The block's partial row: the consumer warps' sums added in warp order.
+  float* col_sum = reinterpret_cast<float*>(stages);
+  for (int wi = 0; wi < C; ++wi) {
+    if (warp == wi) {
+#pragma unroll
+      for (int k = 0; k < VPL; ++k) {
+        const int col = (lane + k * 32) * 8;
+        if (col >= D) continue;
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+          col_sum[col + e] = wi == 0 ? dw_acc[k][e] : col_sum[col + e] + dw_acc[k][e];
+      }
+    }
+    __syncthreads();
+  }
+  for (int c = threadIdx.x; c < D; c += blockDim.x) a.partials[b * D + c] = col_sum[c];
+
+  cooperative_groups::this_grid().sync();  // every block's partial row is written
+
+  // Block b's columns [b D / G, (b + 1) D / G): kFinishParts lanes a column each sum every
+  // kFinishParts-th partial row, then lane 0 adds the lanes' sums in order.
+  const int c0 = int(b * D / G), nc = int((b + 1) * D / G) - c0;
+  const int cols_a_pass = int(blockDim.x) / kFinishParts;
+  float* part = col_sum + D;
+  const int j = int(threadIdx.x) / kFinishParts, p = int(threadIdx.x) % kFinishParts;
+  for (int base = 0; base < nc; base += cols_a_pass) {
+    const bool active = j < cols_a_pass && base + j < nc;
+    const int c = c0 + base + j;
+    float acc = 0.f;
+    if (active)
+      for (int64_t row = p; row < G; row += kFinishParts) acc += __ldcg(a.partials + row * D + c);
+    part[threadIdx.x] = acc;
+    __syncthreads();
+    if (active && p == 0) {
+      float t = 0.f;
+#pragma unroll
+      for (int q = 0; q < kFinishParts; ++q) t += part[j * kFinishParts + q];
+      a.dw[c] += t;
+    }
+    __syncthreads();
+  }
+}
+
+template <int VPL, int C>
+bool launch_ring(cudaStream_t s, const RingArgs& base, const ScratchFn& scratch) {
+  auto kern = rmsnorm_backward_ring_kernel<VPL, C>;
+  const int threads = 32 * (C + 1);
+  const size_t stage_bytes = size_t(base.accumulate ? 3 : 2) * size_t(base.D) * sizeof(bf16);
+  const size_t fixed = ring_fixed_bytes(base.D);
+  const int stages = int(std::min<size_t>(kMaxStages, (kSmemBudget - fixed) / stage_bytes));
+  // The stage area also holds the block's dw row and the finish's partial sums.
+  const size_t smem =
+      fixed + std::max(size_t(stages) * stage_bytes,
+                       (size_t(base.D) + size_t(threads)) * sizeof(float));
+  // Per device: the kernel allowed the budget, the largest carveout, and its blocks per SM.
+  static std::mutex mu;
+  static std::map<int, int> per_sm_of_device;
+  int dev = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  int per_sm = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = per_sm_of_device.find(dev);
+    if (it == per_sm_of_device.end()) {
+      int coop = 0;
+      CUDA_CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev));
+      int n = 0;
+      if (coop) {
+        CUDA_CHECK(
+            cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBudget)));
+        CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
+        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kern, threads, kSmemBudget));
+      }
+      it = per_sm_of_device.emplace(dev, n).first;  // the design takes one an SM
+    }
+    per_sm = it->second;
+  }
+  if (per_sm < 1) return false;
+  const int64_t grid = std::min<int64_t>(base.R, sm_count());
+  RingArgs a = base;
+  a.stages = stages;
+  a.partials = static_cast<float*>(
+      scratch(ScratchSlot::NormPartials, size_t(grid) * size_t(base.D) * sizeof(float)));
+  void* params[] = {&a};
+  CUDA_CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kern), dim3(unsigned(grid)),
+                                         dim3(unsigned(threads)), params, smem, s));
+  return true;
+}
+
+template <int C>
+bool launch_for_width(cudaStream_t s, const RingArgs& a, const ScratchFn& scratch) {
+  // The vectors a lane holds: norm.cu's row configurations for one warp a row.
+  const int vecs = a.D / 8;
+  if (vecs <= 96) return launch_ring<3, C>(s, a, scratch);
+  if (vecs <= 128) return launch_ring<4, C>(s, a, scratch);
+  if (vecs <= 160) return launch_ring<5, C>(s, a, scratch);
+  if (vecs <= 192) return launch_ring<6, C>(s, a, scratch);
+  return launch_ring<8, C>(s, a, scratch);
+}
+
+}  // namespace
+
+bool rmsnorm_backward_ring(cudaStream_t s, int consumer_warps, bf16* dx, float* dw,
+                           const bf16* dy, const bf16* x, const bf16* w, const float* rstd,
+                           int64_t R, int D, bool accumulate_dx, const ScratchFn& scratch) {
+  if (D <= 512 || D > 2048 || D % 8 != 0 || R <= 0) return false;
+  RingArgs a{dx, dw, nullptr, dy, x, w, rstd, R, D, 0, accumulate_dx};
+  if (consumer_warps == 16) return launch_for_width<16>(s, a, scratch);
+  return launch_for_width<8>(s, a, scratch);
+}
+
+}  // namespace mhar::cuda
