@@ -1055,8 +1055,8 @@ bool vector_path(DType t, int64_t D, int64_t max_d, std::initializer_list<const 
 //   up to 32 rows of x and dy (and the old dx of "+=") in flight into shared memory by
 //   cp.async.bulk while 8 consumer warps compute version 1's dx bits from them; dw
 //   finished inside the kernel after a grid synchronisation (cooperative launch): no
-//   finish kernel, dw summed over its own grid. 8: 7 with 16 consumer warps. Where
-//   512 < D <= 2048; other widths run version 5's rule.
+//   finish kernel, dw summed over its own grid. 8: 7 with two blocks an SM, each with
+//   half the shared memory. Where 512 < D <= 2048; other widths run version 5's rule.
 // QkNormRope (qk_norm_rope_forward and _backward):
 //   1 as version 1 of the others. 2 kLite (cos/sin split over the warp: half the sincosf
 //   at head_dim 128; 32-bit token index), no prefetch. 3 version 2, forward on the
@@ -1467,7 +1467,7 @@ void rmsnorm_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor x,
   if (R == 0) return;
   const bool vec = vector_path(x.dtype, D, kVecMaxDBackward, {x.data, dx.data, dy.data, w.data});
   if (vec && g_backward_version >= 7 && w.dtype == DType::BF16 &&
-      rmsnorm_backward_ring(s, g_backward_version == 8 ? 16 : 8, static_cast<bf16*>(dx.data),
+      rmsnorm_backward_ring(s, g_backward_version == 8 ? 2 : 1, static_cast<bf16*>(dx.data),
                             dw.ptr<float>(), static_cast<const bf16*>(dy.data),
                             static_cast<const bf16*>(x.data), static_cast<const bf16*>(w.data),
                             rstd.ptr<float>(), R, int(D), accumulate_dx, scratch))

@@ -37,6 +37,7 @@ constexpr int kMaxStages = 32;
 // (~4.3 TB/s x ~1.5 us of loaded latency / 132 SMs is ~50 KB; the ring holds up to 4x).
 constexpr size_t kSmemBudget = 208 * 1024;
 constexpr int kFinishParts = 16;  // lanes summing one dw column's partial rows
+constexpr int kConsumers = 8;     // consumer warps a block (16 in one block measured slower)
 
 struct RingArgs {
   bf16* dx;
@@ -59,7 +60,7 @@ __host__ __device__ constexpr size_t ring_fixed_bytes(int D) {
 }
 
 template <int VPL, int C>
-__global__ void __launch_bounds__(32 * (C + 1), 1) rmsnorm_backward_ring_kernel(RingArgs a) {
+__global__ void __launch_bounds__(32 * (C + 1), 2) rmsnorm_backward_ring_kernel(RingArgs a) {
   extern __shared__ __align__(128) unsigned char ring_smem[];
   const int D = a.D, S = a.stages, tensors = a.accumulate ? 3 : 2;
   uint64_t* full = reinterpret_cast<uint64_t*>(ring_smem);
@@ -92,25 +93,31 @@ __global__ void __launch_bounds__(32 * (C + 1), 1) rmsnorm_backward_ring_kernel(
     // The producer: stage i % S is free again once row i - S's warp has arrived on empty.
     if (lane == 0) {
       const uint32_t row_bytes = uint32_t(D) * sizeof(bf16);
+      int s = 0;
+      uint32_t phase = 0;  // of stage s's use by row i: (i / S) & 1
       for (int i = 0; i < n; ++i) {
-        const int s = i % S, use = i / S;
-        if (use > 0) mbar_wait(empty + s, uint32_t(use - 1) & 1);
+        if (i >= S) mbar_wait(empty + s, phase ^ 1);
         mbar_expect_tx(full + s, row_bytes * uint32_t(tensors));
         bf16* st = stages + s * stage_elems;
         const int64_t off = (r0 + i) * D;
         bulk_load(st, a.x + off, row_bytes, full + s);
         bulk_load(st + D, a.dy + off, row_bytes, full + s);
         if (a.accumulate) bulk_load(st + 2 * D, a.dx + off, row_bytes, full + s);
+        if (++s == S) {
+          s = 0;
+          phase ^= 1;
+        }
       }
     }
   } else {
     // A consumer: version 1's arithmetic on rows warp, warp + C, ... (rstd a row ahead).
     float rs_next = warp < n ? __ldg(a.rstd + r0 + warp) : 0.f;
+    int s = warp % S;  // row i's stage and its use's parity, advanced without divisions
+    uint32_t phase = uint32_t(warp / S) & 1;
     for (int i = warp; i < n; i += C) {
       const float rs = rs_next;
       if (i + C < n) rs_next = __ldg(a.rstd + r0 + i + C);
-      const int s = i % S;
-      mbar_wait(full + s, uint32_t(i / S) & 1);
+      mbar_wait(full + s, phase);
       const bf16* st = stages + s * stage_elems;
       float gx = 0.f;
 #pragma unroll
@@ -149,6 +156,7 @@ __global__ void __launch_bounds__(32 * (C + 1), 1) rmsnorm_backward_ring_kernel(
       }
       __syncwarp();  // every lane's reads of the stage are done
       if (lane == 0) mbar_arrive(empty + s);
+      for (s += C; s >= S; s -= S) phase ^= 1;
     }
   }
   __syncthreads();  // every stage consumed: the stage area is free
@@ -196,42 +204,44 @@ __global__ void __launch_bounds__(32 * (C + 1), 1) rmsnorm_backward_ring_kernel(
   }
 }
 
-template <int VPL, int C>
-bool launch_ring(cudaStream_t s, const RingArgs& base, const ScratchFn& scratch) {
-  auto kern = rmsnorm_backward_ring_kernel<VPL, C>;
-  const int threads = 32 * (C + 1);
+template <int VPL>
+bool launch_ring(cudaStream_t s, int blocks_per_sm, const RingArgs& base,
+                 const ScratchFn& scratch) {
+  auto kern = rmsnorm_backward_ring_kernel<VPL, kConsumers>;
+  const int threads = 32 * (kConsumers + 1);
+  const size_t budget = kSmemBudget / size_t(blocks_per_sm);
   const size_t stage_bytes = size_t(base.accumulate ? 3 : 2) * size_t(base.D) * sizeof(bf16);
   const size_t fixed = ring_fixed_bytes(base.D);
-  const int stages = int(std::min<size_t>(kMaxStages, (kSmemBudget - fixed) / stage_bytes));
+  const int stages = int(std::min<size_t>(kMaxStages, (budget - fixed) / stage_bytes));
   // The stage area also holds the block's dw row and the finish's partial sums.
   const size_t smem =
       fixed + std::max(size_t(stages) * stage_bytes,
                        (size_t(base.D) + size_t(threads)) * sizeof(float));
-  // Per device: the kernel allowed the budget, the largest carveout, and its blocks per SM.
+  if (stages < 2 || smem > budget) return false;
+  // Per device: the kernel allowed the budget and the largest carveout; then whether
+  // blocks_per_sm of it fit an SM (the cooperative launch needs them all resident).
   static std::mutex mu;
-  static std::map<int, int> per_sm_of_device;
+  static std::map<int, bool> ready;
   int dev = 0;
   CUDA_CHECK(cudaGetDevice(&dev));
-  int per_sm = 0;
   {
     std::lock_guard<std::mutex> lock(mu);
-    auto it = per_sm_of_device.find(dev);
-    if (it == per_sm_of_device.end()) {
+    if (!ready.count(dev)) {
       int coop = 0;
       CUDA_CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev));
-      int n = 0;
       if (coop) {
         CUDA_CHECK(
             cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBudget)));
         CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
-        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kern, threads, kSmemBudget));
       }
-      it = per_sm_of_device.emplace(dev, n).first;  // the design takes one an SM
+      ready[dev] = coop != 0;
     }
-    per_sm = it->second;
+    if (!ready[dev]) return false;
   }
-  if (per_sm < 1) return false;
-  const int64_t grid = std::min<int64_t>(base.R, sm_count());
+  int fit = 0;
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, kern, threads, smem));
+  if (fit < blocks_per_sm) return false;
+  const int64_t grid = std::min<int64_t>(base.R, int64_t(sm_count()) * blocks_per_sm);
   RingArgs a = base;
   a.stages = stages;
   a.partials = static_cast<float*>(
@@ -242,26 +252,20 @@ bool launch_ring(cudaStream_t s, const RingArgs& base, const ScratchFn& scratch)
   return true;
 }
 
-template <int C>
-bool launch_for_width(cudaStream_t s, const RingArgs& a, const ScratchFn& scratch) {
-  // The vectors a lane holds: norm.cu's row configurations for one warp a row.
-  const int vecs = a.D / 8;
-  if (vecs <= 96) return launch_ring<3, C>(s, a, scratch);
-  if (vecs <= 128) return launch_ring<4, C>(s, a, scratch);
-  if (vecs <= 160) return launch_ring<5, C>(s, a, scratch);
-  if (vecs <= 192) return launch_ring<6, C>(s, a, scratch);
-  return launch_ring<8, C>(s, a, scratch);
-}
-
 }  // namespace
 
-bool rmsnorm_backward_ring(cudaStream_t s, int consumer_warps, bf16* dx, float* dw,
+bool rmsnorm_backward_ring(cudaStream_t s, int blocks_per_sm, bf16* dx, float* dw,
                            const bf16* dy, const bf16* x, const bf16* w, const float* rstd,
                            int64_t R, int D, bool accumulate_dx, const ScratchFn& scratch) {
-  if (D <= 512 || D > 2048 || D % 8 != 0 || R <= 0) return false;
-  RingArgs a{dx, dw, nullptr, dy, x, w, rstd, R, D, 0, accumulate_dx};
-  if (consumer_warps == 16) return launch_for_width<16>(s, a, scratch);
-  return launch_for_width<8>(s, a, scratch);
+  if (D <= 512 || D > 2048 || D % 8 != 0 || R <= 0 || blocks_per_sm < 1) return false;
+  const RingArgs a{dx, dw, nullptr, dy, x, w, rstd, R, D, 0, accumulate_dx};
+  // The vectors a lane holds: norm.cu's row configurations for one warp a row.
+  const int vecs = D / 8;
+  if (vecs <= 96) return launch_ring<3>(s, blocks_per_sm, a, scratch);
+  if (vecs <= 128) return launch_ring<4>(s, blocks_per_sm, a, scratch);
+  if (vecs <= 160) return launch_ring<5>(s, blocks_per_sm, a, scratch);
+  if (vecs <= 192) return launch_ring<6>(s, blocks_per_sm, a, scratch);
+  return launch_ring<8>(s, blocks_per_sm, a, scratch);
 }
 
 }  // namespace mhar::cuda
