@@ -212,12 +212,16 @@ bool launch_ring(cudaStream_t s, int blocks_per_sm, const RingArgs& base,
   const size_t budget = kSmemBudget / size_t(blocks_per_sm);
   const size_t stage_bytes = size_t(base.accumulate ? 3 : 2) * size_t(base.D) * sizeof(bf16);
   const size_t fixed = ring_fixed_bytes(base.D);
-  const int stages = int(std::min<size_t>(kMaxStages, (budget - fixed) / stage_bytes));
+  // A multiple of the consumer warps, so that warp w alone uses stages w, w + C, ...: it
+  // waits on a stage's use only after consuming the stage's previous use (so after that
+  // use's bytes landed), and a wait on a phase's parity cannot pass a phase early.
+  const int stages = int(std::min<size_t>(kMaxStages, (budget - fixed) / stage_bytes)) /
+                     kConsumers * kConsumers;
   // The stage area also holds the block's dw row and the finish's partial sums.
   const size_t smem =
       fixed + std::max(size_t(stages) * stage_bytes,
                        (size_t(base.D) + size_t(threads)) * sizeof(float));
-  if (stages < 2 || smem > budget) return false;
+  if (stages < kConsumers || smem > budget) return false;
   // Per device: the kernel allowed the budget and the largest carveout; then whether
   // blocks_per_sm of it fit an SM (the cooperative launch needs them all resident).
   static std::mutex mu;
