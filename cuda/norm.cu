@@ -1056,7 +1056,10 @@ bool vector_path(DType t, int64_t D, int64_t max_d, std::initializer_list<const 
 //   cp.async.bulk while 8 consumer warps compute version 1's dx bits from them; dw
 //   finished inside the kernel after a grid synchronisation (cooperative launch): no
 //   finish kernel, dw summed over its own grid. 8: 7 with two blocks an SM, each with
-//   half the shared memory. Where 512 < D <= 2048; other widths run version 5's rule.
+//   half the shared memory. 9: 7 with a row's x, dy (and old dx) held in registers from
+//   the first pass to the second and its stage released after the first (one block an
+//   SM; D <= 1536, else version 7). Where 512 < D <= 2048; other widths run version 5's
+//   rule.
 // QkNormRope (qk_norm_rope_forward and _backward):
 //   1 as version 1 of the others. 2 kLite (cos/sin split over the warp: half the sincosf
 //   at head_dim 128; 32-bit token index), no prefetch. 3 version 2, forward on the
@@ -1068,7 +1071,7 @@ bool vector_path(DType t, int64_t D, int64_t max_d, std::initializer_list<const 
 //   version 1's bits: a row's fp32 sums meet their terms in another order. Where the
 //   call has no table covering its positions, version 3.
 // Lab versions apply to BF16 weights (the model's); F32 weights take version 1.
-constexpr int kForwardVersions = 5, kBackwardVersions = 8, kQkVersions = 6;
+constexpr int kForwardVersions = 5, kBackwardVersions = 9, kQkVersions = 6;
 // Defaults: the fastest of the device runs (cuda/NOTES.md, "Norm kernel versions" and
 // "Paired lanes"): forward 4, backward 5, QK 6.
 constexpr int kForwardDefault = 4, kBackwardDefault = 5, kQkDefault = 6;
@@ -1405,6 +1408,18 @@ RopeArgs rope_args(const char* what, Tensor x, double theta, bool backward,
 }
 bool fused_rope_shape(int64_t D) { return D == 64 || D == 128 || D == 256; }
 
+// Backward versions 7-9 (norm_backward_ring.cu); version 9 where it does not apply (D >
+// 1536) runs version 7.
+bool ring_backward(cudaStream_t s, int version, bf16* dx, float* dw, const bf16* dy,
+                   const bf16* x, const bf16* w, const float* rstd, int64_t R, int D,
+                   bool accumulate, const ScratchFn& scratch) {
+  if (version == 9 &&
+      rmsnorm_backward_ring(s, 1, true, dx, dw, dy, x, w, rstd, R, D, accumulate, scratch))
+    return true;
+  return rmsnorm_backward_ring(s, version == 8 ? 2 : 1, false, dx, dw, dy, x, w, rstd, R, D,
+                               accumulate, scratch);
+}
+
 }  // namespace
 
 size_t rmsnorm_backward_scratch_bytes(int64_t D) {
@@ -1467,10 +1482,10 @@ void rmsnorm_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor x,
   if (R == 0) return;
   const bool vec = vector_path(x.dtype, D, kVecMaxDBackward, {x.data, dx.data, dy.data, w.data});
   if (vec && g_backward_version >= 7 && w.dtype == DType::BF16 &&
-      rmsnorm_backward_ring(s, g_backward_version == 8 ? 2 : 1, static_cast<bf16*>(dx.data),
-                            dw.ptr<float>(), static_cast<const bf16*>(dy.data),
-                            static_cast<const bf16*>(x.data), static_cast<const bf16*>(w.data),
-                            rstd.ptr<float>(), R, int(D), accumulate_dx, scratch))
+      ring_backward(s, g_backward_version, static_cast<bf16*>(dx.data), dw.ptr<float>(),
+                    static_cast<const bf16*>(dy.data), static_cast<const bf16*>(x.data),
+                    static_cast<const bf16*>(w.data), rstd.ptr<float>(), R, int(D),
+                    accumulate_dx, scratch))
     return;
   if (vec && launch_backward_vec<false>(s, dx, dw, dy, x, w, rstd, R, D, accumulate_dx, scratch,
                                  RopeArgs{}))

@@ -59,8 +59,12 @@ __host__ __device__ constexpr size_t ring_fixed_bytes(int D) {
   return 2 * kMaxStages * sizeof(uint64_t) + size_t(D) * sizeof(float);
 }
 
-template <int VPL, int C>
-__global__ void __launch_bounds__(32 * (C + 1), 2) rmsnorm_backward_ring_kernel(RingArgs a) {
+// kHold: a row's x, dy (and old dx) stay in registers (as bf16) from the first pass to the
+// second, and its stage is released after the first: no shared-memory loads of the row in
+// the second pass (the consumers bound versions 7 and 8), one block an SM for registers.
+template <int VPL, int C, bool kHold>
+__global__ void __launch_bounds__(32 * (C + 1), kHold ? 1 : 2)
+    rmsnorm_backward_ring_kernel(RingArgs a) {
   extern __shared__ __align__(128) unsigned char ring_smem[];
   const int D = a.D, S = a.stages, tensors = a.accumulate ? 3 : 2;
   uint64_t* full = reinterpret_cast<uint64_t*>(ring_smem);
@@ -119,17 +123,30 @@ __global__ void __launch_bounds__(32 * (C + 1), 2) rmsnorm_backward_ring_kernel(
       if (i + C < n) rs_next = __ldg(a.rstd + r0 + i + C);
       mbar_wait(full + s, phase);
       const bf16* st = stages + s * stage_elems;
+      // kHold: the row's values kept between the passes (unused otherwise).
+      [[maybe_unused]] uint4 xh[kHold ? VPL : 1], gh[kHold ? VPL : 1], oh[kHold ? VPL : 1];
       float gx = 0.f;
 #pragma unroll
       for (int k = 0; k < VPL; ++k) {
         const int col = (lane + k * 32) * 8;
         if (col >= D) continue;
+        const uint4 xv = *reinterpret_cast<const uint4*>(st + col);
+        const uint4 gv = *reinterpret_cast<const uint4*>(st + D + col);
         float xf[8], gf[8], wf[8];
-        unpack8(*reinterpret_cast<const uint4*>(st + col), xf);
-        unpack8(*reinterpret_cast<const uint4*>(st + D + col), gf);
+        unpack8(xv, xf);
+        unpack8(gv, gf);
         load8(w_s + col, wf);
 #pragma unroll
         for (int e = 0; e < 8; ++e) gx += gf[e] * wf[e] * xf[e];
+        if constexpr (kHold) {
+          xh[k] = xv;
+          gh[k] = gv;
+          if (a.accumulate) oh[k] = *reinterpret_cast<const uint4*>(st + 2 * D + col);
+        }
+      }
+      if constexpr (kHold) {
+        __syncwarp();  // every lane's reads of the stage are done
+        if (lane == 0) mbar_arrive(empty + s);
       }
       const float coef = rs * rs * warp_sum(gx) / float(D);
       bf16* out_row = a.dx + (r0 + i) * D;
@@ -138,8 +155,13 @@ __global__ void __launch_bounds__(32 * (C + 1), 2) rmsnorm_backward_ring_kernel(
         const int col = (lane + k * 32) * 8;
         if (col >= D) continue;
         float xf[8], gf[8], wf[8];
-        unpack8(*reinterpret_cast<const uint4*>(st + col), xf);
-        unpack8(*reinterpret_cast<const uint4*>(st + D + col), gf);
+        if constexpr (kHold) {
+          unpack8(xh[k], xf);
+          unpack8(gh[k], gf);
+        } else {
+          unpack8(*reinterpret_cast<const uint4*>(st + col), xf);
+          unpack8(*reinterpret_cast<const uint4*>(st + D + col), gf);
+        }
         load8(w_s + col, wf);
 #pragma unroll
         for (int e = 0; e < 8; ++e) dw_acc[k][e] += gf[e] * (xf[e] * rs);
@@ -148,14 +170,17 @@ __global__ void __launch_bounds__(32 * (C + 1), 2) rmsnorm_backward_ring_kernel(
         for (int e = 0; e < 8; ++e) v[e] = rs * (gf[e] * wf[e] - xf[e] * coef);
         if (a.accumulate) {
           float old[8];
-          unpack8(*reinterpret_cast<const uint4*>(st + 2 * D + col), old);
+          if constexpr (kHold) unpack8(oh[k], old);
+          else unpack8(*reinterpret_cast<const uint4*>(st + 2 * D + col), old);
 #pragma unroll
           for (int e = 0; e < 8; ++e) v[e] = stored<bf16>(v[e]) + old[e];
         }
         store8(out_row + col, v);
       }
-      __syncwarp();  // every lane's reads of the stage are done
-      if (lane == 0) mbar_arrive(empty + s);
+      if constexpr (!kHold) {
+        __syncwarp();  // every lane's reads of the stage are done
+        if (lane == 0) mbar_arrive(empty + s);
+      }
       for (s += C; s >= S; s -= S) phase ^= 1;
     }
   }
@@ -204,10 +229,10 @@ __global__ void __launch_bounds__(32 * (C + 1), 2) rmsnorm_backward_ring_kernel(
   }
 }
 
-template <int VPL>
+template <int VPL, bool kHold>
 bool launch_ring(cudaStream_t s, int blocks_per_sm, const RingArgs& base,
                  const ScratchFn& scratch) {
-  auto kern = rmsnorm_backward_ring_kernel<VPL, kConsumers>;
+  auto kern = rmsnorm_backward_ring_kernel<VPL, kConsumers, kHold>;
   const int threads = 32 * (kConsumers + 1);
   const size_t budget = kSmemBudget / size_t(blocks_per_sm);
   const size_t stage_bytes = size_t(base.accumulate ? 3 : 2) * size_t(base.D) * sizeof(bf16);
@@ -258,18 +283,28 @@ bool launch_ring(cudaStream_t s, int blocks_per_sm, const RingArgs& base,
 
 }  // namespace
 
-bool rmsnorm_backward_ring(cudaStream_t s, int blocks_per_sm, bf16* dx, float* dw,
-                           const bf16* dy, const bf16* x, const bf16* w, const float* rstd,
-                           int64_t R, int D, bool accumulate_dx, const ScratchFn& scratch) {
+bool rmsnorm_backward_ring(cudaStream_t s, int blocks_per_sm, bool hold_rows, bf16* dx,
+                           float* dw, const bf16* dy, const bf16* x, const bf16* w,
+                           const float* rstd, int64_t R, int D, bool accumulate_dx,
+                           const ScratchFn& scratch) {
   if (D <= 512 || D > 2048 || D % 8 != 0 || R <= 0 || blocks_per_sm < 1) return false;
   const RingArgs a{dx, dw, nullptr, dy, x, w, rstd, R, D, 0, accumulate_dx};
-  // The vectors a lane holds: norm.cu's row configurations for one warp a row.
+  // The vectors a lane holds: norm.cu's row configurations for one warp a row. Held rows
+  // need 16 registers a vector more: up to 6 vectors (D 1536), one block an SM.
   const int vecs = D / 8;
-  if (vecs <= 96) return launch_ring<3>(s, blocks_per_sm, a, scratch);
-  if (vecs <= 128) return launch_ring<4>(s, blocks_per_sm, a, scratch);
-  if (vecs <= 160) return launch_ring<5>(s, blocks_per_sm, a, scratch);
-  if (vecs <= 192) return launch_ring<6>(s, blocks_per_sm, a, scratch);
-  return launch_ring<8>(s, blocks_per_sm, a, scratch);
+  if (hold_rows) {
+    if (blocks_per_sm != 1) return false;
+    if (vecs <= 96) return launch_ring<3, true>(s, 1, a, scratch);
+    if (vecs <= 128) return launch_ring<4, true>(s, 1, a, scratch);
+    if (vecs <= 160) return launch_ring<5, true>(s, 1, a, scratch);
+    if (vecs <= 192) return launch_ring<6, true>(s, 1, a, scratch);
+    return false;
+  }
+  if (vecs <= 96) return launch_ring<3, false>(s, blocks_per_sm, a, scratch);
+  if (vecs <= 128) return launch_ring<4, false>(s, blocks_per_sm, a, scratch);
+  if (vecs <= 160) return launch_ring<5, false>(s, blocks_per_sm, a, scratch);
+  if (vecs <= 192) return launch_ring<6, false>(s, blocks_per_sm, a, scratch);
+  return launch_ring<8, false>(s, blocks_per_sm, a, scratch);
 }
 
 }  // namespace mhar::cuda
