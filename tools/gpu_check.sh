@@ -21,7 +21,11 @@
 #                   'KernelBandwidth.DISABLED_NormKernelVersions'): speed of light,
 #                   occupancy, warp states, scheduler, instruction and memory statistics
 #                   into ncu.txt, their key lines in the summary (what says why a
-#                   memory-bound kernel runs under the copy rate: cuda/NOTES.md)
+#                   memory-bound kernel runs under the copy rate: cuda/NOTES.md).
+#                   NCU_SKIP=N skips the first N matching launches (the lab times a
+#                   version with 28 launches: 3 warm-up, 25 timed); NCU_SOURCE=1 adds
+#                   the sampled stall reasons per SASS instruction (ncu_sass.csv) and
+#                   every section's details
 #   BENCH=1         also run tools/bench_compare.sh; it starts first, so the PyTorch jobs
 #                   compile while this script builds and tests, and our runs wait for
 #                   the tests to finish. BENCH_DEADLINE (s, default 420) bounds it;
@@ -170,13 +174,29 @@ if [ -n "${NCU_KERNELS:-}" ]; then
   if [ -z "$ncu_bin" ]; then
     echo "no ncu on this machine: skipped"
   else
-    timeout 300 "$ncu_bin" --clock-control none --kernel-name-base demangled \
-      -k "regex:$NCU_KERNELS" -c "${NCU_COUNT:-1}" --section SpeedOfLight \
-      --section Occupancy --section WarpStateStats --section SchedulerStats \
-      --section InstructionStats --section MemoryWorkloadAnalysis \
-      "$BUILD_DIR/mhar_cuda_tests" --gtest_also_run_disabled_tests \
-      --gtest_filter="${NCU_FILTER:-KernelBandwidth.DISABLED_NormKernelVersions}" \
-      >"$LOG_DIR/ncu.txt" 2>&1 || echo "ncu run failed (exit $?)"
+    ncu_args=(--clock-control none --kernel-name-base demangled -k "regex:$NCU_KERNELS"
+      --launch-skip "${NCU_SKIP:-0}" -c "${NCU_COUNT:-1}" --section SpeedOfLight
+      --section Occupancy --section WarpStateStats --section SchedulerStats
+      --section InstructionStats --section MemoryWorkloadAnalysis)
+    ncu_test=("$BUILD_DIR/mhar_cuda_tests" --gtest_also_run_disabled_tests
+      --gtest_filter="${NCU_FILTER:-KernelBandwidth.DISABLED_NormKernelVersions}")
+    if [ "${NCU_SOURCE:-0}" = 1 ]; then
+      # Sampled warp stalls per SASS instruction: the report is saved, then read back as
+      # the details page (every section's tables, stall reasons included) and the source
+      # page (one CSV row per instruction), and deleted (it does not come back).
+      rep="$LOG_DIR/ncu_report"
+      timeout 300 "$ncu_bin" "${ncu_args[@]}" --section SourceCounters --import-source no \
+        -f -o "$rep" "${ncu_test[@]}" >"$LOG_DIR/ncu.txt" 2>&1 || echo "ncu run failed (exit $?)"
+      if [ -f "$rep.ncu-rep" ]; then
+        "$ncu_bin" -i "$rep.ncu-rep" --page details --print-details all >>"$LOG_DIR/ncu.txt" 2>&1
+        "$ncu_bin" -i "$rep.ncu-rep" --page source --print-source sass --csv \
+          >"$LOG_DIR/ncu_sass.csv" 2>&1 || echo "ncu source page failed (exit $?)"
+        rm -f "$rep.ncu-rep"
+      fi
+    else
+      timeout 300 "$ncu_bin" "${ncu_args[@]}" "${ncu_test[@]}" >"$LOG_DIR/ncu.txt" 2>&1 ||
+        echo "ncu run failed (exit $?)"
+    fi
     if grep -q "No kernels were profiled" "$LOG_DIR/ncu.txt"; then
       echo "ncu: no kernel matched; ncu.txt lists the launched ones"
     fi
