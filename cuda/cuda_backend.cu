@@ -329,6 +329,18 @@ class CudaBackend final : public Backend {
     cuda::qk_norm_rope_backward(stream_, dx, dw, dy, x, w, rstd, theta, accumulate_dx,
                                 routing_ctx_.scratch, rope_table(theta, w.numel(), T));
   }
+  void qk_norm_rope_forward_qk(const QkNormRopeOperands& q, const QkNormRopeOperands& k,
+                               double eps, double theta, int64_t first_position) override {
+    const int64_t T = q.y.ndim == 4 ? q.y.dim(1) : 0;
+    cuda::qk_norm_rope_forward_qk(stream_, q, k, eps, theta, first_position,
+                                  rope_table(theta, q.w.numel(), first_position + T));
+  }
+  void qk_norm_rope_backward_qk(const QkNormRopeGradOperands& q, const QkNormRopeGradOperands& k,
+                                double theta, bool accumulate_dx) override {
+    const int64_t T = q.dy.ndim == 4 ? q.dy.dim(1) : 0;
+    cuda::qk_norm_rope_backward_qk(stream_, q, k, theta, accumulate_dx, routing_ctx_.scratch,
+                                   rope_table(theta, q.w.numel(), T));
+  }
   void rope(Tensor x, double theta, bool backward) override {
     cuda::rope(stream_, x, theta, backward);
   }

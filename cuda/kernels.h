@@ -165,6 +165,18 @@ void qk_norm_rope_forward(cudaStream_t s, Tensor y, Tensor rstd, Tensor x, Tenso
 void qk_norm_rope_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,
                            Tensor rstd, double theta, bool accumulate_dx,
                            const ScratchFn& scratch, const RopeTable& table = {});
+// Backend::qk_norm_rope_forward_qk / _backward_qk: with QkNormRope lab version 7, q and k in
+// one launch of the paired-lane kernels (and one dw finish for both) where both take them;
+// otherwise, and with the other versions (the default 6 until a device run picks), the
+// two calls above.
+// The same bits as the two calls, except dw's fp32 sums (each tensor's partial rows come
+// from its share of the one grid).
+void qk_norm_rope_forward_qk(cudaStream_t s, const QkNormRopeOperands& q,
+                             const QkNormRopeOperands& k, double eps, double theta,
+                             int64_t first_position, const RopeTable& table = {});
+void qk_norm_rope_backward_qk(cudaStream_t s, const QkNormRopeGradOperands& q,
+                              const QkNormRopeGradOperands& k, double theta, bool accumulate_dx,
+                              const ScratchFn& scratch, const RopeTable& table = {});
 // Kernel lab (tests/kernel_bandwidth_cudatest.cpp times every version; the engine never
 // calls it): numbered versions 1 .. norm_kernel_versions(k) of the vector norm kernels
 // (Forward: rmsnorm_forward and add_rmsnorm_forward; Backward: rmsnorm_backward;
@@ -176,6 +188,10 @@ void qk_norm_rope_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tens
 enum class NormKernel { Forward, Backward, QkNormRope };
 int norm_set_kernel_version(NormKernel kernel, int version);
 int norm_kernel_versions(NormKernel kernel);
+// Launches of the paired-lane QK-norm + RoPE kernels over q and k together
+// (qk_norm_rope_forward_qk / _backward_qk) so far, in this process: tests check the one
+// launch happened.
+int64_t qk_pair_launches();
 
 // routing.cu. The logits and the key path of the backward are small GEMMs per head
 // (cuBLAS, on the backend's stream) around the token kernels; their temporaries come from

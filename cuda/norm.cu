@@ -20,6 +20,10 @@
 // 128, heads a multiple of 8), and each lane group computes the token's cos/sin once, 4
 // pairs per lane, shared by shuffles: an eighth of a sincosf per element (was a quarter:
 // 8 pairs per lane, the rotate-half partner lane computing the same 8).
+// qk_norm_rope_forward_qk/_backward_qk (attention's q and k of a layer): with QK lab version
+// 7, one launch of the paired-lane kernels for both tensors (its first blocks take q, the
+// rest k; one dw finish kernel for both weights), so k's launch, ramp and tail are not
+// paid apart; else the two calls.
 // add_rmsnorm_forward: the forward vector kernel with x = a + b (rounded to bf16 as add
 // does) formed from the loaded a, b and stored before the norm uses it: reads a, b, writes
 // x, y, rstd once; the same bits as add then rmsnorm_forward.
@@ -37,13 +41,16 @@
 // backward's dw partials in shared memory on their own grid (backward 5, the default at
 // model widths 768-1536) and the paired-lane QK-norm + RoPE (QK 6, the default: a lane
 // holds both halves of its rotate-half pairs and reads cos/sin from a table the backend
-// fills once, ScratchSlot::RopeTable). The defaults are the device runs' fastest
+// fills once, ScratchSlot::RopeTable). Backward versions 7-9 are the ring kernel
+// (norm_backward_ring.cu: rows brought into shared memory by the copy engine, dw finished
+// in the kernel after a grid synchronisation). The defaults are the device runs' fastest
 // (kForwardDefault etc. below; cuda/NOTES.md has the measured tables).
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
 #include "cuda/norm_backward_ring.h"
 
 #include <algorithm>
+#include <atomic>
 #include <map>
 #include <mutex>
 #include <type_traits>
@@ -809,22 +816,67 @@ __device__ __forceinline__ void rotate_pairs(float (&v)[8], const float (&c)[4],
 
 constexpr int kPairRpi = 4;  // rows per lane group and step (version 1's at these D)
 
+// One tensor's rows in a launch of the kernels below: the launch's first t0.blocks blocks
+// take tensor t0, the rest t1 (kTwo: q and k of a layer in one launch; else t0 alone, and
+// the kernel selects nothing: the selects cost the backward 20 bytes of spills). Forward: out is y, rstd written. Backward: out is dx, rstd read, and
+// partials holds this tensor's dw partial rows, one per block of the tensor.
+struct PairRows {
+  bf16* out = nullptr;
+  float* rstd = nullptr;
+  float* partials = nullptr;
+  const bf16* x = nullptr;
+  const bf16* dy = nullptr;
+  const bf16* w = nullptr;
+  int64_t R = 0;
+  int heads = 1, blocks = 0;
+};
+// This block's tensor, its index among the tensor's blocks, and the table arguments with
+// the tensor's head count.
+template <bool kTwo>
+__device__ __forceinline__ PairRows pair_rows_of_block(const PairRows& t0, const PairRows& t1,
+                                                       RopeTableArgs& rt, int64_t& block) {
+  if constexpr (!kTwo) {
+    block = blockIdx.x;
+    rt.heads = t0.heads;
+    return t0;
+  }
+  const bool second = int(blockIdx.x) >= t0.blocks;
+  block = second ? int64_t(blockIdx.x) - t0.blocks : int64_t(blockIdx.x);
+  // Field by field: a select of the whole struct copies it through local memory.
+  PairRows t;
+  t.out = second ? t1.out : t0.out;
+  t.rstd = second ? t1.rstd : t0.rstd;
+  t.partials = second ? t1.partials : t0.partials;
+  t.x = second ? t1.x : t0.x;
+  t.dy = second ? t1.dy : t0.dy;
+  t.w = second ? t1.w : t0.w;
+  t.R = second ? t1.R : t0.R;
+  t.heads = second ? t1.heads : t0.heads;
+  t.blocks = second ? t1.blocks : t0.blocks;
+  rt.heads = t.heads;
+  return t;
+}
+
 // kWarpToken: a warp's rows of a step are heads of one token (heads % RW == 0): one table
 // read a step.
-template <int TPR, bool kWarpToken>
+template <int TPR, bool kWarpToken, bool kTwo>
 __global__ void __launch_bounds__(kVecThreads)
-    qk_norm_rope_forward_pairs_kernel(bf16* __restrict__ y, float* __restrict__ rstd,
-                                      const bf16* __restrict__ x, const bf16* __restrict__ w,
-                                      int64_t R, float eps, RopeTableArgs rt) {
+    qk_norm_rope_forward_pairs_kernel(PairRows t0, PairRows t1, float eps, RopeTableArgs rt) {
   constexpr int D = 8 * TPR, H = D / 2, G = 32 / TPR, RPI = kPairRpi, RW = G * RPI,
                 RB = (kVecThreads / 32) * RW;
+  int64_t block = 0;
+  const PairRows t = pair_rows_of_block<kTwo>(t0, t1, rt, block);
+  bf16* __restrict__ y = t.out;
+  float* __restrict__ rstd = t.rstd;
+  const bf16* __restrict__ x = t.x;
+  const int64_t R = t.R;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int grp = lane / TPR, sub = lane % TPR;
   const int c1 = 4 * sub, c2 = H + 4 * sub;
   float wf[8];
-  unpack8(load_halves(w, c1, c2), wf);
-  const int64_t stride = int64_t(gridDim.x) * RB;
-  for (int64_t base = int64_t(blockIdx.x) * RB; base < R; base += stride) {
+  unpack8(ldg_halves(t.w, c1, c2), wf);
+  const int64_t stride = int64_t(t.blocks) * RB;
+  for (int64_t base = block * RB; base < R; base += stride) {
     uint4 xv[RPI];
 #pragma unroll
     for (int r = 0; r < RPI; ++r) {
@@ -861,24 +913,29 @@ __global__ void __launch_bounds__(kVecThreads)
 // version 1's operations; dw's partial row per block as rmsnorm_backward_vec_body, the
 // finish kernel launched as a programmatic dependent.
 // Held to 80 registers (3 blocks an SM; unbounded it took 95, 2 blocks).
-template <int TPR, bool kWarpToken>
+template <int TPR, bool kWarpToken, bool kTwo>
 __global__ void __launch_bounds__(kVecThreads, 3)
-    qk_norm_rope_backward_pairs_kernel(bf16* dx, float* __restrict__ partials,
-                                       const bf16* __restrict__ dy, const bf16* __restrict__ x,
-                                       const bf16* __restrict__ w, const float* __restrict__ rstd,
-                                       int64_t R, bool accumulate, RopeTableArgs rt) {
+    qk_norm_rope_backward_pairs_kernel(PairRows t0, PairRows t1, bool accumulate,
+                                       RopeTableArgs rt) {
   pdl_launch_dependents();
   constexpr int D = 8 * TPR, H = D / 2, G = 32 / TPR, RPI = kPairRpi, RW = G * RPI,
                 RB = (kVecThreads / 32) * RW;
+  int64_t block = 0;
+  const PairRows t = pair_rows_of_block<kTwo>(t0, t1, rt, block);
+  bf16* dx = t.out;
+  const bf16* __restrict__ dy = t.dy;
+  const bf16* __restrict__ x = t.x;
+  const float* __restrict__ rstd = t.rstd;
+  const int64_t R = t.R;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int grp = lane / TPR, sub = lane % TPR;
   const int c1 = 4 * sub, c2 = H + 4 * sub;
   float wf[8], dw_acc[8];
-  unpack8(load_halves(w, c1, c2), wf);
+  unpack8(ldg_halves(t.w, c1, c2), wf);
 #pragma unroll
   for (int e = 0; e < 8; ++e) dw_acc[e] = 0.f;
-  const int64_t stride = int64_t(gridDim.x) * RB;
-  for (int64_t base = int64_t(blockIdx.x) * RB; base < R; base += stride) {
+  const int64_t stride = int64_t(t.blocks) * RB;
+  for (int64_t base = block * RB; base < R; base += stride) {
     uint4 xv[RPI], gv[RPI];
     float rs[RPI];
 #pragma unroll
@@ -889,7 +946,7 @@ __global__ void __launch_bounds__(kVecThreads, 3)
       if (row < R) {
         xv[r] = ldg_halves(x + row * D, c1, c2);
         gv[r] = ldg_halves(dy + row * D, c1, c2);
-        rs[r] = rstd[row];
+        rs[r] = __ldg(rstd + row);
       }
     }
     float c[4], s[4];
@@ -941,8 +998,11 @@ __global__ void __launch_bounds__(kVecThreads, 3)
     }
     __syncthreads();
   }
-  for (int c = threadIdx.x; c < D; c += kVecThreads)
-    partials[int64_t(blockIdx.x) * D + c] = col_sum[c];
+  // This block's partial row, its address derived again from the parameters rather than
+  // kept live through the loop (kTwo's 80 registers had no room for it).
+  int64_t end_block = 0;
+  float* partials = pair_rows_of_block<kTwo>(t0, t1, rt, end_block).partials;
+  for (int c = threadIdx.x; c < D; c += kVecThreads) partials[end_block * D + c] = col_sum[c];
 }
 
 // The cos/sin table of version 6: record (pos, q) holds pairs 4q .. 4q + 3 (cos, then
@@ -970,17 +1030,27 @@ __global__ void rope_table_kernel(float* table, double base, int half, int64_t p
 // every backward).
 // kPdl: launched as a programmatic dependent of the backward kernel; waits for its end
 // (and its partial rows' visibility) before the first read.
+// Up to two weights at once (gridDim.y; q's and k's after one QK-norm launch of both).
 constexpr int kFinishLanes = 32;
+struct DwFinish {
+  float* dw = nullptr;
+  const float* partials = nullptr;
+  int nblocks = 0;
+};
 template <bool kPdl = false>
 __global__ void __launch_bounds__(32 * kFinishLanes)
-    rmsnorm_dw_finish_kernel(float* dw, const float* __restrict__ partials, int nblocks, int D) {
+    rmsnorm_dw_finish_kernel(DwFinish f0, DwFinish f1, int D) {
   if constexpr (kPdl) pdl_wait();
+  float* dw = blockIdx.y == 0 ? f0.dw : f1.dw;
+  const float* __restrict__ partials = blockIdx.y == 0 ? f0.partials : f1.partials;
+  const int nblocks = blockIdx.y == 0 ? f0.nblocks : f1.nblocks;
   __shared__ float part[kFinishLanes][33];
   const int c = blockIdx.x * 32 + threadIdx.x;
   float acc = 0.f;
   if (c < D) {
 #pragma unroll 8
-    for (int b = threadIdx.y; b < nblocks; b += kFinishLanes) acc += partials[int64_t(b) * D + c];
+    for (int b = threadIdx.y; b < nblocks; b += kFinishLanes)
+      acc += __ldg(partials + int64_t(b) * D + c);
   }
   part[threadIdx.y][threadIdx.x] = acc;
   __syncthreads();
@@ -1070,14 +1140,18 @@ bool vector_path(DType t, int64_t D, int64_t max_d, std::initializer_list<const 
 //   backward on its own resident grid with the programmatic dependent finish). Not
 //   version 1's bits: a row's fp32 sums meet their terms in another order. Where the
 //   call has no table covering its positions, version 3.
+//   7 version 6, and qk_norm_rope_forward_qk / _backward_qk run q and k in one launch
+//   (other versions: the two calls in turn). The same bits as version 6 but dw's sums.
 // Lab versions apply to BF16 weights (the model's); F32 weights take version 1.
-constexpr int kForwardVersions = 5, kBackwardVersions = 9, kQkVersions = 6;
+constexpr int kForwardVersions = 5, kBackwardVersions = 9, kQkVersions = 7;
 // Defaults: the fastest of the device runs (cuda/NOTES.md, "Norm kernel versions" and
 // "Paired lanes"): forward 4, backward 5, QK 6.
 constexpr int kForwardDefault = 4, kBackwardDefault = 5, kQkDefault = 6;
 int g_forward_version = kForwardDefault;    // norm_set_kernel_version (timing lab)
 int g_backward_version = kBackwardDefault;
 int g_qk_version = kQkDefault;
+// QK version 7 is version 6's kernels (it changes only how q and k are launched).
+int qk_kernels_version() { return g_qk_version == 7 ? 6 : g_qk_version; }
 
 enum class GridRule { Resident, Balanced, OneStep };
 int64_t vec_grid(GridRule rule, int64_t steps, int per_sm) {
@@ -1123,11 +1197,12 @@ template <class K> int prepare_dw_shared(K kern, size_t smem) {
 // The 32-bit token index of kLite needs row indices (plus a step) below 2^31.
 bool lite_rows_fit(int64_t R) { return R < (int64_t(1) << 30); }
 
-void launch_dw_finish(cudaStream_t s, bool pdl, float* dw, const float* partials, int nblocks,
-                      int D) {
-  const dim3 grid(unsigned(ceil_div(D, 32))), block(32, kFinishLanes);
+// The finish of `count` (1 or 2) weights' partial rows, each D columns.
+void launch_dw_finish(cudaStream_t s, bool pdl, const DwFinish& f0, const DwFinish& f1,
+                      int count, int D) {
+  const dim3 grid(unsigned(ceil_div(D, 32)), unsigned(count)), block(32, kFinishLanes);
   if (!pdl) {
-    rmsnorm_dw_finish_kernel<false><<<grid, block, 0, s>>>(dw, partials, nblocks, D);
+    rmsnorm_dw_finish_kernel<false><<<grid, block, 0, s>>>(f0, f1, D);
     CUDA_CHECK_LAUNCH();
     return;
   }
@@ -1141,7 +1216,12 @@ void launch_dw_finish(cudaStream_t s, bool pdl, float* dw, const float* partials
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  CUDA_CHECK(cudaLaunchKernelEx(&cfg, rmsnorm_dw_finish_kernel<true>, dw, partials, nblocks, D));
+  CUDA_CHECK(cudaLaunchKernelEx(&cfg, rmsnorm_dw_finish_kernel<true>, f0, f1, D));
+}
+void launch_dw_finish(cudaStream_t s, bool pdl, float* dw, const float* partials, int nblocks,
+                      int D) {
+  const DwFinish f{dw, partials, nblocks};
+  launch_dw_finish(s, pdl, f, f, 1, D);
 }
 
 // The vector kernels' launches (plain, with the fused RoPE, or with the residual add in
@@ -1152,7 +1232,7 @@ template <bool kRope, bool kAdd = false>
 bool launch_forward_vec(cudaStream_t s, Tensor y, Tensor rstd, Tensor x, Tensor w, int64_t R,
                         int64_t D, double eps, const RopeArgs& ra, const AddArgs& aa = {}) {
   bool launched = false;
-  const int version = kRope ? g_qk_version : g_forward_version;
+  const int version = kRope ? qk_kernels_version() : g_forward_version;
   dispatch_float(w.dtype, "rmsnorm_forward", [&](auto tw) {
     using W = decltype(tw);
     dispatch_row_config(int(D), false, [&](auto cfg) {
@@ -1221,7 +1301,7 @@ bool launch_backward_vec(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor
                          Tensor rstd, int64_t R, int64_t D, bool accumulate_dx,
                          const ScratchFn& scratch, const RopeArgs& ra) {
   bool launched = false;
-  const int version = kRope ? g_qk_version : g_backward_version;
+  const int version = kRope ? qk_kernels_version() : g_backward_version;
   dispatch_float(w.dtype, "rmsnorm_backward", [&](auto tw) {
     using W = decltype(tw);
     dispatch_row_config(int(D), true, [&](auto cfg) {
@@ -1317,7 +1397,7 @@ bool launch_backward_vec(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor
 template <class F>
 bool with_pairs(const Tensor& w, int64_t R, int64_t D, const RopeArgs& ra, const RopeTable& table,
                 F&& f) {
-  if (g_qk_version != 6 || w.dtype != DType::BF16 || !lite_rows_fit(R) || !table.data ||
+  if (qk_kernels_version() != 6 || w.dtype != DType::BF16 || !lite_rows_fit(R) || !table.data ||
       table.head_dim != D || ra.first_position < 0 ||
       ra.first_position + ra.T_len > table.positions)
     return false;
@@ -1333,44 +1413,104 @@ bool with_pairs(const Tensor& w, int64_t R, int64_t D, const RopeArgs& ra, const
   return true;
 }
 
-bool launch_forward_pairs(cudaStream_t s, Tensor y, Tensor rstd, Tensor x, Tensor w, int64_t R,
+std::atomic<int64_t> g_qk_pair_launches{0};  // qk_pair_launches()
+
+// The paired-lane kernels over `count` tensors (1, or 2: q and k of a layer, the same
+// head_dim, positions and weight dtype) in one launch; rows[i].blocks is set here. The
+// forward's grid is the balanced rule over both tensors' steps; the backward's the
+// resident blocks, shared in proportion to the rows.
+
+bool launch_forward_pairs(cudaStream_t s, PairRows (&rows)[2], int count, const Tensor& w,
                           int64_t D, double eps, const RopeArgs& ra, const RopeTable& table) {
-  return with_pairs(w, R, D, ra, table, [&](auto tpr, const RopeTableArgs& rt) {
+  const int64_t R_max = count == 2 ? std::max(rows[0].R, rows[1].R) : rows[0].R;
+  return with_pairs(w, R_max, D, ra, table, [&](auto tpr, const RopeTableArgs& rt) {
     constexpr int TPR = decltype(tpr)::value, RW = (32 / TPR) * kPairRpi;
+    constexpr int64_t RB = int64_t(kVecThreads / 32) * RW;
     auto go = [&](auto kern) {
-      const int64_t steps = ceil_div(R, int64_t(kVecThreads / 32) * RW);
-      const int64_t blocks = vec_grid(GridRule::Balanced, steps, per_sm_cached(kern));
-      kern<<<unsigned(blocks), kVecThreads, 0, s>>>(
-          static_cast<bf16*>(y.data), rstd.ptr<float>(), static_cast<const bf16*>(x.data),
-          static_cast<const bf16*>(w.data), R, float(eps), rt);
+      const int64_t resident = int64_t(sm_count()) * per_sm_cached(kern);
+      int64_t steps[2] = {ceil_div(rows[0].R, RB), count == 2 ? ceil_div(rows[1].R, RB) : 0};
+      const int64_t total = steps[0] + steps[1];
+      const int64_t per_block = total <= resident ? 1 : ceil_div(total, resident);
+      int64_t grid = 0;
+      for (int i = 0; i < count; ++i) {
+        rows[i].blocks = int(ceil_div(steps[i], per_block));
+        grid += rows[i].blocks;
+      }
+      kern<<<unsigned(grid), kVecThreads, 0, s>>>(rows[0], rows[count - 1], float(eps), rt);
       CUDA_CHECK_LAUNCH();
+      if (count == 2) ++g_qk_pair_launches;
     };
-    if (ra.heads % RW == 0) go(qk_norm_rope_forward_pairs_kernel<TPR, true>);
-    else go(qk_norm_rope_forward_pairs_kernel<TPR, false>);
+    bool warp_token = true;
+    for (int i = 0; i < count; ++i) warp_token = warp_token && rows[i].heads % RW == 0;
+    if (count == 2) {
+      if (warp_token) go(qk_norm_rope_forward_pairs_kernel<TPR, true, true>);
+      else go(qk_norm_rope_forward_pairs_kernel<TPR, false, true>);
+    } else if (warp_token) {
+      go(qk_norm_rope_forward_pairs_kernel<TPR, true, false>);
+    } else {
+      go(qk_norm_rope_forward_pairs_kernel<TPR, false, false>);
+    }
   });
 }
 
-bool launch_backward_pairs(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,
-                           Tensor rstd, int64_t R, int64_t D, bool accumulate_dx,
+bool launch_backward_pairs(cudaStream_t s, PairRows (&rows)[2], DwFinish (&dw)[2], int count,
+                           const Tensor& w, int64_t D, bool accumulate_dx,
                            const ScratchFn& scratch, const RopeArgs& ra, const RopeTable& table) {
-  return with_pairs(w, R, D, ra, table, [&](auto tpr, const RopeTableArgs& rt) {
+  const int64_t R_max = count == 2 ? std::max(rows[0].R, rows[1].R) : rows[0].R;
+  return with_pairs(w, R_max, D, ra, table, [&](auto tpr, const RopeTableArgs& rt) {
     constexpr int TPR = decltype(tpr)::value, RW = (32 / TPR) * kPairRpi;
+    constexpr int64_t RB = int64_t(kVecThreads / 32) * RW;
     auto go = [&](auto kern) {
-      const int64_t rb = (kVecThreads / 32) * RW;
-      const int64_t blocks =
-          std::min<int64_t>(ceil_div(R, rb), int64_t(sm_count()) * per_sm_cached(kern));
+      const int64_t resident = int64_t(sm_count()) * per_sm_cached(kern);
+      int64_t share[2] = {resident, 0};
+      if (count == 2) {
+        share[0] = std::max<int64_t>(1, resident * rows[0].R / (rows[0].R + rows[1].R));
+        share[1] = std::max<int64_t>(1, resident - share[0]);
+      }
+      int64_t total = 0;
+      for (int i = 0; i < count; ++i) {
+        rows[i].blocks = int(std::min(ceil_div(rows[i].R, RB), share[i]));
+        total += rows[i].blocks;
+      }
       auto* partials = static_cast<float*>(
-          scratch(ScratchSlot::NormPartials, size_t(blocks) * size_t(D) * sizeof(float)));
-      kern<<<unsigned(blocks), kVecThreads, 0, s>>>(
-          static_cast<bf16*>(dx.data), partials, static_cast<const bf16*>(dy.data),
-          static_cast<const bf16*>(x.data), static_cast<const bf16*>(w.data), rstd.ptr<float>(),
-          R, accumulate_dx, rt);
+          scratch(ScratchSlot::NormPartials, size_t(total) * size_t(D) * sizeof(float)));
+      for (int i = 0, first = 0; i < count; first += rows[i].blocks, ++i) {
+        rows[i].partials = partials + int64_t(first) * D;
+        dw[i].partials = rows[i].partials;
+        dw[i].nblocks = rows[i].blocks;
+      }
+      kern<<<unsigned(total), kVecThreads, 0, s>>>(rows[0], rows[count - 1], accumulate_dx, rt);
       CUDA_CHECK_LAUNCH();
-      launch_dw_finish(s, true, dw.ptr<float>(), partials, int(blocks), int(D));
+      if (count == 2) ++g_qk_pair_launches;
+      launch_dw_finish(s, true, dw[0], dw[count - 1], count, int(D));
     };
-    if (ra.heads % RW == 0) go(qk_norm_rope_backward_pairs_kernel<TPR, true>);
-    else go(qk_norm_rope_backward_pairs_kernel<TPR, false>);
+    bool warp_token = true;
+    for (int i = 0; i < count; ++i) warp_token = warp_token && rows[i].heads % RW == 0;
+    if (count == 2) {
+      if (warp_token) go(qk_norm_rope_backward_pairs_kernel<TPR, true, true>);
+      else go(qk_norm_rope_backward_pairs_kernel<TPR, false, true>);
+    } else if (warp_token) {
+      go(qk_norm_rope_backward_pairs_kernel<TPR, true, false>);
+    } else {
+      go(qk_norm_rope_backward_pairs_kernel<TPR, false, false>);
+    }
   });
+}
+PairRows forward_rows(Tensor y, Tensor rstd, Tensor x, Tensor w, int64_t R, int heads) {
+  PairRows r;
+  r.out = static_cast<bf16*>(y.data);
+  r.rstd = rstd.ptr<float>();
+  r.x = static_cast<const bf16*>(x.data);
+  r.w = static_cast<const bf16*>(w.data);
+  r.R = R;
+  r.heads = heads;
+  return r;
+}
+PairRows backward_rows(Tensor dx, Tensor dy, Tensor x, Tensor w, Tensor rstd, int64_t R,
+                       int heads) {
+  PairRows r = forward_rows(dx, rstd, x, w, R, heads);
+  r.dy = static_cast<const bf16*>(dy.data);
+  return r;
 }
 
 void check_forward(const char* what, Tensor y, Tensor rstd, Tensor x, int64_t R, int64_t D) {
@@ -1526,8 +1666,9 @@ void qk_norm_rope_forward(cudaStream_t s, Tensor y, Tensor rstd, Tensor x, Tenso
   MHAR_CHECK(y.dim(3) == D, "qk_norm_rope_forward: head_dim ", y.dim(3), " but weight ", D);
   check_forward("qk_norm_rope_forward", y, rstd, x, R, D);
   if (R == 0) return;
+  PairRows single_rows[2] = {forward_rows(y, rstd, x, w, R, ra.heads)};
   if (fused_rope_shape(D) && vector_path(x.dtype, D, kVecMaxD, {x.data, y.data, w.data}) &&
-      (launch_forward_pairs(s, y, rstd, x, w, R, D, eps, ra,
+      (launch_forward_pairs(s, single_rows, 1, w, D, eps, ra,
                             table.theta == theta ? table : RopeTable{}) ||
        launch_forward_vec<true>(s, y, rstd, x, w, R, D, eps, ra)))
     return;
@@ -1543,14 +1684,71 @@ void qk_norm_rope_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tens
   MHAR_CHECK(dy.dim(3) == D, "qk_norm_rope_backward: head_dim ", dy.dim(3), " but weight ", D);
   check_backward("qk_norm_rope_backward", dx, dw, dy, x, rstd, R, D);
   if (R == 0) return;
+  PairRows single_rows[2] = {backward_rows(dx, dy, x, w, rstd, R, ra.heads)};
+  DwFinish single_dw[2] = {DwFinish{dw.ptr<float>(), nullptr, 0}};
   if (fused_rope_shape(D) &&
       vector_path(x.dtype, D, kVecMaxDBackward, {x.data, dx.data, dy.data, w.data}) &&
-      (launch_backward_pairs(s, dx, dw, dy, x, w, rstd, R, D, accumulate_dx, scratch, ra,
+      (launch_backward_pairs(s, single_rows, single_dw, 1, w, D, accumulate_dx, scratch, ra,
                              table.theta == theta ? table : RopeTable{}) ||
        launch_backward_vec<true>(s, dx, dw, dy, x, w, rstd, R, D, accumulate_dx, scratch, ra)))
     return;
   rope(s, dy, theta, true);
   rmsnorm_backward(s, dx, dw, dy, x, w, rstd, accumulate_dx, scratch);
+}
+
+void qk_norm_rope_forward_qk(cudaStream_t s, const QkNormRopeOperands& q,
+                             const QkNormRopeOperands& k, double eps, double theta,
+                             int64_t first_position, const RopeTable& table) {
+  const int64_t D = q.w.numel();
+  if (g_qk_version == 7 && D > 0 && k.w.numel() == D && q.w.dtype == k.w.dtype &&
+      fused_rope_shape(D) &&
+      q.y.ndim == 4 && k.y.ndim == 4 && q.y.dim(1) == k.y.dim(1) && q.y.dim(3) == D &&
+      k.y.dim(3) == D) {
+    const int64_t Rq = q.x.numel() / D, Rk = k.x.numel() / D;
+    const RopeArgs rq = rope_args("qk_norm_rope_forward_qk", q.y, theta, false, first_position);
+    const RopeArgs rk = rope_args("qk_norm_rope_forward_qk", k.y, theta, false, first_position);
+    check_forward("qk_norm_rope_forward_qk (q)", q.y, q.rstd, q.x, Rq, D);
+    check_forward("qk_norm_rope_forward_qk (k)", k.y, k.rstd, k.x, Rk, D);
+    PairRows rows[2] = {forward_rows(q.y, q.rstd, q.x, q.w, Rq, rq.heads),
+                        forward_rows(k.y, k.rstd, k.x, k.w, Rk, rk.heads)};
+    if (Rq > 0 && Rk > 0 && vector_path(q.x.dtype, D, kVecMaxD, {q.x.data, q.y.data, q.w.data}) &&
+        vector_path(k.x.dtype, D, kVecMaxD, {k.x.data, k.y.data, k.w.data}) &&
+        launch_forward_pairs(s, rows, 2, q.w, D, eps, rq,
+                             table.theta == theta ? table : RopeTable{}))
+      return;
+  }
+  qk_norm_rope_forward(s, q.y, q.rstd, q.x, q.w, eps, theta, first_position, table);
+  qk_norm_rope_forward(s, k.y, k.rstd, k.x, k.w, eps, theta, first_position, table);
+}
+
+void qk_norm_rope_backward_qk(cudaStream_t s, const QkNormRopeGradOperands& q,
+                              const QkNormRopeGradOperands& k, double theta, bool accumulate_dx,
+                              const ScratchFn& scratch, const RopeTable& table) {
+  const int64_t D = q.w.numel();
+  if (g_qk_version == 7 && D > 0 && k.w.numel() == D && q.w.dtype == k.w.dtype &&
+      fused_rope_shape(D) &&
+      q.dy.ndim == 4 && k.dy.ndim == 4 && q.dy.dim(1) == k.dy.dim(1) && q.dy.dim(3) == D &&
+      k.dy.dim(3) == D) {
+    const int64_t Rq = q.x.numel() / D, Rk = k.x.numel() / D;
+    const RopeArgs rq = rope_args("qk_norm_rope_backward_qk", q.dy, theta, true, 0);
+    const RopeArgs rk = rope_args("qk_norm_rope_backward_qk", k.dy, theta, true, 0);
+    check_backward("qk_norm_rope_backward_qk (q)", q.dx, q.dw, q.dy, q.x, q.rstd, Rq, D);
+    check_backward("qk_norm_rope_backward_qk (k)", k.dx, k.dw, k.dy, k.x, k.rstd, Rk, D);
+    PairRows rows[2] = {backward_rows(q.dx, q.dy, q.x, q.w, q.rstd, Rq, rq.heads),
+                        backward_rows(k.dx, k.dy, k.x, k.w, k.rstd, Rk, rk.heads)};
+    DwFinish dw[2] = {DwFinish{q.dw.ptr<float>(), nullptr, 0},
+                      DwFinish{k.dw.ptr<float>(), nullptr, 0}};
+    if (Rq > 0 && Rk > 0 &&
+        vector_path(q.x.dtype, D, kVecMaxDBackward, {q.x.data, q.dx.data, q.dy.data, q.w.data}) &&
+        vector_path(k.x.dtype, D, kVecMaxDBackward, {k.x.data, k.dx.data, k.dy.data, k.w.data}) &&
+        launch_backward_pairs(s, rows, dw, 2, q.w, D, accumulate_dx, scratch, rq,
+                              table.theta == theta ? table : RopeTable{}))
+      return;
+  }
+  qk_norm_rope_backward(s, q.dx, q.dw, q.dy, q.x, q.w, q.rstd, theta, accumulate_dx, scratch,
+                        table);
+  qk_norm_rope_backward(s, k.dx, k.dw, k.dy, k.x, k.w, k.rstd, theta, accumulate_dx, scratch,
+                        table);
 }
 
 }  // namespace mhar::cuda
@@ -1580,6 +1778,8 @@ RopeTable rope_table_fill(cudaStream_t s, void* table, double theta, int64_t hea
   t.theta = theta;
   return t;
 }
+
+int64_t qk_pair_launches() { return g_qk_pair_launches.load(); }
 
 int norm_kernel_versions(NormKernel kernel) {
   switch (kernel) {

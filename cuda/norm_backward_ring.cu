@@ -6,11 +6,12 @@
 // producer lane per block keeps a ring of S row stages (x, dy and, for "+=", the old dx:
 // 5 or 7.5 KB a stage at D 1280; S up to 32, about 200 KB) in flight with cp.async.bulk,
 // whatever the consumer warps are doing, so loads never wait on arithmetic.
-// Layout: one block an SM on a cooperative grid (G = the SMs), block b owns the rows
+// Layout: one or two blocks an SM on a cooperative grid (G blocks), block b owns the rows
 // [b R / G, (b + 1) R / G); its row i sits in stage i % S and is consumed by warp i % C
-// (C = 8 or 16 consumer warps), which computes it exactly as version 1 does (the same
-// lanes' columns, fp32 operations and warp sum: dx is version 1's bits) and writes dx
-// straight to global memory; each warp keeps dw's per-column sums in registers.
+// (C = 8 consumer warps; S a multiple of C, so each stage has one consumer), which
+// computes it exactly as version 1 does (the same lanes' columns, fp32 operations and warp
+// sum: dx is version 1's bits) and writes dx straight to global memory; each warp keeps
+// dw's per-column sums in registers.
 // dw: the C warps' sums are added in warp order into one partial row per block
 // (scratch), the grid synchronises (cooperative launch), and block b then adds every
 // partial row, in a fixed order, into its share of dw's columns: no second kernel and no
@@ -18,6 +19,11 @@
 // within fp32 rounding).
 // Barriers per stage (mbarrier.cuh): full (the producer's expect_tx, completed by the
 // copies' bytes) and empty (one arrival by the consuming warp's lane 0).
+// Measured (cuda/NOTES.md, "The backward fed by the copy engine"): at 1B version 7 moves
+// the "+=" backward at 67-69% of copy (version 5: 65%) but the overwriting one at 60-62%
+// (version 5: 64%); ncu shows the consumers, not the loads, now bound it (0.30 warps
+// issuing per scheduler cycle, 7.6 cycles between a warp's instructions). Version 5 stays
+// the default.
 #include "cuda/norm_backward_ring.h"
 
 #include <cooperative_groups.h>
@@ -259,8 +265,8 @@ bool launch_ring(cudaStream_t s, int blocks_per_sm, const RingArgs& base,
       int coop = 0;
       CUDA_CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev));
       if (coop) {
-        CUDA_CHECK(
-            cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBudget)));
+        CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        int(kSmemBudget)));
         CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
       }
       ready[dev] = coop != 0;

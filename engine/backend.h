@@ -128,6 +128,16 @@ struct DeltaSiteForward {
   double eps = 0;
 };
 
+// One of attention's q and k for Backend::qk_norm_rope_forward_qk / _backward_qk: the
+// operands of qk_norm_rope_forward (y, rstd, x, w) and of qk_norm_rope_backward (dx, dw,
+// dy, x, w, rstd).
+struct QkNormRopeOperands {
+  Tensor y, rstd, x, w;
+};
+struct QkNormRopeGradOperands {
+  Tensor dx, dw, dy, x, w, rstd;
+};
+
 // What the temporaries of a model's ops depend on (Backend::op_scratch_bytes): the model's
 // shapes (Model::plan_activations) and what its residual scheme calls
 // (ResidualScheme::op_scratch_shapes). Every op of the model's passes is covered: its
@@ -296,6 +306,20 @@ class Backend {
                                      Tensor rstd, double theta, bool accumulate_dx) {
     rope(dy, theta, true);
     rmsnorm_backward(dx, dw, dy, x, w, rstd, accumulate_dx);
+  }
+  // q and k of one attention layer (the same eps, theta and positions): exactly the two
+  // calls above, q's then k's; a backend may run both in one launch (the CUDA backend's
+  // QK lab version 7 does: the second kernel's fixed cost is a sixth of k's time at 1B).
+  virtual void qk_norm_rope_forward_qk(const QkNormRopeOperands& q, const QkNormRopeOperands& k,
+                                       double eps, double theta, int64_t first_position) {
+    qk_norm_rope_forward(q.y, q.rstd, q.x, q.w, eps, theta, first_position);
+    qk_norm_rope_forward(k.y, k.rstd, k.x, k.w, eps, theta, first_position);
+  }
+  virtual void qk_norm_rope_backward_qk(const QkNormRopeGradOperands& q,
+                                        const QkNormRopeGradOperands& k, double theta,
+                                        bool accumulate_dx) {
+    qk_norm_rope_backward(q.dx, q.dw, q.dy, q.x, q.w, q.rstd, theta, accumulate_dx);
+    qk_norm_rope_backward(k.dx, k.dw, k.dy, k.x, k.w, k.rstd, theta, accumulate_dx);
   }
 
   // ---- incremental decoding (sampling with a KV cache; Model::forward_cached).

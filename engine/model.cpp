@@ -596,10 +596,9 @@ void Model::attention_forward(int l) {
   Tensor v4 = act(A.v).view({B_, T_, hkv, hd}), att4 = act(A.att).view({B_, T_, hq, hd});
   // QK-norm then RoPE; decode: the chunk continues the cached prefix at decode_position_.
   const int64_t first_position = decode_position_ < 0 ? 0 : decode_position_;
-  be_.qk_norm_rope_forward(q4, act(A.q_rstd), act(A.q_pre), p(lp.q_norm), cfg_.rms_eps,
-                           cfg_.rope_theta, first_position);
-  be_.qk_norm_rope_forward(k4, act(A.k_rstd), act(A.k_pre), p(lp.k_norm), cfg_.rms_eps,
-                           cfg_.rope_theta, first_position);
+  be_.qk_norm_rope_forward_qk({q4, act(A.q_rstd), act(A.q_pre), p(lp.q_norm)},
+                              {k4, act(A.k_rstd), act(A.k_pre), p(lp.k_norm)}, cfg_.rms_eps,
+                              cfg_.rope_theta, first_position);
   if (decode_position_ < 0) {
     be_.attention_forward(att4, act(A.lse), q4, k4, v4);
   } else {
@@ -677,10 +676,10 @@ void Model::attention_backward(int l) {
                          act(A.d_att).view({B_, T_, hq, hd}), act(A.q).view({B_, T_, hq, hd}),
                          act(A.k).view({B_, T_, hkv, hd}), act(A.v).view({B_, T_, hkv, hd}),
                          act(A.att).view({B_, T_, hq, hd}), act(A.lse));
-  be_.qk_norm_rope_backward(act(A.dq_pre), g(lp.q_norm), dq4, act(A.q_pre), p(lp.q_norm),
-                            act(A.q_rstd), cfg_.rope_theta, false);
-  be_.qk_norm_rope_backward(act(A.dk_pre), g(lp.k_norm), dk4, act(A.k_pre), p(lp.k_norm),
-                            act(A.k_rstd), cfg_.rope_theta, false);
+  be_.qk_norm_rope_backward_qk(
+      {act(A.dq_pre), g(lp.q_norm), dq4, act(A.q_pre), p(lp.q_norm), act(A.q_rstd)},
+      {act(A.dk_pre), g(lp.k_norm), dk4, act(A.k_pre), p(lp.k_norm), act(A.k_rstd)},
+      cfg_.rope_theta, false);
   be_.matmul_input_grad(act(A.d_xn), act(A.dq_pre), p(lp.wq), false);
   be_.matmul_input_grad(act(A.d_xn), act(A.dk_pre), p(lp.wk), true);
   be_.matmul_input_grad(act(A.d_xn), act(A.dv), p(lp.wv), true);

@@ -276,6 +276,21 @@ void OpProfiler::qk_norm_rope_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x
   Span s(*this, __func__, OpFamily::Rope, bytes_of({dx, dw, dy, x, w, rstd}) + (acc ? bytes_of({dx}) : 0));
   in_.qk_norm_rope_backward(dx, dw, dy, x, w, rstd, theta, acc);
 }
+void OpProfiler::qk_norm_rope_forward_qk(const QkNormRopeOperands& q, const QkNormRopeOperands& k,
+                                         double eps, double theta, int64_t first_position) {
+  Span s(*this, __func__, OpFamily::Rope,
+         bytes_of({q.y, q.rstd, q.x, q.w}) + bytes_of({k.y, k.rstd, k.x, k.w}));
+  in_.qk_norm_rope_forward_qk(q, k, eps, theta, first_position);
+}
+void OpProfiler::qk_norm_rope_backward_qk(const QkNormRopeGradOperands& q,
+                                          const QkNormRopeGradOperands& k, double theta,
+                                          bool acc) {
+  const double dx_reads = acc ? bytes_of({q.dx}) + bytes_of({k.dx}) : 0;
+  Span s(*this, __func__, OpFamily::Rope,
+         bytes_of({q.dx, q.dw, q.dy, q.x, q.w, q.rstd}) +
+             bytes_of({k.dx, k.dw, k.dy, k.x, k.w, k.rstd}) + dx_reads);
+  in_.qk_norm_rope_backward_qk(q, k, theta, acc);
+}
 void OpProfiler::attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v) {
   Span s(*this, __func__, OpFamily::AttentionForward, attention_forward_flops(q));
   in_.attention_forward(out, lse, q, k, v);

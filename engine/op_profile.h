@@ -87,6 +87,10 @@ class OpProfiler final : public ForwardingBackend {
                             double theta, int64_t first_position) override;
   void qk_norm_rope_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor rstd,
                              double theta, bool accumulate_dx) override;
+  void qk_norm_rope_forward_qk(const QkNormRopeOperands& q, const QkNormRopeOperands& k,
+                               double eps, double theta, int64_t first_position) override;
+  void qk_norm_rope_backward_qk(const QkNormRopeGradOperands& q, const QkNormRopeGradOperands& k,
+                                double theta, bool accumulate_dx) override;
   void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v) override;
   void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k,
                           Tensor v, Tensor out, Tensor lse) override;

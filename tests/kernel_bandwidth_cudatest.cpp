@@ -13,7 +13,8 @@
 // NormKernelVersions: every kernel-lab version of the norm kernels (cuda/norm.cu,
 // cuda::norm_set_kernel_version) at the 1B shapes, version 1 timed again last (the spread
 // between two runs of one version: differences below it are noise), so that one device
-// call measures them all and picks the defaults.
+// call measures them all and picks the defaults; then the model's QK-norm + RoPE call of
+// q and k together (one launch) against the two tensors timed apart above.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -106,6 +107,45 @@ class KernelBandwidth : public BandwidthTest {
                gpu->qk_norm_rope_backward(dx[size_t(i)], dw, dy[size_t(i)], x[size_t(i)], w, rstd,
                                           1e6, false);
              }, sets));
+    });
+  }
+
+  // q and k in one call (qk_norm_rope_forward_qk / _backward_qk, the model's): both
+  // tensors' bytes; QK version 6 (two launches) and 7 (one), twice each, alternating.
+  void qk_pair(const Shape& sh, const std::string& at) {
+    const int64_t N = sh.B * sh.T, D = sh.hd;
+    double fwd = 0, bwd = 0;
+    struct Side {
+      Buffer x, y, dy, dx, w, rstd, dw;
+    };
+    std::vector<Side> sides;
+    for (int64_t heads : {sh.H, sh.Hkv}) {
+      const int64_t R = N * heads;
+      const double row = 2.0 * R * D;
+      fwd += 2 * row + 4.0 * R;
+      bwd += 3 * row + 4.0 * R + 8.0 * D;
+      Buffer x = random_gpu(DType::BF16, {R, D}, 2.0), w = random_gpu(DType::BF16, {D});
+      Buffer dy = random_gpu(DType::BF16, {sh.B, sh.T, heads, D});
+      Buffer y(*gpu, DType::BF16, {sh.B, sh.T, heads, D}), dx(*gpu, DType::BF16, {R, D});
+      Buffer rstd(*gpu, DType::F32, {R}), dw(*gpu, DType::F32, {D});
+      sides.push_back(Side{std::move(x), std::move(y), std::move(dy), std::move(dx), std::move(w),
+                           std::move(rstd), std::move(dw)});
+    }
+    Side& q = sides[0];
+    Side& k = sides[1];
+    const std::string tag = " [" + std::to_string(sh.B) + ", " + std::to_string(sh.T) + ", " +
+                            std::to_string(sh.H) + "+" + std::to_string(sh.Hkv) + ", " +
+                            std::to_string(D) + "]" + at;
+    // Version 6: the two calls in turn; version 7: one launch.
+    each_version(cuda::NormKernel::QkNormRope, {6, 7, 6, 7}, [&](const std::string& v) {
+      report("qk-norm+rope fused q+k one call forward" + v + tag, fwd, median_ms([&](int) {
+               gpu->qk_norm_rope_forward_qk({q.y, q.rstd, q.x, q.w}, {k.y, k.rstd, k.x, k.w},
+                                            1e-6, 1e6, 0);
+             }, 1));
+      report("qk-norm+rope fused q+k one call backward" + v + tag, bwd, median_ms([&](int) {
+               gpu->qk_norm_rope_backward_qk({q.dx, q.dw, q.dy, q.x, q.w, q.rstd},
+                                             {k.dx, k.dw, k.dy, k.x, k.w, k.rstd}, 1e6, false);
+             }, 1));
     });
   }
 
@@ -229,6 +269,7 @@ TEST_F(KernelBandwidth, DISABLED_NormKernelVersions) {
   norms("rmsnorm", N, sh.d, at, all(cuda::NormKernel::Forward), all(cuda::NormKernel::Backward));
   qk("qk-norm+rope fused q", sh, sh.H, at, all(cuda::NormKernel::QkNormRope));
   qk("qk-norm+rope fused k", sh, sh.Hkv, at, all(cuda::NormKernel::QkNormRope));
+  qk_pair(sh, at);
 }
 
 }  // namespace
