@@ -1415,6 +1415,24 @@ bool with_pairs(const Tensor& w, int64_t R, int64_t D, const RopeArgs& ra, const
 
 std::atomic<int64_t> g_qk_pair_launches{0};  // qk_pair_launches()
 
+// Calls f(bool_constant<kWarpToken>, bool_constant<kTwo>) for a paired-lane launch of
+// `count` tensors: kWarpToken where every tensor's heads are a multiple of a warp's rows.
+template <int RW, class F>
+void with_pair_variant(const PairRows (&rows)[2], int count, F&& f) {
+  bool warp_token = true;
+  for (int i = 0; i < count; ++i) warp_token = warp_token && rows[i].heads % RW == 0;
+  using Yes = std::true_type;
+  using No = std::false_type;
+  if (count == 2) {
+    if (warp_token) f(Yes{}, Yes{});
+    else f(No{}, Yes{});
+  } else if (warp_token) {
+    f(Yes{}, No{});
+  } else {
+    f(No{}, No{});
+  }
+}
+
 // The paired-lane kernels over `count` tensors (1, or 2: q and k of a layer, the same
 // head_dim, positions and weight dtype) in one launch; rows[i].blocks is set here. The
 // forward's grid is the balanced rule over both tensors' steps; the backward's the
@@ -1440,16 +1458,9 @@ bool launch_forward_pairs(cudaStream_t s, PairRows (&rows)[2], int count, const 
       CUDA_CHECK_LAUNCH();
       if (count == 2) ++g_qk_pair_launches;
     };
-    bool warp_token = true;
-    for (int i = 0; i < count; ++i) warp_token = warp_token && rows[i].heads % RW == 0;
-    if (count == 2) {
-      if (warp_token) go(qk_norm_rope_forward_pairs_kernel<TPR, true, true>);
-      else go(qk_norm_rope_forward_pairs_kernel<TPR, false, true>);
-    } else if (warp_token) {
-      go(qk_norm_rope_forward_pairs_kernel<TPR, true, false>);
-    } else {
-      go(qk_norm_rope_forward_pairs_kernel<TPR, false, false>);
-    }
+    with_pair_variant<RW>(rows, count, [&](auto token, auto two) {
+      go(qk_norm_rope_forward_pairs_kernel<TPR, decltype(token)::value, decltype(two)::value>);
+    });
   });
 }
 
@@ -1484,16 +1495,9 @@ bool launch_backward_pairs(cudaStream_t s, PairRows (&rows)[2], DwFinish (&dw)[2
       if (count == 2) ++g_qk_pair_launches;
       launch_dw_finish(s, true, dw[0], dw[count - 1], count, int(D));
     };
-    bool warp_token = true;
-    for (int i = 0; i < count; ++i) warp_token = warp_token && rows[i].heads % RW == 0;
-    if (count == 2) {
-      if (warp_token) go(qk_norm_rope_backward_pairs_kernel<TPR, true, true>);
-      else go(qk_norm_rope_backward_pairs_kernel<TPR, false, true>);
-    } else if (warp_token) {
-      go(qk_norm_rope_backward_pairs_kernel<TPR, true, false>);
-    } else {
-      go(qk_norm_rope_backward_pairs_kernel<TPR, false, false>);
-    }
+    with_pair_variant<RW>(rows, count, [&](auto token, auto two) {
+      go(qk_norm_rope_backward_pairs_kernel<TPR, decltype(token)::value, decltype(two)::value>);
+    });
   });
 }
 PairRows forward_rows(Tensor y, Tensor rstd, Tensor x, Tensor w, int64_t R, int heads) {
