@@ -1700,14 +1700,23 @@ void qk_norm_rope_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tens
   rmsnorm_backward(s, dx, dw, dy, x, w, rstd, accumulate_dx, scratch);
 }
 
+namespace {
+// Whether q and k may take one paired-lane launch (QK version 7): one head_dim the fused
+// kernels take, one weight dtype, both [B, T, heads, head_dim] with the same T. The launch
+// checks the rest (alignment, table, row counts) and the two calls run where it declines.
+bool qk_pair_applies(const Tensor& wq, const Tensor& wk, const Tensor& tq, const Tensor& tk) {
+  const int64_t D = wq.numel();
+  return g_qk_version == 7 && fused_rope_shape(D) && wk.numel() == D && wq.dtype == wk.dtype &&
+         tq.ndim == 4 && tk.ndim == 4 && tq.dim(1) == tk.dim(1) && tq.dim(3) == D &&
+         tk.dim(3) == D;
+}
+}  // namespace
+
 void qk_norm_rope_forward_qk(cudaStream_t s, const QkNormRopeOperands& q,
                              const QkNormRopeOperands& k, double eps, double theta,
                              int64_t first_position, const RopeTable& table) {
   const int64_t D = q.w.numel();
-  if (g_qk_version == 7 && D > 0 && k.w.numel() == D && q.w.dtype == k.w.dtype &&
-      fused_rope_shape(D) &&
-      q.y.ndim == 4 && k.y.ndim == 4 && q.y.dim(1) == k.y.dim(1) && q.y.dim(3) == D &&
-      k.y.dim(3) == D) {
+  if (qk_pair_applies(q.w, k.w, q.y, k.y)) {
     const int64_t Rq = q.x.numel() / D, Rk = k.x.numel() / D;
     const RopeArgs rq = rope_args("qk_norm_rope_forward_qk", q.y, theta, false, first_position);
     const RopeArgs rk = rope_args("qk_norm_rope_forward_qk", k.y, theta, false, first_position);
@@ -1729,10 +1738,7 @@ void qk_norm_rope_backward_qk(cudaStream_t s, const QkNormRopeGradOperands& q,
                               const QkNormRopeGradOperands& k, double theta, bool accumulate_dx,
                               const ScratchFn& scratch, const RopeTable& table) {
   const int64_t D = q.w.numel();
-  if (g_qk_version == 7 && D > 0 && k.w.numel() == D && q.w.dtype == k.w.dtype &&
-      fused_rope_shape(D) &&
-      q.dy.ndim == 4 && k.dy.ndim == 4 && q.dy.dim(1) == k.dy.dim(1) && q.dy.dim(3) == D &&
-      k.dy.dim(3) == D) {
+  if (qk_pair_applies(q.w, k.w, q.dy, k.dy)) {
     const int64_t Rq = q.x.numel() / D, Rk = k.x.numel() / D;
     const RopeArgs rq = rope_args("qk_norm_rope_backward_qk", q.dy, theta, true, 0);
     const RopeArgs rk = rope_args("qk_norm_rope_backward_qk", k.dy, theta, true, 0);
