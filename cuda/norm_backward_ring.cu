@@ -1,5 +1,6 @@
 // norm_backward_ring.cu: the RMSNorm backward with its rows brought into shared memory by
-// the copy engine (norm backward lab versions 7 and 8; the operation is norm.cu's header's).
+// the copy engine (norm backward lab versions 7-9: 7 one block an SM, 8 two, 9 one with a
+// row held in registers between its passes, kHold; the operation is norm.cu's header's).
 // Why: ncu of the register kernels (versions 1-6) at 1B found them latency-bound, not
 // bandwidth-bound: 24 warps an SM load their rows, then all reduce and store, in phase,
 // so the memory system idles while they compute (40% issue, 59% of DRAM peak). Here one
