@@ -15,50 +15,49 @@
 
 namespace mhar::cuda {
 
+// As attention_mma.cuh's helpers: device code for an older target traps; the host pass
+// and sm_90 see the instructions.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-#define MHAR_MBAR_TRAP() __trap()
-#else
-#define MHAR_MBAR_TRAP() ((void)0)
+#define MHAR_MBAR_OLD_ARCH 1
 #endif
 
 __device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count));
+#ifdef MHAR_MBAR_OLD_ARCH
+  __trap();
 #else
-  (void)bar, (void)count;
-  MHAR_MBAR_TRAP();
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count));
 #endif
 }
 // Makes the initialised barriers visible to the copy engine (the async proxy).
 __device__ __forceinline__ void mbar_init_fence() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#ifdef MHAR_MBAR_OLD_ARCH
+  __trap();
 #else
-  MHAR_MBAR_TRAP();
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 #endif
 }
 // The producer's arrival: the barrier completes once `bytes` more have been written to it.
 __device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#ifdef MHAR_MBAR_OLD_ARCH
+  __trap();
+#else
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)),
                "r"(bytes)
                : "memory");
-#else
-  (void)bar, (void)bytes;
-  MHAR_MBAR_TRAP();
 #endif
 }
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+#ifdef MHAR_MBAR_OLD_ARCH
+  __trap();
 #else
-  (void)bar;
-  MHAR_MBAR_TRAP();
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 #endif
 }
 // Waits for the completion of the barrier's phase with this parity.
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#ifdef MHAR_MBAR_OLD_ARCH
+  __trap();
+#else
   uint32_t done = 0;
   while (!done)
     asm volatile(
@@ -67,9 +66,6 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
         : "=r"(done)
         : "r"(smem_addr(bar)), "r"(parity)
         : "memory");
-#else
-  (void)bar, (void)parity;
-  MHAR_MBAR_TRAP();
 #endif
 }
 // `bytes` (a multiple of 16; dst and src 16-byte aligned) from global src into this
@@ -77,18 +73,17 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 // them with mbar_expect_tx).
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes,
                                           uint64_t* bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#ifdef MHAR_MBAR_OLD_ARCH
+  __trap();
+#else
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
           "r"(smem_addr(dst)),
       "l"(src), "r"(bytes), "r"(smem_addr(bar))
       : "memory");
-#else
-  (void)dst, (void)src, (void)bytes, (void)bar;
-  MHAR_MBAR_TRAP();
 #endif
 }
 
-#undef MHAR_MBAR_TRAP
+#undef MHAR_MBAR_OLD_ARCH
 
 }  // namespace mhar::cuda

@@ -31,6 +31,7 @@
 
 #include <algorithm>
 #include <map>
+#include <utility>
 #include <mutex>
 
 #include "cuda/mbarrier.cuh"
@@ -254,10 +255,12 @@ bool launch_ring(cudaStream_t s, int blocks_per_sm, const RingArgs& base,
       fixed + std::max(size_t(stages) * stage_bytes,
                        (size_t(base.D) + size_t(threads)) * sizeof(float));
   if (stages < kConsumers || smem > budget) return false;
-  // Per device: the kernel allowed the budget and the largest carveout; then whether
-  // blocks_per_sm of it fit an SM (the cooperative launch needs them all resident).
+  // Per device: the kernel allowed the budget and the largest carveout (0 blocks where
+  // the device has no cooperative launch); then, once per shared-memory size, how many
+  // blocks fit an SM (the cooperative launch needs them all resident).
   static std::mutex mu;
   static std::map<int, bool> ready;
+  static std::map<std::pair<int, size_t>, int> fit;  // (device, smem) -> blocks an SM
   int dev = 0;
   CUDA_CHECK(cudaGetDevice(&dev));
   {
@@ -273,10 +276,15 @@ bool launch_ring(cudaStream_t s, int blocks_per_sm, const RingArgs& base,
       ready[dev] = coop != 0;
     }
     if (!ready[dev]) return false;
+    const auto key = std::make_pair(dev, smem);
+    auto it = fit.find(key);
+    if (it == fit.end()) {
+      int n = 0;
+      CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kern, threads, smem));
+      it = fit.emplace(key, n).first;
+    }
+    if (it->second < blocks_per_sm) return false;
   }
-  int fit = 0;
-  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, kern, threads, smem));
-  if (fit < blocks_per_sm) return false;
   const int64_t grid = std::min<int64_t>(base.R, int64_t(sm_count()) * blocks_per_sm);
   RingArgs a = base;
   a.stages = stages;
