@@ -1144,9 +1144,9 @@ bool vector_path(DType t, int64_t D, int64_t max_d, std::initializer_list<const 
 //   (other versions: the two calls in turn). The same bits as version 6 but dw's sums.
 // Lab versions apply to BF16 weights (the model's); F32 weights take version 1.
 constexpr int kForwardVersions = 5, kBackwardVersions = 9, kQkVersions = 7;
-// Defaults: the fastest of the device runs (cuda/NOTES.md, "Norm kernel versions" and
-// "Paired lanes"): forward 4, backward 5, QK 6.
-constexpr int kForwardDefault = 4, kBackwardDefault = 5, kQkDefault = 6;
+// Defaults: the fastest of the device runs (cuda/NOTES.md, "Norm kernel versions",
+// "Paired lanes" and "q and k in one launch"): forward 4, backward 5, QK 7.
+constexpr int kForwardDefault = 4, kBackwardDefault = 5, kQkDefault = 7;
 int g_forward_version = kForwardDefault;    // norm_set_kernel_version (timing lab)
 int g_backward_version = kBackwardDefault;
 int g_qk_version = kQkDefault;
