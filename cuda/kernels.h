@@ -269,9 +269,12 @@ int routing_fused_key_max_sites();
 // times them all. version <= 0: the default (the measured fastest, cuda/routing.cu).
 // Returns the previous version.
 // Process-wide, not thread-safe; the engine never calls it.
-enum class RoutingKernel { MixTile, BackwardPair, DeltaSite, DeltaForward };
+enum class RoutingKernel { MixTile, BackwardPair, DeltaSite, DeltaForward, Logits };
 int routing_set_kernel_version(RoutingKernel kernel, int version);
 int routing_kernel_versions(RoutingKernel kernel);
+// Whether routing_source_logits of a slot read by `sites` sites at width d takes the
+// token kernel (one pass over v) at the current Logits version, rather than the GEMMs.
+bool routing_logits_by_token_kernel(int64_t d, int heads, int sites);
 // routing_stats.cu (the routing probe's device reduction)
 void routing_stats(cudaStream_t s, Tensor stats, Tensor weights, const RoutingLayout& layout,
                    int site, int heads);

@@ -1289,27 +1289,96 @@ __device__ __forceinline__ void logits_span_token(float* w_src, float* inv_rms, 
   }
 }
 
+// Kernel-lab versions of routing_source_logits (routing_set_kernel_version(Logits, v)):
+// 1 the token kernel, one token a warp, for slots read by at most kFusedKeyMaxSites
+//   sites; the GEMM path (q*g hi and lo per head on cuBLAS, a scaling pass) for the rest;
+// 2 as 1 with four tokens a warp (source_logits_span_kernel's TPW);
+// 3 four tokens a warp also wherever the fp32 q*g table (ns d 4 bytes) fits in
+//   kLogitsTableL1Bytes, so that its reads stay in L1 (the 100M model's every slot:
+//   25 x 512 x 4 = 50 KiB);
+// 4 four tokens a warp for every slot (the sweep's other end).
+// Every version's token kernel computes the same bits; the GEMM path's differ within fp32
+// rounding (both within the CPU parity bound).
+constexpr int kLogitsVersions = 4;
+constexpr int kLogitsDefault = 3;
+constexpr int64_t kLogitsTableL1Bytes = 64 * 1024;
+int g_logits_version = kLogitsDefault;  // routing_set_kernel_version (timing lab)
+bool logits_token_kernel_applies(const Geometry& g, int ns) {
+  if (!span_layout(g)) return false;
+  if (ns <= kFusedKeyMaxSites || g_logits_version == 4) return true;
+  return g_logits_version == 3 && int64_t(ns) * g.d * 4 <= kLogitsTableL1Bytes;
+}
+
 // routing_source_logits of a slot read by few sites (ns <= kFusedKeyMaxSites), span
 // layout: one read of v gives its inv_rms and its logits for every site, from the fp32 q*g
 // table [ns, d] (L1-resident). The general path (inv_rms kernel, two per-head GEMMs over v
 // for q*g's hi and lo parts, a scaling pass) took 52 us a slot at ns = 1 (ncu, tenth
 // session: delta's partial block sums at 1B), 4 launches and 3 reads of v for a row of
 // logits per head that this kernel writes from one.
-template <int NT>
+// TPW > 1 (kernel-lab versions 2-4 of RoutingKernel::Logits): a warp takes TPW
+// consecutive tokens at once, so that each q*g chunk it loads from L1 serves TPW rows
+// (the table's L1 reads, ns d 4 bytes a token at TPW = 1, are what bounds the kernel
+// when ns is large) and a head's TPW logits leave as one 16-byte store. Each token's
+// sums meet their terms in the order of TPW = 1 (logits_span_token): the same bits.
+template <int NT, int TPW>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
     source_logits_span_kernel(float* __restrict__ w_src, float* __restrict__ inv_rms,
                               const bf16* __restrict__ v, const float* __restrict__ qg,
                               const Geometry g, int ns, float eps) {
   const int lane = threadIdx.x & 31;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
-  auto qg8 = [&](int k, int t, float (&q)[8]) {
-    load_qg8(q, reinterpret_cast<const float4*>(qg + int64_t(k) * g.d) + lane * 2 * NT, t);
-  };
-  for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); n < g.N;
-       n += warps) {
-    Row<NT> rv;
-    load_span(rv, v + n * g.d);
-    logits_span_token(w_src, inv_rms, rv, qg8, g, ns, eps, n);
+  const int64_t warp = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const float4* qrow = reinterpret_cast<const float4*>(qg) + lane * 2 * NT;
+  if constexpr (TPW == 1) {
+    auto qg8 = [&](int k, int t, float (&q)[8]) { load_qg8(q, qrow + int64_t(k) * g.d / 4, t); };
+    for (int64_t n = warp; n < g.N; n += warps) {
+      Row<NT> rv;
+      load_span(rv, v + n * g.d);
+      logits_span_token(w_src, inv_rms, rv, qg8, g, ns, eps, n);
+    }
+  } else {
+    static_assert(TPW == 4, "the logits of a head leave as one float4");
+    const int G = 32 / g.H, h = lane / G;
+    // Whole float4 stores need 16-byte aligned rows of logits: N % 4 == 0 (w_src itself
+    // is a pair row of the weights, whose rows are N floats).
+    const bool vector_store = g.N % 4 == 0 && reinterpret_cast<uintptr_t>(w_src) % 16 == 0;
+    for (int64_t n0 = warp * TPW; n0 < g.N; n0 += warps * TPW) {
+      Row<NT> rv[TPW];
+      float r[TPW];
+#pragma unroll
+      for (int i = 0; i < TPW; ++i) {
+        if (n0 + i < g.N) load_span(rv[i], v + (n0 + i) * g.d);
+        else rv[i] = Row<NT>{};
+      }
+#pragma unroll
+      for (int i = 0; i < TPW; ++i) {
+        r[i] = rsqrtf(warp_sum(lane_dot(rv[i], rv[i])) / float(g.d) + eps);
+        if (lane == i && n0 + i < g.N) inv_rms[n0 + i] = r[i];
+      }
+      for (int k = 0; k < ns; ++k) {
+        float p[TPW] = {};
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+          float q[8];
+          load_qg8(q, qrow + int64_t(k) * g.d / 4, t);
+#pragma unroll
+          for (int i = 0; i < TPW; ++i)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) p[i] += q[e] * elem(rv[i].raw[t], e);
+        }
+#pragma unroll
+        for (int i = 0; i < TPW; ++i) p[i] = r[i] * head_sum(p[i], G);
+        if (lane % G != 0) continue;
+        float* out = w_src + (int64_t(k) * g.H + h) * g.N + n0;
+        if (vector_store && n0 + TPW <= g.N) {
+          *reinterpret_cast<float4*>(out) = make_float4(p[0], p[1], p[2], p[3]);
+        } else {
+#pragma unroll
+          for (int i = 0; i < TPW; ++i)
+            if (n0 + i < g.N) out[i] = p[i];
+        }
+      }
+    }
   }
 }
 
@@ -1726,15 +1795,21 @@ void routing_source_logits(cudaStream_t s, RoutingContext& ctx, Tensor weights, 
   const int ns = layout.last_site(source) - source + 1;
   const int64_t table = int64_t(ns) * g.d;
   float* w = weights.ptr<float>() + g.lay.pair_base(source) * g.H * N;
-  if (span_layout(g) && ns <= kFusedKeyMaxSites) {  // few sites: one pass (see the kernel)
+  if (logits_token_kernel_applies(g, ns)) {  // one pass over v (see the kernel)
     auto* qg = static_cast<float*>(ctx.scratch(ScratchSlot::RoutingTables, table * sizeof(float)));
     qg_tables_kernel<<<grid_stride_blocks(table, 256), 256, 0, s>>>(nullptr, nullptr, qg, sp,
                                                                      source, ns, g.d);
     CUDA_CHECK_LAUNCH();
     dispatch_span(g, [&](auto nt) {
-      source_logits_span_kernel<decltype(nt)::value>
-          <<<token_blocks(N), 32 * kWarpsPerBlock, 0, s>>>(
-              w, inv_rms.ptr<float>(), static_cast<const bf16*>(v.data), qg, g, ns, float(eps));
+      constexpr int NT = decltype(nt)::value;
+      if (g_logits_version == 1) {
+        source_logits_span_kernel<NT, 1><<<token_blocks(N), 32 * kWarpsPerBlock, 0, s>>>(
+            w, inv_rms.ptr<float>(), static_cast<const bf16*>(v.data), qg, g, ns, float(eps));
+      } else {
+        source_logits_span_kernel<NT, 4><<<token_blocks(ceil_div(N, int64_t(4))),
+                                           32 * kWarpsPerBlock, 0, s>>>(
+            w, inv_rms.ptr<float>(), static_cast<const bf16*>(v.data), qg, g, ns, float(eps));
+      }
       CUDA_CHECK_LAUNCH();
     });
     return;
@@ -1927,6 +2002,7 @@ int routing_kernel_versions(RoutingKernel kernel) {
     case RoutingKernel::BackwardPair: return kPairVersions;
     case RoutingKernel::DeltaSite: return kDeltaSiteVersions;
     case RoutingKernel::DeltaForward: return kDeltaForwardVersions;
+    case RoutingKernel::Logits: return kLogitsVersions;
   }
   return 0;
 }
@@ -1938,14 +2014,23 @@ int routing_set_kernel_version(RoutingKernel kernel, int version) {
   int& v = kernel == RoutingKernel::MixTile        ? g_mix_tile_version
            : kernel == RoutingKernel::BackwardPair ? g_pair_version
            : kernel == RoutingKernel::DeltaSite    ? g_delta_site_version
+           : kernel == RoutingKernel::Logits       ? g_logits_version
                                                    : g_delta_forward_version;
   const int fallback = kernel == RoutingKernel::MixTile        ? kMixTileDefault
                        : kernel == RoutingKernel::BackwardPair ? kPairDefault
                        : kernel == RoutingKernel::DeltaSite    ? kDeltaSiteDefault
+                       : kernel == RoutingKernel::Logits       ? kLogitsDefault
                                                                : kDeltaForwardDefault;
   const int before = v;
   v = version > 0 ? version : fallback;
   return before;
+}
+
+bool routing_logits_by_token_kernel(int64_t d, int heads, int sites) {
+  Geometry g{};
+  g.d = int(d);
+  g.H = heads;
+  return logits_token_kernel_applies(g, sites);
 }
 
 int routing_set_fused_key_max_sites(int sites) {

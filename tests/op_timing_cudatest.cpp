@@ -497,6 +497,46 @@ TEST_F(OpTiming, DISABLED_RoutingTileVersions) {
   }
 }
 
+// Every kernel-lab version of routing_source_logits (cuda::RoutingKernel::Logits: the
+// token kernel one or four tokens a warp, and for which slots) at the full-routing model
+// shapes and 1B block routing: all sources' logits of a step, as the layer loop calls
+// them; the versions in turn, twice, so that drift between them shows. Bytes: v read,
+// inv_rms and the ns H fp32 logits of every slot written.
+TEST_F(OpTiming, DISABLED_RoutingLogitsVersions) {
+  const int64_t N = 16384;
+  struct Shape {
+    const char* name;
+    int64_t d;
+    int S, H, block;
+  };
+  for (const Shape sh : {Shape{"100M", 512, 25, 4, 1}, Shape{"350M", 1024, 49, 8, 1},
+                         Shape{"1B", 1280, 73, 8, 1}, Shape{"1B block9", 1280, 73, 8, 9}}) {
+    const RoutingLayout lay = RoutingLayout::blocks(sh.S, sh.block);
+    const int64_t d = sh.d;
+    const int S = sh.S, H = sh.H;
+    Buffer hist = random_gpu(DType::BF16, {S, N, d});
+    Buffer inv_rms(*gpu, DType::F32, {S, N}), weights(*gpu, DType::F32, {lay.pairs(), H, N});
+    std::vector<Buffer> params;
+    const RoutingParams rp = random_routing_params(S, d, params);
+    const double bytes = 2.0 * N * d * S + 4.0 * N * S + 4.0 * double(lay.pairs()) * H * N;
+    const std::string tag = std::string(sh.name) + " N16384 d" + std::to_string(d) + " S" +
+                            std::to_string(S) + " H" + std::to_string(H);
+    const int versions = cuda::routing_kernel_versions(cuda::RoutingKernel::Logits);
+    for (int round = 0; round < 2; ++round)
+      for (int version = 1; version <= versions; ++version) {
+        cuda::routing_set_kernel_version(cuda::RoutingKernel::Logits, version);
+        report("routing_source_logits, all sources, v" + std::to_string(version) + ", " + tag,
+               time_ms([&] {
+                 for (int i = 0; i < S; ++i)
+                   gpu->routing_source_logits(weights, inv_rms.t()[i], hist.t()[i], rp, lay, i,
+                                              H, 1e-6);
+               }, 5),
+               0, bytes);
+      }
+    cuda::routing_set_kernel_version(cuda::RoutingKernel::Logits, 0);
+  }
+}
+
 // The source backward's fused/unfused choice (cuda/routing.cu: slots read by at most
 // kFusedKeyMaxSites sites fuse the key path into the token kernel), swept over the limit
 // at the full-routing model shapes, each without and with the backward depth tiles

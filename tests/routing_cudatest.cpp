@@ -314,6 +314,79 @@ TEST_F(RoutingParity, SpanLayout) {
   check(16, 512, 25, 4);    // the 100M config's width and depth (backward tiles at 2 chunks)
 }
 
+// Every kernel-lab version of routing_source_logits (cuda::RoutingKernel::Logits): the
+// logits and inv_rms of every source against the CPU within fp32 rounding, and wherever a
+// version takes the token kernel, the bits of version 4 (the token kernel for every
+// slot): one and four tokens a warp add each token's terms in the same order. Token
+// counts that are not multiples of 4 take the four-token kernel's scalar tail stores.
+TEST_F(RoutingParity, LogitsVersions) {
+  struct Case {
+    int64_t N, d;
+    int S, H, block;
+  };
+  for (const Case c : {Case{37, 512, 25, 4, 1}, Case{40, 512, 25, 4, 1}, Case{21, 1280, 73, 8, 1},
+                       Case{19, 768, 12, 8, 1}, Case{19, 512, 9, 4, 2}, Case{37, 96, 9, 4, 1}}) {
+    const std::string tag = "N" + std::to_string(c.N) + " d" + std::to_string(c.d) + " S" +
+                            std::to_string(c.S) + " H" + std::to_string(c.H) + " block" +
+                            std::to_string(c.block);
+    const RoutingLayout lay = RoutingLayout::blocks(c.S, c.block);
+    const int64_t N = c.N, d = c.d, P = lay.pairs();
+    const int S = c.S, H = c.H;
+    Pair history = random_pair(DType::BF16, {S, N, d}, 0.7);
+    const double q_std = 1.5 / std::sqrt(double(d / H));
+    std::vector<Pair> query, gain;
+    RoutingParams pc, pg;
+    for (int k = 0; k < S; ++k) {
+      query.push_back(random_pair(DType::BF16, {d}, q_std));
+      gain.push_back(random_pair(DType::BF16, {d}, 0.3, 1.0));
+    }
+    for (int k = 0; k < S; ++k) {
+      pc.query.push_back(query[k].c), pc.gain.push_back(gain[k].c);
+      pg.query.push_back(query[k].g), pg.gain.push_back(gain[k].g);
+    }
+    Pair inv_rms = pair(DType::F32, {S, N});
+    Pair weights = pair(DType::F32, {P, H, N});
+    for (int i = 0; i < S; ++i)
+      cpu->routing_source_logits(weights.c, inv_rms.c.t()[i], history.c.t()[i], pc, lay, i, H,
+                                 1e-6);
+    const int versions = cuda::routing_kernel_versions(cuda::RoutingKernel::Logits);
+    std::vector<double> token_w, token_r;  // version 4's outputs
+    for (int version = versions; version >= 1; --version) {
+      cuda::routing_set_kernel_version(cuda::RoutingKernel::Logits, version);
+      const std::string what = "v" + std::to_string(version) + " " + tag;
+      inv_rms.g.poison();
+      weights.g.poison();
+      for (int i = 0; i < S; ++i)
+        gpu->routing_source_logits(weights.g, inv_rms.g.t()[i], history.g.t()[i], pg, lay, i, H,
+                                   1e-6);
+      expect_close("routing_source_logits inv_rms " + what, inv_rms.g, inv_rms.c, kTolF32Output);
+      expect_close("routing_source_logits logits " + what, weights.g, weights.c, kTolF32Output);
+      const std::vector<double> w = weights.g.get(), r = inv_rms.g.get();
+      if (version == versions) {
+        token_w = w, token_r = r;
+        continue;
+      }
+      int token_slots = 0;
+      for (int i = 0; i < S; ++i) {
+        const int ns = lay.last_site(i) - i + 1;
+        if (!cuda::routing_logits_by_token_kernel(d, H, ns)) continue;
+        ++token_slots;
+        const size_t r0 = size_t(i) * size_t(N), w0 = size_t(lay.pair_base(i) * H * N);
+        const size_t wn = size_t(ns) * size_t(H * N);
+        EXPECT_TRUE(std::equal(r.begin() + r0, r.begin() + r0 + size_t(N), token_r.begin() + r0))
+            << what << ": inv_rms of slot " << i << " differs from version " << versions;
+        EXPECT_TRUE(std::equal(w.begin() + w0, w.begin() + w0 + wn, token_w.begin() + w0))
+            << what << ": logits of slot " << i << " differ from version " << versions;
+      }
+      // The span layout takes the token kernel at least for the slots read by few sites.
+      if (d % 256 == 0) {
+        EXPECT_GT(token_slots, 0) << what;
+      }
+    }
+    cuda::routing_set_kernel_version(cuda::RoutingKernel::Logits, 0);
+  }
+}
+
 TEST_F(RoutingParity, ManyHeads) {
   check(13, 512, 5, 64);  // H > 32: per-head softmax statistics in shared memory
   check(12, 96, 4, 48);   // H > 32 and heads of 2 features
