@@ -50,10 +50,11 @@
 //   rows; otherwise every feature is added into a per-warp shared array of H sums.
 // Temporaries (qg tables, the backward's fp32 value and key rows, ds*r's bf16 parts) are
 // the backend's grow-only scratch (kernels.h); nothing here allocates.
-// Kernel lab: the mix tile kernel and the backward's pair kernel keep their earlier
-// versions, numbered, chosen at launch (routing_set_kernel_version, kernels.h; the
-// defaults are the measured fastest: mix tile 2 of 4, pair 3 of 3), so that one device run
-// times each (tests/op_timing_cudatest.cpp); every version computes the same bits.
+// Kernel lab: the mix tile kernel, the backward's pair kernel and the logits keep their
+// earlier versions, numbered, chosen at launch (routing_set_kernel_version, kernels.h; the
+// defaults are the measured fastest: mix tile 2 of 4, pair 3 of 3, logits 2 of 4), so
+// that one device run times each (tests/op_timing_cudatest.cpp); every version computes
+// the same bits, but for the logits' choice between token kernel and GEMMs (see there).
 #include <algorithm>
 #include <type_traits>
 
@@ -1299,8 +1300,15 @@ __device__ __forceinline__ void logits_span_token(float* w_src, float* inv_rms, 
 // 4 four tokens a warp for every slot (the sweep's other end).
 // Every version's token kernel computes the same bits; the GEMM path's differ within fp32
 // rounding (both within the CPU parity bound).
+// Measured (sixteenth session, OpTiming.DISABLED_RoutingLogitsVersions, a step's logits,
+// ms, v1 / v2 / v3 / v4): 100M 0.76 / 0.69 / 1.03 / 1.03, 350M 2.96 / 2.46 / 2.78 / 6.89,
+// 1B 5.48 / 5.33 / 5.31 / 8.97, 1B block9 2.17 / 1.97 / 1.97 / 2.43. Four tokens a warp
+// gain where the token kernel already ran; past 8 sites the GEMMs stay faster even with
+// the table in L1 (v3 at 100M), so the prediction behind v3 was wrong: the token kernel
+// there is bound by its ns d FMAs and per-head shuffles a token, not by the table's
+// reads. Default 2.
 constexpr int kLogitsVersions = 4;
-constexpr int kLogitsDefault = 3;
+constexpr int kLogitsDefault = 2;
 constexpr int64_t kLogitsTableL1Bytes = 64 * 1024;
 int g_logits_version = kLogitsDefault;  // routing_set_kernel_version (timing lab)
 bool logits_token_kernel_applies(const Geometry& g, int ns) {
