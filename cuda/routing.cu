@@ -727,57 +727,144 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
 
 // Site site0 + m of a tile (m >= 1): P, M_m, L_m from the tile kernel (partial, pstat
 // already offset to this site), the slots site0+1 .. site merged in.
+// Kernel-lab versions (routing_set_kernel_version(MixFinish, v); the same operations in
+// the same order, so the same bits):
+// 1 (default, mix_tile_finish_kernel) each token's loads in turn: the softmax statistics
+//   (pstat, the logits), then the partial row, then each newer slot row, loaded and then
+//   used: 3 + m DRAM round trips a token, one row in flight a warp (the finishes were
+//   ~14.5 ms of the 1B step, well under the copy rate: cuda/NOTES.md lead 3);
+// 2 (mix_tile_finish_early_kernel) the partial row and the first newer slot row issued at
+//   the token's start, in flight during the statistics, and each later slot row loaded
+//   one ahead of its use;
+// 3 version 2 bounded to 4 blocks an SM (128 registers), for the wide rows, where version
+//   2's extra rows leave fewer warps (ptxas, d 1280: version 1 96 registers, 5 blocks an
+//   SM; version 2 133, 3 blocks; version 3 128, no spill; at d 1536 and 2048 version 3
+//   spills 144 and 460 bytes).
+// Not measured yet (written in the sixteenth session after its last device call):
+// OpTiming.DISABLED_RoutingTileVersions times every version.
+constexpr int kMixFinishVersions = 3;
+constexpr int kMixFinishDefault = 1;
+int g_mix_finish_version = kMixFinishDefault;  // routing_set_kernel_version (timing lab)
+
+// The site's softmax over the tile's state (M_m, L_m in pstat) and its newer slots'
+// logits: every weight of the site normalised in place, and each head's scale of the
+// partial row, exp(M_m - max) / sum, into st_scale[warp][head].
+__device__ __forceinline__ void finish_softmax(float* weights, const float* pstat,
+                                               float (&st_scale)[kWarpsPerBlock][32],
+                                               const Geometry& g, int site0, int site, int64_t n) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int G = 32 / g.H, h = lane / G, sub = lane % G;
+  const int S = g.lay.sites;
+  const int64_t HN = int64_t(g.H) * g.N;
+  auto logit = [&](int i) {
+    return weights + (full_pair_base(i, S) + site - i) * HN + int64_t(h) * g.N + n;
+  };
+  const float m_old = pstat[int64_t(h) * g.N + n], l_old = pstat[HN + int64_t(h) * g.N + n];
+  float mx = sub == 0 ? m_old : -INFINITY, l = sub == 0 ? l_old : 0.f;
+  for (int i = site0 + 1 + sub; i <= site; i += G) online_add(mx, l, *logit(i));
+  online_merge_lanes(mx, l, G);
+  const float linv = 1.f / l;
+  for (int i = sub; i <= site; i += G) {  // every weight of the site, normalised in place
+    float* p = logit(i);
+    *p = __expf(*p - mx) * linv;
+  }
+  if (sub == 0) st_scale[warp][h] = __expf(m_old - mx) * linv;
+  __syncwarp();  // the normalised weights and the scales are visible to the warp
+}
+
+// acc += the weighted slot row v of slot i (its normalised weight for `site`).
+template <int NT>
+__device__ __forceinline__ void finish_merge(float (&acc)[NT][8], const Row<NT>& v,
+                                             const float* weights, const LaneHeads<NT>& L,
+                                             const Geometry& g, int i, int site, int64_t n) {
+  const int64_t HN = int64_t(g.H) * g.N;
+  const float* w = weights + (full_pair_base(i, g.lay.sites) + site - i) * HN + n;
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    if (L.head[t] < 0) continue;
+    const float a = w[int64_t(L.head[t]) * g.N];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[t][e] += a * elem(v.raw[t], e);
+  }
+}
+
+// acc = this lane's chunks of the partial row (a, b: its two float4 halves of chunk t),
+// each scaled by its head's st_scale.
+template <int NT, class Part>
+__device__ __forceinline__ void finish_start(float (&acc)[NT][8], Part&& part,
+                                             const float (&st_scale)[kWarpsPerBlock][32],
+                                             const LaneHeads<NT>& L, const Geometry& g) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const int ch = lane + 32 * t;
+    if (ch >= g.nchunks) continue;
+    const float sc = st_scale[warp][L.head[t]];
+    float4 a, b;
+    part(t, ch, a, b);
+    acc[t][0] = a.x * sc, acc[t][1] = a.y * sc, acc[t][2] = a.z * sc, acc[t][3] = a.w * sc;
+    acc[t][4] = b.x * sc, acc[t][5] = b.y * sc, acc[t][6] = b.z * sc, acc[t][7] = b.w * sc;
+  }
+}
+
 template <int NT>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock)
     mix_tile_finish_kernel(bf16* __restrict__ x, float* __restrict__ weights,
                            const bf16* __restrict__ hist, const float* __restrict__ partial,
                            const float* __restrict__ pstat, const Geometry g, int site0, int site) {
   __shared__ float st_scale[kWarpsPerBlock][32];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int G = 32 / g.H, h = lane / G, sub = lane % G;
   const LaneHeads<NT> L = lane_heads<NT>(g);
-  const int S = g.lay.sites;
-  const int64_t HN = int64_t(g.H) * g.N;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
-  for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + warp; n < g.N; n += warps) {
-    auto logit = [&](int i) {
-      return weights + (full_pair_base(i, S) + site - i) * HN + int64_t(h) * g.N + n;
-    };
-    const float m_old = pstat[int64_t(h) * g.N + n], l_old = pstat[HN + int64_t(h) * g.N + n];
-    float mx = sub == 0 ? m_old : -INFINITY, l = sub == 0 ? l_old : 0.f;
-    for (int i = site0 + 1 + sub; i <= site; i += G) online_add(mx, l, *logit(i));
-    online_merge_lanes(mx, l, G);
-    const float linv = 1.f / l;
-    for (int i = sub; i <= site; i += G) {  // every weight of the site, normalised in place
-      float* p = logit(i);
-      *p = __expf(*p - mx) * linv;
-    }
-    if (sub == 0) st_scale[warp][h] = __expf(m_old - mx) * linv;
-    __syncwarp();  // the normalised weights and the scales are visible to the warp
+  for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); n < g.N;
+       n += warps) {
+    finish_softmax(weights, pstat, st_scale, g, site0, site, n);
     float acc[NT][8];
-    {
-      const float4* p = reinterpret_cast<const float4*>(partial + n * g.d);
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        const int ch = lane + 32 * t;
-        if (ch >= g.nchunks) continue;
-        const float sc = st_scale[warp][L.head[t]];
-        const float4 a = p[2 * ch], b = p[2 * ch + 1];
-        acc[t][0] = a.x * sc, acc[t][1] = a.y * sc, acc[t][2] = a.z * sc, acc[t][3] = a.w * sc;
-        acc[t][4] = b.x * sc, acc[t][5] = b.y * sc, acc[t][6] = b.z * sc, acc[t][7] = b.w * sc;
-      }
-    }
+    const float4* p = reinterpret_cast<const float4*>(partial + n * g.d);
+    auto chunk = [&](int, int ch, float4& a, float4& b) { a = p[2 * ch], b = p[2 * ch + 1]; };
+    finish_start(acc, chunk, st_scale, L, g);
     for (int i = site0 + 1; i <= site; ++i) {
       Row<NT> v;
       load_row(v, hist + (int64_t(i) * g.N + n) * g.d, g.nchunks);
-      const float* w = weights + (full_pair_base(i, S) + site - i) * HN + n;
+      finish_merge(acc, v, weights, L, g, i, site, n);
+    }
+    store_row(x + n * g.d, acc, g.nchunks);
+    __syncwarp();  // st_scale is rewritten for the next token
+  }
+}
+
+template <int NT, int kMinBlocks>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock, kMinBlocks)
+    mix_tile_finish_early_kernel(bf16* __restrict__ x, float* __restrict__ weights,
+                                 const bf16* __restrict__ hist, const float* __restrict__ partial,
+                                 const float* __restrict__ pstat, const Geometry g, int site0,
+                                 int site) {
+  __shared__ float st_scale[kWarpsPerBlock][32];
+  const int lane = threadIdx.x & 31;
+  const LaneHeads<NT> L = lane_heads<NT>(g);
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
+  for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); n < g.N;
+       n += warps) {
+    auto slot_row = [&](int i) { return hist + (int64_t(i) * g.N + n) * g.d; };
+    // This lane's chunks of the partial row and the first slot row to merge (site >
+    // site0: at least one), in flight while the statistics are computed.
+    const float4* p = reinterpret_cast<const float4*>(partial + n * g.d);
+    float4 pa[NT], pb[NT];
 #pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        if (L.head[t] < 0) continue;
-        const float a = w[int64_t(L.head[t]) * g.N];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[t][e] += a * elem(v.raw[t], e);
-      }
+    for (int t = 0; t < NT; ++t) {
+      const int ch = lane + 32 * t;
+      pa[t] = pb[t] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (ch < g.nchunks) pa[t] = p[2 * ch], pb[t] = p[2 * ch + 1];
+    }
+    Row<NT> next;
+    load_row(next, slot_row(site0 + 1), g.nchunks);
+    finish_softmax(weights, pstat, st_scale, g, site0, site, n);
+    float acc[NT][8];
+    auto chunk = [&](int t, int, float4& a, float4& b) { a = pa[t], b = pb[t]; };
+    finish_start(acc, chunk, st_scale, L, g);
+    for (int i = site0 + 1; i <= site; ++i) {
+      const Row<NT> v = next;
+      if (i < site) load_row(next, slot_row(i + 1), g.nchunks);
+      finish_merge(acc, v, weights, L, g, i, site, n);
     }
     store_row(x + n * g.d, acc, g.nchunks);
     __syncwarp();  // st_scale is rewritten for the next token
@@ -1355,8 +1442,10 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
       float r[TPW];
 #pragma unroll
       for (int i = 0; i < TPW; ++i) {
-        if (n0 + i < g.N) load_span(rv[i], v + (n0 + i) * g.d);
-        else rv[i] = Row<NT>{};
+        if (n0 + i < g.N)
+          load_span(rv[i], v + (n0 + i) * g.d);
+        else
+          rv[i] = Row<NT>{};
       }
 #pragma unroll
       for (int i = 0; i < TPW; ++i) {
@@ -1814,9 +1903,9 @@ void routing_source_logits(cudaStream_t s, RoutingContext& ctx, Tensor weights, 
         source_logits_span_kernel<NT, 1><<<token_blocks(N), 32 * kWarpsPerBlock, 0, s>>>(
             w, inv_rms.ptr<float>(), static_cast<const bf16*>(v.data), qg, g, ns, float(eps));
       } else {
-        source_logits_span_kernel<NT, 4><<<token_blocks(ceil_div(N, int64_t(4))),
-                                           32 * kWarpsPerBlock, 0, s>>>(
-            w, inv_rms.ptr<float>(), static_cast<const bf16*>(v.data), qg, g, ns, float(eps));
+        source_logits_span_kernel<NT, 4>
+            <<<token_blocks(ceil_div(N, int64_t(4))), 32 * kWarpsPerBlock, 0, s>>>(
+                w, inv_rms.ptr<float>(), static_cast<const bf16*>(v.data), qg, g, ns, float(eps));
       }
       CUDA_CHECK_LAUNCH();
     });
@@ -1863,7 +1952,11 @@ void routing_mix(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weights, 
     auto* partial = static_cast<float*>(ctx.scratch(ScratchSlot::RoutingTile, 0));
     const float* pstat = partial + partial_floats + int64_t(m - 1) * 2 * g.H * g.N;
     dispatch_rows(g, [&](auto nt, auto) {
-      mix_tile_finish_kernel<decltype(nt)::value><<<token_blocks(g.N), 32 * kWarpsPerBlock, 0, s>>>(
+      constexpr int NT = decltype(nt)::value;
+      auto kernel = g_mix_finish_version == 1   ? mix_tile_finish_kernel<NT>
+                    : g_mix_finish_version == 2 ? mix_tile_finish_early_kernel<NT, 1>
+                                                : mix_tile_finish_early_kernel<NT, 4>;
+      kernel<<<token_blocks(g.N), 32 * kWarpsPerBlock, 0, s>>>(
           static_cast<bf16*>(x.data), weights.ptr<float>(), static_cast<const bf16*>(history.data),
           partial + int64_t(m - 1) * g.N * g.d, pstat, g, tile.first, site);
       CUDA_CHECK_LAUNCH();
@@ -2011,6 +2104,7 @@ int routing_kernel_versions(RoutingKernel kernel) {
     case RoutingKernel::DeltaSite: return kDeltaSiteVersions;
     case RoutingKernel::DeltaForward: return kDeltaForwardVersions;
     case RoutingKernel::Logits: return kLogitsVersions;
+    case RoutingKernel::MixFinish: return kMixFinishVersions;
   }
   return 0;
 }
@@ -2023,11 +2117,13 @@ int routing_set_kernel_version(RoutingKernel kernel, int version) {
            : kernel == RoutingKernel::BackwardPair ? g_pair_version
            : kernel == RoutingKernel::DeltaSite    ? g_delta_site_version
            : kernel == RoutingKernel::Logits       ? g_logits_version
+           : kernel == RoutingKernel::MixFinish    ? g_mix_finish_version
                                                    : g_delta_forward_version;
   const int fallback = kernel == RoutingKernel::MixTile        ? kMixTileDefault
                        : kernel == RoutingKernel::BackwardPair ? kPairDefault
                        : kernel == RoutingKernel::DeltaSite    ? kDeltaSiteDefault
                        : kernel == RoutingKernel::Logits       ? kLogitsDefault
+                       : kernel == RoutingKernel::MixFinish    ? kMixFinishDefault
                                                                : kDeltaForwardDefault;
   const int before = v;
   v = version > 0 ? version : fallback;

@@ -451,7 +451,8 @@ TEST_F(OpTiming, DISABLED_RoutingTiles1B) {
 //     read, site j0's j0 + 1 weights and 2 (k' - 1) fp32 statistics written, per head;
 //   the whole step: those plus each later site's partial (2 rows), newer slots and x, and
 //     every pair's logit read and weight written once (as in ModelShapes).
-// The untiled mixes of the same step are timed beside them for reference. Random logits
+// The untiled mixes of the same step are timed beside them for reference, and each
+// version of the finish kernel (the tiles' later sites) at the default tile kernel. Random logits
 // (the work does not depend on their values; the mixes normalise them in place, which
 // keeps them finite for the next repetition).
 TEST_F(OpTiming, DISABLED_RoutingTileVersions) {
@@ -494,6 +495,21 @@ TEST_F(OpTiming, DISABLED_RoutingTileVersions) {
              step_bytes);
     }
     cuda::routing_set_kernel_version(cuda::RoutingKernel::MixTile, 0);
+    // The finish kernel's versions (the tiles' later sites), at the default tile kernel:
+    // the whole tiled step, and the finishes alone as its difference from the tiles alone.
+    const double tiles_alone =
+        time_ms([&] { tiled_mixes(*gpu, xs, weights, hist, lay, k, H, true); }, 3);
+    const int finishes = cuda::routing_kernel_versions(cuda::RoutingKernel::MixFinish);
+    for (int version = 1; version <= finishes; ++version) {
+      cuda::routing_set_kernel_version(cuda::RoutingKernel::MixFinish, version);
+      const double step =
+          time_ms([&] { tiled_mixes(*gpu, xs, weights, hist, lay, k, H, false); }, 3);
+      const std::string v = "finish v" + std::to_string(version) + ", ";
+      report("routing_mix, all sites, tiled, " + v + tag, step, 0, step_bytes);
+      report("routing_mix, finishes alone (step - tiles), " + v + tag, step - tiles_alone, 0,
+             step_bytes - tile_bytes);
+    }
+    cuda::routing_set_kernel_version(cuda::RoutingKernel::MixFinish, 0);
   }
 }
 
@@ -521,17 +537,16 @@ TEST_F(OpTiming, DISABLED_RoutingLogitsVersions) {
     const double bytes = 2.0 * N * d * S + 4.0 * N * S + 4.0 * double(lay.pairs()) * H * N;
     const std::string tag = std::string(sh.name) + " N16384 d" + std::to_string(d) + " S" +
                             std::to_string(S) + " H" + std::to_string(H);
+    auto logits = [&] {
+      for (int i = 0; i < S; ++i)
+        gpu->routing_source_logits(weights, inv_rms.t()[i], hist.t()[i], rp, lay, i, H, 1e-6);
+    };
     const int versions = cuda::routing_kernel_versions(cuda::RoutingKernel::Logits);
     for (int round = 0; round < 2; ++round)
       for (int version = 1; version <= versions; ++version) {
         cuda::routing_set_kernel_version(cuda::RoutingKernel::Logits, version);
         report("routing_source_logits, all sources, v" + std::to_string(version) + ", " + tag,
-               time_ms([&] {
-                 for (int i = 0; i < S; ++i)
-                   gpu->routing_source_logits(weights, inv_rms.t()[i], hist.t()[i], rp, lay, i,
-                                              H, 1e-6);
-               }, 5),
-               0, bytes);
+               time_ms(logits, 5), 0, bytes);
       }
     cuda::routing_set_kernel_version(cuda::RoutingKernel::Logits, 0);
   }

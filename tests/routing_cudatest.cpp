@@ -32,41 +32,44 @@ class RoutingParity : public CudaParity {
     const std::vector<double> clean = history.c.get();
     Buffer hist(*gpu, DType::BF16, {S, N, d}), x(*gpu, DType::BF16, {S, N, d});
     Buffer w(*gpu, DType::F32, {lay.pairs(), H, N});
-    hist.poison();
-    x.poison();
-    w.set(raw_logits);
-    for (int j = 0; j < S; ++j) {
-      gpu->upload(hist.t()[j], clean.data() + size_t(j) * size_t(N * d));
-      if (j % k == 0)
-        gpu->routing_mix_tile(x.t()[j], w, hist, lay, j, std::min(k, S - j), H);
-      else
-        gpu->routing_mix(x.t()[j], w, hist, lay, j, H);
-    }
+    // The step's mixes from the raw logits, each slot written just before its site's mix.
+    auto mix_step = [&] {
+      hist.poison();
+      x.poison();
+      w.set(raw_logits);
+      for (int j = 0; j < S; ++j) {
+        gpu->upload(hist.t()[j], clean.data() + size_t(j) * size_t(N * d));
+        if (j % k == 0)
+          gpu->routing_mix_tile(x.t()[j], w, hist, lay, j, std::min(k, S - j), H);
+        else
+          gpu->routing_mix(x.t()[j], w, hist, lay, j, H);
+      }
+    };
+    mix_step();
     expect_close("routing_mix_tile x " + tag, x, xs.c, kTolBf16Output);
     expect_close("routing_mix_tile weights " + tag, w, weights.c, kTolF32Output);
-    // Every kernel-lab version of the tile kernel (cuda::routing_set_kernel_version) does
-    // the same operations per output value in the same order: the same bits as the
-    // default's, x, weights and therefore the finish kernels' partials alike.
+    // Every kernel-lab version of the tile and finish kernels
+    // (cuda::routing_set_kernel_version) does the same operations per output value in the
+    // same order: the same bits as the default's, x, weights and therefore the finish
+    // kernels' partials alike.
     {
       const std::vector<double> x_default = x.get(), w_default = w.get();
-      const int versions = cuda::routing_kernel_versions(cuda::RoutingKernel::MixTile);
-      for (int version = 1; version <= versions; ++version) {
-        cuda::routing_set_kernel_version(cuda::RoutingKernel::MixTile, version);
-        w.set(raw_logits);
-        x.poison();
-        for (int j = 0; j < S; ++j)
-          if (j % k == 0)
-            gpu->routing_mix_tile(x.t()[j], w, hist, lay, j, std::min(k, S - j), H);
-          else
-            gpu->routing_mix(x.t()[j], w, hist, lay, j, H);
-        const std::vector<double> xv = x.get(), wv = w.get();
-        int64_t x_diff = 0, w_diff = 0;
-        for (size_t e = 0; e < xv.size(); ++e) x_diff += !(xv[e] == x_default[e]);
-        for (size_t e = 0; e < wv.size(); ++e) w_diff += !(wv[e] == w_default[e]);
-        EXPECT_EQ(x_diff, 0) << "tile kernel v" << version << " x " << tag;
-        EXPECT_EQ(w_diff, 0) << "tile kernel v" << version << " weights " << tag;
+      // The tile kernel's versions, then the finish kernel's (the tile's later sites).
+      for (const auto& [kernel, name] : {std::pair{cuda::RoutingKernel::MixTile, "tile"},
+                                         std::pair{cuda::RoutingKernel::MixFinish, "finish"}}) {
+        const int versions = cuda::routing_kernel_versions(kernel);
+        for (int version = 1; version <= versions; ++version) {
+          cuda::routing_set_kernel_version(kernel, version);
+          mix_step();
+          const std::vector<double> xv = x.get(), wv = w.get();
+          int64_t x_diff = 0, w_diff = 0;
+          for (size_t e = 0; e < xv.size(); ++e) x_diff += !(xv[e] == x_default[e]);
+          for (size_t e = 0; e < wv.size(); ++e) w_diff += !(wv[e] == w_default[e]);
+          EXPECT_EQ(x_diff, 0) << name << " kernel v" << version << " x " << tag;
+          EXPECT_EQ(w_diff, 0) << name << " kernel v" << version << " weights " << tag;
+        }
+        cuda::routing_set_kernel_version(kernel, 0);
       }
-      cuda::routing_set_kernel_version(cuda::RoutingKernel::MixTile, 0);
     }
     if (S < 2) return;
     // Cut short: slot 0 scaled by 3 (its RMS, logits and share of every mix change).
