@@ -740,8 +740,11 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
 //   2's extra rows leave fewer warps (ptxas, d 1280: version 1 96 registers, 5 blocks an
 //   SM; version 2 133, 3 blocks; version 3 128, no spill; at d 1536 and 2048 version 3
 //   spills 144 and 460 bytes).
-// Not measured yet (written in the sixteenth session after its last device call):
-// OpTiming.DISABLED_RoutingTileVersions times every version.
+// Measured (sixteenth session, OpTiming.DISABLED_RoutingTileVersions: a step's finishes,
+// as the tiled step less its tile kernels, ms, v1 / v2 / v3): 100M 1.05 / 1.21 / 1.20,
+// 350M 7.36 / 7.30 / 7.30, 1B 14.59 / 16.64 / 14.40. Loading ahead does not pay: the
+// finishes are not bound by their rows' load latency (see cuda/NOTES.md lead 3 for what
+// else they move). Version 1 stays the default.
 constexpr int kMixFinishVersions = 3;
 constexpr int kMixFinishDefault = 1;
 int g_mix_finish_version = kMixFinishDefault;  // routing_set_kernel_version (timing lab)
