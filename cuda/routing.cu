@@ -50,11 +50,12 @@
 //   rows; otherwise every feature is added into a per-warp shared array of H sums.
 // Temporaries (qg tables, the backward's fp32 value and key rows, ds*r's bf16 parts) are
 // the backend's grow-only scratch (kernels.h); nothing here allocates.
-// Kernel lab: the mix tile kernel, the backward's pair kernel and the logits keep their
-// earlier versions, numbered, chosen at launch (routing_set_kernel_version, kernels.h; the
-// defaults are the measured fastest: mix tile 2 of 4, pair 3 of 3, logits 2 of 4), so
-// that one device run times each (tests/op_timing_cudatest.cpp); every version computes
-// the same bits, but for the logits' choice between token kernel and GEMMs (see there).
+// Kernel lab: the mix tile and finish kernels, the backward's pair kernel and the logits
+// keep their earlier versions, numbered, chosen at launch (routing_set_kernel_version,
+// kernels.h; the defaults are the measured fastest: mix tile 2 of 4, finish 1 of 3, pair
+// 3 of 3, logits 2 of 4), so that one device run times each
+// (tests/op_timing_cudatest.cpp); every version computes the same bits, but for the
+// logits' choice between token kernel and GEMMs (see there).
 #include <algorithm>
 #include <type_traits>
 
