@@ -166,9 +166,8 @@ void qk_norm_rope_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tens
                            Tensor rstd, double theta, bool accumulate_dx,
                            const ScratchFn& scratch, const RopeTable& table = {});
 // Backend::qk_norm_rope_forward_qk / _backward_qk: with QkNormRope lab version 7, q and k in
-// one launch of the paired-lane kernels (and one dw finish for both) where both take them;
-// otherwise, and with the other versions (the default 6 until a device run picks), the
-// two calls above.
+// one launch of the paired-lane kernels (and one dw finish for both) where both take them
+// (version 7 is the default); otherwise, and with the other versions, the two calls above.
 // The same bits as the two calls, except dw's fp32 sums (each tensor's partial rows come
 // from its share of the one grid).
 void qk_norm_rope_forward_qk(cudaStream_t s, const QkNormRopeOperands& q,

@@ -39,9 +39,10 @@
 // programmatic dependent launch, the fused RoPE's cos/sin split over the warp) and give
 // version 1's bits. Two change a sum's order and are compared with the CPU instead: the
 // backward's dw partials in shared memory on their own grid (backward 5, the default at
-// model widths 768-1536) and the paired-lane QK-norm + RoPE (QK 6, the default: a lane
-// holds both halves of its rotate-half pairs and reads cos/sin from a table the backend
-// fills once, ScratchSlot::RopeTable). Backward versions 7-9 are the ring kernel
+// model widths 768-1536) and the paired-lane QK-norm + RoPE (QK 6, and QK 7, the default,
+// which launches q and k together: a lane holds both halves of its rotate-half pairs and
+// reads cos/sin from a table the backend fills once, ScratchSlot::RopeTable). Backward
+// versions 7-9 are the ring kernel
 // (norm_backward_ring.cu: rows brought into shared memory by the copy engine, dw finished
 // in the kernel after a grid synchronisation). The defaults are the device runs' fastest
 // (kForwardDefault etc. below; cuda/NOTES.md has the measured tables).
@@ -818,8 +819,9 @@ constexpr int kPairRpi = 4;  // rows per lane group and step (version 1's at the
 
 // One tensor's rows in a launch of the kernels below: the launch's first t0.blocks blocks
 // take tensor t0, the rest t1 (kTwo: q and k of a layer in one launch; else t0 alone, and
-// the kernel selects nothing: the selects cost the backward 20 bytes of spills). Forward: out is y, rstd written. Backward: out is dx, rstd read, and
-// partials holds this tensor's dw partial rows, one per block of the tensor.
+// the kernel selects nothing: the selects cost the backward 20 bytes of spills). Forward:
+// out is y, rstd written. Backward: out is dx, rstd read, and partials holds this
+// tensor's dw partial rows, one per block of the tensor.
 struct PairRows {
   bf16* out = nullptr;
   float* rstd = nullptr;
@@ -1437,7 +1439,6 @@ void with_pair_variant(const PairRows (&rows)[2], int count, F&& f) {
 // head_dim, positions and weight dtype) in one launch; rows[i].blocks is set here. The
 // forward's grid is the balanced rule over both tensors' steps; the backward's the
 // resident blocks, shared in proportion to the rows.
-
 bool launch_forward_pairs(cudaStream_t s, PairRows (&rows)[2], int count, const Tensor& w,
                           int64_t D, double eps, const RopeArgs& ra, const RopeTable& table) {
   const int64_t R_max = count == 2 ? std::max(rows[0].R, rows[1].R) : rows[0].R;
@@ -1551,6 +1552,11 @@ RopeArgs rope_args(const char* what, Tensor x, double theta, bool backward,
   return ra;
 }
 bool fused_rope_shape(int64_t D) { return D == 64 || D == 128 || D == 256; }
+// The backend's cos/sin table where it was filled for this theta; else none (the kernels
+// then compute cos/sin themselves).
+RopeTable table_for(const RopeTable& table, double theta) {
+  return table.theta == theta ? table : RopeTable{};
+}
 
 // Backward versions 7-9 (norm_backward_ring.cu); version 9 where it does not apply (D >
 // 1536) runs version 7.
@@ -1672,8 +1678,7 @@ void qk_norm_rope_forward(cudaStream_t s, Tensor y, Tensor rstd, Tensor x, Tenso
   if (R == 0) return;
   PairRows single_rows[2] = {forward_rows(y, rstd, x, w, R, ra.heads)};
   if (fused_rope_shape(D) && vector_path(x.dtype, D, kVecMaxD, {x.data, y.data, w.data}) &&
-      (launch_forward_pairs(s, single_rows, 1, w, D, eps, ra,
-                            table.theta == theta ? table : RopeTable{}) ||
+      (launch_forward_pairs(s, single_rows, 1, w, D, eps, ra, table_for(table, theta)) ||
        launch_forward_vec<true>(s, y, rstd, x, w, R, D, eps, ra)))
     return;
   rmsnorm_forward(s, y, rstd, x, w, eps);
@@ -1693,7 +1698,7 @@ void qk_norm_rope_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tens
   if (fused_rope_shape(D) &&
       vector_path(x.dtype, D, kVecMaxDBackward, {x.data, dx.data, dy.data, w.data}) &&
       (launch_backward_pairs(s, single_rows, single_dw, 1, w, D, accumulate_dx, scratch, ra,
-                             table.theta == theta ? table : RopeTable{}) ||
+                             table_for(table, theta)) ||
        launch_backward_vec<true>(s, dx, dw, dy, x, w, rstd, R, D, accumulate_dx, scratch, ra)))
     return;
   rope(s, dy, theta, true);
@@ -1726,8 +1731,7 @@ void qk_norm_rope_forward_qk(cudaStream_t s, const QkNormRopeOperands& q,
                         forward_rows(k.y, k.rstd, k.x, k.w, Rk, rk.heads)};
     if (Rq > 0 && Rk > 0 && vector_path(q.x.dtype, D, kVecMaxD, {q.x.data, q.y.data, q.w.data}) &&
         vector_path(k.x.dtype, D, kVecMaxD, {k.x.data, k.y.data, k.w.data}) &&
-        launch_forward_pairs(s, rows, 2, q.w, D, eps, rq,
-                             table.theta == theta ? table : RopeTable{}))
+        launch_forward_pairs(s, rows, 2, q.w, D, eps, rq, table_for(table, theta)))
       return;
   }
   qk_norm_rope_forward(s, q.y, q.rstd, q.x, q.w, eps, theta, first_position, table);
@@ -1752,7 +1756,7 @@ void qk_norm_rope_backward_qk(cudaStream_t s, const QkNormRopeGradOperands& q,
         vector_path(q.x.dtype, D, kVecMaxDBackward, {q.x.data, q.dx.data, q.dy.data, q.w.data}) &&
         vector_path(k.x.dtype, D, kVecMaxDBackward, {k.x.data, k.dx.data, k.dy.data, k.w.data}) &&
         launch_backward_pairs(s, rows, dw, 2, q.w, D, accumulate_dx, scratch, rq,
-                              table.theta == theta ? table : RopeTable{}))
+                              table_for(table, theta)))
       return;
   }
   qk_norm_rope_backward(s, q.dx, q.dw, q.dy, q.x, q.w, q.rstd, theta, accumulate_dx, scratch,

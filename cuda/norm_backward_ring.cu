@@ -23,16 +23,18 @@
 // Measured (cuda/NOTES.md, "The backward fed by the copy engine"): at 1B version 7 moves
 // the "+=" backward at 67-69% of copy (version 5: 65%) but the overwriting one at 60-62%
 // (version 5: 64%); ncu shows the consumers, not the loads, now bound it (0.30 warps
-// issuing per scheduler cycle, 7.6 cycles between a warp's instructions). Version 5 stays
-// the default.
+// issuing per scheduler cycle, 7.6 cycles between a warp's instructions); version 9 is no
+// better than 7 (sixteenth session: 60.1% / 67.0%), and a fifth of the warps' time is at
+// barriers ("Measured: q and k in one launch; where the ring's consumers stall"). Version
+// 5 stays the default.
 #include "cuda/norm_backward_ring.h"
 
 #include <cooperative_groups.h>
 
 #include <algorithm>
 #include <map>
-#include <utility>
 #include <mutex>
+#include <utility>
 
 #include "cuda/mbarrier.cuh"
 

@@ -25,6 +25,17 @@ struct FullRoutingShape {
 };
 constexpr FullRoutingShape kFullRoutingShapes[] = {
     {"100M", 512, 25, 4}, {"350M", 1024, 49, 8}, {"1B", 1280, 73, 8}};
+// Those and 1B block routing (configs/1b_block_mhar.json: blocks of 9 sublayers), as
+// RoutingLayout::blocks(S, block) takes them.
+struct RoutingShape {
+  const char* name;
+  int64_t d;
+  int S, H, block;
+};
+constexpr RoutingShape kRoutingShapes[] = {{"100M", 512, 25, 4, 1},
+                                           {"350M", 1024, 49, 8, 1},
+                                           {"1B", 1280, 73, 8, 1},
+                                           {"1B block9", 1280, 73, 8, 9}};
 
 class OpTiming : public CudaParity {
  protected:
@@ -152,14 +163,7 @@ TEST_F(OpTiming, DISABLED_ModelShapes) {
   // weights; the backward reads every pair's site gradient row and weight, v, x, writes
   // dv and the pair's logit gradient. Temporaries of an implementation (the backward's
   // fp32 value and key rows) are not counted: the rate is against what the op must do.
-  struct Shape {
-    const char* name;
-    int64_t d;
-    int S, H, block;
-  };
-  for (const Shape sh : {Shape{"100M", 512, 25, 4, 1}, Shape{"350M", 1024, 49, 8, 1},
-                         Shape{"1B", 1280, 73, 8, 1},
-                         Shape{"1B block9", 1280, 73, 8, 9}}) {
+  for (const RoutingShape& sh : kRoutingShapes) {
     const RoutingLayout lay = RoutingLayout::blocks(sh.S, sh.block);
     const int64_t d = sh.d, P = lay.pairs();
     const int S = sh.S, H = sh.H;
@@ -520,13 +524,7 @@ TEST_F(OpTiming, DISABLED_RoutingTileVersions) {
 // inv_rms and the ns H fp32 logits of every slot written.
 TEST_F(OpTiming, DISABLED_RoutingLogitsVersions) {
   const int64_t N = 16384;
-  struct Shape {
-    const char* name;
-    int64_t d;
-    int S, H, block;
-  };
-  for (const Shape sh : {Shape{"100M", 512, 25, 4, 1}, Shape{"350M", 1024, 49, 8, 1},
-                         Shape{"1B", 1280, 73, 8, 1}, Shape{"1B block9", 1280, 73, 8, 9}}) {
+  for (const RoutingShape& sh : kRoutingShapes) {
     const RoutingLayout lay = RoutingLayout::blocks(sh.S, sh.block);
     const int64_t d = sh.d;
     const int S = sh.S, H = sh.H;
