@@ -64,7 +64,8 @@ class QkNormRopeParity : public CudaParity {
 };
 
 // Both numerics of the fused kernels: version 1 (versions 2-5 are its bits, below) and
-// version 6 (the paired-lane kernels, whose row sums take their terms in another order).
+// version 6 (the paired-lane kernels, whose row sums take their terms in another order);
+// and version 7, the default, whose single calls must run version 6's kernels.
 TEST_F(QkNormRopeParity, FusedHeadDims) {
   for (int v : {1, 6, 7}) {
     cuda::norm_set_kernel_version(cuda::NormKernel::QkNormRope, v);
