@@ -268,7 +268,15 @@ int routing_fused_key_max_sites();
 // times them all. version <= 0: the default (the measured fastest, cuda/routing.cu).
 // Returns the previous version.
 // Process-wide, not thread-safe; the engine never calls it.
-enum class RoutingKernel { MixTile, BackwardPair, DeltaSite, DeltaForward, Logits, MixFinish };
+enum class RoutingKernel {
+  MixTile,
+  BackwardPair,
+  DeltaSite,
+  DeltaForward,
+  Logits,
+  MixFinish,
+  SourceValue
+};
 int routing_set_kernel_version(RoutingKernel kernel, int version);
 int routing_kernel_versions(RoutingKernel kernel);
 // Whether routing_source_logits of a slot read by `sites` sites at width d takes the

@@ -740,19 +740,31 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
 // 3 version 2 bounded to 4 blocks an SM (128 registers), for the wide rows, where version
 //   2's extra rows leave fewer warps (ptxas, d 1280: version 1 96 registers, 5 blocks an
 //   SM; version 2 133, 3 blocks; version 3 128, no spill; at d 1536 and 2048 version 3
-//   spills 144 and 460 bytes).
+//   spills 144 and 460 bytes);
+// 4 version 1 with the site's weights normalised in batches: each lane loads
+//   kNormBatch of its weights, then rewrites them. In versions 1-3 each weight's load
+//   follows the previous weight's store (the compiler cannot prove the addresses apart),
+//   so a lane made (site + 1) / (32 / H) dependent round trips to L2 or DRAM a token:
+//   ncu of version 1 at 1B (seventeenth session) put 53% of the kernel's stall samples
+//   on that one load, at 1.28 TB/s.
 // Measured (sixteenth session, OpTiming.DISABLED_RoutingTileVersions: a step's finishes,
 // as the tiled step less its tile kernels, ms, v1 / v2 / v3): 100M 1.05 / 1.21 / 1.20,
 // 350M 7.36 / 7.30 / 7.30, 1B 14.59 / 16.64 / 14.40. Loading ahead does not pay: the
 // finishes are not bound by their rows' load latency (see cuda/NOTES.md lead 3 for what
 // else they move). Version 1 stays the default.
-constexpr int kMixFinishVersions = 3;
-constexpr int kMixFinishDefault = 1;
+constexpr int kMixFinishVersions = 4;
+constexpr int kMixFinishDefault = 4;
 int g_mix_finish_version = kMixFinishDefault;  // routing_set_kernel_version (timing lab)
+
+// Weights a lane normalises per batch in finish_softmax<true>: its loads in flight at once.
+constexpr int kNormBatch = 8;
 
 // The site's softmax over the tile's state (M_m, L_m in pstat) and its newer slots'
 // logits: every weight of the site normalised in place, and each head's scale of the
-// partial row, exp(M_m - max) / sum, into st_scale[warp][head].
+// partial row, exp(M_m - max) / sum, into st_scale[warp][head]. BATCHED (version 4):
+// the weights are loaded kNormBatch at a time before any is rewritten; each weight's
+// value is the same expression either way.
+template <bool BATCHED>
 __device__ __forceinline__ void finish_softmax(float* weights, const float* pstat,
                                                float (&st_scale)[kWarpsPerBlock][32],
                                                const Geometry& g, int site0, int site, int64_t n) {
@@ -768,9 +780,21 @@ __device__ __forceinline__ void finish_softmax(float* weights, const float* psta
   for (int i = site0 + 1 + sub; i <= site; i += G) online_add(mx, l, *logit(i));
   online_merge_lanes(mx, l, G);
   const float linv = 1.f / l;
-  for (int i = sub; i <= site; i += G) {  // every weight of the site, normalised in place
-    float* p = logit(i);
-    *p = __expf(*p - mx) * linv;
+  if (BATCHED) {
+    for (int i0 = sub; i0 <= site; i0 += kNormBatch * G) {
+      float v[kNormBatch];
+#pragma unroll
+      for (int u = 0; u < kNormBatch; ++u)
+        if (i0 + u * G <= site) v[u] = *logit(i0 + u * G);
+#pragma unroll
+      for (int u = 0; u < kNormBatch; ++u)
+        if (i0 + u * G <= site) *logit(i0 + u * G) = __expf(v[u] - mx) * linv;
+    }
+  } else {
+    for (int i = sub; i <= site; i += G) {  // every weight of the site, normalised in place
+      float* p = logit(i);
+      *p = __expf(*p - mx) * linv;
+    }
   }
   if (sub == 0) st_scale[warp][h] = __expf(m_old - mx) * linv;
   __syncwarp();  // the normalised weights and the scales are visible to the warp
@@ -811,7 +835,7 @@ __device__ __forceinline__ void finish_start(float (&acc)[NT][8], Part&& part,
   }
 }
 
-template <int NT>
+template <int NT, bool BATCHED>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock)
     mix_tile_finish_kernel(bf16* __restrict__ x, float* __restrict__ weights,
                            const bf16* __restrict__ hist, const float* __restrict__ partial,
@@ -821,7 +845,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
   for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); n < g.N;
        n += warps) {
-    finish_softmax(weights, pstat, st_scale, g, site0, site, n);
+    finish_softmax<BATCHED>(weights, pstat, st_scale, g, site0, site, n);
     float acc[NT][8];
     const float4* p = reinterpret_cast<const float4*>(partial + n * g.d);
     auto chunk = [&](int, int ch, float4& a, float4& b) { a = p[2 * ch], b = p[2 * ch + 1]; };
@@ -861,7 +885,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, kMinBlocks)
     }
     Row<NT> next;
     load_row(next, slot_row(site0 + 1), g.nchunks);
-    finish_softmax(weights, pstat, st_scale, g, site0, site, n);
+    finish_softmax<false>(weights, pstat, st_scale, g, site0, site, n);
     float acc[NT][8];
     auto chunk = [&](int t, int, float4& a, float4& b) { a = pa[t], b = pb[t]; };
     finish_start(acc, chunk, st_scale, L, g);
@@ -1202,6 +1226,24 @@ struct DeltaRows {
   float* partial;
 };
 
+// One site k of a slot's value path, token n (span layout): acc += a_k dx_k, and the
+// slot's logit gradient ds_k = a_k (u_k - ubar_k), u_k = head h's sum of dx_k . v. Every
+// value kernel (plain, ring, pair) runs its sites through this, so they share the bits.
+template <int NT>
+__device__ __forceinline__ float value_site(float (&acc)[NT][8], const Row<NT>& rdx,
+                                            const Row<NT>& rv, float a, float ub, int G) {
+  float p = 0.f;
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const float dxe = elem(rdx.raw[t], e);
+      p += dxe * elem(rv.raw[t], e);
+      acc[t][e] += a * dxe;
+    }
+  return a * (head_sum(p, G) - ub);
+}
+
 // Kernel-lab versions of the DELTA kernel (routing_set_kernel_version(DeltaSite, v); the
 // same operations, so the same bits): 1 runs the general site loop (2 blocks per SM); 2
 // fixes it at one site at compile time (the prefetch of a next site's row and its
@@ -1280,16 +1322,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, value_span_blocks_per_sm(
         a_nxt = w[int64_t(g.H) * g.N];
         ub_nxt = ub_h[int64_t(k + 1) * g.H * g.N + n];
       }
-      float p = 0.f;
-#pragma unroll
-      for (int t = 0; t < NT; ++t)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          const float dxe = elem(rdx.raw[t], e);
-          p += dxe * elem(rv.raw[t], e);
-          acc[t][e] += a * dxe;
-        }
-      const float ds = a * (head_sum(p, G) - ub);
+      const float ds = value_site(acc, rdx, rv, a, ub, G);
       if constexpr (FUSED) {
         const float4* qrow =
             reinterpret_cast<const float4*>(qg + int64_t(k - source) * g.d) + lane * 2 * NT;
@@ -1354,6 +1387,83 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, value_span_blocks_per_sm(
   if constexpr (DELTA) {
     const float block = block_sum(dalpha);
     if (threadIdx.x == 0) dl.partial[blockIdx.x] = block;
+  }
+}
+
+// Kernel-lab versions of the unfused value kernel (routing_set_kernel_version(SourceValue,
+// v); the same operations per value, so the same bits):
+// 1 source_value_span_kernel<NT, false>: the next site's row, weight and ubar loaded one
+//   site ahead;
+// 2 source_value_ring_span_kernel where d <= 768 (NT <= 3): value_ring(NT) sites ahead,
+//   from a ring of rows in registers. ncu of version 1 at 100M (slot 12 of 25, d 512,
+//   seventeenth session): 2.45 TB/s, 59% of the stall samples waiting for the next site's
+//   row at the top of each site, whose ~70 instructions of work cannot cover a DRAM round
+//   trip; 16 warps an SM with 1 KB rows keep ~16 KB an SM in flight.
+constexpr int kSourceValueVersions = 2;
+constexpr int kSourceValueDefault = 2;
+int g_source_value_version = kSourceValueDefault;  // routing_set_kernel_version (timing lab)
+// Sites in flight a warp (ptxas at 4 blocks an SM, <= 128 registers: no spills).
+constexpr int value_ring(int NT) { return NT <= 2 ? 4 : 2; }
+constexpr int kValueRingMaxNT = 3;  // NT 4 spills 200 bytes at 2 sites ahead (ptxas)
+
+template <int NT, int PF>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
+    source_value_ring_span_kernel(float* __restrict__ val, float* __restrict__ weights,
+                                  float* __restrict__ ubar, const SiteRows site_dx,
+                                  const bf16* __restrict__ x, const bf16* __restrict__ v,
+                                  const float* __restrict__ inv_rms,
+                                  const float* __restrict__ resume, const Geometry g, int source,
+                                  int last) {
+  const int lane = threadIdx.x & 31, G = 32 / g.H, h = lane / G;
+  const bool leader = lane % G == 0;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5), HN = int64_t(g.H) * g.N;
+  float* w_src = weights + (g.lay.pair_base(source) * g.H + h) * g.N;  // head h's rows
+  const float* ub_h = ubar + int64_t(h) * g.N;
+  for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); n < g.N;
+       n += warps) {
+    const float r = inv_rms[n];
+    // Ring slot u holds site k = source + u (mod PF): its row, weight and ubar.
+    Row<NT> rv, ring[PF];
+    float ra[PF], rub[PF];
+    load_span(rv, v + n * g.d);
+    load_span(ring[0], site_dx.dx[source] + n * g.d);
+#pragma unroll
+    for (int u = 1; u < PF; ++u)
+      if (source + u <= last) {
+        load_span(ring[u], site_dx.dx[source + u] + n * g.d);
+        ra[u] = w_src[u * HN + n];
+        rub[u] = ub_h[(source + u) * HN + n];
+      }
+    rub[0] = span_ubar(ubar, ring[0], x, g, source, n);
+    ra[0] = w_src[n];
+    float acc[NT][8];
+    if (resume) {
+      load_span_f32(acc, resume + n * g.d);
+    } else {
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[t][e] = 0.f;
+    }
+    for (int k0 = source; k0 <= last; k0 += PF) {
+#pragma unroll
+      for (int u = 0; u < PF; ++u) {
+        const int k = k0 + u;
+        if (k > last) break;
+        const Row<NT> rdx = ring[u];
+        const float a = ra[u], ub = rub[u];
+        if (k + PF <= last) {
+          load_span(ring[u], site_dx.dx[k + PF] + n * g.d);
+          ra[u] = w_src[(k + PF - source) * HN + n];
+          rub[u] = ub_h[(k + PF) * HN + n];
+        }
+        const float ds = value_site(acc, rdx, rv, a, ub, G);
+        // head_sum's shuffles synchronise the warp: every lane has used a_k (read PF
+        // sites ago) before the leader overwrites it.
+        if (leader) w_src[(k - source) * HN + n] = ds * r;
+      }
+    }
+    store_span_f32(val + n * g.d, acc);
   }
 }
 
@@ -1590,16 +1700,42 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, delta_forward_blocks_per_
 // sites. Slot p1's own call then reads only its sites before p0 (resume). Both slot rows
 // and both value rows stay in registers (234 at d = 1280, 2 blocks per SM), so each
 // dx_j chunk serves two slots: half the site-gradient reads of two plain calls.
+// One site k of both slots of a backward tile, token n: value_site for each slot from the
+// one dx_k row (each accumulator's operations in value_site's order).
+template <int NT>
+__device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT][8], float& ds0,
+                                          float& ds1, const Row<NT>& rdx, const Row<NT>& rv0,
+                                          const Row<NT>& rv1, float a0, float a1, float ub,
+                                          int G) {
+  float p0 = 0.f, p1 = 0.f;
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const float dxe = elem(rdx.raw[t], e);
+      p0 += dxe * elem(rv0.raw[t], e);
+      p1 += dxe * elem(rv1.raw[t], e);
+      acc0[t][e] += a0 * dxe;
+      acc1[t][e] += a1 * dxe;
+    }
+  ds0 = a0 * (head_sum(p0, G) - ub), ds1 = a1 * (head_sum(p1, G) - ub);
+}
+
 // Numbered versions (kernel lab, routing_set_kernel_version; the same code, so the same
 // bits): 1 asks for 2 blocks per SM at every width (193 registers at d = 1024: 8 warps per
 // SM) on the usual grid of 8 blocks per SM; 2 for 3 blocks where that does not spill
 // (ptxas: 168 registers at d = 1024, 155 at 768; at 1280 the bound of 3 spills, so 1B keeps
 // 2); 3 is 2 on a grid of exactly the resident blocks (one wave: 8 blocks per SM over 3
-// resident ones would leave the last of 2.67 waves two-thirds full).
+// resident ones would leave the last of 2.67 waves two-thirds full); 4 is 3 with the
+// site rows from a ring kPairRing sites ahead (source_value_pair_ring_span_kernel) where
+// d <= 512 (NT <= 2), whose short rows left a warp ~70 instructions of work per site to
+// cover the next row's DRAM round trip (as the value kernel's version 1: ncu there).
 constexpr int kBackTileMaxNT = 5;  // d <= 1280: 234 registers, no spills (NT 6: 239; 7, 8 spill)
 constexpr int pair_blocks_per_sm(int NT, int version) { return version >= 2 && NT <= 4 ? 3 : 2; }
-constexpr int kPairVersions = 3;
-constexpr int kPairDefault = 3;  // measured fastest at every size (cuda/NOTES.md)
+constexpr int kPairVersions = 4;
+constexpr int kPairDefault = 4;
+constexpr int kPairRing = 4;
+constexpr int kPairRingMaxNT = 2;
 int g_pair_version = kPairDefault;  // routing_set_kernel_version (timing lab)
 template <int NT, int MIN_BLOCKS>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
@@ -1643,21 +1779,77 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
         a1_nxt = w1[off + int64_t(g.H) * g.N];
         ub_nxt = ub_h[int64_t(k + 1) * g.H * g.N + n];
       }
-      float p0 = 0.f, p1 = 0.f;
-#pragma unroll
-      for (int t = 0; t < NT; ++t)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          const float dxe = elem(rdx.raw[t], e);
-          p0 += dxe * elem(rv0.raw[t], e);
-          p1 += dxe * elem(rv1.raw[t], e);
-          acc0[t][e] += a0 * dxe;
-          acc1[t][e] += a1 * dxe;
-        }
-      const float ds0 = a0 * (head_sum(p0, G) - ub), ds1 = a1 * (head_sum(p1, G) - ub);
+      float ds0, ds1;
+      pair_site(acc0, acc1, ds0, ds1, rdx, rv0, rv1, a0, a1, ub, G);
       // The shuffles synchronise the warp: a_k was read by every lane an iteration ago.
       if (leader) w0[off] = ds0 * r0, w1[off] = ds1 * r1;
       if (k + 1 <= last) rdx = nxt, a0 = a0_nxt, a1 = a1_nxt, ub = ub_nxt;
+    }
+    store_span_f32(val + n * g.d, acc0);
+    store_span_f32(partial + n * g.d, acc1);
+  }
+}
+
+// Version 4 of the pair kernel: source_value_pair_span_kernel with site k + PF's row,
+// weights and ubar loaded when site k is taken from the ring (value_site's ring, for two
+// slots).
+template <int NT, int MIN_BLOCKS, int PF>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
+    source_value_pair_ring_span_kernel(float* __restrict__ val, float* __restrict__ partial,
+                                       float* __restrict__ weights, float* __restrict__ ubar,
+                                       const SiteRows site_dx, const bf16* __restrict__ x,
+                                       const bf16* __restrict__ v0, const bf16* __restrict__ v1,
+                                       const float* __restrict__ inv_rms0,
+                                       const float* __restrict__ inv_rms1, const Geometry g,
+                                       int source) {
+  const int lane = threadIdx.x & 31, G = 32 / g.H, h = lane / G;
+  const bool leader = lane % G == 0;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5), HN = int64_t(g.H) * g.N;
+  const int older = source - g.lay.block;  // as in source_value_pair_span_kernel
+  float* w0 = weights + (g.lay.pair_base(source) * g.H + h) * g.N;
+  float* w1 = weights + ((g.lay.pair_base(older) + (source - older)) * g.H + h) * g.N;
+  const float* ub_h = ubar + int64_t(h) * g.N;
+  const int last = g.lay.last_site(source);
+  for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); n < g.N;
+       n += warps) {
+    const float r0 = inv_rms0[n], r1 = inv_rms1[n];
+    Row<NT> rv0, rv1, ring[PF];
+    float ra0[PF], ra1[PF], rub[PF];
+    load_span(rv0, v0 + n * g.d);
+    load_span(rv1, v1 + n * g.d);
+    load_span(ring[0], site_dx.dx[source] + n * g.d);
+#pragma unroll
+    for (int u = 1; u < PF; ++u)
+      if (source + u <= last) {
+        load_span(ring[u], site_dx.dx[source + u] + n * g.d);
+        ra0[u] = w0[u * HN + n], ra1[u] = w1[u * HN + n];
+        rub[u] = ub_h[(source + u) * HN + n];
+      }
+    rub[0] = span_ubar(ubar, ring[0], x, g, source, n);
+    ra0[0] = w0[n], ra1[0] = w1[n];
+    float acc0[NT][8], acc1[NT][8];
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc0[t][e] = 0.f, acc1[t][e] = 0.f;
+    for (int k0 = source; k0 <= last; k0 += PF) {
+#pragma unroll
+      for (int u = 0; u < PF; ++u) {
+        const int k = k0 + u;
+        if (k > last) break;
+        const Row<NT> rdx = ring[u];
+        const float a0 = ra0[u], a1 = ra1[u], ub = rub[u];
+        if (k + PF <= last) {
+          load_span(ring[u], site_dx.dx[k + PF] + n * g.d);
+          ra0[u] = w0[(k + PF - source) * HN + n], ra1[u] = w1[(k + PF - source) * HN + n];
+          rub[u] = ub_h[(k + PF) * HN + n];
+        }
+        float ds0, ds1;
+        pair_site(acc0, acc1, ds0, ds1, rdx, rv0, rv1, a0, a1, ub, G);
+        // The shuffles synchronise the warp: every lane has used a_k before it is rewritten.
+        const int64_t off = (k - source) * HN + n;
+        if (leader) w0[off] = ds0 * r0, w1[off] = ds1 * r1;
+      }
     }
     store_span_f32(val + n * g.d, acc0);
     store_span_f32(partial + n * g.d, acc1);
@@ -1957,9 +2149,10 @@ void routing_mix(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weights, 
     const float* pstat = partial + partial_floats + int64_t(m - 1) * 2 * g.H * g.N;
     dispatch_rows(g, [&](auto nt, auto) {
       constexpr int NT = decltype(nt)::value;
-      auto kernel = g_mix_finish_version == 1   ? mix_tile_finish_kernel<NT>
+      auto kernel = g_mix_finish_version == 1   ? mix_tile_finish_kernel<NT, false>
                     : g_mix_finish_version == 2 ? mix_tile_finish_early_kernel<NT, 1>
-                                                : mix_tile_finish_early_kernel<NT, 4>;
+                    : g_mix_finish_version == 3 ? mix_tile_finish_early_kernel<NT, 4>
+                                                : mix_tile_finish_kernel<NT, true>;
       kernel<<<token_blocks(g.N), 32 * kWarpsPerBlock, 0, s>>>(
           static_cast<bf16*>(x.data), weights.ptr<float>(), static_cast<const bf16*>(history.data),
           partial + int64_t(m - 1) * g.N * g.d, pstat, g, tile.first, site);
@@ -2109,6 +2302,7 @@ int routing_kernel_versions(RoutingKernel kernel) {
     case RoutingKernel::DeltaForward: return kDeltaForwardVersions;
     case RoutingKernel::Logits: return kLogitsVersions;
     case RoutingKernel::MixFinish: return kMixFinishVersions;
+    case RoutingKernel::SourceValue: return kSourceValueVersions;
   }
   return 0;
 }
@@ -2122,12 +2316,14 @@ int routing_set_kernel_version(RoutingKernel kernel, int version) {
            : kernel == RoutingKernel::DeltaSite    ? g_delta_site_version
            : kernel == RoutingKernel::Logits       ? g_logits_version
            : kernel == RoutingKernel::MixFinish    ? g_mix_finish_version
+           : kernel == RoutingKernel::SourceValue  ? g_source_value_version
                                                    : g_delta_forward_version;
   const int fallback = kernel == RoutingKernel::MixTile        ? kMixTileDefault
                        : kernel == RoutingKernel::BackwardPair ? kPairDefault
                        : kernel == RoutingKernel::DeltaSite    ? kDeltaSiteDefault
                        : kernel == RoutingKernel::Logits       ? kLogitsDefault
                        : kernel == RoutingKernel::MixFinish    ? kMixFinishDefault
+                       : kernel == RoutingKernel::SourceValue  ? kSourceValueDefault
                                                                : kDeltaForwardDefault;
   const int before = v;
   v = version > 0 ? version : fallback;
@@ -2223,6 +2419,9 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
         // Blocks per SM and grid by the lab's version (see the kernel).
         auto kernel = g_pair_version >= 2 ? source_value_pair_span_kernel<NT, pair_blocks_per_sm(NT, 2)>
                                           : source_value_pair_span_kernel<NT, pair_blocks_per_sm(NT, 1)>;
+        if constexpr (NT <= kPairRingMaxNT)  // wider rows: the ring spills (ptxas)
+          if (g_pair_version >= 4)
+            kernel = source_value_pair_ring_span_kernel<NT, pair_blocks_per_sm(NT, 2), kPairRing>;
         int blocks = token_blocks(N);
         if (g_pair_version >= 3)
           blocks = int(std::min<int64_t>(
@@ -2242,6 +2441,16 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
     const int last = resume_last >= 0 ? resume_last : layout.last_site(source);
     dispatch_span(g, [&](auto nt) {
       constexpr int NT = decltype(nt)::value;
+      if constexpr (NT <= kValueRingMaxNT) {
+        if (!fused && !delta && g_source_value_version >= 2) {
+          source_value_ring_span_kernel<NT, value_ring(NT)>
+              <<<token_blocks(N), 32 * kWarpsPerBlock, 0, s>>>(
+                  val, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in,
+                  inv_rms.ptr<float>(), resume, g, source, last);
+          CUDA_CHECK_LAUNCH();
+          return;
+        }
+      }
       auto kernel = !delta ? (fused ? source_value_span_kernel<NT, true>
                                     : source_value_span_kernel<NT, false>)
                     : g_delta_site_version == 1 ? source_value_span_kernel<NT, true, 1>

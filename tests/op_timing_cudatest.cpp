@@ -602,6 +602,18 @@ TEST_F(OpTiming, DISABLED_RoutingBackwardFusedLimit) {
       cuda::routing_set_kernel_version(cuda::RoutingKernel::BackwardPair, 0);
     }
     cuda::routing_set_fused_key_max_sites(-1);
+    // The plain calls' value kernel (its numbered versions) at the default limit and pair
+    // kernel, untiled and tiled.
+    const int value_versions = cuda::routing_kernel_versions(cuda::RoutingKernel::SourceValue);
+    for (int version = 1; version <= value_versions; ++version) {
+      cuda::routing_set_kernel_version(cuda::RoutingKernel::SourceValue, version);
+      const std::string head = "routing backward, value kernel v" + std::to_string(version);
+      report(head + ", untiled, " + tag, time_ms([&] { backward(false); }, 3) - copy_ms, 0, 0);
+      if (tile > 1)
+        report(head + ", tiles of " + std::to_string(tile) + ", " + tag,
+               time_ms([&] { backward(true); }, 3) - copy_ms, 0, 0);
+    }
+    cuda::routing_set_kernel_version(cuda::RoutingKernel::SourceValue, 0);
   }
 }
 

@@ -93,6 +93,42 @@ class RoutingParity : public CudaParity {
     expect_close("routing_mix after a tile cut short " + tag, got, x1.get(), kTolBf16Output);
   }
 
+  // The backward's outputs of one run, compared bit for bit across kernel-lab versions.
+  struct BackwardBits {
+    std::vector<double> dv, ubar, weights, gsum;
+    void expect_same(const BackwardBits& o, const std::string& what) const {
+      auto diff = [](const std::vector<double>& a, const std::vector<double>& b) {
+        int64_t n = 0;
+        for (size_t e = 0; e < a.size(); ++e)
+          n += !(a[e] == b[e]) && !(a[e] != a[e] && b[e] != b[e]);
+        return n;
+      };
+      EXPECT_EQ(diff(dv, o.dv), 0) << what << " dv";
+      EXPECT_EQ(diff(ubar, o.ubar), 0) << what << " ubar";
+      EXPECT_EQ(diff(weights, o.weights), 0) << what << " ds*r";
+      EXPECT_EQ(diff(gsum, o.gsum), 0) << what << " key grads";
+    }
+  };
+
+  // Every kernel-lab version of `kernels` gives `run()`'s bits at the defaults; returns
+  // the defaults' outputs.
+  template <class Run>
+  BackwardBits expect_versions_same_bits(const std::string& tag,
+                                         std::initializer_list<cuda::RoutingKernel> kernels,
+                                         Run&& run) {
+    const BackwardBits base = run();
+    for (cuda::RoutingKernel kernel : kernels) {
+      const int versions = cuda::routing_kernel_versions(kernel);
+      for (int version = 1; version <= versions; ++version) {
+        cuda::routing_set_kernel_version(kernel, version);
+        run().expect_same(
+            base, tag + ", kernel " + std::to_string(int(kernel)) + " v" + std::to_string(version));
+      }
+      cuda::routing_set_kernel_version(kernel, 0);
+    }
+    return base;
+  }
+
   // Backward depth tiles (routing_source_backward_tile of k slots where
   // RoutingLayout::back_tile_count starts them: full routing from S-1, S-1-k, ... but slot
   // 0, block layouts at closed slots, paired with the closed slots before them) as the
@@ -110,46 +146,56 @@ class RoutingParity : public CudaParity {
     const int S = lay.sites;
     Buffer w(*gpu, DType::F32, {lay.pairs(), H, N}), ub(*gpu, DType::F32, {S, H, N});
     Buffer gs(*gpu, DType::F32, {8, S, d}), dvt(*gpu, DType::BF16, {S, N, d});
-    w.set(mixed);
-    ub.poison();
-    dvt.poison();
-    gs.set(std::vector<double>(size_t(8 * S * d), 0.0));
     const std::vector<Tensor> rows = routing_rows(site_dx.g.t());
     const std::vector<double> dx_clean = site_dx.c.get();
     const std::vector<double> nan_row(size_t(N * d), std::nan(""));
     const int fused_limit = cuda::routing_fused_key_max_sites();
-    int poisoned_from = -1, tile_end = -1, tiles = 0;
-    for (int i = S - 1; i >= 0; --i) {
-      if (const int count = lay.back_tile_count(i, k); count > 0) {
-        gpu->routing_source_backward_tile(dvt.t()[i], w, ub, gs, rows, xs.g.t()[i], history.g,
-                                          inv_rms.g, pg, lay, i, count, H);
-        if (lay.last_site(i) - i + 1 > fused_limit) {
-          ++tiles;
-          poisoned_from = i;
-          tile_end = i - count * lay.block;  // the tile's oldest slot is tile_end + block
-          for (int j = i; j < S; ++j) gpu->upload(site_dx.g.t()[j], nan_row.data());
+    int tiles = 0;
+    auto run = [&] {
+      w.set(mixed);
+      ub.poison();
+      dvt.poison();
+      gs.set(std::vector<double>(size_t(8 * S * d), 0.0));
+      int poisoned_from = -1, tile_end = -1;
+      tiles = 0;
+      for (int i = S - 1; i >= 0; --i) {
+        if (const int count = lay.back_tile_count(i, k); count > 0) {
+          gpu->routing_source_backward_tile(dvt.t()[i], w, ub, gs, rows, xs.g.t()[i], history.g,
+                                            inv_rms.g, pg, lay, i, count, H);
+          if (lay.last_site(i) - i + 1 > fused_limit) {
+            ++tiles;
+            poisoned_from = i;
+            tile_end = i - count * lay.block;  // the tile's oldest slot is tile_end + block
+            for (int j = i; j < S; ++j) gpu->upload(site_dx.g.t()[j], nan_row.data());
+          }
+        } else {
+          gpu->routing_source_backward(dvt.t()[i], w, ub, gs, rows, xs.g.t()[i], history.g.t()[i],
+                                       inv_rms.g.t()[i], pg, lay, i, H);
         }
-      } else {
-        gpu->routing_source_backward(dvt.t()[i], w, ub, gs, rows, xs.g.t()[i], history.g.t()[i],
-                                     inv_rms.g.t()[i], pg, lay, i, H);
+        if (poisoned_from >= 0 && i == tile_end + lay.block) {
+          for (int j = poisoned_from; j < S; ++j)
+            gpu->upload(site_dx.g.t()[j], dx_clean.data() + size_t(j) * size_t(N * d));
+          poisoned_from = -1;
+        }
       }
-      if (poisoned_from >= 0 && i == tile_end + lay.block) {
-        for (int j = poisoned_from; j < S; ++j)
-          gpu->upload(site_dx.g.t()[j], dx_clean.data() + size_t(j) * size_t(N * d));
-        poisoned_from = -1;
-      }
-    }
+      return BackwardBits{dvt.get(), ub.get(), w.get(), gs.get()};
+    };
+    // Every version of the tile's pair kernel and of the plain calls' value kernel.
+    const BackwardBits got = expect_versions_same_bits(
+        "backward tiles " + tag,
+        {cuda::RoutingKernel::BackwardPair, cuda::RoutingKernel::SourceValue}, run);
     std::printf("BACKWARD_TILES %s: %d tiles of %d slots\n", tag.c_str(), tiles, k);
-    expect_close("routing_source_backward_tile dv " + tag, dvt, dv.c, kTolBf16Output);
-    expect_close("routing_source_backward_tile ubar " + tag, ub, ubar.c, kTolF32Output);
-    expect_close("routing_source_backward_tile ds*r " + tag, w, weights.c, kTolF32Output);
+    expect_close("routing_source_backward_tile dv " + tag, got.dv, dv.c.get(), kTolBf16Output);
+    expect_close("routing_source_backward_tile ubar " + tag, got.ubar, ubar.c.get(), kTolF32Output);
+    expect_close("routing_source_backward_tile ds*r " + tag, got.weights, weights.c.get(),
+                 kTolF32Output);
     auto slab_sums = [&](const std::vector<double>& g, int64_t slabs) {
       std::vector<double> out(size_t(S * d), 0.0);
       for (int64_t r = 0; r < slabs; ++r)
         for (size_t e = 0; e < out.size(); ++e) out[e] += g[size_t(r) * out.size() + e];
       return out;
     };
-    expect_close("routing_source_backward_tile key grads " + tag, slab_sums(gs.get(), 8),
+    expect_close("routing_source_backward_tile key grads " + tag, slab_sums(got.gsum, 8),
                  slab_sums(gsum.c.get(), gsum.c.t().dim(0)), kTolF32Output);
   }
 
@@ -255,6 +301,22 @@ class RoutingParity : public CudaParity {
     expect_close("routing_source_backward dv " + tag, dv.g, dv.c, kTolBf16Output);
     expect_close("routing_source_backward ubar " + tag, ubar.g, ubar.c, kTolF32Output);
     expect_close("routing_source_backward ds*r " + tag, weights.g, weights.c, kTolF32Output);
+    {  // every version of the value kernel: the default's bits
+      Buffer w(*gpu, DType::F32, {lay.pairs(), H, N}), ub(*gpu, DType::F32, {S, H, N});
+      Buffer gs(*gpu, DType::F32, {8, S, d}), dvp(*gpu, DType::BF16, {S, N, d});
+      expect_versions_same_bits(
+          "routing_source_backward " + tag, {cuda::RoutingKernel::SourceValue}, [&] {
+            w.set(mixed);
+            ub.poison();
+            dvp.poison();
+            gs.set(std::vector<double>(size_t(8 * S * d), 0.0));
+            for (int i = S - 1; i >= 0; --i)
+              gpu->routing_source_backward(dvp.t()[i], w, ub, gs, routing_rows(site_dx.g.t()),
+                                           xs.g.t()[i], history.g.t()[i], inv_rms.g.t()[i], pg, lay,
+                                           i, H);
+            return BackwardBits{dvp.get(), ub.get(), w.get(), gs.get()};
+          });
+    }
     if (const int k = gpu->routing_backward_tile_slots(lay, d, H); k > 1)
       check_back_tiles(tag, k, lay, N, d, H, history, xs, inv_rms, site_dx, mixed, pg, dv, ubar,
                        weights, gsum);
