@@ -52,8 +52,8 @@
 // the backend's grow-only scratch (kernels.h); nothing here allocates.
 // Kernel lab: the mix tile and finish kernels, the backward's pair kernel and the logits
 // keep their earlier versions, numbered, chosen at launch (routing_set_kernel_version,
-// kernels.h; the defaults are the measured fastest: mix tile 2 of 4, finish 1 of 3, pair
-// 3 of 3, logits 2 of 4), so that one device run times each
+// kernels.h; the defaults are the measured fastest: mix tile 2 of 4, finish 4 of 5, pair
+// 4 of 4, the unfused value kernel 2 of 2, logits 2 of 4), so that one device run times each
 // (tests/op_timing_cudatest.cpp); every version computes the same bits, but for the
 // logits' choice between token kernel and GEMMs (see there).
 #include <algorithm>
@@ -742,29 +742,34 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
 //   SM; version 2 133, 3 blocks; version 3 128, no spill; at d 1536 and 2048 version 3
 //   spills 144 and 460 bytes);
 // 4 version 1 with the site's weights normalised in batches: each lane loads
-//   kNormBatch of its weights, then rewrites them. In versions 1-3 each weight's load
+//   kNormBatch (8) of its weights, then rewrites them. In versions 1-3 each weight's load
 //   follows the previous weight's store (the compiler cannot prove the addresses apart),
 //   so a lane made (site + 1) / (32 / H) dependent round trips to L2 or DRAM a token:
 //   ncu of version 1 at 1B (seventeenth session) put 53% of the kernel's stall samples
-//   on that one load, at 1.28 TB/s.
+//   on that one load, at 1.28 TB/s;
+// 5 version 3 with batches of kNormBatchEarly (4) weights (the rows loaded ahead may pay
+//   once the normalisation no longer dominates).
 // Measured (sixteenth session, OpTiming.DISABLED_RoutingTileVersions: a step's finishes,
 // as the tiled step less its tile kernels, ms, v1 / v2 / v3): 100M 1.05 / 1.21 / 1.20,
 // 350M 7.36 / 7.30 / 7.30, 1B 14.59 / 16.64 / 14.40. Loading ahead does not pay: the
 // finishes are not bound by their rows' load latency (see cuda/NOTES.md lead 3 for what
-// else they move). Version 1 stays the default.
-constexpr int kMixFinishVersions = 4;
+// else they move). Seventeenth session (same test, v1 / v4): 100M 1.08 / 1.05, 350M 7.55 /
+// 6.45, 1B 14.98 / 12.21: version 4 is the default.
+constexpr int kMixFinishVersions = 5;
 constexpr int kMixFinishDefault = 4;
 int g_mix_finish_version = kMixFinishDefault;  // routing_set_kernel_version (timing lab)
 
-// Weights a lane normalises per batch in finish_softmax<true>: its loads in flight at once.
-constexpr int kNormBatch = 8;
+// Weights a lane normalises per batch in finish_softmax (versions 4, 5): its loads in flight
+// at once (ptxas, d 1280: version 4 119 registers, no spill; version 5 at the 128-register
+// bound spills 80 bytes with batches of 8, 32 with batches of 4).
+constexpr int kNormBatch = 8, kNormBatchEarly = 4;
 
 // The site's softmax over the tile's state (M_m, L_m in pstat) and its newer slots'
 // logits: every weight of the site normalised in place, and each head's scale of the
-// partial row, exp(M_m - max) / sum, into st_scale[warp][head]. BATCHED (version 4):
-// the weights are loaded kNormBatch at a time before any is rewritten; each weight's
-// value is the same expression either way.
-template <bool BATCHED>
+// partial row, exp(M_m - max) / sum, into st_scale[warp][head]. BATCH > 0 (versions 4,
+// 5): the weights are loaded BATCH at a time before any is rewritten; each weight's value
+// is the same expression either way.
+template <int BATCH>
 __device__ __forceinline__ void finish_softmax(float* weights, const float* pstat,
                                                float (&st_scale)[kWarpsPerBlock][32],
                                                const Geometry& g, int site0, int site, int64_t n) {
@@ -780,14 +785,14 @@ __device__ __forceinline__ void finish_softmax(float* weights, const float* psta
   for (int i = site0 + 1 + sub; i <= site; i += G) online_add(mx, l, *logit(i));
   online_merge_lanes(mx, l, G);
   const float linv = 1.f / l;
-  if (BATCHED) {
-    for (int i0 = sub; i0 <= site; i0 += kNormBatch * G) {
-      float v[kNormBatch];
+  if constexpr (BATCH > 0) {
+    for (int i0 = sub; i0 <= site; i0 += BATCH * G) {
+      float v[BATCH];
 #pragma unroll
-      for (int u = 0; u < kNormBatch; ++u)
+      for (int u = 0; u < BATCH; ++u)
         if (i0 + u * G <= site) v[u] = *logit(i0 + u * G);
 #pragma unroll
-      for (int u = 0; u < kNormBatch; ++u)
+      for (int u = 0; u < BATCH; ++u)
         if (i0 + u * G <= site) *logit(i0 + u * G) = __expf(v[u] - mx) * linv;
     }
   } else {
@@ -835,7 +840,7 @@ __device__ __forceinline__ void finish_start(float (&acc)[NT][8], Part&& part,
   }
 }
 
-template <int NT, bool BATCHED>
+template <int NT, int BATCH>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock)
     mix_tile_finish_kernel(bf16* __restrict__ x, float* __restrict__ weights,
                            const bf16* __restrict__ hist, const float* __restrict__ partial,
@@ -845,7 +850,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
   for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); n < g.N;
        n += warps) {
-    finish_softmax<BATCHED>(weights, pstat, st_scale, g, site0, site, n);
+    finish_softmax<BATCH>(weights, pstat, st_scale, g, site0, site, n);
     float acc[NT][8];
     const float4* p = reinterpret_cast<const float4*>(partial + n * g.d);
     auto chunk = [&](int, int ch, float4& a, float4& b) { a = p[2 * ch], b = p[2 * ch + 1]; };
@@ -860,7 +865,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
   }
 }
 
-template <int NT, int kMinBlocks>
+template <int NT, int kMinBlocks, int BATCH>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, kMinBlocks)
     mix_tile_finish_early_kernel(bf16* __restrict__ x, float* __restrict__ weights,
                                  const bf16* __restrict__ hist, const float* __restrict__ partial,
@@ -885,7 +890,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, kMinBlocks)
     }
     Row<NT> next;
     load_row(next, slot_row(site0 + 1), g.nchunks);
-    finish_softmax<false>(weights, pstat, st_scale, g, site0, site, n);
+    finish_softmax<BATCH>(weights, pstat, st_scale, g, site0, site, n);
     float acc[NT][8];
     auto chunk = [&](int t, int, float4& a, float4& b) { a = pa[t], b = pb[t]; };
     finish_start(acc, chunk, st_scale, L, g);
@@ -1399,6 +1404,10 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, value_span_blocks_per_sm(
 //   seventeenth session): 2.45 TB/s, 59% of the stall samples waiting for the next site's
 //   row at the top of each site, whose ~70 instructions of work cannot cover a DRAM round
 //   trip; 16 warps an SM with 1 KB rows keep ~16 KB an SM in flight.
+// Measured (seventeenth session, OpTiming.DISABLED_RoutingBackwardFusedLimit, a step's
+// backward, ms, v1 / v2): 100M untiled 5.05 / 4.68, with the backward tiles (which leave
+// the plain calls the fused slots and each tile's older slot) 4.54 / 4.51; 350M and 1B
+// within 0.2% (their rows take version 1's kernel).
 constexpr int kSourceValueVersions = 2;
 constexpr int kSourceValueDefault = 2;
 int g_source_value_version = kSourceValueDefault;  // routing_set_kernel_version (timing lab)
@@ -1730,6 +1739,8 @@ __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT
 // site rows from a ring kPairRing sites ahead (source_value_pair_ring_span_kernel) where
 // d <= 512 (NT <= 2), whose short rows left a warp ~70 instructions of work per site to
 // cover the next row's DRAM round trip (as the value kernel's version 1: ncu there).
+// Measured (seventeenth session, a step's tiled backward, ms, v3 / v4): 100M 4.571 /
+// 4.509; 350M 22.46 / 22.42 and 1B 50.88 / 50.94 (the same kernel as version 3 there).
 constexpr int kBackTileMaxNT = 5;  // d <= 1280: 234 registers, no spills (NT 6: 239; 7, 8 spill)
 constexpr int pair_blocks_per_sm(int NT, int version) { return version >= 2 && NT <= 4 ? 3 : 2; }
 constexpr int kPairVersions = 4;
@@ -2149,10 +2160,11 @@ void routing_mix(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weights, 
     const float* pstat = partial + partial_floats + int64_t(m - 1) * 2 * g.H * g.N;
     dispatch_rows(g, [&](auto nt, auto) {
       constexpr int NT = decltype(nt)::value;
-      auto kernel = g_mix_finish_version == 1   ? mix_tile_finish_kernel<NT, false>
-                    : g_mix_finish_version == 2 ? mix_tile_finish_early_kernel<NT, 1>
-                    : g_mix_finish_version == 3 ? mix_tile_finish_early_kernel<NT, 4>
-                                                : mix_tile_finish_kernel<NT, true>;
+      auto kernel = g_mix_finish_version == 1   ? mix_tile_finish_kernel<NT, 0>
+                    : g_mix_finish_version == 2 ? mix_tile_finish_early_kernel<NT, 1, 0>
+                    : g_mix_finish_version == 3 ? mix_tile_finish_early_kernel<NT, 4, 0>
+                    : g_mix_finish_version == 4 ? mix_tile_finish_kernel<NT, kNormBatch>
+                                                : mix_tile_finish_early_kernel<NT, 4, kNormBatchEarly>;
       kernel<<<token_blocks(g.N), 32 * kWarpsPerBlock, 0, s>>>(
           static_cast<bf16*>(x.data), weights.ptr<float>(), static_cast<const bf16*>(history.data),
           partial + int64_t(m - 1) * g.N * g.d, pstat, g, tile.first, site);
