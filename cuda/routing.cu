@@ -143,6 +143,23 @@ __device__ __forceinline__ void online_add(float& m, float& l, float s) {
   if (s > m) l = l * __expf(m - s) + 1.f, m = s;  // exp(-inf) = 0 on the first
   else l += __expf(s - m);
 }
+// online_add of this lane's logits logit(i), i = first, first + G, ... < end, in that
+// order, loaded kStatsBatch at a time: online_add's branch ends a basic block, so a plain
+// loop issues each load only after the previous logit's branch (one round trip each).
+constexpr int kStatsBatch = 4;
+template <class Logit>
+__device__ __forceinline__ void online_add_strided(float& m, float& l, Logit&& logit, int first,
+                                                   int end, int G) {
+  for (int i0 = first; i0 < end; i0 += kStatsBatch * G) {
+    float s[kStatsBatch];
+#pragma unroll
+    for (int u = 0; u < kStatsBatch; ++u)
+      if (i0 + u * G < end) s[u] = *logit(i0 + u * G);
+#pragma unroll
+    for (int u = 0; u < kStatsBatch; ++u)
+      if (i0 + u * G < end) online_add(m, l, s[u]);
+  }
+}
 // Merges the states of each run of G lanes (G a power of two) by xor shuffles; a lane
 // that saw no logit (m = -inf) adds nothing.
 __device__ __forceinline__ void online_merge_lanes(float& m, float& l, int G) {
@@ -782,7 +799,9 @@ __device__ __forceinline__ void finish_softmax(float* weights, const float* psta
   };
   const float m_old = pstat[int64_t(h) * g.N + n], l_old = pstat[HN + int64_t(h) * g.N + n];
   float mx = sub == 0 ? m_old : -INFINITY, l = sub == 0 ? l_old : 0.f;
-  for (int i = site0 + 1 + sub; i <= site; i += G) online_add(mx, l, *logit(i));
+  if constexpr (BATCH > 0) online_add_strided(mx, l, logit, site0 + 1 + sub, site + 1, G);
+  else
+    for (int i = site0 + 1 + sub; i <= site; i += G) online_add(mx, l, *logit(i));
   online_merge_lanes(mx, l, G);
   const float linv = 1.f / l;
   if constexpr (BATCH > 0) {
@@ -1168,7 +1187,7 @@ __device__ __forceinline__ void mix_span_token(float (&acc)[NT][8], float* weigh
     else load_span(row, hist + (int64_t(slot(t)) * g.N + n) * g.d);
   };
   float m = -INFINITY, l = 0.f;
-  for (int i = sub; i < src; i += G) online_add(m, l, *logit(i));
+  online_add_strided(m, l, logit, sub, src, G);
   online_merge_lanes(m, l, G);
   const float linv = 1.f / l;
 #pragma unroll
