@@ -1719,17 +1719,10 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, delta_forward_blocks_per_
   }
 }
 
-// Depth tiling of the backward (backend.h routing_source_backward_tile; unfused slots,
-// span layout): slots p0 = source and p1 = older (source - 1 in full routing, the
-// previous closed slot source - block in a block layout) in one pass over the site
-// gradients dx_j, j = source .. last_site(source), each read once for both: slot p0's
-// whole value row (val, as source_value_span_kernel writes it), slot p1's share of the
-// same sites (partial), and the logit gradients ds r of both slots' pairs with those
-// sites. Slot p1's own call then reads only its sites before p0 (resume). Both slot rows
-// and both value rows stay in registers (234 at d = 1280, 2 blocks per SM), so each
-// dx_j chunk serves two slots: half the site-gradient reads of two plain calls.
 // One site k of both slots of a backward tile, token n: value_site for each slot from the
-// one dx_k row (each accumulator's operations in value_site's order).
+// one dx_k row, each accumulator's operations in value_site's order (written out, not two
+// value_site calls, so that each dx_k element is unpacked once: the pair kernels are
+// register-bound).
 template <int NT>
 __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT][8], float& ds0,
                                           float& ds1, const Row<NT>& rdx, const Row<NT>& rv0,
@@ -1749,6 +1742,15 @@ __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT
   ds0 = a0 * (head_sum(p0, G) - ub), ds1 = a1 * (head_sum(p1, G) - ub);
 }
 
+// Depth tiling of the backward (backend.h routing_source_backward_tile; unfused slots,
+// span layout): slots p0 = source and p1 = older (source - 1 in full routing, the
+// previous closed slot source - block in a block layout) in one pass over the site
+// gradients dx_j, j = source .. last_site(source), each read once for both: slot p0's
+// whole value row (val, as source_value_span_kernel writes it), slot p1's share of the
+// same sites (partial), and the logit gradients ds r of both slots' pairs with those
+// sites. Slot p1's own call then reads only its sites before p0 (resume). Both slot rows
+// and both value rows stay in registers (234 at d = 1280, 2 blocks per SM), so each
+// dx_j chunk serves two slots: half the site-gradient reads of two plain calls.
 // Numbered versions (kernel lab, routing_set_kernel_version; the same code, so the same
 // bits): 1 asks for 2 blocks per SM at every width (193 registers at d = 1024: 8 warps per
 // SM) on the usual grid of 8 blocks per SM; 2 for 3 blocks where that does not spill
