@@ -110,8 +110,8 @@ class RoutingParity : public CudaParity {
     }
   };
 
-  // Every kernel-lab version of `kernels` gives `run()`'s bits at the defaults; returns
-  // the defaults' outputs.
+  // Every kernel-lab version of the backward's `kernels` (BackwardPair, SourceValue) gives
+  // `run()`'s bits at the defaults; returns the defaults' outputs.
   template <class Run>
   BackwardBits expect_versions_same_bits(const std::string& tag,
                                          std::initializer_list<cuda::RoutingKernel> kernels,
@@ -119,10 +119,10 @@ class RoutingParity : public CudaParity {
     const BackwardBits base = run();
     for (cuda::RoutingKernel kernel : kernels) {
       const int versions = cuda::routing_kernel_versions(kernel);
+      const char* name = kernel == cuda::RoutingKernel::BackwardPair ? "pair" : "value";
       for (int version = 1; version <= versions; ++version) {
         cuda::routing_set_kernel_version(kernel, version);
-        run().expect_same(
-            base, tag + ", kernel " + std::to_string(int(kernel)) + " v" + std::to_string(version));
+        run().expect_same(base, tag + ", " + name + " kernel v" + std::to_string(version));
       }
       cuda::routing_set_kernel_version(kernel, 0);
     }
