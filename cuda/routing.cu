@@ -765,14 +765,16 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
 //   ncu of version 1 at 1B (seventeenth session) put 53% of the kernel's stall samples
 //   on that one load, at 1.28 TB/s;
 // 5 version 3 with batches of kNormBatchEarly (4) weights (the rows loaded ahead may pay
-//   once the normalisation no longer dominates).
+//   once the normalisation no longer dominates);
+// 6 mix_tile_finish_grouped_kernel: the statistics and normalisation with lanes over a
+//   group of 8 tokens, whole sectors of the weights (written, not yet run: see there).
 // Measured (sixteenth session, OpTiming.DISABLED_RoutingTileVersions: a step's finishes,
 // as the tiled step less its tile kernels, ms, v1 / v2 / v3): 100M 1.05 / 1.21 / 1.20,
 // 350M 7.36 / 7.30 / 7.30, 1B 14.59 / 16.64 / 14.40. Loading ahead does not pay: the
 // finishes are not bound by their rows' load latency (see cuda/NOTES.md lead 3 for what
 // else they move). Seventeenth session (same test, v1 / v4): 100M 1.08 / 1.05, 350M 7.55 /
 // 6.45, 1B 14.98 / 12.21: version 4 is the default.
-constexpr int kMixFinishVersions = 5;
+constexpr int kMixFinishVersions = 6;
 constexpr int kMixFinishDefault = 4;
 int g_mix_finish_version = kMixFinishDefault;  // routing_set_kernel_version (timing lab)
 
@@ -920,6 +922,108 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, kMinBlocks)
     }
     store_row(x + n * g.d, acc, g.nchunks);
     __syncwarp();  // st_scale is rewritten for the next token
+  }
+}
+
+// Version 6 (written in the seventeenth session after its last device call: not yet run).
+// The weights' layout is [pair][head][token], so versions 1-5, one token a warp, read and
+// write each weight as 4 bytes of its own 32-byte sector (ncu of version 1: 8x the ideal L2
+// sectors on the normalisation's load and store). Here a warp takes kGroupTokens
+// consecutive tokens in two phases:
+//   A. lane = token j + kGroupTokens q: lane q of each token takes heads q, q + 4, ...
+//      and does that (token, head)'s softmax statistics and the in-place normalisation of
+//      the site's weights. The group's 8 lanes of one (slot, head) row then read and write
+//      one whole sector. The statistics repeat exactly what versions 1-5 compute with G =
+//      32 / H lanes a head: sub-state s takes the new slots site0 + 1 + s, + G, ... in
+//      order (s = 0 starting from the tile's M_m, L_m), then online_merge_lanes' butterfly
+//      (for o = G/2 .. 1, state s merged with state s ^ o: both lanes of a pair computed
+//      the same two terms, which commute, so state 0 is what every lane of the head held).
+//      So mx, 1/l, every weight and every scale are versions 1-5's bits.
+//   B. each of the group's tokens in turn, lanes over features: version 1's row merge.
+// Shapes with G > kGroupMaxSubs (H < 4) take version 4.
+constexpr int kGroupTokens = 8;                      // 8 tokens x 4 bytes: one sector
+constexpr int kGroupQuarters = 32 / kGroupTokens;    // lanes per token in phase A
+constexpr int kGroupMaxSubs = 8;                     // G of the heads versions 1-5 use
+constexpr int kGroupBatch = 8;                       // weights a lane loads before rewriting
+
+template <int NT, int G>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock)
+    mix_tile_finish_grouped_kernel(bf16* __restrict__ x, float* __restrict__ weights,
+                                   const bf16* __restrict__ hist,
+                                   const float* __restrict__ partial,
+                                   const float* __restrict__ pstat, const Geometry g, int site0,
+                                   int site) {
+  // [token of the group][warp][head]: st_scale[j] is the [warp][head] table finish_start reads.
+  __shared__ float st_scale[kGroupTokens][kWarpsPerBlock][32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int j = lane % kGroupTokens, quarter = lane / kGroupTokens;
+  const int S = g.lay.sites, fresh = site - site0;  // new slots: site0 + 1 .. site
+  const int64_t HN = int64_t(g.H) * g.N, groups = (g.N + kGroupTokens - 1) / kGroupTokens;
+  const LaneHeads<NT> L = lane_heads<NT>(g);
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
+  for (int64_t grp = int64_t(blockIdx.x) * (blockDim.x >> 5) + warp; grp < groups;
+       grp += warps) {
+    const int64_t n0 = grp * kGroupTokens, n = n0 + j;
+    if (n < g.N) {
+      for (int h = quarter; h < g.H; h += kGroupQuarters) {  // phase A
+        auto logit = [&](int i) {
+          return weights + (full_pair_base(i, S) + site - i) * HN + int64_t(h) * g.N + n;
+        };
+        float fresh_logit[kTileSites - 1];
+#pragma unroll
+        for (int u = 0; u < kTileSites - 1; ++u)
+          if (u < fresh) fresh_logit[u] = *logit(site0 + 1 + u);
+        float sm[G], sl[G];
+#pragma unroll
+        for (int sub = 0; sub < G; ++sub) sm[sub] = -INFINITY, sl[sub] = 0.f;
+        const float m_old = pstat[int64_t(h) * g.N + n], l_old = pstat[HN + int64_t(h) * g.N + n];
+        sm[0] = m_old, sl[0] = l_old;
+#pragma unroll
+        for (int u = 0; u < kTileSites - 1; ++u)
+          if (u < fresh) online_add(sm[u % G], sl[u % G], fresh_logit[u]);
+#pragma unroll
+        for (int o = G >> 1; o > 0; o >>= 1) {  // online_merge_lanes, every lane's view
+          float mm[G], ll[G];
+#pragma unroll
+          for (int sub = 0; sub < G; ++sub) {
+            const float m = sm[sub], l = sl[sub], m2 = sm[sub ^ o], l2 = sl[sub ^ o];
+            const float M = fmaxf(m, m2);
+            ll[sub] = (m == -INFINITY ? 0.f : l * __expf(m - M)) +
+                      (m2 == -INFINITY ? 0.f : l2 * __expf(m2 - M));
+            mm[sub] = M;
+          }
+#pragma unroll
+          for (int sub = 0; sub < G; ++sub) sm[sub] = mm[sub], sl[sub] = ll[sub];
+        }
+        const float mx = sm[0], linv = 1.f / sl[0];
+        for (int i0 = 0; i0 <= site; i0 += kGroupBatch) {
+          float v[kGroupBatch];
+#pragma unroll
+          for (int u = 0; u < kGroupBatch; ++u)
+            if (i0 + u <= site) v[u] = *logit(i0 + u);
+#pragma unroll
+          for (int u = 0; u < kGroupBatch; ++u)
+            if (i0 + u <= site) *logit(i0 + u) = __expf(v[u] - mx) * linv;
+        }
+        st_scale[j][warp][h] = __expf(m_old - mx) * linv;
+      }
+    }
+    __syncwarp();  // the normalised weights and the scales are visible to the warp
+    for (int t = 0; t < kGroupTokens; ++t) {  // phase B
+      const int64_t nt = n0 + t;
+      if (nt >= g.N) break;
+      float acc[NT][8];
+      const float4* p = reinterpret_cast<const float4*>(partial + nt * g.d);
+      auto chunk = [&](int, int ch, float4& a, float4& b) { a = p[2 * ch], b = p[2 * ch + 1]; };
+      finish_start(acc, chunk, st_scale[t], L, g);
+      for (int i = site0 + 1; i <= site; ++i) {
+        Row<NT> v;
+        load_row(v, hist + (int64_t(i) * g.N + nt) * g.d, g.nchunks);
+        finish_merge(acc, v, weights, L, g, i, site, nt);
+      }
+      store_row(x + nt * g.d, acc, g.nchunks);
+    }
+    __syncwarp();  // st_scale is rewritten for the next group
   }
 }
 
@@ -2181,11 +2285,29 @@ void routing_mix(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weights, 
     const float* pstat = partial + partial_floats + int64_t(m - 1) * 2 * g.H * g.N;
     dispatch_rows(g, [&](auto nt, auto) {
       constexpr int NT = decltype(nt)::value;
+      if (g_mix_finish_version == 6 && g.H * kGroupMaxSubs >= 32) {
+        const int64_t groups = ceil_div(g.N, int64_t(kGroupTokens));
+        auto grouped = [&](auto subs) {
+          mix_tile_finish_grouped_kernel<NT, decltype(subs)::value>
+              <<<grid_stride_blocks(groups * 32, 32 * kWarpsPerBlock), 32 * kWarpsPerBlock, 0,
+                 s>>>(static_cast<bf16*>(x.data), weights.ptr<float>(),
+                      static_cast<const bf16*>(history.data), partial + int64_t(m - 1) * g.N * g.d,
+                      pstat, g, tile.first, site);
+        };
+        switch (32 / g.H) {  // the lanes a head takes in versions 1-5
+          case 1: grouped(std::integral_constant<int, 1>{}); break;
+          case 2: grouped(std::integral_constant<int, 2>{}); break;
+          case 4: grouped(std::integral_constant<int, 4>{}); break;
+          default: grouped(std::integral_constant<int, 8>{}); break;
+        }
+        CUDA_CHECK_LAUNCH();
+        return;
+      }
       auto kernel = g_mix_finish_version == 1   ? mix_tile_finish_kernel<NT, 0>
                     : g_mix_finish_version == 2 ? mix_tile_finish_early_kernel<NT, 1, 0>
                     : g_mix_finish_version == 3 ? mix_tile_finish_early_kernel<NT, 4, 0>
-                    : g_mix_finish_version == 4 ? mix_tile_finish_kernel<NT, kNormBatch>
-                                                : mix_tile_finish_early_kernel<NT, 4, kNormBatchEarly>;
+                    : g_mix_finish_version == 5 ? mix_tile_finish_early_kernel<NT, 4, kNormBatchEarly>
+                                                : mix_tile_finish_kernel<NT, kNormBatch>;  // 4; 6 at H < 4
       kernel<<<token_blocks(g.N), 32 * kWarpsPerBlock, 0, s>>>(
           static_cast<bf16*>(x.data), weights.ptr<float>(), static_cast<const bf16*>(history.data),
           partial + int64_t(m - 1) * g.N * g.d, pstat, g, tile.first, site);
