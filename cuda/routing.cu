@@ -160,14 +160,34 @@ __device__ __forceinline__ void online_add_strided(float& m, float& l, Logit&& l
       if (i0 + u * G < end) online_add(m, l, s[u]);
   }
 }
-// Merges the states of each run of G lanes (G a power of two) by xor shuffles; a lane
-// that saw no logit (m = -inf) adds nothing.
+// Merges state (m2, l2) into (m, l); a state that saw no logit (m = -inf) adds nothing.
+// Symmetric: merging (m, l) into (m2, l2) gives the same bits (the two terms commute).
+__device__ __forceinline__ void online_merge(float& m, float& l, float m2, float l2) {
+  const float M = fmaxf(m, m2);  // finite once one of the two states saw a logit
+  l = (m == -INFINITY ? 0.f : l * __expf(m - M)) + (m2 == -INFINITY ? 0.f : l2 * __expf(m2 - M));
+  m = M;
+}
+// Merges the states of each run of G lanes (G a power of two) by xor shuffles.
 __device__ __forceinline__ void online_merge_lanes(float& m, float& l, int G) {
   for (int o = G >> 1; o > 0; o >>= 1) {
     const float m2 = __shfl_xor_sync(0xffffffffu, m, o), l2 = __shfl_xor_sync(0xffffffffu, l, o);
-    const float M = fmaxf(m, m2);  // finite once one of the two lanes saw a logit
-    l = (m == -INFINITY ? 0.f : l * __expf(m - M)) + (m2 == -INFINITY ? 0.f : l2 * __expf(m2 - M));
-    m = M;
+    online_merge(m, l, m2, l2);
+  }
+}
+// Every weight logit(i), i = first, first + step, ... < end, replaced in place by
+// exp(w - mx) * linv; B weights loaded before any of them is rewritten (the compiler cannot
+// move a load above the previous weight's store, so one at a time waits a round trip each).
+template <int B, class Logit>
+__device__ __forceinline__ void normalise_strided(Logit&& logit, int first, int end, int step,
+                                                  float mx, float linv) {
+  for (int i0 = first; i0 < end; i0 += B * step) {
+    float v[B];
+#pragma unroll
+    for (int u = 0; u < B; ++u)
+      if (i0 + u * step < end) v[u] = *logit(i0 + u * step);
+#pragma unroll
+    for (int u = 0; u < B; ++u)
+      if (i0 + u * step < end) *logit(i0 + u * step) = __expf(v[u] - mx) * linv;
   }
 }
 
@@ -747,7 +767,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
 // already offset to this site), the slots site0+1 .. site merged in.
 // Kernel-lab versions (routing_set_kernel_version(MixFinish, v); the same operations in
 // the same order, so the same bits):
-// 1 (default, mix_tile_finish_kernel) each token's loads in turn: the softmax statistics
+// 1 (mix_tile_finish_kernel<NT, 0>) each token's loads in turn: the softmax statistics
 //   (pstat, the logits), then the partial row, then each newer slot row, loaded and then
 //   used: 3 + m DRAM round trips a token, one row in flight a warp (the finishes were
 //   ~14.5 ms of the 1B step, well under the copy rate: cuda/NOTES.md lead 3);
@@ -758,8 +778,9 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
 //   2's extra rows leave fewer warps (ptxas, d 1280: version 1 96 registers, 5 blocks an
 //   SM; version 2 133, 3 blocks; version 3 128, no spill; at d 1536 and 2048 version 3
 //   spills 144 and 460 bytes);
-// 4 version 1 with the site's weights normalised in batches: each lane loads
-//   kNormBatch (8) of its weights, then rewrites them. In versions 1-3 each weight's load
+// 4 (the default; mix_tile_finish_kernel<NT, kNormBatch>) version 1 with the site's
+//   weights normalised in batches: each lane loads kNormBatch (8) of its weights, then
+//   rewrites them (normalise_strided). In versions 1-3 each weight's load
 //   follows the previous weight's store (the compiler cannot prove the addresses apart),
 //   so a lane made (site + 1) / (32 / H) dependent round trips to L2 or DRAM a token:
 //   ncu of version 1 at 1B (seventeenth session) put 53% of the kernel's stall samples
@@ -779,8 +800,8 @@ constexpr int kMixFinishDefault = 4;
 int g_mix_finish_version = kMixFinishDefault;  // routing_set_kernel_version (timing lab)
 
 // Weights a lane normalises per batch in finish_softmax (versions 4, 5): its loads in flight
-// at once (ptxas, d 1280: version 4 119 registers, no spill; version 5 at the 128-register
-// bound spills 80 bytes with batches of 8, 32 with batches of 4).
+// at once (ptxas, d 1280: version 4 122 registers, no spill; version 5 at the 128-register
+// bound spilled 80 bytes with batches of 8, and spills 48 with batches of 4).
 constexpr int kNormBatch = 8, kNormBatchEarly = 4;
 
 // The site's softmax over the tile's state (M_m, L_m in pstat) and its newer slots'
@@ -807,15 +828,7 @@ __device__ __forceinline__ void finish_softmax(float* weights, const float* psta
   online_merge_lanes(mx, l, G);
   const float linv = 1.f / l;
   if constexpr (BATCH > 0) {
-    for (int i0 = sub; i0 <= site; i0 += BATCH * G) {
-      float v[BATCH];
-#pragma unroll
-      for (int u = 0; u < BATCH; ++u)
-        if (i0 + u * G <= site) v[u] = *logit(i0 + u * G);
-#pragma unroll
-      for (int u = 0; u < BATCH; ++u)
-        if (i0 + u * G <= site) *logit(i0 + u * G) = __expf(v[u] - mx) * linv;
-    }
+    normalise_strided<BATCH>(logit, sub, site + 1, G, mx, linv);
   } else {
     for (int i = sub; i <= site; i += G) {  // every weight of the site, normalised in place
       float* p = logit(i);
@@ -986,25 +999,14 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
           float mm[G], ll[G];
 #pragma unroll
           for (int sub = 0; sub < G; ++sub) {
-            const float m = sm[sub], l = sl[sub], m2 = sm[sub ^ o], l2 = sl[sub ^ o];
-            const float M = fmaxf(m, m2);
-            ll[sub] = (m == -INFINITY ? 0.f : l * __expf(m - M)) +
-                      (m2 == -INFINITY ? 0.f : l2 * __expf(m2 - M));
-            mm[sub] = M;
+            mm[sub] = sm[sub], ll[sub] = sl[sub];
+            online_merge(mm[sub], ll[sub], sm[sub ^ o], sl[sub ^ o]);
           }
 #pragma unroll
           for (int sub = 0; sub < G; ++sub) sm[sub] = mm[sub], sl[sub] = ll[sub];
         }
         const float mx = sm[0], linv = 1.f / sl[0];
-        for (int i0 = 0; i0 <= site; i0 += kGroupBatch) {
-          float v[kGroupBatch];
-#pragma unroll
-          for (int u = 0; u < kGroupBatch; ++u)
-            if (i0 + u <= site) v[u] = *logit(i0 + u);
-#pragma unroll
-          for (int u = 0; u < kGroupBatch; ++u)
-            if (i0 + u <= site) *logit(i0 + u) = __expf(v[u] - mx) * linv;
-        }
+        normalise_strided<kGroupBatch>(logit, 0, site + 1, 1, mx, linv);
         st_scale[j][warp][h] = __expf(m_old - mx) * linv;
       }
     }
