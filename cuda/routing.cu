@@ -1521,7 +1521,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, value_span_blocks_per_sm(
 }
 
 // Kernel-lab versions of the unfused value kernel (routing_set_kernel_version(SourceValue,
-// v); the same operations per value, so the same bits):
+// v)):
 // 1 source_value_span_kernel<NT, false>: the next site's row, weight and ubar loaded one
 //   site ahead;
 // 2 source_value_ring_span_kernel where d <= 768 (NT <= 3): value_ring(NT) sites ahead,
@@ -1529,16 +1529,51 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, value_span_blocks_per_sm(
 //   seventeenth session): 2.45 TB/s, 59% of the stall samples waiting for the next site's
 //   row at the top of each site, whose ~70 instructions of work cannot cover a DRAM round
 //   trip; 16 warps an SM with 1 KB rows keep ~16 KB an SM in flight.
+// 3, 4 the ring kernel on row parts (RowPart) of at most 2 (version 3) or 1 (version 4)
+//   chunks a lane, where the heads split evenly over the parts (else version 2): 350M's
+//   d 1024, whose whole-row ring spills, then runs as two parts of d 512 with the ring.
+// Versions 1 and 2 compute the same bits. Parts change the order of each per-head dot
+// product's sum (a lane's run of chunks is shorter, the shuffle tree wider), so versions
+// 3-4 give other bits of the logit gradients, ubar and (through the key path) dv where
+// they split the row; the value rows' sums keep their order (routing_backward_sum_order).
 // Measured (seventeenth session, OpTiming.DISABLED_RoutingBackwardFusedLimit, a step's
 // backward, ms, v1 / v2): 100M untiled 5.05 / 4.68, with the backward tiles (which leave
 // the plain calls the fused slots and each tile's older slot) 4.54 / 4.51; 350M and 1B
 // within 0.2% (their rows take version 1's kernel).
-constexpr int kSourceValueVersions = 2;
+constexpr int kSourceValueVersions = 4;
 constexpr int kSourceValueDefault = 2;
 int g_source_value_version = kSourceValueDefault;  // routing_set_kernel_version (timing lab)
 // Sites in flight a warp (ptxas at 4 blocks an SM, <= 128 registers: no spills).
 constexpr int value_ring(int NT) { return NT <= 2 ? 4 : 2; }
 constexpr int kValueRingMaxNT = 3;  // NT 4 spills 200 bytes at 2 sites ahead (ptxas)
+
+// Row parts: a token's row split over 2^parts_log2 consecutive warps, part p owning the
+// features [p d / P, (p + 1) d / P) and with them the H / P whole heads from p H / P (span
+// layout within the part: NT = d / (256 P) chunks a lane, G = 32 P / H lanes a head).
+// Fewer chunks a lane leave the registers for a deeper ring of site rows (the value and
+// pair kernels' rings): more bytes in flight where a whole row's registers would spill.
+// parts_log2 = 0 is the whole row, as the span layout has it.
+struct RowPart {
+  int64_t n;    // the token
+  int64_t off;  // the part's first feature
+  int h, G;     // this lane's head, lanes a head
+};
+__device__ __forceinline__ RowPart row_part(int64_t warp, int parts_log2, int nt, int H) {
+  const int p = int(warp & ((int64_t(1) << parts_log2) - 1)), Hp = H >> parts_log2;
+  const int G = 32 / Hp;
+  return {warp >> parts_log2, int64_t(p) * 256 * nt, p * Hp + int(threadIdx.x & 31) / G, G};
+}
+
+// ubar of site `source` for token rp.n, head rp.h (span_ubar_row on a row part).
+template <int NT>
+__device__ __forceinline__ float part_ubar(float* ubar, const Row<NT>& dx, const bf16* x,
+                                           const Geometry& g, const RowPart& rp, int source) {
+  Row<NT> rx;
+  load_span(rx, x + rp.n * g.d + rp.off);
+  const float ub = head_sum(lane_dot(dx, rx), rp.G);
+  if ((threadIdx.x & 31) % rp.G == 0) ubar[(int64_t(source) * g.H + rp.h) * g.N + rp.n] = ub;
+  return ub;
+}
 
 template <int NT, int PF>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
@@ -1547,32 +1582,34 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
                                   const bf16* __restrict__ x, const bf16* __restrict__ v,
                                   const float* __restrict__ inv_rms,
                                   const float* __restrict__ resume, const Geometry g, int source,
-                                  int last) {
-  const int lane = threadIdx.x & 31, G = 32 / g.H, h = lane / G;
-  const bool leader = lane % G == 0;
+                                  int last, int parts_log2) {
+  const int lane = threadIdx.x & 31;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5), HN = int64_t(g.H) * g.N;
-  float* w_src = weights + (g.lay.pair_base(source) * g.H + h) * g.N;  // head h's rows
-  const float* ub_h = ubar + int64_t(h) * g.N;
-  for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); n < g.N;
-       n += warps) {
+  for (int64_t wi = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+       wi < (g.N << parts_log2); wi += warps) {
+    const RowPart rp = row_part(wi, parts_log2, NT, g.H);
+    const int64_t n = rp.n, row = n * g.d + rp.off;
+    const bool leader = lane % rp.G == 0;
+    float* w_src = weights + (g.lay.pair_base(source) * g.H + rp.h) * g.N;  // head h's rows
+    const float* ub_h = ubar + int64_t(rp.h) * g.N;
     const float r = inv_rms[n];
     // Ring slot u holds site k = source + u (mod PF): its row, weight and ubar.
     Row<NT> rv, ring[PF];
     float ra[PF], rub[PF];
-    load_span(rv, v + n * g.d);
-    load_span(ring[0], site_dx.dx[source] + n * g.d);
+    load_span(rv, v + row);
+    load_span(ring[0], site_dx.dx[source] + row);
 #pragma unroll
     for (int u = 1; u < PF; ++u)
       if (source + u <= last) {
-        load_span(ring[u], site_dx.dx[source + u] + n * g.d);
+        load_span(ring[u], site_dx.dx[source + u] + row);
         ra[u] = w_src[u * HN + n];
         rub[u] = ub_h[(source + u) * HN + n];
       }
-    rub[0] = span_ubar(ubar, ring[0], x, g, source, n);
+    rub[0] = part_ubar(ubar, ring[0], x, g, rp, source);
     ra[0] = w_src[n];
     float acc[NT][8];
     if (resume) {
-      load_span_f32(acc, resume + n * g.d);
+      load_span_f32(acc, resume + row);
     } else {
 #pragma unroll
       for (int t = 0; t < NT; ++t)
@@ -1587,17 +1624,17 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
         const Row<NT> rdx = ring[u];
         const float a = ra[u], ub = rub[u];
         if (k + PF <= last) {
-          load_span(ring[u], site_dx.dx[k + PF] + n * g.d);
+          load_span(ring[u], site_dx.dx[k + PF] + row);
           ra[u] = w_src[(k + PF - source) * HN + n];
           rub[u] = ub_h[(k + PF) * HN + n];
         }
-        const float ds = value_site(acc, rdx, rv, a, ub, G);
+        const float ds = value_site(acc, rdx, rv, a, ub, rp.G);
         // head_sum's shuffles synchronise the warp: every lane has used a_k (read PF
         // sites ago) before the leader overwrites it.
         if (leader) w_src[(k - source) * HN + n] = ds * r;
       }
     }
-    store_span_f32(val + n * g.d, acc);
+    store_span_f32(val + row, acc);
   }
 }
 
@@ -1857,8 +1894,8 @@ __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT
 // sites. Slot p1's own call then reads only its sites before p0 (resume). Both slot rows
 // and both value rows stay in registers (234 at d = 1280, 2 blocks per SM), so each
 // dx_j chunk serves two slots: half the site-gradient reads of two plain calls.
-// Numbered versions (kernel lab, routing_set_kernel_version; the same code, so the same
-// bits): 1 asks for 2 blocks per SM at every width (193 registers at d = 1024: 8 warps per
+// Numbered versions (kernel lab, routing_set_kernel_version; 1-4 the same code, so the
+// same bits): 1 asks for 2 blocks per SM at every width (193 registers at d = 1024: 8 warps per
 // SM) on the usual grid of 8 blocks per SM; 2 for 3 blocks where that does not spill
 // (ptxas: 168 registers at d = 1024, 155 at 768; at 1280 the bound of 3 spills, so 1B keeps
 // 2); 3 is 2 on a grid of exactly the resident blocks (one wave: 8 blocks per SM over 3
@@ -1868,9 +1905,12 @@ __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT
 // cover the next row's DRAM round trip (as the value kernel's version 1: ncu there).
 // Measured (seventeenth session, a step's tiled backward, ms, v3 / v4): 100M 4.571 /
 // 4.509; 350M 22.46 / 22.42 and 1B 50.88 / 50.94 (the same kernel as version 3 there).
+// 5 and 6 are 4 on row parts of at most 2 and 1 chunks a lane (RowPart; else 4), so the
+// ring reaches 350M's d 1024 as two parts of d 512; like the value kernel's versions 3-4,
+// they change the per-head dot products' order of summation where they split the row.
 constexpr int kBackTileMaxNT = 5;  // d <= 1280: 234 registers, no spills (NT 6: 239; 7, 8 spill)
 constexpr int pair_blocks_per_sm(int NT, int version) { return version >= 2 && NT <= 4 ? 3 : 2; }
-constexpr int kPairVersions = 4;
+constexpr int kPairVersions = 6;
 constexpr int kPairDefault = 4;
 constexpr int kPairRing = 4;
 constexpr int kPairRingMaxNT = 2;
@@ -1930,7 +1970,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
 
 // Version 4 of the pair kernel: source_value_pair_span_kernel with site k + PF's row,
 // weights and ubar loaded when site k is taken from the ring (value_site's ring, for two
-// slots).
+// slots); versions 5 and 6 run it on row parts (RowPart) as the value kernel's versions 3
+// and 4 do.
 template <int NT, int MIN_BLOCKS, int PF>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
     source_value_pair_ring_span_kernel(float* __restrict__ val, float* __restrict__ partial,
@@ -1939,31 +1980,33 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
                                        const bf16* __restrict__ v0, const bf16* __restrict__ v1,
                                        const float* __restrict__ inv_rms0,
                                        const float* __restrict__ inv_rms1, const Geometry g,
-                                       int source) {
-  const int lane = threadIdx.x & 31, G = 32 / g.H, h = lane / G;
-  const bool leader = lane % G == 0;
+                                       int source, int parts_log2) {
+  const int lane = threadIdx.x & 31;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5), HN = int64_t(g.H) * g.N;
   const int older = source - g.lay.block;  // as in source_value_pair_span_kernel
-  float* w0 = weights + (g.lay.pair_base(source) * g.H + h) * g.N;
-  float* w1 = weights + ((g.lay.pair_base(older) + (source - older)) * g.H + h) * g.N;
-  const float* ub_h = ubar + int64_t(h) * g.N;
   const int last = g.lay.last_site(source);
-  for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); n < g.N;
-       n += warps) {
+  for (int64_t wi = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+       wi < (g.N << parts_log2); wi += warps) {
+    const RowPart rp = row_part(wi, parts_log2, NT, g.H);
+    const int64_t n = rp.n, row = n * g.d + rp.off;
+    const bool leader = lane % rp.G == 0;
+    float* w0 = weights + (g.lay.pair_base(source) * g.H + rp.h) * g.N;
+    float* w1 = weights + ((g.lay.pair_base(older) + (source - older)) * g.H + rp.h) * g.N;
+    const float* ub_h = ubar + int64_t(rp.h) * g.N;
     const float r0 = inv_rms0[n], r1 = inv_rms1[n];
     Row<NT> rv0, rv1, ring[PF];
     float ra0[PF], ra1[PF], rub[PF];
-    load_span(rv0, v0 + n * g.d);
-    load_span(rv1, v1 + n * g.d);
-    load_span(ring[0], site_dx.dx[source] + n * g.d);
+    load_span(rv0, v0 + row);
+    load_span(rv1, v1 + row);
+    load_span(ring[0], site_dx.dx[source] + row);
 #pragma unroll
     for (int u = 1; u < PF; ++u)
       if (source + u <= last) {
-        load_span(ring[u], site_dx.dx[source + u] + n * g.d);
+        load_span(ring[u], site_dx.dx[source + u] + row);
         ra0[u] = w0[u * HN + n], ra1[u] = w1[u * HN + n];
         rub[u] = ub_h[(source + u) * HN + n];
       }
-    rub[0] = span_ubar(ubar, ring[0], x, g, source, n);
+    rub[0] = part_ubar(ubar, ring[0], x, g, rp, source);
     ra0[0] = w0[n], ra1[0] = w1[n];
     float acc0[NT][8], acc1[NT][8];
 #pragma unroll
@@ -1978,19 +2021,19 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
         const Row<NT> rdx = ring[u];
         const float a0 = ra0[u], a1 = ra1[u], ub = rub[u];
         if (k + PF <= last) {
-          load_span(ring[u], site_dx.dx[k + PF] + n * g.d);
+          load_span(ring[u], site_dx.dx[k + PF] + row);
           ra0[u] = w0[(k + PF - source) * HN + n], ra1[u] = w1[(k + PF - source) * HN + n];
           rub[u] = ub_h[(k + PF) * HN + n];
         }
         float ds0, ds1;
-        pair_site(acc0, acc1, ds0, ds1, rdx, rv0, rv1, a0, a1, ub, G);
+        pair_site(acc0, acc1, ds0, ds1, rdx, rv0, rv1, a0, a1, ub, rp.G);
         // The shuffles synchronise the warp: every lane has used a_k before it is rewritten.
         const int64_t off = (k - source) * HN + n;
         if (leader) w0[off] = ds0 * r0, w1[off] = ds1 * r1;
       }
     }
-    store_span_f32(val + n * g.d, acc0);
-    store_span_f32(partial + n * g.d, acc1);
+    store_span_f32(val + row, acc0);
+    store_span_f32(partial + row, acc1);
   }
 }
 
@@ -2204,6 +2247,24 @@ void dispatch_span(const Geometry& g, F&& f) {
     case 7: f(std::integral_constant<int, 7>{}); break;
     default: f(std::integral_constant<int, 8>{}); break;  // geometry() caps d at 2048
   }
+}
+
+// log2 of the row parts (RowPart) of at most `chunks` chunks a lane that split the span
+// geometry g's row and heads evenly; -1 where none do (1B's d 1280: 5 chunks a lane).
+int row_parts_log2(const Geometry& g, int chunks) {
+  const int nt = g.d / 256;
+  int parts_log2 = 0;
+  while ((nt >> parts_log2) > chunks) ++parts_log2;
+  const int parts = 1 << parts_log2;
+  return nt % parts == 0 && g.H % parts == 0 ? parts_log2 : -1;
+}
+
+// Calls f(std::integral_constant<int, NT>) for a row part's chunks a lane (1 or 2).
+template <class F>
+void dispatch_part_span(int nt, F&& f) {
+  MHAR_CHECK(nt == 1 || nt == 2, "CUDA routing: row parts of ", nt, " chunks a lane");
+  if (nt == 1) f(std::integral_constant<int, 1>{});
+  else f(std::integral_constant<int, 2>{});
 }
 
 // Dynamic shared memory beyond the default 48 KiB needs an opt-in per kernel.
@@ -2494,6 +2555,19 @@ bool routing_logits_by_token_kernel(int64_t d, int heads, int sites) {
   return logits_token_kernel_applies(g, sites);
 }
 
+int routing_backward_sum_order(int64_t d, int heads) {
+  if (!span_layout(d, heads) || d > 256 * kMaxNT) return 0;
+  Geometry g{};
+  g.d = int(d);
+  g.H = heads;
+  auto lane_chunks = [&](bool parts, int chunks) {
+    const int parts_log2 = parts ? row_parts_log2(g, chunks) : 0;
+    return g.d / 256 >> std::max(parts_log2, 0);
+  };
+  return 16 * lane_chunks(g_pair_version >= 5, g_pair_version == 5 ? 2 : 1) +
+         lane_chunks(g_source_value_version >= 3, g_source_value_version == 3 ? 2 : 1);
+}
+
 int routing_set_fused_key_max_sites(int sites) {
   const int before = g_fused_key_max_sites;
   g_fused_key_max_sites = sites < 0 ? kFusedKeyMaxSites : sites;
@@ -2570,19 +2644,44 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
              ": the delta steps need a fused slot read by its own site (source ", source, ")");
   if (older) {
     auto* partial = static_cast<float*>(ctx.scratch(ScratchSlot::RoutingBackTile, N * g.d * 4));
-    dispatch_span(g, [&](auto nt) {
+    // Versions 5-6: the ring on row parts, where the row splits.
+    const int parts_log2 = g_pair_version >= 5 ? row_parts_log2(g, g_pair_version == 5 ? 2 : 1) : 0;
+    if (parts_log2 > 0) {
+      dispatch_part_span(g.d / 256 >> parts_log2, [&](auto ntp) {
+        constexpr int NT = decltype(ntp)::value;
+        auto kernel = source_value_pair_ring_span_kernel<NT, pair_blocks_per_sm(NT, 2), kPairRing>;
+        const int blocks = int(std::min<int64_t>(
+            token_blocks(N << parts_log2),
+            int64_t(sm_count()) * resident_blocks_per_sm(kernel, 32 * kWarpsPerBlock)));
+        kernel<<<blocks, 32 * kWarpsPerBlock, 0, s>>>(
+            val, partial, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in, older->v,
+            inv_rms.ptr<float>(), older->inv_rms, g, source, parts_log2);
+        CUDA_CHECK_LAUNCH();
+      });
+    } else dispatch_span(g, [&](auto nt) {
       constexpr int NT = decltype(nt)::value;
       if constexpr (NT <= kBackTileMaxNT) {
         // Blocks per SM and grid by the lab's version (see the kernel).
         auto kernel = g_pair_version >= 2 ? source_value_pair_span_kernel<NT, pair_blocks_per_sm(NT, 2)>
                                           : source_value_pair_span_kernel<NT, pair_blocks_per_sm(NT, 1)>;
-        if constexpr (NT <= kPairRingMaxNT)  // wider rows: the ring spills (ptxas)
-          if (g_pair_version >= 4)
-            kernel = source_value_pair_ring_span_kernel<NT, pair_blocks_per_sm(NT, 2), kPairRing>;
         int blocks = token_blocks(N);
-        if (g_pair_version >= 3)
-          blocks = int(std::min<int64_t>(
-              blocks, int64_t(sm_count()) * resident_blocks_per_sm(kernel, 32 * kWarpsPerBlock)));
+        auto grid = [&](auto k) {  // version >= 3: one wave of the resident blocks
+          if (g_pair_version >= 3)
+            blocks = int(std::min<int64_t>(
+                blocks, int64_t(sm_count()) * resident_blocks_per_sm(k, 32 * kWarpsPerBlock)));
+        };
+        if constexpr (NT <= kPairRingMaxNT) {  // wider rows: the ring spills (ptxas)
+          if (g_pair_version >= 4) {
+            auto ring = source_value_pair_ring_span_kernel<NT, pair_blocks_per_sm(NT, 2), kPairRing>;
+            grid(ring);
+            ring<<<blocks, 32 * kWarpsPerBlock, 0, s>>>(
+                val, partial, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in, older->v,
+                inv_rms.ptr<float>(), older->inv_rms, g, source, 0);
+            CUDA_CHECK_LAUNCH();
+            return;
+          }
+        }
+        grid(kernel);
         kernel<<<blocks, 32 * kWarpsPerBlock, 0, s>>>(
             val, partial, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in, older->v,
             inv_rms.ptr<float>(), older->inv_rms, g, source);
@@ -2596,15 +2695,26 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
         resume_last >= 0 ? static_cast<const float*>(ctx.scratch(ScratchSlot::RoutingBackTile, 0))
                          : nullptr;
     const int last = resume_last >= 0 ? resume_last : layout.last_site(source);
-    dispatch_span(g, [&](auto nt) {
+    auto value_ring_kernel = [&](auto ntp, int parts_log2) {
+      constexpr int NT = decltype(ntp)::value;
+      source_value_ring_span_kernel<NT, value_ring(NT)>
+          <<<token_blocks(N << parts_log2), 32 * kWarpsPerBlock, 0, s>>>(
+              val, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in,
+              inv_rms.ptr<float>(), resume, g, source, last, parts_log2);
+      CUDA_CHECK_LAUNCH();
+    };
+    // Versions 3-4: the ring on row parts, where the row splits.
+    const int parts_log2 = !fused && !delta && g_source_value_version >= 3
+                               ? row_parts_log2(g, g_source_value_version == 3 ? 2 : 1)
+                               : 0;
+    if (parts_log2 > 0) {
+      dispatch_part_span(g.d / 256 >> parts_log2,
+                         [&](auto ntp) { value_ring_kernel(ntp, parts_log2); });
+    } else dispatch_span(g, [&](auto nt) {
       constexpr int NT = decltype(nt)::value;
       if constexpr (NT <= kValueRingMaxNT) {
         if (!fused && !delta && g_source_value_version >= 2) {
-          source_value_ring_span_kernel<NT, value_ring(NT)>
-              <<<token_blocks(N), 32 * kWarpsPerBlock, 0, s>>>(
-                  val, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in,
-                  inv_rms.ptr<float>(), resume, g, source, last);
-          CUDA_CHECK_LAUNCH();
+          value_ring_kernel(nt, 0);
           return;
         }
       }

@@ -614,6 +614,20 @@ TEST_F(OpTiming, DISABLED_RoutingBackwardFusedLimit) {
                time_ms([&] { backward(true); }, 3) - copy_ms, 0, 0);
     }
     cuda::routing_set_kernel_version(cuda::RoutingKernel::SourceValue, 0);
+    // Row parts in both kernels at once (pair v5 + value v3: parts of 2 chunks a lane;
+    // pair v6 + value v4: of 1), as a default would take them.
+    for (const auto& [pair_v, value_v] : {std::pair{5, 3}, std::pair{6, 4}}) {
+      cuda::routing_set_kernel_version(cuda::RoutingKernel::BackwardPair, pair_v);
+      cuda::routing_set_kernel_version(cuda::RoutingKernel::SourceValue, value_v);
+      const std::string head = "routing backward, row parts: pair v" + std::to_string(pair_v) +
+                               " + value v" + std::to_string(value_v);
+      report(head + ", untiled, " + tag, time_ms([&] { backward(false); }, 3) - copy_ms, 0, 0);
+      if (tile > 1)
+        report(head + ", tiles of " + std::to_string(tile) + ", " + tag,
+               time_ms([&] { backward(true); }, 3) - copy_ms, 0, 0);
+    }
+    cuda::routing_set_kernel_version(cuda::RoutingKernel::BackwardPair, 0);
+    cuda::routing_set_kernel_version(cuda::RoutingKernel::SourceValue, 0);
   }
 }
 
