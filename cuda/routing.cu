@@ -52,10 +52,10 @@
 // the backend's grow-only scratch (kernels.h); nothing here allocates.
 // Kernel lab: the mix tile and finish kernels, the backward's pair kernel and the logits
 // keep their earlier versions, numbered, chosen at launch (routing_set_kernel_version,
-// kernels.h; the defaults are the measured fastest: mix tile 2 of 4, finish 4 of 6, pair
-// 4 of 4, the unfused value kernel 2 of 2, logits 2 of 4), so that one device run times each
+// kernels.h; the defaults are the measured fastest: mix tile 2 of 4, finish 6 of 6, pair
+// 4 of 6, the unfused value kernel 2 of 4, logits 2 of 4), so that one device run times each
 // (tests/op_timing_cudatest.cpp); every version computes the same bits, but for the
-// logits' choice between token kernel and GEMMs (see there).
+// logits' choice between token kernel and GEMMs and the backward's row parts (see there).
 #include <algorithm>
 #include <type_traits>
 
@@ -787,16 +787,18 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
 //   on that one load, at 1.28 TB/s;
 // 5 version 3 with batches of kNormBatchEarly (4) weights (the rows loaded ahead may pay
 //   once the normalisation no longer dominates);
-// 6 mix_tile_finish_grouped_kernel: the statistics and normalisation with lanes over a
-//   group of 8 tokens, whole sectors of the weights (written, not yet run: see there).
+// 6 (the default where H >= 4, else version 4) mix_tile_finish_grouped_kernel: the
+//   statistics and normalisation with lanes over a group of 8 tokens, whole sectors of the
+//   weights (see there).
 // Measured (sixteenth session, OpTiming.DISABLED_RoutingTileVersions: a step's finishes,
 // as the tiled step less its tile kernels, ms, v1 / v2 / v3): 100M 1.05 / 1.21 / 1.20,
 // 350M 7.36 / 7.30 / 7.30, 1B 14.59 / 16.64 / 14.40. Loading ahead does not pay: the
 // finishes are not bound by their rows' load latency (see cuda/NOTES.md lead 3 for what
 // else they move). Seventeenth session (same test, v1 / v4): 100M 1.08 / 1.05, 350M 7.55 /
-// 6.45, 1B 14.98 / 12.21: version 4 is the default.
+// 6.45, 1B 14.98 / 12.21. Eighteenth session (same test, v4 / v6): 100M 1.033 / 0.714,
+// 350M 6.316 / 3.570, 1B 11.898 / 6.733 ms (2.67-2.73 TB/s): version 6 is the default.
 constexpr int kMixFinishVersions = 6;
-constexpr int kMixFinishDefault = 4;
+constexpr int kMixFinishDefault = 6;
 int g_mix_finish_version = kMixFinishDefault;  // routing_set_kernel_version (timing lab)
 
 // Weights a lane normalises per batch in finish_softmax (versions 4, 5): its loads in flight
@@ -938,8 +940,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, kMinBlocks)
   }
 }
 
-// Version 6 (written in the seventeenth session after its last device call: not yet run).
-// The weights' layout is [pair][head][token], so versions 1-5, one token a warp, read and
+// Version 6 (the default where H >= 4; written in the seventeenth session, first run and
+// measured in the eighteenth: 1.8x version 4 at 350M and 1B). The weights' layout is [pair][head][token], so versions 1-5, one token a warp, read and
 // write each weight as 4 bytes of its own 32-byte sector (ncu of version 1: 8x the ideal L2
 // sectors on the normalisation's load and store). Here a warp takes kGroupTokens
 // consecutive tokens in two phases:
