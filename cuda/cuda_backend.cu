@@ -85,7 +85,7 @@ ScratchLayout scratch_layout(const OpScratchShapes& s) {
     if (k >= 2) bytes(Slot::RoutingTile) = size_t(k - 1) * (N * d + 2 * H * N) * sizeof(float);
     if (std::min(s.backward_tile_slots,
                  cuda::routing_backward_tile_slots(lay, s.d_model, s.routing_heads)) >= 2)
-      bytes(Slot::RoutingBackTile) = N * d * sizeof(float);
+      bytes(Slot::RoutingBackTile) = N * (d + 1) * sizeof(float);  // row + radial sum (routing.cu)
   }
   const int n = s.hyper_streams;
   if (n >= 1 && n <= cuda::kHyperMaxStreams && N > 0) {

@@ -615,8 +615,11 @@ TEST_F(OpTiming, DISABLED_RoutingBackwardFusedLimit) {
     }
     cuda::routing_set_kernel_version(cuda::RoutingKernel::SourceValue, 0);
     // Row parts in both kernels at once (pair v5 + value v3: parts of 2 chunks a lane;
-    // pair v6 + value v4: of 1), as a default would take them.
-    for (const auto& [pair_v, value_v] : {std::pair{5, 3}, std::pair{6, 4}}) {
+    // pair v6 + value v4: of 1), as a default would take them; value v5 (every slot's key
+    // path fused) with its pair kernel's two forms (pair v6: 2 blocks an SM, 4 sites in
+    // flight; otherwise 3 blocks, 2 sites).
+    for (const auto& [pair_v, value_v] :
+         {std::pair{5, 3}, std::pair{6, 4}, std::pair{4, 5}, std::pair{6, 5}}) {
       cuda::routing_set_kernel_version(cuda::RoutingKernel::BackwardPair, pair_v);
       cuda::routing_set_kernel_version(cuda::RoutingKernel::SourceValue, value_v);
       const std::string head = "routing backward, row parts: pair v" + std::to_string(pair_v) +
