@@ -53,9 +53,10 @@
 // Kernel lab: the mix tile and finish kernels, the backward's pair kernel and the logits
 // keep their earlier versions, numbered, chosen at launch (routing_set_kernel_version,
 // kernels.h; the defaults are the measured fastest: mix tile 2 of 4, finish 6 of 6, pair
-// 4 of 6, the unfused value kernel 2 of 4, logits 2 of 4), so that one device run times each
-// (tests/op_timing_cudatest.cpp); every version computes the same bits, but for the
-// logits' choice between token kernel and GEMMs and the backward's row parts (see there).
+// 4 of 6, the unfused value kernel 5 / 3 / 2 of 5 by width, logits 2 of 4), so that one
+// device run times each (tests/op_timing_cudatest.cpp); every version computes the same
+// bits, but for the logits' choice between token kernel and GEMMs and the backward's row
+// parts and fused key path (see there).
 #include <algorithm>
 #include <type_traits>
 
@@ -1534,23 +1535,36 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, value_span_blocks_per_sm(
 // 3, 4 the ring kernel on row parts (RowPart) of at most 2 (version 3) or 1 (version 4)
 //   chunks a lane, where the heads split evenly over the parts (else version 2): 350M's
 //   d 1024, whose whole-row ring spills, then runs as two parts of d 512 with the ring.
-// 5 every slot's key path fused into the value pass on the ring and row parts of at most
-//   2 chunks (source_value_fused_ring_kernel; the backward tile's pair kernel takes its
-//   fused form, source_value_pair_fused_kernel, in one of two forms by the pair version
-//   (see there)), where the
-//   row splits so (else version 2 with the fused rule as usual): no fp32 value and key
-//   rows, no key GEMM and finish kernel.
+// 5 every slot's key path fused into the value pass, on the ring and on row parts of at
+//   most 2 chunks where the row splits so (else version 2 with the usual fused rule):
+//   source_value_fused_ring_kernel, and for the backward tiles the pair kernel's fused
+//   form (source_value_pair_fused_kernel, in one of two forms by the pair version: see
+//   there). No fp32 value and key rows, no key GEMM and finish kernel.
 // Versions 1 and 2 compute the same bits. Parts change the order of each per-head dot
 // product's sum (a lane's run of chunks is shorter, the shuffle tree wider), so versions
 // 3-4 give other bits of the logit gradients, ubar and (through the key path) dv where
-// they split the row; the value rows' sums keep their order (routing_backward_sum_order).
-// Measured (seventeenth session, OpTiming.DISABLED_RoutingBackwardFusedLimit, a step's
-// backward, ms, v1 / v2): 100M untiled 5.05 / 4.68, with the backward tiles (which leave
-// the plain calls the fused slots and each tile's older slot) 4.54 / 4.51; 350M and 1B
-// within 0.2% (their rows take version 1's kernel).
+// they split the row; the value rows' sums keep their order. Version 5 sums the key path
+// in its own order too (routing_backward_sum_order tells the parity test).
+// Measured (OpTiming.DISABLED_RoutingBackwardFusedLimit, a step's backward, ms):
+// - seventeenth session, v1 / v2: 100M untiled 5.05 / 4.68, with the backward tiles
+//   (which leave the plain calls the fused slots and each tile's older slot) 4.54 / 4.51;
+//   350M and 1B within 0.2% (their rows take version 1's kernel);
+// - eighteenth session, tiled (as the step runs), v2 / v3 / v4 / v5: 100M 4.469 / 4.463 /
+//   4.611 / **4.254**; 350M 22.285 / **21.908** / 22.649 / 23.504 (an earlier call: v2
+//   22.277, v3 21.852); 1B 50.14-50.28 for all (its 5-chunk rows split into no parts).
+//   The fused key path pays at d 512 and loses at 1024, where its pair kernel holds two
+//   slots' rows, values and key paths in 150 registers with 2 sites in flight (the
+//   4-ahead form, 212 registers at 2 blocks an SM: 28.6 ms). Untiled, v3 and v5 lose at
+//   350M (24.74 / 25.33 / 25.39).
+// The default is therefore by width (version 0: source_value_version): 5 where a lane
+// holds the whole row in at most 2 chunks (d <= 512), 3 at 4 chunks (d 1024), else 2.
 constexpr int kSourceValueVersions = 5;
-constexpr int kSourceValueDefault = 5;
+constexpr int kSourceValueDefault = 0;  // by width
 int g_source_value_version = kSourceValueDefault;  // routing_set_kernel_version (timing lab)
+int source_value_version(int64_t d) {
+  if (g_source_value_version > 0) return g_source_value_version;
+  return d <= 512 ? 5 : d / 256 == 4 ? 3 : 2;
+}
 // Sites in flight a warp (ptxas at 4 blocks an SM, <= 128 registers: no spills).
 constexpr int value_ring(int NT) { return NT <= 2 ? 4 : 2; }
 constexpr int kValueRingMaxNT = 3;  // NT 4 spills 200 bytes at 2 sites ahead (ptxas)
@@ -2790,10 +2804,11 @@ int routing_backward_sum_order(int64_t d, int heads) {
     const int parts_log2 = parts ? row_parts_log2(g, chunks) : 0;
     return g.d / 256 >> std::max(parts_log2, 0);
   };
-  if (g_source_value_version == 5 && row_parts_log2(g, 2) >= 0)
+  const int value = source_value_version(d);
+  if (value == 5 && row_parts_log2(g, 2) >= 0)
     return 256 + lane_chunks(true, 2);  // every slot fused, the pair kernel's form too
   return 16 * lane_chunks(g_pair_version >= 5, g_pair_version == 5 ? 2 : 1) +
-         lane_chunks(g_source_value_version >= 3, g_source_value_version == 3 ? 2 : 1);
+         lane_chunks(value >= 3, value == 3 ? 2 : 1);
 }
 
 int routing_set_fused_key_max_sites(int sites) {
@@ -2864,7 +2879,8 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
   // Slots read by few sites take the fused span kernel (key path inside, dv written);
   // the others write the fp32 value row for the key GEMM and finish kernel below. Value
   // version 5 fuses every slot's key path (source_value_fused_ring_kernel).
-  const int fused_parts_log2 = !delta && g_source_value_version == 5 && span_layout(g)
+  const int value_version = source_value_version(g.d);
+  const int fused_parts_log2 = !delta && value_version == 5 && span_layout(g)
                                    ? row_parts_log2(g, 2)
                                    : -1;
   const bool ring_fused = fused_parts_log2 >= 0;
@@ -2956,8 +2972,8 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
       CUDA_CHECK_LAUNCH();
     };
     // Versions 3-4: the ring on row parts, where the row splits.
-    const int parts_log2 = !fused && !delta && g_source_value_version >= 3
-                               ? row_parts_log2(g, g_source_value_version == 3 ? 2 : 1)
+    const int parts_log2 = !fused && !delta && value_version >= 3
+                               ? row_parts_log2(g, value_version == 3 ? 2 : 1)
                                : 0;
     if (ring_fused) {
       dispatch_part_span(g.d / 256 >> fused_parts_log2, [&](auto ntp) {
@@ -2974,7 +2990,7 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
     } else dispatch_span(g, [&](auto nt) {
       constexpr int NT = decltype(nt)::value;
       if constexpr (NT <= kValueRingMaxNT) {
-        if (!fused && !delta && g_source_value_version >= 2) {
+        if (!fused && !delta && value_version >= 2) {
           value_ring_kernel(nt, 0);
           return;
         }
