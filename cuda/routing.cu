@@ -1930,6 +1930,9 @@ __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT
 // 5 and 6 are 4 on row parts of at most 2 and 1 chunks a lane (RowPart; else 4), so the
 // ring reaches 350M's d 1024 as two parts of d 512; like the value kernel's versions 3-4,
 // they change the per-head dot products' order of summation where they split the row.
+// Measured (eighteenth session, same test, v4 / v5 / v6): 350M 22.30 / 22.44 / 26.27 ms, so
+// the pair kernel is not bound by its rows in flight; 100M and 1B within 0.1 ms but v6 at
+// 100M (4.81 against 4.56).
 constexpr int kBackTileMaxNT = 5;  // d <= 1280: 234 registers, no spills (NT 6: 239; 7, 8 spill)
 constexpr int pair_blocks_per_sm(int NT, int version) { return version >= 2 && NT <= 4 ? 3 : 2; }
 constexpr int kPairVersions = 6;
