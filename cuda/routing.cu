@@ -1597,6 +1597,158 @@ __device__ __forceinline__ float part_ubar(float* ubar, const Row<NT>& dx, const
   return ub;
 }
 
+// ---------------------------------------------------------------- fused key path on the ring
+// Value kernel version 5 (routing_set_kernel_version(SourceValue, 5)): every slot's key path
+// inside the value pass, as the FUSED kernel does for slots read by few sites, but on the
+// ring (value_ring sites in flight) and on row parts of at most 2 chunks a lane, so that it
+// holds for slots read by every later site. Per site it adds to the value row r ds_k qg_k
+// (the key row the unfused slots get from the key GEMM) and to the slot's radial sum
+// ds_k (qg_k . v) per head; at the end dv = acc - r^3/d radial v, written in bf16. What it
+// removes against the unfused slots' value kernel + key GEMM + finish kernel: the fp32 value
+// and key rows, each written and read back, and the finish's reads of v: about 9 of the
+// ns + 14 row-sized transfers of a slot (cuda/NOTES.md, "Depth tiling of the backward").
+// The qg rows (ns d fp32, the same for every token) come from L1/L2.
+// The radial sum runs over the whole row; with parts, each part's warp sum goes through
+// shared memory to the token's other parts (parts_sum), in part order.
+// The backward tile's pair kernel takes the same form (source_value_pair_fused_kernel): the
+// tile's first slot is finished there, the older slot's share leaves the kernel as its fp32
+// partial row plus its radial sum so far (after the row in the RoutingBackTile scratch),
+// from which its own call resumes.
+// Bits: the key path's sums run per site in the kernel's order, not cuBLAS's, and the
+// radial sum in another order than the finish kernel's dot: versions 1-4's dv differ in
+// their last bits (the parity tests hold it to the CPU reference's bounds).
+// Measured (the version list above): 5% faster than version 2 at d 512, 5% slower at 1024.
+// The plain ring kernel (version 2-4) and this one share one body, value_ring_token; the
+// pair kernel's two forms share pair_ring_token.
+
+// The sum of one float per row part over a token's parts (consecutive warps of one block:
+// 2^parts_log2 divides kWarpsPerBlock), in part order, for every lane. xch alternates
+// between its two halves by the warp's token count (`round`), so one barrier per token
+// suffices: a part cannot rewrite a half before its partners passed the barrier after
+// reading it.
+__device__ __forceinline__ float parts_sum(float v, float (*xch)[kWarpsPerBlock],
+                                           int parts_log2, int round) {
+  if (parts_log2 == 0) return v;
+  const int warp = threadIdx.x >> 5, parts = 1 << parts_log2, first = warp & ~(parts - 1);
+  float* half = xch[round & 1];
+  if ((threadIdx.x & 31) == 0) half[warp] = v;
+  // Named barrier 1 + (the token's slot in the block) over the token's 32 * parts threads.
+  asm volatile("bar.sync %0, %1;" ::"r"(1 + warp / parts), "r"(32 * parts) : "memory");
+  float s = 0.f;
+  for (int p = 0; p < parts; ++p) s += half[first + p];
+  return s;
+}
+
+// The key path of one site for one slot: acc += (r ds) qg_k, and the slot's radial term
+// ds (qg_k . v)[head] on the head's leader lane.
+template <int NT>
+__device__ __forceinline__ void key_site(float (&acc)[NT][8], float& radial, const Row<NT>& rv,
+                                         const float4* qrow, float r, float ds, int G,
+                                         bool leader) {
+  float vq = 0.f;
+  const float rds = r * ds;
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    float q[8];
+    load_qg8(q, qrow, t);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      vq += q[e] * elem(rv.raw[t], e);
+      acc[t][e] += rds * q[e];
+    }
+  }
+  vq = head_sum(vq, G);
+  if (leader) radial += ds * vq;
+}
+
+// dv = acc - r^3/d radial v of a token's part (radial: the whole row's sum).
+template <int NT>
+__device__ __forceinline__ void store_fused_dv(bf16* dv, float (&acc)[NT][8], const Row<NT>& rv,
+                                               float r, float radial, int d) {
+  const float scale = r * r * r / float(d) * radial;
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[t][e] -= scale * elem(rv.raw[t], e);
+  store_span(dv, acc);
+}
+
+// One token's row part (warp item wi) through a slot's value path on the ring: value_site
+// per site, and with KEY the key path (key_site) and dv finished from the radial sum
+// (xch: the block's exchange for parts_sum; round: this warp's token count); else the
+// fp32 value row into val. Ring slot u holds site k = source + u (mod PF): its row,
+// weight and ubar.
+template <int NT, int PF, bool KEY>
+__device__ __forceinline__ void value_ring_token(float* val, bf16* dv, float* weights,
+                                                 float* ubar, const SiteRows& site_dx,
+                                                 const bf16* x, const bf16* v,
+                                                 const float* inv_rms, const float* qg,
+                                                 const float* resume, const Geometry& g,
+                                                 int source, int last, int parts_log2,
+                                                 int64_t wi, float (*xch)[kWarpsPerBlock],
+                                                 int round) {
+  const int lane = threadIdx.x & 31;
+  const int64_t HN = int64_t(g.H) * g.N;
+  const RowPart rp = row_part(wi, parts_log2, NT, g.H);
+  const int64_t n = rp.n, row = n * g.d + rp.off;
+  const bool leader = lane % rp.G == 0;
+  float* w_src = weights + (g.lay.pair_base(source) * g.H + rp.h) * g.N;  // head h's rows
+  const float* ub_h = ubar + int64_t(rp.h) * g.N;
+  const float r = inv_rms[n];
+  Row<NT> rv, ring[PF];
+  float ra[PF], rub[PF];
+  load_span(rv, v + row);
+  load_span(ring[0], site_dx.dx[source] + row);
+#pragma unroll
+  for (int u = 1; u < PF; ++u)
+    if (source + u <= last) {
+      load_span(ring[u], site_dx.dx[source + u] + row);
+      ra[u] = w_src[u * HN + n];
+      rub[u] = ub_h[(source + u) * HN + n];
+    }
+  rub[0] = part_ubar(ubar, ring[0], x, g, rp, source);
+  ra[0] = w_src[n];
+  float acc[NT][8];
+  float radial = 0.f;  // KEY: this lane's head's share (leaders), from `resume` on
+  if (resume) {
+    load_span_f32(acc, resume + row);
+  } else {
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[t][e] = 0.f;
+  }
+  for (int k0 = source; k0 <= last; k0 += PF) {
+#pragma unroll
+    for (int u = 0; u < PF; ++u) {
+      const int k = k0 + u;
+      if (k > last) break;
+      const Row<NT> rdx = ring[u];
+      const float a = ra[u], ub = rub[u];
+      if (k + PF <= last) {
+        load_span(ring[u], site_dx.dx[k + PF] + row);
+        ra[u] = w_src[(k + PF - source) * HN + n];
+        rub[u] = ub_h[(k + PF) * HN + n];
+      }
+      const float ds = value_site(acc, rdx, rv, a, ub, rp.G);
+      if constexpr (KEY) {
+        const float4* qrow = reinterpret_cast<const float4*>(qg + rp.off) + lane * 2 * NT;
+        key_site(acc, radial, rv, qrow + (k - source) * (g.d / 4), r, ds, rp.G, leader);
+      }
+      // head_sum's shuffles synchronise the warp: every lane has used a_k (read PF
+      // sites ago) before the leader overwrites it.
+      if (leader) w_src[(k - source) * HN + n] = ds * r;
+    }
+  }
+  if constexpr (KEY) {
+    float total = parts_sum(warp_sum(radial), xch, parts_log2, round);
+    if (resume) total += resume[g.N * g.d + n];  // the tile's sites' radial sum
+    store_fused_dv(dv + row, acc, rv, r, total, g.d);
+  } else {
+    store_span_f32(val + row, acc);
+  }
+}
+
 template <int NT, int PF>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
     source_value_ring_span_kernel(float* __restrict__ val, float* __restrict__ weights,
@@ -1605,59 +1757,28 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
                                   const float* __restrict__ inv_rms,
                                   const float* __restrict__ resume, const Geometry g, int source,
                                   int last, int parts_log2) {
-  const int lane = threadIdx.x & 31;
-  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5), HN = int64_t(g.H) * g.N;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
   for (int64_t wi = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-       wi < (g.N << parts_log2); wi += warps) {
-    const RowPart rp = row_part(wi, parts_log2, NT, g.H);
-    const int64_t n = rp.n, row = n * g.d + rp.off;
-    const bool leader = lane % rp.G == 0;
-    float* w_src = weights + (g.lay.pair_base(source) * g.H + rp.h) * g.N;  // head h's rows
-    const float* ub_h = ubar + int64_t(rp.h) * g.N;
-    const float r = inv_rms[n];
-    // Ring slot u holds site k = source + u (mod PF): its row, weight and ubar.
-    Row<NT> rv, ring[PF];
-    float ra[PF], rub[PF];
-    load_span(rv, v + row);
-    load_span(ring[0], site_dx.dx[source] + row);
-#pragma unroll
-    for (int u = 1; u < PF; ++u)
-      if (source + u <= last) {
-        load_span(ring[u], site_dx.dx[source + u] + row);
-        ra[u] = w_src[u * HN + n];
-        rub[u] = ub_h[(source + u) * HN + n];
-      }
-    rub[0] = part_ubar(ubar, ring[0], x, g, rp, source);
-    ra[0] = w_src[n];
-    float acc[NT][8];
-    if (resume) {
-      load_span_f32(acc, resume + row);
-    } else {
-#pragma unroll
-      for (int t = 0; t < NT; ++t)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[t][e] = 0.f;
-    }
-    for (int k0 = source; k0 <= last; k0 += PF) {
-#pragma unroll
-      for (int u = 0; u < PF; ++u) {
-        const int k = k0 + u;
-        if (k > last) break;
-        const Row<NT> rdx = ring[u];
-        const float a = ra[u], ub = rub[u];
-        if (k + PF <= last) {
-          load_span(ring[u], site_dx.dx[k + PF] + row);
-          ra[u] = w_src[(k + PF - source) * HN + n];
-          rub[u] = ub_h[(k + PF) * HN + n];
-        }
-        const float ds = value_site(acc, rdx, rv, a, ub, rp.G);
-        // head_sum's shuffles synchronise the warp: every lane has used a_k (read PF
-        // sites ago) before the leader overwrites it.
-        if (leader) w_src[(k - source) * HN + n] = ds * r;
-      }
-    }
-    store_span_f32(val + row, acc);
-  }
+       wi < (g.N << parts_log2); wi += warps)
+    value_ring_token<NT, PF, false>(val, nullptr, weights, ubar, site_dx, x, v, inv_rms, nullptr,
+                                    resume, g, source, last, parts_log2, wi, nullptr, 0);
+}
+
+template <int NT, int PF>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
+    source_value_fused_ring_kernel(bf16* __restrict__ dv, float* __restrict__ weights,
+                                   float* __restrict__ ubar, const SiteRows site_dx,
+                                   const bf16* __restrict__ x, const bf16* __restrict__ v,
+                                   const float* __restrict__ inv_rms,
+                                   const float* __restrict__ qg, const float* __restrict__ resume,
+                                   const Geometry g, int source, int last, int parts_log2) {
+  __shared__ float xch[2][kWarpsPerBlock];
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
+  int round = 0;
+  for (int64_t wi = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+       wi < (g.N << parts_log2); wi += warps, ++round)
+    value_ring_token<NT, PF, true>(nullptr, dv, weights, ubar, site_dx, x, v, inv_rms, qg, resume,
+                                   g, source, last, parts_log2, wi, xch, round);
 }
 
 // A slot's inv_rms and its logits for its ns sites, token n, span layout, from the slot's
@@ -1996,7 +2117,87 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
 // Version 4 of the pair kernel: source_value_pair_span_kernel with site k + PF's row,
 // weights and ubar loaded when site k is taken from the ring (value_site's ring, for two
 // slots); versions 5 and 6 run it on row parts (RowPart) as the value kernel's versions 3
-// and 4 do.
+// and 4 do. With KEY (value version 5: source_value_pair_fused_kernel) the key path too:
+// slot p0 = source is finished here (dv0); slot p1 = older leaves its value row so far
+// (with its key path) in `partial` and its radial sum over the tile's sites after it
+// (partial[N d + n]), from which its own call resumes. One token's row part (warp item wi)
+// per call, as value_ring_token.
+template <int NT, int PF, bool KEY>
+__device__ __forceinline__ void pair_ring_token(float* val, bf16* dv0, float* partial,
+                                                float* weights, float* ubar,
+                                                const SiteRows& site_dx, const bf16* x,
+                                                const bf16* v0, const bf16* v1,
+                                                const float* inv_rms0, const float* inv_rms1,
+                                                const float* qg, const Geometry& g, int source,
+                                                int parts_log2, int64_t wi,
+                                                float (*xch)[kWarpsPerBlock], int round) {
+  const int lane = threadIdx.x & 31;
+  const int64_t HN = int64_t(g.H) * g.N;
+  const int older = source - g.lay.block;  // as in source_value_pair_span_kernel
+  const int last = g.lay.last_site(source);
+  const RowPart rp = row_part(wi, parts_log2, NT, g.H);
+  const int64_t n = rp.n, row = n * g.d + rp.off;
+  const bool leader = lane % rp.G == 0;
+  float* w0 = weights + (g.lay.pair_base(source) * g.H + rp.h) * g.N;
+  float* w1 = weights + ((g.lay.pair_base(older) + (source - older)) * g.H + rp.h) * g.N;
+  const float* ub_h = ubar + int64_t(rp.h) * g.N;
+  const float r0 = inv_rms0[n], r1 = inv_rms1[n];
+  Row<NT> rv0, rv1, ring[PF];
+  float ra0[PF], ra1[PF], rub[PF];
+  load_span(rv0, v0 + row);
+  load_span(rv1, v1 + row);
+  load_span(ring[0], site_dx.dx[source] + row);
+#pragma unroll
+  for (int u = 1; u < PF; ++u)
+    if (source + u <= last) {
+      load_span(ring[u], site_dx.dx[source + u] + row);
+      ra0[u] = w0[u * HN + n], ra1[u] = w1[u * HN + n];
+      rub[u] = ub_h[(source + u) * HN + n];
+    }
+  rub[0] = part_ubar(ubar, ring[0], x, g, rp, source);
+  ra0[0] = w0[n], ra1[0] = w1[n];
+  float acc0[NT][8], acc1[NT][8], radial0 = 0.f, radial1 = 0.f;  // radials: KEY
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc0[t][e] = 0.f, acc1[t][e] = 0.f;
+  for (int k0 = source; k0 <= last; k0 += PF) {
+#pragma unroll
+    for (int u = 0; u < PF; ++u) {
+      const int k = k0 + u;
+      if (k > last) break;
+      const Row<NT> rdx = ring[u];
+      const float a0 = ra0[u], a1 = ra1[u], ub = rub[u];
+      if (k + PF <= last) {
+        load_span(ring[u], site_dx.dx[k + PF] + row);
+        ra0[u] = w0[(k + PF - source) * HN + n], ra1[u] = w1[(k + PF - source) * HN + n];
+        rub[u] = ub_h[(k + PF) * HN + n];
+      }
+      float ds0, ds1;
+      pair_site(acc0, acc1, ds0, ds1, rdx, rv0, rv1, a0, a1, ub, rp.G);
+      if constexpr (KEY) {
+        const float4* qrow =
+            reinterpret_cast<const float4*>(qg + rp.off) + lane * 2 * NT + (k - source) * (g.d / 4);
+        key_site(acc0, radial0, rv0, qrow, r0, ds0, rp.G, leader);
+        key_site(acc1, radial1, rv1, qrow, r1, ds1, rp.G, leader);
+      }
+      // The shuffles synchronise the warp: every lane has used a_k before it is rewritten.
+      const int64_t off = (k - source) * HN + n;
+      if (leader) w0[off] = ds0 * r0, w1[off] = ds1 * r1;
+    }
+  }
+  if constexpr (KEY) {
+    store_fused_dv(dv0 + row, acc0, rv0, r0, parts_sum(warp_sum(radial0), xch, parts_log2, round),
+                   g.d);
+    store_span_f32(partial + row, acc1);
+    const float total1 = parts_sum(warp_sum(radial1), xch, parts_log2, round + 1);
+    if (rp.off == 0 && lane == 0) partial[g.N * g.d + n] = total1;
+  } else {
+    store_span_f32(val + row, acc0);
+    store_span_f32(partial + row, acc1);
+  }
+}
+
 template <int NT, int MIN_BLOCKS, int PF>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
     source_value_pair_ring_span_kernel(float* __restrict__ val, float* __restrict__ partial,
@@ -2006,206 +2207,14 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
                                        const float* __restrict__ inv_rms0,
                                        const float* __restrict__ inv_rms1, const Geometry g,
                                        int source, int parts_log2) {
-  const int lane = threadIdx.x & 31;
-  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5), HN = int64_t(g.H) * g.N;
-  const int older = source - g.lay.block;  // as in source_value_pair_span_kernel
-  const int last = g.lay.last_site(source);
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
   for (int64_t wi = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-       wi < (g.N << parts_log2); wi += warps) {
-    const RowPart rp = row_part(wi, parts_log2, NT, g.H);
-    const int64_t n = rp.n, row = n * g.d + rp.off;
-    const bool leader = lane % rp.G == 0;
-    float* w0 = weights + (g.lay.pair_base(source) * g.H + rp.h) * g.N;
-    float* w1 = weights + ((g.lay.pair_base(older) + (source - older)) * g.H + rp.h) * g.N;
-    const float* ub_h = ubar + int64_t(rp.h) * g.N;
-    const float r0 = inv_rms0[n], r1 = inv_rms1[n];
-    Row<NT> rv0, rv1, ring[PF];
-    float ra0[PF], ra1[PF], rub[PF];
-    load_span(rv0, v0 + row);
-    load_span(rv1, v1 + row);
-    load_span(ring[0], site_dx.dx[source] + row);
-#pragma unroll
-    for (int u = 1; u < PF; ++u)
-      if (source + u <= last) {
-        load_span(ring[u], site_dx.dx[source + u] + row);
-        ra0[u] = w0[u * HN + n], ra1[u] = w1[u * HN + n];
-        rub[u] = ub_h[(source + u) * HN + n];
-      }
-    rub[0] = part_ubar(ubar, ring[0], x, g, rp, source);
-    ra0[0] = w0[n], ra1[0] = w1[n];
-    float acc0[NT][8], acc1[NT][8];
-#pragma unroll
-    for (int t = 0; t < NT; ++t)
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc0[t][e] = 0.f, acc1[t][e] = 0.f;
-    for (int k0 = source; k0 <= last; k0 += PF) {
-#pragma unroll
-      for (int u = 0; u < PF; ++u) {
-        const int k = k0 + u;
-        if (k > last) break;
-        const Row<NT> rdx = ring[u];
-        const float a0 = ra0[u], a1 = ra1[u], ub = rub[u];
-        if (k + PF <= last) {
-          load_span(ring[u], site_dx.dx[k + PF] + row);
-          ra0[u] = w0[(k + PF - source) * HN + n], ra1[u] = w1[(k + PF - source) * HN + n];
-          rub[u] = ub_h[(k + PF) * HN + n];
-        }
-        float ds0, ds1;
-        pair_site(acc0, acc1, ds0, ds1, rdx, rv0, rv1, a0, a1, ub, rp.G);
-        // The shuffles synchronise the warp: every lane has used a_k before it is rewritten.
-        const int64_t off = (k - source) * HN + n;
-        if (leader) w0[off] = ds0 * r0, w1[off] = ds1 * r1;
-      }
-    }
-    store_span_f32(val + row, acc0);
-    store_span_f32(partial + row, acc1);
-  }
+       wi < (g.N << parts_log2); wi += warps)
+    pair_ring_token<NT, PF, false>(val, nullptr, partial, weights, ubar, site_dx, x, v0, v1,
+                                   inv_rms0, inv_rms1, nullptr, g, source, parts_log2, wi,
+                                   nullptr, 0);
 }
 
-// ---------------------------------------------------------------- fused key path on the ring
-// Value kernel version 5 (routing_set_kernel_version(SourceValue, 5)): every slot's key path
-// inside the value pass, as the FUSED kernel does for slots read by few sites, but on the
-// ring (value_ring sites in flight) and on row parts of at most 2 chunks a lane, so that it
-// holds for slots read by every later site. Per site it adds to the value row r ds_k qg_k
-// (the key row the unfused slots get from the key GEMM) and to the slot's radial sum
-// ds_k (qg_k . v) per head; at the end dv = acc - r^3/d radial v, written in bf16. What it
-// removes against the unfused slots' value kernel + key GEMM + finish kernel: the fp32 value
-// and key rows, each written and read back, and the finish's reads of v: about 9 of the
-// ns + 14 row-sized transfers of a slot (cuda/NOTES.md, "Depth tiling of the backward").
-// The qg rows (ns d fp32, the same for every token) come from L1/L2.
-// The radial sum runs over the whole row; with parts, each part's warp sum goes through
-// shared memory to the token's other parts (parts_sum), in part order.
-// The backward tile's pair kernel takes the same form (source_value_pair_fused_kernel): the
-// tile's first slot is finished there, the older slot's share leaves the kernel as its fp32
-// partial row plus its radial sum so far (after the row in the RoutingBackTile scratch),
-// from which its own call resumes.
-// Bits: the key path's sums run per site in the kernel's order, not cuBLAS's, and the
-// radial sum in another order than the finish kernel's dot: versions 1-4's dv differ in
-// their last bits (the parity tests hold it to the CPU reference's bounds).
-
-// The sum of one float per row part over a token's parts (consecutive warps of one block:
-// 2^parts_log2 divides kWarpsPerBlock), in part order, for every lane. xch alternates
-// between its two halves by the warp's token count (`round`), so one barrier per token
-// suffices: a part cannot rewrite a half before its partners passed the barrier after
-// reading it.
-__device__ __forceinline__ float parts_sum(float v, float (&xch)[2][kWarpsPerBlock],
-                                           int parts_log2, int round) {
-  if (parts_log2 == 0) return v;
-  const int warp = threadIdx.x >> 5, parts = 1 << parts_log2, first = warp & ~(parts - 1);
-  float* half = xch[round & 1];
-  if ((threadIdx.x & 31) == 0) half[warp] = v;
-  // Named barrier 1 + (the token's slot in the block) over the token's 32 * parts threads.
-  asm volatile("bar.sync %0, %1;" ::"r"(1 + warp / parts), "r"(32 * parts) : "memory");
-  float s = 0.f;
-  for (int p = 0; p < parts; ++p) s += half[first + p];
-  return s;
-}
-
-// The key path of one site for one slot: acc += (r ds) qg_k, and the slot's radial term
-// ds (qg_k . v)[head] on the head's leader lane.
-template <int NT>
-__device__ __forceinline__ void key_site(float (&acc)[NT][8], float& radial, const Row<NT>& rv,
-                                         const float4* qrow, float r, float ds, int G,
-                                         bool leader) {
-  float vq = 0.f;
-  const float rds = r * ds;
-#pragma unroll
-  for (int t = 0; t < NT; ++t) {
-    float q[8];
-    load_qg8(q, qrow, t);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      vq += q[e] * elem(rv.raw[t], e);
-      acc[t][e] += rds * q[e];
-    }
-  }
-  vq = head_sum(vq, G);
-  if (leader) radial += ds * vq;
-}
-
-// dv = acc - r^3/d radial v of a token's part (radial: the whole row's sum).
-template <int NT>
-__device__ __forceinline__ void store_fused_dv(bf16* dv, float (&acc)[NT][8], const Row<NT>& rv,
-                                               float r, float radial, int d) {
-  const float scale = r * r * r / float(d) * radial;
-#pragma unroll
-  for (int t = 0; t < NT; ++t)
-#pragma unroll
-    for (int e = 0; e < 8; ++e) acc[t][e] -= scale * elem(rv.raw[t], e);
-  store_span(dv, acc);
-}
-
-template <int NT, int PF>
-__global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
-    source_value_fused_ring_kernel(bf16* __restrict__ dv, float* __restrict__ weights,
-                                   float* __restrict__ ubar, const SiteRows site_dx,
-                                   const bf16* __restrict__ x, const bf16* __restrict__ v,
-                                   const float* __restrict__ inv_rms,
-                                   const float* __restrict__ qg, const float* __restrict__ resume,
-                                   const Geometry g, int source, int last, int parts_log2) {
-  __shared__ float xch[2][kWarpsPerBlock];
-  const int lane = threadIdx.x & 31;
-  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5), HN = int64_t(g.H) * g.N;
-  int round = 0;
-  for (int64_t wi = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-       wi < (g.N << parts_log2); wi += warps, ++round) {
-    const RowPart rp = row_part(wi, parts_log2, NT, g.H);
-    const int64_t n = rp.n, row = n * g.d + rp.off;
-    const bool leader = lane % rp.G == 0;
-    float* w_src = weights + (g.lay.pair_base(source) * g.H + rp.h) * g.N;
-    const float* ub_h = ubar + int64_t(rp.h) * g.N;
-    const float4* q0 = reinterpret_cast<const float4*>(qg + rp.off) + lane * 2 * NT;
-    const float r = inv_rms[n];
-    Row<NT> rv, ring[PF];
-    float ra[PF], rub[PF];
-    load_span(rv, v + row);
-    load_span(ring[0], site_dx.dx[source] + row);
-#pragma unroll
-    for (int u = 1; u < PF; ++u)
-      if (source + u <= last) {
-        load_span(ring[u], site_dx.dx[source + u] + row);
-        ra[u] = w_src[u * HN + n];
-        rub[u] = ub_h[(source + u) * HN + n];
-      }
-    rub[0] = part_ubar(ubar, ring[0], x, g, rp, source);
-    ra[0] = w_src[n];
-    float acc[NT][8];
-    float radial = 0.f;  // this lane's head's share (leaders), from `resume` on
-    if (resume) {
-      load_span_f32(acc, resume + row);
-    } else {
-#pragma unroll
-      for (int t = 0; t < NT; ++t)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[t][e] = 0.f;
-    }
-    for (int k0 = source; k0 <= last; k0 += PF) {
-#pragma unroll
-      for (int u = 0; u < PF; ++u) {
-        const int k = k0 + u;
-        if (k > last) break;
-        const Row<NT> rdx = ring[u];
-        const float a = ra[u], ub = rub[u];
-        if (k + PF <= last) {
-          load_span(ring[u], site_dx.dx[k + PF] + row);
-          ra[u] = w_src[(k + PF - source) * HN + n];
-          rub[u] = ub_h[(k + PF) * HN + n];
-        }
-        const float ds = value_site(acc, rdx, rv, a, ub, rp.G);
-        key_site(acc, radial, rv, q0 + (k - source) * (g.d / 4), r, ds, rp.G, leader);
-        // the shuffles synchronise the warp: every lane has used a_k before it is rewritten
-        if (leader) w_src[(k - source) * HN + n] = ds * r;
-      }
-    }
-    float total = parts_sum(warp_sum(radial), xch, parts_log2, round);
-    if (resume) total += resume[g.N * g.d + n];  // the tile's sites' radial sum
-    store_fused_dv(dv + row, acc, rv, r, total, g.d);
-  }
-}
-
-// The backward tile's pair kernel with the key path (value version 5): slot p0 = source is
-// finished here (dv0); slot p1 = older leaves its value row so far (with its key path) in
-// `partial` and its radial sum over the tile's sites after it (partial[N d + n]).
 template <int NT, int MIN_BLOCKS, int PF>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
     source_value_pair_fused_kernel(bf16* __restrict__ dv0, float* __restrict__ partial,
@@ -2217,67 +2226,12 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
                                    const float* __restrict__ qg, const Geometry g, int source,
                                    int parts_log2) {
   __shared__ float xch[2][kWarpsPerBlock];
-  const int lane = threadIdx.x & 31;
-  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5), HN = int64_t(g.H) * g.N;
-  const int older = source - g.lay.block;  // as in source_value_pair_span_kernel
-  const int last = g.lay.last_site(source);
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
   int round = 0;
   for (int64_t wi = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-       wi < (g.N << parts_log2); wi += warps, round += 2) {
-    const RowPart rp = row_part(wi, parts_log2, NT, g.H);
-    const int64_t n = rp.n, row = n * g.d + rp.off;
-    const bool leader = lane % rp.G == 0;
-    float* w0 = weights + (g.lay.pair_base(source) * g.H + rp.h) * g.N;
-    float* w1 = weights + ((g.lay.pair_base(older) + (source - older)) * g.H + rp.h) * g.N;
-    const float* ub_h = ubar + int64_t(rp.h) * g.N;
-    const float4* q0 = reinterpret_cast<const float4*>(qg + rp.off) + lane * 2 * NT;
-    const float r0 = inv_rms0[n], r1 = inv_rms1[n];
-    Row<NT> rv0, rv1, ring[PF];
-    float ra0[PF], ra1[PF], rub[PF];
-    load_span(rv0, v0 + row);
-    load_span(rv1, v1 + row);
-    load_span(ring[0], site_dx.dx[source] + row);
-#pragma unroll
-    for (int u = 1; u < PF; ++u)
-      if (source + u <= last) {
-        load_span(ring[u], site_dx.dx[source + u] + row);
-        ra0[u] = w0[u * HN + n], ra1[u] = w1[u * HN + n];
-        rub[u] = ub_h[(source + u) * HN + n];
-      }
-    rub[0] = part_ubar(ubar, ring[0], x, g, rp, source);
-    ra0[0] = w0[n], ra1[0] = w1[n];
-    float acc0[NT][8], acc1[NT][8], radial0 = 0.f, radial1 = 0.f;
-#pragma unroll
-    for (int t = 0; t < NT; ++t)
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc0[t][e] = 0.f, acc1[t][e] = 0.f;
-    for (int k0 = source; k0 <= last; k0 += PF) {
-#pragma unroll
-      for (int u = 0; u < PF; ++u) {
-        const int k = k0 + u;
-        if (k > last) break;
-        const Row<NT> rdx = ring[u];
-        const float a0 = ra0[u], a1 = ra1[u], ub = rub[u];
-        if (k + PF <= last) {
-          load_span(ring[u], site_dx.dx[k + PF] + row);
-          ra0[u] = w0[(k + PF - source) * HN + n], ra1[u] = w1[(k + PF - source) * HN + n];
-          rub[u] = ub_h[(k + PF) * HN + n];
-        }
-        float ds0, ds1;
-        pair_site(acc0, acc1, ds0, ds1, rdx, rv0, rv1, a0, a1, ub, rp.G);
-        const float4* qrow = q0 + (k - source) * (g.d / 4);
-        key_site(acc0, radial0, rv0, qrow, r0, ds0, rp.G, leader);
-        key_site(acc1, radial1, rv1, qrow, r1, ds1, rp.G, leader);
-        const int64_t off = (k - source) * HN + n;
-        if (leader) w0[off] = ds0 * r0, w1[off] = ds1 * r1;
-      }
-    }
-    store_fused_dv(dv0 + row, acc0, rv0, r0, parts_sum(warp_sum(radial0), xch, parts_log2, round),
-                   g.d);
-    store_span_f32(partial + row, acc1);
-    const float total1 = parts_sum(warp_sum(radial1), xch, parts_log2, round + 1);
-    if (rp.off == 0 && lane == 0) partial[g.N * g.d + n] = total1;
-  }
+       wi < (g.N << parts_log2); wi += warps, round += 2)
+    pair_ring_token<NT, PF, true>(nullptr, dv0, partial, weights, ubar, site_dx, x, v0, v1,
+                                  inv_rms0, inv_rms1, qg, g, source, parts_log2, wi, xch, round);
 }
 
 // ---------------------------------------------------------------- key gradient
