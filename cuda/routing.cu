@@ -942,7 +942,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, kMinBlocks)
 }
 
 // Version 6 (the default where H >= 4; written in the seventeenth session, first run and
-// measured in the eighteenth: 1.8x version 4 at 350M and 1B). The weights' layout is [pair][head][token], so versions 1-5, one token a warp, read and
+// measured in the eighteenth: 1.8x version 4 at 350M and 1B). The weights' layout is
+// [pair][head][token], so versions 1-5, one token a warp, read and
 // write each weight as 4 bytes of its own 32-byte sector (ncu of version 1: 8x the ideal L2
 // sectors on the normalisation's load and store). Here a warp takes kGroupTokens
 // consecutive tokens in two phases:
@@ -2897,7 +2898,8 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
         };
         if constexpr (NT <= kPairRingMaxNT) {  // wider rows: the ring spills (ptxas)
           if (g_pair_version >= 4) {
-            auto ring = source_value_pair_ring_span_kernel<NT, pair_blocks_per_sm(NT, 2), kPairRing>;
+            auto ring =
+                source_value_pair_ring_span_kernel<NT, pair_blocks_per_sm(NT, 2), kPairRing>;
             grid(ring);
             ring<<<blocks, 32 * kWarpsPerBlock, 0, s>>>(
                 val, partial, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in, older->v,
