@@ -399,7 +399,7 @@ TEST_F(RoutingParity, SpanLayout) {
   for (int H : {1, 8, 32}) check(19, 768, 12, H);
   for (int64_t d : {256, 512, 1536, 1792, 2048}) check(11, d, 4, 8);
   // Row parts (value kernel versions 3-4, pair versions 5-6) where the row splits into 2,
-  // 4 and 8 parts with unfused slots, heads of 1 to 16 lanes a part.
+  // 4 and 8 parts with unfused slots, heads of 2 to 16 lanes a part.
   check(11, 2048, 12, 16);
   check(13, 1024, 12, 32);
   check(19, 512, 9, 4, 2);  // block layout
