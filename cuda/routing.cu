@@ -645,15 +645,24 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, 4)
 // every K (ptxas: 124-168 registers, no spills): 12 warps per SM, which is what the late
 // tiles' tables leave room for anyway, each with twice the chunks in flight.
 // Versions 3 and 4 run on a one-wave grid (routing_mix_tile).
+// Version 5 (COOP; written in the eighteenth session after its last device call: not yet
+// run, not the default) is version 2 with phase (1) shared by the block's warps: the
+// weights' layout is [pair][head][token] and phase (1) reads each logit as 4 bytes of its
+// own 32-byte sector (K H reads a slot and token, about 2 KB of sectors beside each 2.5 KB
+// row at 1B), the gather that finish version 6 removed from the finishes (1.8x there). The
+// block's warps take 4 consecutive tokens in lockstep, and 4 consecutive threads load one
+// (slot, site, head) logit of the 4 tokens: 16 contiguous bytes, half a sector, into each
+// token's warp table; two block barriers a token. A whole sector would need 8 tokens'
+// tables a block (at 1B up to 150 KB). The values and their order are version 2's.
 constexpr int tile_ring(int K) { return K <= 6 ? 8 : 6; }
 constexpr int kTileRingDeep = 12;
-constexpr int kMixTileVersions = 4;
+constexpr int kMixTileVersions = 5;
 // Version 2 is the default: measured fastest at 350M and 1B (cuda/NOTES.md, "Tile kernel
 // versions 2 to 4"); 3 and 4 were no faster.
 constexpr int kMixTileDefault = 2;
 int g_mix_tile_version = kMixTileDefault;  // routing_set_kernel_version (timing lab)
 
-template <int K, int R, int MIN_BLOCKS>
+template <int K, int R, int MIN_BLOCKS, bool COOP = false>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
     mix_tile_ring_kernel(bf16* __restrict__ x, float* __restrict__ weights,
                          const bf16* __restrict__ hist, float* __restrict__ partial,
@@ -666,7 +675,13 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
   const int64_t HN = int64_t(g.H) * g.N, Nd = g.N * g.d;
   const int passes = (g.nchunks + 31) / 32, steps = passes * nsrc;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
-  for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + warp; n < g.N; n += warps) {
+  static_assert(!COOP || kWarpsPerBlock == 4, "COOP: 4 threads a token in phase (1)");
+  // COOP: the block's warps take consecutive tokens n0 + warp in lockstep (block barriers),
+  // so the loop runs while the block's first token is in range.
+  for (int64_t n0 = int64_t(blockIdx.x) * (blockDim.x >> 5) + (COOP ? 0 : warp); n0 < g.N;
+       n0 += warps) {
+    const int64_t n = COOP ? n0 + warp : n0;
+    const bool active = !COOP || n < g.N;
     auto logit = [&](int i, int m, int h) {
       return weights + (full_pair_base(i, S) + site0 - i + m) * HN + int64_t(h) * g.N + n;
     };
@@ -675,32 +690,53 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
     const uint4* rows = reinterpret_cast<const uint4*>(hist + n * g.d) + lane;
     const uint4* lptr = rows;
     int li = 0, lp = 0;
-    bool lon = lane < g.nchunks;
+    bool lon = active && lane < g.nchunks;
     auto load_next = [&](uint4& dst) {
       dst = lon ? *lptr : make_uint4(0, 0, 0, 0);
       lptr += Nd / 8;
       if (++li == nsrc) {
         li = 0, ++lp;
         lptr = rows + 32 * lp;
-        lon = lp < passes && lane + 32 * lp < g.nchunks;
+        lon = active && lp < passes && lane + 32 * lp < g.nchunks;
       }
     };
     uint4 ring[R];
 #pragma unroll
     for (int u = 0; u < R; ++u) load_next(ring[u]);
-    __syncwarp();  // the previous token's passes have read T
-    // (1) entry (i, m, h) at T[(i H + h) KP + m]; lanes walk e = (i K + m) H + h as in
-    // version 1 (H divides 32, so a step of 32 keeps h).
-    {
-      int i = lane / CH, m = (lane % CH) / g.H;
-      const int h = lane % g.H, dm = 32 / g.H;
+    if constexpr (COOP) {
+      __syncthreads();  // every warp's passes have read its table
+      // (1) for the block's 4 tokens: thread t loads entry e = t / 4 + 32 s of token
+      // n0 + t % 4 into that token's warp table, so 4 consecutive threads read 16
+      // contiguous bytes of one logit row.
+      const int j = threadIdx.x & 3, lane_j = threadIdx.x >> 2;
+      if (n0 + j < g.N) {
+        float* Tj = reinterpret_cast<float*>(ring_tables) + int64_t(j) * nsrc * HK;
+        int i = lane_j / CH, m = (lane_j % CH) / g.H;
+        const int h = lane_j % g.H, dm = 32 / g.H;
 #pragma unroll 16
-      for (int e = lane; e < nsrc * CH; e += 32) {
-        T[(i * g.H + h) * KP + m] = *logit(i, m, h);
-        for (m += dm; m >= K; m -= K) ++i;
+        for (int e = lane_j; e < nsrc * CH; e += 32) {
+          Tj[(i * g.H + h) * KP + m] =
+              weights[(full_pair_base(i, S) + site0 - i + m) * HN + int64_t(h) * g.N + n0 + j];
+          for (m += dm; m >= K; m -= K) ++i;
+        }
       }
+      __syncthreads();
+      if (!active) continue;  // past the last token: the barriers above only
+    } else {
+      __syncwarp();  // the previous token's passes have read T
+      // (1) entry (i, m, h) at T[(i H + h) KP + m]; lanes walk e = (i K + m) H + h as in
+      // version 1 (H divides 32, so a step of 32 keeps h).
+      {
+        int i = lane / CH, m = (lane % CH) / g.H;
+        const int h = lane % g.H, dm = 32 / g.H;
+#pragma unroll 16
+        for (int e = lane; e < nsrc * CH; e += 32) {
+          T[(i * g.H + h) * KP + m] = *logit(i, m, h);
+          for (m += dm; m >= K; m -= K) ++i;
+        }
+      }
+      __syncwarp();
     }
-    __syncwarp();
     // (2) column c = (m, h): the same online statistics and weights as version 1.
     for (int c = lane; c < CH; c += 32) {
       const int m = c / g.H, h = c % g.H;
@@ -2662,12 +2698,13 @@ void routing_mix_tile(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weig
     // Version 2: exactly k accumulators, the table padded to 4 ceil(k/4) sites. Version 3:
     // the same kernel on a grid of the blocks that fit at once (one wave: 8 blocks per SM
     // over the 3 that the late tiles' tables leave room for would end on a two-thirds
-    // full wave). Version 4: version 3 at 3 blocks per SM with a ring of 12.
+    // full wave). Version 4: version 3 at 3 blocks per SM with a ring of 12. Version 5:
+    // version 2 with phase (1) shared by the block's warps (COOP).
     const size_t smem = tile_table_bytes(site + 1, (k + 3) / 4 * 4, g.H);
     auto launch = [&](auto kernel) {
       allow_smem(kernel, smem);
       int blocks = token_blocks(g.N);
-      if (g_mix_tile_version >= 3) {
+      if (g_mix_tile_version == 3 || g_mix_tile_version == 4) {
         int per_sm = 0;
         CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel,
                                                                  32 * kWarpsPerBlock, smem));
@@ -2680,7 +2717,8 @@ void routing_mix_tile(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weig
     };
     auto ring = [&](auto k_tag) {
       constexpr int K = decltype(k_tag)::value;
-      if (g_mix_tile_version >= 4) launch(mix_tile_ring_kernel<K, kTileRingDeep, 3>);
+      if (g_mix_tile_version == 5) launch(mix_tile_ring_kernel<K, tile_ring(K), 4, true>);
+      else if (g_mix_tile_version == 4) launch(mix_tile_ring_kernel<K, kTileRingDeep, 3>);
       else launch(mix_tile_ring_kernel<K, tile_ring(K), 4>);
     };
     static_assert(kTileSites == 8, "one instantiation per tile size below");
