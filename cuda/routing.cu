@@ -52,7 +52,7 @@
 // the backend's grow-only scratch (kernels.h); nothing here allocates.
 // Kernel lab: the mix tile and finish kernels, the backward's pair kernel and the logits
 // keep their earlier versions, numbered, chosen at launch (routing_set_kernel_version,
-// kernels.h; the defaults are the measured fastest: mix tile 2 of 4, finish 6 of 6, pair
+// kernels.h; the defaults are the measured fastest: mix tile 2 of 5, finish 6 of 6, pair
 // 4 of 6, the unfused value kernel 5 / 3 / 2 of 5 by width, logits 2 of 4), so that one
 // device run times each (tests/op_timing_cudatest.cpp); every version computes the same
 // bits, but for the logits' choice between token kernel and GEMMs and the backward's row
