@@ -658,7 +658,7 @@ constexpr int tile_ring(int K) { return K <= 6 ? 8 : 6; }
 constexpr int kTileRingDeep = 12;
 constexpr int kMixTileVersions = 5;
 // Version 2 is the default: measured fastest at 350M and 1B (cuda/NOTES.md, "Tile kernel
-// versions 2 to 4"); 3 and 4 were no faster.
+// versions 2 to 4"); 3 and 4 were no faster, 5 is not yet run.
 constexpr int kMixTileDefault = 2;
 int g_mix_tile_version = kMixTileDefault;  // routing_set_kernel_version (timing lab)
 
