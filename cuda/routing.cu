@@ -2428,6 +2428,15 @@ Geometry source_geometry(const char* what, const Tensor& weights, const Tensor& 
 
 int token_blocks(int64_t N) { return grid_stride_blocks(N * 32, 32 * kWarpsPerBlock); }
 
+// token_blocks(warps) capped at the blocks of `kernel` that are resident at once: a grid of
+// one wave (a last, partial wave would leave most SMs idle at its end; the pair kernels).
+template <class K>
+int one_wave_blocks(K kernel, int64_t warps) {
+  return int(std::min<int64_t>(
+      token_blocks(warps),
+      int64_t(sm_count()) * resident_blocks_per_sm(kernel, 32 * kWarpsPerBlock)));
+}
+
 // Calls f.template operator()<NT, ALIGNED>() for the geometry's row width and head size.
 template <class F>
 void dispatch_rows(const Geometry& g, F&& f) {
@@ -2492,6 +2501,15 @@ int row_parts_log2(const Geometry& g, int chunks) {
   const int parts = 1 << parts_log2;
   return nt % parts == 0 && g.H % parts == 0 ? parts_log2 : -1;
 }
+
+// The row parts' chunks a lane that each lab version asks for (0: whole rows): value
+// versions 3 and 5 at most 2, 4 at most 1; pair versions 5 at most 2, 6 at most 1.
+int value_part_chunks(int version) {
+  return version == 3 || version == 5 ? 2 : version == 4 ? 1 : 0;
+}
+int pair_part_chunks(int version) { return version == 5 ? 2 : version == 6 ? 1 : 0; }
+// row_parts_log2 for `chunks` (0: the whole row, log2 0).
+int parts_log2_for(const Geometry& g, int chunks) { return chunks ? row_parts_log2(g, chunks) : 0; }
 
 // Calls f(std::integral_constant<int, NT>) for a row part's chunks a lane (1 or 2).
 template <class F>
@@ -2796,15 +2814,13 @@ int routing_backward_sum_order(int64_t d, int heads) {
   Geometry g{};
   g.d = int(d);
   g.H = heads;
-  auto lane_chunks = [&](bool parts, int chunks) {
-    const int parts_log2 = parts ? row_parts_log2(g, chunks) : 0;
-    return g.d / 256 >> std::max(parts_log2, 0);
-  };
+  auto lane_chunks = [&](int parts_log2) { return g.d / 256 >> std::max(parts_log2, 0); };
   const int value = source_value_version(d);
-  if (value == 5 && row_parts_log2(g, 2) >= 0)
-    return 256 + lane_chunks(true, 2);  // every slot fused, the pair kernel's form too
-  return 16 * lane_chunks(g_pair_version >= 5, g_pair_version == 5 ? 2 : 1) +
-         lane_chunks(value >= 3, value == 3 ? 2 : 1);
+  const int value_parts = parts_log2_for(g, value_part_chunks(value));
+  if (value == 5 && value_parts >= 0)
+    return 256 + lane_chunks(value_parts);  // every slot fused, the pair kernel's form too
+  return 16 * lane_chunks(parts_log2_for(g, pair_part_chunks(g_pair_version))) +
+         lane_chunks(value_parts);
 }
 
 int routing_set_fused_key_max_sites(int sites) {
@@ -2877,7 +2893,7 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
   // version 5 fuses every slot's key path (source_value_fused_ring_kernel).
   const int value_version = source_value_version(g.d);
   const int fused_parts_log2 = !delta && value_version == 5 && span_layout(g)
-                                   ? row_parts_log2(g, 2)
+                                   ? parts_log2_for(g, value_part_chunks(value_version))
                                    : -1;
   const bool ring_fused = fused_parts_log2 >= 0;
   const bool fused = ring_fused || (span_layout(g) && ns <= g_fused_key_max_sites);
@@ -2898,55 +2914,40 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
       // with pair version 6, 2 blocks and 4 sites (212 registers).
       auto kernel = g_pair_version == 6 ? source_value_pair_fused_kernel<NT, 2, kPairRing>
                                         : source_value_pair_fused_kernel<NT, 3, 2>;
-      const int blocks = int(std::min<int64_t>(
-          token_blocks(N << fused_parts_log2),
-          int64_t(sm_count()) * resident_blocks_per_sm(kernel, 32 * kWarpsPerBlock)));
-      kernel<<<blocks, 32 * kWarpsPerBlock, 0, s>>>(
+      kernel<<<one_wave_blocks(kernel, N << fused_parts_log2), 32 * kWarpsPerBlock, 0, s>>>(
           dv_out, partial, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in, older->v,
           inv_rms.ptr<float>(), older->inv_rms, qg, g, source, fused_parts_log2);
       CUDA_CHECK_LAUNCH();
     });
   } else if (older) {
     auto* partial = static_cast<float*>(ctx.scratch(ScratchSlot::RoutingBackTile, N * g.d * 4));
-    // Versions 5-6: the ring on row parts, where the row splits.
-    const int parts_log2 = g_pair_version >= 5 ? row_parts_log2(g, g_pair_version == 5 ? 2 : 1) : 0;
+    // Version 4's ring (3 blocks an SM, one wave) on whole rows or, versions 5-6, on row
+    // parts where the row splits.
+    auto pair_ring = [&](auto ntp, int parts_log2) {
+      constexpr int NT = decltype(ntp)::value;
+      auto kernel = source_value_pair_ring_span_kernel<NT, pair_blocks_per_sm(NT, 2), kPairRing>;
+      kernel<<<one_wave_blocks(kernel, N << parts_log2), 32 * kWarpsPerBlock, 0, s>>>(
+          val, partial, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in, older->v,
+          inv_rms.ptr<float>(), older->inv_rms, g, source, parts_log2);
+      CUDA_CHECK_LAUNCH();
+    };
+    const int parts_log2 = parts_log2_for(g, pair_part_chunks(g_pair_version));
     if (parts_log2 > 0) {
-      dispatch_part_span(g.d / 256 >> parts_log2, [&](auto ntp) {
-        constexpr int NT = decltype(ntp)::value;
-        auto kernel = source_value_pair_ring_span_kernel<NT, pair_blocks_per_sm(NT, 2), kPairRing>;
-        const int blocks = int(std::min<int64_t>(
-            token_blocks(N << parts_log2),
-            int64_t(sm_count()) * resident_blocks_per_sm(kernel, 32 * kWarpsPerBlock)));
-        kernel<<<blocks, 32 * kWarpsPerBlock, 0, s>>>(
-            val, partial, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in, older->v,
-            inv_rms.ptr<float>(), older->inv_rms, g, source, parts_log2);
-        CUDA_CHECK_LAUNCH();
-      });
+      dispatch_part_span(g.d / 256 >> parts_log2, [&](auto ntp) { pair_ring(ntp, parts_log2); });
     } else dispatch_span(g, [&](auto nt) {
       constexpr int NT = decltype(nt)::value;
       if constexpr (NT <= kBackTileMaxNT) {
         // Blocks per SM and grid by the lab's version (see the kernel).
         auto kernel = g_pair_version >= 2 ? source_value_pair_span_kernel<NT, pair_blocks_per_sm(NT, 2)>
                                           : source_value_pair_span_kernel<NT, pair_blocks_per_sm(NT, 1)>;
-        int blocks = token_blocks(N);
-        auto grid = [&](auto k) {  // version >= 3: one wave of the resident blocks
-          if (g_pair_version >= 3)
-            blocks = int(std::min<int64_t>(
-                blocks, int64_t(sm_count()) * resident_blocks_per_sm(k, 32 * kWarpsPerBlock)));
-        };
         if constexpr (NT <= kPairRingMaxNT) {  // wider rows: the ring spills (ptxas)
           if (g_pair_version >= 4) {
-            auto ring =
-                source_value_pair_ring_span_kernel<NT, pair_blocks_per_sm(NT, 2), kPairRing>;
-            grid(ring);
-            ring<<<blocks, 32 * kWarpsPerBlock, 0, s>>>(
-                val, partial, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in, older->v,
-                inv_rms.ptr<float>(), older->inv_rms, g, source, 0);
-            CUDA_CHECK_LAUNCH();
+            pair_ring(nt, 0);
             return;
           }
         }
-        grid(kernel);
+        // Version >= 3: one wave of the resident blocks.
+        const int blocks = g_pair_version >= 3 ? one_wave_blocks(kernel, N) : token_blocks(N);
         kernel<<<blocks, 32 * kWarpsPerBlock, 0, s>>>(
             val, partial, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in, older->v,
             inv_rms.ptr<float>(), older->inv_rms, g, source);
@@ -2969,9 +2970,8 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
       CUDA_CHECK_LAUNCH();
     };
     // Versions 3-4: the ring on row parts, where the row splits.
-    const int parts_log2 = !fused && !delta && value_version >= 3
-                               ? row_parts_log2(g, value_version == 3 ? 2 : 1)
-                               : 0;
+    const int parts_log2 =
+        !fused && !delta ? parts_log2_for(g, value_part_chunks(value_version)) : 0;
     if (ring_fused) {
       dispatch_part_span(g.d / 256 >> fused_parts_log2, [&](auto ntp) {
         constexpr int NT = decltype(ntp)::value;
