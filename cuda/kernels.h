@@ -282,7 +282,8 @@ int routing_kernel_versions(RoutingKernel kernel);
 // The order in which the backward's per-head dot products (logit gradients, ubar) are
 // summed at width d at the current BackwardPair and SourceValue versions: the chunks a lane
 // sums before the shuffles, as a code. Two version settings with equal codes give the same
-// bits; row parts (pair versions 5-6, value versions 3-4) change it where they split the row.
+// bits; row parts (pair versions 5-6, value versions 3-4) change it where they split the row,
+// and value version 5 (the key path fused into the value pass) wherever it applies.
 int routing_backward_sum_order(int64_t d, int heads);
 // Whether routing_source_logits of a slot read by `sites` sites at width d takes the
 // token kernel (one pass over v) at the current Logits version, rather than the GEMMs.
