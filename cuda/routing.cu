@@ -52,7 +52,7 @@
 // the backend's grow-only scratch (kernels.h); nothing here allocates.
 // Kernel lab: the mix tile and finish kernels, the backward's pair kernel and the logits
 // keep their earlier versions, numbered, chosen at launch (routing_set_kernel_version,
-// kernels.h; the defaults are the measured fastest: mix tile 2 of 5, finish 6 of 6, pair
+// kernels.h; the defaults are the measured fastest: mix tile 5 of 5, finish 6 of 6, pair
 // 4 of 6, the unfused value kernel 5 / 3 / 2 of 5 by width, logits 2 of 4), so that one
 // device run times each (tests/op_timing_cudatest.cpp); every version computes the same
 // bits, but for the logits' choice between token kernel and GEMMs and the backward's row
@@ -645,8 +645,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, 4)
 // every K (ptxas: 124-168 registers, no spills): 12 warps per SM, which is what the late
 // tiles' tables leave room for anyway, each with twice the chunks in flight.
 // Versions 3 and 4 run on a one-wave grid (routing_mix_tile).
-// Version 5 (COOP; written in the eighteenth session after its last device call: not yet
-// run, not the default) is version 2 with phase (1) shared by the block's warps: the
+// Version 5 (COOP; the default since the nineteenth session) is version 2 with phase (1)
+// shared by the block's warps: the
 // weights' layout is [pair][head][token] and phase (1) reads each logit as 4 bytes of its
 // own 32-byte sector (K H reads a slot and token, about 2 KB of sectors beside each 2.5 KB
 // row at 1B), the gather that finish version 6 removed from the finishes (1.8x there). The
@@ -657,9 +657,11 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, 4)
 constexpr int tile_ring(int K) { return K <= 6 ? 8 : 6; }
 constexpr int kTileRingDeep = 12;
 constexpr int kMixTileVersions = 5;
-// Version 2 is the default: measured fastest at 350M and 1B (cuda/NOTES.md, "Tile kernel
-// versions 2 to 4"); 3 and 4 were no faster, 5 is not yet run.
-constexpr int kMixTileDefault = 2;
+// Version 5 is the default: the tile kernels of a step, ms, v2 -> v5 (nineteenth session,
+// OpTiming.DISABLED_RoutingTileVersions): 100M 0.734 -> 0.708, 350M 3.387 -> 3.119, 1B
+// 8.953 -> 8.146 (2.93 TB/s); 3 and 4 were no faster than 2 (cuda/NOTES.md, "Tile kernel
+// versions 2 to 4").
+constexpr int kMixTileDefault = 5;
 int g_mix_tile_version = kMixTileDefault;  // routing_set_kernel_version (timing lab)
 
 template <int K, int R, int MIN_BLOCKS, bool COOP = false>
