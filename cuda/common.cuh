@@ -164,9 +164,9 @@ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 
 
 // Blocks of `threads` threads of `kernel` resident per SM at once (the occupancy API),
 // at least 1: sizes persistent grids that loop over their work.
-template <class K> int resident_blocks_per_sm(K kernel, int threads) {
+template <class K> int resident_blocks_per_sm(K kernel, int threads, size_t smem = 0) {
   int n = 0;
-  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, 0));
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem));
   return n < 1 ? 1 : n;
 }
 int sm_count();

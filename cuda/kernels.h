@@ -285,6 +285,10 @@ int routing_kernel_versions(RoutingKernel kernel);
 // bits; row parts (pair versions 5-6, value versions 3-4) change it where they split the row,
 // and value version 5 (the key path fused into the value pass) wherever it applies.
 int routing_backward_sum_order(int64_t d, int heads);
+// Tests: caps the grid of the backward's pair kernels (one wave of resident blocks) at
+// `blocks` (0: no cap), so that small N still gives each warp several tokens; returns the
+// previous cap. The same bits at any grid.
+int routing_set_grid_cap(int blocks);
 // Whether routing_source_logits of a slot read by `sites` sites at width d takes the
 // token kernel (one pass over v) at the current Logits version, rather than the GEMMs.
 bool routing_logits_by_token_kernel(int64_t d, int heads, int sites);

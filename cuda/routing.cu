@@ -2095,8 +2095,8 @@ __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT
 // 100M (4.81 against 4.56).
 constexpr int kBackTileMaxNT = 5;  // d <= 1280: 234 registers, no spills (NT 6: 239; 7, 8 spill)
 constexpr int pair_blocks_per_sm(int NT, int version) { return version >= 2 && NT <= 4 ? 3 : 2; }
-constexpr int kPairVersions = 6;
-constexpr int kPairDefault = 4;
+constexpr int kPairVersions = 7;
+constexpr int kPairDefault = 7;
 constexpr int kPairRing = 4;
 constexpr int kPairRingMaxNT = 2;
 int g_pair_version = kPairDefault;  // routing_set_kernel_version (timing lab)
@@ -2273,6 +2273,163 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
                                   inv_rms0, inv_rms1, qg, g, source, parts_log2, wi, xch, round);
 }
 
+// ---------------------------------------------------------------- pair kernel, streamed
+// Version 7 of the pair kernel (routing_set_kernel_version(BackwardPair, 7)): version 3's
+// arithmetic (pair_site, the same bits) with its rows staged in shared memory by cp.async,
+// kPairStream slots a warp, so that the rows in flight no longer cost registers.
+// Why: ncu of version 3 at 350M (nineteenth session, BENCHMARKS.md): 12 warps an SM (168
+// registers, 3 blocks), 2.06 TB/s, 52% of the stall samples at the first use of the site
+// row loaded one site ahead (long scoreboard): latency-bound, with ~24 KB an SM in flight
+// where ~100 KB would cover DRAM's latency. The ring in registers (version 4) spills past
+// d 512, and row parts (5, 6) cost their own prologues.
+// The warp's work is one stream of items, token by token: v0's row (with inv_rms of both
+// slots), v1's row, x's row, then the site gradients dx_k, k = source .. last (with the
+// weights a0, a1 and ubar_k). A cursor runs kPairStream - 1 items ahead of the consumer
+// across token boundaries, so a token's first rows are in flight while the previous one
+// finishes. Each lane copies only the chunks it consumes (its span), one cp.async group an
+// item, so a lane waits for its own copies (cp.async.wait_group) and no warp barrier is
+// needed. Slot layout [chunk t][lane] (16 bytes a lane, conflict-free), then the item's
+// three scalars [3][lane].
+template <int NT>
+struct PairStreamSlot {
+  uint4 row[NT][32];
+  float scalar[3][32];
+};
+constexpr int pair_stream_slots(int NT) { return NT <= 4 ? 7 : 9; }
+template <int NT>
+constexpr size_t pair_stream_smem() {
+  return size_t(kWarpsPerBlock) * pair_stream_slots(NT) * sizeof(PairStreamSlot<NT>);
+}
+
+__device__ __forceinline__ void cp_async_ca(void* dst, const void* src, int bytes16or4) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if (bytes16or4 == 16)
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src)
+                 : "memory");
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(dst)), "l"(src)
+                 : "memory");
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ void cp_async_group() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait_groups() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+
+template <int NT, int MIN_BLOCKS>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
+    source_value_pair_stream_kernel(float* __restrict__ val, float* __restrict__ partial,
+                                    float* __restrict__ weights, float* __restrict__ ubar,
+                                    const SiteRows site_dx, const bf16* __restrict__ x,
+                                    const bf16* __restrict__ v0, const bf16* __restrict__ v1,
+                                    const float* __restrict__ inv_rms0,
+                                    const float* __restrict__ inv_rms1, const Geometry g,
+                                    int source) {
+  constexpr int R = pair_stream_slots(NT);
+  extern __shared__ float4 pair_stream_smem_raw[];
+  const int lane = threadIdx.x & 31, G = 32 / g.H, h = lane / G;
+  const bool leader = lane % G == 0;
+  PairStreamSlot<NT>* ring =
+      reinterpret_cast<PairStreamSlot<NT>*>(pair_stream_smem_raw) + (threadIdx.x >> 5) * R;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5), HN = int64_t(g.H) * g.N;
+  const int older = source - g.lay.block;  // as in source_value_pair_span_kernel
+  float* w0 = weights + (g.lay.pair_base(source) * g.H + h) * g.N;
+  float* w1 = weights + ((g.lay.pair_base(older) + (source - older)) * g.H + h) * g.N;
+  const float* ub_h = ubar + int64_t(h) * g.N;
+  const int last = g.lay.last_site(source), items = last - source + 4;
+  const int64_t first = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  // The cursor: item ci of token cn goes to slot cs.
+  int64_t cn = first;
+  int ci = 0, cs = 0;
+  auto issue = [&]() {
+    if (cn < g.N) {
+      PairStreamSlot<NT>& slot = ring[cs];
+      const bf16* src = ci == 0 ? v0 : ci == 1 ? v1 : ci == 2 ? x : site_dx.dx[source + ci - 3];
+      const uint4* p = reinterpret_cast<const uint4*>(src + cn * g.d) + lane * NT;
+#pragma unroll
+      for (int t = 0; t < NT; ++t) cp_async_ca(&slot.row[t][lane], p + t, 16);
+      if (ci == 0) {
+        cp_async_ca(&slot.scalar[0][lane], inv_rms0 + cn, 4);
+        cp_async_ca(&slot.scalar[1][lane], inv_rms1 + cn, 4);
+      } else if (ci >= 3) {
+        const int64_t off = int64_t(ci - 3) * HN + cn;
+        cp_async_ca(&slot.scalar[0][lane], w0 + off, 4);
+        cp_async_ca(&slot.scalar[1][lane], w1 + off, 4);
+        if (ci > 3) cp_async_ca(&slot.scalar[2][lane], ub_h + int64_t(source + ci - 3) * HN + cn, 4);
+      }
+      if (++ci == items) ci = 0, cn += warps;
+    }
+    cp_async_group();  // one group an item, empty past the end: the waits count items
+    if (++cs == R) cs = 0;
+  };
+  // The consumer: the next item's slot, once this lane's copies into it have landed; the
+  // slot consumed before it (every value read from it already used) is refilled.
+  int ks = 0;
+  auto take = [&]() -> const PairStreamSlot<NT>& {
+    cp_async_wait_groups<R - 2>();
+    issue();
+    const PairStreamSlot<NT>& slot = ring[ks];
+    if (++ks == R) ks = 0;
+    return slot;
+  };
+  auto row_of = [&](const PairStreamSlot<NT>& slot, Row<NT>& r) {
+#pragma unroll
+    for (int t = 0; t < NT; ++t) r.raw[t] = slot.row[t][lane];
+  };
+#pragma unroll 1
+  for (int u = 0; u < R - 1; ++u) issue();
+  for (int64_t n = first; n < g.N; n += warps) {
+    Row<NT> rv0, rv1, rdx;
+    float r0, r1;
+    {
+      const PairStreamSlot<NT>& s0 = take();
+      row_of(s0, rv0);
+      r0 = s0.scalar[0][lane], r1 = s0.scalar[1][lane];
+    }
+    row_of(take(), rv1);
+    float ub;
+    {
+      Row<NT> rx;
+      row_of(take(), rx);
+      const PairStreamSlot<NT>& s = take();
+      row_of(s, rdx);
+      ub = span_ubar_row(ubar, rdx, rx, g, source, n);
+    }
+    float acc0[NT][8], acc1[NT][8];
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc0[t][e] = 0.f, acc1[t][e] = 0.f;
+    // Site `source`'s weights sit in the slot just taken (ks - 1); read before the next take.
+    const PairStreamSlot<NT>& s3 = ring[ks == 0 ? R - 1 : ks - 1];
+    float a0 = s3.scalar[0][lane], a1 = s3.scalar[1][lane];
+#pragma unroll 1
+    for (int k = source;; ++k) {
+      float ds0, ds1;
+      pair_site(acc0, acc1, ds0, ds1, rdx, rv0, rv1, a0, a1, ub, G);
+      // The shuffles synchronise the warp: no lane still needs the weights overwritten here.
+      const int64_t off = (k - source) * HN + n;
+      if (leader) w0[off] = ds0 * r0, w1[off] = ds1 * r1;
+      if (k == last) break;
+      const PairStreamSlot<NT>& s = take();
+      row_of(s, rdx);
+      a0 = s.scalar[0][lane], a1 = s.scalar[1][lane], ub = s.scalar[2][lane];
+    }
+    store_span_f32(val + n * g.d, acc0);
+    store_span_f32(partial + n * g.d, acc1);
+  }
+  cp_async_wait_groups<0>();  // nothing in flight into shared memory at exit
+}
+
 // ---------------------------------------------------------------- key gradient
 // G_k[c] = sum_n (ds_k r)[head(c), n] v[n, c] of one slot against its sites is, per head,
 // a GEMM over the tokens (cuBLAS, tensor cores, fp32 accumulate into gsum's slab 0): [dh x
@@ -2432,11 +2589,14 @@ int token_blocks(int64_t N) { return grid_stride_blocks(N * 32, 32 * kWarpsPerBl
 
 // token_blocks(warps) capped at the blocks of `kernel` that are resident at once: a grid of
 // one wave (a last, partial wave would leave most SMs idle at its end; the pair kernels).
+// routing_set_grid_cap (tests) caps it further.
+int g_grid_cap = 0;
 template <class K>
-int one_wave_blocks(K kernel, int64_t warps) {
-  return int(std::min<int64_t>(
+int one_wave_blocks(K kernel, int64_t warps, size_t smem = 0) {
+  const int64_t blocks = std::min<int64_t>(
       token_blocks(warps),
-      int64_t(sm_count()) * resident_blocks_per_sm(kernel, 32 * kWarpsPerBlock)));
+      int64_t(sm_count()) * resident_blocks_per_sm(kernel, 32 * kWarpsPerBlock, smem));
+  return int(g_grid_cap > 0 ? std::min<int64_t>(blocks, g_grid_cap) : blocks);
 }
 
 // Calls f.template operator()<NT, ALIGNED>() for the geometry's row width and head size.
@@ -2825,6 +2985,12 @@ int routing_backward_sum_order(int64_t d, int heads) {
          lane_chunks(value_parts);
 }
 
+int routing_set_grid_cap(int blocks) {
+  const int before = g_grid_cap;
+  g_grid_cap = std::max(blocks, 0);
+  return before;
+}
+
 int routing_set_fused_key_max_sites(int sites) {
   const int before = g_fused_key_max_sites;
   g_fused_key_max_sites = sites < 0 ? kFusedKeyMaxSites : sites;
@@ -2942,8 +3108,20 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
         // Blocks per SM and grid by the lab's version (see the kernel).
         auto kernel = g_pair_version >= 2 ? source_value_pair_span_kernel<NT, pair_blocks_per_sm(NT, 2)>
                                           : source_value_pair_span_kernel<NT, pair_blocks_per_sm(NT, 1)>;
+        if (g_pair_version == 7) {  // rows staged in shared memory
+          auto stream = source_value_pair_stream_kernel<NT, pair_blocks_per_sm(NT, 2)>;
+          constexpr size_t smem = pair_stream_smem<NT>();
+          // The whole carveout as shared memory: 3 blocks of ~68 KB an SM at d 1024.
+          allow_smem(stream, smem);
+          CUDA_CHECK(cudaFuncSetAttribute(stream, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
+          stream<<<one_wave_blocks(stream, N, smem), 32 * kWarpsPerBlock, smem, s>>>(
+              val, partial, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in, older->v,
+              inv_rms.ptr<float>(), older->inv_rms, g, source);
+          CUDA_CHECK_LAUNCH();
+          return;
+        }
         if constexpr (NT <= kPairRingMaxNT) {  // wider rows: the ring spills (ptxas)
-          if (g_pair_version >= 4) {
+          if (g_pair_version >= 4 && g_pair_version <= 6) {
             pair_ring(nt, 0);
             return;
           }

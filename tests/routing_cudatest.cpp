@@ -215,6 +215,20 @@ class RoutingParity : public CudaParity {
     const BackwardBits got = expect_versions_same_bits(
         "backward tiles " + tag, d, H,
         {cuda::RoutingKernel::BackwardPair, cuda::RoutingKernel::SourceValue}, run, against_cpu);
+    // One block for the pair kernels: each warp takes several tokens, through the kernels'
+    // token loops and version 7's item stream across token boundaries (same bits).
+    {
+      const int cap_before = cuda::routing_set_grid_cap(1);
+      const int base_order = cuda::routing_backward_sum_order(d, H);
+      const int versions = cuda::routing_kernel_versions(cuda::RoutingKernel::BackwardPair);
+      for (int version = 1; version <= versions; ++version) {
+        cuda::routing_set_kernel_version(cuda::RoutingKernel::BackwardPair, version);
+        if (cuda::routing_backward_sum_order(d, H) == base_order)
+          run().expect_same(got, tag + ", one block, pair kernel v" + std::to_string(version));
+      }
+      cuda::routing_set_kernel_version(cuda::RoutingKernel::BackwardPair, 0);
+      cuda::routing_set_grid_cap(cap_before);
+    }
     std::printf("BACKWARD_TILES %s: %d tiles of %d slots\n", tag.c_str(), tiles, k);
     against_cpu(got, tag);
   }
