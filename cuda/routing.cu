@@ -2095,8 +2095,8 @@ __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT
 // 100M (4.81 against 4.56).
 constexpr int kBackTileMaxNT = 5;  // d <= 1280: 234 registers, no spills (NT 6: 239; 7, 8 spill)
 constexpr int pair_blocks_per_sm(int NT, int version) { return version >= 2 && NT <= 4 ? 3 : 2; }
-constexpr int kPairVersions = 7;
-constexpr int kPairDefault = 7;
+constexpr int kPairVersions = 8;
+constexpr int kPairDefault = 4;
 constexpr int kPairRing = 4;
 constexpr int kPairRingMaxNT = 2;
 int g_pair_version = kPairDefault;  // routing_set_kernel_version (timing lab)
@@ -2274,9 +2274,10 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
 }
 
 // ---------------------------------------------------------------- pair kernel, streamed
-// Version 7 of the pair kernel (routing_set_kernel_version(BackwardPair, 7)): version 3's
-// arithmetic (pair_site, the same bits) with its rows staged in shared memory by cp.async,
-// kPairStream slots a warp, so that the rows in flight no longer cost registers.
+// Versions 7 and 8 of the pair kernel (routing_set_kernel_version(BackwardPair, v)):
+// version 3's arithmetic (pair_site, the same bits) with its rows staged in shared memory
+// by cp.async, pair_stream_slots(NT) slots a warp, so that the rows in flight no longer
+// cost registers.
 // Why: ncu of version 3 at 350M (nineteenth session, BENCHMARKS.md): 12 warps an SM (168
 // registers, 3 blocks), 2.06 TB/s, 52% of the stall samples at the first use of the site
 // row loaded one site ahead (long scoreboard): latency-bound, with ~24 KB an SM in flight
@@ -2284,21 +2285,37 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
 // d 512, and row parts (5, 6) cost their own prologues.
 // The warp's work is one stream of items, token by token: v0's row (with inv_rms of both
 // slots), v1's row, x's row, then the site gradients dx_k, k = source .. last (with the
-// weights a0, a1 and ubar_k). A cursor runs kPairStream - 1 items ahead of the consumer
-// across token boundaries, so a token's first rows are in flight while the previous one
-// finishes. Each lane copies only the chunks it consumes (its span), one cp.async group an
-// item, so a lane waits for its own copies (cp.async.wait_group) and no warp barrier is
-// needed. Slot layout [chunk t][lane] (16 bytes a lane, conflict-free), then the item's
-// three scalars [3][lane].
+// weights a0, a1 and ubar_k). A cursor runs pair_stream_slots - 1 items ahead of the
+// consumer across token boundaries, so a token's first rows are in flight while the
+// previous one finishes; one cp.async group an item.
+// - Version 7 (COALESCED false): each lane copies the chunks it consumes (its span, 16
+//   bytes at a stride of 16 NT: half a sector each, as version 3's loads) with
+//   cp.async.ca, and its scalars itself; a lane waits only for its own copies, no warp
+//   barrier. Slot layout [chunk t][lane], conflict-free. Measured (nineteenth session,
+//   call 4): slower than version 3, 350M 21.84 -> 22.67 ms, 1B 50.23 -> 53.02: the L1
+//   left beside ~200 KB of shared memory is what .ca copies allocate in and merge their
+//   half sectors through.
+// - Version 8 (COALESCED): lane l copies chunks l + 32 u (each instruction 512 contiguous
+//   bytes, whole sectors) with cp.async.cg (no L1 allocation) into the row's own order,
+//   XOR-swizzled so that the consumer's span reads are conflict-free (stream_pos); one
+//   lane a head copies the head's scalars. Lanes read what other lanes copied, so each
+//   item's wait is followed by a warp barrier.
 template <int NT>
 struct PairStreamSlot {
-  uint4 row[NT][32];
+  uint4 row[NT * 32];
   float scalar[3][32];
 };
 constexpr int pair_stream_slots(int NT) { return NT <= 4 ? 7 : 9; }
 template <int NT>
 constexpr size_t pair_stream_smem() {
   return size_t(kWarpsPerBlock) * pair_stream_slots(NT) * sizeof(PairStreamSlot<NT>);
+}
+// Version 8's position of chunk c of a row: c XOR (c / 8 mod NT) where NT is a power of two,
+// so that the 8 lanes of a 16-byte shared load (chunks NT l + t) hit 8 distinct bank
+// groups; odd NT (3, 5, 7) are conflict-free unswizzled; NT 6 has 2-way conflicts.
+template <int NT>
+__device__ __forceinline__ int stream_pos(int c) {
+  return (NT & (NT - 1)) == 0 ? c ^ ((c >> 3) & (NT - 1)) : c;
 }
 
 __device__ __forceinline__ void cp_async_ca(void* dst, const void* src, int bytes16or4) {
@@ -2309,6 +2326,14 @@ __device__ __forceinline__ void cp_async_ca(void* dst, const void* src, int byte
   else
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(dst)), "l"(src)
                  : "memory");
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ void cp_async_cg16(void* dst, const void* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src)
+               : "memory");
 #else
   __trap();
 #endif
@@ -2325,7 +2350,7 @@ __device__ __forceinline__ void cp_async_wait_groups() {
 #endif
 }
 
-template <int NT, int MIN_BLOCKS>
+template <int NT, int MIN_BLOCKS, bool COALESCED>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
     source_value_pair_stream_kernel(float* __restrict__ val, float* __restrict__ partial,
                                     float* __restrict__ weights, float* __restrict__ ubar,
@@ -2338,13 +2363,18 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
   extern __shared__ float4 pair_stream_smem_raw[];
   const int lane = threadIdx.x & 31, G = 32 / g.H, h = lane / G;
   const bool leader = lane % G == 0;
+  // Scalars: version 7's lanes each copy and read their own (index lane); version 8's lane
+  // l < H copies head l's into index l, which the head's lanes read (index sc).
+  const int sc = COALESCED ? h : lane;
+  const bool copies_scalars = !COALESCED || lane < g.H;
   PairStreamSlot<NT>* ring =
       reinterpret_cast<PairStreamSlot<NT>*>(pair_stream_smem_raw) + (threadIdx.x >> 5) * R;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5), HN = int64_t(g.H) * g.N;
   const int older = source - g.lay.block;  // as in source_value_pair_span_kernel
-  float* w0 = weights + (g.lay.pair_base(source) * g.H + h) * g.N;
-  float* w1 = weights + ((g.lay.pair_base(older) + (source - older)) * g.H + h) * g.N;
-  const float* ub_h = ubar + int64_t(h) * g.N;
+  // Head hc's pair rows (hc: the head whose scalars this lane copies).
+  const int hc = COALESCED ? lane : h;
+  float* w0 = weights + g.lay.pair_base(source) * HN;
+  float* w1 = weights + (g.lay.pair_base(older) + (source - older)) * HN;
   const int last = g.lay.last_site(source), items = last - source + 4;
   const int64_t first = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   // The cursor: item ci of token cn goes to slot cs.
@@ -2354,28 +2384,40 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
     if (cn < g.N) {
       PairStreamSlot<NT>& slot = ring[cs];
       const bf16* src = ci == 0 ? v0 : ci == 1 ? v1 : ci == 2 ? x : site_dx.dx[source + ci - 3];
-      const uint4* p = reinterpret_cast<const uint4*>(src + cn * g.d) + lane * NT;
+      const uint4* p = reinterpret_cast<const uint4*>(src + cn * g.d);
+      if constexpr (COALESCED) {
 #pragma unroll
-      for (int t = 0; t < NT; ++t) cp_async_ca(&slot.row[t][lane], p + t, 16);
-      if (ci == 0) {
-        cp_async_ca(&slot.scalar[0][lane], inv_rms0 + cn, 4);
-        cp_async_ca(&slot.scalar[1][lane], inv_rms1 + cn, 4);
-      } else if (ci >= 3) {
-        const int64_t off = int64_t(ci - 3) * HN + cn;
-        cp_async_ca(&slot.scalar[0][lane], w0 + off, 4);
-        cp_async_ca(&slot.scalar[1][lane], w1 + off, 4);
-        if (ci > 3) cp_async_ca(&slot.scalar[2][lane], ub_h + int64_t(source + ci - 3) * HN + cn, 4);
+        for (int u = 0; u < NT; ++u)
+          cp_async_cg16(&slot.row[stream_pos<NT>(lane + 32 * u)], p + lane + 32 * u);
+      } else {
+#pragma unroll
+        for (int t = 0; t < NT; ++t) cp_async_ca(&slot.row[t * 32 + lane], p + lane * NT + t, 16);
+      }
+      if (copies_scalars) {
+        if (ci == 0) {
+          cp_async_ca(&slot.scalar[0][lane], inv_rms0 + cn, 4);
+          cp_async_ca(&slot.scalar[1][lane], inv_rms1 + cn, 4);
+        } else if (ci >= 3) {
+          const int64_t off = int64_t(ci - 3) * HN + int64_t(hc) * g.N + cn;
+          cp_async_ca(&slot.scalar[0][lane], w0 + off, 4);
+          cp_async_ca(&slot.scalar[1][lane], w1 + off, 4);
+          if (ci > 3)
+            cp_async_ca(&slot.scalar[2][lane],
+                        ubar + (int64_t(source + ci - 3) * g.H + hc) * g.N + cn, 4);
+        }
       }
       if (++ci == items) ci = 0, cn += warps;
     }
     cp_async_group();  // one group an item, empty past the end: the waits count items
     if (++cs == R) cs = 0;
   };
-  // The consumer: the next item's slot, once this lane's copies into it have landed; the
-  // slot consumed before it (every value read from it already used) is refilled.
+  // The consumer: the next item's slot, once the copies into it have landed (version 8:
+  // every lane's, hence the warp barrier, which also orders every lane's reads of the
+  // slot consumed before it ahead of its refill).
   int ks = 0;
   auto take = [&]() -> const PairStreamSlot<NT>& {
     cp_async_wait_groups<R - 2>();
+    if constexpr (COALESCED) __syncwarp();
     issue();
     const PairStreamSlot<NT>& slot = ring[ks];
     if (++ks == R) ks = 0;
@@ -2383,8 +2425,11 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
   };
   auto row_of = [&](const PairStreamSlot<NT>& slot, Row<NT>& r) {
 #pragma unroll
-    for (int t = 0; t < NT; ++t) r.raw[t] = slot.row[t][lane];
+    for (int t = 0; t < NT; ++t)
+      r.raw[t] = COALESCED ? slot.row[stream_pos<NT>(lane * NT + t)] : slot.row[t * 32 + lane];
   };
+  // r0, r1 sit in version 8's slot at index 0 (lane 0 copies head 0's).
+  const int rs = COALESCED ? 0 : lane;
 #pragma unroll 1
   for (int u = 0; u < R - 1; ++u) issue();
   for (int64_t n = first; n < g.N; n += warps) {
@@ -2393,7 +2438,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
     {
       const PairStreamSlot<NT>& s0 = take();
       row_of(s0, rv0);
-      r0 = s0.scalar[0][lane], r1 = s0.scalar[1][lane];
+      r0 = s0.scalar[0][rs], r1 = s0.scalar[1][rs];
     }
     row_of(take(), rv1);
     float ub;
@@ -2411,18 +2456,20 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
       for (int e = 0; e < 8; ++e) acc0[t][e] = 0.f, acc1[t][e] = 0.f;
     // Site `source`'s weights sit in the slot just taken (ks - 1); read before the next take.
     const PairStreamSlot<NT>& s3 = ring[ks == 0 ? R - 1 : ks - 1];
-    float a0 = s3.scalar[0][lane], a1 = s3.scalar[1][lane];
+    float a0 = s3.scalar[0][sc], a1 = s3.scalar[1][sc];
+    float* w0h = w0 + int64_t(h) * g.N;
+    float* w1h = w1 + int64_t(h) * g.N;
 #pragma unroll 1
     for (int k = source;; ++k) {
       float ds0, ds1;
       pair_site(acc0, acc1, ds0, ds1, rdx, rv0, rv1, a0, a1, ub, G);
       // The shuffles synchronise the warp: no lane still needs the weights overwritten here.
       const int64_t off = (k - source) * HN + n;
-      if (leader) w0[off] = ds0 * r0, w1[off] = ds1 * r1;
+      if (leader) w0h[off] = ds0 * r0, w1h[off] = ds1 * r1;
       if (k == last) break;
       const PairStreamSlot<NT>& s = take();
       row_of(s, rdx);
-      a0 = s.scalar[0][lane], a1 = s.scalar[1][lane], ub = s.scalar[2][lane];
+      a0 = s.scalar[0][sc], a1 = s.scalar[1][sc], ub = s.scalar[2][sc];
     }
     store_span_f32(val + n * g.d, acc0);
     store_span_f32(partial + n * g.d, acc1);
@@ -3108,8 +3155,11 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
         // Blocks per SM and grid by the lab's version (see the kernel).
         auto kernel = g_pair_version >= 2 ? source_value_pair_span_kernel<NT, pair_blocks_per_sm(NT, 2)>
                                           : source_value_pair_span_kernel<NT, pair_blocks_per_sm(NT, 1)>;
-        if (g_pair_version == 7) {  // rows staged in shared memory
-          auto stream = source_value_pair_stream_kernel<NT, pair_blocks_per_sm(NT, 2)>;
+        if (g_pair_version >= 7) {  // rows staged in shared memory
+          auto stream =
+              g_pair_version == 8
+                  ? source_value_pair_stream_kernel<NT, pair_blocks_per_sm(NT, 2), true>
+                  : source_value_pair_stream_kernel<NT, pair_blocks_per_sm(NT, 2), false>;
           constexpr size_t smem = pair_stream_smem<NT>();
           // The whole carveout as shared memory: 3 blocks of ~68 KB an SM at d 1024.
           allow_smem(stream, smem);
