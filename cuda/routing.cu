@@ -53,7 +53,7 @@
 // Kernel lab: the mix tile and finish kernels, the backward's pair kernel and the logits
 // keep their earlier versions, numbered, chosen at launch (routing_set_kernel_version,
 // kernels.h; the defaults are the measured fastest: mix tile 5 of 5, finish 6 of 6, pair
-// 4 of 6, the unfused value kernel 5 / 3 / 2 of 5 by width, logits 2 of 4), so that one
+// 8 of 8, the unfused value kernel 5 / 3 / 2 of 5 by width, logits 2 of 4), so that one
 // device run times each (tests/op_timing_cudatest.cpp); every version computes the same
 // bits, but for the logits' choice between token kernel and GEMMs and the backward's row
 // parts and fused key path (see there).
@@ -2093,10 +2093,15 @@ __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT
 // Measured (eighteenth session, same test, v4 / v5 / v6): 350M 22.30 / 22.44 / 26.27 ms, so
 // the pair kernel is not bound by its rows in flight; 100M and 1B within 0.1 ms but v6 at
 // 100M (4.81 against 4.56).
+// 7 and 8 stage the rows in shared memory by cp.async (source_value_pair_stream_kernel,
+// below; version 3's arithmetic and bits). 8 is the default: nineteenth session, same test
+// at the default fused limit, v3 / v7 / v8: 350M 21.99 / 22.75 / **20.90** ms, 1B 50.78 /
+// 53.65 / **46.75** (100M takes value version 5's fused pair form, which neither changes).
+// So the rows in flight did bound it, once they no longer cost registers or L1 lines.
 constexpr int kBackTileMaxNT = 5;  // d <= 1280: 234 registers, no spills (NT 6: 239; 7, 8 spill)
 constexpr int pair_blocks_per_sm(int NT, int version) { return version >= 2 && NT <= 4 ? 3 : 2; }
 constexpr int kPairVersions = 8;
-constexpr int kPairDefault = 4;
+constexpr int kPairDefault = 8;
 constexpr int kPairRing = 4;
 constexpr int kPairRingMaxNT = 2;
 int g_pair_version = kPairDefault;  // routing_set_kernel_version (timing lab)
@@ -2299,7 +2304,9 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
 //   bytes, whole sectors) with cp.async.cg (no L1 allocation) into the row's own order,
 //   XOR-swizzled so that the consumer's span reads are conflict-free (stream_pos); one
 //   lane a head copies the head's scalars. Lanes read what other lanes copied, so each
-//   item's wait is followed by a warp barrier.
+//   item's wait is followed by a warp barrier. Measured (call 5): 350M 20.90 ms, 1B 46.75
+//   (version 3: 21.99, 50.78); the default. ptxas: 161 registers at d 1024 (3 blocks an
+//   SM, 68 KB of shared memory each), 202 at 1280 (2 blocks, 106 KB), no spills.
 template <int NT>
 struct PairStreamSlot {
   uint4 row[NT * 32];
