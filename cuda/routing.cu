@@ -53,7 +53,7 @@
 // Kernel lab: the mix tile and finish kernels, the backward's pair kernel and the logits
 // keep their earlier versions, numbered, chosen at launch (routing_set_kernel_version,
 // kernels.h; the defaults are the measured fastest: mix tile 5 of 5, finish 6 of 6, pair
-// 8 of 8, the unfused value kernel 5 / 3 / 2 of 5 by width, logits 2 of 4), so that one
+// 8 of 9, the unfused value kernel 5 / 3 / 2 of 5 by width, logits 2 of 4), so that one
 // device run times each (tests/op_timing_cudatest.cpp); every version computes the same
 // bits, but for the logits' choice between token kernel and GEMMs and the backward's row
 // parts and fused key path (see there).
@@ -2100,7 +2100,7 @@ __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT
 // So the rows in flight did bound it, once they no longer cost registers or L1 lines.
 constexpr int kBackTileMaxNT = 5;  // d <= 1280: 234 registers, no spills (NT 6: 239; 7, 8 spill)
 constexpr int pair_blocks_per_sm(int NT, int version) { return version >= 2 && NT <= 4 ? 3 : 2; }
-constexpr int kPairVersions = 8;
+constexpr int kPairVersions = 9;
 constexpr int kPairDefault = 8;
 constexpr int kPairRing = 4;
 constexpr int kPairRingMaxNT = 2;
@@ -2307,6 +2307,14 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
 //   item's wait is followed by a warp barrier. Measured (call 5): 350M 20.90 ms, 1B 46.75
 //   (version 3: 21.99, 50.78); the default. ptxas: 161 registers at d 1024 (3 blocks an
 //   SM, 68 KB of shared memory each), 202 at 1280 (2 blocks, 106 KB), no spills.
+// - Version 9 (lab; written after the session's last device call: NOT yet run) is
+//   version 8, and where value version 5 fuses the key path into the tile (d <= 512, whole
+//   rows: 100M) the same stream in that fused form (KEY: key_site per site and slot, slot
+//   p0's dv finished, p1's partial row and radial sum left in the scratch, as
+//   pair_ring_token with KEY on a whole row: the same operations in the same order, so
+//   the same bits as the fused form's default). 100M's tiles run at ~1.3 TB/s
+//   (cuda/NOTES.md lead 6); the q*g rows come from L1, so the carveout leaves L1 room
+//   (stream_carveout).
 template <int NT>
 struct PairStreamSlot {
   uint4 row[NT * 32];
@@ -2316,6 +2324,15 @@ constexpr int pair_stream_slots(int NT) { return NT <= 4 ? 7 : 9; }
 template <int NT>
 constexpr size_t pair_stream_smem() {
   return size_t(kWarpsPerBlock) * pair_stream_slots(NT) * sizeof(PairStreamSlot<NT>);
+}
+// The shared-memory carveout, in percent of sm_90's 228 KiB, of the smallest capacity it
+// offers that holds `blocks` blocks of `smem` bytes (plus the 1 KiB a block the system
+// reserves): the rest stays L1. At d 1024 and 1280 that is all 228 KiB; at d 512, 132.
+int stream_carveout(size_t smem, int blocks) {
+  const size_t need = size_t(blocks) * (smem + 1024);
+  for (int kib : {0, 8, 16, 32, 64, 100, 132, 164, 196})
+    if (size_t(kib) * 1024 >= need) return (100 * kib + 227) / 228;
+  return 100;
 }
 // Version 8's position of chunk c of a row: c XOR (c / 8 mod NT) where NT is a power of two,
 // so that the 8 lanes of a 16-byte shared load (chunks NT l + t) hit 8 distinct bank
@@ -2357,15 +2374,17 @@ __device__ __forceinline__ void cp_async_wait_groups() {
 #endif
 }
 
-template <int NT, int MIN_BLOCKS, bool COALESCED>
+template <int NT, int MIN_BLOCKS, bool COALESCED, bool KEY = false>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
-    source_value_pair_stream_kernel(float* __restrict__ val, float* __restrict__ partial,
-                                    float* __restrict__ weights, float* __restrict__ ubar,
-                                    const SiteRows site_dx, const bf16* __restrict__ x,
-                                    const bf16* __restrict__ v0, const bf16* __restrict__ v1,
+    source_value_pair_stream_kernel(float* __restrict__ val, bf16* __restrict__ dv0,
+                                    float* __restrict__ partial, float* __restrict__ weights,
+                                    float* __restrict__ ubar, const SiteRows site_dx,
+                                    const bf16* __restrict__ x, const bf16* __restrict__ v0,
+                                    const bf16* __restrict__ v1,
                                     const float* __restrict__ inv_rms0,
-                                    const float* __restrict__ inv_rms1, const Geometry g,
-                                    int source) {
+                                    const float* __restrict__ inv_rms1,
+                                    const float* __restrict__ qg, const Geometry g, int source) {
+  static_assert(!KEY || COALESCED, "the fused form is version 9: version 8's copies");
   constexpr int R = pair_stream_slots(NT);
   extern __shared__ float4 pair_stream_smem_raw[];
   const int lane = threadIdx.x & 31, G = 32 / g.H, h = lane / G;
@@ -2456,7 +2475,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
       row_of(s, rdx);
       ub = span_ubar_row(ubar, rdx, rx, g, source, n);
     }
-    float acc0[NT][8], acc1[NT][8];
+    float acc0[NT][8], acc1[NT][8], radial0 = 0.f, radial1 = 0.f;  // radials: KEY
 #pragma unroll
     for (int t = 0; t < NT; ++t)
 #pragma unroll
@@ -2470,6 +2489,12 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
     for (int k = source;; ++k) {
       float ds0, ds1;
       pair_site(acc0, acc1, ds0, ds1, rdx, rv0, rv1, a0, a1, ub, G);
+      if constexpr (KEY) {  // as pair_ring_token's, on the whole row
+        const float4* qrow =
+            reinterpret_cast<const float4*>(qg) + lane * 2 * NT + (k - source) * (g.d / 4);
+        key_site(acc0, radial0, rv0, qrow, r0, ds0, G, leader);
+        key_site(acc1, radial1, rv1, qrow, r1, ds1, G, leader);
+      }
       // The shuffles synchronise the warp: no lane still needs the weights overwritten here.
       const int64_t off = (k - source) * HN + n;
       if (leader) w0h[off] = ds0 * r0, w1h[off] = ds1 * r1;
@@ -2478,8 +2503,15 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
       row_of(s, rdx);
       a0 = s.scalar[0][sc], a1 = s.scalar[1][sc], ub = s.scalar[2][sc];
     }
-    store_span_f32(val + n * g.d, acc0);
-    store_span_f32(partial + n * g.d, acc1);
+    if constexpr (KEY) {
+      store_fused_dv(dv0 + n * g.d, acc0, rv0, r0, warp_sum(radial0), g.d);
+      store_span_f32(partial + n * g.d, acc1);
+      const float total1 = warp_sum(radial1);
+      if (lane == 0) partial[g.N * g.d + n] = total1;
+    } else {
+      store_span_f32(val + n * g.d, acc0);
+      store_span_f32(partial + n * g.d, acc1);
+    }
   }
   cp_async_wait_groups<0>();  // nothing in flight into shared memory at exit
 }
@@ -3125,12 +3157,30 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
              ": a backward depth tile of fused slots (source ", source, ")");
   MHAR_CHECK(!delta || (fused && ns == 1 && resume_last < 0), "CUDA ", what,
              ": the delta steps need a fused slot read by its own site (source ", source, ")");
+  // Pair versions 7-9 (source_value_pair_stream_kernel): the grid of one wave at the
+  // blocks that fit beside `smem` each, with the carveout they need.
+  auto launch_pair_stream = [&](auto kernel, size_t smem, int blocks_per_sm, float* val_out,
+                                bf16* dv0, float* partial, const float* key_qg) {
+    allow_smem(kernel, smem);
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                    stream_carveout(smem, blocks_per_sm)));
+    kernel<<<one_wave_blocks(kernel, N, smem), 32 * kWarpsPerBlock, smem, s>>>(
+        val_out, dv0, partial, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in,
+        older->v, inv_rms.ptr<float>(), older->inv_rms, key_qg, g, source);
+    CUDA_CHECK_LAUNCH();
+  };
   if (older && ring_fused) {
     // The older slot's radial sum so far follows its partial row.
     auto* partial =
         static_cast<float*>(ctx.scratch(ScratchSlot::RoutingBackTile, N * (g.d + 1) * 4));
     dispatch_part_span(g.d / 256 >> fused_parts_log2, [&](auto ntp) {
       constexpr int NT = decltype(ntp)::value;
+      if (g_pair_version == 9 && fused_parts_log2 == 0) {  // whole rows: version 9's stream
+        constexpr int B = pair_blocks_per_sm(NT, 2);
+        launch_pair_stream(source_value_pair_stream_kernel<NT, B, true, true>,
+                           pair_stream_smem<NT>(), B, nullptr, dv_out, partial, qg);
+        return;
+      }
       // Two forms (the same bits), picked by the pair version: 3 blocks an SM with 2 sites
       // in flight (ptxas at d 1024's parts: 150 registers; 4 ahead spills 164 bytes), or
       // with pair version 6, 2 blocks and 4 sites (212 registers).
@@ -3163,18 +3213,10 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
         auto kernel = g_pair_version >= 2 ? source_value_pair_span_kernel<NT, pair_blocks_per_sm(NT, 2)>
                                           : source_value_pair_span_kernel<NT, pair_blocks_per_sm(NT, 1)>;
         if (g_pair_version >= 7) {  // rows staged in shared memory
-          auto stream =
-              g_pair_version == 8
-                  ? source_value_pair_stream_kernel<NT, pair_blocks_per_sm(NT, 2), true>
-                  : source_value_pair_stream_kernel<NT, pair_blocks_per_sm(NT, 2), false>;
-          constexpr size_t smem = pair_stream_smem<NT>();
-          // The whole carveout as shared memory: 3 blocks of ~68 KB an SM at d 1024.
-          allow_smem(stream, smem);
-          CUDA_CHECK(cudaFuncSetAttribute(stream, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
-          stream<<<one_wave_blocks(stream, N, smem), 32 * kWarpsPerBlock, smem, s>>>(
-              val, partial, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in, older->v,
-              inv_rms.ptr<float>(), older->inv_rms, g, source);
-          CUDA_CHECK_LAUNCH();
+          constexpr int B = pair_blocks_per_sm(NT, 2);
+          auto stream = g_pair_version >= 8 ? source_value_pair_stream_kernel<NT, B, true>
+                                            : source_value_pair_stream_kernel<NT, B, false>;
+          launch_pair_stream(stream, pair_stream_smem<NT>(), B, val, nullptr, partial, nullptr);
           return;
         }
         if constexpr (NT <= kPairRingMaxNT) {  // wider rows: the ring spills (ptxas)
