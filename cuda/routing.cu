@@ -2454,7 +2454,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
     for (int t = 0; t < NT; ++t)
       r.raw[t] = COALESCED ? slot.row[stream_pos<NT>(lane * NT + t)] : slot.row[t * 32 + lane];
   };
-  // r0, r1 sit in version 8's slot at index 0 (lane 0 copies head 0's).
+  // r0, r1: version 8 reads lane 0's copy (index 0; lanes < H each copy them).
   const int rs = COALESCED ? 0 : lane;
 #pragma unroll 1
   for (int u = 0; u < R - 1; ++u) issue();

@@ -216,7 +216,7 @@ class RoutingParity : public CudaParity {
         "backward tiles " + tag, d, H,
         {cuda::RoutingKernel::BackwardPair, cuda::RoutingKernel::SourceValue}, run, against_cpu);
     // One block for the pair kernels: each warp takes several tokens, through the kernels'
-    // token loops and version 7's item stream across token boundaries (same bits).
+    // token loops and the stream versions' cursor across token boundaries (same bits).
     {
       const int cap_before = cuda::routing_set_grid_cap(1);
       const int base_order = cuda::routing_backward_sum_order(d, H);
