@@ -53,7 +53,7 @@
 // Kernel lab: the mix tile and finish kernels, the backward's pair kernel and the logits
 // keep their earlier versions, numbered, chosen at launch (routing_set_kernel_version,
 // kernels.h; the defaults are the measured fastest: mix tile 5 of 5, finish 6 of 6, pair
-// 8 of 9, the unfused value kernel 5 / 3 / 2 of 5 by width, logits 2 of 4), so that one
+// 8 of 9, the unfused value kernel 5 / 3 / 2 of 6 by width, logits 2 of 4), so that one
 // device run times each (tests/op_timing_cudatest.cpp); every version computes the same
 // bits, but for the logits' choice between token kernel and GEMMs and the backward's row
 // parts and fused key path (see there).
@@ -1595,9 +1595,11 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, value_span_blocks_per_sm(
 //   slots' rows, values and key paths in 150 registers with 2 sites in flight (the
 //   4-ahead form, 212 registers at 2 blocks an SM: 28.6 ms). Untiled, v3 and v5 lose at
 //   350M (24.74 / 25.33 / 25.39).
+// 6 (lab, NOT yet run): source_value_stream_kernel, version 2 on pair version 8's stream
+//   (rows staged in shared memory, whole rows, d <= 1280; wider rows take version 2).
 // The default is therefore by width (version 0: source_value_version): 5 where a lane
 // holds the whole row in at most 2 chunks (d <= 512), 3 at 4 chunks (d 1024), else 2.
-constexpr int kSourceValueVersions = 5;
+constexpr int kSourceValueVersions = 6;
 constexpr int kSourceValueDefault = 0;  // by width
 int g_source_value_version = kSourceValueDefault;  // routing_set_kernel_version (timing lab)
 int source_value_version(int64_t d) {
@@ -2281,7 +2283,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
 // ---------------------------------------------------------------- pair kernel, streamed
 // Versions 7 and 8 of the pair kernel (routing_set_kernel_version(BackwardPair, v)):
 // version 3's arithmetic (pair_site, the same bits) with its rows staged in shared memory
-// by cp.async, pair_stream_slots(NT) slots a warp, so that the rows in flight no longer
+// by cp.async, stream_slots(NT) slots a warp, so that the rows in flight no longer
 // cost registers.
 // Why: ncu of version 3 at 350M (nineteenth session, BENCHMARKS.md): 12 warps an SM (168
 // registers, 3 blocks), 2.06 TB/s, 52% of the stall samples at the first use of the site
@@ -2290,7 +2292,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
 // d 512, and row parts (5, 6) cost their own prologues.
 // The warp's work is one stream of items, token by token: v0's row (with inv_rms of both
 // slots), v1's row, x's row, then the site gradients dx_k, k = source .. last (with the
-// weights a0, a1 and ubar_k). A cursor runs pair_stream_slots - 1 items ahead of the
+// weights a0, a1 and ubar_k). A cursor runs stream_slots - 1 items ahead of the
 // consumer across token boundaries, so a token's first rows are in flight while the
 // previous one finishes; one cp.async group an item.
 // - Version 7 (COALESCED false): each lane copies the chunks it consumes (its span, 16
@@ -2316,14 +2318,14 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
 //   (cuda/NOTES.md lead 6); the q*g rows come from L1, so the carveout leaves L1 room
 //   (stream_carveout).
 template <int NT>
-struct PairStreamSlot {
+struct StreamSlot {  // one item of a stream kernel's ring: a row, three scalars
   uint4 row[NT * 32];
   float scalar[3][32];
 };
-constexpr int pair_stream_slots(int NT) { return NT <= 4 ? 7 : 9; }
+constexpr int stream_slots(int NT) { return NT <= 4 ? 7 : 9; }
 template <int NT>
-constexpr size_t pair_stream_smem() {
-  return size_t(kWarpsPerBlock) * pair_stream_slots(NT) * sizeof(PairStreamSlot<NT>);
+constexpr size_t stream_smem() {
+  return size_t(kWarpsPerBlock) * stream_slots(NT) * sizeof(StreamSlot<NT>);
 }
 // The shared-memory carveout, in percent of sm_90's 228 KiB, of the smallest capacity it
 // offers that holds `blocks` blocks of `smem` bytes (plus the 1 KiB a block the system
@@ -2374,6 +2376,54 @@ __device__ __forceinline__ void cp_async_wait_groups() {
 #endif
 }
 
+// A warp's ring of R slots in shared memory, filled one cp.async group an item by the
+// kernel's `issue(slot)` (which copies the next item of its stream into the slot, or nothing
+// past the stream's end), R - 1 items ahead of the consumer.
+template <int NT, int R, bool SYNC>
+struct SlotRing {
+  StreamSlot<NT>* slots;
+  int fill = 0, next = 0;
+  template <class Issue>
+  __device__ __forceinline__ void refill(Issue& issue) {
+    issue(slots[fill]);
+    cp_async_group();  // one group an item, empty past the end: the waits count items
+    if (++fill == R) fill = 0;
+  }
+  // The next item's slot, once the copies into it have landed (SYNC: every lane's, hence
+  // the warp barrier, which also orders every lane's reads of the slot taken before it
+  // ahead of its refill here; else each lane waits for its own copies only). The slot
+  // taken before it, whose values were all read out then, is refilled.
+  template <class Issue>
+  __device__ __forceinline__ const StreamSlot<NT>& take(Issue& issue) {
+    cp_async_wait_groups<R - 2>();
+    if constexpr (SYNC) __syncwarp();
+    refill(issue);
+    const StreamSlot<NT>& slot = slots[next];
+    if (++next == R) next = 0;
+    return slot;
+  }
+  __device__ __forceinline__ const StreamSlot<NT>& taken() const {
+    return slots[next == 0 ? R - 1 : next - 1];
+  }
+};
+
+// Version 8's copy of NT * 32 chunks (a bf16 row, or half an fp32 row) into a slot: lane l
+// copies chunks l + 32 u, whole sectors, at their stream_pos.
+template <int NT>
+__device__ __forceinline__ void copy_chunks_async(StreamSlot<NT>& slot, const uint4* src) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int u = 0; u < NT; ++u)
+    cp_async_cg16(&slot.row[stream_pos<NT>(lane + 32 * u)], src + lane + 32 * u);
+}
+// This lane's span (chunks NT lane + t) of a row that copy_chunks_async staged.
+template <int NT>
+__device__ __forceinline__ void slot_span(const StreamSlot<NT>& slot, Row<NT>& r) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int t = 0; t < NT; ++t) r.raw[t] = slot.row[stream_pos<NT>(lane * NT + t)];
+}
+
 template <int NT, int MIN_BLOCKS, bool COALESCED, bool KEY = false>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
     source_value_pair_stream_kernel(float* __restrict__ val, bf16* __restrict__ dv0,
@@ -2385,7 +2435,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
                                     const float* __restrict__ inv_rms1,
                                     const float* __restrict__ qg, const Geometry g, int source) {
   static_assert(!KEY || COALESCED, "the fused form is version 9: version 8's copies");
-  constexpr int R = pair_stream_slots(NT);
+  constexpr int R = stream_slots(NT);
   extern __shared__ float4 pair_stream_smem_raw[];
   const int lane = threadIdx.x & 31, G = 32 / g.H, h = lane / G;
   const bool leader = lane % G == 0;
@@ -2393,8 +2443,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
   // l < H copies head l's into index l, which the head's lanes read (index sc).
   const int sc = COALESCED ? h : lane;
   const bool copies_scalars = !COALESCED || lane < g.H;
-  PairStreamSlot<NT>* ring =
-      reinterpret_cast<PairStreamSlot<NT>*>(pair_stream_smem_raw) + (threadIdx.x >> 5) * R;
+  SlotRing<NT, R, COALESCED> ring{
+      reinterpret_cast<StreamSlot<NT>*>(pair_stream_smem_raw) + (threadIdx.x >> 5) * R};
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5), HN = int64_t(g.H) * g.N;
   const int older = source - g.lay.block;  // as in source_value_pair_span_kernel
   // Head hc's pair rows (hc: the head whose scalars this lane copies).
@@ -2403,76 +2453,60 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
   float* w1 = weights + (g.lay.pair_base(older) + (source - older)) * HN;
   const int last = g.lay.last_site(source), items = last - source + 4;
   const int64_t first = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  // The cursor: item ci of token cn goes to slot cs.
+  // The cursor: item ci of token cn is the next to copy.
   int64_t cn = first;
-  int ci = 0, cs = 0;
-  auto issue = [&]() {
-    if (cn < g.N) {
-      PairStreamSlot<NT>& slot = ring[cs];
-      const bf16* src = ci == 0 ? v0 : ci == 1 ? v1 : ci == 2 ? x : site_dx.dx[source + ci - 3];
-      const uint4* p = reinterpret_cast<const uint4*>(src + cn * g.d);
-      if constexpr (COALESCED) {
+  int ci = 0;
+  auto issue = [&](StreamSlot<NT>& slot) {
+    if (cn >= g.N) return;
+    const bf16* src = ci == 0 ? v0 : ci == 1 ? v1 : ci == 2 ? x : site_dx.dx[source + ci - 3];
+    const uint4* p = reinterpret_cast<const uint4*>(src + cn * g.d);
+    if constexpr (COALESCED) {
+      copy_chunks_async(slot, p);
+    } else {
 #pragma unroll
-        for (int u = 0; u < NT; ++u)
-          cp_async_cg16(&slot.row[stream_pos<NT>(lane + 32 * u)], p + lane + 32 * u);
-      } else {
-#pragma unroll
-        for (int t = 0; t < NT; ++t) cp_async_ca(&slot.row[t * 32 + lane], p + lane * NT + t, 16);
-      }
-      if (copies_scalars) {
-        if (ci == 0) {
-          cp_async_ca(&slot.scalar[0][lane], inv_rms0 + cn, 4);
-          cp_async_ca(&slot.scalar[1][lane], inv_rms1 + cn, 4);
-        } else if (ci >= 3) {
-          const int64_t off = int64_t(ci - 3) * HN + int64_t(hc) * g.N + cn;
-          cp_async_ca(&slot.scalar[0][lane], w0 + off, 4);
-          cp_async_ca(&slot.scalar[1][lane], w1 + off, 4);
-          if (ci > 3)
-            cp_async_ca(&slot.scalar[2][lane],
-                        ubar + (int64_t(source + ci - 3) * g.H + hc) * g.N + cn, 4);
-        }
-      }
-      if (++ci == items) ci = 0, cn += warps;
+      for (int t = 0; t < NT; ++t) cp_async_ca(&slot.row[t * 32 + lane], p + lane * NT + t, 16);
     }
-    cp_async_group();  // one group an item, empty past the end: the waits count items
-    if (++cs == R) cs = 0;
+    if (copies_scalars) {
+      if (ci == 0) {
+        cp_async_ca(&slot.scalar[0][lane], inv_rms0 + cn, 4);
+        cp_async_ca(&slot.scalar[1][lane], inv_rms1 + cn, 4);
+      } else if (ci >= 3) {
+        const int64_t off = int64_t(ci - 3) * HN + int64_t(hc) * g.N + cn;
+        cp_async_ca(&slot.scalar[0][lane], w0 + off, 4);
+        cp_async_ca(&slot.scalar[1][lane], w1 + off, 4);
+        if (ci > 3)
+          cp_async_ca(&slot.scalar[2][lane],
+                      ubar + (int64_t(source + ci - 3) * g.H + hc) * g.N + cn, 4);
+      }
+    }
+    if (++ci == items) ci = 0, cn += warps;
   };
-  // The consumer: the next item's slot, once the copies into it have landed (version 8:
-  // every lane's, hence the warp barrier, which also orders every lane's reads of the
-  // slot consumed before it ahead of its refill).
-  int ks = 0;
-  auto take = [&]() -> const PairStreamSlot<NT>& {
-    cp_async_wait_groups<R - 2>();
-    if constexpr (COALESCED) __syncwarp();
-    issue();
-    const PairStreamSlot<NT>& slot = ring[ks];
-    if (++ks == R) ks = 0;
-    return slot;
-  };
-  auto row_of = [&](const PairStreamSlot<NT>& slot, Row<NT>& r) {
+  auto row_of = [&](const StreamSlot<NT>& slot, Row<NT>& r) {
+    if constexpr (COALESCED) {
+      slot_span(slot, r);
+    } else {
 #pragma unroll
-    for (int t = 0; t < NT; ++t)
-      r.raw[t] = COALESCED ? slot.row[stream_pos<NT>(lane * NT + t)] : slot.row[t * 32 + lane];
+      for (int t = 0; t < NT; ++t) r.raw[t] = slot.row[t * 32 + lane];
+    }
   };
   // r0, r1: version 8 reads lane 0's copy (index 0; lanes < H each copy them).
   const int rs = COALESCED ? 0 : lane;
 #pragma unroll 1
-  for (int u = 0; u < R - 1; ++u) issue();
+  for (int u = 0; u < R - 1; ++u) ring.refill(issue);
   for (int64_t n = first; n < g.N; n += warps) {
     Row<NT> rv0, rv1, rdx;
     float r0, r1;
     {
-      const PairStreamSlot<NT>& s0 = take();
+      const StreamSlot<NT>& s0 = ring.take(issue);
       row_of(s0, rv0);
       r0 = s0.scalar[0][rs], r1 = s0.scalar[1][rs];
     }
-    row_of(take(), rv1);
+    row_of(ring.take(issue), rv1);
     float ub;
     {
       Row<NT> rx;
-      row_of(take(), rx);
-      const PairStreamSlot<NT>& s = take();
-      row_of(s, rdx);
+      row_of(ring.take(issue), rx);
+      row_of(ring.take(issue), rdx);
       ub = span_ubar_row(ubar, rdx, rx, g, source, n);
     }
     float acc0[NT][8], acc1[NT][8], radial0 = 0.f, radial1 = 0.f;  // radials: KEY
@@ -2480,9 +2514,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
     for (int t = 0; t < NT; ++t)
 #pragma unroll
       for (int e = 0; e < 8; ++e) acc0[t][e] = 0.f, acc1[t][e] = 0.f;
-    // Site `source`'s weights sit in the slot just taken (ks - 1); read before the next take.
-    const PairStreamSlot<NT>& s3 = ring[ks == 0 ? R - 1 : ks - 1];
-    float a0 = s3.scalar[0][sc], a1 = s3.scalar[1][sc];
+    // Site `source`'s weights sit in the slot just taken; read before the next take.
+    float a0 = ring.taken().scalar[0][sc], a1 = ring.taken().scalar[1][sc];
     float* w0h = w0 + int64_t(h) * g.N;
     float* w1h = w1 + int64_t(h) * g.N;
 #pragma unroll 1
@@ -2499,7 +2532,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
       const int64_t off = (k - source) * HN + n;
       if (leader) w0h[off] = ds0 * r0, w1h[off] = ds1 * r1;
       if (k == last) break;
-      const PairStreamSlot<NT>& s = take();
+      const StreamSlot<NT>& s = ring.take(issue);
       row_of(s, rdx);
       a0 = s.scalar[0][sc], a1 = s.scalar[1][sc], ub = s.scalar[2][sc];
     }
@@ -2512,6 +2545,107 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
       store_span_f32(val + n * g.d, acc0);
       store_span_f32(partial + n * g.d, acc1);
     }
+  }
+  cp_async_wait_groups<0>();  // nothing in flight into shared memory at exit
+}
+
+// Version 6 of the unfused value kernel (routing_set_kernel_version(SourceValue, 6); lab,
+// written after the nineteenth session's last device call: NOT yet run): the plain calls'
+// value pass on pair version 8's stream, whole rows, with version 2's arithmetic
+// (value_site, span_ubar_row: version 2's bits). Per token the items are the v row (with
+// inv_rms), the x row, where the call resumes a tile's older slot its fp32 row so far (two
+// items of NT * 32 chunks: lanes 0-15 read theirs from the first, 16-31 from the second),
+// then the site rows with their weights and ubar. The tiles' resume calls read one site a
+// token, so their time is each token's first loads, which the stream has in flight while
+// the previous token finishes.
+template <int NT, int MIN_BLOCKS>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
+    source_value_stream_kernel(float* __restrict__ val, float* __restrict__ weights,
+                               float* __restrict__ ubar, const SiteRows site_dx,
+                               const bf16* __restrict__ x, const bf16* __restrict__ v,
+                               const float* __restrict__ inv_rms,
+                               const float* __restrict__ resume, const Geometry g, int source,
+                               int last) {
+  constexpr int R = stream_slots(NT);
+  extern __shared__ float4 value_stream_smem_raw[];
+  const int lane = threadIdx.x & 31, G = 32 / g.H, h = lane / G;
+  const bool leader = lane % G == 0;
+  SlotRing<NT, R, true> ring{
+      reinterpret_cast<StreamSlot<NT>*>(value_stream_smem_raw) + (threadIdx.x >> 5) * R};
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5), HN = int64_t(g.H) * g.N;
+  float* w_src = weights + g.lay.pair_base(source) * HN;
+  const int lead = resume ? 4 : 2;  // items before the site rows
+  const int items = lead + last - source + 1;
+  const int64_t first = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  int64_t cn = first;  // the cursor: item ci of token cn is the next to copy
+  int ci = 0;
+  auto issue = [&](StreamSlot<NT>& slot) {
+    if (cn >= g.N) return;
+    if (ci < 2) {
+      copy_chunks_async(slot, reinterpret_cast<const uint4*>((ci == 0 ? v : x) + cn * g.d));
+      if (ci == 0 && lane == 0) cp_async_ca(&slot.scalar[0][0], inv_rms + cn, 4);
+    } else if (ci < lead) {
+      copy_chunks_async(slot, reinterpret_cast<const uint4*>(resume + cn * g.d) + (ci - 2) * 32 * NT);
+    } else {
+      const int k = source + ci - lead;
+      copy_chunks_async(slot, reinterpret_cast<const uint4*>(site_dx.dx[k] + cn * g.d));
+      if (lane < g.H) {
+        cp_async_ca(&slot.scalar[0][lane],
+                    w_src + int64_t(k - source) * HN + int64_t(lane) * g.N + cn, 4);
+        if (k > source)
+          cp_async_ca(&slot.scalar[2][lane], ubar + (int64_t(k) * g.H + lane) * g.N + cn, 4);
+      }
+    }
+    if (++ci == items) ci = 0, cn += warps;
+  };
+#pragma unroll 1
+  for (int u = 0; u < R - 1; ++u) ring.refill(issue);
+  for (int64_t n = first; n < g.N; n += warps) {
+    Row<NT> rv, rx, rdx;
+    const StreamSlot<NT>& sv = ring.take(issue);
+    slot_span(sv, rv);
+    const float r = sv.scalar[0][0];
+    slot_span(ring.take(issue), rx);
+    float acc[NT][8];
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[t][e] = 0.f;
+    if (resume) {
+      // Lane l's chunk t of the fp32 row is 16-byte units 2 (NT l + t) and + 1, in the
+      // first half (item) for l < 16.
+#pragma unroll 1
+      for (int half = 0; half < 2; ++half) {
+        const StreamSlot<NT>& sr = ring.take(issue);
+        if ((lane >> 4) == half) {
+          const int base = 2 * NT * (lane & 15);
+#pragma unroll
+          for (int t = 0; t < NT; ++t) {
+            const uint4 lo = sr.row[stream_pos<NT>(base + 2 * t)];
+            const uint4 hi = sr.row[stream_pos<NT>(base + 2 * t + 1)];
+            acc[t][0] = __uint_as_float(lo.x), acc[t][1] = __uint_as_float(lo.y);
+            acc[t][2] = __uint_as_float(lo.z), acc[t][3] = __uint_as_float(lo.w);
+            acc[t][4] = __uint_as_float(hi.x), acc[t][5] = __uint_as_float(hi.y);
+            acc[t][6] = __uint_as_float(hi.z), acc[t][7] = __uint_as_float(hi.w);
+          }
+        }
+      }
+    }
+    slot_span(ring.take(issue), rdx);
+    float ub = span_ubar_row(ubar, rdx, rx, g, source, n);
+    float a = ring.taken().scalar[0][h];
+    float* w_h = w_src + int64_t(h) * g.N;
+#pragma unroll 1
+    for (int k = source;; ++k) {
+      const float ds = value_site(acc, rdx, rv, a, ub, G);
+      // head_sum's shuffles synchronise the warp: every lane has used a_k.
+      if (leader) w_h[(k - source) * HN + n] = ds * r;
+      if (k == last) break;
+      const StreamSlot<NT>& s = ring.take(issue);
+      slot_span(s, rdx);
+      a = s.scalar[0][h], ub = s.scalar[2][h];
+    }
+    store_span_f32(val + n * g.d, acc);
   }
   cp_async_wait_groups<0>();  // nothing in flight into shared memory at exit
 }
@@ -2683,6 +2817,19 @@ int one_wave_blocks(K kernel, int64_t warps, size_t smem = 0) {
       token_blocks(warps),
       int64_t(sm_count()) * resident_blocks_per_sm(kernel, 32 * kWarpsPerBlock, smem));
   return int(g_grid_cap > 0 ? std::min<int64_t>(blocks, g_grid_cap) : blocks);
+}
+
+// A stream kernel (source_value_pair_stream_kernel, source_value_stream_kernel) on a grid
+// of one wave of the blocks that fit beside `smem` bytes each, `blocks_per_sm` of them
+// with the carveout they need.
+template <class K, class... Args>
+void launch_stream(cudaStream_t s, K kernel, size_t smem, int blocks_per_sm, int64_t warps,
+                   Args... args) {
+  allow_smem(kernel, smem);
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                  stream_carveout(smem, blocks_per_sm)));
+  kernel<<<one_wave_blocks(kernel, warps, smem), 32 * kWarpsPerBlock, smem, s>>>(args...);
+  CUDA_CHECK_LAUNCH();
 }
 
 // Calls f.template operator()<NT, ALIGNED>() for the geometry's row width and head size.
@@ -3157,17 +3304,12 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
              ": a backward depth tile of fused slots (source ", source, ")");
   MHAR_CHECK(!delta || (fused && ns == 1 && resume_last < 0), "CUDA ", what,
              ": the delta steps need a fused slot read by its own site (source ", source, ")");
-  // Pair versions 7-9 (source_value_pair_stream_kernel): the grid of one wave at the
-  // blocks that fit beside `smem` each, with the carveout they need.
+  // Pair versions 7-9 (source_value_pair_stream_kernel).
   auto launch_pair_stream = [&](auto kernel, size_t smem, int blocks_per_sm, float* val_out,
                                 bf16* dv0, float* partial, const float* key_qg) {
-    allow_smem(kernel, smem);
-    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                    stream_carveout(smem, blocks_per_sm)));
-    kernel<<<one_wave_blocks(kernel, N, smem), 32 * kWarpsPerBlock, smem, s>>>(
-        val_out, dv0, partial, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in,
-        older->v, inv_rms.ptr<float>(), older->inv_rms, key_qg, g, source);
-    CUDA_CHECK_LAUNCH();
+    launch_stream(s, kernel, smem, blocks_per_sm, N, val_out, dv0, partial,
+                  weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in, older->v,
+                  inv_rms.ptr<float>(), older->inv_rms, key_qg, g, source);
   };
   if (older && ring_fused) {
     // The older slot's radial sum so far follows its partial row.
@@ -3178,7 +3320,7 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
       if (g_pair_version == 9 && fused_parts_log2 == 0) {  // whole rows: version 9's stream
         constexpr int B = pair_blocks_per_sm(NT, 2);
         launch_pair_stream(source_value_pair_stream_kernel<NT, B, true, true>,
-                           pair_stream_smem<NT>(), B, nullptr, dv_out, partial, qg);
+                           stream_smem<NT>(), B, nullptr, dv_out, partial, qg);
         return;
       }
       // Two forms (the same bits), picked by the pair version: 3 blocks an SM with 2 sites
@@ -3216,7 +3358,7 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
           constexpr int B = pair_blocks_per_sm(NT, 2);
           auto stream = g_pair_version >= 8 ? source_value_pair_stream_kernel<NT, B, true>
                                             : source_value_pair_stream_kernel<NT, B, false>;
-          launch_pair_stream(stream, pair_stream_smem<NT>(), B, val, nullptr, partial, nullptr);
+          launch_pair_stream(stream, stream_smem<NT>(), B, val, nullptr, partial, nullptr);
           return;
         }
         if constexpr (NT <= kPairRingMaxNT) {  // wider rows: the ring spills (ptxas)
@@ -3265,6 +3407,15 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
                          [&](auto ntp) { value_ring_kernel(ntp, parts_log2); });
     } else dispatch_span(g, [&](auto nt) {
       constexpr int NT = decltype(nt)::value;
+      if constexpr (NT <= kBackTileMaxNT) {
+        if (!fused && !delta && value_version == 6) {  // rows staged in shared memory
+          constexpr int B = pair_blocks_per_sm(NT, 2);
+          launch_stream(s, source_value_stream_kernel<NT, B>, stream_smem<NT>(), B, N, val,
+                        weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in,
+                        inv_rms.ptr<float>(), resume, g, source, last);
+          return;
+        }
+      }
       if constexpr (NT <= kValueRingMaxNT) {
         if (!fused && !delta && value_version >= 2) {
           value_ring_kernel(nt, 0);
