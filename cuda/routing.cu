@@ -2299,14 +2299,14 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
 //   bytes at a stride of 16 NT: half a sector each, as version 3's loads) with
 //   cp.async.ca, and its scalars itself; a lane waits only for its own copies, no warp
 //   barrier. Slot layout [chunk t][lane], conflict-free. Measured (nineteenth session,
-//   call 4): slower than version 3, 350M 21.84 -> 22.67 ms, 1B 50.23 -> 53.02: the L1
+//   call 3): slower than version 3, 350M 21.84 -> 22.67 ms, 1B 50.23 -> 53.02: the L1
 //   left beside ~200 KB of shared memory is what .ca copies allocate in and merge their
 //   half sectors through.
 // - Version 8 (COALESCED): lane l copies chunks l + 32 u (each instruction 512 contiguous
 //   bytes, whole sectors) with cp.async.cg (no L1 allocation) into the row's own order,
 //   XOR-swizzled so that the consumer's span reads are conflict-free (stream_pos); one
 //   lane a head copies the head's scalars. Lanes read what other lanes copied, so each
-//   item's wait is followed by a warp barrier. Measured (call 5): 350M 20.90 ms, 1B 46.75
+//   item's wait is followed by a warp barrier. Measured (call 4): 350M 20.90 ms, 1B 46.75
 //   (version 3: 21.99, 50.78); the default. ptxas: 161 registers at d 1024 (3 blocks an
 //   SM, 68 KB of shared memory each), 202 at 1280 (2 blocks, 106 KB), no spills.
 // - Version 9 (lab; written after the session's last device call: NOT yet run) is
