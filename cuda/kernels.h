@@ -285,7 +285,7 @@ int routing_kernel_versions(RoutingKernel kernel);
 // bits; row parts (pair versions 5-6, value versions 3-4) change it where they split the row,
 // and value version 5 (the key path fused into the value pass) wherever it applies.
 int routing_backward_sum_order(int64_t d, int heads);
-// Tests: caps the grid of the backward's pair kernels (one wave of resident blocks) at
+// Tests: caps the backward's one-wave grids (the pair kernels, the stream kernels) at
 // `blocks` (0: no cap), so that small N still gives each warp several tokens; returns the
 // previous cap. The same bits at any grid.
 int routing_set_grid_cap(int blocks);

@@ -138,6 +138,29 @@ class RoutingParity : public CudaParity {
     return base;
   }
 
+  // The same with the backward's one-wave grids capped at one block
+  // (cuda::routing_set_grid_cap): each warp takes several tokens, through the kernels'
+  // token loops and the stream versions' cursor across token boundaries. Every version
+  // whose sum order is the default's must give `base` bit for bit.
+  template <class Run>
+  void expect_one_block_same_bits(const std::string& tag, int64_t d, int H,
+                                  std::initializer_list<cuda::RoutingKernel> kernels, Run&& run,
+                                  const BackwardBits& base) {
+    const int cap_before = cuda::routing_set_grid_cap(1);
+    const int base_order = cuda::routing_backward_sum_order(d, H);
+    for (cuda::RoutingKernel kernel : kernels) {
+      const char* name = kernel == cuda::RoutingKernel::BackwardPair ? "pair" : "value";
+      for (int version = 1; version <= cuda::routing_kernel_versions(kernel); ++version) {
+        cuda::routing_set_kernel_version(kernel, version);
+        if (cuda::routing_backward_sum_order(d, H) == base_order)
+          run().expect_same(base, tag + ", one block, " + name + " kernel v" +
+                                      std::to_string(version));
+      }
+      cuda::routing_set_kernel_version(kernel, 0);
+    }
+    cuda::routing_set_grid_cap(cap_before);
+  }
+
   // Key-gradient slabs summed (the GPU's and the CPU's slab counts differ).
   static std::vector<double> slab_sums(const std::vector<double>& g, int64_t slabs, size_t n) {
     std::vector<double> out(n, 0.0);
@@ -215,20 +238,9 @@ class RoutingParity : public CudaParity {
     const BackwardBits got = expect_versions_same_bits(
         "backward tiles " + tag, d, H,
         {cuda::RoutingKernel::BackwardPair, cuda::RoutingKernel::SourceValue}, run, against_cpu);
-    // One block for the pair kernels: each warp takes several tokens, through the kernels'
-    // token loops and the stream versions' cursor across token boundaries (same bits).
-    {
-      const int cap_before = cuda::routing_set_grid_cap(1);
-      const int base_order = cuda::routing_backward_sum_order(d, H);
-      const int versions = cuda::routing_kernel_versions(cuda::RoutingKernel::BackwardPair);
-      for (int version = 1; version <= versions; ++version) {
-        cuda::routing_set_kernel_version(cuda::RoutingKernel::BackwardPair, version);
-        if (cuda::routing_backward_sum_order(d, H) == base_order)
-          run().expect_same(got, tag + ", one block, pair kernel v" + std::to_string(version));
-      }
-      cuda::routing_set_kernel_version(cuda::RoutingKernel::BackwardPair, 0);
-      cuda::routing_set_grid_cap(cap_before);
-    }
+    expect_one_block_same_bits("backward tiles " + tag, d, H,
+                               {cuda::RoutingKernel::BackwardPair, cuda::RoutingKernel::SourceValue},
+                               run, got);
     std::printf("BACKWARD_TILES %s: %d tiles of %d slots\n", tag.c_str(), tiles, k);
     against_cpu(got, tag);
   }
@@ -338,21 +350,24 @@ class RoutingParity : public CudaParity {
     {  // every version of the value kernel: the default's bits
       Buffer w(*gpu, DType::F32, {lay.pairs(), H, N}), ub(*gpu, DType::F32, {S, H, N});
       Buffer gs(*gpu, DType::F32, {8, S, d}), dvp(*gpu, DType::BF16, {S, N, d});
-      expect_versions_same_bits(
-          "routing_source_backward " + tag, d, H, {cuda::RoutingKernel::SourceValue}, [&] {
-            w.set(mixed);
-            ub.poison();
-            dvp.poison();
-            gs.set(std::vector<double>(size_t(8 * S * d), 0.0));
-            for (int i = S - 1; i >= 0; --i)
-              gpu->routing_source_backward(dvp.t()[i], w, ub, gs, routing_rows(site_dx.g.t()),
-                                           xs.g.t()[i], history.g.t()[i], inv_rms.g.t()[i], pg, lay,
-                                           i, H);
-            return BackwardBits{dvp.get(), ub.get(), w.get(), gs.get()};
-          },
+      auto run = [&] {
+        w.set(mixed);
+        ub.poison();
+        dvp.poison();
+        gs.set(std::vector<double>(size_t(8 * S * d), 0.0));
+        for (int i = S - 1; i >= 0; --i)
+          gpu->routing_source_backward(dvp.t()[i], w, ub, gs, routing_rows(site_dx.g.t()),
+                                       xs.g.t()[i], history.g.t()[i], inv_rms.g.t()[i], pg, lay, i,
+                                       H);
+        return BackwardBits{dvp.get(), ub.get(), w.get(), gs.get()};
+      };
+      const BackwardBits base = expect_versions_same_bits(
+          "routing_source_backward " + tag, d, H, {cuda::RoutingKernel::SourceValue}, run,
           [&](const BackwardBits& got, const std::string& what) {
             expect_backward_close(what, got, dv, ubar, weights, gsum);
           });
+      expect_one_block_same_bits("routing_source_backward " + tag, d, H,
+                                 {cuda::RoutingKernel::SourceValue}, run, base);
     }
     if (const int k = gpu->routing_backward_tile_slots(lay, d, H); k > 1)
       check_back_tiles(tag, k, lay, N, d, H, history, xs, inv_rms, site_dx, mixed, pg, dv, ubar,
