@@ -1398,6 +1398,28 @@ struct DeltaRows {
   float* partial;
 };
 
+// The key path of one site for one slot: acc += (r ds) qg_k, and the slot's radial term
+// ds (qg_k . v)[head] on the head's leader lane.
+template <int NT>
+__device__ __forceinline__ void key_site(float (&acc)[NT][8], float& radial, const Row<NT>& rv,
+                                         const float4* qrow, float r, float ds, int G,
+                                         bool leader) {
+  float vq = 0.f;
+  const float rds = r * ds;
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    float q[8];
+    load_qg8(q, qrow, t);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      vq += q[e] * elem(rv.raw[t], e);
+      acc[t][e] += rds * q[e];
+    }
+  }
+  vq = head_sum(vq, G);
+  if (leader) radial += ds * vq;
+}
+
 // One site k of a slot's value path, token n (span layout): acc += a_k dx_k, and the
 // slot's logit gradient ds_k = a_k (u_k - ubar_k), u_k = head h's sum of dx_k . v. Every
 // value kernel (plain, ring, pair) runs its sites through this, so they share the bits.
@@ -1498,19 +1520,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, value_span_blocks_per_sm(
       if constexpr (FUSED) {
         const float4* qrow =
             reinterpret_cast<const float4*>(qg + int64_t(k - source) * g.d) + lane * 2 * NT;
-        float vq = 0.f;
-#pragma unroll
-        for (int t = 0; t < NT; ++t) {
-          float q[8];
-          load_qg8(q, qrow, t);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) {
-            vq += q[e] * elem(rv.raw[t], e);
-            acc[t][e] += r * ds * q[e];
-          }
-        }
-        vq = head_sum(vq, G);
-        if (leader) radial += ds * vq;
+        key_site(acc, radial, rv, qrow, r, ds, G, leader);
       }
       // head_sum's shuffles synchronise the warp: every lane has read a_k (one iteration
       // earlier) before the leader overwrites it; with G = 1 the lane is its own leader.
@@ -1678,28 +1688,6 @@ __device__ __forceinline__ float parts_sum(float v, float (*xch)[kWarpsPerBlock]
   float s = 0.f;
   for (int p = 0; p < parts; ++p) s += half[first + p];
   return s;
-}
-
-// The key path of one site for one slot: acc += (r ds) qg_k, and the slot's radial term
-// ds (qg_k . v)[head] on the head's leader lane.
-template <int NT>
-__device__ __forceinline__ void key_site(float (&acc)[NT][8], float& radial, const Row<NT>& rv,
-                                         const float4* qrow, float r, float ds, int G,
-                                         bool leader) {
-  float vq = 0.f;
-  const float rds = r * ds;
-#pragma unroll
-  for (int t = 0; t < NT; ++t) {
-    float q[8];
-    load_qg8(q, qrow, t);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      vq += q[e] * elem(rv.raw[t], e);
-      acc[t][e] += rds * q[e];
-    }
-  }
-  vq = head_sum(vq, G);
-  if (leader) radial += ds * vq;
 }
 
 // dv = acc - r^3/d radial v of a token's part (radial: the whole row's sum).
