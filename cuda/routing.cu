@@ -3339,9 +3339,6 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
     } else dispatch_span(g, [&](auto nt) {
       constexpr int NT = decltype(nt)::value;
       if constexpr (NT <= kBackTileMaxNT) {
-        // Blocks per SM and grid by the lab's version (see the kernel).
-        auto kernel = g_pair_version >= 2 ? source_value_pair_span_kernel<NT, pair_blocks_per_sm(NT, 2)>
-                                          : source_value_pair_span_kernel<NT, pair_blocks_per_sm(NT, 1)>;
         if (g_pair_version >= 7) {  // rows staged in shared memory
           constexpr int B = pair_blocks_per_sm(NT, 2);
           auto stream = g_pair_version >= 8 ? source_value_pair_stream_kernel<NT, B, true>
@@ -3355,7 +3352,10 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
             return;
           }
         }
-        // Version >= 3: one wave of the resident blocks.
+        // Versions 1-3: blocks per SM and grid by the version (see the kernel); >= 3: one
+        // wave of the resident blocks.
+        auto kernel = g_pair_version >= 2 ? source_value_pair_span_kernel<NT, pair_blocks_per_sm(NT, 2)>
+                                          : source_value_pair_span_kernel<NT, pair_blocks_per_sm(NT, 1)>;
         const int blocks = g_pair_version >= 3 ? one_wave_blocks(kernel, N) : token_blocks(N);
         kernel<<<blocks, 32 * kWarpsPerBlock, 0, s>>>(
             val, partial, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in, older->v,
