@@ -2332,6 +2332,11 @@ __device__ __forceinline__ int stream_pos(int c) {
   return (NT & (NT - 1)) == 0 ? c ^ ((c >> 3) & (NT - 1)) : c;
 }
 
+// cp.async for the stream kernels. attention_mma.cuh has 16-byte .cg, commit and wait
+// twins without "memory" clobbers (the attention kernels order them by __syncthreads);
+// here each one must also keep the compiler from moving a slot's shared-memory reads
+// across its refill or its wait, and version 7 has no barrier. One set for both is left
+// for a session that can time the attention kernels with the clobbers.
 __device__ __forceinline__ void cp_async_ca(void* dst, const void* src, int bytes16or4) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   if (bytes16or4 == 16)
