@@ -1605,16 +1605,21 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, value_span_blocks_per_sm(
 //   slots' rows, values and key paths in 150 registers with 2 sites in flight (the
 //   4-ahead form, 212 registers at 2 blocks an SM: 28.6 ms). Untiled, v3 and v5 lose at
 //   350M (24.74 / 25.33 / 25.39).
-// 6 (lab, NOT yet run): source_value_stream_kernel, version 2 on pair version 8's stream
-//   (rows staged in shared memory, whole rows, d <= 1280; wider rows take version 2).
+// 6 source_value_stream_kernel, version 2 on pair version 8's stream (rows staged in shared
+//   memory, whole rows, d <= 1280; wider rows take version 2); version 2's bits. Measured
+//   (twentieth session, same test, tiled, v2 / v3 / v5 / v6): 100M 4.143 / 4.145 / 4.186
+//   / 4.097 (but v5's fused pair form with pair version 9 is 4.022); 350M 21.186 /
+//   **20.754** / 22.937 / 20.933; 1B 46.490 / 46.487 / 46.538 / **46.016** (untiled 56.77
+//   -> 55.74).
 // The default is therefore by width (version 0: source_value_version): 5 where a lane
-// holds the whole row in at most 2 chunks (d <= 512), 3 at 4 chunks (d 1024), else 2.
+// holds the whole row in at most 2 chunks (d <= 512), 3 at 4 chunks (d 1024), 6 at 5
+// (d 1280), else 2.
 constexpr int kSourceValueVersions = 6;
 constexpr int kSourceValueDefault = 0;  // by width
 int g_source_value_version = kSourceValueDefault;  // routing_set_kernel_version (timing lab)
 int source_value_version(int64_t d) {
   if (g_source_value_version > 0) return g_source_value_version;
-  return d <= 512 ? 5 : d / 256 == 4 ? 3 : 2;
+  return d <= 512 ? 5 : d / 256 == 4 ? 3 : d / 256 == 5 ? 6 : 2;
 }
 // Sites in flight a warp (ptxas at 4 blocks an SM, <= 128 registers: no spills).
 constexpr int value_ring(int NT) { return NT <= 2 ? 4 : 2; }
@@ -2084,14 +2089,16 @@ __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT
 // the pair kernel is not bound by its rows in flight; 100M and 1B within 0.1 ms but v6 at
 // 100M (4.81 against 4.56).
 // 7 and 8 stage the rows in shared memory by cp.async (source_value_pair_stream_kernel,
-// below; version 3's arithmetic and bits). 8 is the default: nineteenth session, same test
-// at the default fused limit, v3 / v7 / v8: 350M 21.99 / 22.75 / **20.90** ms, 1B 50.78 /
-// 53.65 / **46.75** (100M takes value version 5's fused pair form, which neither changes).
-// So the rows in flight did bound it, once they no longer cost registers or L1 lines.
+// below; version 3's arithmetic and bits). Nineteenth session, same test at the default
+// fused limit, v3 / v7 / v8: 350M 21.99 / 22.75 / **20.90** ms, 1B 50.78 / 53.65 /
+// **46.75** (100M takes value version 5's fused pair form, which neither changes). So the
+// rows in flight did bound it, once they no longer cost registers or L1 lines.
+// 9 is 8 plus that fused form on the stream (100M); the default since the twentieth
+// session: 100M 4.183 (v8) -> **4.022** ms, 350M and 1B as version 8 (the same kernel).
 constexpr int kBackTileMaxNT = 5;  // d <= 1280: 234 registers, no spills (NT 6: 239; 7, 8 spill)
 constexpr int pair_blocks_per_sm(int NT, int version) { return version >= 2 && NT <= 4 ? 3 : 2; }
 constexpr int kPairVersions = 9;
-constexpr int kPairDefault = 8;
+constexpr int kPairDefault = 9;
 constexpr int kPairRing = 4;
 constexpr int kPairRingMaxNT = 2;
 int g_pair_version = kPairDefault;  // routing_set_kernel_version (timing lab)
@@ -2295,10 +2302,10 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
 //   XOR-swizzled so that the consumer's span reads are conflict-free (stream_pos); one
 //   lane a head copies the head's scalars. Lanes read what other lanes copied, so each
 //   item's wait is followed by a warp barrier. Measured (call 4): 350M 20.90 ms, 1B 46.75
-//   (version 3: 21.99, 50.78); the default. ptxas: 161 registers at d 1024 (3 blocks an
+//   (version 3: 21.99, 50.78). ptxas: 161 registers at d 1024 (3 blocks an
 //   SM, 68 KB of shared memory each), 202 at 1280 (2 blocks, 106 KB), no spills.
-// - Version 9 (lab; written after the session's last device call: NOT yet run) is
-//   version 8, and where value version 5 fuses the key path into the tile (d <= 512, whole
+// - Version 9 (the default; twentieth session: 100M's tiled backward 4.183 -> 4.022 ms,
+//   -4%; the same bits as the fused form's version 4, RoutingParity) is version 8, and where value version 5 fuses the key path into the tile (d <= 512, whole
 //   rows: 100M) the same stream in that fused form (KEY: key_site per site and slot, slot
 //   p0's dv finished, p1's partial row and radial sum left in the scratch, as
 //   pair_ring_token with KEY on a whole row: the same operations in the same order, so
@@ -2542,8 +2549,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
   cp_async_wait_groups<0>();  // nothing in flight into shared memory at exit
 }
 
-// Version 6 of the unfused value kernel (routing_set_kernel_version(SourceValue, 6); lab,
-// written after the nineteenth session's last device call: NOT yet run): the plain calls'
+// Version 6 of the unfused value kernel (routing_set_kernel_version(SourceValue, 6); the
+// default at d 1280 since the twentieth session, -1% of 1B's tiled backward): the plain calls'
 // value pass on pair version 8's stream, whole rows, with version 2's arithmetic
 // (value_site, span_ubar_row: version 2's bits). Per token the items are the v row (with
 // inv_rms), the x row, where the call resumes a tile's older slot its fp32 row so far (two
