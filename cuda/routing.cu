@@ -2095,9 +2095,14 @@ __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT
 // rows in flight did bound it, once they no longer cost registers or L1 lines.
 // 9 is 8 plus that fused form on the stream (100M); the default since the twentieth
 // session: 100M 4.183 (v8) -> **4.022** ms, 350M and 1B as version 8 (the same kernel).
+// 10 is 9 with the fused form at 4 blocks an SM where NT <= 2 (ptxas gives version 9 120
+// registers at d 512, so 4 fit; its 39 KB of slots a block then take a 164 KiB carveout,
+// leaving 64 KiB of L1 for the q*g rows): 16 warps an SM against 12, for 100M's tiles,
+// whose stream keeps ~72 KB an SM in flight already, so more warps would help only if
+// the kernel is bound by its warps' issue (not yet measured by ncu).
 constexpr int kBackTileMaxNT = 5;  // d <= 1280: 234 registers, no spills (NT 6: 239; 7, 8 spill)
 constexpr int pair_blocks_per_sm(int NT, int version) { return version >= 2 && NT <= 4 ? 3 : 2; }
-constexpr int kPairVersions = 9;
+constexpr int kPairVersions = 10;
 constexpr int kPairDefault = 9;
 constexpr int kPairRing = 4;
 constexpr int kPairRingMaxNT = 2;
@@ -2667,10 +2672,30 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
 // Measured (ncu, tenth session, 1B, ns = 1): with 4 rows a block the kernel took 31 us
 // (1.35 TB/s): ~10 warps per SM, each thread 8 batches of 8 rows in turn, latency-bound;
 // 8 rows a block doubles the warps in flight and halves each thread's batches.
+// Kernel-lab versions (routing_set_kernel_version(KeyGrad, v)):
+// 1 the kernel up to kKeyGradKernelMaxSites sites, the GEMMs past them;
+// 2 the kernel at every ns, the slot's sites in groups of kKeyGradKernelMaxSites (the
+//   grid's z: each group's blocks read v again, from L2 where it fits).
+// Why 2: tools/kernel_times.sh at 100M (twentieth session, call 2) found the GEMMs past 8
+// sites at 25 us a launch, two a slot (hi and lo): 0.83 ms of the step's 39.6 ms of
+// kernels for 17 slots; their output (dh x ns a head) gives cuBLAS ~32 tiles of work on
+// 132 SMs, so each reads its v at ~0.7 TB/s. The kernel's grid is C x d/256 x groups
+// (512 blocks at 100M's 25 sites). Version 2 sums each element in fp32 over the tokens in
+// the kernel's order (no bf16 split of ds r), so its bits differ from version 1's past 8
+// sites (routing_backward_sum_order; both within the CPU parity bound).
+// Default by width (key_grad_version): 2 at d <= 512, else 1 (until measured there).
 constexpr int kKeyGradKernelMaxSites = 8;
 constexpr int kKeyGradRows = 8;
+constexpr int kKeyGradVersions = 2;
+constexpr int kKeyGradDefault = 0;  // by width
+int g_key_grad_version = kKeyGradDefault;  // routing_set_kernel_version (timing lab)
+int key_grad_version(int64_t d) {
+  if (g_key_grad_version > 0) return g_key_grad_version;
+  return d <= 512 ? 2 : 1;
+}
 
-template <int NS>  // NS >= ns, the slot's sites
+// Sites source + z NS .. (z = blockIdx.z) of the slot's ns: NS >= the group's sites.
+template <int NS>
 __global__ void __launch_bounds__(32 * kKeyGradRows)
     key_grad_kernel(float* __restrict__ gsum, const float* __restrict__ dsr,
                     const bf16* __restrict__ v, const Geometry g, int source, int ns, int slabs) {
@@ -2681,8 +2706,11 @@ __global__ void __launch_bounds__(32 * kKeyGradRows)
   const bool active = chunk < g.nchunks;
   const int64_t n0 = g.N * slab / slabs, n1 = g.N * (slab + 1) / slabs;
   const int h = active ? chunk * 8 / g.dh : 0;
+  const int k0 = int(blockIdx.z) * NS;  // the group's first site, from source
+  source += k0;
+  ns = min(ns - k0, NS);
   const uint4* vp = reinterpret_cast<const uint4*>(v) + chunk;
-  const float* wp = dsr + int64_t(h) * g.N;  // site k's row: + k H N
+  const float* wp = dsr + (int64_t(k0) * g.H + h) * g.N;  // site k's row: + k H N
   float acc[NS][8];
 #pragma unroll
   for (int k = 0; k < NS; ++k)
@@ -3170,6 +3198,7 @@ int routing_kernel_versions(RoutingKernel kernel) {
     case RoutingKernel::Logits: return kLogitsVersions;
     case RoutingKernel::MixFinish: return kMixFinishVersions;
     case RoutingKernel::SourceValue: return kSourceValueVersions;
+    case RoutingKernel::KeyGrad: return kKeyGradVersions;
   }
   return 0;
 }
@@ -3184,6 +3213,7 @@ int routing_set_kernel_version(RoutingKernel kernel, int version) {
            : kernel == RoutingKernel::Logits       ? g_logits_version
            : kernel == RoutingKernel::MixFinish    ? g_mix_finish_version
            : kernel == RoutingKernel::SourceValue  ? g_source_value_version
+           : kernel == RoutingKernel::KeyGrad      ? g_key_grad_version
                                                    : g_delta_forward_version;
   const int fallback = kernel == RoutingKernel::MixTile        ? kMixTileDefault
                        : kernel == RoutingKernel::BackwardPair ? kPairDefault
@@ -3191,6 +3221,7 @@ int routing_set_kernel_version(RoutingKernel kernel, int version) {
                        : kernel == RoutingKernel::Logits       ? kLogitsDefault
                        : kernel == RoutingKernel::MixFinish    ? kMixFinishDefault
                        : kernel == RoutingKernel::SourceValue  ? kSourceValueDefault
+                       : kernel == RoutingKernel::KeyGrad      ? kKeyGradDefault
                                                                : kDeltaForwardDefault;
   const int before = v;
   v = version > 0 ? version : fallback;
@@ -3205,16 +3236,17 @@ bool routing_logits_by_token_kernel(int64_t d, int heads, int sites) {
 }
 
 int routing_backward_sum_order(int64_t d, int heads) {
-  if (!span_layout(d, heads) || d > 256 * kMaxNT) return 0;
+  const int key_grads = key_grad_version(d) == 2 ? 512 : 0;  // the kernel's sums past 8 sites
+  if (!span_layout(d, heads) || d > 256 * kMaxNT) return key_grads;
   Geometry g{};
   g.d = int(d);
   g.H = heads;
   auto lane_chunks = [&](int parts_log2) { return g.d / 256 >> std::max(parts_log2, 0); };
   const int value = source_value_version(d);
   const int value_parts = parts_log2_for(g, value_part_chunks(value));
-  if (value == 5 && value_parts >= 0)
-    return 256 + lane_chunks(value_parts);  // every slot fused, the pair kernel's form too
-  return 16 * lane_chunks(parts_log2_for(g, pair_part_chunks(g_pair_version))) +
+  if (value == 5 && value_parts >= 0)  // every slot fused, the pair kernel's form too
+    return key_grads + 256 + lane_chunks(value_parts);
+  return key_grads + 16 * lane_chunks(parts_log2_for(g, pair_part_chunks(g_pair_version))) +
          lane_chunks(value_parts);
 }
 
@@ -3317,7 +3349,14 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
         static_cast<float*>(ctx.scratch(ScratchSlot::RoutingBackTile, N * (g.d + 1) * 4));
     dispatch_part_span(g.d / 256 >> fused_parts_log2, [&](auto ntp) {
       constexpr int NT = decltype(ntp)::value;
-      if (g_pair_version == 9 && fused_parts_log2 == 0) {  // whole rows: version 9's stream
+      if (g_pair_version >= 9 && fused_parts_log2 == 0) {  // whole rows: the stream
+        if constexpr (NT <= 2) {
+          if (g_pair_version == 10) {  // 4 blocks an SM
+            launch_pair_stream(source_value_pair_stream_kernel<NT, 4, true, true>,
+                               stream_smem<NT>(), 4, nullptr, dv_out, partial, qg);
+            return;
+          }
+        }
         constexpr int B = pair_blocks_per_sm(NT, 2);
         launch_pair_stream(source_value_pair_stream_kernel<NT, B, true, true>,
                            stream_smem<NT>(), B, nullptr, dv_out, partial, qg);
@@ -3458,9 +3497,11 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
     });
   }
   // The key gradients: gsum[.][k] += G_k for the slot's sites k.
-  if (ns <= kKeyGradKernelMaxSites && g.dh % 8 == 0) {  // one pass (see the kernel)
+  if ((ns <= kKeyGradKernelMaxSites || key_grad_version(g.d) == 2) && g.dh % 8 == 0) {
+    // One pass (see the kernel), a grid layer a group of kKeyGradKernelMaxSites sites.
     const int slabs = int(gsum.dim(0));
-    const dim3 grid(unsigned(slabs), unsigned(ceil_div(g.nchunks, 32)));
+    const dim3 grid(unsigned(slabs), unsigned(ceil_div(g.nchunks, 32)),
+                    unsigned(ceil_div(ns, kKeyGradKernelMaxSites)));
     auto launch = [&](auto kernel) {
       kernel<<<grid, 32 * kKeyGradRows, 0, s>>>(gsum.ptr<float>(), w_src, v_in, g, source, ns,
                                                 slabs);

@@ -110,7 +110,13 @@ class RoutingParity : public CudaParity {
     }
   };
 
-  // Every kernel-lab version of the backward's `kernels` (BackwardPair, SourceValue): the
+  static const char* kernel_name(cuda::RoutingKernel kernel) {
+    return kernel == cuda::RoutingKernel::BackwardPair ? "pair"
+           : kernel == cuda::RoutingKernel::KeyGrad    ? "key grad"
+                                                       : "value";
+  }
+
+  // Every kernel-lab version of the backward's `kernels` (BackwardPair, SourceValue, KeyGrad): the
   // bits of `run()` at the defaults wherever cuda::routing_backward_sum_order says the
   // per-head sums run in the defaults' order, else `close` (the CPU reference's bounds:
   // row parts sum each head's dot product in another order); returns the defaults' outputs.
@@ -122,7 +128,7 @@ class RoutingParity : public CudaParity {
     const int base_order = cuda::routing_backward_sum_order(d, H);
     for (cuda::RoutingKernel kernel : kernels) {
       const int versions = cuda::routing_kernel_versions(kernel);
-      const char* name = kernel == cuda::RoutingKernel::BackwardPair ? "pair" : "value";
+      const char* name = kernel_name(kernel);
       for (int version = 1; version <= versions; ++version) {
         cuda::routing_set_kernel_version(kernel, version);
         const std::string what = tag + ", " + name + " kernel v" + std::to_string(version);
@@ -149,7 +155,7 @@ class RoutingParity : public CudaParity {
     const int cap_before = cuda::routing_set_grid_cap(1);
     const int base_order = cuda::routing_backward_sum_order(d, H);
     for (cuda::RoutingKernel kernel : kernels) {
-      const char* name = kernel == cuda::RoutingKernel::BackwardPair ? "pair" : "value";
+      const char* name = kernel_name(kernel);
       for (int version = 1; version <= cuda::routing_kernel_versions(kernel); ++version) {
         cuda::routing_set_kernel_version(kernel, version);
         if (cuda::routing_backward_sum_order(d, H) == base_order)
@@ -237,9 +243,12 @@ class RoutingParity : public CudaParity {
     };
     const BackwardBits got = expect_versions_same_bits(
         "backward tiles " + tag, d, H,
-        {cuda::RoutingKernel::BackwardPair, cuda::RoutingKernel::SourceValue}, run, against_cpu);
+        {cuda::RoutingKernel::BackwardPair, cuda::RoutingKernel::SourceValue,
+         cuda::RoutingKernel::KeyGrad},
+        run, against_cpu);
     expect_one_block_same_bits("backward tiles " + tag, d, H,
-                               {cuda::RoutingKernel::BackwardPair, cuda::RoutingKernel::SourceValue},
+                               {cuda::RoutingKernel::BackwardPair, cuda::RoutingKernel::SourceValue,
+                                cuda::RoutingKernel::KeyGrad},
                                run, got);
     std::printf("BACKWARD_TILES %s: %d tiles of %d slots\n", tag.c_str(), tiles, k);
     against_cpu(got, tag);
@@ -362,12 +371,14 @@ class RoutingParity : public CudaParity {
         return BackwardBits{dvp.get(), ub.get(), w.get(), gs.get()};
       };
       const BackwardBits base = expect_versions_same_bits(
-          "routing_source_backward " + tag, d, H, {cuda::RoutingKernel::SourceValue}, run,
+          "routing_source_backward " + tag, d, H,
+          {cuda::RoutingKernel::SourceValue, cuda::RoutingKernel::KeyGrad}, run,
           [&](const BackwardBits& got, const std::string& what) {
             expect_backward_close(what, got, dv, ubar, weights, gsum);
           });
       expect_one_block_same_bits("routing_source_backward " + tag, d, H,
-                                 {cuda::RoutingKernel::SourceValue}, run, base);
+                                 {cuda::RoutingKernel::SourceValue, cuda::RoutingKernel::KeyGrad},
+                                 run, base);
     }
     if (const int k = gpu->routing_backward_tile_slots(lay, d, H); k > 1)
       check_back_tiles(tag, k, lay, N, d, H, history, xs, inv_rms, site_dx, mixed, pg, dv, ubar,
