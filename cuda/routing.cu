@@ -2099,7 +2099,8 @@ __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT
 // registers at d 512, so 4 fit; its 39 KB of slots a block then take a 164 KiB carveout,
 // leaving 64 KiB of L1 for the q*g rows): 16 warps an SM against 12, for 100M's tiles,
 // whose stream keeps ~72 KB an SM in flight already, so more warps would help only if
-// the kernel is bound by its warps' issue (not yet measured by ncu).
+// the kernel is bound by its warps' issue. Measured (twentieth session, call 3, 100M's
+// tiled backward): v9 3.635 ms, v10 3.643: no gain, so it is not.
 constexpr int kBackTileMaxNT = 5;  // d <= 1280: 234 registers, no spills (NT 6: 239; 7, 8 spill)
 constexpr int pair_blocks_per_sm(int NT, int version) { return version >= 2 && NT <= 4 ? 3 : 2; }
 constexpr int kPairVersions = 10;
@@ -2683,7 +2684,13 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
 // (512 blocks at 100M's 25 sites). Version 2 sums each element in fp32 over the tokens in
 // the kernel's order (no bf16 split of ds r), so its bits differ from version 1's past 8
 // sites (routing_backward_sum_order; both within the CPU parity bound).
-// Default by width (key_grad_version): 2 at d <= 512, else 1 (until measured there).
+// Measured (twentieth session, call 3, OpTiming.DISABLED_RoutingBackwardFusedLimit, a
+// step's backward, ms, v1 / v2): 100M tiled 4.045 / **3.630**, untiled 4.407 / 3.980; 350M
+// tiled **20.781** / 21.536; 1B tiled **45.866** / 50.441. At d 1024 and 1280 the groups'
+// re-reads of v (7 and 10 groups of an up to 42 MB row set) cost more than the GEMMs'
+// poor fill. In the 100M step (tools/kernel_times.sh): 34 GEMMs (0.83 ms) and 17 splits
+// (0.09 ms) became 17 more kernel launches (0.53 ms).
+// Default by width (key_grad_version): 2 at d <= 512, else 1.
 constexpr int kKeyGradKernelMaxSites = 8;
 constexpr int kKeyGradRows = 8;
 constexpr int kKeyGradVersions = 2;
