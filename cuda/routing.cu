@@ -1300,13 +1300,20 @@ __device__ __forceinline__ float head_sum(float x, int G) {
 // ubar of site `source` for token n (span layout), from its input gradient dx (this
 // lane's chunks, already loaded) and its input x: head h's sum of dx . x; the head's
 // leader lane stores it in ubar's row `source`.
+// G: the lanes a head, 32 / g.H (a caller that knows it at compile time passes it so, and
+// head_sum's loop unrolls).
 template <int NT>
 __device__ __forceinline__ float span_ubar_row(float* ubar, const Row<NT>& dx, const Row<NT>& rx,
-                                               const Geometry& g, int source, int64_t n) {
-  const int lane = threadIdx.x & 31, G = 32 / g.H, h = lane / G;
+                                               const Geometry& g, int source, int64_t n, int G) {
+  const int lane = threadIdx.x & 31, h = lane / G;
   const float ub = head_sum(lane_dot(dx, rx), G);
   if (lane % G == 0) ubar[(int64_t(source) * g.H + h) * g.N + n] = ub;
   return ub;
+}
+template <int NT>
+__device__ __forceinline__ float span_ubar_row(float* ubar, const Row<NT>& dx, const Row<NT>& rx,
+                                               const Geometry& g, int source, int64_t n) {
+  return span_ubar_row(ubar, dx, rx, g, source, n, 32 / g.H);
 }
 template <int NT>
 __device__ __forceinline__ float span_ubar(float* ubar, const Row<NT>& dx, const bf16* x,
@@ -2100,10 +2107,24 @@ __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT
 // leaving 64 KiB of L1 for the q*g rows): 16 warps an SM against 12, for 100M's tiles,
 // whose stream keeps ~72 KB an SM in flight already, so more warps would help only if
 // the kernel is bound by its warps' issue. Measured (twentieth session, call 3, 100M's
-// tiled backward): v9 3.635 ms, v10 3.643: no gain, so it is not.
+// tiled backward): v9 3.635 ms, v10 3.643: no gain, so it is not short of warps.
+// 11 (lab, written after the twentieth session's last device call: NOT yet run) is 9 with
+// the lanes a head, G = 32 / H, a compile-time constant where H is 4 or 8 (the paper
+// shapes: G 8 at 100M, 4 at 350M and 1B). Why: the PTX of version 9's fused kernel at d
+// 512 has ~580 instructions a site and token (a warp), 1.2 G warp instructions for 100M's
+// tiles, which at the measured 1.91 ms is ~0.7 of the issue rate: issue-bound. Each of
+// its four head sums a site (pair_site's two, key_site's two) is a loop over G's
+// shuffles, ~10 instructions an iteration and no overlap of the two slots' chains; with
+// G known they unroll (3 shuffles and adds at G 8) and the two chains interleave:
+// ~100 of the 580 instructions go. The same operations in the same order: the same bits.
+// The rest of a site's instructions: ~320 of arithmetic (64 + 64 FMAs, the bf16 unpacks),
+// ~100 of the item's copy issue (64-bit address arithmetic, the item kind's branches).
+// Tried and dropped before any run: the two slot rows unpacked to fp32 once a token (a
+// fp32 copy of each, passed to the site helpers): NVVM sinks the unpacks back into the
+// site loop (identical PTX), so they stay ~32 of a site's instructions at d 512.
 constexpr int kBackTileMaxNT = 5;  // d <= 1280: 234 registers, no spills (NT 6: 239; 7, 8 spill)
 constexpr int pair_blocks_per_sm(int NT, int version) { return version >= 2 && NT <= 4 ? 3 : 2; }
-constexpr int kPairVersions = 10;
+constexpr int kPairVersions = 11;
 constexpr int kPairDefault = 9;
 constexpr int kPairRing = 4;
 constexpr int kPairRingMaxNT = 2;
@@ -2430,7 +2451,7 @@ __device__ __forceinline__ void slot_span(const StreamSlot<NT>& slot, Row<NT>& r
   for (int t = 0; t < NT; ++t) r.raw[t] = slot.row[stream_pos<NT>(lane * NT + t)];
 }
 
-template <int NT, int MIN_BLOCKS, bool COALESCED, bool KEY = false>
+template <int NT, int MIN_BLOCKS, bool COALESCED, bool KEY = false, int GC = 0>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
     source_value_pair_stream_kernel(float* __restrict__ val, bf16* __restrict__ dv0,
                                     float* __restrict__ partial, float* __restrict__ weights,
@@ -2441,9 +2462,13 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
                                     const float* __restrict__ inv_rms1,
                                     const float* __restrict__ qg, const Geometry g, int source) {
   static_assert(!KEY || COALESCED, "the fused form is version 9: version 8's copies");
+  static_assert(GC == 0 || (COALESCED && GC <= 32 && (GC & (GC - 1)) == 0),
+                "version 11: version 8's copies, G a power of two");
   constexpr int R = stream_slots(NT);
   extern __shared__ float4 pair_stream_smem_raw[];
-  const int lane = threadIdx.x & 31, G = 32 / g.H, h = lane / G;
+  // GC > 0 (version 11): the lanes a head as a compile-time constant (the host checks
+  // 32 / g.H == GC), so every head_sum below unrolls.
+  const int lane = threadIdx.x & 31, G = GC > 0 ? GC : 32 / g.H, h = lane / G;
   const bool leader = lane % G == 0;
   // Scalars: version 7's lanes each copy and read their own (index lane); version 8's lane
   // l < H copies head l's into index l, which the head's lanes read (index sc).
@@ -2513,7 +2538,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
       Row<NT> rx;
       row_of(ring.take(issue), rx);
       row_of(ring.take(issue), rdx);
-      ub = span_ubar_row(ubar, rdx, rx, g, source, n);
+      ub = span_ubar_row(ubar, rdx, rx, g, source, n, G);
     }
     float acc0[NT][8], acc1[NT][8], radial0 = 0.f, radial1 = 0.f;  // radials: KEY
 #pragma unroll
@@ -3365,8 +3390,12 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
           }
         }
         constexpr int B = pair_blocks_per_sm(NT, 2);
-        launch_pair_stream(source_value_pair_stream_kernel<NT, B, true, true>,
-                           stream_smem<NT>(), B, nullptr, dv_out, partial, qg);
+        // Version 11: the lanes a head (32 / heads) as a compile-time constant.
+        const bool head_const = g_pair_version >= 11 && (heads == 4 || heads == 8);
+        auto stream = !head_const  ? source_value_pair_stream_kernel<NT, B, true, true>
+                      : heads == 4 ? source_value_pair_stream_kernel<NT, B, true, true, 8>
+                                   : source_value_pair_stream_kernel<NT, B, true, true, 4>;
+        launch_pair_stream(stream, stream_smem<NT>(), B, nullptr, dv_out, partial, qg);
         return;
       }
       // Two forms (the same bits), picked by the pair version: 3 blocks an SM with 2 sites
@@ -3399,8 +3428,11 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
       if constexpr (NT <= kBackTileMaxNT) {
         if (g_pair_version >= 7) {  // rows staged in shared memory
           constexpr int B = pair_blocks_per_sm(NT, 2);
-          auto stream = g_pair_version >= 8 ? source_value_pair_stream_kernel<NT, B, true>
-                                            : source_value_pair_stream_kernel<NT, B, false>;
+          const bool head_const = g_pair_version >= 11 && (heads == 4 || heads == 8);
+          auto stream = head_const && heads == 4 ? source_value_pair_stream_kernel<NT, B, true, false, 8>
+                        : head_const             ? source_value_pair_stream_kernel<NT, B, true, false, 4>
+                        : g_pair_version >= 8    ? source_value_pair_stream_kernel<NT, B, true>
+                                                 : source_value_pair_stream_kernel<NT, B, false>;
           launch_pair_stream(stream, stream_smem<NT>(), B, val, nullptr, partial, nullptr);
           return;
         }

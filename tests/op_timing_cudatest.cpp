@@ -602,29 +602,22 @@ TEST_F(OpTiming, DISABLED_RoutingBackwardFusedLimit) {
       cuda::routing_set_kernel_version(cuda::RoutingKernel::BackwardPair, 0);
     }
     cuda::routing_set_fused_key_max_sites(-1);
-    // The plain calls' value kernel (its numbered versions) at the default limit and pair
-    // kernel, untiled and tiled.
-    const int value_versions = cuda::routing_kernel_versions(cuda::RoutingKernel::SourceValue);
-    for (int version = 1; version <= value_versions; ++version) {
-      cuda::routing_set_kernel_version(cuda::RoutingKernel::SourceValue, version);
-      const std::string head = "routing backward, value kernel v" + std::to_string(version);
-      report(head + ", untiled, " + tag, time_ms([&] { backward(false); }, 3) - copy_ms, 0, 0);
-      if (tile > 1)
-        report(head + ", tiles of " + std::to_string(tile) + ", " + tag,
-               time_ms([&] { backward(true); }, 3) - copy_ms, 0, 0);
-    }
-    cuda::routing_set_kernel_version(cuda::RoutingKernel::SourceValue, 0);
-    // The key gradients' versions (1: the GEMMs past 8 sites; 2: the kernel at every slot).
-    const int key_versions = cuda::routing_kernel_versions(cuda::RoutingKernel::KeyGrad);
-    for (int version = 1; version <= key_versions; ++version) {
-      cuda::routing_set_kernel_version(cuda::RoutingKernel::KeyGrad, version);
-      const std::string head = "routing backward, key grads v" + std::to_string(version);
-      report(head + ", untiled, " + tag, time_ms([&] { backward(false); }, 3) - copy_ms, 0, 0);
-      if (tile > 1)
-        report(head + ", tiles of " + std::to_string(tile) + ", " + tag,
-               time_ms([&] { backward(true); }, 3) - copy_ms, 0, 0);
-    }
-    cuda::routing_set_kernel_version(cuda::RoutingKernel::KeyGrad, 0);
+    // Each numbered version of one kernel at the default limit and pair kernel, untiled
+    // and tiled: the plain calls' value kernel, the key gradients (1: the GEMMs past 8
+    // sites; 2: the token-slab kernel at every slot).
+    auto sweep_versions = [&](cuda::RoutingKernel kernel, const std::string& name) {
+      for (int version = 1; version <= cuda::routing_kernel_versions(kernel); ++version) {
+        cuda::routing_set_kernel_version(kernel, version);
+        const std::string head = "routing backward, " + name + " v" + std::to_string(version);
+        report(head + ", untiled, " + tag, time_ms([&] { backward(false); }, 3) - copy_ms, 0, 0);
+        if (tile > 1)
+          report(head + ", tiles of " + std::to_string(tile) + ", " + tag,
+                 time_ms([&] { backward(true); }, 3) - copy_ms, 0, 0);
+      }
+      cuda::routing_set_kernel_version(kernel, 0);
+    };
+    sweep_versions(cuda::RoutingKernel::SourceValue, "value kernel");
+    sweep_versions(cuda::RoutingKernel::KeyGrad, "key grads");
     // Row parts in both kernels at once (pair v5 + value v3: parts of 2 chunks a lane;
     // pair v6 + value v4: of 1), as a default would take them; value v5 (every slot's key
     // path fused) with its pair kernel's two forms (pair v6: 2 blocks an SM, 4 sites in
