@@ -1618,10 +1618,15 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, value_span_blocks_per_sm(
 //   / 4.097 (but v5's fused pair form with pair version 9 is 4.022); 350M 21.186 /
 //   **20.754** / 22.937 / 20.933; 1B 46.490 / 46.487 / 46.538 / **46.016** (untiled 56.77
 //   -> 55.74).
+// 7 (lab, written after the twentieth session's last device call: NOT yet run) is 5 with
+//   the lanes a head a compile-time constant where the rows are whole and H is 4 or 8
+//   (100M: G 8), as pair version 11: its value_site and key_site head sums unroll. The
+//   same operations: version 5's bits. PTX a site (moves not counted): 168 -> 163, so
+//   what it tests is the two chains' overlap, not fewer instructions.
 // The default is therefore by width (version 0: source_value_version): 5 where a lane
 // holds the whole row in at most 2 chunks (d <= 512), 3 at 4 chunks (d 1024), 6 at 5
 // (d 1280), else 2.
-constexpr int kSourceValueVersions = 6;
+constexpr int kSourceValueVersions = 7;
 constexpr int kSourceValueDefault = 0;  // by width
 int g_source_value_version = kSourceValueDefault;  // routing_set_kernel_version (timing lab)
 int source_value_version(int64_t d) {
@@ -1647,6 +1652,13 @@ __device__ __forceinline__ RowPart row_part(int64_t warp, int parts_log2, int nt
   const int p = int(warp & ((int64_t(1) << parts_log2) - 1)), Hp = H >> parts_log2;
   const int G = 32 / Hp;
   return {warp >> parts_log2, int64_t(p) * 256 * nt, p * Hp + int(threadIdx.x & 31) / G, G};
+}
+// rp with its lanes a head as the compile-time GC where GC > 0 (the caller checked that
+// GC is rp.G): the head sums that take it then unroll.
+template <int GC>
+__device__ __forceinline__ RowPart lanes_a_head(RowPart rp) {
+  if constexpr (GC > 0) rp.G = GC;
+  return rp;
 }
 
 // ubar of site `source` for token rp.n, head rp.h (span_ubar_row on a row part).
@@ -1719,7 +1731,9 @@ __device__ __forceinline__ void store_fused_dv(bf16* dv, float (&acc)[NT][8], co
 // (xch: the block's exchange for parts_sum; round: this warp's token count); else the
 // fp32 value row into val. Ring slot u holds site k = source + u (mod PF): its row,
 // weight and ubar.
-template <int NT, int PF, bool KEY>
+// GC > 0 (value version 7): the lanes a head of the row part as a compile-time constant
+// (the host checks it), so that the head sums unroll.
+template <int NT, int PF, bool KEY, int GC = 0>
 __device__ __forceinline__ void value_ring_token(float* val, bf16* dv, float* weights,
                                                  float* ubar, const SiteRows& site_dx,
                                                  const bf16* x, const bf16* v,
@@ -1730,7 +1744,7 @@ __device__ __forceinline__ void value_ring_token(float* val, bf16* dv, float* we
                                                  int round) {
   const int lane = threadIdx.x & 31;
   const int64_t HN = int64_t(g.H) * g.N;
-  const RowPart rp = row_part(wi, parts_log2, NT, g.H);
+  const RowPart rp = lanes_a_head<GC>(row_part(wi, parts_log2, NT, g.H));
   const int64_t n = rp.n, row = n * g.d + rp.off;
   const bool leader = lane % rp.G == 0;
   float* w_src = weights + (g.lay.pair_base(source) * g.H + rp.h) * g.N;  // head h's rows
@@ -1805,7 +1819,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
                                     resume, g, source, last, parts_log2, wi, nullptr, 0);
 }
 
-template <int NT, int PF>
+template <int NT, int PF, int GC = 0>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
     source_value_fused_ring_kernel(bf16* __restrict__ dv, float* __restrict__ weights,
                                    float* __restrict__ ubar, const SiteRows site_dx,
@@ -1818,8 +1832,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
   int round = 0;
   for (int64_t wi = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
        wi < (g.N << parts_log2); wi += warps, ++round)
-    value_ring_token<NT, PF, true>(nullptr, dv, weights, ubar, site_dx, x, v, inv_rms, qg, resume,
-                                   g, source, last, parts_log2, wi, xch, round);
+    value_ring_token<NT, PF, true, GC>(nullptr, dv, weights, ubar, site_dx, x, v, inv_rms, qg,
+                                       resume, g, source, last, parts_log2, wi, xch, round);
 }
 
 // A slot's inv_rms and its logits for its ns sites, token n, span layout, from the slot's
@@ -2111,14 +2125,14 @@ __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT
 // 11 (lab, written after the twentieth session's last device call: NOT yet run) is 9 with
 // the lanes a head, G = 32 / H, a compile-time constant where H is 4 or 8 (the paper
 // shapes: G 8 at 100M, 4 at 350M and 1B). Why: the PTX of version 9's fused kernel at d
-// 512 has ~580 instructions a site and token (a warp), 1.2 G warp instructions for 100M's
-// tiles, which at the measured 1.91 ms is ~0.7 of the issue rate: issue-bound. Each of
-// its four head sums a site (pair_site's two, key_site's two) is a loop over G's
-// shuffles, ~10 instructions an iteration and no overlap of the two slots' chains; with
-// G known they unroll (3 shuffles and adds at G 8) and the two chains interleave:
-// ~100 of the 580 instructions go. The same operations in the same order: the same bits.
-// The rest of a site's instructions: ~320 of arithmetic (64 + 64 FMAs, the bf16 unpacks),
-// ~100 of the item's copy issue (64-bit address arithmetic, the item kind's branches).
+// 512 has ~416 instructions (moves not counted) a site and token a warp, ~0.9 G warp
+// instructions for 100M's tiles, which at the measured 1.91 ms is over half the issue
+// rate. Each of its four head sums a site (pair_site's two, key_site's two) is a loop over
+// G's shuffles, 5 instructions an iteration, and the two slots' chains cannot overlap;
+// with G known they unroll (3 shuffles and adds at G 8) and interleave: ~346 a site. The
+// same operations in the same order: the same bits. Of the rest: ~260 of arithmetic
+// (128 FMAs, the bf16 unpacks), ~80 of the item's copy issue (64-bit offsets, the item
+// kind's branches, the scalar copies of lanes below H).
 // Tried and dropped before any run: the two slot rows unpacked to fp32 once a token (a
 // fp32 copy of each, passed to the site helpers): NVVM sinks the unpacks back into the
 // site loop (identical PTX), so they stay ~32 of a site's instructions at d 512.
@@ -2960,7 +2974,7 @@ int row_parts_log2(const Geometry& g, int chunks) {
 // The row parts' chunks a lane that each lab version asks for (0: whole rows): value
 // versions 3 and 5 at most 2, 4 at most 1; pair versions 5 at most 2, 6 at most 1.
 int value_part_chunks(int version) {
-  return version == 3 || version == 5 ? 2 : version == 4 ? 1 : 0;
+  return version == 3 || version == 5 || version == 7 ? 2 : version == 4 ? 1 : 0;
 }
 int pair_part_chunks(int version) { return version == 5 ? 2 : version == 6 ? 1 : 0; }
 // row_parts_log2 for `chunks` (0: the whole row, log2 0).
@@ -3276,7 +3290,7 @@ int routing_backward_sum_order(int64_t d, int heads) {
   auto lane_chunks = [&](int parts_log2) { return g.d / 256 >> std::max(parts_log2, 0); };
   const int value = source_value_version(d);
   const int value_parts = parts_log2_for(g, value_part_chunks(value));
-  if (value == 5 && value_parts >= 0)  // every slot fused, the pair kernel's form too
+  if ((value == 5 || value == 7) && value_parts >= 0)  // every slot fused, the pair kernel's form too
     return key_grads + 256 + lane_chunks(value_parts);
   return key_grads + 16 * lane_chunks(parts_log2_for(g, pair_part_chunks(g_pair_version))) +
          lane_chunks(value_parts);
@@ -3357,7 +3371,7 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
   // the others write the fp32 value row for the key GEMM and finish kernel below. Value
   // version 5 fuses every slot's key path (source_value_fused_ring_kernel).
   const int value_version = source_value_version(g.d);
-  const int fused_parts_log2 = !delta && value_version == 5 && span_layout(g)
+  const int fused_parts_log2 = !delta && (value_version == 5 || value_version == 7) && span_layout(g)
                                    ? parts_log2_for(g, value_part_chunks(value_version))
                                    : -1;
   const bool ring_fused = fused_parts_log2 >= 0;
@@ -3474,10 +3488,15 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
     if (ring_fused) {
       dispatch_part_span(g.d / 256 >> fused_parts_log2, [&](auto ntp) {
         constexpr int NT = decltype(ntp)::value;
-        source_value_fused_ring_kernel<NT, value_ring(NT)>
-            <<<token_blocks(N << fused_parts_log2), 32 * kWarpsPerBlock, 0, s>>>(
-                dv_out, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in,
-                inv_rms.ptr<float>(), qg, resume, g, source, last, fused_parts_log2);
+        // Version 7: the lanes a head a compile-time constant on whole rows at H 4 and 8.
+        const bool head_const =
+            value_version == 7 && fused_parts_log2 == 0 && (heads == 4 || heads == 8);
+        auto kernel = !head_const  ? source_value_fused_ring_kernel<NT, value_ring(NT)>
+                      : heads == 4 ? source_value_fused_ring_kernel<NT, value_ring(NT), 8>
+                                   : source_value_fused_ring_kernel<NT, value_ring(NT), 4>;
+        kernel<<<token_blocks(N << fused_parts_log2), 32 * kWarpsPerBlock, 0, s>>>(
+            dv_out, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in,
+            inv_rms.ptr<float>(), qg, resume, g, source, last, fused_parts_log2);
         CUDA_CHECK_LAUNCH();
       });
     } else if (parts_log2 > 0) {
