@@ -2346,12 +2346,12 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
 //   (version 3: 21.99, 50.78). ptxas: 161 registers at d 1024 (3 blocks an
 //   SM, 68 KB of shared memory each), 202 at 1280 (2 blocks, 106 KB), no spills.
 // - Version 9 (the default; twentieth session: 100M's tiled backward 4.183 -> 4.022 ms,
-//   -4%; the same bits as the fused form's version 4, RoutingParity) is version 8, and where value version 5 fuses the key path into the tile (d <= 512, whole
-//   rows: 100M) the same stream in that fused form (KEY: key_site per site and slot, slot
-//   p0's dv finished, p1's partial row and radial sum left in the scratch, as
-//   pair_ring_token with KEY on a whole row: the same operations in the same order, so
-//   the same bits as the fused form's default). 100M's tiles run at ~1.3 TB/s
-//   (cuda/NOTES.md lead 6); the q*g rows come from L1, so the carveout leaves L1 room
+//   -4%; the same bits as the fused form's version 4, RoutingParity) is version 8, and
+//   where value version 5 fuses the key path into the tile (d <= 512, whole rows: 100M)
+//   the same stream in that fused form (KEY: key_site per site and slot, slot p0's dv
+//   finished, p1's partial row and radial sum left in the scratch, as pair_ring_token
+//   with KEY on a whole row: the same operations in the same order, so the same bits as
+//   the fused form's default). The q*g rows come from L1, so the carveout leaves L1 room
 //   (stream_carveout).
 template <int NT>
 struct StreamSlot {  // one item of a stream kernel's ring: a row, three scalars
@@ -2972,7 +2972,7 @@ int row_parts_log2(const Geometry& g, int chunks) {
 }
 
 // The row parts' chunks a lane that each lab version asks for (0: whole rows): value
-// versions 3 and 5 at most 2, 4 at most 1; pair versions 5 at most 2, 6 at most 1.
+// versions 3, 5 and 7 at most 2, 4 at most 1; pair versions 5 at most 2, 6 at most 1.
 int value_part_chunks(int version) {
   return version == 3 || version == 5 || version == 7 ? 2 : version == 4 ? 1 : 0;
 }
@@ -3290,7 +3290,7 @@ int routing_backward_sum_order(int64_t d, int heads) {
   auto lane_chunks = [&](int parts_log2) { return g.d / 256 >> std::max(parts_log2, 0); };
   const int value = source_value_version(d);
   const int value_parts = parts_log2_for(g, value_part_chunks(value));
-  if ((value == 5 || value == 7) && value_parts >= 0)  // every slot fused, the pair kernel's form too
+  if ((value == 5 || value == 7) && value_parts >= 0)  // every slot fused, the pair's form too
     return key_grads + 256 + lane_chunks(value_parts);
   return key_grads + 16 * lane_chunks(parts_log2_for(g, pair_part_chunks(g_pair_version))) +
          lane_chunks(value_parts);
@@ -3369,9 +3369,10 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
   const auto* v_in = static_cast<const bf16*>(v.data);
   // Slots read by few sites take the fused span kernel (key path inside, dv written);
   // the others write the fp32 value row for the key GEMM and finish kernel below. Value
-  // version 5 fuses every slot's key path (source_value_fused_ring_kernel).
+  // versions 5 and 7 fuse every slot's key path (source_value_fused_ring_kernel).
   const int value_version = source_value_version(g.d);
-  const int fused_parts_log2 = !delta && (value_version == 5 || value_version == 7) && span_layout(g)
+  const bool fuses_every_slot = value_version == 5 || value_version == 7;
+  const int fused_parts_log2 = !delta && fuses_every_slot && span_layout(g)
                                    ? parts_log2_for(g, value_part_chunks(value_version))
                                    : -1;
   const bool ring_fused = fused_parts_log2 >= 0;
@@ -3443,10 +3444,11 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
         if (g_pair_version >= 7) {  // rows staged in shared memory
           constexpr int B = pair_blocks_per_sm(NT, 2);
           const bool head_const = g_pair_version >= 11 && (heads == 4 || heads == 8);
-          auto stream = head_const && heads == 4 ? source_value_pair_stream_kernel<NT, B, true, false, 8>
-                        : head_const             ? source_value_pair_stream_kernel<NT, B, true, false, 4>
-                        : g_pair_version >= 8    ? source_value_pair_stream_kernel<NT, B, true>
-                                                 : source_value_pair_stream_kernel<NT, B, false>;
+          auto stream = !head_const ? (g_pair_version >= 8
+                                           ? source_value_pair_stream_kernel<NT, B, true>
+                                           : source_value_pair_stream_kernel<NT, B, false>)
+                        : heads == 4 ? source_value_pair_stream_kernel<NT, B, true, false, 8>
+                                     : source_value_pair_stream_kernel<NT, B, true, false, 4>;
           launch_pair_stream(stream, stream_smem<NT>(), B, val, nullptr, partial, nullptr);
           return;
         }

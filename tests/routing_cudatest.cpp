@@ -116,10 +116,11 @@ class RoutingParity : public CudaParity {
                                                        : "value";
   }
 
-  // Every kernel-lab version of the backward's `kernels` (BackwardPair, SourceValue, KeyGrad): the
-  // bits of `run()` at the defaults wherever cuda::routing_backward_sum_order says the
-  // per-head sums run in the defaults' order, else `close` (the CPU reference's bounds:
-  // row parts sum each head's dot product in another order); returns the defaults' outputs.
+  // Every kernel-lab version of the backward's `kernels` (BackwardPair, SourceValue,
+  // KeyGrad): the bits of `run()` at the defaults wherever
+  // cuda::routing_backward_sum_order says the sums run in the defaults' order, else `close`
+  // (the CPU reference's bounds: row parts sum each head's dot product in another order,
+  // the key-gradient versions each key gradient); returns the defaults' outputs.
   template <class Run, class Close>
   BackwardBits expect_versions_same_bits(const std::string& tag, int64_t d, int H,
                                          std::initializer_list<cuda::RoutingKernel> kernels,

@@ -7,14 +7,18 @@
 # gpu__time_duration.sum, clocks and caches left alone), the step taken as the kernels from
 # the last embedding forward on (the last micro-step and the optimizer), written as
 # $OUT/kernels_<config>.csv (ncu's rows) and summarised on stdout: kernels grouped by name
-# (template arguments kept), total us, share of the step, launches.
+# (template arguments kept), total ms, share of the step, launches.
 # ncu serialises the launches, so the sum is the step's kernels back to back without launch
 # gaps or overlap; read shares and differences, not the step time.
 #   MHAR (default build-gpu/mhar), OUT (default the current folder), TOP (default 40 rows)
 set -uo pipefail
 caller_dir="$PWD"
 cd "$(dirname "$0")/.."
-[ $# -ge 1 ] || { echo "usage: tools/kernel_times.sh CONFIG [CONFIG ...]" >&2; exit 2; }
+usage="usage: tools/kernel_times.sh CONFIG [CONFIG ...]   (see the header of this file)"
+case "${1:-}" in
+  -h|--help) echo "$usage"; exit 0 ;;
+  "") echo "$usage" >&2; exit 2 ;;
+esac
 MHAR="${MHAR:-build-gpu/mhar}"
 dir="${OUT:-$caller_dir}"; [[ "$dir" = /* ]] || dir="$caller_dir/$dir"
 mkdir -p "$dir"
@@ -22,12 +26,15 @@ ncu_bin=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
 [ -n "$ncu_bin" ] || { echo "kernel_times.sh: no ncu on this machine" >&2; exit 1; }
 rc=0
 for cfg in "$@"; do
+  # A path relative to the caller's folder, else to the repo root (configs/...).
+  [[ "$cfg" = /* ]] || [ ! -e "$caller_dir/$cfg" ] || cfg="$caller_dir/$cfg"
   [ -e "$cfg" ] || { echo "kernel_times.sh: no config $cfg" >&2; rc=1; continue; }
   name=$(basename "$cfg" .json)
   csv="$dir/kernels_$name.csv"
   if ! "$ncu_bin" --clock-control none --cache-control none --metrics gpu__time_duration.sum \
        --csv --print-units base --kernel-name-base demangled \
-       "$MHAR" --log-level warn bench "$cfg" --warmup 1 --steps 1 >"$csv" 2>"$dir/kernels_$name.err"; then
+       "$MHAR" --log-level warn bench "$cfg" --warmup 1 --steps 1 \
+       >"$csv" 2>"$dir/kernels_$name.err"; then
     echo "kernel_times.sh: ncu on $cfg failed; see kernels_$name.err" >&2; rc=1; continue
   fi
   python3 - "$csv" "$name" "${TOP:-40}" <<'EOF' || rc=1
