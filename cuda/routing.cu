@@ -60,6 +60,7 @@
 #include <algorithm>
 #include <type_traits>
 
+#include "cuda/attention_mma.cuh"
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
 
@@ -1867,7 +1868,9 @@ __device__ __forceinline__ void logits_span_token(float* w_src, float* inv_rms, 
 // 3 four tokens a warp also wherever the fp32 q*g table (ns d 4 bytes) fits in
 //   kLogitsTableL1Bytes, so that its reads stay in L1 (the 100M model's every slot:
 //   25 x 512 x 4 = 50 KiB);
-// 4 four tokens a warp for every slot (the sweep's other end).
+// 4 four tokens a warp for every slot (the sweep's other end);
+// 5 (lab, NOT yet run) 2, with one tensor-core kernel in place of the GEMM path where
+//   dh % 16 == 0 (source_logits_mma_kernel).
 // Every version's token kernel computes the same bits; the GEMM path's differ within fp32
 // rounding (both within the CPU parity bound).
 // Measured (sixteenth session, OpTiming.DISABLED_RoutingLogitsVersions, a step's logits,
@@ -1877,7 +1880,7 @@ __device__ __forceinline__ void logits_span_token(float* w_src, float* inv_rms, 
 // the table in L1 (v3 at 100M), so the prediction behind v3 was wrong: the token kernel
 // there is bound by its ns d FMAs and per-head shuffles a token, not by the table's
 // reads. Default 2.
-constexpr int kLogitsVersions = 4;
+constexpr int kLogitsVersions = 5;
 constexpr int kLogitsDefault = 2;
 constexpr int64_t kLogitsTableL1Bytes = 64 * 1024;
 int g_logits_version = kLogitsDefault;  // routing_set_kernel_version (timing lab)
@@ -1961,6 +1964,106 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
     }
   }
 }
+
+// Version 5 of routing_source_logits (lab, written after the twentieth session's last
+// device call: NOT yet run): past kFusedKeyMaxSites sites, one tensor-core kernel in place
+// of the GEMM path's four launches (inv_rms kernel, the hi and lo GEMMs, the scaling
+// pass), which read v three times and the logits three times (cuda/NOTES.md lead 7).
+// A warp takes 16 tokens, the rows of mma.m16n8k16's A (lane l: tokens n0 + l / 4 and
+// n0 + l / 4 + 8, words l % 4 and l % 4 + 4 of every 8 of the row), a block
+// kLogitsMmaWarps warps. First the tokens' inv_rms from their rows (each lane's words,
+// then the quad's sum); then per head and group of up to 8 kLogitsMmaSiteTiles sites: the
+// products over the head's features, 16 at a time, of v (A) and q*g's bf16 hi and lo rows
+// (B: [site][feature], read from L1/L2), both into one fp32 accumulator (the GEMM path's
+// two GEMMs in one sum), scaled by r and stored (C: tokens by sites, 32 contiguous bytes a
+// site and 8 tokens). The second pass finds the rows in L1/L2. Needs dh % 16 == 0
+// (logits_mma_applies). The sums run in the tensor cores' order: other bits than the GEMM
+// path's and the token kernel's, within the CPU parity bound.
+constexpr int kLogitsMmaWarps = 4;
+constexpr int kLogitsMmaSiteTiles = 8;  // sites a pass: 8 tiles of 8
+
+__device__ __forceinline__ float bf16_pair_squares(uint32_t w) {
+  const float lo = __uint_as_float(w << 16), hi = __uint_as_float(w & 0xffff0000u);
+  return lo * lo + hi * hi;
+}
+
+__global__ void __launch_bounds__(32 * kLogitsMmaWarps)
+    source_logits_mma_kernel(float* __restrict__ w_src, float* __restrict__ inv_rms,
+                             const bf16* __restrict__ v, const bf16* __restrict__ qg_hi,
+                             const bf16* __restrict__ qg_lo, const Geometry g, int ns,
+                             float eps) {
+  const int lane = threadIdx.x & 31, row = lane >> 2, quad = lane & 3;
+  const int64_t n0 = (int64_t(blockIdx.x) * kLogitsMmaWarps + (threadIdx.x >> 5)) * 16;
+  if (n0 >= g.N) return;  // the whole warp; no block barrier below
+  const int64_t na = n0 + row, nb = na + 8;  // this lane's two tokens
+  const bool oka = na < g.N, okb = nb < g.N;
+  const int wpr = g.d / 2;  // 32-bit words (bf16 pairs) a row
+  // Past the last token a lane reads token n0's row and stores nothing.
+  const uint32_t* va = reinterpret_cast<const uint32_t*>(v) + (oka ? na : n0) * wpr;
+  const uint32_t* vb = reinterpret_cast<const uint32_t*>(v) + (okb ? nb : n0) * wpr;
+  float sa = 0.f, sb = 0.f;
+#pragma unroll 4
+  for (int w = quad; w < wpr; w += 4) {
+    sa += bf16_pair_squares(__ldg(va + w));
+    sb += bf16_pair_squares(__ldg(vb + w));
+  }
+  sa += __shfl_xor_sync(0xffffffffu, sa, 1);
+  sb += __shfl_xor_sync(0xffffffffu, sb, 1);
+  sa += __shfl_xor_sync(0xffffffffu, sa, 2);
+  sb += __shfl_xor_sync(0xffffffffu, sb, 2);
+  const float ra = rsqrtf(sa / float(g.d) + eps), rb = rsqrtf(sb / float(g.d) + eps);
+  if (quad == 0) {
+    if (oka) inv_rms[na] = ra;
+    if (okb) inv_rms[nb] = rb;
+  }
+  const uint32_t* qh = reinterpret_cast<const uint32_t*>(qg_hi);
+  const uint32_t* ql = reinterpret_cast<const uint32_t*>(qg_lo);
+  const int64_t next_site = int64_t(g.H) * g.N;  // a site's logits after the previous one's
+  for (int h = 0; h < g.H; ++h) {
+    const int head_word = h * (g.dh / 2);
+    for (int s0 = 0; s0 < ns; s0 += 8 * kLogitsMmaSiteTiles) {
+      float acc[kLogitsMmaSiteTiles][4];
+#pragma unroll
+      for (int j = 0; j < kLogitsMmaSiteTiles; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+      for (int kw = 0; kw < g.dh / 2; kw += 8) {  // 16 features: 8 words
+        const int w = head_word + kw + quad;
+        const uint32_t a[4] = {__ldg(va + w), __ldg(vb + w), __ldg(va + w + 4),
+                               __ldg(vb + w + 4)};
+#pragma unroll
+        for (int j = 0; j < kLogitsMmaSiteTiles; ++j) {
+          if (s0 + 8 * j < ns) {  // warp-uniform: every lane runs the mma
+            const int site = s0 + 8 * j + row;  // B's column n = lane / 4
+            uint32_t hi0 = 0, hi1 = 0, lo0 = 0, lo1 = 0;  // sites past ns: zero columns
+            if (site < ns) {
+              const int64_t q = int64_t(site) * wpr + w;
+              hi0 = __ldg(qh + q), hi1 = __ldg(qh + q + 4);
+              lo0 = __ldg(ql + q), lo1 = __ldg(ql + q + 4);
+            }
+            attn_mma::mma(acc[j], a, hi0, hi1);
+            attn_mma::mma(acc[j], a, lo0, lo1);
+          }
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kLogitsMmaSiteTiles; ++j) {
+        const int site = s0 + 8 * j + 2 * quad;  // C's columns 2 (lane % 4) and + 1
+        if (s0 + 8 * j >= ns) continue;
+        float* out = w_src + (int64_t(site) * g.H + h) * g.N;
+        if (site < ns) {
+          if (oka) out[na] = ra * acc[j][0];
+          if (okb) out[nb] = rb * acc[j][2];
+        }
+        if (site + 1 < ns) {
+          if (oka) out[next_site + na] = ra * acc[j][1];
+          if (okb) out[next_site + nb] = rb * acc[j][3];
+        }
+      }
+    }
+  }
+}
+bool logits_mma_applies(const Geometry& g) { return g.dh % 16 == 0 && g.d % 16 == 0; }
 
 // Backend::delta_site_forward for a slot read by its own site only (a block's partial
 // sum), span layout, one warp per token, each step with the operations and roundings of
@@ -3032,6 +3135,13 @@ void routing_source_logits(cudaStream_t s, RoutingContext& ctx, Tensor weights, 
   qg_tables_kernel<<<grid_stride_blocks(table, 256), 256, 0, s>>>(hi, lo, nullptr, sp, source, ns,
                                                                    g.d);
   CUDA_CHECK_LAUNCH();
+  if (g_logits_version == 5 && logits_mma_applies(g)) {  // one pass over v (see the kernel)
+    source_logits_mma_kernel<<<unsigned(ceil_div(N, int64_t(16 * kLogitsMmaWarps))),
+                               32 * kLogitsMmaWarps, 0, s>>>(
+        w, inv_rms.ptr<float>(), static_cast<const bf16*>(v.data), hi, lo, g, ns, float(eps));
+    CUDA_CHECK_LAUNCH();
+    return;
+  }
   dispatch_rows(g, [&](auto nt, auto) {
     inv_rms_kernel<decltype(nt)::value><<<token_blocks(N), 32 * kWarpsPerBlock, 0, s>>>(
         inv_rms.ptr<float>(), static_cast<const bf16*>(v.data), g, float(eps));
