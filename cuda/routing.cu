@@ -1972,7 +1972,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
 // A warp takes 16 tokens, the rows of mma.m16n8k16's A (lane l: tokens n0 + l / 4 and
 // n0 + l / 4 + 8, words l % 4 and l % 4 + 4 of every 8 of the row), a block
 // kLogitsMmaWarps warps. First the tokens' inv_rms from their rows (each lane's words,
-// then the quad's sum); then per head and group of up to 8 kLogitsMmaSiteTiles sites: the
+// then the quad's sum); then per head and group of up to 8 x kLogitsMmaSiteTiles sites: the
 // products over the head's features, 16 at a time, of v (A) and q*g's bf16 hi and lo rows
 // (B: [site][feature], read from L1/L2), both into one fp32 accumulator (the GEMM path's
 // two GEMMs in one sum), scaled by r and stored (C: tokens by sites, 32 contiguous bytes a
@@ -3135,7 +3135,7 @@ void routing_source_logits(cudaStream_t s, RoutingContext& ctx, Tensor weights, 
   qg_tables_kernel<<<grid_stride_blocks(table, 256), 256, 0, s>>>(hi, lo, nullptr, sp, source, ns,
                                                                    g.d);
   CUDA_CHECK_LAUNCH();
-  if (g_logits_version == 5 && logits_mma_applies(g)) {  // one pass over v (see the kernel)
+  if (g_logits_version == 5 && logits_mma_applies(g)) {  // v read once from DRAM (the kernel)
     source_logits_mma_kernel<<<unsigned(ceil_div(N, int64_t(16 * kLogitsMmaWarps))),
                                32 * kLogitsMmaWarps, 0, s>>>(
         w, inv_rms.ptr<float>(), static_cast<const bf16*>(v.data), hi, lo, g, ns, float(eps));
