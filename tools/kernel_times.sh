@@ -7,7 +7,8 @@
 # gpu__time_duration.sum, clocks and caches left alone), the step taken as the kernels from
 # the last embedding forward on (the last micro-step and the optimizer), written as
 # $OUT/kernels_<config>.csv (ncu's rows) and summarised on stdout: kernels grouped by name
-# (template arguments kept), total ms, share of the step, launches.
+# (template arguments kept), total ms, share of the step, launches (KERNELS lines); then
+# the same by family, from the names (FAMILY lines).
 # ncu serialises the launches, so the sum is the step's kernels back to back without launch
 # gaps or overlap; read shares and differences, not the step time.
 #   MHAR (default build-gpu/mhar), OUT (default the current folder), TOP (default 40 rows)
@@ -69,6 +70,24 @@ for k, t in step:
 print(f"KERNELS {name}: {len(step)} launches, {total:.3f} ms of kernels back to back")
 for k, (t, c) in sorted(by.items(), key=lambda kv: -kv[1][0])[:top]:
     print(f"KERNELS {name} {t:9.3f} ms {100 * t / total:5.1f}% {c:5d}x  {k[:150]}")
+
+# The same by family, from the kernels' names (cuBLAS's carry tile shapes, not callers: the
+# routing's own GEMMs count as matmul here; tell them apart by name in the table above).
+families = [("matmul", ("nvjet", "gemm", "cublas", "cutlass", "splitK")),
+            ("attention", ("hopper::", "tc::", "attention", "flash")),
+            ("routing", ("source_", "mix_", "key_grad", "qg_tables", "inv_rms", "split_bf16",
+                         "scale_by_token", "param_grads", "routing", "delta_")),
+            ("norm", ("rmsnorm", "qk_norm")),
+            ("mlp", ("swiglu",)),
+            ("classifier", ("cross_entropy", "logsumexp", "classifier")),
+            ("optimizer", ("adamw", "sum_squares", "clip"))]
+fam = collections.defaultdict(lambda: [0.0, 0])
+for k, (t, c) in by.items():
+    f = next((f for f, keys in families if any(x in k for x in keys)), "other")
+    fam[f][0] += t
+    fam[f][1] += c
+for f, (t, c) in sorted(fam.items(), key=lambda kv: -kv[1][0]):
+    print(f"FAMILY {name} {t:9.3f} ms {100 * t / total:5.1f}% {c:5d}x  {f}")
 EOF
 done
 exit $rc
