@@ -53,7 +53,8 @@
 // Kernel lab: the mix tile and finish kernels, the backward's pair kernel and the logits
 // keep their earlier versions, numbered, chosen at launch (routing_set_kernel_version,
 // kernels.h; the defaults are the measured fastest: mix tile 5 of 5, finish 6 of 6, pair
-// 8 of 9, the unfused value kernel 5 / 3 / 2 of 6 by width, logits 2 of 4), so that one
+// 9 of 11, the unfused value kernel 5 / 3 / 6 / 2 of 7 by width, the key gradients 2 / 1
+// of 2 by width, logits 2 of 5), so that one
 // device run times each (tests/op_timing_cudatest.cpp); every version computes the same
 // bits, but for the logits' choice between token kernel and GEMMs and the backward's row
 // parts and fused key path (see there).
@@ -3009,6 +3010,15 @@ void launch_stream(cudaStream_t s, K kernel, size_t smem, int blocks_per_sm, int
   CUDA_CHECK_LAUNCH();
 }
 
+// A whole-row span kernel in one of three instantiations: with the lanes a head G = 32 / H
+// as a compile-time constant where `constant` (pair version 11, value version 7) and H is 4
+// or 8 (G 8 or 4: the paper shapes), else `runtime`, whose G is 32 / g.H at run time.
+template <class K>
+K with_lanes_a_head(bool constant, int heads, K runtime, K g8, K g4) {
+  if (!constant || (heads != 4 && heads != 8)) return runtime;
+  return heads == 4 ? g8 : g4;
+}
+
 // Calls f.template operator()<NT, ALIGNED>() for the geometry's row width and head size.
 template <class F>
 void dispatch_rows(const Geometry& g, F&& f) {
@@ -3493,7 +3503,7 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
              ": a backward depth tile of fused slots (source ", source, ")");
   MHAR_CHECK(!delta || (fused && ns == 1 && resume_last < 0), "CUDA ", what,
              ": the delta steps need a fused slot read by its own site (source ", source, ")");
-  // Pair versions 7-9 (source_value_pair_stream_kernel).
+  // Pair versions 7-11 (source_value_pair_stream_kernel).
   auto launch_pair_stream = [&](auto kernel, size_t smem, int blocks_per_sm, float* val_out,
                                 bf16* dv0, float* partial, const float* key_qg) {
     launch_stream(s, kernel, smem, blocks_per_sm, N, val_out, dv0, partial,
@@ -3515,11 +3525,10 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
           }
         }
         constexpr int B = pair_blocks_per_sm(NT, 2);
-        // Version 11: the lanes a head (32 / heads) as a compile-time constant.
-        const bool head_const = g_pair_version >= 11 && (heads == 4 || heads == 8);
-        auto stream = !head_const  ? source_value_pair_stream_kernel<NT, B, true, true>
-                      : heads == 4 ? source_value_pair_stream_kernel<NT, B, true, true, 8>
-                                   : source_value_pair_stream_kernel<NT, B, true, true, 4>;
+        auto stream = with_lanes_a_head(g_pair_version >= 11, heads,
+                                        source_value_pair_stream_kernel<NT, B, true, true>,
+                                        source_value_pair_stream_kernel<NT, B, true, true, 8>,
+                                        source_value_pair_stream_kernel<NT, B, true, true, 4>);
         launch_pair_stream(stream, stream_smem<NT>(), B, nullptr, dv_out, partial, qg);
         return;
       }
@@ -3553,12 +3562,12 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
       if constexpr (NT <= kBackTileMaxNT) {
         if (g_pair_version >= 7) {  // rows staged in shared memory
           constexpr int B = pair_blocks_per_sm(NT, 2);
-          const bool head_const = g_pair_version >= 11 && (heads == 4 || heads == 8);
-          auto stream = !head_const ? (g_pair_version >= 8
-                                           ? source_value_pair_stream_kernel<NT, B, true>
-                                           : source_value_pair_stream_kernel<NT, B, false>)
-                        : heads == 4 ? source_value_pair_stream_kernel<NT, B, true, false, 8>
-                                     : source_value_pair_stream_kernel<NT, B, true, false, 4>;
+          auto stream = with_lanes_a_head(
+              g_pair_version >= 11, heads,
+              g_pair_version >= 8 ? source_value_pair_stream_kernel<NT, B, true>
+                                  : source_value_pair_stream_kernel<NT, B, false>,
+              source_value_pair_stream_kernel<NT, B, true, false, 8>,
+              source_value_pair_stream_kernel<NT, B, true, false, 4>);
           launch_pair_stream(stream, stream_smem<NT>(), B, val, nullptr, partial, nullptr);
           return;
         }
@@ -3600,12 +3609,11 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
     if (ring_fused) {
       dispatch_part_span(g.d / 256 >> fused_parts_log2, [&](auto ntp) {
         constexpr int NT = decltype(ntp)::value;
-        // Version 7: the lanes a head a compile-time constant on whole rows at H 4 and 8.
-        const bool head_const =
-            value_version == 7 && fused_parts_log2 == 0 && (heads == 4 || heads == 8);
-        auto kernel = !head_const  ? source_value_fused_ring_kernel<NT, value_ring(NT)>
-                      : heads == 4 ? source_value_fused_ring_kernel<NT, value_ring(NT), 8>
-                                   : source_value_fused_ring_kernel<NT, value_ring(NT), 4>;
+        // Version 7: the lanes a head a compile-time constant, on whole rows.
+        auto kernel = with_lanes_a_head(value_version == 7 && fused_parts_log2 == 0, heads,
+                                        source_value_fused_ring_kernel<NT, value_ring(NT)>,
+                                        source_value_fused_ring_kernel<NT, value_ring(NT), 8>,
+                                        source_value_fused_ring_kernel<NT, value_ring(NT), 4>);
         kernel<<<token_blocks(N << fused_parts_log2), 32 * kWarpsPerBlock, 0, s>>>(
             dv_out, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in,
             inv_rms.ptr<float>(), qg, resume, g, source, last, fused_parts_log2);

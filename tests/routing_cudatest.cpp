@@ -120,52 +120,36 @@ class RoutingParity : public CudaParity {
   // KeyGrad): the bits of `run()` at the defaults wherever
   // cuda::routing_backward_sum_order says the sums run in the defaults' order, else `close`
   // (the CPU reference's bounds: row parts sum each head's dot product in another order,
-  // the key-gradient versions each key gradient); returns the defaults' outputs.
+  // the key-gradient versions each key gradient). Then the same-order versions again with
+  // the backward's one-wave grids capped at one block (cuda::routing_set_grid_cap): each
+  // warp takes several tokens, through the kernels' token loops and the stream versions'
+  // cursor across token boundaries, and must still give the defaults' bits. Returns the
+  // defaults' outputs.
   template <class Run, class Close>
   BackwardBits expect_versions_same_bits(const std::string& tag, int64_t d, int H,
                                          std::initializer_list<cuda::RoutingKernel> kernels,
                                          Run&& run, Close&& close) {
     const BackwardBits base = run();
     const int base_order = cuda::routing_backward_sum_order(d, H);
-    for (cuda::RoutingKernel kernel : kernels) {
-      const int versions = cuda::routing_kernel_versions(kernel);
-      const char* name = kernel_name(kernel);
-      for (int version = 1; version <= versions; ++version) {
-        cuda::routing_set_kernel_version(kernel, version);
-        const std::string what = tag + ", " + name + " kernel v" + std::to_string(version);
-        if (cuda::routing_backward_sum_order(d, H) == base_order) {
-          run().expect_same(base, what);
-        } else {
-          std::printf("REORDERED %s: against the CPU\n", what.c_str());
-          close(run(), what);
+    for (const bool one_block : {false, true}) {
+      const int cap_before = cuda::routing_set_grid_cap(one_block ? 1 : 0);
+      for (cuda::RoutingKernel kernel : kernels) {
+        for (int version = 1; version <= cuda::routing_kernel_versions(kernel); ++version) {
+          cuda::routing_set_kernel_version(kernel, version);
+          const std::string what = tag + (one_block ? ", one block, " : ", ") +
+                                   kernel_name(kernel) + " kernel v" + std::to_string(version);
+          if (cuda::routing_backward_sum_order(d, H) == base_order) {
+            run().expect_same(base, what);
+          } else if (!one_block) {
+            std::printf("REORDERED %s: against the CPU\n", what.c_str());
+            close(run(), what);
+          }
         }
+        cuda::routing_set_kernel_version(kernel, 0);
       }
-      cuda::routing_set_kernel_version(kernel, 0);
+      cuda::routing_set_grid_cap(cap_before);
     }
     return base;
-  }
-
-  // The same with the backward's one-wave grids capped at one block
-  // (cuda::routing_set_grid_cap): each warp takes several tokens, through the kernels'
-  // token loops and the stream versions' cursor across token boundaries. Every version
-  // whose sum order is the default's must give `base` bit for bit.
-  template <class Run>
-  void expect_one_block_same_bits(const std::string& tag, int64_t d, int H,
-                                  std::initializer_list<cuda::RoutingKernel> kernels, Run&& run,
-                                  const BackwardBits& base) {
-    const int cap_before = cuda::routing_set_grid_cap(1);
-    const int base_order = cuda::routing_backward_sum_order(d, H);
-    for (cuda::RoutingKernel kernel : kernels) {
-      const char* name = kernel_name(kernel);
-      for (int version = 1; version <= cuda::routing_kernel_versions(kernel); ++version) {
-        cuda::routing_set_kernel_version(kernel, version);
-        if (cuda::routing_backward_sum_order(d, H) == base_order)
-          run().expect_same(base, tag + ", one block, " + name + " kernel v" +
-                                      std::to_string(version));
-      }
-      cuda::routing_set_kernel_version(kernel, 0);
-    }
-    cuda::routing_set_grid_cap(cap_before);
   }
 
   // Key-gradient slabs summed (the GPU's and the CPU's slab counts differ).
@@ -247,10 +231,6 @@ class RoutingParity : public CudaParity {
         {cuda::RoutingKernel::BackwardPair, cuda::RoutingKernel::SourceValue,
          cuda::RoutingKernel::KeyGrad},
         run, against_cpu);
-    expect_one_block_same_bits("backward tiles " + tag, d, H,
-                               {cuda::RoutingKernel::BackwardPair, cuda::RoutingKernel::SourceValue,
-                                cuda::RoutingKernel::KeyGrad},
-                               run, got);
     std::printf("BACKWARD_TILES %s: %d tiles of %d slots\n", tag.c_str(), tiles, k);
     against_cpu(got, tag);
   }
@@ -371,15 +351,12 @@ class RoutingParity : public CudaParity {
                                        H);
         return BackwardBits{dvp.get(), ub.get(), w.get(), gs.get()};
       };
-      const BackwardBits base = expect_versions_same_bits(
+      expect_versions_same_bits(
           "routing_source_backward " + tag, d, H,
           {cuda::RoutingKernel::SourceValue, cuda::RoutingKernel::KeyGrad}, run,
           [&](const BackwardBits& got, const std::string& what) {
             expect_backward_close(what, got, dv, ubar, weights, gsum);
           });
-      expect_one_block_same_bits("routing_source_backward " + tag, d, H,
-                                 {cuda::RoutingKernel::SourceValue, cuda::RoutingKernel::KeyGrad},
-                                 run, base);
     }
     if (const int k = gpu->routing_backward_tile_slots(lay, d, H); k > 1)
       check_back_tiles(tag, k, lay, N, d, H, history, xs, inv_rms, site_dx, mixed, pg, dv, ubar,
