@@ -1,8 +1,7 @@
 // attention_mma.cuh: the copy and matrix helpers the tensor-core attention kernels share
 // (attention.cu's mma.sync path, attention_hopper.cu's wgmma path): cp.async staging of
 // 16-byte chunks, ldmatrix, the m16n8k16 bf16 mma, the fp32 -> bf16x2 pack, and the
-// dk/dv kernels' walk over query tiles and staging of per-query statistics (routing.cu's
-// tensor-core logits kernel takes the mma too). The
+// dk/dv kernels' walk over query tiles and staging of per-query statistics. The
 // fragment layouts are PTX's for mma.m16n8k16 (the wgmma accumulators and register A
 // operand use the same layout per warp, which is why the forward kernels can feed the
 // score accumulators straight back as the A operand of P V).

@@ -284,8 +284,8 @@ int routing_kernel_versions(RoutingKernel kernel);
 // summed at width d at the current BackwardPair, SourceValue and KeyGrad versions: the
 // chunks a lane sums before the shuffles, as a code. Two version settings with equal codes
 // give the same bits; row parts (pair versions 5-6, value versions 3-4) change it where they
-// split the row, value versions 5 and 7 (the key path fused into the value pass) wherever
-// they apply, and key-gradient version 2 (the kernel past 8 sites) the key gradients' sums.
+// split the row, value version 5 (the key path fused into the value pass) wherever it
+// applies, and key-gradient version 2 (the kernel past 8 sites) the key gradients' sums.
 int routing_backward_sum_order(int64_t d, int heads);
 // Tests: caps the backward's one-wave grids (the pair kernels, the stream kernels) at
 // `blocks` (0: no cap), so that small N still gives each warp several tokens; returns the

@@ -61,7 +61,6 @@
 #include <algorithm>
 #include <type_traits>
 
-#include "cuda/attention_mma.cuh"
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
 
@@ -1620,15 +1619,13 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, value_span_blocks_per_sm(
 //   / 4.097 (but v5's fused pair form with pair version 9 is 4.022); 350M 21.186 /
 //   **20.754** / 22.937 / 20.933; 1B 46.490 / 46.487 / 46.538 / **46.016** (untiled 56.77
 //   -> 55.74).
-// 7 (lab, written after the twentieth session's last device call: NOT yet run) is 5 with
-//   the lanes a head a compile-time constant where the rows are whole and H is 4 or 8
-//   (100M: G 8), as pair version 11: its value_site and key_site head sums unroll. The
-//   same operations: version 5's bits. PTX a site (moves not counted): 168 -> 163, so
-//   what it tests is the two chains' overlap, not fewer instructions.
+// (A version 7, 5 with the lanes a head a compile-time constant as pair version 11, tied
+//   with 5 at 100M and lost at 350M in the twenty-first session; dropped, the code is
+//   f4f3731: cuda/NOTES.md.)
 // The default is therefore by width (version 0: source_value_version): 5 where a lane
 // holds the whole row in at most 2 chunks (d <= 512), 3 at 4 chunks (d 1024), 6 at 5
 // (d 1280), else 2.
-constexpr int kSourceValueVersions = 7;
+constexpr int kSourceValueVersions = 6;
 constexpr int kSourceValueDefault = 0;  // by width
 int g_source_value_version = kSourceValueDefault;  // routing_set_kernel_version (timing lab)
 int source_value_version(int64_t d) {
@@ -1654,13 +1651,6 @@ __device__ __forceinline__ RowPart row_part(int64_t warp, int parts_log2, int nt
   const int p = int(warp & ((int64_t(1) << parts_log2) - 1)), Hp = H >> parts_log2;
   const int G = 32 / Hp;
   return {warp >> parts_log2, int64_t(p) * 256 * nt, p * Hp + int(threadIdx.x & 31) / G, G};
-}
-// rp with its lanes a head as the compile-time GC where GC > 0 (the caller checked that
-// GC is rp.G): the head sums that take it then unroll.
-template <int GC>
-__device__ __forceinline__ RowPart lanes_a_head(RowPart rp) {
-  if constexpr (GC > 0) rp.G = GC;
-  return rp;
 }
 
 // ubar of site `source` for token rp.n, head rp.h (span_ubar_row on a row part).
@@ -1733,9 +1723,7 @@ __device__ __forceinline__ void store_fused_dv(bf16* dv, float (&acc)[NT][8], co
 // (xch: the block's exchange for parts_sum; round: this warp's token count); else the
 // fp32 value row into val. Ring slot u holds site k = source + u (mod PF): its row,
 // weight and ubar.
-// GC > 0 (value version 7): the lanes a head of the row part as a compile-time constant
-// (the host checks it), so that the head sums unroll.
-template <int NT, int PF, bool KEY, int GC = 0>
+template <int NT, int PF, bool KEY>
 __device__ __forceinline__ void value_ring_token(float* val, bf16* dv, float* weights,
                                                  float* ubar, const SiteRows& site_dx,
                                                  const bf16* x, const bf16* v,
@@ -1746,7 +1734,7 @@ __device__ __forceinline__ void value_ring_token(float* val, bf16* dv, float* we
                                                  int round) {
   const int lane = threadIdx.x & 31;
   const int64_t HN = int64_t(g.H) * g.N;
-  const RowPart rp = lanes_a_head<GC>(row_part(wi, parts_log2, NT, g.H));
+  const RowPart rp = row_part(wi, parts_log2, NT, g.H);
   const int64_t n = rp.n, row = n * g.d + rp.off;
   const bool leader = lane % rp.G == 0;
   float* w_src = weights + (g.lay.pair_base(source) * g.H + rp.h) * g.N;  // head h's rows
@@ -1821,7 +1809,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
                                     resume, g, source, last, parts_log2, wi, nullptr, 0);
 }
 
-template <int NT, int PF, int GC = 0>
+template <int NT, int PF>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
     source_value_fused_ring_kernel(bf16* __restrict__ dv, float* __restrict__ weights,
                                    float* __restrict__ ubar, const SiteRows site_dx,
@@ -1834,8 +1822,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
   int round = 0;
   for (int64_t wi = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
        wi < (g.N << parts_log2); wi += warps, ++round)
-    value_ring_token<NT, PF, true, GC>(nullptr, dv, weights, ubar, site_dx, x, v, inv_rms, qg,
-                                       resume, g, source, last, parts_log2, wi, xch, round);
+    value_ring_token<NT, PF, true>(nullptr, dv, weights, ubar, site_dx, x, v, inv_rms, qg, resume,
+                                   g, source, last, parts_log2, wi, xch, round);
 }
 
 // A slot's inv_rms and its logits for its ns sites, token n, span layout, from the slot's
@@ -1869,9 +1857,7 @@ __device__ __forceinline__ void logits_span_token(float* w_src, float* inv_rms, 
 // 3 four tokens a warp also wherever the fp32 q*g table (ns d 4 bytes) fits in
 //   kLogitsTableL1Bytes, so that its reads stay in L1 (the 100M model's every slot:
 //   25 x 512 x 4 = 50 KiB);
-// 4 four tokens a warp for every slot (the sweep's other end);
-// 5 (lab, NOT yet run) 2, with one tensor-core kernel in place of the GEMM path where
-//   dh % 16 == 0 (source_logits_mma_kernel).
+// 4 four tokens a warp for every slot (the sweep's other end).
 // Every version's token kernel computes the same bits; the GEMM path's differ within fp32
 // rounding (both within the CPU parity bound).
 // Measured (sixteenth session, OpTiming.DISABLED_RoutingLogitsVersions, a step's logits,
@@ -1881,7 +1867,7 @@ __device__ __forceinline__ void logits_span_token(float* w_src, float* inv_rms, 
 // the table in L1 (v3 at 100M), so the prediction behind v3 was wrong: the token kernel
 // there is bound by its ns d FMAs and per-head shuffles a token, not by the table's
 // reads. Default 2.
-constexpr int kLogitsVersions = 5;
+constexpr int kLogitsVersions = 4;
 constexpr int kLogitsDefault = 2;
 constexpr int64_t kLogitsTableL1Bytes = 64 * 1024;
 int g_logits_version = kLogitsDefault;  // routing_set_kernel_version (timing lab)
@@ -1965,106 +1951,6 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
     }
   }
 }
-
-// Version 5 of routing_source_logits (lab, written after the twentieth session's last
-// device call: NOT yet run): past kFusedKeyMaxSites sites, one tensor-core kernel in place
-// of the GEMM path's four launches (inv_rms kernel, the hi and lo GEMMs, the scaling
-// pass), which read v three times and the logits three times (cuda/NOTES.md lead 7).
-// A warp takes 16 tokens, the rows of mma.m16n8k16's A (lane l: tokens n0 + l / 4 and
-// n0 + l / 4 + 8, words l % 4 and l % 4 + 4 of every 8 of the row), a block
-// kLogitsMmaWarps warps. First the tokens' inv_rms from their rows (each lane's words,
-// then the quad's sum); then per head and group of up to 8 x kLogitsMmaSiteTiles sites: the
-// products over the head's features, 16 at a time, of v (A) and q*g's bf16 hi and lo rows
-// (B: [site][feature], read from L1/L2), both into one fp32 accumulator (the GEMM path's
-// two GEMMs in one sum), scaled by r and stored (C: tokens by sites, 32 contiguous bytes a
-// site and 8 tokens). The second pass finds the rows in L1/L2. Needs dh % 16 == 0
-// (logits_mma_applies). The sums run in the tensor cores' order: other bits than the GEMM
-// path's and the token kernel's, within the CPU parity bound.
-constexpr int kLogitsMmaWarps = 4;
-constexpr int kLogitsMmaSiteTiles = 8;  // sites a pass: 8 tiles of 8
-
-__device__ __forceinline__ float bf16_pair_squares(uint32_t w) {
-  const float lo = __uint_as_float(w << 16), hi = __uint_as_float(w & 0xffff0000u);
-  return lo * lo + hi * hi;
-}
-
-__global__ void __launch_bounds__(32 * kLogitsMmaWarps)
-    source_logits_mma_kernel(float* __restrict__ w_src, float* __restrict__ inv_rms,
-                             const bf16* __restrict__ v, const bf16* __restrict__ qg_hi,
-                             const bf16* __restrict__ qg_lo, const Geometry g, int ns,
-                             float eps) {
-  const int lane = threadIdx.x & 31, row = lane >> 2, quad = lane & 3;
-  const int64_t n0 = (int64_t(blockIdx.x) * kLogitsMmaWarps + (threadIdx.x >> 5)) * 16;
-  if (n0 >= g.N) return;  // the whole warp; no block barrier below
-  const int64_t na = n0 + row, nb = na + 8;  // this lane's two tokens
-  const bool oka = na < g.N, okb = nb < g.N;
-  const int wpr = g.d / 2;  // 32-bit words (bf16 pairs) a row
-  // Past the last token a lane reads token n0's row and stores nothing.
-  const uint32_t* va = reinterpret_cast<const uint32_t*>(v) + (oka ? na : n0) * wpr;
-  const uint32_t* vb = reinterpret_cast<const uint32_t*>(v) + (okb ? nb : n0) * wpr;
-  float sa = 0.f, sb = 0.f;
-#pragma unroll 4
-  for (int w = quad; w < wpr; w += 4) {
-    sa += bf16_pair_squares(__ldg(va + w));
-    sb += bf16_pair_squares(__ldg(vb + w));
-  }
-  sa += __shfl_xor_sync(0xffffffffu, sa, 1);
-  sb += __shfl_xor_sync(0xffffffffu, sb, 1);
-  sa += __shfl_xor_sync(0xffffffffu, sa, 2);
-  sb += __shfl_xor_sync(0xffffffffu, sb, 2);
-  const float ra = rsqrtf(sa / float(g.d) + eps), rb = rsqrtf(sb / float(g.d) + eps);
-  if (quad == 0) {
-    if (oka) inv_rms[na] = ra;
-    if (okb) inv_rms[nb] = rb;
-  }
-  const uint32_t* qh = reinterpret_cast<const uint32_t*>(qg_hi);
-  const uint32_t* ql = reinterpret_cast<const uint32_t*>(qg_lo);
-  const int64_t next_site = int64_t(g.H) * g.N;  // a site's logits after the previous one's
-  for (int h = 0; h < g.H; ++h) {
-    const int head_word = h * (g.dh / 2);
-    for (int s0 = 0; s0 < ns; s0 += 8 * kLogitsMmaSiteTiles) {
-      float acc[kLogitsMmaSiteTiles][4];
-#pragma unroll
-      for (int j = 0; j < kLogitsMmaSiteTiles; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
-      for (int kw = 0; kw < g.dh / 2; kw += 8) {  // 16 features: 8 words
-        const int w = head_word + kw + quad;
-        const uint32_t a[4] = {__ldg(va + w), __ldg(vb + w), __ldg(va + w + 4),
-                               __ldg(vb + w + 4)};
-#pragma unroll
-        for (int j = 0; j < kLogitsMmaSiteTiles; ++j) {
-          if (s0 + 8 * j < ns) {  // warp-uniform: every lane runs the mma
-            const int site = s0 + 8 * j + row;  // B's column n = lane / 4
-            uint32_t hi0 = 0, hi1 = 0, lo0 = 0, lo1 = 0;  // sites past ns: zero columns
-            if (site < ns) {
-              const int64_t q = int64_t(site) * wpr + w;
-              hi0 = __ldg(qh + q), hi1 = __ldg(qh + q + 4);
-              lo0 = __ldg(ql + q), lo1 = __ldg(ql + q + 4);
-            }
-            attn_mma::mma(acc[j], a, hi0, hi1);
-            attn_mma::mma(acc[j], a, lo0, lo1);
-          }
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < kLogitsMmaSiteTiles; ++j) {
-        const int site = s0 + 8 * j + 2 * quad;  // C's columns 2 (lane % 4) and + 1
-        if (s0 + 8 * j >= ns) continue;
-        float* out = w_src + (int64_t(site) * g.H + h) * g.N;
-        if (site < ns) {
-          if (oka) out[na] = ra * acc[j][0];
-          if (okb) out[nb] = rb * acc[j][2];
-        }
-        if (site + 1 < ns) {
-          if (oka) out[next_site + na] = ra * acc[j][1];
-          if (okb) out[next_site + nb] = rb * acc[j][3];
-        }
-      }
-    }
-  }
-}
-bool logits_mma_applies(const Geometry& g) { return g.dh % 16 == 0 && g.d % 16 == 0; }
 
 // Backend::delta_site_forward for a slot read by its own site only (a block's partial
 // sum), span layout, one warp per token, each step with the operations and roundings of
@@ -2226,8 +2112,7 @@ __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT
 // whose stream keeps ~72 KB an SM in flight already, so more warps would help only if
 // the kernel is bound by its warps' issue. Measured (twentieth session, call 3, 100M's
 // tiled backward): v9 3.635 ms, v10 3.643: no gain, so it is not short of warps.
-// 11 (lab, written after the twentieth session's last device call: NOT yet run) is 9 with
-// the lanes a head, G = 32 / H, a compile-time constant where H is 4 or 8 (the paper
+// 11 (the default since the twenty-first session) is 9 with the lanes a head, G = 32 / H, a compile-time constant where H is 4 or 8 (the paper
 // shapes: G 8 at 100M, 4 at 350M and 1B). Why: the PTX of version 9's fused kernel at d
 // 512 has ~416 instructions (moves not counted) a site and token a warp, ~0.9 G warp
 // instructions for 100M's tiles, which at the measured 1.91 ms is over half the issue
@@ -2236,14 +2121,16 @@ __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT
 // with G known they unroll (3 shuffles and adds at G 8) and interleave: ~346 a site. The
 // same operations in the same order: the same bits. Of the rest: ~260 of arithmetic
 // (128 FMAs, the bf16 unpacks), ~80 of the item's copy issue (64-bit offsets, the item
-// kind's branches, the scalar copies of lanes below H).
+// kind's branches, the scalar copies of lanes below H). Measured (twenty-first session,
+// call 1, a step's tiled backward at the default fused limit, v9 -> v11): 100M 3.630 ->
+// **3.458** ms, 350M 20.785 -> 20.721, 1B 45.885 -> 45.296.
 // Tried and dropped before any run: the two slot rows unpacked to fp32 once a token (a
 // fp32 copy of each, passed to the site helpers): NVVM sinks the unpacks back into the
 // site loop (identical PTX), so they stay ~32 of a site's instructions at d 512.
 constexpr int kBackTileMaxNT = 5;  // d <= 1280: 234 registers, no spills (NT 6: 239; 7, 8 spill)
 constexpr int pair_blocks_per_sm(int NT, int version) { return version >= 2 && NT <= 4 ? 3 : 2; }
 constexpr int kPairVersions = 11;
-constexpr int kPairDefault = 9;
+constexpr int kPairDefault = 11;
 constexpr int kPairRing = 4;
 constexpr int kPairRingMaxNT = 2;
 int g_pair_version = kPairDefault;  // routing_set_kernel_version (timing lab)
@@ -3011,7 +2898,7 @@ void launch_stream(cudaStream_t s, K kernel, size_t smem, int blocks_per_sm, int
 }
 
 // A whole-row span kernel in one of three instantiations: with the lanes a head G = 32 / H
-// as a compile-time constant where `constant` (pair version 11, value version 7) and H is 4
+// as a compile-time constant where `constant` (pair version 11) and H is 4
 // or 8 (G 8 or 4: the paper shapes), else `runtime`, whose G is 32 / g.H at run time.
 template <class K>
 K with_lanes_a_head(bool constant, int heads, K runtime, K g8, K g4) {
@@ -3087,7 +2974,7 @@ int row_parts_log2(const Geometry& g, int chunks) {
 // The row parts' chunks a lane that each lab version asks for (0: whole rows): value
 // versions 3, 5 and 7 at most 2, 4 at most 1; pair versions 5 at most 2, 6 at most 1.
 int value_part_chunks(int version) {
-  return version == 3 || version == 5 || version == 7 ? 2 : version == 4 ? 1 : 0;
+  return version == 3 || version == 5 ? 2 : version == 4 ? 1 : 0;
 }
 int pair_part_chunks(int version) { return version == 5 ? 2 : version == 6 ? 1 : 0; }
 // row_parts_log2 for `chunks` (0: the whole row, log2 0).
@@ -3145,13 +3032,6 @@ void routing_source_logits(cudaStream_t s, RoutingContext& ctx, Tensor weights, 
   qg_tables_kernel<<<grid_stride_blocks(table, 256), 256, 0, s>>>(hi, lo, nullptr, sp, source, ns,
                                                                    g.d);
   CUDA_CHECK_LAUNCH();
-  if (g_logits_version == 5 && logits_mma_applies(g)) {  // v read once from DRAM (the kernel)
-    source_logits_mma_kernel<<<unsigned(ceil_div(N, int64_t(16 * kLogitsMmaWarps))),
-                               32 * kLogitsMmaWarps, 0, s>>>(
-        w, inv_rms.ptr<float>(), static_cast<const bf16*>(v.data), hi, lo, g, ns, float(eps));
-    CUDA_CHECK_LAUNCH();
-    return;
-  }
   dispatch_rows(g, [&](auto nt, auto) {
     inv_rms_kernel<decltype(nt)::value><<<token_blocks(N), 32 * kWarpsPerBlock, 0, s>>>(
         inv_rms.ptr<float>(), static_cast<const bf16*>(v.data), g, float(eps));
@@ -3410,7 +3290,7 @@ int routing_backward_sum_order(int64_t d, int heads) {
   auto lane_chunks = [&](int parts_log2) { return g.d / 256 >> std::max(parts_log2, 0); };
   const int value = source_value_version(d);
   const int value_parts = parts_log2_for(g, value_part_chunks(value));
-  if ((value == 5 || value == 7) && value_parts >= 0)  // every slot fused, the pair's form too
+  if (value == 5 && value_parts >= 0)  // every slot fused, the pair's form too
     return key_grads + 256 + lane_chunks(value_parts);
   return key_grads + 16 * lane_chunks(parts_log2_for(g, pair_part_chunks(g_pair_version))) +
          lane_chunks(value_parts);
@@ -3489,9 +3369,9 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
   const auto* v_in = static_cast<const bf16*>(v.data);
   // Slots read by few sites take the fused span kernel (key path inside, dv written);
   // the others write the fp32 value row for the key GEMM and finish kernel below. Value
-  // versions 5 and 7 fuse every slot's key path (source_value_fused_ring_kernel).
+  // version 5 fuses every slot's key path (source_value_fused_ring_kernel).
   const int value_version = source_value_version(g.d);
-  const bool fuses_every_slot = value_version == 5 || value_version == 7;
+  const bool fuses_every_slot = value_version == 5;
   const int fused_parts_log2 = !delta && fuses_every_slot && span_layout(g)
                                    ? parts_log2_for(g, value_part_chunks(value_version))
                                    : -1;
@@ -3609,12 +3489,7 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
     if (ring_fused) {
       dispatch_part_span(g.d / 256 >> fused_parts_log2, [&](auto ntp) {
         constexpr int NT = decltype(ntp)::value;
-        // Version 7: the lanes a head a compile-time constant, on whole rows.
-        auto kernel = with_lanes_a_head(value_version == 7 && fused_parts_log2 == 0, heads,
-                                        source_value_fused_ring_kernel<NT, value_ring(NT)>,
-                                        source_value_fused_ring_kernel<NT, value_ring(NT), 8>,
-                                        source_value_fused_ring_kernel<NT, value_ring(NT), 4>);
-        kernel<<<token_blocks(N << fused_parts_log2), 32 * kWarpsPerBlock, 0, s>>>(
+        source_value_fused_ring_kernel<NT, value_ring(NT)><<<token_blocks(N << fused_parts_log2), 32 * kWarpsPerBlock, 0, s>>>(
             dv_out, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in,
             inv_rms.ptr<float>(), qg, resume, g, source, last, fused_parts_log2);
         CUDA_CHECK_LAUNCH();
