@@ -1328,20 +1328,16 @@ __device__ __forceinline__ float span_ubar(float* ubar, const Row<NT>& dx, const
 // by their softmax weights, which are written over the site's logits. The softmax
 // statistics of head h come from its G lanes, each taking every G-th source (online
 // max/sum), merged by shuffles; then the sources are summed with the next row and logit
-// prefetched. OWN: the site's last source is the row `own` this lane already holds (the
-// fused delta forward's new slot), not read back from hist.
-template <int NT, bool OWN>
-__device__ __forceinline__ void mix_span_token(float (&acc)[NT][8], float* weights,
-                                               const bf16* hist, const Geometry& g, int site,
-                                               int64_t n, const Row<NT>& own) {
+// prefetched. load_source(row, t) gives this lane's span of source t (t = 0 .. src - 1,
+// each once, in order): mix_span_token's reads hist, the fused delta forward's stream
+// form takes them from its ring.
+template <int NT, class LoadSource>
+__device__ __forceinline__ void mix_span_token_from(float (&acc)[NT][8], float* weights,
+                                                    const Geometry& g, int site, int64_t n,
+                                                    LoadSource&& load_source) {
   const int lane = threadIdx.x & 31, G = 32 / g.H, h = lane / G, sub = lane % G;
   const int src = g.lay.site_sources(site), closed = site / g.lay.block;
-  auto slot = [&](int t) { return t <= closed ? t * g.lay.block : site; };
   auto logit = [&](int t) { return weights + (g.lay.site_pair(site, t, closed) * g.H + h) * g.N + n; };
-  auto load_source = [&](Row<NT>& row, int t) {
-    if (OWN && t == src - 1) row = own;
-    else load_span(row, hist + (int64_t(slot(t)) * g.N + n) * g.d);
-  };
   float m = -INFINITY, l = 0.f;
   online_add_strided(m, l, logit, sub, src, G);
   online_merge_lanes(m, l, G);
@@ -1367,6 +1363,18 @@ __device__ __forceinline__ void mix_span_token(float (&acc)[NT][8], float* weigh
       for (int e = 0; e < 8; ++e) acc[t][e] += a * elem(cur.raw[t], e);
     if (i + 1 < src) cur = nxt, s_cur = s_nxt;
   }
+}
+// mix_span_token_from with the sources read from hist. OWN: the site's last source is the
+// row `own` this lane already holds (the fused delta forward's new slot), not read back.
+template <int NT, bool OWN>
+__device__ __forceinline__ void mix_span_token(float (&acc)[NT][8], float* weights,
+                                               const bf16* hist, const Geometry& g, int site,
+                                               int64_t n, const Row<NT>& own) {
+  const int src = g.lay.site_sources(site), closed = site / g.lay.block;
+  mix_span_token_from(acc, weights, g, site, n, [&](Row<NT>& row, int t) {
+    if (OWN && t == src - 1) row = own;
+    else load_span(row, hist + (int64_t(t <= closed ? t * g.lay.block : site) * g.N + n) * g.d);
+  });
 }
 
 template <int NT>
@@ -1972,12 +1980,92 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
 // the op sequence 12.92 ms, v1 12.32, v2 13.10: the re-reads cost more than the extra
 // warps gain. The kernel is latency-bound (2.6 TB/s by its bytes): each token's rows
 // are loaded, then used, in turn.
-constexpr int kDeltaForwardVersions = 2;
+// 3 (delta_site_forward_stream_kernel, with the stream kernels below; NOT yet run) is 1
+//   with every row it reads staged in shared memory by cp.async, a few rows ahead across
+//   tokens.
+constexpr int kDeltaForwardVersions = 3;
 constexpr int kDeltaForwardDefault = 1;
 int g_delta_forward_version = kDeltaForwardDefault;
 constexpr int delta_forward_blocks_per_sm(int NT, int version) {
   return NT <= 4 || (version == 2 && NT == 5) ? 4 : NT == 5 ? 3 : 2;
 }
+// One token n of the fused delta site forward (both kernels below): the same operations
+// in the same order whichever way the rows arrive. lead_row(row, i) gives this lane's span
+// of the stream (i = 0), the slot's v (1) and, where the slot continues its block, prev
+// (2), in that order; closed_row(row, t) the closed slot t (t = 0 .. closed, in order).
+// KEEP: the advanced stream and the new slot row stay in registers through the mix; else
+// they are read back from where this lane stored them (version 2).
+template <int NT, bool KEEP, class QG, class LeadRow, class ClosedRow>
+__device__ __forceinline__ void delta_forward_token(bf16* x, bf16* r_out, bf16* stream,
+                                                    bf16* slot, float* weights, float* w_site,
+                                                    float* inv_rms, QG&& qg8, const Geometry& g,
+                                                    int site, bool continues, float a, float eps,
+                                                    int64_t n, LeadRow&& lead_row,
+                                                    ClosedRow&& closed_row) {
+  Row<NT> sv, own;
+  {
+    Row<NT> vv;
+    lead_row(sv, 0);
+    lead_row(vv, 1);
+    if (continues) {
+      Row<NT> pv;
+      lead_row(pv, 2);
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        float f[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) f[e] = __fadd_rn(elem(vv.raw[t], e), elem(pv.raw[t], e));
+        own.raw[t] = pack8(f);
+      }
+    } else {
+      own = vv;
+    }
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      float f[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) f[e] = __fadd_rn(elem(sv.raw[t], e), elem(vv.raw[t], e));
+      sv.raw[t] = pack8(f);  // now the advanced stream
+    }
+  }
+  store_span_row(stream + n * g.d, sv);
+  if (continues) store_span_row(slot + n * g.d, own);
+  logits_span_token(w_site, inv_rms, own, qg8, g, 1, eps, n);
+  __syncwarp();  // the head's leader lane stored the logit the mix reads
+  float acc[NT][8];
+  const int src = g.lay.site_sources(site);
+  mix_span_token_from(acc, weights, g, site, n, [&](Row<NT>& row, int t) {
+    if (t < src - 1) closed_row(row, t);
+    else if (KEEP) row = own;
+    else load_span(row, slot + n * g.d);  // version 2: from this lane's store above
+  });
+  Row<NT> rr;
+#pragma unroll
+  for (int t = 0; t < NT; ++t) rr.raw[t] = pack8(acc[t]);
+  store_span_row(r_out + n * g.d, rr);
+  if (!KEEP) load_span(sv, stream + n * g.d);
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    float f[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      f[e] = __fadd_rn(elem(sv.raw[t], e), __fmul_rn(a, elem(rr.raw[t], e)));
+    sv.raw[t] = pack8(f);
+  }
+  store_span_row(x + n * g.d, sv);
+}
+
+// The site's q*g, chunk t of this lane's span, as the logits take it.
+template <int NT>
+__device__ __forceinline__ void delta_site_qg8(const bf16* query, const bf16* gain, int t,
+                                               float (&q)[8]) {
+  const int lane = threadIdx.x & 31;
+  const uint4 qc = reinterpret_cast<const uint4*>(query)[lane * NT + t];
+  const uint4 gc = reinterpret_cast<const uint4*>(gain)[lane * NT + t];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) q[e] = __fmul_rn(elem(qc, e), elem(gc, e));
+}
+
 template <int NT, int V>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, delta_forward_blocks_per_sm(NT, V))
     delta_site_forward_span_kernel(bf16* __restrict__ x, bf16* __restrict__ r_out,
@@ -1985,68 +2073,18 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, delta_forward_blocks_per_
                                    float* __restrict__ inv_rms, const bf16* __restrict__ query,
                                    const bf16* __restrict__ gain, const bf16* __restrict__ alpha,
                                    const Geometry g, int site, bool continues, float eps) {
-  constexpr bool kKeep = V == 1;  // the rows stay in registers through the mix
-  const int lane = threadIdx.x & 31;
-  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5), Nd = g.N * g.d;
   const float a = __bfloat162float(alpha[0]);
-  bf16* slot = hist + int64_t(site) * g.N * g.d;
-  const bf16* prev = slot - g.N * g.d;
+  bf16* slot = hist + int64_t(site) * Nd;
+  const bf16* lead[3] = {stream, slot, slot - Nd};  // the stream, v, prev
   float* w_site = weights + g.lay.pair_base(site) * g.H * g.N;
-  auto qg8 = [&](int, int t, float (&q)[8]) {
-    const uint4 qc = reinterpret_cast<const uint4*>(query)[lane * NT + t];
-    const uint4 gc = reinterpret_cast<const uint4*>(gain)[lane * NT + t];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) q[e] = __fmul_rn(elem(qc, e), elem(gc, e));
-  };
+  auto qg8 = [&](int, int t, float (&q)[8]) { delta_site_qg8<NT>(query, gain, t, q); };
   for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); n < g.N;
        n += warps) {
-    Row<NT> sv, own;
-    {
-      Row<NT> vv;
-      load_span(sv, stream + n * g.d);
-      load_span(vv, slot + n * g.d);
-      if (continues) {
-        Row<NT> pv;
-        load_span(pv, prev + n * g.d);
-#pragma unroll
-        for (int t = 0; t < NT; ++t) {
-          float f[8];
-#pragma unroll
-          for (int e = 0; e < 8; ++e) f[e] = __fadd_rn(elem(vv.raw[t], e), elem(pv.raw[t], e));
-          own.raw[t] = pack8(f);
-        }
-      } else {
-        own = vv;
-      }
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        float f[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) f[e] = __fadd_rn(elem(sv.raw[t], e), elem(vv.raw[t], e));
-        sv.raw[t] = pack8(f);  // now the advanced stream
-      }
-    }
-    store_span_row(stream + n * g.d, sv);
-    if (continues) store_span_row(slot + n * g.d, own);
-    logits_span_token(w_site, inv_rms, own, qg8, g, 1, eps, n);
-    __syncwarp();  // the head's leader lane stored the logit the mix reads
-    float acc[NT][8];
-    // (version 2: the own slot's row comes back from this lane's store above)
-    mix_span_token<NT, kKeep>(acc, weights, hist, g, site, n, own);
-    Row<NT> rr;
-#pragma unroll
-    for (int t = 0; t < NT; ++t) rr.raw[t] = pack8(acc[t]);
-    store_span_row(r_out + n * g.d, rr);
-    if (!kKeep) load_span(sv, stream + n * g.d);
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      float f[8];
-#pragma unroll
-      for (int e = 0; e < 8; ++e)
-        f[e] = __fadd_rn(elem(sv.raw[t], e), __fmul_rn(a, elem(rr.raw[t], e)));
-      sv.raw[t] = pack8(f);
-    }
-    store_span_row(x + n * g.d, sv);
+    delta_forward_token<NT, V == 1>(
+        x, r_out, stream, slot, weights, w_site, inv_rms, qg8, g, site, continues, a, eps, n,
+        [&](Row<NT>& row, int i) { load_span(row, lead[i] + n * g.d); },
+        [&](Row<NT>& row, int t) { load_span(row, hist + (int64_t(t) * g.lay.block * g.N + n) * g.d); });
   }
 }
 
@@ -2682,6 +2720,73 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
       a = s.scalar[0][h], ub = s.scalar[2][h];
     }
     store_span_f32(val + n * g.d, acc);
+  }
+  cp_async_wait_groups<0>();  // nothing in flight into shared memory at exit
+}
+
+// Version 3 of the fused delta site forward (routing_set_kernel_version(DeltaForward, 3);
+// written in the twenty-first session after its last device call: NOT yet run): version 1
+// with its rows staged by cp.async in a per-warp ring (SlotRing, as pair version 8),
+// kDeltaStreamSlots - 1 rows ahead across tokens: the stream, the slot, prev (continues)
+// and the closed slots 0 .. closed of the next token land while this token's arithmetic
+// runs. Why: version 1 loads a token's three leading rows, then uses them, then takes the
+// closed slots with one row of prefetch: latency-bound at 2.6 TB/s by its bytes (eleventh
+// session), and in the twenty-first session's tools/kernel_times.sh of the 1B delta step
+// its 64 launches were 12.4 ms of the 35.8 ms of kernels that delta adds to standard.
+// The stream kernels of the backward gained 9-12% the same way (pair version 8). The
+// operations and their order are version 1's (the rows only come from shared memory):
+// the same bits. A token's items: 2 + continues leading rows, then src - 1 = closed + 1
+// closed slots (the last source is the slot row in registers: the fused path runs only
+// at sites that do not close a block, routing_delta_site_forward_fuses).
+// Each row is read once and before this kernel writes it (the stream and the slot rows of
+// token n are copied before token n's stores; the closed slots and prev are not
+// written), so the ring's early copies see the values version 1 reads.
+constexpr int kDeltaStreamSlots = 5;
+// Version 1's blocks an SM but 3, not 4, at NT 3-4 (ptxas: 4 spills 4-64 bytes there; NT 5
+// is 168 registers at 3, no spills).
+constexpr int delta_stream_blocks_per_sm(int NT) { return NT <= 2 ? 4 : NT <= 5 ? 3 : 2; }
+template <int NT>
+constexpr size_t delta_stream_smem() {
+  return size_t(kWarpsPerBlock) * kDeltaStreamSlots * sizeof(StreamSlot<NT>);
+}
+template <int NT>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock, delta_stream_blocks_per_sm(NT))
+    delta_site_forward_stream_kernel(bf16* __restrict__ x, bf16* __restrict__ r_out,
+                                     bf16* stream, bf16* hist, float* weights,
+                                     float* __restrict__ inv_rms, const bf16* __restrict__ query,
+                                     const bf16* __restrict__ gain,
+                                     const bf16* __restrict__ alpha, const Geometry g, int site,
+                                     bool continues, float eps) {
+  constexpr int R = kDeltaStreamSlots;
+  extern __shared__ float4 delta_stream_smem_raw[];
+  SlotRing<NT, R, true> ring{reinterpret_cast<StreamSlot<NT>*>(delta_stream_smem_raw) +
+                             (threadIdx.x >> 5) * R};
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5), Nd = g.N * g.d;
+  const float a = __bfloat162float(alpha[0]);
+  bf16* slot = hist + int64_t(site) * Nd;
+  const bf16* prev = slot - Nd;
+  float* w_site = weights + g.lay.pair_base(site) * g.H * g.N;
+  auto qg8 = [&](int, int t, float (&q)[8]) { delta_site_qg8<NT>(query, gain, t, q); };
+  const int src = g.lay.site_sources(site), lead = continues ? 3 : 2, items = lead + src - 1;
+  const int64_t first = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  // The cursor: item ci of token cn is the next to copy.
+  int64_t cn = first;
+  int ci = 0;
+  auto issue = [&](StreamSlot<NT>& s) {
+    if (cn >= g.N) return;
+    const bf16* row = ci == 0      ? stream
+                      : ci == 1    ? slot
+                      : ci < lead  ? prev
+                                   : hist + int64_t(ci - lead) * g.lay.block * Nd;  // closed slot
+    copy_chunks_async(s, reinterpret_cast<const uint4*>(row + cn * g.d));
+    if (++ci == items) ci = 0, cn += warps;
+  };
+#pragma unroll 1
+  for (int u = 0; u < R - 1; ++u) ring.refill(issue);
+  for (int64_t n = first; n < g.N; n += warps) {
+    auto from_ring = [&](Row<NT>& row, int) { slot_span(ring.take(issue), row); };
+    delta_forward_token<NT, true>(x, r_out, stream, slot, weights, w_site, inv_rms, qg8, g, site,
+                                  continues, a, eps, n, from_ring, from_ring);
   }
   cp_async_wait_groups<0>();  // nothing in flight into shared memory at exit
 }
@@ -3676,15 +3781,25 @@ bool routing_delta_site_forward(cudaStream_t s, RoutingContext& ctx, const Delta
   ctx.tile = MixTile{};  // as routing_mix: a plain mix ends any depth tile in flight
   dispatch_span(g, [&](auto nt) {
     constexpr int NT = decltype(nt)::value;
+    auto* x = static_cast<bf16*>(a.x.data);
+    auto* r = static_cast<bf16*>(a.r.data);
+    auto* stream = static_cast<bf16*>(a.stream.data);
+    auto* hist = static_cast<bf16*>(a.history.data);
+    const auto* query = static_cast<const bf16*>(a.params->query[size_t(a.site)].data);
+    const auto* gain = static_cast<const bf16*>(a.params->gain[size_t(a.site)].data);
+    const auto* alpha = static_cast<const bf16*>(a.alpha.data);
+    if (g_delta_forward_version == 3) {
+      launch_stream(s, delta_site_forward_stream_kernel<NT>, delta_stream_smem<NT>(),
+                    delta_stream_blocks_per_sm(NT), N, x, r, stream, hist,
+                    a.weights.ptr<float>(), a.inv_rms.ptr<float>(), query, gain, alpha, g,
+                    a.site, a.continues, float(a.eps));
+      return;
+    }
     auto kernel = g_delta_forward_version == 1 ? delta_site_forward_span_kernel<NT, 1>
                                                : delta_site_forward_span_kernel<NT, 2>;
     kernel<<<token_blocks(N), 32 * kWarpsPerBlock, 0, s>>>(
-        static_cast<bf16*>(a.x.data), static_cast<bf16*>(a.r.data),
-        static_cast<bf16*>(a.stream.data), static_cast<bf16*>(a.history.data),
-        a.weights.ptr<float>(), a.inv_rms.ptr<float>(),
-        static_cast<const bf16*>(a.params->query[size_t(a.site)].data),
-        static_cast<const bf16*>(a.params->gain[size_t(a.site)].data),
-        static_cast<const bf16*>(a.alpha.data), g, a.site, a.continues, float(a.eps));
+        x, r, stream, hist, a.weights.ptr<float>(), a.inv_rms.ptr<float>(), query, gain, alpha,
+        g, a.site, a.continues, float(a.eps));
     CUDA_CHECK_LAUNCH();
   });
   return true;
