@@ -53,8 +53,9 @@
 // Kernel lab: the mix tile and finish kernels, the backward's pair kernel and the logits
 // keep their earlier versions, numbered, chosen at launch (routing_set_kernel_version,
 // kernels.h; the defaults are the measured fastest: mix tile 5 of 5, finish 6 of 6, pair
-// 9 of 11, the unfused value kernel 5 / 3 / 6 / 2 of 7 by width, the key gradients 2 / 1
-// of 2 by width, logits 2 of 5), so that one
+// 11 of 11, the unfused value kernel 5 / 3 / 6 / 2 of 6 by width, the key gradients 2 / 1
+// of 2 by width, logits 2 of 4, the delta site forward 1 of 3, its backward 2 of 3), so
+// that one
 // device run times each (tests/op_timing_cudatest.cpp); every version computes the same
 // bits, but for the logits' choice between token kernel and GEMMs and the backward's row
 // parts and fused key path (see there).
@@ -1454,11 +1455,73 @@ __device__ __forceinline__ float value_site(float (&acc)[NT][8], const Row<NT>& 
   return a * (head_sum(p, G) - ub);
 }
 
+// DELTA's steps before the slot's backward, token n, on the rows rg (dx), dres (dresid)
+// and rx (x) this lane holds: dresid + dx and dr = alpha dx stored (rdx = dr and dres =
+// dresid + dx as stored), this lane's share of dalpha's sum dx . x, and the site's ubar
+// (returned).
+template <int NT>
+__device__ __forceinline__ float delta_site_prologue(Row<NT>& rdx, Row<NT>& dres, float& dalpha,
+                                                     const Row<NT>& rg, const Row<NT>& rx,
+                                                     const DeltaRows& dl, float* ubar,
+                                                     const Geometry& g, int source, int64_t n) {
+  const float al = load(dl.alpha[0]);
+  float sum[NT][8], scaled[NT][8];
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const float gx = elem(rg.raw[t], e);
+      sum[t][e] = __fadd_rn(elem(dres.raw[t], e), gx);
+      scaled[t][e] = __fmul_rn(al, gx);
+      dalpha = __fmaf_rn(gx, elem(rx.raw[t], e), dalpha);
+    }
+  store_span(dl.dresid + n * g.d, sum);
+  store_span(dl.dr + n * g.d, scaled);
+#pragma unroll
+  for (int t = 0; t < NT; ++t) dres.raw[t] = pack8(sum[t]), rdx.raw[t] = pack8(scaled[t]);
+  return span_ubar_row(ubar, rdx, rx, g, source, n);
+}
+
+// DELTA's steps after, delta_source_grad: the slot's gradient acc (as stored) + next
+// (next_row(nx) gives it, where dl.next is set), stored as dv; out = dresid + slot.
+template <int NT, class NextRow>
+__device__ __forceinline__ void delta_site_epilogue(float (&acc)[NT][8], const Row<NT>& dres,
+                                                    bf16* dv, const DeltaRows& dl,
+                                                    const Geometry& g, int64_t n,
+                                                    NextRow&& next_row) {
+  Row<NT> nx;
+  if (dl.next) next_row(nx);
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const uint4 stored_dv = pack8(acc[t]);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[t][e] = elem(stored_dv, e);
+  }
+  if (dl.next) {
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[t][e] = __fadd_rn(acc[t][e], elem(nx.raw[t], e));
+      const uint4 stored_slot = pack8(acc[t]);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[t][e] = elem(stored_slot, e);
+    }
+  }
+  store_span(dv + n * g.d, acc);
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[t][e] = __fadd_rn(elem(dres.raw[t], e), acc[t][e]);
+  store_span(dl.out + n * g.d, acc);
+}
+
 // Kernel-lab versions of the DELTA kernel (routing_set_kernel_version(DeltaSite, v); the
 // same operations, so the same bits): 1 runs the general site loop (2 blocks per SM); 2
 // fixes it at one site at compile time (the prefetch of a next site's row and its
-// registers go); 3 is 2 with 3 blocks per SM where NT <= 5 (<= 168 registers).
-constexpr int kDeltaSiteVersions = 3;
+// registers go); 3 is 2 with 3 blocks per SM where NT <= 5 (<= 168 registers); 4
+// (delta_site_backward_stream_kernel, with the stream kernels below; NOT yet run) is 3
+// with its rows staged in shared memory by cp.async, a few rows ahead across tokens.
+constexpr int kDeltaSiteVersions = 4;
 constexpr int kDeltaSiteDefault = 2;
 int g_delta_site_version = kDeltaSiteDefault;
 constexpr int value_span_blocks_per_sm(int NT, bool fused, int delta) {
@@ -1493,22 +1556,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, value_span_blocks_per_sm(
       load_span(rg, dl.dx + n * g.d);
       load_span(dres, dl.dresid + n * g.d);
       load_span(rx, x + n * g.d);
-      const float al = load(dl.alpha[0]);
-      float sum[NT][8], scaled[NT][8];
-#pragma unroll
-      for (int t = 0; t < NT; ++t)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          const float gx = elem(rg.raw[t], e);
-          sum[t][e] = __fadd_rn(elem(dres.raw[t], e), gx);
-          scaled[t][e] = __fmul_rn(al, gx);
-          dalpha = __fmaf_rn(gx, elem(rx.raw[t], e), dalpha);
-        }
-      store_span(dl.dresid + n * g.d, sum);
-      store_span(dl.dr + n * g.d, scaled);
-#pragma unroll
-      for (int t = 0; t < NT; ++t) dres.raw[t] = pack8(sum[t]), rdx.raw[t] = pack8(scaled[t]);
-      ub = span_ubar_row(ubar, rdx, rx, g, source, n);
+      ub = delta_site_prologue(rdx, dres, dalpha, rg, rx, dl, ubar, g, source, n);
     } else {
       load_span(rdx, site_dx.dx[source] + n * g.d);
       ub = span_ubar(ubar, rdx, x, g, source, n);
@@ -1550,31 +1598,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, value_span_blocks_per_sm(
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[t][e] -= scale * elem(rv.raw[t], e);
       if constexpr (DELTA) {
-        // delta_source_grad: slot (as stored) += next, stored; out = dresid + slot.
-        Row<NT> nx;
-        if (dl.next) load_span(nx, dl.next + n * g.d);
-#pragma unroll
-        for (int t = 0; t < NT; ++t) {
-          const uint4 stored_dv = pack8(acc[t]);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) acc[t][e] = elem(stored_dv, e);
-        }
-        if (dl.next) {
-#pragma unroll
-          for (int t = 0; t < NT; ++t) {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc[t][e] = __fadd_rn(acc[t][e], elem(nx.raw[t], e));
-            const uint4 stored_slot = pack8(acc[t]);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc[t][e] = elem(stored_slot, e);
-          }
-        }
-        store_span(dv + n * g.d, acc);
-#pragma unroll
-        for (int t = 0; t < NT; ++t)
-#pragma unroll
-          for (int e = 0; e < 8; ++e) acc[t][e] = __fadd_rn(elem(dres.raw[t], e), acc[t][e]);
-        store_span(dl.out + n * g.d, acc);
+        delta_site_epilogue(acc, dres, dv, dl, g, n,
+                            [&](Row<NT>& nx) { load_span(nx, dl.next + n * g.d); });
       } else {
         store_span(dv + n * g.d, acc);
       }
@@ -2791,6 +2816,93 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, delta_stream_blocks_per_s
   cp_async_wait_groups<0>();  // nothing in flight into shared memory at exit
 }
 
+// Version 4 of the DELTA kernel (routing_set_kernel_version(DeltaSite, 4); written in the
+// twenty-first session after its last device call: NOT yet run): version 3 (one site,
+// 3 blocks an SM where NT <= 5) with its rows staged by cp.async in a per-warp ring across
+// tokens, as the delta site forward's version 3: a token's items are v (with the site's
+// weight of each head and the token's inv_rms as the slot's scalars: lane l < H copies
+// head l's, lane 0 inv_rms), dx, dresid, x and, where the slot's block continues, next.
+// Why: version 3 loads a token's four or five rows, then uses them (the 1B delta step's
+// 64 launches: 8.5 ms at ~2.8 TB/s by their bytes, tools/kernel_times.sh, twenty-first
+// session). The operations on each token are version 3's (delta_site_prologue,
+// value_site, key_site, delta_site_epilogue), so every per-token output has its bits;
+// dalpha's sum runs over the grid's own split of the tokens (one wave of blocks,
+// launch_stream), whose partials delta_add_partials adds, so its bits differ from version
+// 3's within the same bound (each lane's run of products is longer).
+// Each row is read before this kernel writes it: token n's dresid is copied before token
+// n's store; the other rows read are not written here.
+template <int NT>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock, value_span_blocks_per_sm(NT, true, 3))
+    delta_site_backward_stream_kernel(bf16* __restrict__ dv, float* weights,
+                                      float* __restrict__ ubar, const bf16* __restrict__ x,
+                                      const bf16* __restrict__ v,
+                                      const float* __restrict__ inv_rms,
+                                      const float* __restrict__ qg, const Geometry g, int source,
+                                      const DeltaRows dl) {
+  constexpr int R = kDeltaStreamSlots;
+  extern __shared__ float4 delta_back_smem_raw[];
+  SlotRing<NT, R, true> ring{reinterpret_cast<StreamSlot<NT>*>(delta_back_smem_raw) +
+                             (threadIdx.x >> 5) * R};
+  const int lane = threadIdx.x & 31, G = 32 / g.H, h = lane / G;
+  const bool leader = lane % G == 0;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
+  float* w_heads = weights + g.lay.pair_base(source) * g.H * g.N;  // the site's, by head
+  const float4* qrow = reinterpret_cast<const float4*>(qg) + lane * 2 * NT;
+  const int items = dl.next ? 5 : 4;
+  const int64_t first = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  int64_t cn = first;  // the cursor: item ci of token cn is the next to copy
+  int ci = 0;
+  auto issue = [&](StreamSlot<NT>& s) {
+    if (cn >= g.N) return;
+    const bf16* row = ci == 0 ? v : ci == 1 ? dl.dx : ci == 2 ? dl.dresid : ci == 3 ? x : dl.next;
+    copy_chunks_async(s, reinterpret_cast<const uint4*>(row + cn * g.d));
+    if (ci == 0) {
+      if (lane < g.H) cp_async_ca(&s.scalar[0][lane], w_heads + int64_t(lane) * g.N + cn, 4);
+      if (lane == 0) cp_async_ca(&s.scalar[1][0], inv_rms + cn, 4);
+    }
+    if (++ci == items) ci = 0, cn += warps;
+  };
+  float dalpha = 0.f;  // this lane's share of sum dx r
+#pragma unroll 1
+  for (int u = 0; u < R - 1; ++u) ring.refill(issue);
+  for (int64_t n = first; n < g.N; n += warps) {
+    Row<NT> rv, rdx, dres;
+    float a, r;
+    {
+      const StreamSlot<NT>& s0 = ring.take(issue);
+      slot_span(s0, rv);
+      a = s0.scalar[0][h], r = s0.scalar[1][0];  // read before the next take refills s0
+    }
+    float ub;
+    {
+      Row<NT> rg, rx;
+      slot_span(ring.take(issue), rg);
+      slot_span(ring.take(issue), dres);
+      slot_span(ring.take(issue), rx);
+      ub = delta_site_prologue(rdx, dres, dalpha, rg, rx, dl, ubar, g, source, n);
+    }
+    float acc[NT][8];
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[t][e] = 0.f;
+    float radial = 0.f;
+    const float ds = value_site(acc, rdx, rv, a, ub, G);
+    key_site(acc, radial, rv, qrow, r, ds, G, leader);
+    if (leader) w_heads[int64_t(h) * g.N + n] = ds * r;  // a came from the ring: no race
+    const float scale = r * r * r / float(g.d) * warp_sum(radial);
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[t][e] -= scale * elem(rv.raw[t], e);
+    delta_site_epilogue(acc, dres, dv, dl, g, n,
+                        [&](Row<NT>& nx) { slot_span(ring.take(issue), nx); });
+  }
+  const float block = block_sum(dalpha);
+  if (threadIdx.x == 0) dl.partial[blockIdx.x] = block;
+  cp_async_wait_groups<0>();  // nothing in flight into shared memory at exit
+}
+
 // ---------------------------------------------------------------- key gradient
 // G_k[c] = sum_n (ds_k r)[head(c), n] v[n, c] of one slot against its sites is, per head,
 // a GEMM over the tokens (cuBLAS, tensor cores, fp32 accumulate into gsum's slab 0): [dh x
@@ -2991,15 +3103,17 @@ int one_wave_blocks(K kernel, int64_t warps, size_t smem = 0) {
 
 // A stream kernel (source_value_pair_stream_kernel, source_value_stream_kernel) on a grid
 // of one wave of the blocks that fit beside `smem` bytes each, `blocks_per_sm` of them
-// with the carveout they need.
+// with the carveout they need; returns the grid's blocks.
 template <class K, class... Args>
-void launch_stream(cudaStream_t s, K kernel, size_t smem, int blocks_per_sm, int64_t warps,
-                   Args... args) {
+int launch_stream(cudaStream_t s, K kernel, size_t smem, int blocks_per_sm, int64_t warps,
+                  Args... args) {
   allow_smem(kernel, smem);
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                   stream_carveout(smem, blocks_per_sm)));
-  kernel<<<one_wave_blocks(kernel, warps, smem), 32 * kWarpsPerBlock, smem, s>>>(args...);
+  const int blocks = one_wave_blocks(kernel, warps, smem);
+  kernel<<<blocks, 32 * kWarpsPerBlock, smem, s>>>(args...);
   CUDA_CHECK_LAUNCH();
+  return blocks;  // the grid (a per-block partial sum's count)
 }
 
 // A whole-row span kernel in one of three instantiations: with the lanes a head G = 32 / H
@@ -3481,6 +3595,7 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
                                    ? parts_log2_for(g, value_part_chunks(value_version))
                                    : -1;
   const bool ring_fused = fused_parts_log2 >= 0;
+  int delta_partials = token_blocks(N);  // dalpha's per-block partials (delta)
   const bool fused = ring_fused || (span_layout(g) && ns <= g_fused_key_max_sites);
   float* val = fused ? nullptr
                      : static_cast<float*>(ctx.scratch(ScratchSlot::RoutingValueGrad, N * g.d * 4));
@@ -3619,6 +3734,14 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
           return;
         }
       }
+      if (delta && g_delta_site_version == 4) {  // rows staged in shared memory
+        MHAR_CHECK(!resume, "CUDA ", what, ": the delta site kernel inside a depth tile");
+        delta_partials = launch_stream(
+            s, delta_site_backward_stream_kernel<NT>, delta_stream_smem<NT>(),
+            value_span_blocks_per_sm(NT, true, 3), N, dv_out, weights.ptr<float>(),
+            ubar.ptr<float>(), x_in, v_in, inv_rms.ptr<float>(), qg, g, source, *delta);
+        return;
+      }
       auto kernel = !delta ? (fused ? source_value_span_kernel<NT, true>
                                     : source_value_span_kernel<NT, false>)
                     : g_delta_site_version == 1 ? source_value_span_kernel<NT, true, 1>
@@ -3630,7 +3753,7 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
           delta ? *delta : DeltaRows{});
       CUDA_CHECK_LAUNCH();
     });
-    if (delta) delta_add_partials(s, dalpha, delta->partial, token_blocks(N));
+    if (delta) delta_add_partials(s, dalpha, delta->partial, delta_partials);
   } else {
     MHAR_CHECK(resume_last < 0, "CUDA ", what, ": a backward depth tile outside the span layout");
     const size_t smem = sizeof(float) * kWarpsPerBlock * heads;
