@@ -54,7 +54,7 @@
 // keep their earlier versions, numbered, chosen at launch (routing_set_kernel_version,
 // kernels.h; the defaults are the measured fastest: mix tile 5 of 5, finish 6 of 6, pair
 // 11 of 11, the unfused value kernel 5 / 3 / 6 / 2 of 6 by width, the key gradients 2 / 1
-// of 2 by width, logits 2 of 4, the delta site forward 1 of 3, its backward 2 of 3), so
+// of 2 by width, logits 2 of 4, the delta site forward 1 of 3, its backward 2 of 4), so
 // that one
 // device run times each (tests/op_timing_cudatest.cpp); every version computes the same
 // bits, but for the logits' choice between token kernel and GEMMs and the backward's row
@@ -1330,7 +1330,7 @@ __device__ __forceinline__ float span_ubar(float* ubar, const Row<NT>& dx, const
 // statistics of head h come from its G lanes, each taking every G-th source (online
 // max/sum), merged by shuffles; then the sources are summed with the next row and logit
 // prefetched. load_source(row, t) gives this lane's span of source t (t = 0 .. src - 1,
-// each once, in order): mix_span_token's reads hist, the fused delta forward's stream
+// each once, in order): mix_span_token reads them from hist, the fused delta forward's stream
 // form takes them from its ring.
 template <int NT, class LoadSource>
 __device__ __forceinline__ void mix_span_token_from(float (&acc)[NT][8], float* weights,
@@ -2109,7 +2109,9 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, delta_forward_blocks_per_
     delta_forward_token<NT, V == 1>(
         x, r_out, stream, slot, weights, w_site, inv_rms, qg8, g, site, continues, a, eps, n,
         [&](Row<NT>& row, int i) { load_span(row, lead[i] + n * g.d); },
-        [&](Row<NT>& row, int t) { load_span(row, hist + (int64_t(t) * g.lay.block * g.N + n) * g.d); });
+        [&](Row<NT>& row, int t) {
+          load_span(row, hist + (int64_t(t) * g.lay.block * g.N + n) * g.d);  // closed slot t
+        });
   }
 }
 
@@ -2175,8 +2177,9 @@ __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT
 // whose stream keeps ~72 KB an SM in flight already, so more warps would help only if
 // the kernel is bound by its warps' issue. Measured (twentieth session, call 3, 100M's
 // tiled backward): v9 3.635 ms, v10 3.643: no gain, so it is not short of warps.
-// 11 (the default since the twenty-first session) is 9 with the lanes a head, G = 32 / H, a compile-time constant where H is 4 or 8 (the paper
-// shapes: G 8 at 100M, 4 at 350M and 1B). Why: the PTX of version 9's fused kernel at d
+// 11 (the default since the twenty-first session) is 9 with the lanes a head, G = 32 / H,
+// a compile-time constant where H is 4 or 8 (the paper shapes: G 8 at 100M, 4 at 350M and
+// 1B). Why: the PTX of version 9's fused kernel at d
 // 512 has ~416 instructions (moves not counted) a site and token a warp, ~0.9 G warp
 // instructions for 100M's tiles, which at the measured 1.91 ms is over half the issue
 // rate. Each of its four head sums a site (pair_site's two, key_site's two) is a loop over
@@ -3709,7 +3712,8 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
     if (ring_fused) {
       dispatch_part_span(g.d / 256 >> fused_parts_log2, [&](auto ntp) {
         constexpr int NT = decltype(ntp)::value;
-        source_value_fused_ring_kernel<NT, value_ring(NT)><<<token_blocks(N << fused_parts_log2), 32 * kWarpsPerBlock, 0, s>>>(
+        source_value_fused_ring_kernel<NT, value_ring(NT)>
+            <<<token_blocks(N << fused_parts_log2), 32 * kWarpsPerBlock, 0, s>>>(
             dv_out, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in,
             inv_rms.ptr<float>(), qg, resume, g, source, last, fused_parts_log2);
         CUDA_CHECK_LAUNCH();

@@ -437,7 +437,8 @@ TEST_F(DeltaParity, SiteForwardFusedIsItsSequence) {
             const auto got = get(tf);
             EXPECT_EQ(got, get(tq)) << name << vtag << ": fused differs from the op sequence";
             // The inputs' NaN rows make an output left unwritten fail above too; this names it.
-            EXPECT_TRUE(std::none_of(got.begin(), got.end(), [](double x) { return std::isnan(x); }))
+            EXPECT_TRUE(
+                std::none_of(got.begin(), got.end(), [](double x) { return std::isnan(x); }))
                 << name << vtag << ": an output was not written";
           }
         }
@@ -485,9 +486,8 @@ TEST_F(DeltaParity, SiteBackwardFusedIsItsSequence) {
       // runs across them (dalpha's bound then takes that grid's longer runs).
       constexpr int kStreamVersion = 4;
       std::vector<std::pair<int, bool>> runs;  // (version, on one block)
-      for (int version = 1; version <= cuda::routing_kernel_versions(cuda::RoutingKernel::DeltaSite);
-           ++version)
-        runs.emplace_back(version, false);
+      const int versions = cuda::routing_kernel_versions(cuda::RoutingKernel::DeltaSite);
+      for (int version = 1; version <= versions; ++version) runs.emplace_back(version, false);
       runs.emplace_back(kStreamVersion, true);
       for (const auto& [version, one_block] : runs) {
         cuda::routing_set_kernel_version(cuda::RoutingKernel::DeltaSite, version);
