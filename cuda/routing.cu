@@ -1437,6 +1437,18 @@ __device__ __forceinline__ void key_site(float (&acc)[NT][8], float& radial, con
   if (leader) radial += ds * vq;
 }
 
+// The fused key path's last term: acc -= r^3/d radial v (radial: the whole row's sum of
+// key_site's radial terms).
+template <int NT>
+__device__ __forceinline__ void subtract_radial(float (&acc)[NT][8], const Row<NT>& rv, float r,
+                                                float radial, int64_t d) {
+  const float scale = r * r * r / float(d) * radial;
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[t][e] -= scale * elem(rv.raw[t], e);
+}
+
 // One site k of a slot's value path, token n (span layout): acc += a_k dx_k, and the
 // slot's logit gradient ds_k = a_k (u_k - ubar_k), u_k = head h's sum of dx_k . v. Every
 // value kernel (plain, ring, pair) runs its sites through this, so they share the bits.
@@ -1592,11 +1604,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, value_span_blocks_per_sm(
       if (k + 1 <= last) rdx = nxt, a = a_nxt, ub = ub_nxt;
     }
     if constexpr (FUSED) {
-      const float scale = r * r * r / float(g.d) * warp_sum(radial);
-#pragma unroll
-      for (int t = 0; t < NT; ++t)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[t][e] -= scale * elem(rv.raw[t], e);
+      subtract_radial(acc, rv, r, warp_sum(radial), g.d);
       if constexpr (DELTA) {
         delta_site_epilogue(acc, dres, dv, dl, g, n,
                             [&](Row<NT>& nx) { load_span(nx, dl.next + n * g.d); });
@@ -1743,11 +1751,7 @@ __device__ __forceinline__ float parts_sum(float v, float (*xch)[kWarpsPerBlock]
 template <int NT>
 __device__ __forceinline__ void store_fused_dv(bf16* dv, float (&acc)[NT][8], const Row<NT>& rv,
                                                float r, float radial, int d) {
-  const float scale = r * r * r / float(d) * radial;
-#pragma unroll
-  for (int t = 0; t < NT; ++t)
-#pragma unroll
-    for (int e = 0; e < 8; ++e) acc[t][e] -= scale * elem(rv.raw[t], e);
+  subtract_radial(acc, rv, r, radial, d);
   store_span(dv, acc);
 }
 
@@ -2893,11 +2897,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, value_span_blocks_per_sm(
     const float ds = value_site(acc, rdx, rv, a, ub, G);
     key_site(acc, radial, rv, qrow, r, ds, G, leader);
     if (leader) w_heads[int64_t(h) * g.N + n] = ds * r;  // a came from the ring: no race
-    const float scale = r * r * r / float(g.d) * warp_sum(radial);
-#pragma unroll
-    for (int t = 0; t < NT; ++t)
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc[t][e] -= scale * elem(rv.raw[t], e);
+    subtract_radial(acc, rv, r, warp_sum(radial), g.d);
     delta_site_epilogue(acc, dres, dv, dl, g, n,
                         [&](Row<NT>& nx) { slot_span(ring.take(issue), nx); });
   }
