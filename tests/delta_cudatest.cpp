@@ -419,28 +419,29 @@ TEST_F(DeltaParity, SiteForwardFusedIsItsSequence) {
       std::vector<std::vector<double>> inputs;
       for (const auto& o : outputs) inputs.push_back(get(std::get<1>(o)));
       // Every version of the fused kernel (the kernel lab's, cuda/routing.cu): the same bits.
-      // Again on a grid of one block (cuda::routing_set_grid_cap; the stream version's grid
-      // is one wave), so that each warp takes several tokens and the stream version's ring
-      // of rows runs across tokens.
+      // The stream version runs on a one-wave grid, so again on one block
+      // (cuda::routing_set_grid_cap): each warp takes several tokens and its ring of rows
+      // runs across them.
+      constexpr int kStreamVersion = 3;
+      std::vector<std::pair<int, bool>> runs;  // (version, on one block)
       const int versions = cuda::routing_kernel_versions(cuda::RoutingKernel::DeltaForward);
-      for (int version = 1; version <= versions; ++version) {
-        for (const bool one_block : {false, true}) {
-          cuda::routing_set_kernel_version(cuda::RoutingKernel::DeltaForward, version);
-          const int cap_before = cuda::routing_set_grid_cap(one_block ? 1 : 0);
-          const std::string vtag =
-              tag + " kernel v" + std::to_string(version) + (one_block ? " one block" : "");
-          for (size_t o = 0; o < outputs.size(); ++o)
-            gpu->upload(std::get<1>(outputs[o]), inputs[o].data());
-          gpu->delta_site_forward(f);
-          cuda::routing_set_grid_cap(cap_before);
-          for (auto [name, tf, tq] : outputs) {
-            const auto got = get(tf);
-            EXPECT_EQ(got, get(tq)) << name << vtag << ": fused differs from the op sequence";
-            // The inputs' NaN rows make an output left unwritten fail above too; this names it.
-            EXPECT_TRUE(
-                std::none_of(got.begin(), got.end(), [](double x) { return std::isnan(x); }))
-                << name << vtag << ": an output was not written";
-          }
+      for (int version = 1; version <= versions; ++version) runs.emplace_back(version, false);
+      runs.emplace_back(kStreamVersion, true);
+      for (const auto& [version, one_block] : runs) {
+        cuda::routing_set_kernel_version(cuda::RoutingKernel::DeltaForward, version);
+        const int cap_before = cuda::routing_set_grid_cap(one_block ? 1 : 0);
+        const std::string vtag =
+            tag + " kernel v" + std::to_string(version) + (one_block ? " one block" : "");
+        for (size_t o = 0; o < outputs.size(); ++o)
+          gpu->upload(std::get<1>(outputs[o]), inputs[o].data());
+        gpu->delta_site_forward(f);
+        cuda::routing_set_grid_cap(cap_before);
+        for (auto [name, tf, tq] : outputs) {
+          const auto got = get(tf);
+          EXPECT_EQ(got, get(tq)) << name << vtag << ": fused differs from the op sequence";
+          // The inputs' NaN rows make an output left unwritten fail above too; this names it.
+          EXPECT_TRUE(std::none_of(got.begin(), got.end(), [](double x) { return std::isnan(x); }))
+              << name << vtag << ": an output was not written";
         }
       }
       cuda::routing_set_kernel_version(cuda::RoutingKernel::DeltaForward, 0);
