@@ -13,16 +13,17 @@
 //   with 16-byte loads and several blocks per SM keep enough loads in flight (the scalar
 //   2-byte loads of the first version reached 0.91 TB/s at 1B). It takes every
 //   losses-only call: one read is the floor there.
-// - versions 2 and 3, `cross_entropy_resident_kernel` (gradient only): the row read once
-//   and held until its gradient is written, one block an SM: each thread's first few
-//   vectors in registers, the next ones in shared memory (copied by cp.async, up to the
-//   opt-in limit: 227 KB a block on Hopper), and any beyond those (a row over ~300 KB:
-//   bf16 V > ~150k, fp32 V > ~75k) read again in pass 2. Version 2 runs 1,024 threads
-//   with 5 vectors each in registers, version 3 768 threads with 7. A Qwen3 row
-//   (V = 151,936, 297 KB in bf16) fits whole: 1 read and 1 write, the bytes the op must
-//   move. Their sums run in another order than version 1's (the block's width and the
-//   vectors' assignment), so the versions agree within rounding, not bit for bit.
+// - version 2, `cross_entropy_resident_kernel` (gradient only): the row read once and
+//   held until its gradient is written, 1,024 threads, one block an SM, persistent: each
+//   thread's first 5 vectors in registers, the next ones in shared memory (copied by
+//   cp.async, up to the opt-in limit: 227 KB a block on Hopper), and any beyond those (a
+//   row over ~300 KB: bf16 V > ~150k, fp32 V > ~75k) read again in pass 2; the block's
+//   next row is loaded into each slot as pass 2 empties it. A Qwen3 row (V = 151,936,
+//   297 KB in bf16) fits whole: 1 read and 1 write, the bytes the op must move. Its sums
+//   run in another order than version 1's (the block's width and the vectors'
+//   assignment), so the versions agree within rounding, not bit for bit.
 #include <algorithm>
+#include <utility>
 
 #include "cuda/attention_mma.cuh"
 #include "cuda/common.cuh"
@@ -177,114 +178,151 @@ __global__ void __launch_bounds__(kThreads)
     row[c] = store<T>(logit_grad(load(row[c]), c, lse, target, grad_scale));
 }
 
-// Versions 2 and 3 (gradient only), B threads a block: thread t owns the vectors
-// t + k * B of the row; for k < kRegisterVectors they stay in registers, for the next
-// `staged_rows` values of k in shared memory (staged[(k - kRegisterVectors) * B + t]:
-// consecutive threads, consecutive 16 bytes), and later ones are read again in pass 2. A
-// thread reads back only the shared memory it copied into, so cp.async's wait is the only
-// synchronisation the staging needs. Version 2: 1,024 threads, 5 vectors (20 of the 64
-// registers a thread may have); version 3: 768 threads, 7 vectors (28 of 80).
-template <class T, int B, int kRegisterVectors>
-__global__ void __launch_bounds__(B, 1)
-    cross_entropy_resident_kernel(float* losses, T* logits, const int32_t* targets, int64_t V,
-                                  float grad_scale, int staged_rows) {
+constexpr int kResidentThreads = 1024;
+constexpr int kRegisterVectors = 5;  // 20 of the 64 registers a thread may have at 1,024
+
+// Version 2 (gradient only), persistent: block b takes rows b, b + gridDim.x, ... Thread t
+// owns the vectors t + k * 1024 of each row: for k < kRegisterVectors in registers
+// (held[k]), for the next `staged_rows` values of k in shared memory
+// (staged[(k - kRegisterVectors) * 1024 + t]: consecutive threads, consecutive 16 bytes),
+// and later ones are read again in pass 2. The slots are storage only: each row indexes
+// its vectors by its own alignment. Pass 2 of a row refills each slot with the block's
+// next row as soon as the slot's gradient is stored, so the next row's loads run under
+// this row's arithmetic and stores (one block fills an SM: no other block overlaps them).
+// A thread reads back only the shared memory it copied into, so cp.async's wait is the
+// only synchronisation the staging needs.
+template <class T>
+__global__ void __launch_bounds__(kResidentThreads, 1)
+    cross_entropy_resident_kernel(float* losses, T* logits, const int32_t* targets, int64_t N,
+                                  int64_t V, float grad_scale, int staged_rows) {
   using P = Pack<T>;
-  constexpr int kN = P::kN;
+  constexpr int kN = P::kN, B = kResidentThreads;
   extern __shared__ uint4 staged[];
   __shared__ float target_logit;
-  const int64_t n = blockIdx.x;
-  T* row = logits + n * V;
-  const int32_t target = targets[n];
-  if (target < 0 || target >= V) __trap();
   const int t = threadIdx.x;
-  if (t == 0) target_logit = load(row[target]);
-  const RowSplit<T> split(row, V);
-  const int64_t head = split.head, nvec = split.nvec, tail = split.tail;
-  P* vec = reinterpret_cast<P*>(row + head);
   const int64_t first_staged = int64_t(kRegisterVectors) * B;
   const int64_t first_reread = first_staged + int64_t(staged_rows) * B;
-
-  // Every load of the row is issued before the first is used: the shared-memory part by
-  // cp.async, then the register part.
-  for (int k = 0; k < staged_rows; ++k)
-    if (const int64_t i = first_staged + int64_t(k) * B + t; i < nvec)
-      attn_mma::cp_async16(&staged[k * B + t], vec + i, true);
-  attn_mma::cp_async_commit();
   uint4 held[kRegisterVectors] = {};
-#pragma unroll
-  for (int k = 0; k < kRegisterVectors; ++k)
-    if (const int64_t i = int64_t(k) * B + t; i < nvec)
-      held[k] = *reinterpret_cast<const uint4*>(vec + i);
 
-  float m = -INFINITY, s = 0.f;
-  auto fold_vector = [&](const uint4& raw) {
-    const P p{raw};
-    float x[kN];
+  // Issues every resident load of row n: the shared-memory part by cp.async, then the
+  // register part (used only after the fold of the previous row's data, if any).
+  auto issue_row = [&](int64_t n) {
+    const T* row = logits + n * V;
+    const RowSplit<T> split(row, V);
+    const P* vec = reinterpret_cast<const P*>(row + split.head);
+    for (int k = 0; k < staged_rows; ++k)
+      if (const int64_t i = first_staged + int64_t(k) * B + t; i < split.nvec)
+        attn_mma::cp_async16(&staged[k * B + t], vec + i, true);
+    attn_mma::cp_async_commit();
 #pragma unroll
-    for (int k = 0; k < kN; ++k) x[k] = p.get(k);
-    fold(m, s, x);
+    for (int k = 0; k < kRegisterVectors; ++k)
+      if (const int64_t i = int64_t(k) * B + t; i < split.nvec)
+        held[k] = *reinterpret_cast<const uint4*>(vec + i);
   };
-  for (int64_t c = t; c < head; c += B) {
-    const float x[1] = {load(row[c])};
-    fold(m, s, x);
-  }
-#pragma unroll
-  for (int k = 0; k < kRegisterVectors; ++k)
-    if (int64_t(k) * B + t < nvec) fold_vector(held[k]);
-  attn_mma::cp_async_wait<0>();
-  for (int k = 0; k < staged_rows; ++k)
-    if (first_staged + int64_t(k) * B + t < nvec) fold_vector(staged[k * B + t]);
-  for (int64_t i = first_reread + t; i < nvec; i += B)
-    fold_vector(*reinterpret_cast<const uint4*>(vec + i));
-  for (int64_t c = tail + t; c < V; c += B) {
-    const float x[1] = {load(row[c])};
-    fold(m, s, x);
-  }
-  const float lse = block_logsumexp<B / 32>(m, s, losses + n, target_logit);
 
-  auto write_vector = [&](uint4 raw, int64_t i) {
-    P p{raw};
-    const int64_t c0 = head + i * kN;
+  int64_t n = blockIdx.x;
+  if (n < N) issue_row(n);
+  for (; n < N; n += gridDim.x) {
+    T* row = logits + n * V;
+    const int32_t target = targets[n];
+    if (target < 0 || target >= V) __trap();
+    // The previous row's reads of target_logit all came before its second barrier.
+    if (t == 0) target_logit = load(row[target]);
+    const RowSplit<T> split(row, V);
+    const int64_t head = split.head, nvec = split.nvec, tail = split.tail;
+    P* vec = reinterpret_cast<P*>(row + head);
+
+    float m = -INFINITY, s = 0.f;
+    auto fold_vector = [&](const uint4& raw) {
+      const P p{raw};
+      float x[kN];
 #pragma unroll
-    for (int k = 0; k < kN; ++k) p.set(k, logit_grad(p.get(k), c0 + k, lse, target, grad_scale));
-    *reinterpret_cast<uint4*>(vec + i) = p.raw;
-  };
-  for (int64_t c = t; c < head; c += B)
-    row[c] = store<T>(logit_grad(load(row[c]), c, lse, target, grad_scale));
+      for (int k = 0; k < kN; ++k) x[k] = p.get(k);
+      fold(m, s, x);
+    };
+    for (int64_t c = t; c < head; c += B) {
+      const float x[1] = {load(row[c])};
+      fold(m, s, x);
+    }
 #pragma unroll
-  for (int k = 0; k < kRegisterVectors; ++k)
-    if (const int64_t i = int64_t(k) * B + t; i < nvec) write_vector(held[k], i);
-  for (int k = 0; k < staged_rows; ++k)
-    if (const int64_t i = first_staged + int64_t(k) * B + t; i < nvec)
-      write_vector(staged[k * B + t], i);
-  for (int64_t i = first_reread + t; i < nvec; i += B)
-    write_vector(*reinterpret_cast<const uint4*>(vec + i), i);
-  for (int64_t c = tail + t; c < V; c += B)
-    row[c] = store<T>(logit_grad(load(row[c]), c, lse, target, grad_scale));
+    for (int k = 0; k < kRegisterVectors; ++k)
+      if (int64_t(k) * B + t < nvec) fold_vector(held[k]);
+    attn_mma::cp_async_wait<0>();
+    for (int k = 0; k < staged_rows; ++k)
+      if (first_staged + int64_t(k) * B + t < nvec) fold_vector(staged[k * B + t]);
+    for (int64_t i = first_reread + t; i < nvec; i += B)
+      fold_vector(*reinterpret_cast<const uint4*>(vec + i));
+    for (int64_t c = tail + t; c < V; c += B) {
+      const float x[1] = {load(row[c])};
+      fold(m, s, x);
+    }
+    const float lse = block_logsumexp<B / 32>(m, s, losses + n, target_logit);
+
+    // Pass 2, each resident slot refilled from the next row once its gradient is out.
+    const int64_t next = n + gridDim.x;
+    const bool refill = next < N;
+    const T* next_row = logits + next * V;
+    const RowSplit<T> next_split(refill ? next_row : row, V);
+    const P* next_vec = reinterpret_cast<const P*>(next_row + next_split.head);
+    auto write_vector = [&](uint4 raw, int64_t i) {
+      P p{raw};
+      const int64_t c0 = head + i * kN;
+#pragma unroll
+      for (int k = 0; k < kN; ++k) p.set(k, logit_grad(p.get(k), c0 + k, lse, target, grad_scale));
+      *reinterpret_cast<uint4*>(vec + i) = p.raw;
+    };
+    for (int64_t c = t; c < head; c += B)
+      row[c] = store<T>(logit_grad(load(row[c]), c, lse, target, grad_scale));
+    for (int k = 0; k < staged_rows; ++k) {
+      const int64_t i = first_staged + int64_t(k) * B + t;
+      if (i < nvec) write_vector(staged[k * B + t], i);
+      if (refill && i < next_split.nvec) attn_mma::cp_async16(&staged[k * B + t], next_vec + i, true);
+    }
+    attn_mma::cp_async_commit();
+#pragma unroll
+    for (int k = 0; k < kRegisterVectors; ++k) {
+      const int64_t i = int64_t(k) * B + t;
+      if (i < nvec) write_vector(held[k], i);
+      if (refill && i < next_split.nvec) held[k] = *reinterpret_cast<const uint4*>(next_vec + i);
+    }
+    for (int64_t i = first_reread + t; i < nvec; i += B)
+      write_vector(*reinterpret_cast<const uint4*>(vec + i), i);
+    for (int64_t c = tail + t; c < V; c += B)
+      row[c] = store<T>(logit_grad(load(row[c]), c, lse, target, grad_scale));
+  }
 }
 
-// Launches a resident kernel with as many shared-memory rows as the row needs, at most
-// what the device's opt-in limit leaves beside the kernel's static shared memory (the
-// kernel's dynamic limit is raised once, to that most).
-template <class T, int B, int R>
+// Launches version 2: as many shared-memory rows as a row needs, at most what the
+// device's opt-in limit leaves beside the kernel's static shared memory (the kernel's
+// dynamic limit is raised once, to that most); as many blocks as fit on the device at
+// once, at most one a row.
+template <class T>
 void launch_resident(cudaStream_t s, float* losses, T* logits, const int32_t* targets, int64_t N,
                      int64_t V, float grad_scale) {
-  static const int most = [] {
-    int dev = 0, optin = 0;
+  constexpr int B = kResidentThreads;
+  static const std::pair<int, int> limits = [] {
+    int dev = 0, optin = 0, count = 0;
     CUDA_CHECK(cudaGetDevice(&dev));
     CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, dev));
     cudaFuncAttributes attr{};
-    CUDA_CHECK(cudaFuncGetAttributes(&attr, cross_entropy_resident_kernel<T, B, R>));
+    CUDA_CHECK(cudaFuncGetAttributes(&attr, cross_entropy_resident_kernel<T>));
     const int rows = std::max(0, (optin - int(attr.sharedSizeBytes)) / (16 * B));
-    CUDA_CHECK(cudaFuncSetAttribute(cross_entropy_resident_kernel<T, B, R>,
+    CUDA_CHECK(cudaFuncSetAttribute(cross_entropy_resident_kernel<T>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize, rows * 16 * B));
-    return rows;
+    return std::pair{rows, count};
   }();
+  const auto [most, sms] = limits;
   constexpr int64_t kN = 16 / int64_t(sizeof(T));
   const int64_t vectors = (V + kN - 1) / kN;  // a row's vectors, whatever its alignment
-  const int rows = int(std::clamp<int64_t>((vectors + B - 1) / B - R, 0, most));
-  cross_entropy_resident_kernel<T, B, R><<<unsigned(N), B, size_t(rows) * 16 * B, s>>>(
-      losses, logits, targets, V, grad_scale, rows);
+  const int rows = int(std::clamp<int64_t>((vectors + B - 1) / B - kRegisterVectors, 0, most));
+  const size_t smem = size_t(rows) * 16 * B;
+  int per_sm = 0;
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &per_sm, cross_entropy_resident_kernel<T>, B, smem));
+  const int64_t grid = std::min<int64_t>(N, int64_t(std::max(per_sm, 1)) * sms);
+  cross_entropy_resident_kernel<T><<<unsigned(grid), B, smem, s>>>(losses, logits, targets, N, V,
+                                                                   grad_scale, rows);
 }
 
 int g_version = 0;  // 0: the default (version 2 with the gradient, 1 without)
@@ -305,12 +343,9 @@ void cross_entropy(cudaStream_t s, Tensor losses, Tensor logits, Tensor targets,
   dispatch_float(logits.dtype, "cross_entropy", [&](auto tag) {
     using T = decltype(tag);
     T* rows = static_cast<T*>(logits.data);
-    if (compute_grad && g_version == 3)
-      launch_resident<T, 768, 7>(s, losses.ptr<float>(), rows, targets.ptr<int32_t>(), N, V,
-                                 float(grad_scale));
-    else if (compute_grad && g_version != 1)
-      launch_resident<T, 1024, 5>(s, losses.ptr<float>(), rows, targets.ptr<int32_t>(), N, V,
-                                  float(grad_scale));
+    if (compute_grad && g_version != 1)
+      launch_resident<T>(s, losses.ptr<float>(), rows, targets.ptr<int32_t>(), N, V,
+                         float(grad_scale));
     else
       cross_entropy_kernel<T><<<unsigned(N), kThreads, 0, s>>>(
           losses.ptr<float>(), rows, targets.ptr<int32_t>(), V, float(grad_scale), compute_grad);
@@ -320,7 +355,7 @@ void cross_entropy(cudaStream_t s, Tensor losses, Tensor logits, Tensor targets,
 
 int cross_entropy_set_version(int version) {
   const int previous = g_version;
-  g_version = version >= 1 && version <= 3 ? version : 0;
+  g_version = version == 1 || version == 2 ? version : 0;
   return previous;
 }
 
