@@ -92,10 +92,6 @@ void swiglu_backward(cudaStream_t s, Tensor d_gate_up, Tensor h, Tensor dh, Tens
 // classifier.cu
 void cross_entropy(cudaStream_t s, Tensor losses, Tensor logits, Tensor targets,
                    double grad_scale, bool compute_grad);
-// Kernel lab: the cross-entropy's version with the gradient (1: the row read twice; 2: read
-// once and held in registers and shared memory; <= 0: the default, cuda/classifier.cu says
-// which). Returns the previous setting. Process-wide, not thread-safe.
-int cross_entropy_set_version(int version);
 
 // The ops' temporaries (Backend::op_scratch_bytes): an op asks for `bytes` in its slot and
 // gets memory at least that large. With a model's scratch bound, every slot is a fixed

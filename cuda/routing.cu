@@ -1531,8 +1531,12 @@ __device__ __forceinline__ void delta_site_epilogue(float (&acc)[NT][8], const R
 // same operations, so the same bits): 1 runs the general site loop (2 blocks per SM); 2
 // fixes it at one site at compile time (the prefetch of a next site's row and its
 // registers go); 3 is 2 with 3 blocks per SM where NT <= 5 (<= 168 registers); 4
-// (delta_site_backward_stream_kernel, with the stream kernels below; NOT yet run) is 3
-// with its rows staged in shared memory by cp.async, a few rows ahead across tokens.
+// (delta_site_backward_stream_kernel, with the stream kernels below) is 3 with its rows
+// staged in shared memory by cp.async, a few rows ahead across tokens. Measured at 1B
+// (OpTiming.DISABLED_DeltaRouting1B, the 64 one-site slots, twenty-second session), ms,
+// v1 / v2 / v3 / v4: H200 10.53 / 10.42 / 12.10 / 11.02; H100 12.79 / 12.72 / 14.90 /
+// 13.78. Version 2 stays the default: staging did not pay here as it did for the pair
+// kernel.
 constexpr int kDeltaSiteVersions = 4;
 constexpr int kDeltaSiteDefault = 2;
 int g_delta_site_version = kDeltaSiteDefault;
@@ -2009,9 +2013,10 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
 // the op sequence 12.92 ms, v1 12.32, v2 13.10: the re-reads cost more than the extra
 // warps gain. The kernel is latency-bound (2.6 TB/s by its bytes): each token's rows
 // are loaded, then used, in turn.
-// 3 (delta_site_forward_stream_kernel, with the stream kernels below; NOT yet run) is 1
-//   with every row it reads staged in shared memory by cp.async, a few rows ahead across
-//   tokens.
+// 3 (delta_site_forward_stream_kernel, with the stream kernels below) is 1 with every row
+//   it reads staged in shared memory by cp.async, a few rows ahead across tokens.
+//   Measured (twenty-second session), ms, op sequence / v1 / v2 / v3: H200 12.87 / 12.38 /
+//   13.02 / 13.57; H100 16.78 / 14.87 / 16.06 / 16.47. Version 1 stays the default.
 constexpr int kDeltaForwardVersions = 3;
 constexpr int kDeltaForwardDefault = 1;
 int g_delta_forward_version = kDeltaForwardDefault;
@@ -2757,7 +2762,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
 }
 
 // Version 3 of the fused delta site forward (routing_set_kernel_version(DeltaForward, 3);
-// written in the twenty-first session after its last device call: NOT yet run): version 1
+// measured in the twenty-second session 10% slower than version 1, above): version 1
 // with its rows staged by cp.async in a per-warp ring (SlotRing, as pair version 8),
 // kDeltaStreamSlots - 1 rows ahead across tokens: the stream, the slot, prev (continues)
 // and the closed slots 0 .. closed of the next token land while this token's arithmetic
@@ -2823,8 +2828,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, delta_stream_blocks_per_s
   cp_async_wait_groups<0>();  // nothing in flight into shared memory at exit
 }
 
-// Version 4 of the DELTA kernel (routing_set_kernel_version(DeltaSite, 4); written in the
-// twenty-first session after its last device call: NOT yet run): version 3 (one site,
+// Version 4 of the DELTA kernel (routing_set_kernel_version(DeltaSite, 4); measured in the
+// twenty-second session 6-8% slower than version 2, above): version 3 (one site,
 // 3 blocks an SM where NT <= 5) with its rows staged by cp.async in a per-warp ring across
 // tokens, as the delta site forward's version 3: a token's items are v (with the site's
 // weight of each head and the token's inv_rms as the slot's scalars: lane l < H copies

@@ -15,9 +15,6 @@
 // between two runs of one version: differences below it are noise), so that one device
 // call measures them all and picks the defaults; then the model's QK-norm + RoPE call of
 // q and k together (one launch) against the two tensors timed apart above.
-// CrossEntropyVersions: the cross-entropy with its gradient (cuda/classifier.cu,
-// cuda::cross_entropy_set_version) at the 1B model's classifier chunk, versions 1 and 2
-// twice each, in turn.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -273,27 +270,6 @@ TEST_F(KernelBandwidth, DISABLED_NormKernelVersions) {
   qk("qk-norm+rope fused q", sh, sh.H, at, all(cuda::NormKernel::QkNormRope));
   qk("qk-norm+rope fused k", sh, sh.Hkv, at, all(cuda::NormKernel::QkNormRope));
   qk_pair(sh, at);
-}
-
-// The classifier chunk of the 1B model (2,048 tokens, Qwen3's 151,936 words, bf16): the
-// op must read the logits once and write their gradient in place once (plus the targets
-// and losses); version 1 reads them twice. One input set: 622 MB is 12x the L2. Each call
-// overwrites the logits with their gradient, which the next call takes as its logits.
-TEST_F(KernelBandwidth, DISABLED_CrossEntropyVersions) {
-  measure_copy_rate();
-  const int64_t rows = 2048, V = 151936;
-  Buffer logits = random_gpu(DType::BF16, {rows, V}, 3.0);
-  Buffer targets(*gpu, DType::I32, {rows}), losses(*gpu, DType::F32, {rows});
-  std::vector<int32_t> ids(static_cast<size_t>(rows));
-  for (size_t i = 0; i < ids.size(); ++i) ids[i] = int32_t((i * 7919) % V);
-  gpu->upload_tokens(targets, ids.data());
-  const double bytes = 2 * 2.0 * rows * V + 8.0 * rows;
-  for (int version : {1, 2, 1, 2}) {
-    cuda::cross_entropy_set_version(version);
-    report("cross_entropy with gradient v" + std::to_string(version) + " [2048, 151936] 1B",
-           bytes, median_ms([&](int) { gpu->cross_entropy(losses, logits, targets, 1.0, true); }, 1));
-  }
-  cuda::cross_entropy_set_version(0);
 }
 
 }  // namespace
