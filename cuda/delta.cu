@@ -23,6 +23,7 @@
 #include <algorithm>
 
 #include "cuda/common.cuh"
+#include "cuda/dependent_launch.cuh"
 #include "cuda/kernels.h"
 
 namespace mhar::cuda {
@@ -59,6 +60,7 @@ __device__ __forceinline__ int64_t chunk_stride() { return int64_t(gridDim.x) * 
 
 template <bool kVec, class T, class TA>
 __global__ void gate_kernel(T* x, const T* base, const TA* alpha, const T* r, int64_t n) {
+  dependent_kernel_entry();
   const float a = load(alpha[0]);
   const int64_t chunks = ceil_div(n, 8);
   for (int64_t c = first_chunk(); c < chunks; c += chunk_stride()) {
@@ -75,6 +77,7 @@ __global__ void gate_kernel(T* x, const T* base, const TA* alpha, const T* r, in
 // and rounds once: so does this, per output.
 template <bool kVec, bool kPrev, class T>
 __global__ void advance_kernel(T* stream, T* slot, const T* prev, int64_t n) {
+  dependent_kernel_entry();
   const int64_t chunks = ceil_div(n, 8);
   for (int64_t c = first_chunk(); c < chunks; c += chunk_stride()) {
     float s[8], v[8];
@@ -98,6 +101,7 @@ __global__ void advance_kernel(T* stream, T* slot, const T* prev, int64_t n) {
 template <bool kVec, bool kResid, class T, class TA>
 __global__ void gate_backward_kernel(T* dresid, T* dr, float* partial, const T* dx, const T* r,
                                      const TA* alpha, int64_t n) {
+  dependent_kernel_entry();
   const float a = load(alpha[0]);
   const int64_t chunks = ceil_div(n, 8);
   float acc = 0.f;
@@ -126,6 +130,7 @@ __global__ void gate_backward_kernel(T* dresid, T* dr, float* partial, const T* 
 // out[0] += sum of partial[0..count) (one block; each thread a strided run, then a tree).
 template <class TO>
 __global__ void sum_partials_kernel(TO* out, const float* partial, int count) {
+  dependent_kernel_entry();
   float acc = 0.f;
   for (int i = threadIdx.x; i < count; i += blockDim.x) acc += partial[i];
   acc = block_sum(acc);
@@ -136,6 +141,7 @@ __global__ void sum_partials_kernel(TO* out, const float* partial, int count) {
 // rounded to T between them as the sequence stores it.
 template <bool kVec, bool kNext, class T>
 __global__ void source_grad_kernel(T* out, T* slot, const T* dresid, const T* next, int64_t n) {
+  dependent_kernel_entry();
   const int64_t chunks = ceil_div(n, 8);
   for (int64_t c = first_chunk(); c < chunks; c += chunk_stride()) {
     float s[8], d[8];
@@ -159,6 +165,7 @@ __global__ void source_grad_kernel(T* out, T* slot, const T* dresid, const T* ne
 // out[n, :] = row. Vector path: d % 8 == 0, so a chunk never straddles two rows.
 template <bool kVec, class TO, class TR>
 __global__ void broadcast_kernel(TO* out, const TR* row, int64_t N, int64_t d) {
+  dependent_kernel_entry();
   const int64_t n_all = N * d, chunks = ceil_div(n_all, 8);
   for (int64_t c = first_chunk(); c < chunks; c += chunk_stride()) {
     float f[8];
@@ -182,6 +189,7 @@ __global__ void broadcast_kernel(TO* out, const TR* row, int64_t N, int64_t d) {
 template <bool kVec, class T>
 __global__ void column_partial_kernel(float* partial, const T* dout, int64_t N, int64_t d,
                                       int slabs) {
+  dependent_kernel_entry();
   constexpr int kCols = kVec ? 8 : 1;
   const int64_t c0 = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kCols;
   if (c0 >= d) return;
@@ -207,6 +215,7 @@ __global__ void column_partial_kernel(float* partial, const T* dout, int64_t N, 
 
 template <class TO>
 __global__ void column_finish_kernel(TO* drow, const float* partial, int64_t d, int slabs) {
+  dependent_kernel_entry();
   const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= d) return;
   float acc = 0.f;
@@ -257,11 +266,9 @@ void gate_backward(cudaStream_t s, const char* what, Tensor dresid, Tensor dr, T
                                : gate_backward_kernel<true, false, T, TA>)
                       : (resid ? gate_backward_kernel<false, true, T, TA>
                                : gate_backward_kernel<false, false, T, TA>);
-      kern<<<blocks, kThreads, 0, s>>>(static_cast<T*>(dresid.data), static_cast<T*>(dr.data),
-                                       partial, static_cast<const T*>(dx.data),
-                                       static_cast<const T*>(r.data),
-                                       static_cast<const TA*>(alpha.data), n);
-      CUDA_CHECK_LAUNCH();
+      launch_dependent(s, blocks, kThreads, 0, kern, static_cast<T*>(dresid.data),
+                       static_cast<T*>(dr.data), partial, static_cast<const T*>(dx.data),
+                       static_cast<const T*>(r.data), static_cast<const TA*>(alpha.data), n);
     });
   });
   delta_add_partials(s, dalpha, partial, blocks);
@@ -272,8 +279,8 @@ void gate_backward(cudaStream_t s, const char* what, Tensor dresid, Tensor dr, T
 void delta_add_partials(cudaStream_t s, Tensor out, const float* partial, int count) {
   dispatch_float(out.dtype, "delta_add_partials", [&](auto to) {
     using TO = decltype(to);
-    sum_partials_kernel<TO><<<1, kThreads, 0, s>>>(static_cast<TO*>(out.data), partial, count);
-    CUDA_CHECK_LAUNCH();
+    launch_dependent(s, 1, kThreads, 0, sum_partials_kernel<TO>, static_cast<TO*>(out.data),
+                     partial, count);
   });
 }
 
@@ -291,10 +298,9 @@ void delta_gate(cudaStream_t s, Tensor x, Tensor base, Tensor alpha, Tensor r) {
       using T = decltype(tx);
       using TA = decltype(ta);
       auto kern = vec ? gate_kernel<true, T, TA> : gate_kernel<false, T, TA>;
-      kern<<<chunk_blocks(n), kThreads, 0, s>>>(
-          static_cast<T*>(x.data), static_cast<const T*>(base.data),
-          static_cast<const TA*>(alpha.data), static_cast<const T*>(r.data), n);
-      CUDA_CHECK_LAUNCH();
+      launch_dependent(s, chunk_blocks(n), kThreads, 0, kern, static_cast<T*>(x.data),
+                       static_cast<const T*>(base.data), static_cast<const TA*>(alpha.data),
+                       static_cast<const T*>(r.data), n);
     });
   });
 }
@@ -326,10 +332,8 @@ void delta_stream_advance(cudaStream_t s, Tensor stream, Tensor slot, Tensor pre
     using T = decltype(tag);
     auto kern = vec ? (has_prev ? advance_kernel<true, true, T> : advance_kernel<true, false, T>)
                     : (has_prev ? advance_kernel<false, true, T> : advance_kernel<false, false, T>);
-    kern<<<chunk_blocks(n), kThreads, 0, s>>>(static_cast<T*>(stream.data),
-                                              static_cast<T*>(slot.data),
-                                              static_cast<const T*>(prev.data), n);
-    CUDA_CHECK_LAUNCH();
+    launch_dependent(s, chunk_blocks(n), kThreads, 0, kern, static_cast<T*>(stream.data),
+                     static_cast<T*>(slot.data), static_cast<const T*>(prev.data), n);
   });
 }
 
@@ -352,10 +356,9 @@ void delta_source_grad(cudaStream_t s, Tensor out, Tensor dresid, Tensor slot, T
     auto kern = vec ? (has_next ? source_grad_kernel<true, true, T> : source_grad_kernel<true, false, T>)
                     : (has_next ? source_grad_kernel<false, true, T>
                                 : source_grad_kernel<false, false, T>);
-    kern<<<chunk_blocks(n), kThreads, 0, s>>>(
-        static_cast<T*>(out.data), static_cast<T*>(slot.data), static_cast<const T*>(dresid.data),
-        static_cast<const T*>(next.data), n);
-    CUDA_CHECK_LAUNCH();
+    launch_dependent(s, chunk_blocks(n), kThreads, 0, kern, static_cast<T*>(out.data),
+                     static_cast<T*>(slot.data), static_cast<const T*>(dresid.data),
+                     static_cast<const T*>(next.data), n);
   });
 }
 
@@ -370,9 +373,8 @@ void delta_null_forward(cudaStream_t s, Tensor out, Tensor row) {
       using TO = decltype(to);
       using TR = decltype(tr);
       auto kern = vec ? broadcast_kernel<true, TO, TR> : broadcast_kernel<false, TO, TR>;
-      kern<<<chunk_blocks(N * d), kThreads, 0, s>>>(static_cast<TO*>(out.data),
-                                                    static_cast<const TR*>(row.data), N, d);
-      CUDA_CHECK_LAUNCH();
+      launch_dependent(s, chunk_blocks(N * d), kThreads, 0, kern, static_cast<TO*>(out.data),
+                       static_cast<const TR*>(row.data), N, d);
     });
   });
 }
@@ -396,14 +398,13 @@ void delta_null_backward(cudaStream_t s, Tensor drow, Tensor dout, Tensor scratc
   dispatch_float(dout.dtype, "delta_null_backward", [&](auto tg) {
     using T = decltype(tg);
     auto kern = vec ? column_partial_kernel<true, T> : column_partial_kernel<false, T>;
-    kern<<<grid, threads, 0, s>>>(partial, static_cast<const T*>(dout.data), N, d, slabs);
-    CUDA_CHECK_LAUNCH();
+    launch_dependent(s, grid, threads, 0, kern, partial, static_cast<const T*>(dout.data), N, d,
+                     slabs);
   });
   dispatch_float(drow.dtype, "delta_null_backward", [&](auto to) {
     using TO = decltype(to);
-    column_finish_kernel<TO><<<unsigned(ceil_div(d, kThreads)), kThreads, 0, s>>>(
-        static_cast<TO*>(drow.data), partial, d, slabs);
-    CUDA_CHECK_LAUNCH();
+    launch_dependent(s, unsigned(ceil_div(d, kThreads)), kThreads, 0, column_finish_kernel<TO>,
+                     static_cast<TO*>(drow.data), partial, d, slabs);
   });
 }
 
