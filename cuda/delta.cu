@@ -23,7 +23,6 @@
 #include <algorithm>
 
 #include "cuda/common.cuh"
-#include "cuda/dependent_launch.cuh"
 #include "cuda/kernels.h"
 
 namespace mhar::cuda {
@@ -60,7 +59,6 @@ __device__ __forceinline__ int64_t chunk_stride() { return int64_t(gridDim.x) * 
 
 template <bool kVec, class T, class TA>
 __global__ void gate_kernel(T* x, const T* base, const TA* alpha, const T* r, int64_t n) {
-  dependent_kernel_entry();
   const float a = load(alpha[0]);
   const int64_t chunks = ceil_div(n, 8);
   for (int64_t c = first_chunk(); c < chunks; c += chunk_stride()) {
@@ -77,7 +75,6 @@ __global__ void gate_kernel(T* x, const T* base, const TA* alpha, const T* r, in
 // and rounds once: so does this, per output.
 template <bool kVec, bool kPrev, class T>
 __global__ void advance_kernel(T* stream, T* slot, const T* prev, int64_t n) {
-  dependent_kernel_entry();
   const int64_t chunks = ceil_div(n, 8);
   for (int64_t c = first_chunk(); c < chunks; c += chunk_stride()) {
     float s[8], v[8];
@@ -101,7 +98,6 @@ __global__ void advance_kernel(T* stream, T* slot, const T* prev, int64_t n) {
 template <bool kVec, bool kResid, class T, class TA>
 __global__ void gate_backward_kernel(T* dresid, T* dr, float* partial, const T* dx, const T* r,
                                      const TA* alpha, int64_t n) {
-  dependent_kernel_entry();
   const float a = load(alpha[0]);
   const int64_t chunks = ceil_div(n, 8);
   float acc = 0.f;
@@ -130,7 +126,6 @@ __global__ void gate_backward_kernel(T* dresid, T* dr, float* partial, const T* 
 // out[0] += sum of partial[0..count) (one block; each thread a strided run, then a tree).
 template <class TO>
 __global__ void sum_partials_kernel(TO* out, const float* partial, int count) {
-  dependent_kernel_entry();
   float acc = 0.f;
   for (int i = threadIdx.x; i < count; i += blockDim.x) acc += partial[i];
   acc = block_sum(acc);
@@ -141,7 +136,6 @@ __global__ void sum_partials_kernel(TO* out, const float* partial, int count) {
 // rounded to T between them as the sequence stores it.
 template <bool kVec, bool kNext, class T>
 __global__ void source_grad_kernel(T* out, T* slot, const T* dresid, const T* next, int64_t n) {
-  dependent_kernel_entry();
   const int64_t chunks = ceil_div(n, 8);
   for (int64_t c = first_chunk(); c < chunks; c += chunk_stride()) {
     float s[8], d[8];
@@ -165,7 +159,6 @@ __global__ void source_grad_kernel(T* out, T* slot, const T* dresid, const T* ne
 // out[n, :] = row. Vector path: d % 8 == 0, so a chunk never straddles two rows.
 template <bool kVec, class TO, class TR>
 __global__ void broadcast_kernel(TO* out, const TR* row, int64_t N, int64_t d) {
-  dependent_kernel_entry();
   const int64_t n_all = N * d, chunks = ceil_div(n_all, 8);
   for (int64_t c = first_chunk(); c < chunks; c += chunk_stride()) {
     float f[8];
@@ -189,7 +182,6 @@ __global__ void broadcast_kernel(TO* out, const TR* row, int64_t N, int64_t d) {
 template <bool kVec, class T>
 __global__ void column_partial_kernel(float* partial, const T* dout, int64_t N, int64_t d,
                                       int slabs) {
-  dependent_kernel_entry();
   constexpr int kCols = kVec ? 8 : 1;
   const int64_t c0 = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kCols;
   if (c0 >= d) return;
@@ -215,7 +207,6 @@ __global__ void column_partial_kernel(float* partial, const T* dout, int64_t N, 
 
 template <class TO>
 __global__ void column_finish_kernel(TO* drow, const float* partial, int64_t d, int slabs) {
-  dependent_kernel_entry();
   const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= d) return;
   float acc = 0.f;
@@ -266,9 +257,11 @@ void gate_backward(cudaStream_t s, const char* what, Tensor dresid, Tensor dr, T
                                : gate_backward_kernel<true, false, T, TA>)
                       : (resid ? gate_backward_kernel<false, true, T, TA>
                                : gate_backward_kernel<false, false, T, TA>);
-      launch_dependent(s, blocks, kThreads, 0, kern, static_cast<T*>(dresid.data),
-                       static_cast<T*>(dr.data), partial, static_cast<const T*>(dx.data),
-                       static_cast<const T*>(r.data), static_cast<const TA*>(alpha.data), n);
+      kern<<<blocks, kThreads, 0, s>>>(static_cast<T*>(dresid.data), static_cast<T*>(dr.data),
+                                       partial, static_cast<const T*>(dx.data),
+                                       static_cast<const T*>(r.data),
+                                       static_cast<const TA*>(alpha.data), n);
+      CUDA_CHECK_LAUNCH();
     });
   });
   delta_add_partials(s, dalpha, partial, blocks);
@@ -279,8 +272,8 @@ void gate_backward(cudaStream_t s, const char* what, Tensor dresid, Tensor dr, T
 void delta_add_partials(cudaStream_t s, Tensor out, const float* partial, int count) {
   dispatch_float(out.dtype, "delta_add_partials", [&](auto to) {
     using TO = decltype(to);
-    launch_dependent(s, 1, kThreads, 0, sum_partials_kernel<TO>, static_cast<TO*>(out.data),
-                     partial, count);
+    sum_partials_kernel<TO><<<1, kThreads, 0, s>>>(static_cast<TO*>(out.data), partial, count);
+    CUDA_CHECK_LAUNCH();
   });
 }
 
@@ -298,9 +291,10 @@ void delta_gate(cudaStream_t s, Tensor x, Tensor base, Tensor alpha, Tensor r) {
       using T = decltype(tx);
       using TA = decltype(ta);
       auto kern = vec ? gate_kernel<true, T, TA> : gate_kernel<false, T, TA>;
-      launch_dependent(s, chunk_blocks(n), kThreads, 0, kern, static_cast<T*>(x.data),
-                       static_cast<const T*>(base.data), static_cast<const TA*>(alpha.data),
-                       static_cast<const T*>(r.data), n);
+      kern<<<chunk_blocks(n), kThreads, 0, s>>>(
+          static_cast<T*>(x.data), static_cast<const T*>(base.data),
+          static_cast<const TA*>(alpha.data), static_cast<const T*>(r.data), n);
+      CUDA_CHECK_LAUNCH();
     });
   });
 }
@@ -332,8 +326,10 @@ void delta_stream_advance(cudaStream_t s, Tensor stream, Tensor slot, Tensor pre
     using T = decltype(tag);
     auto kern = vec ? (has_prev ? advance_kernel<true, true, T> : advance_kernel<true, false, T>)
                     : (has_prev ? advance_kernel<false, true, T> : advance_kernel<false, false, T>);
-    launch_dependent(s, chunk_blocks(n), kThreads, 0, kern, static_cast<T*>(stream.data),
-                     static_cast<T*>(slot.data), static_cast<const T*>(prev.data), n);
+    kern<<<chunk_blocks(n), kThreads, 0, s>>>(static_cast<T*>(stream.data),
+                                              static_cast<T*>(slot.data),
+                                              static_cast<const T*>(prev.data), n);
+    CUDA_CHECK_LAUNCH();
   });
 }
 
@@ -356,9 +352,10 @@ void delta_source_grad(cudaStream_t s, Tensor out, Tensor dresid, Tensor slot, T
     auto kern = vec ? (has_next ? source_grad_kernel<true, true, T> : source_grad_kernel<true, false, T>)
                     : (has_next ? source_grad_kernel<false, true, T>
                                 : source_grad_kernel<false, false, T>);
-    launch_dependent(s, chunk_blocks(n), kThreads, 0, kern, static_cast<T*>(out.data),
-                     static_cast<T*>(slot.data), static_cast<const T*>(dresid.data),
-                     static_cast<const T*>(next.data), n);
+    kern<<<chunk_blocks(n), kThreads, 0, s>>>(
+        static_cast<T*>(out.data), static_cast<T*>(slot.data), static_cast<const T*>(dresid.data),
+        static_cast<const T*>(next.data), n);
+    CUDA_CHECK_LAUNCH();
   });
 }
 
@@ -373,8 +370,9 @@ void delta_null_forward(cudaStream_t s, Tensor out, Tensor row) {
       using TO = decltype(to);
       using TR = decltype(tr);
       auto kern = vec ? broadcast_kernel<true, TO, TR> : broadcast_kernel<false, TO, TR>;
-      launch_dependent(s, chunk_blocks(N * d), kThreads, 0, kern, static_cast<TO*>(out.data),
-                       static_cast<const TR*>(row.data), N, d);
+      kern<<<chunk_blocks(N * d), kThreads, 0, s>>>(static_cast<TO*>(out.data),
+                                                    static_cast<const TR*>(row.data), N, d);
+      CUDA_CHECK_LAUNCH();
     });
   });
 }
@@ -398,13 +396,14 @@ void delta_null_backward(cudaStream_t s, Tensor drow, Tensor dout, Tensor scratc
   dispatch_float(dout.dtype, "delta_null_backward", [&](auto tg) {
     using T = decltype(tg);
     auto kern = vec ? column_partial_kernel<true, T> : column_partial_kernel<false, T>;
-    launch_dependent(s, grid, threads, 0, kern, partial, static_cast<const T*>(dout.data), N, d,
-                     slabs);
+    kern<<<grid, threads, 0, s>>>(partial, static_cast<const T*>(dout.data), N, d, slabs);
+    CUDA_CHECK_LAUNCH();
   });
   dispatch_float(drow.dtype, "delta_null_backward", [&](auto to) {
     using TO = decltype(to);
-    launch_dependent(s, unsigned(ceil_div(d, kThreads)), kThreads, 0, column_finish_kernel<TO>,
-                     static_cast<TO*>(drow.data), partial, d, slabs);
+    column_finish_kernel<TO><<<unsigned(ceil_div(d, kThreads)), kThreads, 0, s>>>(
+        static_cast<TO*>(drow.data), partial, d, slabs);
+    CUDA_CHECK_LAUNCH();
   });
 }
 

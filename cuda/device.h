@@ -9,11 +9,4 @@ bool built_with_cuda();              // false in a -DMHAR_WITH_CUDA=OFF build
 int device_count();                  // 0 when no driver or no device
 std::string describe_device(int i);  // "NVIDIA H200 (sm_90, 132 SMs, 139.8 GiB)"
 
-// Whether the routing kernels launch as programmatic dependents of the kernel before them
-// (cuda/dependent_launch.cuh): on where the current device is sm_90 or newer, unless the
-// environment sets MHAR_DEPENDENT_LAUNCH=0. set_dependent_launch overrides it (tests;
-// process-wide, not thread-safe) and returns the previous setting.
-bool dependent_launch_enabled();
-bool set_dependent_launch(bool on);
-
 }  // namespace mhar::cuda

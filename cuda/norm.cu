@@ -47,7 +47,6 @@
 // in the kernel after a grid synchronisation). The defaults are the device runs' fastest
 // (kForwardDefault etc. below; cuda/NOTES.md has the measured tables).
 #include "cuda/common.cuh"
-#include "cuda/dependent_launch.cuh"
 #include "cuda/kernels.h"
 #include "cuda/norm_backward_ring.h"
 
@@ -303,6 +302,11 @@ namespace {
 using norm_lab::VecOpt;
 using OptV1 = VecOpt<true>;
 
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
 // cp.async of 16 bytes global -> shared, zero-filled when !valid (src then not read); the
 // "memory" clobbers keep the compiler from moving this thread's shared-memory reads across
 // the wait. Before sm_80: a plain copy (the same bytes, synchronously).
@@ -330,6 +334,12 @@ template <int N> __device__ __forceinline__ void stage_wait() {
 // of 16 bytes.
 template <int RPI, int VPL>
 constexpr size_t staged_bytes() { return size_t(2) * 2 * (kVecThreads / 32) * RPI * VPL * 32 * 16; }
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
 
 // kWarpToken (with kRope): every warp's RW rows of a step are heads of one token (the
 // host checked heads % RW == 0), so the cos/sin are computed once a step, while the
@@ -1193,8 +1203,22 @@ bool lite_rows_fit(int64_t R) { return R < (int64_t(1) << 30); }
 void launch_dw_finish(cudaStream_t s, bool pdl, const DwFinish& f0, const DwFinish& f1,
                       int count, int D) {
   const dim3 grid(unsigned(ceil_div(D, 32)), unsigned(count)), block(32, kFinishLanes);
-  launch_kernel(s, pdl, grid, block, 0,
-                pdl ? rmsnorm_dw_finish_kernel<true> : rmsnorm_dw_finish_kernel<false>, f0, f1, D);
+  if (!pdl) {
+    rmsnorm_dw_finish_kernel<false><<<grid, block, 0, s>>>(f0, f1, D);
+    CUDA_CHECK_LAUNCH();
+    return;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  CUDA_CHECK(cudaLaunchKernelEx(&cfg, rmsnorm_dw_finish_kernel<true>, f0, f1, D));
 }
 void launch_dw_finish(cudaStream_t s, bool pdl, float* dw, const float* partials, int nblocks,
                       int D) {

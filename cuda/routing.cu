@@ -63,7 +63,6 @@
 #include <type_traits>
 
 #include "cuda/common.cuh"
-#include "cuda/dependent_launch.cuh"
 #include "cuda/kernels.h"
 
 namespace mhar::cuda {
@@ -375,7 +374,6 @@ __device__ __forceinline__ void split_bf16(float x, bf16& hi, bf16& lo) {
 __global__ void qg_tables_kernel(bf16* __restrict__ hi, bf16* __restrict__ lo,
                                  float* __restrict__ f32, const SiteParams sp, int first, int ns,
                                  int d) {
-  dependent_kernel_entry();
   for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < int64_t(ns) * d;
        e += int64_t(gridDim.x) * blockDim.x) {
     const int k = first + int(e / d), c = int(e % d);
@@ -390,7 +388,6 @@ template <int NT>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock)
     inv_rms_kernel(float* __restrict__ inv_rms, const bf16* __restrict__ v, const Geometry g,
                    float eps) {
-  dependent_kernel_entry();
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
   for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); n < g.N;
        n += warps) {
@@ -404,7 +401,6 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
 // w[row, n] *= r[n] for rows x N values (the logits of one slot, [ns * H, N]).
 __global__ void scale_by_token_kernel(float* __restrict__ w, const float* __restrict__ r,
                                       int64_t rows, int64_t N) {
-  dependent_kernel_entry();
   if (N % 4 == 0) {
     const int64_t n4 = N / 4;
     for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < rows * n4;
@@ -426,7 +422,6 @@ template <int NT, bool ALIGNED>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock)
     mix_kernel(bf16* __restrict__ x, float* __restrict__ weights, const bf16* __restrict__ hist,
                const Geometry g, int site) {
-  dependent_kernel_entry();
   extern __shared__ float smem[];
   float* m_sh = smem + (threadIdx.x >> 5) * 2 * g.H;  // per head: max, 1/sum
   float* linv_sh = m_sh + g.H;
@@ -550,7 +545,6 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, 4)
     mix_tile_kernel(bf16* __restrict__ x, float* __restrict__ weights,
                     const bf16* __restrict__ hist, float* __restrict__ partial,
                     float* __restrict__ pstat, const Geometry g, int site0, int count) {
-  dependent_kernel_entry();
   extern __shared__ float tile_tables[];  // per warp: (site0 + 1) count H floats
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int S = g.lay.sites, nsrc = site0 + 1, cph = g.dh / 8, CH = count * g.H;
@@ -677,7 +671,6 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
     mix_tile_ring_kernel(bf16* __restrict__ x, float* __restrict__ weights,
                          const bf16* __restrict__ hist, float* __restrict__ partial,
                          float* __restrict__ pstat, const Geometry g, int site0) {
-  dependent_kernel_entry();
   constexpr int KP = (K + 3) / 4 * 4;
   extern __shared__ float4 ring_tables[];  // per warp: (site0 + 1) H KP floats
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -929,7 +922,6 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
     mix_tile_finish_kernel(bf16* __restrict__ x, float* __restrict__ weights,
                            const bf16* __restrict__ hist, const float* __restrict__ partial,
                            const float* __restrict__ pstat, const Geometry g, int site0, int site) {
-  dependent_kernel_entry();
   __shared__ float st_scale[kWarpsPerBlock][32];
   const LaneHeads<NT> L = lane_heads<NT>(g);
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
@@ -956,7 +948,6 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, kMinBlocks)
                                  const bf16* __restrict__ hist, const float* __restrict__ partial,
                                  const float* __restrict__ pstat, const Geometry g, int site0,
                                  int site) {
-  dependent_kernel_entry();
   __shared__ float st_scale[kWarpsPerBlock][32];
   const int lane = threadIdx.x & 31;
   const LaneHeads<NT> L = lane_heads<NT>(g);
@@ -1019,7 +1010,6 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
                                    const float* __restrict__ partial,
                                    const float* __restrict__ pstat, const Geometry g, int site0,
                                    int site) {
-  dependent_kernel_entry();
   // [token of the group][warp][head]: st_scale[j] is the [warp][head] table finish_start reads.
   __shared__ float st_scale[kGroupTokens][kWarpsPerBlock][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -1127,7 +1117,6 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
                         float* __restrict__ ubar, const SiteRows site_dx,
                         const bf16* __restrict__ x, const bf16* __restrict__ v,
                         const float* __restrict__ inv_rms, const Geometry g, int source) {
-  dependent_kernel_entry();
   extern __shared__ float smem[];
   float* scratch = smem + (threadIdx.x >> 5) * g.H;
   const LaneHeads<NT> L = lane_heads<NT>(g);
@@ -1212,7 +1201,6 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
     source_finish_kernel(bf16* __restrict__ dv, const float* __restrict__ val,
                          const float* __restrict__ key, const bf16* __restrict__ v,
                          const float* __restrict__ inv_rms, const Geometry g) {
-  dependent_kernel_entry();
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
   for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); n < g.N;
        n += warps) {
@@ -1394,7 +1382,6 @@ template <int NT>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
     mix_span_kernel(bf16* __restrict__ x, float* __restrict__ weights,
                     const bf16* __restrict__ hist, const Geometry g, int site) {
-  dependent_kernel_entry();
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
   for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); n < g.N;
        n += warps) {
@@ -1565,7 +1552,6 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, value_span_blocks_per_sm(
                              const bf16* __restrict__ v, const float* __restrict__ inv_rms,
                              const float* __restrict__ qg, const float* __restrict__ resume,
                              const Geometry g, int source, int last, const DeltaRows dl = {}) {
-  dependent_kernel_entry();
   static_assert(!DELTA || FUSED, "the delta steps ride on the fused kernel");
   if constexpr (DELTA >= 2) last = source;  // the slot's own site only, known here
   const int lane = threadIdx.x & 31, G = 32 / g.H, h = lane / G;
@@ -1857,7 +1843,6 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
                                   const float* __restrict__ inv_rms,
                                   const float* __restrict__ resume, const Geometry g, int source,
                                   int last, int parts_log2) {
-  dependent_kernel_entry();
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
   for (int64_t wi = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
        wi < (g.N << parts_log2); wi += warps)
@@ -1873,7 +1858,6 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
                                    const float* __restrict__ inv_rms,
                                    const float* __restrict__ qg, const float* __restrict__ resume,
                                    const Geometry g, int source, int last, int parts_log2) {
-  dependent_kernel_entry();
   __shared__ float xch[2][kWarpsPerBlock];
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
   int round = 0;
@@ -1950,7 +1934,6 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
     source_logits_span_kernel(float* __restrict__ w_src, float* __restrict__ inv_rms,
                               const bf16* __restrict__ v, const float* __restrict__ qg,
                               const Geometry g, int ns, float eps) {
-  dependent_kernel_entry();
   const int lane = threadIdx.x & 31;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
   const int64_t warp = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -2124,7 +2107,6 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, delta_forward_blocks_per_
                                    float* __restrict__ inv_rms, const bf16* __restrict__ query,
                                    const bf16* __restrict__ gain, const bf16* __restrict__ alpha,
                                    const Geometry g, int site, bool continues, float eps) {
-  dependent_kernel_entry();
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5), Nd = g.N * g.d;
   const float a = __bfloat162float(alpha[0]);
   bf16* slot = hist + int64_t(site) * Nd;
@@ -2236,7 +2218,6 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
                                   const float* __restrict__ inv_rms0,
                                   const float* __restrict__ inv_rms1, const Geometry g,
                                   int source) {
-  dependent_kernel_entry();
   const int lane = threadIdx.x & 31, G = 32 / g.H, h = lane / G;
   const bool leader = lane % G == 0;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
@@ -2374,7 +2355,6 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
                                        const float* __restrict__ inv_rms0,
                                        const float* __restrict__ inv_rms1, const Geometry g,
                                        int source, int parts_log2) {
-  dependent_kernel_entry();
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
   for (int64_t wi = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
        wi < (g.N << parts_log2); wi += warps)
@@ -2393,7 +2373,6 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
                                    const float* __restrict__ inv_rms1,
                                    const float* __restrict__ qg, const Geometry g, int source,
                                    int parts_log2) {
-  dependent_kernel_entry();
   __shared__ float xch[2][kWarpsPerBlock];
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
   int round = 0;
@@ -2562,7 +2541,6 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
                                     const float* __restrict__ inv_rms0,
                                     const float* __restrict__ inv_rms1,
                                     const float* __restrict__ qg, const Geometry g, int source) {
-  dependent_kernel_entry();
   static_assert(!KEY || COALESCED, "the fused form is version 9: version 8's copies");
   static_assert(GC == 0 || (COALESCED && GC <= 32 && (GC & (GC - 1)) == 0),
                 "version 11: version 8's copies, G a power of two");
@@ -2699,7 +2677,6 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
                                const float* __restrict__ inv_rms,
                                const float* __restrict__ resume, const Geometry g, int source,
                                int last) {
-  dependent_kernel_entry();
   constexpr int R = stream_slots(NT);
   extern __shared__ float4 value_stream_smem_raw[];
   const int lane = threadIdx.x & 31, G = 32 / g.H, h = lane / G;
@@ -2817,7 +2794,6 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, delta_stream_blocks_per_s
                                      const bf16* __restrict__ gain,
                                      const bf16* __restrict__ alpha, const Geometry g, int site,
                                      bool continues, float eps) {
-  dependent_kernel_entry();
   constexpr int R = kDeltaStreamSlots;
   extern __shared__ float4 delta_stream_smem_raw[];
   SlotRing<NT, R, true> ring{reinterpret_cast<StreamSlot<NT>*>(delta_stream_smem_raw) +
@@ -2875,7 +2851,6 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, value_span_blocks_per_sm(
                                       const float* __restrict__ inv_rms,
                                       const float* __restrict__ qg, const Geometry g, int source,
                                       const DeltaRows dl) {
-  dependent_kernel_entry();
   constexpr int R = kDeltaStreamSlots;
   extern __shared__ float4 delta_back_smem_raw[];
   SlotRing<NT, R, true> ring{reinterpret_cast<StreamSlot<NT>*>(delta_back_smem_raw) +
@@ -2986,7 +2961,6 @@ template <int NS>
 __global__ void __launch_bounds__(32 * kKeyGradRows)
     key_grad_kernel(float* __restrict__ gsum, const float* __restrict__ dsr,
                     const bf16* __restrict__ v, const Geometry g, int source, int ns, int slabs) {
-  dependent_kernel_entry();
   constexpr int U = NS <= 2 ? 8 : 4;  // token rows in flight per thread
   __shared__ float part[kKeyGradRows][256];
   const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
@@ -3042,7 +3016,6 @@ __global__ void __launch_bounds__(32 * kKeyGradRows)
 
 __global__ void split_bf16_kernel(bf16* __restrict__ hi, bf16* __restrict__ lo,
                                   const float* __restrict__ x, int64_t n) {
-  dependent_kernel_entry();
   for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
        e += int64_t(gridDim.x) * blockDim.x)
     split_bf16(x[e], hi[e], lo[e]);
@@ -3050,7 +3023,6 @@ __global__ void split_bf16_kernel(bf16* __restrict__ hi, bf16* __restrict__ lo,
 
 __global__ void param_grads_kernel(const SiteGrads sg, const SiteParams sp,
                                    const float* __restrict__ gsum, int S, int d, int slabs) {
-  dependent_kernel_entry();
   for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < int64_t(S) * d;
        e += int64_t(gridDim.x) * blockDim.x) {
     const int k = int(e / d), c = int(e % d);
@@ -3147,7 +3119,8 @@ int launch_stream(cudaStream_t s, K kernel, size_t smem, int blocks_per_sm, int6
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                   stream_carveout(smem, blocks_per_sm)));
   const int blocks = one_wave_blocks(kernel, warps, smem);
-  launch_dependent(s, blocks, 32 * kWarpsPerBlock, smem, kernel, args...);
+  kernel<<<blocks, 32 * kWarpsPerBlock, smem, s>>>(args...);
+  CUDA_CHECK_LAUNCH();
   return blocks;  // the grid (a per-block partial sum's count)
 }
 
@@ -3264,37 +3237,40 @@ void routing_source_logits(cudaStream_t s, RoutingContext& ctx, Tensor weights, 
   float* w = weights.ptr<float>() + g.lay.pair_base(source) * g.H * N;
   if (logits_token_kernel_applies(g, ns)) {  // one pass over v (see the kernel)
     auto* qg = static_cast<float*>(ctx.scratch(ScratchSlot::RoutingTables, table * sizeof(float)));
-    launch_dependent(s, grid_stride_blocks(table, 256), 256, 0, qg_tables_kernel, nullptr, nullptr,
-                     qg, sp, source, ns, g.d);
+    qg_tables_kernel<<<grid_stride_blocks(table, 256), 256, 0, s>>>(nullptr, nullptr, qg, sp,
+                                                                     source, ns, g.d);
+    CUDA_CHECK_LAUNCH();
     dispatch_span(g, [&](auto nt) {
       constexpr int NT = decltype(nt)::value;
       if (g_logits_version == 1) {
-        launch_dependent(s, token_blocks(N), 32 * kWarpsPerBlock, 0,
-                         source_logits_span_kernel<NT, 1>, w, inv_rms.ptr<float>(),
-                         static_cast<const bf16*>(v.data), qg, g, ns, float(eps));
+        source_logits_span_kernel<NT, 1><<<token_blocks(N), 32 * kWarpsPerBlock, 0, s>>>(
+            w, inv_rms.ptr<float>(), static_cast<const bf16*>(v.data), qg, g, ns, float(eps));
       } else {
-        launch_dependent(s, token_blocks(ceil_div(N, int64_t(4))), 32 * kWarpsPerBlock, 0,
-                         source_logits_span_kernel<NT, 4>, w, inv_rms.ptr<float>(),
-                         static_cast<const bf16*>(v.data), qg, g, ns, float(eps));
+        source_logits_span_kernel<NT, 4>
+            <<<token_blocks(ceil_div(N, int64_t(4))), 32 * kWarpsPerBlock, 0, s>>>(
+                w, inv_rms.ptr<float>(), static_cast<const bf16*>(v.data), qg, g, ns, float(eps));
       }
+      CUDA_CHECK_LAUNCH();
     });
     return;
   }
   auto* hi = static_cast<bf16*>(ctx.scratch(ScratchSlot::RoutingTables, 2 * table * sizeof(bf16)));
   bf16* lo = hi + table;
-  launch_dependent(s, grid_stride_blocks(table, 256), 256, 0, qg_tables_kernel, hi, lo, nullptr, sp,
-                   source, ns, g.d);
+  qg_tables_kernel<<<grid_stride_blocks(table, 256), 256, 0, s>>>(hi, lo, nullptr, sp, source, ns,
+                                                                   g.d);
+  CUDA_CHECK_LAUNCH();
   dispatch_rows(g, [&](auto nt, auto) {
-    launch_dependent(s, token_blocks(N), 32 * kWarpsPerBlock, 0,
-                     inv_rms_kernel<decltype(nt)::value>, inv_rms.ptr<float>(),
-                     static_cast<const bf16*>(v.data), g, float(eps));
+    inv_rms_kernel<decltype(nt)::value><<<token_blocks(N), 32 * kWarpsPerBlock, 0, s>>>(
+        inv_rms.ptr<float>(), static_cast<const bf16*>(v.data), g, float(eps));
+    CUDA_CHECK_LAUNCH();
   });
   for (const bf16* part : {static_cast<const bf16*>(hi), static_cast<const bf16*>(lo)})
     head_gemm(s, ctx.blas, CUBLAS_OP_T, CUBLAS_OP_N, N, ns, g.dh, v.data, CUDA_R_16BF, g.d, g.dh,
               part, CUDA_R_16BF, g.d, g.dh, part == lo ? 1.f : 0.f, w, int64_t(g.H) * N, N, g.H);
   const int64_t rows = int64_t(ns) * g.H;
-  launch_dependent(s, grid_stride_blocks(rows * N / 4 + 1, 256), 256, 0, scale_by_token_kernel, w,
-                   inv_rms.ptr<float>(), rows, N);
+  scale_by_token_kernel<<<grid_stride_blocks(rows * N / 4 + 1, 256), 256, 0, s>>>(
+      w, inv_rms.ptr<float>(), rows, N);
+  CUDA_CHECK_LAUNCH();
 }
 
 void routing_mix(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weights, Tensor history,
@@ -3323,11 +3299,11 @@ void routing_mix(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weights, 
       if (g_mix_finish_version == 6 && g.H * kGroupMaxSubs >= 32) {
         const int64_t groups = ceil_div(g.N, int64_t(kGroupTokens));
         auto grouped = [&](auto subs) {
-          launch_dependent(
-              s, grid_stride_blocks(groups * 32, 32 * kWarpsPerBlock), 32 * kWarpsPerBlock, 0,
-              mix_tile_finish_grouped_kernel<NT, decltype(subs)::value>, static_cast<bf16*>(x.data),
-              weights.ptr<float>(), static_cast<const bf16*>(history.data),
-              partial + int64_t(m - 1) * g.N * g.d, pstat, g, tile.first, site);
+          mix_tile_finish_grouped_kernel<NT, decltype(subs)::value>
+              <<<grid_stride_blocks(groups * 32, 32 * kWarpsPerBlock), 32 * kWarpsPerBlock, 0,
+                 s>>>(static_cast<bf16*>(x.data), weights.ptr<float>(),
+                      static_cast<const bf16*>(history.data), partial + int64_t(m - 1) * g.N * g.d,
+                      pstat, g, tile.first, site);
         };
         switch (32 / g.H) {  // the lanes a head takes in versions 1-5
           case 1: grouped(std::integral_constant<int, 1>{}); break;
@@ -3335,6 +3311,7 @@ void routing_mix(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weights, 
           case 4: grouped(std::integral_constant<int, 4>{}); break;
           default: grouped(std::integral_constant<int, 8>{}); break;
         }
+        CUDA_CHECK_LAUNCH();
         return;
       }
       auto kernel = g_mix_finish_version == 1   ? mix_tile_finish_kernel<NT, 0>
@@ -3342,10 +3319,10 @@ void routing_mix(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weights, 
                     : g_mix_finish_version == 3 ? mix_tile_finish_early_kernel<NT, 4, 0>
                     : g_mix_finish_version == 5 ? mix_tile_finish_early_kernel<NT, 4, kNormBatchEarly>
                                                 : mix_tile_finish_kernel<NT, kNormBatch>;  // 4; 6 at H < 4
-      launch_dependent(s, token_blocks(g.N), 32 * kWarpsPerBlock, 0, kernel,
-                       static_cast<bf16*>(x.data), weights.ptr<float>(),
-                       static_cast<const bf16*>(history.data), partial + int64_t(m - 1) * g.N * g.d,
-                       pstat, g, tile.first, site);
+      kernel<<<token_blocks(g.N), 32 * kWarpsPerBlock, 0, s>>>(
+          static_cast<bf16*>(x.data), weights.ptr<float>(), static_cast<const bf16*>(history.data),
+          partial + int64_t(m - 1) * g.N * g.d, pstat, g, tile.first, site);
+      CUDA_CHECK_LAUNCH();
     });
     if (site + 1 < tile.first + tile.count) {
       ctx.tile = tile;
@@ -3356,9 +3333,10 @@ void routing_mix(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weights, 
   if (g.N == 0) return;
   if (span_layout(g)) {
     dispatch_span(g, [&](auto nt) {
-      launch_dependent(s, token_blocks(g.N), 32 * kWarpsPerBlock, 0,
-                       mix_span_kernel<decltype(nt)::value>, static_cast<bf16*>(x.data),
-                       weights.ptr<float>(), static_cast<const bf16*>(history.data), g, site);
+      mix_span_kernel<decltype(nt)::value><<<token_blocks(g.N), 32 * kWarpsPerBlock, 0, s>>>(
+          static_cast<bf16*>(x.data), weights.ptr<float>(),
+          static_cast<const bf16*>(history.data), g, site);
+      CUDA_CHECK_LAUNCH();
     });
     return;
   }
@@ -3366,9 +3344,10 @@ void routing_mix(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weights, 
   dispatch_rows(g, [&](auto nt, auto al) {
     auto kernel = mix_kernel<decltype(nt)::value, decltype(al)::value>;
     allow_smem(kernel, smem);
-    launch_dependent(s, token_blocks(g.N), 32 * kWarpsPerBlock, smem, kernel,
-                     static_cast<bf16*>(x.data), weights.ptr<float>(),
-                     static_cast<const bf16*>(history.data), g, site);
+    kernel<<<token_blocks(g.N), 32 * kWarpsPerBlock, smem, s>>>(
+        static_cast<bf16*>(x.data), weights.ptr<float>(),
+        static_cast<const bf16*>(history.data), g, site);
+    CUDA_CHECK_LAUNCH();
   });
 }
 
@@ -3445,9 +3424,10 @@ void routing_mix_tile(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weig
                                                                  32 * kWarpsPerBlock, smem));
         blocks = std::min(blocks, sm_count() * std::max(per_sm, 1));
       }
-      launch_dependent(s, blocks, 32 * kWarpsPerBlock, smem, kernel, static_cast<bf16*>(x.data),
-                       weights.ptr<float>(), static_cast<const bf16*>(history.data), partial,
-                       partial + partial_floats, g, site);
+      kernel<<<blocks, 32 * kWarpsPerBlock, smem, s>>>(
+          static_cast<bf16*>(x.data), weights.ptr<float>(),
+          static_cast<const bf16*>(history.data), partial, partial + partial_floats, g, site);
+      CUDA_CHECK_LAUNCH();
     };
     auto ring = [&](auto k_tag) {
       constexpr int K = decltype(k_tag)::value;
@@ -3471,10 +3451,10 @@ void routing_mix_tile(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weig
     const size_t smem = tile_table_bytes(site + 1, k, g.H);
     auto launch = [&](auto kernel) {
       allow_smem(kernel, smem);
-      launch_dependent(s, token_blocks(g.N), 32 * kWarpsPerBlock, smem, kernel,
-                       static_cast<bf16*>(x.data), weights.ptr<float>(),
-                       static_cast<const bf16*>(history.data), partial, partial + partial_floats, g,
-                       site, k);
+      kernel<<<token_blocks(g.N), 32 * kWarpsPerBlock, smem, s>>>(
+          static_cast<bf16*>(x.data), weights.ptr<float>(),
+          static_cast<const bf16*>(history.data), partial, partial + partial_floats, g, site, k);
+      CUDA_CHECK_LAUNCH();
     };
     if (k <= 4) launch(mix_tile_kernel<4>);
     else launch(mix_tile_kernel<kTileSites>);
@@ -3607,8 +3587,9 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
   const int ns = layout.last_site(source) - source + 1;
   const int64_t table = int64_t(ns) * g.d;
   auto* qg = static_cast<float*>(ctx.scratch(ScratchSlot::RoutingTables, table * sizeof(float)));
-  launch_dependent(s, grid_stride_blocks(table, 256), 256, 0, qg_tables_kernel, nullptr, nullptr,
-                   qg, sp, source, ns, g.d);
+  qg_tables_kernel<<<grid_stride_blocks(table, 256), 256, 0, s>>>(nullptr, nullptr, qg, sp,
+                                                                   source, ns, g.d);
+  CUDA_CHECK_LAUNCH();
   const float* w_src = weights.ptr<float>() + g.lay.pair_base(source) * g.H * N;
   auto* dv_out = static_cast<bf16*>(dv.data);
   const auto* x_in = static_cast<const bf16*>(x.data);
@@ -3664,10 +3645,10 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
       // with pair version 6, 2 blocks and 4 sites (212 registers).
       auto kernel = g_pair_version == 6 ? source_value_pair_fused_kernel<NT, 2, kPairRing>
                                         : source_value_pair_fused_kernel<NT, 3, 2>;
-      launch_dependent(s, one_wave_blocks(kernel, N << fused_parts_log2), 32 * kWarpsPerBlock, 0,
-                       kernel, dv_out, partial, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in,
-                       v_in, older->v, inv_rms.ptr<float>(), older->inv_rms, qg, g, source,
-                       fused_parts_log2);
+      kernel<<<one_wave_blocks(kernel, N << fused_parts_log2), 32 * kWarpsPerBlock, 0, s>>>(
+          dv_out, partial, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in, older->v,
+          inv_rms.ptr<float>(), older->inv_rms, qg, g, source, fused_parts_log2);
+      CUDA_CHECK_LAUNCH();
     });
   } else if (older) {
     auto* partial = static_cast<float*>(ctx.scratch(ScratchSlot::RoutingBackTile, N * g.d * 4));
@@ -3676,9 +3657,10 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
     auto pair_ring = [&](auto ntp, int parts_log2) {
       constexpr int NT = decltype(ntp)::value;
       auto kernel = source_value_pair_ring_span_kernel<NT, pair_blocks_per_sm(NT, 2), kPairRing>;
-      launch_dependent(s, one_wave_blocks(kernel, N << parts_log2), 32 * kWarpsPerBlock, 0, kernel,
-                       val, partial, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in,
-                       older->v, inv_rms.ptr<float>(), older->inv_rms, g, source, parts_log2);
+      kernel<<<one_wave_blocks(kernel, N << parts_log2), 32 * kWarpsPerBlock, 0, s>>>(
+          val, partial, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in, older->v,
+          inv_rms.ptr<float>(), older->inv_rms, g, source, parts_log2);
+      CUDA_CHECK_LAUNCH();
     };
     const int parts_log2 = parts_log2_for(g, pair_part_chunks(g_pair_version));
     if (parts_log2 > 0) {
@@ -3708,9 +3690,10 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
         auto kernel = g_pair_version >= 2 ? source_value_pair_span_kernel<NT, pair_blocks_per_sm(NT, 2)>
                                           : source_value_pair_span_kernel<NT, pair_blocks_per_sm(NT, 1)>;
         const int blocks = g_pair_version >= 3 ? one_wave_blocks(kernel, N) : token_blocks(N);
-        launch_dependent(s, blocks, 32 * kWarpsPerBlock, 0, kernel, val, partial,
-                         weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in, older->v,
-                         inv_rms.ptr<float>(), older->inv_rms, g, source);
+        kernel<<<blocks, 32 * kWarpsPerBlock, 0, s>>>(
+            val, partial, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in, older->v,
+            inv_rms.ptr<float>(), older->inv_rms, g, source);
+        CUDA_CHECK_LAUNCH();
       } else {
         MHAR_CHECK(false, "CUDA ", what, ": a backward depth tile at d = ", g.d);
       }
@@ -3722,10 +3705,11 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
     const int last = resume_last >= 0 ? resume_last : layout.last_site(source);
     auto value_ring_kernel = [&](auto ntp, int parts_log2) {
       constexpr int NT = decltype(ntp)::value;
-      launch_dependent(s, token_blocks(N << parts_log2), 32 * kWarpsPerBlock, 0,
-                       source_value_ring_span_kernel<NT, value_ring(NT)>, val, weights.ptr<float>(),
-                       ubar.ptr<float>(), rows, x_in, v_in, inv_rms.ptr<float>(), resume, g, source,
-                       last, parts_log2);
+      source_value_ring_span_kernel<NT, value_ring(NT)>
+          <<<token_blocks(N << parts_log2), 32 * kWarpsPerBlock, 0, s>>>(
+              val, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in,
+              inv_rms.ptr<float>(), resume, g, source, last, parts_log2);
+      CUDA_CHECK_LAUNCH();
     };
     // Versions 3-4: the ring on row parts, where the row splits.
     const int parts_log2 =
@@ -3733,10 +3717,11 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
     if (ring_fused) {
       dispatch_part_span(g.d / 256 >> fused_parts_log2, [&](auto ntp) {
         constexpr int NT = decltype(ntp)::value;
-        launch_dependent(s, token_blocks(N << fused_parts_log2), 32 * kWarpsPerBlock, 0,
-                         source_value_fused_ring_kernel<NT, value_ring(NT)>, dv_out,
-                         weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in,
-                         inv_rms.ptr<float>(), qg, resume, g, source, last, fused_parts_log2);
+        source_value_fused_ring_kernel<NT, value_ring(NT)>
+            <<<token_blocks(N << fused_parts_log2), 32 * kWarpsPerBlock, 0, s>>>(
+            dv_out, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in,
+            inv_rms.ptr<float>(), qg, resume, g, source, last, fused_parts_log2);
+        CUDA_CHECK_LAUNCH();
       });
     } else if (parts_log2 > 0) {
       dispatch_part_span(g.d / 256 >> parts_log2,
@@ -3771,10 +3756,11 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
                     : g_delta_site_version == 1 ? source_value_span_kernel<NT, true, 1>
                     : g_delta_site_version == 2 ? source_value_span_kernel<NT, true, 2>
                                                 : source_value_span_kernel<NT, true, 3>;
-      launch_dependent(s, token_blocks(N), 32 * kWarpsPerBlock, 0, kernel, val,
-                       fused ? dv_out : nullptr, weights.ptr<float>(), ubar.ptr<float>(), rows,
-                       x_in, v_in, inv_rms.ptr<float>(), fused ? qg : nullptr, resume, g, source,
-                       last, delta ? *delta : DeltaRows{});
+      kernel<<<token_blocks(N), 32 * kWarpsPerBlock, 0, s>>>(
+          val, fused ? dv_out : nullptr, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in,
+          v_in, inv_rms.ptr<float>(), fused ? qg : nullptr, resume, g, source, last,
+          delta ? *delta : DeltaRows{});
+      CUDA_CHECK_LAUNCH();
     });
     if (delta) delta_add_partials(s, dalpha, delta->partial, delta_partials);
   } else {
@@ -3783,9 +3769,10 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
     dispatch_rows(g, [&](auto nt, auto al) {
       auto kernel = source_value_kernel<decltype(nt)::value, decltype(al)::value>;
       allow_smem(kernel, smem);
-      launch_dependent(s, token_blocks(N), 32 * kWarpsPerBlock, smem, kernel, val,
-                       weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in,
-                       inv_rms.ptr<float>(), g, source);
+      kernel<<<token_blocks(N), 32 * kWarpsPerBlock, smem, s>>>(
+          val, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in, inv_rms.ptr<float>(),
+          g, source);
+      CUDA_CHECK_LAUNCH();
     });
   }
   if (!fused) {
@@ -3794,9 +3781,9 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
     head_gemm(s, ctx.blas, CUBLAS_OP_N, CUBLAS_OP_T, g.dh, N, ns, qg, CUDA_R_32F, g.d, g.dh,
               w_src, CUDA_R_32F, int64_t(g.H) * N, N, 0.f, key, g.d, g.dh, g.H);
     dispatch_rows(g, [&](auto nt, auto) {
-      launch_dependent(s, token_blocks(N), 32 * kWarpsPerBlock, 0,
-                       source_finish_kernel<decltype(nt)::value>, dv_out, val, key, v_in,
-                       inv_rms.ptr<float>(), g);
+      source_finish_kernel<decltype(nt)::value><<<token_blocks(N), 32 * kWarpsPerBlock, 0, s>>>(
+          dv_out, val, key, v_in, inv_rms.ptr<float>(), g);
+      CUDA_CHECK_LAUNCH();
     });
   }
   // The key gradients: gsum[.][k] += G_k for the slot's sites k.
@@ -3806,8 +3793,9 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
     const dim3 grid(unsigned(slabs), unsigned(ceil_div(g.nchunks, 32)),
                     unsigned(ceil_div(ns, kKeyGradKernelMaxSites)));
     auto launch = [&](auto kernel) {
-      launch_dependent(s, grid, 32 * kKeyGradRows, 0, kernel, gsum.ptr<float>(), w_src, v_in, g,
-                       source, ns, slabs);
+      kernel<<<grid, 32 * kKeyGradRows, 0, s>>>(gsum.ptr<float>(), w_src, v_in, g, source, ns,
+                                                slabs);
+      CUDA_CHECK_LAUNCH();
     };
     if (ns == 1) launch(key_grad_kernel<1>);
     else if (ns == 2) launch(key_grad_kernel<2>);
@@ -3819,8 +3807,9 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
   auto* dsr_hi = static_cast<bf16*>(
       ctx.scratch(ScratchSlot::RoutingPairSplit, 2 * pair_vals * sizeof(bf16)));
   bf16* dsr_lo = dsr_hi + pair_vals;
-  launch_dependent(s, grid_stride_blocks(pair_vals, 256), 256, 0, split_bf16_kernel, dsr_hi, dsr_lo,
-                   w_src, pair_vals);
+  split_bf16_kernel<<<grid_stride_blocks(pair_vals, 256), 256, 0, s>>>(dsr_hi, dsr_lo, w_src,
+                                                                       pair_vals);
+  CUDA_CHECK_LAUNCH();
   for (const bf16* part : {static_cast<const bf16*>(dsr_hi), static_cast<const bf16*>(dsr_lo)})
     head_gemm(s, ctx.blas, CUBLAS_OP_N, CUBLAS_OP_N, g.dh, ns, N, v.data, CUDA_R_16BF, g.d, g.dh,
               part, CUDA_R_16BF, int64_t(g.H) * N, N, 1.f, gsum.ptr<float>() + int64_t(source) * g.d,
@@ -3940,9 +3929,10 @@ bool routing_delta_site_forward(cudaStream_t s, RoutingContext& ctx, const Delta
     }
     auto kernel = g_delta_forward_version == 1 ? delta_site_forward_span_kernel<NT, 1>
                                                : delta_site_forward_span_kernel<NT, 2>;
-    launch_dependent(s, token_blocks(N), 32 * kWarpsPerBlock, 0, kernel, x, r, stream, hist,
-                     a.weights.ptr<float>(), a.inv_rms.ptr<float>(), query, gain, alpha, g, a.site,
-                     a.continues, float(a.eps));
+    kernel<<<token_blocks(N), 32 * kWarpsPerBlock, 0, s>>>(
+        x, r, stream, hist, a.weights.ptr<float>(), a.inv_rms.ptr<float>(), query, gain, alpha,
+        g, a.site, a.continues, float(a.eps));
+    CUDA_CHECK_LAUNCH();
   });
   return true;
 }
@@ -4010,8 +4000,9 @@ void routing_param_grads(cudaStream_t s, const RoutingParams& params, Tensor gsu
     sg.dg[k] = params.dgain[size_t(k)].ptr<float>();
   }
   const int threads = 256;
-  launch_dependent(s, grid_stride_blocks(int64_t(S) * d, threads), threads, 0, param_grads_kernel,
-                   sg, sp, gsum.ptr<float>(), S, int(d), int(gsum.dim(0)));
+  param_grads_kernel<<<grid_stride_blocks(int64_t(S) * d, threads), threads, 0, s>>>(
+      sg, sp, gsum.ptr<float>(), S, int(d), int(gsum.dim(0)));
+  CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace mhar::cuda

@@ -41,9 +41,6 @@
 // - Gradients that are exactly zero in the reference (routing site 0 mixes one source with
 //   weight 1, so its query and gain get none) must be below 1e-5 in norm on the GPU: fp32
 //   rounding of a difference of two equal dot products.
-// Dependent launch (`DependentLaunch`): the routing kernels launched as programmatic
-// dependents give the ordinary launches' bits exactly (no tolerance: the same kernels do
-// the same operations; only when their blocks are placed changes).
 // Chunked head (`_chunk48`): the GPU model runs its LM head in chunks of 48 of the 160
 // tokens (the last chunk 16), the CPU reference in one, under the same bounds: chunking
 // changes only the order in which the head's weight gradient sums its token terms (fp32
@@ -79,7 +76,6 @@
 #include <cmath>
 #include <cstdio>
 #include <memory>
-#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -280,83 +276,6 @@ INSTANTIATE_TEST_SUITE_P(Modes, GpuTraining,
                          ::testing::Values(ModeCase{"standard", 0}, ModeCase{"mhar", 2},
                                            ModeCase{"mhar", 2, 3}, ModeCase{"hyper", 0},
                                            ModeCase{"hyper", 0, 0, true}),
-                         [](const ::testing::TestParamInfo<ModeCase>& i) {
-                           return i.param.label();
-                         });
-
-// Programmatic dependent launch (cuda/dependent_launch.cuh) changes when the routing
-// kernels are placed on the SMs, never what they compute: a routed model's loss and every
-// gradient are the same bits with it as without. A kernel that touched memory before its
-// wait would break this here, where consecutive grids of a few blocks each overlap almost
-// entirely. The shapes take the paths of the 100M model (d 512, H 4, 17 sites: the depth
-// tiles, the pair kernels and the fused value kernels) and of delta (the fused site
-// kernels). Two ordinary runs first: the comparison needs a deterministic step, so every
-// input token is a different id (the embedding gradient's scatter adds repeated tokens'
-// rows by atomics, in no fixed order: cuda/embedding.cu).
-Config dependent_launch_config(const std::string& mode, int block) {
-  nlohmann::json j = {
-      {"model", {{"vocab_size", 1024}, {"d_model", 512}, {"n_layers", 8}, {"n_heads", 4},
-                 {"n_kv_heads", 2}, {"head_dim", 64}, {"d_ff", 512}, {"context_length", 256},
-                 {"rope_theta", 10000.0}, {"tie_embeddings", true}}},
-      {"residual", {{"mode", mode}, {"heads", 4}}},
-      {"train", {{"micro_batch", 2}, {"seq_len", 256}, {"warmup_steps", 0}}}};
-  if (mode == "delta") j["residual"]["block_layers"] = block;
-  else if (block) j["residual"]["block_size"] = block;
-  return config_from_json(j, "model_cudatest");
-}
-
-class DependentLaunch : public ::testing::TestWithParam<ModeCase> {};
-
-TEST_P(DependentLaunch, SameBitsAsOrdinaryLaunches) {
-  if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
-  const bool supported = cuda::dependent_launch_enabled();
-  if (!supported) GTEST_SKIP() << "dependent launch is off (device before sm_90, or MHAR_DEPENDENT_LAUNCH=0)";
-  const ModeCase mc = GetParam();
-  const Config cfg = dependent_launch_config(mc.mode, mc.block_size);
-  const int B = cfg.train.micro_batch, T = cfg.train.seq_len;
-  auto gpu = make_cuda_backend(0);
-  Model m(cfg.model, cfg.residual, *gpu, B, T);
-  randomize_weights(m, 42);
-  std::vector<int32_t> x(static_cast<size_t>(cfg.model.vocab_size)), y;
-  std::iota(x.begin(), x.end(), 0);
-  std::mt19937_64 rng(7);
-  std::shuffle(x.begin(), x.end(), rng);
-  x.resize(static_cast<size_t>(B * T));  // distinct ids (B * T <= vocab)
-  for (int i = 0; i < B * T; ++i) y.push_back(int32_t(rng() % uint64_t(cfg.model.vocab_size)));
-  struct Result {
-    double loss = 0;
-    std::vector<std::vector<double>> grads;
-  };
-  auto step = [&](bool dependent) {
-    cuda::set_dependent_launch(dependent);
-    Result r;
-    m.zero_grads();
-    r.loss = m.forward(x.data(), y.data(), 1.0);
-    m.backward();
-    for (const Parameter& p : m.parameters()) r.grads.push_back(download(*gpu, p.grad));
-    return r;
-  };
-  const Result ordinary = step(false), again = step(false), dependent = step(true);
-  cuda::set_dependent_launch(supported);
-  auto same = [&](const Result& a, const Result& b, const char* what) {
-    EXPECT_EQ(a.loss, b.loss) << mc.label() << " loss, " << what;
-    for (size_t i = 0; i < a.grads.size(); ++i) {
-      size_t differ = 0;
-      for (size_t k = 0; k < a.grads[i].size(); ++k) differ += a.grads[i][k] != b.grads[i][k];
-      EXPECT_EQ(differ, 0u) << mc.label() << " gradient of " << m.parameters()[i].name << ", "
-                            << what << ": " << differ << " of " << a.grads[i].size()
-                            << " values differ";
-    }
-  };
-  same(ordinary, again, "two ordinary steps");
-  same(ordinary, dependent, "ordinary against dependent launches");
-  std::printf("DEPENDENT_LAUNCH %-10s loss %.9f, %zu gradients compared bit for bit\n",
-              mc.label().c_str(), dependent.loss, dependent.grads.size());
-}
-
-INSTANTIATE_TEST_SUITE_P(Modes, DependentLaunch,
-                         ::testing::Values(ModeCase{"mhar", 4}, ModeCase{"mhar", 4, 3},
-                                           ModeCase{"delta", 4, 2}),
                          [](const ::testing::TestParamInfo<ModeCase>& i) {
                            return i.param.label();
                          });

@@ -15,8 +15,6 @@ int device_count() { return 0; }
 std::string describe_device(int i) {
   fail("CUDA device ", i, ": this mhar was built without CUDA (-DMHAR_WITH_CUDA=OFF)");
 }
-bool dependent_launch_enabled() { return false; }
-bool set_dependent_launch(bool) { return false; }
 
 }  // namespace cuda
 
