@@ -287,9 +287,9 @@ int routing_kernel_versions(RoutingKernel kernel);
 // split the row, value version 5 (the key path fused into the value pass) wherever it
 // applies, and key-gradient version 2 (the kernel past 8 sites) the key gradients' sums.
 int routing_backward_sum_order(int64_t d, int heads);
-// Tests: caps the one-wave grids (the backward's pair and stream kernels, the delta site
-// forward's stream version) at `blocks` (0: no cap), so that small N still gives each warp
-// several tokens; returns the previous cap. The same bits at any grid.
+// Tests: caps the one-wave grids (the backward's pair and stream kernels) at `blocks` (0:
+// no cap), so that small N still gives each warp several tokens; returns the previous
+// cap. The same bits at any grid.
 int routing_set_grid_cap(int blocks);
 // Whether routing_source_logits of a slot read by `sites` sites at width d takes the
 // token kernel (one pass over v) at the current Logits version, rather than the GEMMs.

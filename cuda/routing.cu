@@ -54,9 +54,8 @@
 // keep their earlier versions, numbered, chosen at launch (routing_set_kernel_version,
 // kernels.h; the defaults are the measured fastest: mix tile 5 of 5, finish 6 of 6, pair
 // 11 of 11, the unfused value kernel 5 / 3 / 6 / 2 of 6 by width, the key gradients 2 / 1
-// of 2 by width, logits 2 of 4, the delta site forward 1 of 3, its backward 2 of 4), so
-// that one
-// device run times each (tests/op_timing_cudatest.cpp); every version computes the same
+// of 2 by width, logits 2 of 4, the delta site forward 1 of 2, its backward 2 of 3), so
+// that one device run times each (tests/op_timing_cudatest.cpp); every version computes the same
 // bits, but for the logits' choice between token kernel and GEMMs and the backward's row
 // parts and fused key path (see there).
 #include <algorithm>
@@ -1530,14 +1529,15 @@ __device__ __forceinline__ void delta_site_epilogue(float (&acc)[NT][8], const R
 // Kernel-lab versions of the DELTA kernel (routing_set_kernel_version(DeltaSite, v); the
 // same operations, so the same bits): 1 runs the general site loop (2 blocks per SM); 2
 // fixes it at one site at compile time (the prefetch of a next site's row and its
-// registers go); 3 is 2 with 3 blocks per SM where NT <= 5 (<= 168 registers); 4
-// (delta_site_backward_stream_kernel, with the stream kernels below) is 3 with its rows
-// staged in shared memory by cp.async, a few rows ahead across tokens. Measured at 1B
+// registers go); 3 is 2 with 3 blocks per SM where NT <= 5 (<= 168 registers). A version
+// 4, 3 with its rows staged in shared memory by cp.async a few rows ahead across tokens
+// (as pair version 8), lost and was removed (code at 3776da1). Measured at 1B
 // (OpTiming.DISABLED_DeltaRouting1B, the 64 one-site slots, twenty-second session), ms,
 // v1 / v2 / v3 / v4: H200 10.53 / 10.42 / 12.10 / 11.02; H100 12.79 / 12.72 / 14.90 /
-// 13.78. Version 2 stays the default: staging did not pay here as it did for the pair
-// kernel.
-constexpr int kDeltaSiteVersions = 4;
+// 13.78. Version 2 is the default: staging did not pay here as it did for the pair kernel
+// (a token's work is short and its rows few, so the ring's copies and waits cost more than
+// the latency they hide).
+constexpr int kDeltaSiteVersions = 3;
 constexpr int kDeltaSiteDefault = 2;
 int g_delta_site_version = kDeltaSiteDefault;
 constexpr int value_span_blocks_per_sm(int NT, bool fused, int delta) {
@@ -2013,18 +2013,19 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
 // the op sequence 12.92 ms, v1 12.32, v2 13.10: the re-reads cost more than the extra
 // warps gain. The kernel is latency-bound (2.6 TB/s by its bytes): each token's rows
 // are loaded, then used, in turn.
-// 3 (delta_site_forward_stream_kernel, with the stream kernels below) is 1 with every row
-//   it reads staged in shared memory by cp.async, a few rows ahead across tokens.
-//   Measured (twenty-second session), ms, op sequence / v1 / v2 / v3: H200 12.87 / 12.38 /
-//   13.02 / 13.57; H100 16.78 / 14.87 / 16.06 / 16.47. Version 1 stays the default.
-constexpr int kDeltaForwardVersions = 3;
+// A version 3, 1 with every row it reads staged in shared memory by cp.async a few rows
+//   ahead across tokens, lost and was removed (code at 3776da1). Measured (twenty-second
+//   session), ms, op sequence / v1 / v2 / v3: H200 12.87 / 12.38 / 13.02 / 13.57; H100
+//   16.78 / 14.87 / 16.06 / 16.47. Version 1 is the default.
+constexpr int kDeltaForwardVersions = 2;
 constexpr int kDeltaForwardDefault = 1;
 int g_delta_forward_version = kDeltaForwardDefault;
 constexpr int delta_forward_blocks_per_sm(int NT, int version) {
   return NT <= 4 || (version == 2 && NT == 5) ? 4 : NT == 5 ? 3 : 2;
 }
-// One token n of the fused delta site forward (both kernels below): the same operations
-// in the same order whichever way the rows arrive. lead_row(row, i) gives this lane's span
+// One token n of the fused delta site forward (the kernel below); the rows arrive through
+// loaders (kept from the lab's staged version 3, removed: the same operations in the same
+// order whichever way the rows arrive). lead_row(row, i) gives this lane's span
 // of the stream (i = 0), the slot's v (1) and, where the slot continues its block, prev
 // (2), in that order; closed_row(row, t) the closed slot t (t = 0 .. closed, in order).
 // KEEP: the advanced stream and the new slot row stay in registers through the mix; else
@@ -2761,156 +2762,6 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
   cp_async_wait_groups<0>();  // nothing in flight into shared memory at exit
 }
 
-// Version 3 of the fused delta site forward (routing_set_kernel_version(DeltaForward, 3);
-// measured in the twenty-second session 10% slower than version 1, above): version 1
-// with its rows staged by cp.async in a per-warp ring (SlotRing, as pair version 8),
-// kDeltaStreamSlots - 1 rows ahead across tokens: the stream, the slot, prev (continues)
-// and the closed slots 0 .. closed of the next token land while this token's arithmetic
-// runs. Why: version 1 loads a token's three leading rows, then uses them, then takes the
-// closed slots with one row of prefetch: latency-bound at 2.6 TB/s by its bytes (eleventh
-// session), and in the twenty-first session's tools/kernel_times.sh of the 1B delta step
-// its 64 launches were 12.4 ms of the 35.8 ms of kernels that delta adds to standard.
-// The stream kernels of the backward gained 9-12% the same way (pair version 8). The
-// operations and their order are version 1's (the rows only come from shared memory):
-// the same bits. A token's items: 2 + continues leading rows, then src - 1 = closed + 1
-// closed slots (the last source is the slot row in registers: the fused path runs only
-// at sites that do not close a block, routing_delta_site_forward_fuses).
-// Each row is read once and before this kernel writes it (the stream and the slot rows of
-// token n are copied before token n's stores; the closed slots and prev are not
-// written), so the ring's early copies see the values version 1 reads.
-constexpr int kDeltaStreamSlots = 5;
-// Version 1's blocks an SM but 3, not 4, at NT 3-4 (ptxas: 4 spills 4-64 bytes there; NT 5
-// is 168 registers at 3, no spills).
-constexpr int delta_stream_blocks_per_sm(int NT) { return NT <= 2 ? 4 : NT <= 5 ? 3 : 2; }
-template <int NT>
-constexpr size_t delta_stream_smem() {
-  return size_t(kWarpsPerBlock) * kDeltaStreamSlots * sizeof(StreamSlot<NT>);
-}
-template <int NT>
-__global__ void __launch_bounds__(32 * kWarpsPerBlock, delta_stream_blocks_per_sm(NT))
-    delta_site_forward_stream_kernel(bf16* __restrict__ x, bf16* __restrict__ r_out,
-                                     bf16* stream, bf16* hist, float* weights,
-                                     float* __restrict__ inv_rms, const bf16* __restrict__ query,
-                                     const bf16* __restrict__ gain,
-                                     const bf16* __restrict__ alpha, const Geometry g, int site,
-                                     bool continues, float eps) {
-  constexpr int R = kDeltaStreamSlots;
-  extern __shared__ float4 delta_stream_smem_raw[];
-  SlotRing<NT, R, true> ring{reinterpret_cast<StreamSlot<NT>*>(delta_stream_smem_raw) +
-                             (threadIdx.x >> 5) * R};
-  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5), Nd = g.N * g.d;
-  const float a = __bfloat162float(alpha[0]);
-  bf16* slot = hist + int64_t(site) * Nd;
-  const bf16* prev = slot - Nd;
-  float* w_site = weights + g.lay.pair_base(site) * g.H * g.N;
-  auto qg8 = [&](int, int t, float (&q)[8]) { delta_site_qg8<NT>(query, gain, t, q); };
-  const int src = g.lay.site_sources(site), lead = continues ? 3 : 2, items = lead + src - 1;
-  const int64_t first = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  // The cursor: item ci of token cn is the next to copy.
-  int64_t cn = first;
-  int ci = 0;
-  auto issue = [&](StreamSlot<NT>& s) {
-    if (cn >= g.N) return;
-    const bf16* row = ci == 0      ? stream
-                      : ci == 1    ? slot
-                      : ci < lead  ? prev
-                                   : hist + int64_t(ci - lead) * g.lay.block * Nd;  // closed slot
-    copy_chunks_async(s, reinterpret_cast<const uint4*>(row + cn * g.d));
-    if (++ci == items) ci = 0, cn += warps;
-  };
-#pragma unroll 1
-  for (int u = 0; u < R - 1; ++u) ring.refill(issue);
-  for (int64_t n = first; n < g.N; n += warps) {
-    auto from_ring = [&](Row<NT>& row, int) { slot_span(ring.take(issue), row); };
-    delta_forward_token<NT, true>(x, r_out, stream, slot, weights, w_site, inv_rms, qg8, g, site,
-                                  continues, a, eps, n, from_ring, from_ring);
-  }
-  cp_async_wait_groups<0>();  // nothing in flight into shared memory at exit
-}
-
-// Version 4 of the DELTA kernel (routing_set_kernel_version(DeltaSite, 4); measured in the
-// twenty-second session 6-8% slower than version 2, above): version 3 (one site,
-// 3 blocks an SM where NT <= 5) with its rows staged by cp.async in a per-warp ring across
-// tokens, as the delta site forward's version 3: a token's items are v (with the site's
-// weight of each head and the token's inv_rms as the slot's scalars: lane l < H copies
-// head l's, lane 0 inv_rms), dx, dresid, x and, where the slot's block continues, next.
-// Why: version 3 loads a token's four or five rows, then uses them (the 1B delta step's
-// 64 launches: 8.5 ms at ~2.8 TB/s by their bytes, tools/kernel_times.sh, twenty-first
-// session). The operations on each token are version 3's (delta_site_prologue,
-// value_site, key_site, delta_site_epilogue), so every per-token output has its bits;
-// dalpha's sum runs over the grid's own split of the tokens (one wave of blocks,
-// launch_stream), whose partials delta_add_partials adds, so its bits differ from version
-// 3's within the same bound (each lane's run of products is longer).
-// Each row is read before this kernel writes it: token n's dresid is copied before token
-// n's store; the other rows read are not written here.
-template <int NT>
-__global__ void __launch_bounds__(32 * kWarpsPerBlock, value_span_blocks_per_sm(NT, true, 3))
-    delta_site_backward_stream_kernel(bf16* __restrict__ dv, float* weights,
-                                      float* __restrict__ ubar, const bf16* __restrict__ x,
-                                      const bf16* __restrict__ v,
-                                      const float* __restrict__ inv_rms,
-                                      const float* __restrict__ qg, const Geometry g, int source,
-                                      const DeltaRows dl) {
-  constexpr int R = kDeltaStreamSlots;
-  extern __shared__ float4 delta_back_smem_raw[];
-  SlotRing<NT, R, true> ring{reinterpret_cast<StreamSlot<NT>*>(delta_back_smem_raw) +
-                             (threadIdx.x >> 5) * R};
-  const int lane = threadIdx.x & 31, G = 32 / g.H, h = lane / G;
-  const bool leader = lane % G == 0;
-  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
-  float* w_heads = weights + g.lay.pair_base(source) * g.H * g.N;  // the site's, by head
-  const float4* qrow = reinterpret_cast<const float4*>(qg) + lane * 2 * NT;
-  const int items = dl.next ? 5 : 4;
-  const int64_t first = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  int64_t cn = first;  // the cursor: item ci of token cn is the next to copy
-  int ci = 0;
-  auto issue = [&](StreamSlot<NT>& s) {
-    if (cn >= g.N) return;
-    const bf16* row = ci == 0 ? v : ci == 1 ? dl.dx : ci == 2 ? dl.dresid : ci == 3 ? x : dl.next;
-    copy_chunks_async(s, reinterpret_cast<const uint4*>(row + cn * g.d));
-    if (ci == 0) {
-      if (lane < g.H) cp_async_ca(&s.scalar[0][lane], w_heads + int64_t(lane) * g.N + cn, 4);
-      if (lane == 0) cp_async_ca(&s.scalar[1][0], inv_rms + cn, 4);
-    }
-    if (++ci == items) ci = 0, cn += warps;
-  };
-  float dalpha = 0.f;  // this lane's share of sum dx r
-#pragma unroll 1
-  for (int u = 0; u < R - 1; ++u) ring.refill(issue);
-  for (int64_t n = first; n < g.N; n += warps) {
-    Row<NT> rv, rdx, dres;
-    float a, r;
-    {
-      const StreamSlot<NT>& s0 = ring.take(issue);
-      slot_span(s0, rv);
-      a = s0.scalar[0][h], r = s0.scalar[1][0];  // read before the next take refills s0
-    }
-    float ub;
-    {
-      Row<NT> rg, rx;
-      slot_span(ring.take(issue), rg);
-      slot_span(ring.take(issue), dres);
-      slot_span(ring.take(issue), rx);
-      ub = delta_site_prologue(rdx, dres, dalpha, rg, rx, dl, ubar, g, source, n);
-    }
-    float acc[NT][8];
-#pragma unroll
-    for (int t = 0; t < NT; ++t)
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc[t][e] = 0.f;
-    float radial = 0.f;
-    const float ds = value_site(acc, rdx, rv, a, ub, G);
-    key_site(acc, radial, rv, qrow, r, ds, G, leader);
-    if (leader) w_heads[int64_t(h) * g.N + n] = ds * r;  // a came from the ring: no race
-    subtract_radial(acc, rv, r, warp_sum(radial), g.d);
-    delta_site_epilogue(acc, dres, dv, dl, g, n,
-                        [&](Row<NT>& nx) { slot_span(ring.take(issue), nx); });
-  }
-  const float block = block_sum(dalpha);
-  if (threadIdx.x == 0) dl.partial[blockIdx.x] = block;
-  cp_async_wait_groups<0>();  // nothing in flight into shared memory at exit
-}
-
 // ---------------------------------------------------------------- key gradient
 // G_k[c] = sum_n (ds_k r)[head(c), n] v[n, c] of one slot against its sites is, per head,
 // a GEMM over the tokens (cuBLAS, tensor cores, fp32 accumulate into gsum's slab 0): [dh x
@@ -3111,9 +2962,9 @@ int one_wave_blocks(K kernel, int64_t warps, size_t smem = 0) {
 
 // A stream kernel (source_value_pair_stream_kernel, source_value_stream_kernel) on a grid
 // of one wave of the blocks that fit beside `smem` bytes each, `blocks_per_sm` of them
-// with the carveout they need; returns the grid's blocks.
+// with the carveout they need.
 template <class K, class... Args>
-int launch_stream(cudaStream_t s, K kernel, size_t smem, int blocks_per_sm, int64_t warps,
+void launch_stream(cudaStream_t s, K kernel, size_t smem, int blocks_per_sm, int64_t warps,
                   Args... args) {
   allow_smem(kernel, smem);
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
@@ -3121,7 +2972,6 @@ int launch_stream(cudaStream_t s, K kernel, size_t smem, int blocks_per_sm, int6
   const int blocks = one_wave_blocks(kernel, warps, smem);
   kernel<<<blocks, 32 * kWarpsPerBlock, smem, s>>>(args...);
   CUDA_CHECK_LAUNCH();
-  return blocks;  // the grid (a per-block partial sum's count)
 }
 
 // A whole-row span kernel in one of three instantiations: with the lanes a head G = 32 / H
@@ -3603,7 +3453,6 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
                                    ? parts_log2_for(g, value_part_chunks(value_version))
                                    : -1;
   const bool ring_fused = fused_parts_log2 >= 0;
-  int delta_partials = token_blocks(N);  // dalpha's per-block partials (delta)
   const bool fused = ring_fused || (span_layout(g) && ns <= g_fused_key_max_sites);
   float* val = fused ? nullptr
                      : static_cast<float*>(ctx.scratch(ScratchSlot::RoutingValueGrad, N * g.d * 4));
@@ -3743,14 +3592,6 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
           return;
         }
       }
-      if (delta && g_delta_site_version == 4) {  // rows staged in shared memory
-        MHAR_CHECK(!resume, "CUDA ", what, ": the delta site kernel inside a depth tile");
-        delta_partials = launch_stream(
-            s, delta_site_backward_stream_kernel<NT>, delta_stream_smem<NT>(),
-            value_span_blocks_per_sm(NT, true, 3), N, dv_out, weights.ptr<float>(),
-            ubar.ptr<float>(), x_in, v_in, inv_rms.ptr<float>(), qg, g, source, *delta);
-        return;
-      }
       auto kernel = !delta ? (fused ? source_value_span_kernel<NT, true>
                                     : source_value_span_kernel<NT, false>)
                     : g_delta_site_version == 1 ? source_value_span_kernel<NT, true, 1>
@@ -3762,7 +3603,7 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
           delta ? *delta : DeltaRows{});
       CUDA_CHECK_LAUNCH();
     });
-    if (delta) delta_add_partials(s, dalpha, delta->partial, delta_partials);
+    if (delta) delta_add_partials(s, dalpha, delta->partial, token_blocks(N));
   } else {
     MHAR_CHECK(resume_last < 0, "CUDA ", what, ": a backward depth tile outside the span layout");
     const size_t smem = sizeof(float) * kWarpsPerBlock * heads;
@@ -3920,13 +3761,6 @@ bool routing_delta_site_forward(cudaStream_t s, RoutingContext& ctx, const Delta
     const auto* query = static_cast<const bf16*>(a.params->query[size_t(a.site)].data);
     const auto* gain = static_cast<const bf16*>(a.params->gain[size_t(a.site)].data);
     const auto* alpha = static_cast<const bf16*>(a.alpha.data);
-    if (g_delta_forward_version == 3) {
-      launch_stream(s, delta_site_forward_stream_kernel<NT>, delta_stream_smem<NT>(),
-                    delta_stream_blocks_per_sm(NT), N, x, r, stream, hist,
-                    a.weights.ptr<float>(), a.inv_rms.ptr<float>(), query, gain, alpha, g,
-                    a.site, a.continues, float(a.eps));
-      return;
-    }
     auto kernel = g_delta_forward_version == 1 ? delta_site_forward_span_kernel<NT, 1>
                                                : delta_site_forward_span_kernel<NT, 2>;
     kernel<<<token_blocks(N), 32 * kWarpsPerBlock, 0, s>>>(

@@ -419,23 +419,13 @@ TEST_F(DeltaParity, SiteForwardFusedIsItsSequence) {
       std::vector<std::vector<double>> inputs;
       for (const auto& o : outputs) inputs.push_back(get(std::get<1>(o)));
       // Every version of the fused kernel (the kernel lab's, cuda/routing.cu): the same bits.
-      // The stream version runs on a one-wave grid, so again on one block
-      // (cuda::routing_set_grid_cap): each warp takes several tokens and its ring of rows
-      // runs across them.
-      constexpr int kStreamVersion = 3;
-      std::vector<std::pair<int, bool>> runs;  // (version, on one block)
       const int versions = cuda::routing_kernel_versions(cuda::RoutingKernel::DeltaForward);
-      for (int version = 1; version <= versions; ++version) runs.emplace_back(version, false);
-      runs.emplace_back(kStreamVersion, true);
-      for (const auto& [version, one_block] : runs) {
+      for (int version = 1; version <= versions; ++version) {
         cuda::routing_set_kernel_version(cuda::RoutingKernel::DeltaForward, version);
-        const int cap_before = cuda::routing_set_grid_cap(one_block ? 1 : 0);
-        const std::string vtag =
-            tag + " kernel v" + std::to_string(version) + (one_block ? " one block" : "");
+        const std::string vtag = tag + " kernel v" + std::to_string(version);
         for (size_t o = 0; o < outputs.size(); ++o)
           gpu->upload(std::get<1>(outputs[o]), inputs[o].data());
         gpu->delta_site_forward(f);
-        cuda::routing_set_grid_cap(cap_before);
         for (auto [name, tf, tq] : outputs) {
           const auto got = get(tf);
           EXPECT_EQ(got, get(tq)) << name << vtag << ": fused differs from the op sequence";
@@ -482,18 +472,10 @@ TEST_F(DeltaParity, SiteBackwardFusedIsItsSequence) {
         for (double x : normal(d, DType::BF16, 0.3, 1.0)) gv.push_back(x);
       }
       // Every version of the fused kernel (the kernel lab's, cuda/routing.cu): the same bits.
-      // The stream version runs on a one-wave grid, so again on one block
-      // (cuda::routing_set_grid_cap): each warp takes several tokens and its ring of rows
-      // runs across them (dalpha's bound then takes that grid's longer runs).
-      constexpr int kStreamVersion = 4;
-      std::vector<std::pair<int, bool>> runs;  // (version, on one block)
       const int versions = cuda::routing_kernel_versions(cuda::RoutingKernel::DeltaSite);
-      for (int version = 1; version <= versions; ++version) runs.emplace_back(version, false);
-      runs.emplace_back(kStreamVersion, true);
-      for (const auto& [version, one_block] : runs) {
+      for (int version = 1; version <= versions; ++version) {
         cuda::routing_set_kernel_version(cuda::RoutingKernel::DeltaSite, version);
-        const std::string vtag =
-            tag + " kernel v" + std::to_string(version) + (one_block ? " one block" : "");
+        const std::string vtag = tag + " kernel v" + std::to_string(version);
         // Every tensor twice: [0] for the fused op, [1] for the sequence.
         struct Side {
           DeviceTensors buf;
@@ -529,9 +511,7 @@ TEST_F(DeltaParity, SiteBackwardFusedIsItsSequence) {
           a.site_dx = &sd.site_dx, a.params = &sd.params, a.layout = lay, a.site = j, a.heads = H;
         }
         ASSERT_TRUE(cuda::routing_delta_site_backward_fuses(sides[0].a)) << "no fused path" << vtag;
-        const int cap_before = cuda::routing_set_grid_cap(one_block ? 1 : 0);
         gpu->delta_site_backward(sides[0].a);
-        cuda::routing_set_grid_cap(cap_before);
         gpu->Backend::delta_site_backward(sides[1].a);
         auto get = [&](const Tensor& t) { return download(*gpu, t); };
         const DeltaSiteBackward &f = sides[0].a, &q = sides[1].a;
@@ -545,7 +525,8 @@ TEST_F(DeltaParity, SiteBackwardFusedIsItsSequence) {
           ref += v_dx[size_t(e)] * v_r[size_t(e)];
           abs_sum += std::fabs(v_dx[size_t(e)] * v_r[size_t(e)]);
         }
-        const double blocks = one_block ? 1.0 : double(cuda::grid_stride_blocks(N * 32, 128));
+        // The kernel's grid: one warp of 32 lanes a token, 128 threads a block.
+        const double blocks = double(cuda::grid_stride_blocks(N * 32, 128));
         const double run = std::ceil(double(N) / (4 * blocks)) * double(d / 32);
         const double bound = (run + 5 + 5 + std::ceil(blocks / 256) + 5 + 5) * 0x1p-24 * abs_sum +
                              0x1p-24 * (std::fabs(v_dalpha[0]) + abs_sum);
