@@ -55,9 +55,9 @@
 // kernels.h; the defaults are the measured fastest: mix tile 5 of 5, finish 6 of 6, pair
 // 11 of 11, the unfused value kernel 5 / 3 / 6 / 2 of 6 by width, the key gradients 2 / 1
 // of 2 by width, logits 2 of 4, the delta site forward 1 of 2, its backward 2 of 3), so
-// that one device run times each (tests/op_timing_cudatest.cpp); every version computes the same
-// bits, but for the logits' choice between token kernel and GEMMs and the backward's row
-// parts and fused key path (see there).
+// that one device run times each (tests/op_timing_cudatest.cpp); every version computes
+// the same bits, but for the logits' choice between token kernel and GEMMs and the
+// backward's row parts and fused key path (see there).
 #include <algorithm>
 #include <type_traits>
 
