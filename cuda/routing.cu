@@ -3725,21 +3725,20 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
     // Version 3's staged ds r: the group's sites x the most heads a chunk group spans.
     int span = 1;
     for (unsigned y = 0; y < grid.y; ++y) span = std::max(span, key_grad_heads(int(y), g.d, g.dh));
-    auto launch = [&](auto plain, auto staged) {
-      const int sites = int(std::min<int64_t>(ns, kKeyGradKernelMaxSites));
-      const int ns_max = sites == 1 ? 1 : sites == 2 ? 2 : sites <= 4 ? 4 : kKeyGradKernelMaxSites;
+    auto launch = [&](auto ns_bound) {
+      constexpr int NS = decltype(ns_bound)::value;  // the kernel's sites a grid layer
+      const bool staged = key_version == 3;
       const size_t smem =
-          key_version == 3 ? size_t(sites) * span * key_grad_step_tokens(ns_max) * 4 : 0;
-      (key_version == 3 ? staged : plain)<<<grid, 32 * kKeyGradRows, smem, s>>>(
-          gsum.ptr<float>(), w_src, v_in, g, source, ns, slabs);
+          staged ? size_t(std::min(ns, NS)) * span * key_grad_step_tokens(NS) * sizeof(float) : 0;
+      auto kernel = staged ? key_grad_staged_kernel<NS> : key_grad_kernel<NS>;
+      kernel<<<grid, 32 * kKeyGradRows, smem, s>>>(gsum.ptr<float>(), w_src, v_in, g, source, ns,
+                                                   slabs);
       CUDA_CHECK_LAUNCH();
     };
-    if (ns == 1) launch(key_grad_kernel<1>, key_grad_staged_kernel<1>);
-    else if (ns == 2) launch(key_grad_kernel<2>, key_grad_staged_kernel<2>);
-    else if (ns <= 4) launch(key_grad_kernel<4>, key_grad_staged_kernel<4>);
-    else
-      launch(key_grad_kernel<kKeyGradKernelMaxSites>,
-             key_grad_staged_kernel<kKeyGradKernelMaxSites>);
+    if (ns == 1) launch(std::integral_constant<int, 1>{});
+    else if (ns == 2) launch(std::integral_constant<int, 2>{});
+    else if (ns <= 4) launch(std::integral_constant<int, 4>{});
+    else launch(std::integral_constant<int, kKeyGradKernelMaxSites>{});
     return;
   }
   const int64_t pair_vals = int64_t(ns) * g.H * N;
