@@ -125,6 +125,7 @@ class CudaBackend final : public Backend {
     if (device < 0 || device >= n)
       fail("CUDA device ", device, " does not exist (", n, " device(s) found)");
     CUDA_CHECK(cudaSetDevice(device_));
+    cuda::apply_kernel_versions_from_env();
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     CUBLAS_CHECK(cublasLtCreate(&mm_.lt));
     CUBLAS_CHECK(cublasCreate(&mm_.blas));

@@ -280,6 +280,10 @@ enum class RoutingKernel {
 };
 int routing_set_kernel_version(RoutingKernel kernel, int version);
 int routing_kernel_versions(RoutingKernel kernel);
+// kernel_versions_env.cpp: sets the routing and norm kernels' lab versions named by the
+// environment's MHAR_KERNEL_VERSIONS (NAME=VERSION,...; the step timed at a candidate
+// default without a rebuild); nothing when it is unset. The backend's constructor calls it.
+void apply_kernel_versions_from_env();
 // The order in which the backward's per-head dot products (logit gradients, ubar) are
 // summed at width d at the current BackwardPair, SourceValue and KeyGrad versions: the
 // chunks a lane sums before the shuffles, as a code. Two version settings with equal codes

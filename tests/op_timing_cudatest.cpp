@@ -108,6 +108,7 @@ class OpTiming : public CudaParity {
     gpu->copy(st.mixed, st.weights);
     return st;
   }
+  void routing_backward_sweeps(bool limits, bool versions);
   static void report(const std::string& what, double ms, double flop, double bytes) {
     std::printf("TIMING %-58s %9.3f ms", what.c_str(), ms);
     if (flop > 0) std::printf("  %7.1f TFLOP/s", flop / ms * 1e-9);
@@ -550,13 +551,15 @@ TEST_F(OpTiming, DISABLED_RoutingLogitsVersions) {
   }
 }
 
-// The source backward's fused/unfused choice (cuda/routing.cu: slots read by at most
-// kFusedKeyMaxSites sites fuse the key path into the token kernel), swept over the limit
-// at the full-routing model shapes, each without and with the backward depth tiles
-// (routing_source_backward_tile, as the layer loop runs them) under each numbered version
-// of the pair kernel (cuda::routing_set_kernel_version): the whole step's backward for
-// each, so that the rules are measured ones. The same inputs for every variant.
-TEST_F(OpTiming, DISABLED_RoutingBackwardFusedLimit) {
+// The whole step's routing backward at the full-routing model shapes, as the layer loop
+// runs it (untiled, and in the backward depth tiles of routing_source_backward_tile), so
+// that the kernel rules are measured ones; the same inputs for every variant.
+// limits: the fused/unfused choice (cuda/routing.cu: slots read by at most
+// kFusedKeyMaxSites sites fuse the key path into the token kernel) swept over the limit,
+// tiled under each numbered version of the pair kernel (cuda::routing_set_kernel_version).
+// versions: each numbered version of the value and key-gradient kernels, and the version
+// pairs a default would take together.
+void OpTiming::routing_backward_sweeps(bool limits, bool versions) {
   const int64_t N = 16384;
   for (const FullRoutingShape& sh : kFullRoutingShapes) {
     const RoutingLayout lay = RoutingLayout::full(sh.S);
@@ -588,12 +591,13 @@ TEST_F(OpTiming, DISABLED_RoutingBackwardFusedLimit) {
                             std::to_string(S) + " H" + std::to_string(H);
     // Tiled: each numbered version of the pair kernel (cuda/routing.cu: blocks per SM and
     // grid; the same arithmetic).
-    const int versions = cuda::routing_kernel_versions(cuda::RoutingKernel::BackwardPair);
+    const int pair_versions = cuda::routing_kernel_versions(cuda::RoutingKernel::BackwardPair);
     for (int limit : {0, 8, 12, 16, 24, 32, 256}) {
+      if (!limits) break;
       cuda::routing_set_fused_key_max_sites(limit);
       const std::string head = "routing backward, fused up to " + std::to_string(limit) + " sites";
       report(head + ", " + tag, time_ms([&] { backward(false); }, 3) - copy_ms, 0, 0);
-      for (int version = 1; tile > 1 && version <= versions; ++version) {
+      for (int version = 1; tile > 1 && version <= pair_versions; ++version) {
         cuda::routing_set_kernel_version(cuda::RoutingKernel::BackwardPair, version);
         report(head + ", tiles of " + std::to_string(tile) + ", pair kernel v" +
                    std::to_string(version) + ", " + tag,
@@ -602,6 +606,7 @@ TEST_F(OpTiming, DISABLED_RoutingBackwardFusedLimit) {
       cuda::routing_set_kernel_version(cuda::RoutingKernel::BackwardPair, 0);
     }
     cuda::routing_set_fused_key_max_sites(-1);
+    if (!versions) continue;
     // Each numbered version of one kernel at the default limit and pair kernel, untiled
     // and tiled: the plain calls' value kernel, the key gradients (1: the GEMMs past 8
     // sites; 2: the token-slab kernel at every slot).
@@ -637,6 +642,8 @@ TEST_F(OpTiming, DISABLED_RoutingBackwardFusedLimit) {
     cuda::routing_set_kernel_version(cuda::RoutingKernel::SourceValue, 0);
   }
 }
+TEST_F(OpTiming, DISABLED_RoutingBackwardFusedLimit) { routing_backward_sweeps(true, false); }
+TEST_F(OpTiming, DISABLED_RoutingBackwardVersions) { routing_backward_sweeps(false, true); }
 
 // Delta's routing at the 1B shape (configs/1b_delta.json: d 1280, 73 sites, H 8, blocks
 // of 8 sublayers), split by slot class: "short" slots (a block's partial sums, read by
