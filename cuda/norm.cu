@@ -1132,9 +1132,6 @@ bool vector_path(DType t, int64_t D, int64_t max_d, std::initializer_list<const 
 //   the first pass to the second and its stage released after the first (one block an
 //   SM; D <= 1536, else version 7). Where 512 < D <= 2048; other widths run version 5's
 //   rule.
-//   10 by the call: version 7 where dx accumulates ("+=", every site of a step's backward
-//   but the head's), version 5 where it overwrites: each the faster of the two in the
-//   sixteenth session's lab (1B, % of copy: "+=" 67.0 / 64.9, overwriting 60.5 / 64.5).
 // QkNormRope (qk_norm_rope_forward and _backward):
 //   1 as version 1 of the others. 2 kLite (cos/sin split over the warp: half the sincosf
 //   at head_dim 128; 32-bit token index), no prefetch. 3 version 2, forward on the
@@ -1148,7 +1145,7 @@ bool vector_path(DType t, int64_t D, int64_t max_d, std::initializer_list<const 
 //   7 version 6, and qk_norm_rope_forward_qk / _backward_qk run q and k in one launch
 //   (other versions: the two calls in turn). The same bits as version 6 but dw's sums.
 // Lab versions apply to BF16 weights (the model's); F32 weights take version 1.
-constexpr int kForwardVersions = 5, kBackwardVersions = 10, kQkVersions = 7;
+constexpr int kForwardVersions = 5, kBackwardVersions = 9, kQkVersions = 7;
 // Defaults: the fastest of the device runs (cuda/NOTES.md, "Norm kernel versions",
 // "Paired lanes" and "q and k in one launch"): forward 4, backward 5, QK 7.
 constexpr int kForwardDefault = 4, kBackwardDefault = 5, kQkDefault = 7;
@@ -1157,10 +1154,6 @@ int g_backward_version = kBackwardDefault;
 int g_qk_version = kQkDefault;
 // QK version 7 is version 6's kernels (it changes only how q and k are launched).
 int qk_kernels_version() { return g_qk_version == 7 ? 6 : g_qk_version; }
-// Backward version 10 is version 7's or 5's kernels, by the call.
-int backward_kernels_version(bool accumulate_dx) {
-  return g_backward_version == 10 ? (accumulate_dx ? 7 : 5) : g_backward_version;
-}
 
 enum class GridRule { Resident, Balanced, OneStep };
 int64_t vec_grid(GridRule rule, int64_t steps, int per_sm) {
@@ -1310,7 +1303,7 @@ bool launch_backward_vec(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor
                          Tensor rstd, int64_t R, int64_t D, bool accumulate_dx,
                          const ScratchFn& scratch, const RopeArgs& ra) {
   bool launched = false;
-  const int version = kRope ? qk_kernels_version() : backward_kernels_version(accumulate_dx);
+  const int version = kRope ? qk_kernels_version() : g_backward_version;
   dispatch_float(w.dtype, "rmsnorm_backward", [&](auto tw) {
     using W = decltype(tw);
     dispatch_row_config(int(D), true, [&](auto cfg) {
@@ -1638,9 +1631,8 @@ void rmsnorm_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor x,
   check_backward("rmsnorm_backward", dx, dw, dy, x, rstd, R, D);
   if (R == 0) return;
   const bool vec = vector_path(x.dtype, D, kVecMaxDBackward, {x.data, dx.data, dy.data, w.data});
-  const int version = backward_kernels_version(accumulate_dx);
-  if (vec && version >= 7 && w.dtype == DType::BF16 &&
-      ring_backward(s, version, static_cast<bf16*>(dx.data), dw.ptr<float>(),
+  if (vec && g_backward_version >= 7 && w.dtype == DType::BF16 &&
+      ring_backward(s, g_backward_version, static_cast<bf16*>(dx.data), dw.ptr<float>(),
                     static_cast<const bf16*>(dy.data), static_cast<const bf16*>(x.data),
                     static_cast<const bf16*>(w.data), rstd.ptr<float>(), R, int(D),
                     accumulate_dx, scratch))
