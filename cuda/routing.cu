@@ -63,6 +63,7 @@
 
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
+#include "cuda/routing_key_grad_mma.h"
 
 namespace mhar::cuda {
 namespace {
@@ -2796,22 +2797,21 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
 // re-reads of v (7 and 10 groups of an up to 42 MB row set) cost more than the GEMMs'
 // poor fill. In the 100M step (tools/kernel_times.sh): 34 GEMMs (0.83 ms) and 17 splits
 // (0.09 ms) became 17 more kernel launches (0.53 ms).
-// 3 version 2 with ds r staged in shared memory a block step at a time, and 8 token rows of
-//   v in flight a thread where NS <= 4 (key_grad_staged_kernel): the same sums in the same
-//   order, so version 2's bits.
-// Why 3: ncu at 100M (twenty-third session, BENCHMARKS.md): key_grad_kernel<8> took 22 us
-// at 0.97 TB/s, 16 warps an SM, 0.46 instructions issued a cycle a scheduler, long-
-// scoreboard stalls 3.48 cycles an instruction. Each thread's step issued 32 loads of
-// 4 bytes (4 tokens x 8 sites of ds r, the same value across a head's lanes) beside its
-// 4 row loads; the staged step loads each value once a block, coalesced.
-// Status (twenty-third session): RoutingParity gives version 2's bits wherever their sum
-// order is the default's (d <= 512) and the CPU's bounds elsewhere; not yet timed (the
-// device time ran out): OpTiming.DISABLED_RoutingBackwardFusedLimit's "key grads v3" lines
-// against "key grads v2" decide whether it becomes the default at d <= 512.
+// 3 tensor cores (routing_key_grad_mma.cu): per head, [ns sites x tokens] x [tokens x dh]
+//   as mma.m16n8k16 with ds r split into bf16 hi + lo, v staged by cp.async; every ns in one
+//   pass over v where ns <= 32 (groups of 32 sites past that). Another sum order (the CPU
+//   parity bound). Where its shapes do not allow it (dh % 16, misaligned rows, a 128-feature
+//   block spanning more than 4 heads), version 2.
+// The first version 3 (twenty-third session: version 2 with ds r staged in shared memory a
+// block step at a time, 8 token rows of v in flight where NS <= 4; the same bits as 2) lost
+// at every size (twenty-fourth session, BENCHMARKS.md call 1,
+// OpTiming.DISABLED_RoutingBackwardVersions, a step's tiled backward, ms, v2 / staged: 100M
+// 3.434 / 3.567, 350M 21.491 / 22.396, 1B 49.889 / 53.030): its block barriers each step
+// and 2 blocks an SM cost more than the per-thread ds r loads they saved. Code at 508fd0d.
 // Default by width (key_grad_version): 2 at d <= 512, else 1.
 constexpr int kKeyGradKernelMaxSites = 8;
 constexpr int kKeyGradRows = 8;
-constexpr int kKeyGradVersions = 3;
+constexpr int kKeyGradVersions = 3;  // 3: key_grad_mma
 constexpr int kKeyGradDefault = 0;  // by width
 int g_key_grad_version = kKeyGradDefault;  // routing_set_kernel_version (timing lab)
 int key_grad_version(int64_t d) {
@@ -2882,73 +2882,6 @@ __global__ void __launch_bounds__(32 * kKeyGradRows)
       for (int k = 0; k < NS; ++k)
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[k][e] += w[u][k] * elem(raw[u], e);
-  }
-  key_grad_store(acc, gsum, g, source, ns);
-}
-
-// Version 3 (key_grad_kernel's sums, above, with ds r from shared memory): each block step
-// covers kKeyGradRows x key_grad_staged_rows(NS) consecutive tokens; the block first copies
-// their ds r for its sites and for the heads its 256 features span (coalesced along the
-// tokens), then each thread takes its rows n0 + ty, + 8, ... in version 2's order.
-// Token rows of v in flight a thread: 8, but 4 at NS 8, whose 64 sums leave no room for 8
-// within 128 registers (2 blocks an SM; 8 rows took 182).
-__host__ __device__ constexpr int key_grad_staged_rows(int NS) { return NS >= 8 ? 4 : 8; }
-__host__ __device__ constexpr int key_grad_step_tokens(int NS) {
-  return kKeyGradRows * key_grad_staged_rows(NS);
-}
-// The heads that the features of chunk group y (256 features) touch: first and count.
-__host__ __device__ inline int key_grad_first_head(int y, int dh) { return y * 256 / dh; }
-__host__ __device__ inline int key_grad_heads(int y, int d, int dh) {
-  const int last = (y * 256 + 255 < d ? y * 256 + 255 : d - 1) / dh;
-  return last - key_grad_first_head(y, dh) + 1;
-}
-template <int NS>
-__global__ void __launch_bounds__(32 * kKeyGradRows, 2)
-    key_grad_staged_kernel(float* __restrict__ gsum, const float* __restrict__ dsr,
-                           const bf16* __restrict__ v, const Geometry g, int source, int ns,
-                           int slabs) {
-  constexpr int U = key_grad_staged_rows(NS), T = key_grad_step_tokens(NS);
-  extern __shared__ float key_grad_ws[];  // [site k][head - h0][token of the step]
-  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
-  const int slab = blockIdx.x, chunk = blockIdx.y * 32 + tx;
-  const bool active = chunk < g.nchunks;
-  const int64_t n0 = g.N * slab / slabs, n1 = g.N * (slab + 1) / slabs;
-  const int h0 = key_grad_first_head(blockIdx.y, g.dh),
-            span = key_grad_heads(blockIdx.y, g.d, g.dh);
-  const int h = active ? chunk * 8 / g.dh - h0 : 0;
-  const int k0 = int(blockIdx.z) * NS;  // the group's first site, from source
-  source += k0;
-  ns = min(ns - k0, NS);
-  const uint4* vp = reinterpret_cast<const uint4*>(v) + chunk;
-  const float* wp = dsr + (int64_t(k0) * g.H + h0) * g.N;  // site k, head h0 + j: + (k H + j) N
-  const float* ws = key_grad_ws + h * T + ty;
-  float acc[NS][8];
-#pragma unroll
-  for (int k = 0; k < NS; ++k)
-#pragma unroll
-    for (int e = 0; e < 8; ++e) acc[k][e] = 0.f;
-  for (int64_t base = n0; base < n1; base += T) {
-    __syncthreads();  // the previous step's values have been read
-    for (int i = threadIdx.x; i < ns * span * T; i += 32 * kKeyGradRows) {
-      const int t = i % T, kj = i / T;
-      const int64_t m = base + t;
-      key_grad_ws[i] = m < n1 ? wp[(int64_t(kj / span) * g.H + kj % span) * g.N + m] : 0.f;
-    }
-    __syncthreads();
-    uint4 raw[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t m = base + ty + int64_t(kKeyGradRows) * u;
-      raw[u] = active && m < n1 ? vp[m * g.nchunks] : make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-#pragma unroll
-      for (int k = 0; k < NS; ++k) {
-        const float w = k < ns ? ws[k * span * T + kKeyGradRows * u] : 0.f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[k][e] += w * elem(raw[u], e);
-      }
   }
   key_grad_store(acc, gsum, g, source, ns);
 }
@@ -3447,7 +3380,9 @@ bool routing_logits_by_token_kernel(int64_t d, int heads, int sites) {
 }
 
 int routing_backward_sum_order(int64_t d, int heads) {
-  const int key_grads = key_grad_version(d) >= 2 ? 512 : 0;  // the kernel's sums past 8 sites
+  // The key gradients' sums: version 2's kernel past 8 sites, version 3's tensor cores at
+  // every slot (where they apply; elsewhere version 2's bits, compared to the CPU anyway).
+  const int key_grads = key_grad_version(d) == 3 ? 1024 : key_grad_version(d) == 2 ? 512 : 0;
   if (!span_layout(d, heads) || d > 256 * kMaxNT) return key_grads;
   Geometry g{};
   g.d = int(d);
@@ -3717,22 +3652,18 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
   }
   // The key gradients: gsum[.][k] += G_k for the slot's sites k.
   const int key_version = key_grad_version(g.d);
+  if (key_version == 3 && key_grad_mma(s, gsum.ptr<float>(), w_src, v_in, N, g.d, g.H,
+                                       g.lay.sites, source, ns, int(gsum.dim(0))))
+    return;
   if ((ns <= kKeyGradKernelMaxSites || key_version >= 2) && g.dh % 8 == 0) {
     // One pass (see the kernel), a grid layer a group of kKeyGradKernelMaxSites sites.
     const int slabs = int(gsum.dim(0));
     const dim3 grid(unsigned(slabs), unsigned(ceil_div(g.nchunks, 32)),
                     unsigned(ceil_div(ns, kKeyGradKernelMaxSites)));
-    // Version 3's staged ds r: the group's sites x the most heads a chunk group spans.
-    int span = 1;
-    for (unsigned y = 0; y < grid.y; ++y) span = std::max(span, key_grad_heads(int(y), g.d, g.dh));
     auto launch = [&](auto ns_bound) {
       constexpr int NS = decltype(ns_bound)::value;  // the kernel's sites a grid layer
-      const bool staged = key_version == 3;
-      const size_t smem =
-          staged ? size_t(std::min(ns, NS)) * span * key_grad_step_tokens(NS) * sizeof(float) : 0;
-      auto kernel = staged ? key_grad_staged_kernel<NS> : key_grad_kernel<NS>;
-      kernel<<<grid, 32 * kKeyGradRows, smem, s>>>(gsum.ptr<float>(), w_src, v_in, g, source, ns,
-                                                   slabs);
+      key_grad_kernel<NS><<<grid, 32 * kKeyGradRows, 0, s>>>(gsum.ptr<float>(), w_src, v_in, g,
+                                                               source, ns, slabs);
       CUDA_CHECK_LAUNCH();
     };
     if (ns == 1) launch(std::integral_constant<int, 1>{});
