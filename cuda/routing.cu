@@ -33,9 +33,10 @@
 // hi + lo parts, two GEMMs, so no result carries a bf16 rounding the CPU reference lacks.
 // Slots read by few sites (<= 8: full routing's last slots, block routing's partial block
 // sums) are the exception: a GEMM with one to eight columns is launches and re-reads of
-// v, so their logits come from one token kernel (source_logits_span_kernel), their key
-// path runs inside the value kernel (FUSED), and their key gradients from one pass over v
-// (key_grad_kernel); in fp32 throughout. routing_delta_site_backward runs the delta
+// v, so their logits come from one token kernel (source_logits_span_kernel) and their key
+// path runs inside the value kernel (FUSED), in fp32 throughout. Every slot's key
+// gradients come from one pass over v on tensor cores (routing_key_grad_mma.cu; ds*r as
+// bf16 hi + lo), or where its shapes do not allow it, from key_grad_kernel or the GEMMs. routing_delta_site_backward runs the delta
 // scheme's steps around such a slot's backward in the same kernel (DELTA).
 //
 // Token kernels run one warp per token, rows read in 16-byte chunks of 8 bf16 (d % 8 ==
@@ -53,8 +54,8 @@
 // Kernel lab: the mix tile and finish kernels, the backward's pair kernel and the logits
 // keep their earlier versions, numbered, chosen at launch (routing_set_kernel_version,
 // kernels.h; the defaults are the measured fastest: mix tile 5 of 5, finish 6 of 6, pair
-// 11 of 11, the unfused value kernel 5 / 3 / 6 / 2 of 6 by width, the key gradients 2 / 1
-// of 3 by width, logits 2 of 4, the delta site forward 1 of 2, its backward 2 of 3), so
+// 11 of 11, the unfused value kernel 5 / 3 / 6 / 2 of 6 by width, the key gradients 3 of
+// 3, logits 2 of 4, the delta site forward 1 of 2, its backward 2 of 3), so
 // that one device run times each (tests/op_timing_cudatest.cpp); every version computes
 // the same bits, but for the logits' choice between token kernel and GEMMs and the
 // backward's row parts and fused key path (see there).
@@ -2801,23 +2802,25 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
 //   as mma.m16n8k16 with ds r split into bf16 hi + lo, v staged by cp.async; every ns in one
 //   pass over v where ns <= 32 (groups of 32 sites past that). Another sum order (the CPU
 //   parity bound). Where its shapes do not allow it (dh % 16, misaligned rows, a 128-feature
-//   block spanning more than 4 heads), version 2.
+//   block spanning more than 4 heads), the rule by width below.
 // The first version 3 (twenty-third session: version 2 with ds r staged in shared memory a
 // block step at a time, 8 token rows of v in flight where NS <= 4; the same bits as 2) lost
 // at every size (twenty-fourth session, BENCHMARKS.md call 1,
 // OpTiming.DISABLED_RoutingBackwardVersions, a step's tiled backward, ms, v2 / staged: 100M
 // 3.434 / 3.567, 350M 21.491 / 22.396, 1B 49.889 / 53.030): its block barriers each step
 // and 2 blocks an SM cost more than the per-thread ds r loads they saved. Code at 508fd0d.
-// Default by width (key_grad_version): 2 at d <= 512, else 1.
+// Measured (twenty-fourth session, BENCHMARKS.md call 2,
+// OpTiming.DISABLED_RoutingBackwardVersions, a step's tiled backward, ms, v1 / v2 / v3):
+// 100M 3.838 / 3.431 / **3.053**, 350M 20.671 / 21.477 / **19.574**, 1B 45.197 / 49.733 /
+// **44.499** (untiled: 4.370 / 3.961 / 3.579, 25.271 / 26.146 / 24.229, 55.753 / 60.359 /
+// 55.155). The default is 3; where its shapes do not allow it, the earlier rule by width
+// (key_grad_fallback_version: 2 at d <= 512, else 1).
 constexpr int kKeyGradKernelMaxSites = 8;
 constexpr int kKeyGradRows = 8;
 constexpr int kKeyGradVersions = 3;  // 3: key_grad_mma
-constexpr int kKeyGradDefault = 0;  // by width
+constexpr int kKeyGradDefault = 3;
 int g_key_grad_version = kKeyGradDefault;  // routing_set_kernel_version (timing lab)
-int key_grad_version(int64_t d) {
-  if (g_key_grad_version > 0) return g_key_grad_version;
-  return d <= 512 ? 2 : 1;
-}
+int key_grad_fallback_version(int64_t d) { return d <= 512 ? 2 : 1; }
 
 // A key-gradient block's sums: the kKeyGradRows rows' acc added in row order, each feature
 // of the block's 256 by one thread, into gsum's slab blockIdx.x for sites source + k.
@@ -3381,8 +3384,9 @@ bool routing_logits_by_token_kernel(int64_t d, int heads, int sites) {
 
 int routing_backward_sum_order(int64_t d, int heads) {
   // The key gradients' sums: version 2's kernel past 8 sites, version 3's tensor cores at
-  // every slot (where they apply; elsewhere version 2's bits, compared to the CPU anyway).
-  const int key_grads = key_grad_version(d) == 3 ? 1024 : key_grad_version(d) == 2 ? 512 : 0;
+  // every slot (where their shapes do not allow them, the fallback's: the default and an
+  // explicit version 3 still run the same code).
+  const int key_grads = g_key_grad_version == 3 ? 1024 : g_key_grad_version == 2 ? 512 : 0;
   if (!span_layout(d, heads) || d > 256 * kMaxNT) return key_grads;
   Geometry g{};
   g.d = int(d);
@@ -3651,10 +3655,13 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
     });
   }
   // The key gradients: gsum[.][k] += G_k for the slot's sites k.
-  const int key_version = key_grad_version(g.d);
-  if (key_version == 3 && key_grad_mma(s, gsum.ptr<float>(), w_src, v_in, N, g.d, g.H,
-                                       g.lay.sites, source, ns, int(gsum.dim(0))))
-    return;
+  int key_version = g_key_grad_version;
+  if (key_version == 3) {
+    if (key_grad_mma(s, gsum.ptr<float>(), w_src, v_in, N, g.d, g.H, g.lay.sites, source, ns,
+                     int(gsum.dim(0))))
+      return;
+    key_version = key_grad_fallback_version(g.d);
+  }
   if ((ns <= kKeyGradKernelMaxSites || key_version >= 2) && g.dh % 8 == 0) {
     // One pass (see the kernel), a grid layer a group of kKeyGradKernelMaxSites sites.
     const int slabs = int(gsum.dim(0));

@@ -1,9 +1,9 @@
-// routing_key_grad_mma.cu: key-gradient version 4 (routing.cu's lab numbering), a slot's
-// key gradients on tensor cores. Per head the slot's key gradients are a matrix product,
+// routing_key_grad_mma.cu: a slot's key gradients on tensor cores (key-gradient version 3
+// in routing.cu's lab numbering, the default). Per head they are a matrix product,
 // G [ns sites x dh] = DSR [ns x tokens] V [tokens x dh], summed over a slab's tokens into
-// that slab of gsum (slabs added later by routing_param_grads, as for versions 1-3).
-// Versions 1-3 run it as CUDA-core FMAs per token (ncu at 100M: key_grad_kernel<8> at 0.97
-// TB/s, latency-bound) or cuBLAS GEMMs of ~32 tiles; here it is memory-bound by design.
+// that slab of gsum (slabs added later by routing_param_grads, as for versions 1-2).
+// Versions 1-2 run it as cuBLAS GEMMs of ~32 tiles or as CUDA-core FMAs per token (ncu at
+// 100M: key_grad_kernel<8> at 0.97 TB/s, latency-bound); here it is memory-bound by design.
 // - Block: 8 warps over 128 features (a warp two n8 tiles of mma.m16n8k16, inside one
 //   head: dh % 16 == 0), all 16 MT sites of a site group (MT m16 tiles; grid z the groups),
 //   the tokens of one slab in stages of 64 tokens (4 k-steps of 16).

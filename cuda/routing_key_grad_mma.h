@@ -1,4 +1,4 @@
-// routing_key_grad_mma.h: key-gradient version 4 (routing_key_grad_mma.cu), the routing
+// routing_key_grad_mma.h: key-gradient version 3 (routing_key_grad_mma.cu), the routing
 // backward's key gradients of one slot on tensor cores. Internal to cuda/ (routing.cu
 // calls it).
 #pragma once
