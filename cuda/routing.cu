@@ -2803,6 +2803,13 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
 //   pass over v where ns <= 32 (groups of 32 sites past that). Another sum order (the CPU
 //   parity bound). Where its shapes do not allow it (dh % 16, misaligned rows, a 128-feature
 //   block spanning more than 4 heads), the rule by width below.
+// 4 version 3 with ds r staged by cp.async as fp32 beside v (each warp splits what it
+//   reads): the same bits as 3. Written after the twenty-fourth session's device time ran
+//   out, from ncu of version 3 at 100M (10.5-10.8 us for ns <= 16 at 38-40% of DRAM peak,
+//   15 us for ns 17-25 at 34%; 23% achieved occupancy, one wave of 256 blocks; 3.9 of 10
+//   cycles between a warp's instructions waiting on the ds r loads of the register
+//   staging). **Not yet run**: RoutingParity checks its bits against version 3's, and
+//   OpTiming.DISABLED_RoutingBackwardVersions times it.
 // The first version 3 (twenty-third session: version 2 with ds r staged in shared memory a
 // block step at a time, 8 token rows of v in flight where NS <= 4; the same bits as 2) lost
 // at every size (twenty-fourth session, BENCHMARKS.md call 1,
@@ -2817,7 +2824,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
 // (key_grad_fallback_version: 2 at d <= 512, else 1).
 constexpr int kKeyGradKernelMaxSites = 8;
 constexpr int kKeyGradRows = 8;
-constexpr int kKeyGradVersions = 3;  // 3: key_grad_mma
+constexpr int kKeyGradVersions = 4;  // 3 and 4: key_grad_mma
 constexpr int kKeyGradDefault = 3;
 int g_key_grad_version = kKeyGradDefault;  // routing_set_kernel_version (timing lab)
 int key_grad_fallback_version(int64_t d) { return d <= 512 ? 2 : 1; }
@@ -3383,10 +3390,10 @@ bool routing_logits_by_token_kernel(int64_t d, int heads, int sites) {
 }
 
 int routing_backward_sum_order(int64_t d, int heads) {
-  // The key gradients' sums: version 2's kernel past 8 sites, version 3's tensor cores at
-  // every slot (where their shapes do not allow them, the fallback's: the default and an
-  // explicit version 3 still run the same code).
-  const int key_grads = g_key_grad_version == 3 ? 1024 : g_key_grad_version == 2 ? 512 : 0;
+  // The key gradients' sums: version 2's kernel past 8 sites, versions 3-4's tensor cores
+  // at every slot (where their shapes do not allow them, the fallback's: the default and an
+  // explicit version 3 or 4 still run the same code).
+  const int key_grads = g_key_grad_version >= 3 ? 1024 : g_key_grad_version == 2 ? 512 : 0;
   if (!span_layout(d, heads) || d > 256 * kMaxNT) return key_grads;
   Geometry g{};
   g.d = int(d);
@@ -3656,9 +3663,9 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
   }
   // The key gradients: gsum[.][k] += G_k for the slot's sites k.
   int key_version = g_key_grad_version;
-  if (key_version == 3) {
+  if (key_version >= 3) {
     if (key_grad_mma(s, gsum.ptr<float>(), w_src, v_in, N, g.d, g.H, g.lay.sites, source, ns,
-                     int(gsum.dim(0))))
+                     int(gsum.dim(0)), key_version == 4))
       return;
     key_version = key_grad_fallback_version(g.d);
   }

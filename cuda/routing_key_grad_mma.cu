@@ -15,9 +15,13 @@
 // - K order: in a k-step, the mma's k maps to token step_token(k), so that the four A
 //   values a lane holds per row are 4 consecutive tokens (one 16-byte shared load); B's
 //   ldmatrix rows follow the same map (a sum over k does not care which token is which k).
-// - Staging: v by cp.async in kStages stages (zero-filled past the slab and past d); ds r
-//   through registers, loaded a stage ahead, split, and stored as 16-byte groups of 4
-//   tokens [hi01 hi23 lo01 lo23] (zero past the slot's sites, heads and the slab).
+// - Staging: v by cp.async in kStages stages (zero-filled past the slab and past d). ds r
+//   (zero past the slot's sites, heads and the slab) either through registers, loaded a
+//   stage ahead, split, and stored as 16-byte groups of 4 tokens [hi01 hi23 lo01 lo23]
+//   (version 3), or by cp.async as fp32 with v, each warp splitting what it reads
+//   (version 4, ASYNC: the same split, so the same bits). Why 4: ncu of version 3 at 100M
+//   (twenty-fourth session) found 39% of its warps' cycles waiting on the ds r loads, which
+//   a stage's 4 k-steps of products do not cover.
 // - Shared layouts: v [64 tokens][16 chunks of 16 bytes], chunk c stored at c ^
 //   v_swizzle(token), which puts the 8 rows of every ldmatrix matrix (tokens {0,1,4,5,8,9,
 //   12,13} or {2,3,6,7,...} of a k-step) in 8 different bank groups; ds r rows [head]
@@ -55,6 +59,26 @@ __device__ __forceinline__ int v_swizzle(int token) {
   return (((token >> 2) & 3) << 1) | (token & 1);
 }
 
+// x = hi + lo for two values, each part a bf16x2 word (the low half the first value's).
+__device__ __forceinline__ void split_pair(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
+  const float2 hf = __bfloat1622float2(h);
+  const __nv_bfloat162 l = __floats2bfloat162_rn(x0 - hf.x, x1 - hf.y);
+  hi = *reinterpret_cast<const uint32_t*>(&h);
+  lo = *reinterpret_cast<const uint32_t*>(&l);
+}
+
+// 4 bytes global -> shared, zero-filled when !valid (cp.async's 16-byte form needs a
+// 16-byte aligned source: ds r rows where N % 4 != 0).
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  __trap();
+#else
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(valid ? 4 : 0));
+#endif
+}
+
 // The heads block y's 128 features touch: the first, and how many.
 __host__ __device__ inline int first_head(int y, int dh) { return y * kBlockFeatures / dh; }
 inline int heads_spanned(int y, int d, int dh) {
@@ -74,7 +98,9 @@ size_t smem_bytes(int mt, int span) {
   return size_t(kStages) * (kVStageBytes + size_t(span) * 16 * mt * kRowWords * 4);
 }
 
-template <int MT>
+// ASYNC (version 4): ds r copied by cp.async as fp32 (no register round trip; the stage's
+// warps each split the values they read), else through registers, split once.
+template <int MT, bool ASYNC>
 __global__ void __launch_bounds__(32 * kWarps) key_grad_mma_kernel(const Args a) {
   constexpr int M = 16 * MT;  // a site group
   extern __shared__ __align__(16) unsigned char smem[];
@@ -92,7 +118,7 @@ __global__ void __launch_bounds__(32 * kWarps) key_grad_mma_kernel(const Args a)
   const int head_row = min(min(f_warp, a.d - 1) / a.dh - h0, a.span - 1);
   const bool rows_aligned = a.N % 4 == 0;  // every ds r group of 4 tokens 16-byte aligned
 
-  float4 ahead[kMaxSpan * MT];  // this thread's ds r groups of the stage being loaded
+  float4 ahead[ASYNC ? 1 : kMaxSpan * MT];  // this thread's ds r groups of the stage loading
   auto load_dsr = [&](int step) {
     const int64_t base = n0 + int64_t(step) * kStepTokens;
 #pragma unroll
@@ -116,6 +142,26 @@ __global__ void __launch_bounds__(32 * kWarps) key_grad_mma_kernel(const Args a)
       ahead[i] = x;
     }
   };
+  auto load_dsr_async = [&](int step, int buf) {
+    const int64_t base = n0 + int64_t(step) * kStepTokens;
+    float* w = reinterpret_cast<float*>(ws) + buf * rows * kRowWords;
+#pragma unroll
+    for (int i = 0; i < kMaxSpan * MT; ++i) {
+      if (i >= a.span * MT) break;
+      const int idx = threadIdx.x + 32 * kWarps * i, row = idx >> 4;
+      const int head = h0 + row / M, site = row % M;
+      const int64_t n = base + 4 * (idx & 15);
+      const bool ok = site < ns && head < a.H;
+      const float* p = ok ? a.dsr + (int64_t(k0 + site) * a.H + head) * a.N + n : a.dsr;
+      float* dst = w + row * kRowWords + 4 * (idx & 15);
+      if (rows_aligned) {
+        cp_async16(dst, ok && n < n1 ? p : a.dsr, ok && n < n1);  // n1 a multiple of 4
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) cp_async4(dst + e, ok && n + e < n1 ? p + e : a.dsr, ok && n + e < n1);
+      }
+    }
+  };
   auto store_dsr = [&](int buf) {
     uint32_t* w = ws + buf * rows * kRowWords;
 #pragma unroll
@@ -123,16 +169,10 @@ __global__ void __launch_bounds__(32 * kWarps) key_grad_mma_kernel(const Args a)
       if (i >= a.span * MT) break;
       const int idx = threadIdx.x + 32 * kWarps * i;
       const float4 x = ahead[i];
-      const __nv_bfloat162 hi01 = __floats2bfloat162_rn(x.x, x.y),
-                           hi23 = __floats2bfloat162_rn(x.z, x.w);
-      const float2 f01 = __bfloat1622float2(hi01), f23 = __bfloat1622float2(hi23);
-      const __nv_bfloat162 lo01 = __floats2bfloat162_rn(x.x - f01.x, x.y - f01.y),
-                           lo23 = __floats2bfloat162_rn(x.z - f23.x, x.w - f23.y);
-      reinterpret_cast<uint4*>(w + (idx >> 4) * kRowWords)[idx & 15] =
-          make_uint4(*reinterpret_cast<const uint32_t*>(&hi01),
-                     *reinterpret_cast<const uint32_t*>(&hi23),
-                     *reinterpret_cast<const uint32_t*>(&lo01),
-                     *reinterpret_cast<const uint32_t*>(&lo23));
+      uint4 parts;  // [hi01 hi23 lo01 lo23]
+      split_pair(x.x, x.y, parts.x, parts.z);
+      split_pair(x.z, x.w, parts.y, parts.w);
+      reinterpret_cast<uint4*>(w + (idx >> 4) * kRowWords)[idx & 15] = parts;
     }
   };
   auto load_v = [&](int step, int buf) {
@@ -163,17 +203,24 @@ __global__ void __launch_bounds__(32 * kWarps) key_grad_mma_kernel(const Args a)
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < steps) {
       load_v(s, s);
-      load_dsr(s);
-      store_dsr(s);
+      if constexpr (ASYNC) {
+        load_dsr_async(s, s);
+      } else {
+        load_dsr(s);
+        store_dsr(s);
+      }
     }
     cp_async_commit();
   }
   for (int it = 0; it < steps; ++it) {
     const int next = it + kStages - 1;
-    if (next < steps) load_dsr(next);  // in flight during this stage's products
+    if (!ASYNC && next < steps) load_dsr(next);  // in flight during this stage's products
     cp_async_wait<kStages - 2>();
     __syncthreads();  // stage it landed for all; stage it - 1's buffers are free
-    if (next < steps) load_v(next, next % kStages);
+    if (next < steps) {
+      load_v(next, next % kStages);
+      if constexpr (ASYNC) load_dsr_async(next, next % kStages);
+    }
     cp_async_commit();
     const int buf = it % kStages;
     const uint4* vb = vs + buf * kStepTokens * kChunks;
@@ -186,16 +233,27 @@ __global__ void __launch_bounds__(32 * kWarps) key_grad_mma_kernel(const Args a)
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         const uint32_t* r = wb + (16 * mt + g) * kRowWords + (4 * j + t) * 4;
-        const uint4 x0 = *reinterpret_cast<const uint4*>(r);
-        const uint4 x1 = *reinterpret_cast<const uint4*>(r + 8 * kRowWords);
-        const uint32_t hi[4] = {x0.x, x1.x, x0.y, x1.y}, lo[4] = {x0.z, x1.z, x0.w, x1.w};
+        uint32_t hi[4], lo[4];  // rows g, g + 8 x tokens 4t, 4t + 1 | 4t + 2, 4t + 3
+        if constexpr (ASYNC) {
+          const float4 x0 = *reinterpret_cast<const float4*>(r);
+          const float4 x1 = *reinterpret_cast<const float4*>(r + 8 * kRowWords);
+          split_pair(x0.x, x0.y, hi[0], lo[0]);
+          split_pair(x1.x, x1.y, hi[1], lo[1]);
+          split_pair(x0.z, x0.w, hi[2], lo[2]);
+          split_pair(x1.z, x1.w, hi[3], lo[3]);
+        } else {
+          const uint4 x0 = *reinterpret_cast<const uint4*>(r);
+          const uint4 x1 = *reinterpret_cast<const uint4*>(r + 8 * kRowWords);
+          hi[0] = x0.x, hi[1] = x1.x, hi[2] = x0.y, hi[3] = x1.y;
+          lo[0] = x0.z, lo[1] = x1.z, lo[2] = x0.w, lo[3] = x1.w;
+        }
         mma(acc[mt][0], hi, b[0], b[1]);
         mma(acc[mt][0], lo, b[0], b[1]);
         mma(acc[mt][1], hi, b[2], b[3]);
         mma(acc[mt][1], lo, b[2], b[3]);
       }
     }
-    if (next < steps) store_dsr(next % kStages);
+    if (!ASYNC && next < steps) store_dsr(next % kStages);
   }
 
   // c0, c1: site g, features 2t, 2t + 1 of the n-tile; c2, c3: site g + 8.
@@ -235,7 +293,7 @@ bool key_grad_mma_applies(int64_t N, int d, int heads, const void* dsr, const vo
 }
 
 bool key_grad_mma(cudaStream_t s, float* gsum, const float* dsr, const bf16* v, int64_t N, int d,
-                  int heads, int sites, int source, int ns, int slabs) {
+                  int heads, int sites, int source, int ns, int slabs, bool async_dsr) {
   if (ns <= 0 || slabs <= 0 || !key_grad_mma_applies(N, d, heads, dsr, v)) return false;
   Args a{gsum, dsr, v, N, 0, d, heads, d / heads, sites, source, ns, 0};
   a.per = ceil_div(ceil_div(N, slabs), 16) * 16;
@@ -243,7 +301,7 @@ bool key_grad_mma(cudaStream_t s, float* gsum, const float* dsr, const bf16* v, 
   auto launch = [&](auto mt_tag) {
     constexpr int MT = decltype(mt_tag)::value;
     const size_t smem = smem_bytes(MT, a.span);
-    auto kernel = key_grad_mma_kernel<MT>;
+    auto kernel = async_dsr ? key_grad_mma_kernel<MT, true> : key_grad_mma_kernel<MT, false>;
     if (smem > 48 * 1024)
       CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       int(smem)));

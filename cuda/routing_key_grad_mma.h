@@ -1,4 +1,4 @@
-// routing_key_grad_mma.h: key-gradient version 3 (routing_key_grad_mma.cu), the routing
+// routing_key_grad_mma.h: key-gradient versions 3-4 (routing_key_grad_mma.cu), the routing
 // backward's key gradients of one slot on tensor cores. Internal to cuda/ (routing.cu
 // calls it).
 #pragma once
@@ -15,9 +15,10 @@ namespace mhar::cuda {
 // for the slot's ns sites k, where h(f) = f / dh and a slab is a contiguous share of the N
 // tokens. dsr: the slot's fp32 ds r rows, [ns][H][N]; v: the slot's bf16 row, [N][d];
 // gsum: [slabs][sites][d] fp32. Returns false (nothing launched) where the shapes do not
-// allow it: key_grad_mma_applies.
+// allow it: key_grad_mma_applies. async_dsr: ds r staged by cp.async (version 4) rather
+// than through registers (version 3); the same bits.
 bool key_grad_mma_applies(int64_t N, int d, int heads, const void* dsr, const void* v);
 bool key_grad_mma(cudaStream_t s, float* gsum, const float* dsr, const bf16* v, int64_t N, int d,
-                  int heads, int sites, int source, int ns, int slabs);
+                  int heads, int sites, int source, int ns, int slabs, bool async_dsr);
 
 }  // namespace mhar::cuda
