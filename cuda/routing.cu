@@ -55,7 +55,7 @@
 // keep their earlier versions, numbered, chosen at launch (routing_set_kernel_version,
 // kernels.h; the defaults are the measured fastest: mix tile 5 of 5, finish 6 of 6, pair
 // 11 of 11, the unfused value kernel 5 / 3 / 6 / 2 of 6 by width, the key gradients 3 of
-// 3, logits 2 of 4, the delta site forward 1 of 2, its backward 2 of 3), so
+// 3, logits 2 of 5, the delta site forward 1 of 2, its backward 2 of 3), so
 // that one device run times each (tests/op_timing_cudatest.cpp); every version computes
 // the same bits, but for the logits' choice between token kernel and GEMMs and the
 // backward's row parts and fused key path (see there).
@@ -65,6 +65,7 @@
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
 #include "cuda/routing_key_grad_mma.h"
+#include "cuda/routing_logits_mma.h"
 
 namespace mhar::cuda {
 namespace {
@@ -1910,12 +1911,20 @@ __device__ __forceinline__ void logits_span_token(float* w_src, float* inv_rms, 
 // the table in L1 (v3 at 100M), so the prediction behind v3 was wrong: the token kernel
 // there is bound by its ns d FMAs and per-head shuffles a token, not by the table's
 // reads. Default 2.
-constexpr int kLogitsVersions = 4;
+// 5 tensor cores (routing_logits_mma.cu: a warp takes 16 tokens and every head, v read
+//   once as mma.m16n8k16's A straight from global memory, q*g's hi and lo records staged
+//   in shared memory) where its shapes allow (head_dim 128; 4 heads and ns <= 32, or 8 and
+//   ns <= 16: the 100M model's every slot), else version 2's rule. Its sums differ from
+//   the GEMM path's and the token kernel's (the CPU parity bound). Written after the
+//   twenty-fourth session's device time ran out: **not yet run**
+//   (RoutingParity.LogitsVersions, then OpTiming.DISABLED_RoutingLogitsVersions).
+constexpr int kLogitsVersions = 5;
 constexpr int kLogitsDefault = 2;
 constexpr int64_t kLogitsTableL1Bytes = 64 * 1024;
 int g_logits_version = kLogitsDefault;  // routing_set_kernel_version (timing lab)
 bool logits_token_kernel_applies(const Geometry& g, int ns) {
   if (!span_layout(g)) return false;
+  if (g_logits_version == 5 && logits_mma_applies(1, g.d, g.H, ns, nullptr)) return false;
   if (ns <= kFusedKeyMaxSites || g_logits_version == 4) return true;
   return g_logits_version == 3 && int64_t(ns) * g.d * 4 <= kLogitsTableL1Bytes;
 }
@@ -3116,6 +3125,14 @@ void routing_source_logits(cudaStream_t s, RoutingContext& ctx, Tensor weights, 
   const int ns = layout.last_site(source) - source + 1;
   const int64_t table = int64_t(ns) * g.d;
   float* w = weights.ptr<float>() + g.lay.pair_base(source) * g.H * N;
+  if (g_logits_version == 5 && logits_mma_applies(N, g.d, g.H, ns, v.data)) {
+    LogitsMmaSites sites{};
+    for (int k = 0; k < ns; ++k) sites.q[k] = sp.q[source + k], sites.g[k] = sp.g[source + k];
+    void* table = ctx.scratch(ScratchSlot::RoutingTables, logits_mma_table_bytes(g.d, ns));
+    logits_mma(s, w, inv_rms.ptr<float>(), static_cast<const bf16*>(v.data), sites, table, N,
+               g.d, g.H, ns, float(eps));
+    return;
+  }
   if (logits_token_kernel_applies(g, ns)) {  // one pass over v (see the kernel)
     auto* qg = static_cast<float*>(ctx.scratch(ScratchSlot::RoutingTables, table * sizeof(float)));
     qg_tables_kernel<<<grid_stride_blocks(table, 256), 256, 0, s>>>(nullptr, nullptr, qg, sp,
