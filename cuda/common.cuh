@@ -52,6 +52,16 @@ __device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
   }
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
+// Two fp32 values as bf16 hi + lo parts, hi = bf16(x), lo = bf16(x - hi) (x to ~2^-16
+// relative), each part a bf16x2 word (the low half the first value's): the fp32 operand
+// of a bf16 mma as two mmas (routing's tensor-core kernels).
+__device__ __forceinline__ void split_bf16x2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
+  const float2 hf = __bfloat1622float2(h);
+  const __nv_bfloat162 l = __floats2bfloat162_rn(x0 - hf.x, x1 - hf.y);
+  hi = *reinterpret_cast<const uint32_t*>(&h);
+  lo = *reinterpret_cast<const uint32_t*>(&l);
+}
 __device__ __forceinline__ void load8(const bf16* p, float (&f)[8]) {
   unpack8(*reinterpret_cast<const uint4*>(p), f);
 }

@@ -59,15 +59,6 @@ __device__ __forceinline__ int v_swizzle(int token) {
   return (((token >> 2) & 3) << 1) | (token & 1);
 }
 
-// x = hi + lo for two values, each part a bf16x2 word (the low half the first value's).
-__device__ __forceinline__ void split_pair(float x0, float x1, uint32_t& hi, uint32_t& lo) {
-  const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
-  const float2 hf = __bfloat1622float2(h);
-  const __nv_bfloat162 l = __floats2bfloat162_rn(x0 - hf.x, x1 - hf.y);
-  hi = *reinterpret_cast<const uint32_t*>(&h);
-  lo = *reinterpret_cast<const uint32_t*>(&l);
-}
-
 // 4 bytes global -> shared, zero-filled when !valid (cp.async's 16-byte form needs a
 // 16-byte aligned source: ds r rows where N % 4 != 0).
 __device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
@@ -170,8 +161,8 @@ __global__ void __launch_bounds__(32 * kWarps) key_grad_mma_kernel(const Args a)
       const int idx = threadIdx.x + 32 * kWarps * i;
       const float4 x = ahead[i];
       uint4 parts;  // [hi01 hi23 lo01 lo23]
-      split_pair(x.x, x.y, parts.x, parts.z);
-      split_pair(x.z, x.w, parts.y, parts.w);
+      split_bf16x2(x.x, x.y, parts.x, parts.z);
+      split_bf16x2(x.z, x.w, parts.y, parts.w);
       reinterpret_cast<uint4*>(w + (idx >> 4) * kRowWords)[idx & 15] = parts;
     }
   };
@@ -237,10 +228,10 @@ __global__ void __launch_bounds__(32 * kWarps) key_grad_mma_kernel(const Args a)
         if constexpr (ASYNC) {
           const float4 x0 = *reinterpret_cast<const float4*>(r);
           const float4 x1 = *reinterpret_cast<const float4*>(r + 8 * kRowWords);
-          split_pair(x0.x, x0.y, hi[0], lo[0]);
-          split_pair(x1.x, x1.y, hi[1], lo[1]);
-          split_pair(x0.z, x0.w, hi[2], lo[2]);
-          split_pair(x1.z, x1.w, hi[3], lo[3]);
+          split_bf16x2(x0.x, x0.y, hi[0], lo[0]);
+          split_bf16x2(x1.x, x1.y, hi[1], lo[1]);
+          split_bf16x2(x0.z, x0.w, hi[2], lo[2]);
+          split_bf16x2(x1.z, x1.w, hi[3], lo[3]);
         } else {
           const uint4 x0 = *reinterpret_cast<const uint4*>(r);
           const uint4 x1 = *reinterpret_cast<const uint4*>(r + 8 * kRowWords);

@@ -39,15 +39,6 @@ constexpr int kHeadDim = 128;
 constexpr int kKSteps = kHeadDim / 16;
 constexpr int kWarps = 4;  // a block: 64 tokens
 
-// x = hi + lo for two values, each part a bf16x2 word (the low half the first value's).
-__device__ __forceinline__ void split_pair(float x0, float x1, uint32_t& hi, uint32_t& lo) {
-  const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
-  const float2 hf = __bfloat1622float2(h);
-  const __nv_bfloat162 l = __floats2bfloat162_rn(x0 - hf.x, x1 - hf.y);
-  hi = *reinterpret_cast<const uint32_t*>(&h);
-  lo = *reinterpret_cast<const uint32_t*>(&l);
-}
-
 __global__ void logits_mma_table_kernel(uint4* __restrict__ table, const LogitsMmaSites p,
                                         int ns, int d) {
   const int records = d / 4;
@@ -59,8 +50,8 @@ __global__ void logits_mma_table_kernel(uint4* __restrict__ table, const LogitsM
     for (int j = 0; j < 4; ++j)
       x[j] = __bfloat162float(p.q[k][c + j]) * __bfloat162float(p.g[k][c + j]);  // exact
     uint4 r;
-    split_pair(x[0], x[1], r.x, r.z);
-    split_pair(x[2], x[3], r.y, r.w);
+    split_bf16x2(x[0], x[1], r.x, r.z);
+    split_bf16x2(x[2], x[3], r.y, r.w);
     table[e] = r;
   }
 }
