@@ -36,8 +36,9 @@
 // v, so their logits come from one token kernel (source_logits_span_kernel) and their key
 // path runs inside the value kernel (FUSED), in fp32 throughout. Every slot's key
 // gradients come from one pass over v on tensor cores (routing_key_grad_mma.cu; ds*r as
-// bf16 hi + lo), or where its shapes do not allow it, from key_grad_kernel or the GEMMs. routing_delta_site_backward runs the delta
-// scheme's steps around such a slot's backward in the same kernel (DELTA).
+// bf16 hi + lo), or where its shapes do not allow it, from key_grad_kernel or the GEMMs.
+// routing_delta_site_backward runs the delta scheme's steps around a few-site slot's
+// backward in the same kernel (DELTA).
 //
 // Token kernels run one warp per token, rows read in 16-byte chunks of 8 bf16 (d % 8 ==
 // 0, d <= 256 * kMaxNT), in one of two layouts:
@@ -3129,8 +3130,8 @@ void routing_source_logits(cudaStream_t s, RoutingContext& ctx, Tensor weights, 
     LogitsMmaSites sites{};
     for (int k = 0; k < ns; ++k) sites.q[k] = sp.q[source + k], sites.g[k] = sp.g[source + k];
     void* table = ctx.scratch(ScratchSlot::RoutingTables, logits_mma_table_bytes(g.d, ns));
-    logits_mma(s, w, inv_rms.ptr<float>(), static_cast<const bf16*>(v.data), sites, table, N,
-               g.d, g.H, ns, float(eps));
+    logits_mma(s, w, inv_rms.ptr<float>(), static_cast<const bf16*>(v.data), sites, table, N, g.d,
+               g.H, ns, float(eps));
     return;
   }
   if (logits_token_kernel_applies(g, ns)) {  // one pass over v (see the kernel)
@@ -3693,8 +3694,8 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
                     unsigned(ceil_div(ns, kKeyGradKernelMaxSites)));
     auto launch = [&](auto ns_bound) {
       constexpr int NS = decltype(ns_bound)::value;  // the kernel's sites a grid layer
-      key_grad_kernel<NS><<<grid, 32 * kKeyGradRows, 0, s>>>(gsum.ptr<float>(), w_src, v_in, g,
-                                                               source, ns, slabs);
+      key_grad_kernel<NS>
+          <<<grid, 32 * kKeyGradRows, 0, s>>>(gsum.ptr<float>(), w_src, v_in, g, source, ns, slabs);
       CUDA_CHECK_LAUNCH();
     };
     if (ns == 1) launch(std::integral_constant<int, 1>{});

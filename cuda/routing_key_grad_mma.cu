@@ -27,11 +27,10 @@
 //   12,13} or {2,3,6,7,...} of a k-step) in 8 different bank groups; ds r rows [head]
 //   [site] of kRowWords words (64 + 16 pad: a row step is 4 bank groups, so the two rows
 //   an 8-lane phase reads do not share banks).
-#include "cuda/routing_key_grad_mma.h"
-
 #include <algorithm>
 
 #include "cuda/attention_mma.cuh"
+#include "cuda/routing_key_grad_mma.h"
 
 namespace mhar::cuda {
 namespace {
@@ -149,7 +148,8 @@ __global__ void __launch_bounds__(32 * kWarps) key_grad_mma_kernel(const Args a)
         cp_async16(dst, ok && n < n1 ? p : a.dsr, ok && n < n1);  // n1 a multiple of 4
       } else {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) cp_async4(dst + e, ok && n + e < n1 ? p + e : a.dsr, ok && n + e < n1);
+        for (int e = 0; e < 4; ++e)
+          cp_async4(dst + e, ok && n + e < n1 ? p + e : a.dsr, ok && n + e < n1);
       }
     }
   };
@@ -279,8 +279,7 @@ int span_of(int d, int dh) {
 bool key_grad_mma_applies(int64_t N, int d, int heads, const void* dsr, const void* v) {
   if (N <= 0 || d <= 0 || heads <= 0 || d % heads != 0) return false;
   const int dh = d / heads;
-  return d % 8 == 0 && dh % 16 == 0 && span_of(d, dh) <= kMaxSpan && aligned16(dsr) &&
-         aligned16(v);
+  return d % 8 == 0 && dh % 16 == 0 && span_of(d, dh) <= kMaxSpan && aligned16(dsr) && aligned16(v);
 }
 
 bool key_grad_mma(cudaStream_t s, float* gsum, const float* dsr, const bf16* v, int64_t N, int d,
@@ -294,15 +293,17 @@ bool key_grad_mma(cudaStream_t s, float* gsum, const float* dsr, const bf16* v, 
     const size_t smem = smem_bytes(MT, a.span);
     auto kernel = async_dsr ? key_grad_mma_kernel<MT, true> : key_grad_mma_kernel<MT, false>;
     if (smem > 48 * 1024)
-      CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      int(smem)));
+      CUDA_CHECK(
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     const dim3 grid(unsigned(slabs), unsigned(ceil_div(d, kBlockFeatures)),
                     unsigned(ceil_div(ns, 16 * MT)));
     kernel<<<grid, 32 * kWarps, smem, s>>>(a);
     CUDA_CHECK_LAUNCH();
   };
-  if (ns <= 16) launch(std::integral_constant<int, 1>{});
-  else launch(std::integral_constant<int, 2>{});
+  if (ns <= 16)
+    launch(std::integral_constant<int, 1>{});
+  else
+    launch(std::integral_constant<int, 2>{});
   return true;
 }
 

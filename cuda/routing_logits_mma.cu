@@ -21,11 +21,10 @@
 // - Shared layout: the table's site rows padded to a stride of 4 mod 8 records, so the two
 //   rows an 8-lane phase reads fall in different bank groups.
 // Written after the twenty-fourth session's device time ran out: not yet run.
-#include "cuda/routing_logits_mma.h"
-
 #include <algorithm>
 
 #include "cuda/attention_mma.cuh"
+#include "cuda/routing_logits_mma.h"
 
 namespace mhar::cuda {
 namespace {
@@ -39,8 +38,8 @@ constexpr int kHeadDim = 128;
 constexpr int kKSteps = kHeadDim / 16;
 constexpr int kWarps = 4;  // a block: 64 tokens
 
-__global__ void logits_mma_table_kernel(uint4* __restrict__ table, const LogitsMmaSites p,
-                                        int ns, int d) {
+__global__ void logits_mma_table_kernel(uint4* __restrict__ table, const LogitsMmaSites p, int ns,
+                                        int d) {
   const int records = d / 4;
   for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < int64_t(ns) * records;
        e += int64_t(gridDim.x) * blockDim.x) {
@@ -94,7 +93,7 @@ __global__ void __launch_bounds__(32 * kWarps) logits_mma_kernel(const Args a) {
   const uint2* va = reinterpret_cast<const uint2*>(a.v + (oka ? na : 0) * D);
   const uint2* vb = reinterpret_cast<const uint2*>(a.v + (okb ? nb : 0) * D);
   // Head h, k-step s: channels h 128 + 16 s + 4 t .. + 3, 8 bytes: uint2 h 32 + 4 s + t.
-  auto load_head = [&](int h, uint2 (&rows)[kKSteps][2]) {
+  auto load_head = [&](int h, uint2(&rows)[kKSteps][2]) {
 #pragma unroll
     for (int s = 0; s < kKSteps; ++s) {
       const int at = h * (kHeadDim / 4) + 4 * s + t;
