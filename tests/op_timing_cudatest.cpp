@@ -609,7 +609,7 @@ void OpTiming::routing_backward_sweeps(bool limits, bool versions) {
     if (!versions) continue;
     // Each numbered version of one kernel at the default limit and pair kernel, untiled
     // and tiled: the plain calls' value kernel, the key gradients (1: the GEMMs past 8
-    // sites; 2: the token-slab kernel at every slot).
+    // sites; 2: the token-slab kernel at every slot; 3-4: tensor cores at every slot).
     auto sweep_versions = [&](cuda::RoutingKernel kernel, const std::string& name) {
       for (int version = 1; version <= cuda::routing_kernel_versions(kernel); ++version) {
         cuda::routing_set_kernel_version(kernel, version);
