@@ -6,7 +6,8 @@
 # tests/attention_timing_cudatest.cpp, tools/reference/attention_bench.py), optionally
 # the benchmark table against PyTorch (tools/bench_compare.sh), and prints a short
 # summary last. Logs go to $OUT (when set, e.g. by the device tool) or
-# $BUILD_DIR/logs; at most 7 files, so they all come back.
+# $BUILD_DIR/logs; 3-7 files by the options (the device tool returns 7 at most: NCU_SOURCE,
+# LAB and AB each add one).
 # Also builds (and skips the GPU tests) on a machine without a GPU.
 #   BUILD_DIR       build directory (default build-gpu)
 #   GTEST_FILTER    passed through to the test binary (default: every test)
@@ -26,6 +27,15 @@
 #                   version with 28 launches: 3 warm-up, 25 timed); NCU_SOURCE=1 adds
 #                   the sampled stall reasons per SASS instruction (ncu_sass.csv) and
 #                   every section's details
+#   LAB=FILTER      then run the kernel lab's disabled tests of this gtest filter (e.g.
+#                   'OpTiming.DISABLED_RoutingBackwardVersions') into lab.txt, LAB_TIMEOUT
+#                   (s, default 240) bounding them; their TIMING and BANDWIDTH lines in
+#                   the summary
+#   AB=VERSIONS     then time the step at these lab versions against the defaults:
+#                   tools/bench_modes.sh AB_SIZE (default 100m) AB_MODES (default
+#                   "standard mhar"), AB_ROUNDS (default 2) rounds, each the defaults then
+#                   MHAR_KERNEL_VERSIONS=VERSIONS (e.g. AB=key_grad=4; README, "Kernel
+#                   lab"); STEPS (default 8) and WARMUP (2) as bench_modes takes them
 #   BENCH=1         also run tools/bench_compare.sh; it starts first, so the PyTorch jobs
 #                   compile while this script builds and tests, and our runs wait for
 #                   the tests to finish. BENCH_DEADLINE (s, default 420) bounds it;
@@ -168,6 +178,27 @@ if [ "${OP_TIMING:-1}" != 0 ]; then
 fi
 touch "$tests_done"
 
+if [ -n "${LAB:-}" ]; then
+  echo "== kernel lab: $LAB (at $(elapsed))"
+  timeout "${LAB_TIMEOUT:-240}" "$BUILD_DIR/mhar_cuda_tests" --gtest_also_run_disabled_tests \
+    --gtest_filter="$LAB" >"$LOG_DIR/lab.txt" 2>&1 || echo "lab run failed (exit $?)"
+fi
+
+if [ -n "${AB:-}" ]; then
+  echo "== step A/B: MHAR_KERNEL_VERSIONS=$AB against the defaults (at $(elapsed))"
+  ab_dir="$PWD/$BUILD_DIR/ab"
+  mkdir -p "$ab_dir"
+  for ((round = 1; round <= ${AB_ROUNDS:-2}; ++round)); do
+    for versions in "" "$AB"; do
+      # bench_modes.sh writes its files into $OUT: a folder of its own, not the logs'.
+      MHAR_KERNEL_VERSIONS="$versions" OUT="$ab_dir" STEPS="${STEPS:-8}" WARMUP="${WARMUP:-2}" \
+        MHAR="$PWD/$BUILD_DIR/mhar" timeout 200 bash tools/bench_modes.sh "${AB_SIZE:-100m}" \
+        ${AB_MODES:-standard mhar} 2>&1 | grep BENCH_MODES |
+        sed "s/^/[round $round, ${versions:-defaults}] /" | tee -a "$LOG_DIR/ab.txt"
+    done
+  done
+fi
+
 if [ -n "${NCU_KERNELS:-}" ]; then
   echo "== ncu: kernels matching '$NCU_KERNELS' (at $(elapsed))"
   ncu_bin=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
@@ -221,6 +252,8 @@ grep -E "^MODEL_PARITY .*worst|^TRAIN .*mean|^NCCL_1RANK" "$LOG_DIR/cuda_tests.l
 grep -E "^PARITY" "$LOG_DIR/cuda_tests.log" | sort -k7 -g -r | head -8 || true
 grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[  FAILED  \]|tests? ran|Failure" "$LOG_DIR/cuda_tests.log" | tail -30
 [ -e "$LOG_DIR/bench_table.md" ] && cat "$LOG_DIR/bench_table.md"
+[ -e "$LOG_DIR/lab.txt" ] && grep -E "^TIMING|^BANDWIDTH|FAILED|Failure" "$LOG_DIR/lab.txt"
+[ -e "$LOG_DIR/ab.txt" ] && cat "$LOG_DIR/ab.txt"
 if [ -e "$LOG_DIR/ncu.txt" ]; then
   grep -E "^  [a-z_].*\(|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Issued Warp|Eligible Warps|Executed Instructions  |Stall" \
     "$LOG_DIR/ncu.txt" | cut -c1-160 | head -40
