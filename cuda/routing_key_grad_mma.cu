@@ -108,15 +108,23 @@ __global__ void __launch_bounds__(32 * kWarps) key_grad_mma_kernel(const Args a)
   const int head_row = min(min(f_warp, a.d - 1) / a.dh - h0, a.span - 1);
   const bool rows_aligned = a.N % 4 == 0;  // every ds r group of 4 tokens 16-byte aligned
 
+  // This thread's i-th group of 4 tokens of a stage's ds r: its staged row ([head][site])
+  // and record, the head and site it holds, and its first token.
+  struct Group {
+    int row, record, head, site;
+    int64_t n;
+  };
+  auto group = [&](int i, int step) {
+    const int idx = threadIdx.x + 32 * kWarps * i, row = idx >> 4;
+    return Group{row, idx & 15, h0 + row / M, row % M,
+                 n0 + int64_t(step) * kStepTokens + 4 * (idx & 15)};
+  };
   float4 ahead[ASYNC ? 1 : kMaxSpan * MT];  // this thread's ds r groups of the stage loading
   auto load_dsr = [&](int step) {
-    const int64_t base = n0 + int64_t(step) * kStepTokens;
 #pragma unroll
     for (int i = 0; i < kMaxSpan * MT; ++i) {
       if (i >= a.span * MT) break;
-      const int idx = threadIdx.x + 32 * kWarps * i, row = idx >> 4;
-      const int head = h0 + row / M, site = row % M;
-      const int64_t n = base + 4 * (idx & 15);
+      const auto [row, record, head, site, n] = group(i, step);
       float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
       if (site < ns && head < a.H && n < n1) {
         const float* p = a.dsr + (int64_t(k0 + site) * a.H + head) * a.N + n;
@@ -133,17 +141,14 @@ __global__ void __launch_bounds__(32 * kWarps) key_grad_mma_kernel(const Args a)
     }
   };
   auto load_dsr_async = [&](int step, int buf) {
-    const int64_t base = n0 + int64_t(step) * kStepTokens;
     float* w = reinterpret_cast<float*>(ws) + buf * rows * kRowWords;
 #pragma unroll
     for (int i = 0; i < kMaxSpan * MT; ++i) {
       if (i >= a.span * MT) break;
-      const int idx = threadIdx.x + 32 * kWarps * i, row = idx >> 4;
-      const int head = h0 + row / M, site = row % M;
-      const int64_t n = base + 4 * (idx & 15);
+      const auto [row, record, head, site, n] = group(i, step);
       const bool ok = site < ns && head < a.H;
       const float* p = ok ? a.dsr + (int64_t(k0 + site) * a.H + head) * a.N + n : a.dsr;
-      float* dst = w + row * kRowWords + 4 * (idx & 15);
+      float* dst = w + row * kRowWords + 4 * record;
       if (rows_aligned) {
         cp_async16(dst, ok && n < n1 ? p : a.dsr, ok && n < n1);  // n1 a multiple of 4
       } else {
@@ -158,12 +163,12 @@ __global__ void __launch_bounds__(32 * kWarps) key_grad_mma_kernel(const Args a)
 #pragma unroll
     for (int i = 0; i < kMaxSpan * MT; ++i) {
       if (i >= a.span * MT) break;
-      const int idx = threadIdx.x + 32 * kWarps * i;
+      const Group at = group(i, 0);
       const float4 x = ahead[i];
       uint4 parts;  // [hi01 hi23 lo01 lo23]
       split_bf16x2(x.x, x.y, parts.x, parts.z);
       split_bf16x2(x.z, x.w, parts.y, parts.w);
-      reinterpret_cast<uint4*>(w + (idx >> 4) * kRowWords)[idx & 15] = parts;
+      reinterpret_cast<uint4*>(w + at.row * kRowWords)[at.record] = parts;
     }
   };
   auto load_v = [&](int step, int buf) {
