@@ -1911,16 +1911,17 @@ __device__ __forceinline__ void logits_span_token(float* w_src, float* inv_rms, 
 // gain where the token kernel already ran; past 8 sites the GEMMs stay faster even with
 // the table in L1 (v3 at 100M), so the prediction behind v3 was wrong: the token kernel
 // there is bound by its ns d FMAs and per-head shuffles a token, not by the table's
-// reads. Default 2.
+// reads. Version 2 was the default until version 5.
 // 5 tensor cores (routing_logits_mma.cu: a warp takes 16 tokens and every head, v read
 //   once as mma.m16n8k16's A straight from global memory, q*g's hi and lo records staged
 //   in shared memory) where its shapes allow (head_dim 128; 4 heads and ns <= 32, or 8 and
 //   ns <= 16: the 100M model's every slot), else version 2's rule. Its sums differ from
-//   the GEMM path's and the token kernel's (the CPU parity bound). Written after the
-//   twenty-fourth session's device time ran out: **not yet run**
-//   (RoutingParity.LogitsVersions, then OpTiming.DISABLED_RoutingLogitsVersions).
+//   the GEMM path's and the token kernel's (the CPU parity bound).
+//   Measured (twenty-fifth session, BENCHMARKS.md call 1, the same test, v2 / v5, two
+//   rounds): 100M 0.857 / **0.358** and 0.825 / **0.388** ms, 350M (its slots of up to 16
+//   sites) 2.424 / **2.186**, 1B (head_dim 160: not taken) 5.248 / 5.243. Default 5.
 constexpr int kLogitsVersions = 5;
-constexpr int kLogitsDefault = 2;
+constexpr int kLogitsDefault = 5;
 constexpr int64_t kLogitsTableL1Bytes = 64 * 1024;
 int g_logits_version = kLogitsDefault;  // routing_set_kernel_version (timing lab)
 bool logits_token_kernel_applies(const Geometry& g, int ns) {
@@ -2818,8 +2819,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
 //   out, from ncu of version 3 at 100M (10.5-10.8 us for ns <= 16 at 38-40% of DRAM peak,
 //   15 us for ns 17-25 at 34%; 23% achieved occupancy, one wave of 256 blocks; 3.9 of 10
 //   cycles between a warp's instructions waiting on the ds r loads of the register
-//   staging). **Not yet run**: RoutingParity checks its bits against version 3's, and
-//   OpTiming.DISABLED_RoutingBackwardVersions times it.
+//   staging). RoutingParity finds version 3's bits (twenty-fifth session, H200).
 // The first version 3 (twenty-third session: version 2 with ds r staged in shared memory a
 // block step at a time, 8 token rows of v in flight where NS <= 4; the same bits as 2) lost
 // at every size (twenty-fourth session, BENCHMARKS.md call 1,
@@ -2830,12 +2830,15 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
 // OpTiming.DISABLED_RoutingBackwardVersions, a step's tiled backward, ms, v1 / v2 / v3):
 // 100M 3.838 / 3.431 / **3.053**, 350M 20.671 / 21.477 / **19.574**, 1B 45.197 / 49.733 /
 // **44.499** (untiled: 4.370 / 3.961 / 3.579, 25.271 / 26.146 / 24.229, 55.753 / 60.359 /
-// 55.155). The default is 3; where its shapes do not allow it, the earlier rule by width
-// (key_grad_fallback_version: 2 at d <= 512, else 1).
+// 55.155). Twenty-fifth session (BENCHMARKS.md call 1, the same test, v3 / v4): 100M
+// 3.107 / **3.082**, 350M 19.575 / **19.518**, 1B 44.597 / **44.318**; the 100M step
+// within its spread (0.901 / 0.897 and 0.891 / 0.893 in two alternating rounds). The
+// default is 4 (the same bits, a little less time at every size); where its shapes do not
+// allow it, the earlier rule by width (key_grad_fallback_version: 2 at d <= 512, else 1).
 constexpr int kKeyGradKernelMaxSites = 8;
 constexpr int kKeyGradRows = 8;
 constexpr int kKeyGradVersions = 4;  // 3 and 4: key_grad_mma
-constexpr int kKeyGradDefault = 3;
+constexpr int kKeyGradDefault = 4;
 int g_key_grad_version = kKeyGradDefault;  // routing_set_kernel_version (timing lab)
 int key_grad_fallback_version(int64_t d) { return d <= 512 ? 2 : 1; }
 

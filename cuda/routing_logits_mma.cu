@@ -1,9 +1,10 @@
 // routing_logits_mma.cu: one slot's routing logits and inv_rms on tensor cores (logits
-// version 5 in routing.cu's lab numbering; not the default). Per head the logits are a
-// product with a token-independent operand, raw [tokens x sites] = V [tokens x dh] QG^T
-// (qg = q * g), each row then scaled by its token's inv_rms. The default path runs it as
-// two cuBLAS GEMMs (q*g's bf16 hi and lo parts) between an inv_rms kernel and a scaling
-// pass: v read three times and the logits twice more (cuda/NOTES.md, lead 7).
+// version 5 in routing.cu's lab numbering, the default where its shapes allow). Per head
+// the logits are a product with a token-independent operand, raw [tokens x sites] =
+// V [tokens x dh] QG^T (qg = q * g), each row then scaled by its token's inv_rms. The path
+// for other shapes runs it as two cuBLAS GEMMs (q*g's bf16 hi and lo parts) between an
+// inv_rms kernel and a scaling pass: v read three times and the logits twice more
+// (cuda/NOTES.md, lead 7).
 // - Two launches a slot: logits_mma_table_kernel writes q*g as bf16 hi + lo, records of 4
 //   channels [hi01 hi23 lo01 lo23] (16 bytes, [site][d / 4]); logits_mma_kernel stages
 //   that table in shared memory (cp.async, while its warps load their first rows) and
@@ -20,7 +21,7 @@
 //   accumulation: as the GEMM path, another order of sums (the CPU parity bound).
 // - Shared layout: the table's site rows padded to a stride of 4 mod 8 records, so the two
 //   rows an 8-lane phase reads fall in different bank groups.
-// Written after the twenty-fourth session's device time ran out: not yet run.
+// Measured: routing.cu, the Logits versions' comment.
 #include <algorithm>
 
 #include "cuda/attention_mma.cuh"
