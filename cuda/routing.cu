@@ -1913,20 +1913,38 @@ __device__ __forceinline__ void logits_span_token(float* w_src, float* inv_rms, 
 // there is bound by its ns d FMAs and per-head shuffles a token, not by the table's
 // reads. Version 2 was the default until version 5.
 // 5 tensor cores (routing_logits_mma.cu: a warp takes 16 tokens and every head, v read
-//   once as mma.m16n8k16's A straight from global memory, q*g's hi and lo records staged
-//   in shared memory) where its shapes allow (head_dim 128; 4 heads and ns <= 32, or 8 and
-//   ns <= 16: the 100M model's every slot), else version 2's rule. Its sums differ from
-//   the GEMM path's and the token kernel's (the CPU parity bound).
+//   once a site group as mma.m16n8k16's A straight from global memory, q*g's hi and lo
+//   records staged in shared memory) where its shapes allow, else version 2's rule. Its
+//   sums differ from the GEMM path's and the token kernel's (the CPU parity bound).
 //   Measured (twenty-fifth session, BENCHMARKS.md call 1, the same test, v2 / v5, two
-//   rounds): 100M 0.857 / **0.358** and 0.825 / **0.388** ms, 350M (its slots of up to 16
-//   sites) 2.424 / **2.186**, 1B (head_dim 160: not taken) 5.248 / 5.243. Default 5.
-constexpr int kLogitsVersions = 5;
+//   rounds), when it took head_dim 128 only and one group a slot (4 heads and ns <= 32, or
+//   8 and ns <= 16): 100M 0.857 / **0.358** and 0.825 / **0.388** ms, 350M (its slots of
+//   up to 16 sites) 2.424 / **2.186**, 1B (head_dim 160: not taken) 5.248 / 5.243.
+//   Default since. Then extended to any ns by site groups (grid.y) and to head_dim 160:
+//   version 5 keeps head_dim 128 (4 or 8 heads, every slot); versions 6-7 take 160 too.
+// 6 tensor cores at head_dim 128 and 160 (4 or 8 heads), the widest site groups.
+// 7 as 6 with groups of 8 sites: smaller shared tables and more blocks for v read more
+//   often (from L2). Versions 5-7 give the same bits where they all take a slot.
+//   Measured (twenty-fifth session, BENCHMARKS.md call 3, the same test, v2 / v5 (then
+//   what is now 6) / v7, ms, two rounds): 100M 0.675 / 0.374 / 0.418, 350M (every slot
+//   now) 2.473 / 2.116 / 2.091 and 2.466 / 2.146 / 2.110, 1B 5.308 / 6.986 / 7.941, 1B
+//   block9 1.975 / 2.852 / 2.961. At head_dim 160 the tensor cores lose to the token
+//   kernel and the GEMMs: its <8, 160, 2> kernel gets 112 registers (ptxas), so the next
+//   head's loads are not in flight during this head's products as they are at 128 (158);
+//   hence version 5's rule. The 350M step with version 5 against 2, two alternating
+//   rounds: 0.846 / 0.861 and 0.870 / 0.872 (within the rounds' spread).
+constexpr int kLogitsVersions = 7;
 constexpr int kLogitsDefault = 5;
 constexpr int64_t kLogitsTableL1Bytes = 64 * 1024;
 int g_logits_version = kLogitsDefault;  // routing_set_kernel_version (timing lab)
+// Whether the version in force takes a slot on tensor cores (routing_logits_mma.cu).
+bool logits_by_tensor_cores(int64_t N, int d, int H, int ns, const void* v) {
+  if (g_logits_version < 5 || !logits_mma_applies(N, d, H, ns, v)) return false;
+  return g_logits_version > 5 || d == 128 * H;
+}
 bool logits_token_kernel_applies(const Geometry& g, int ns) {
   if (!span_layout(g)) return false;
-  if (g_logits_version == 5 && logits_mma_applies(1, g.d, g.H, ns, nullptr)) return false;
+  if (logits_by_tensor_cores(1, g.d, g.H, ns, nullptr)) return false;
   if (ns <= kFusedKeyMaxSites || g_logits_version == 4) return true;
   return g_logits_version == 3 && int64_t(ns) * g.d * 4 <= kLogitsTableL1Bytes;
 }
@@ -3129,12 +3147,12 @@ void routing_source_logits(cudaStream_t s, RoutingContext& ctx, Tensor weights, 
   const int ns = layout.last_site(source) - source + 1;
   const int64_t table = int64_t(ns) * g.d;
   float* w = weights.ptr<float>() + g.lay.pair_base(source) * g.H * N;
-  if (g_logits_version == 5 && logits_mma_applies(N, g.d, g.H, ns, v.data)) {
+  if (logits_by_tensor_cores(N, g.d, g.H, ns, v.data)) {
     LogitsMmaSites sites{};
     for (int k = 0; k < ns; ++k) sites.q[k] = sp.q[source + k], sites.g[k] = sp.g[source + k];
     void* table = ctx.scratch(ScratchSlot::RoutingTables, logits_mma_table_bytes(g.d, ns));
     logits_mma(s, w, inv_rms.ptr<float>(), static_cast<const bf16*>(v.data), sites, table, N, g.d,
-               g.H, ns, float(eps));
+               g.H, ns, g_logits_version == 7 ? 8 : 0, float(eps));
     return;
   }
   if (logits_token_kernel_applies(g, ns)) {  // one pass over v (see the kernel)

@@ -1,28 +1,39 @@
 // routing_logits_mma.cu: one slot's routing logits and inv_rms on tensor cores (logits
-// version 5 in routing.cu's lab numbering, the default where its shapes allow). Per head
-// the logits are a product with a token-independent operand, raw [tokens x sites] =
+// versions 5-7 in routing.cu's lab numbering; the default, 5, at head_dim 128). Per
+// head the logits are a product with a token-independent operand, raw [tokens x sites] =
 // V [tokens x dh] QG^T (qg = q * g), each row then scaled by its token's inv_rms. The path
 // for other shapes runs it as two cuBLAS GEMMs (q*g's bf16 hi and lo parts) between an
 // inv_rms kernel and a scaling pass: v read three times and the logits twice more
 // (cuda/NOTES.md, lead 7).
 // - Two launches a slot: logits_mma_table_kernel writes q*g as bf16 hi + lo, records of 4
 //   channels [hi01 hi23 lo01 lo23] (16 bytes, [site][d / 4]); logits_mma_kernel stages
-//   that table in shared memory (cp.async, while its warps load their first rows) and
-//   reads v once.
+//   its group's rows of that table in shared memory (cp.async, while its warps load their
+//   first rows) and reads v once a group.
+// - Site groups (grid.y): a block takes 64 tokens and up to 8 NT sites. The accumulators
+//   keep every head's logits of the group (heads x NT x 4 floats a lane), so NT is bounded
+//   by the registers: 4 at 4 heads, 2 at 8. A slot with more sites takes several groups,
+//   each reading v again (from L2 where the groups run together) and each computing the
+//   same inv_rms, which the first group stores. Versions 5-6 take the widest groups the
+//   registers allow, version 7 groups of 8 sites (smaller tables in shared memory, more
+//   blocks, v read more often): the same bits, since a logit's sum does not depend on
+//   the group it falls in.
 // - A warp takes 16 tokens and every head: mma.m16n8k16 with the tokens as M (rows g and
 //   g + 8 of the fragment), the sites as N (8 a tile), the head's channels as K. v is A,
 //   straight from global memory: in k-step s of a head, lane t's four k values are
 //   channels 16 s + 4 t .. + 3 (one 8-byte load a row; k = 2t, 2t + 1 take the first two,
 //   k = 2t + 8, 2t + 9 the last two), the table's records follow the same map, so B is
-//   one 16-byte shared load for hi and lo together. The accumulators keep every head's
-//   logits (heads x ceil(ns / 8) x 4 floats a lane) until the row's sum of squares, taken
-//   from the same A registers and added over the 4 lanes of a row, gives inv_rms.
+//   one 16-byte shared load for hi and lo together. The row's sum of squares, taken
+//   from the same A registers and added over the 4 lanes of a row, gives inv_rms once
+//   every head has been read.
+// - Head dims 128 and 160 (the 100M, 350M and 1B widths), 4 or 8 heads. At 160 it loses to
+//   the token kernel and the GEMMs (routing.cu, the Logits versions' comment).
 // - Numerics: v exact in bf16, q*g (exact in fp32) as hi + lo to ~2^-16 relative, fp32
 //   accumulation: as the GEMM path, another order of sums (the CPU parity bound).
 // - Shared layout: the table's site rows padded to a stride of 4 mod 8 records, so the two
 //   rows an 8-lane phase reads fall in different bank groups.
 // Measured: routing.cu, the Logits versions' comment.
 #include <algorithm>
+#include <type_traits>
 
 #include "cuda/attention_mma.cuh"
 #include "cuda/routing_logits_mma.h"
@@ -35,8 +46,6 @@ using attn_mma::cp_async_commit;
 using attn_mma::cp_async_wait;
 using attn_mma::mma;
 
-constexpr int kHeadDim = 128;
-constexpr int kKSteps = kHeadDim / 16;
 constexpr int kWarps = 4;  // a block: 64 tokens
 
 __global__ void logits_mma_table_kernel(uint4* __restrict__ table, const LogitsMmaSites p, int ns,
@@ -77,13 +86,16 @@ struct Args {
   float eps;
 };
 
-template <int H, int NT>
+// Block (x, y): tokens 64 x .. + 63, sites 8 NT y .. + 8 NT - 1 (those below ns).
+template <int H, int DH, int NT>
 __global__ void __launch_bounds__(32 * kWarps) logits_mma_kernel(const Args a) {
-  constexpr int D = H * kHeadDim, RECORDS = D / 4, STRIDE = table_stride(D);
+  constexpr int D = H * DH, RECORDS = D / 4, STRIDE = table_stride(D), KSTEPS = DH / 16;
   extern __shared__ __align__(16) uint4 qs[];  // [8 NT sites][STRIDE records]
+  const int k0 = 8 * NT * int(blockIdx.y), ns = min(a.ns - k0, 8 * NT);  // this group's
+  const uint4* table = a.table + int64_t(k0) * RECORDS;
   for (int i = threadIdx.x; i < 8 * NT * RECORDS; i += 32 * kWarps) {
     const int k = i / RECORDS, c = i % RECORDS;
-    cp_async16(qs + k * STRIDE + c, k < a.ns ? a.table + i : a.table, k < a.ns);
+    cp_async16(qs + k * STRIDE + c, k < ns ? table + i : table, k < ns);
   }
   cp_async_commit();
 
@@ -93,16 +105,16 @@ __global__ void __launch_bounds__(32 * kWarps) logits_mma_kernel(const Args a) {
   const bool oka = na < a.N, okb = nb < a.N;
   const uint2* va = reinterpret_cast<const uint2*>(a.v + (oka ? na : 0) * D);
   const uint2* vb = reinterpret_cast<const uint2*>(a.v + (okb ? nb : 0) * D);
-  // Head h, k-step s: channels h 128 + 16 s + 4 t .. + 3, 8 bytes: uint2 h 32 + 4 s + t.
-  auto load_head = [&](int h, uint2(&rows)[kKSteps][2]) {
+  // Head h, k-step s: channels h DH + 16 s + 4 t .. + 3, 8 bytes: uint2 h DH / 4 + 4 s + t.
+  auto load_head = [&](int h, uint2(&rows)[KSTEPS][2]) {
 #pragma unroll
-    for (int s = 0; s < kKSteps; ++s) {
-      const int at = h * (kHeadDim / 4) + 4 * s + t;
+    for (int s = 0; s < KSTEPS; ++s) {
+      const int at = h * (DH / 4) + 4 * s + t;
       rows[s][0] = oka ? va[at] : make_uint2(0, 0);
       rows[s][1] = okb ? vb[at] : make_uint2(0, 0);
     }
   };
-  uint2 cur[kKSteps][2];
+  uint2 cur[KSTEPS][2];
   load_head(0, cur);
   cp_async_wait<0>();
   __syncthreads();
@@ -117,24 +129,24 @@ __global__ void __launch_bounds__(32 * kWarps) logits_mma_kernel(const Args a) {
   float ssa = 0.f, ssb = 0.f;
 #pragma unroll
   for (int h = 0; h < H; ++h) {
-    uint2 next[kKSteps][2];
+    uint2 next[KSTEPS][2];
     if (h + 1 < H) load_head(h + 1, next);  // in flight during this head's products
 #pragma unroll
-    for (int s = 0; s < kKSteps; ++s) {
+    for (int s = 0; s < KSTEPS; ++s) {
       ssa += sum_squares(cur[s][0]);
       ssb += sum_squares(cur[s][1]);
       // a0a1: row g, k 2t..2t+1; a2a3: row g + 8; a4a5, a6a7: k 2t+8..2t+9.
       const uint32_t frag[4] = {cur[s][0].x, cur[s][1].x, cur[s][0].y, cur[s][1].y};
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
-        const uint4 b = qs[(8 * nt + g) * STRIDE + h * (kHeadDim / 4) + 4 * s + t];
+        const uint4 b = qs[(8 * nt + g) * STRIDE + h * (DH / 4) + 4 * s + t];
         mma(acc[h][nt], frag, b.x, b.y);  // q*g's hi part
         mma(acc[h][nt], frag, b.z, b.w);  // and its lo part
       }
     }
     if (h + 1 < H) {
 #pragma unroll
-      for (int s = 0; s < kKSteps; ++s) cur[s][0] = next[s][0], cur[s][1] = next[s][1];
+      for (int s = 0; s < KSTEPS; ++s) cur[s][0] = next[s][0], cur[s][1] = next[s][1];
     }
   }
   // A row's sum of squares: its 4 lanes (t) hold disjoint channels.
@@ -143,7 +155,7 @@ __global__ void __launch_bounds__(32 * kWarps) logits_mma_kernel(const Args a) {
   ssb += __shfl_xor_sync(0xffffffffu, ssb, 1);
   ssb += __shfl_xor_sync(0xffffffffu, ssb, 2);
   const float ra = rsqrtf(ssa / float(D) + a.eps), rb = rsqrtf(ssb / float(D) + a.eps);
-  if (t == 0) {
+  if (t == 0 && blockIdx.y == 0) {
     if (oka) a.inv_rms[na] = ra;
     if (okb) a.inv_rms[nb] = rb;
   }
@@ -156,15 +168,22 @@ __global__ void __launch_bounds__(32 * kWarps) logits_mma_kernel(const Args a) {
       for (int e = 0; e < 4; ++e) {
         const int k = 8 * nt + 2 * t + (e & 1);
         const bool second = e >= 2;
-        if (k >= a.ns || !(second ? okb : oka)) continue;
-        a.w[(int64_t(k) * H + h) * a.N + (second ? nb : na)] = (second ? rb : ra) * acc[h][nt][e];
+        if (k >= ns || !(second ? okb : oka)) continue;
+        a.w[(int64_t(k0 + k) * H + h) * a.N + (second ? nb : na)] =
+            (second ? rb : ra) * acc[h][nt][e];
       }
 }
 
-template <int H, int NT>
-void launch(cudaStream_t s, const Args& a) {
-  const size_t smem = size_t(8) * NT * table_stride(H * kHeadDim) * sizeof(uint4);
-  auto kernel = logits_mma_kernel<H, NT>;
+// The most 8-site tiles a group may take: the accumulators, heads x NT x 4 floats a lane,
+// stay at 64.
+int max_site_tiles(int heads) { return heads == 4 ? 4 : 2; }
+
+int head_dim_of(int d, int heads) { return heads > 0 ? d / heads : 0; }
+
+template <int H, int DH, int NT>
+void launch(cudaStream_t s, const Args& a, int groups) {
+  const size_t smem = size_t(8) * NT * table_stride(H * DH) * sizeof(uint4);
+  auto kernel = logits_mma_kernel<H, DH, NT>;
   static const bool allowed = [&] {
     if (smem > 48 * 1024)
       CUDA_CHECK(
@@ -172,38 +191,71 @@ void launch(cudaStream_t s, const Args& a) {
     return true;
   }();
   (void)allowed;
-  kernel<<<unsigned(ceil_div(a.N, int64_t(16 * kWarps))), 32 * kWarps, smem, s>>>(a);
+  const dim3 grid(unsigned(ceil_div(a.N, int64_t(16 * kWarps))), unsigned(groups));
+  kernel<<<grid, 32 * kWarps, smem, s>>>(a);
   CUDA_CHECK_LAUNCH();
+}
+
+// Calls f(integral_constant<int, NT>) for NT in 1 .. max (max 2 or 4).
+template <int MAX, class F>
+void dispatch_tiles(int nt, F&& f) {
+  if (nt == 1)
+    f(std::integral_constant<int, 1>{});
+  else if (nt == 2 || MAX == 2)
+    f(std::integral_constant<int, 2>{});
+  else if constexpr (MAX == 4) {
+    if (nt == 3)
+      f(std::integral_constant<int, 3>{});
+    else
+      f(std::integral_constant<int, 4>{});
+  }
 }
 
 }  // namespace
 
 bool logits_mma_applies(int64_t N, int d, int heads, int ns, const void* v) {
-  if (N <= 0 || ns <= 0 || heads <= 0 || d != heads * kHeadDim) return false;
-  if ((reinterpret_cast<uintptr_t>(v) & 7u) != 0) return false;
-  return (heads == 4 && ns <= 32) || (heads == 8 && ns <= 16);
+  if (N <= 0 || ns <= 0 || ns > kLogitsMmaMaxSites || (heads != 4 && heads != 8)) return false;
+  const int dh = head_dim_of(d, heads);
+  if (d != heads * dh || (dh != 128 && dh != 160)) return false;
+  return (reinterpret_cast<uintptr_t>(v) & 7u) == 0;
 }
 
 size_t logits_mma_table_bytes(int d, int ns) { return size_t(ns) * size_t(d / 4) * sizeof(uint4); }
 
 bool logits_mma(cudaStream_t s, float* w, float* inv_rms, const bf16* v,
                 const LogitsMmaSites& sites, void* table, int64_t N, int d, int heads, int ns,
-                float eps) {
+                int group_sites, float eps) {
   if (!logits_mma_applies(N, d, heads, ns, v)) return false;
+  MHAR_CHECK(group_sites >= 0 && group_sites % 8 == 0, "logits_mma: group_sites ", group_sites,
+             " (0 or a multiple of 8)");
   auto* records = static_cast<uint4*>(table);
   logits_mma_table_kernel<<<unsigned(ceil_div(int64_t(ns) * (d / 4), 256)), 256, 0, s>>>(
       records, sites, ns, d);
   CUDA_CHECK_LAUNCH();
   const Args a{w, inv_rms, v, records, N, ns, eps};
-  const int nt = (ns + 7) / 8;
+  // Tiles a group: the fewest groups at the widest tiles allowed, then the tiles spread
+  // evenly over them (5 tiles at 4 heads: two groups of 3 tiles' room, not 4 + 1), so that
+  // the one NT of the launch is no wider than it needs to be.
+  const int tiles = int(ceil_div(ns, 8));
+  const int most =
+      group_sites > 0 ? std::min(group_sites / 8, max_site_tiles(heads)) : max_site_tiles(heads);
+  const int groups = int(ceil_div(tiles, most)), nt = int(ceil_div(tiles, groups));
+  auto run = [&](auto h, auto dh) {
+    constexpr int H = decltype(h)::value, DH = decltype(dh)::value;
+    dispatch_tiles<H == 4 ? 4 : 2>(
+        nt, [&](auto t) { launch<H, DH, decltype(t)::value>(s, a, groups); });
+  };
+  const int dh = head_dim_of(d, heads);
   if (heads == 4) {
-    if (nt == 1) launch<4, 1>(s, a);
-    else if (nt == 2) launch<4, 2>(s, a);
-    else if (nt == 3) launch<4, 3>(s, a);
-    else launch<4, 4>(s, a);
+    if (dh == 128)
+      run(std::integral_constant<int, 4>{}, std::integral_constant<int, 128>{});
+    else
+      run(std::integral_constant<int, 4>{}, std::integral_constant<int, 160>{});
   } else {
-    if (nt == 1) launch<8, 1>(s, a);
-    else launch<8, 2>(s, a);
+    if (dh == 128)
+      run(std::integral_constant<int, 8>{}, std::integral_constant<int, 128>{});
+    else
+      run(std::integral_constant<int, 8>{}, std::integral_constant<int, 160>{});
   }
   return true;
 }

@@ -1,4 +1,4 @@
-// routing_logits_mma.h: logits version 5 (routing_logits_mma.cu), one slot's routing
+// routing_logits_mma.h: logits versions 5-7 (routing_logits_mma.cu), one slot's routing
 // logits and inv_rms on tensor cores. Internal to cuda/ (routing.cu calls it).
 #pragma once
 #include <cuda_runtime.h>
@@ -9,7 +9,7 @@
 
 namespace mhar::cuda {
 
-constexpr int kLogitsMmaMaxSites = 32;  // the most sites a slot may have for the kernel
+constexpr int kLogitsMmaMaxSites = 256;  // the most sites a slot may have (routing.cu's too)
 
 // The per-site parameters of a slot's sites source .. source + ns - 1 (q and g, [d] bf16).
 struct LogitsMmaSites {
@@ -17,18 +17,18 @@ struct LogitsMmaSites {
   const bf16* g[kLogitsMmaMaxSites];
 };
 
-// Whether the kernel takes a slot of ns sites: head_dim 128 with 4 heads and ns <= 32, or 8
-// heads and ns <= 16 (its accumulators are heads x ceil(ns / 8) x 4 floats a lane); v's
-// rows 8-byte aligned.
+// Whether the kernel takes a slot: 4 or 8 heads of head_dim 128 or 160, ns <= 256, v's rows
+// 8-byte aligned.
 bool logits_mma_applies(int64_t N, int d, int heads, int ns, const void* v);
 // The q*g table's bytes for ns sites of width d (ns x d / 4 records of 16 bytes).
 size_t logits_mma_table_bytes(int d, int ns);
 // As routing_source_logits defines them: inv_rms[n] = 1 / sqrt(mean_c v[n, c]^2 + eps) and
 // w[(k H + h) N + n] = inv_rms[n] sum_{c in head h} q_k[c] g_k[c] v[n, c] for k < ns.
-// `table` is scratch of logits_mma_table_bytes. Returns false (nothing launched) where
-// logits_mma_applies is false.
+// `table` is scratch of logits_mma_table_bytes. group_sites: the most sites a block takes
+// (a multiple of 8), 0 for the most its registers allow (versions 5-6; 8 is version 7); the
+// same bits either way. Returns false (nothing launched) where logits_mma_applies is false.
 bool logits_mma(cudaStream_t s, float* w, float* inv_rms, const bf16* v,
                 const LogitsMmaSites& sites, void* table, int64_t N, int d, int heads, int ns,
-                float eps);
+                int group_sites, float eps);
 
 }  // namespace mhar::cuda

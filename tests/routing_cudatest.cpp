@@ -434,8 +434,11 @@ TEST_F(RoutingParity, LogitsVersions) {
     int64_t N, d;
     int S, H, block;
   };
+  // Tensor cores (versions 5-7) at head_dim 128 and 160 with 4 and 8 heads: slots of one
+  // site group and of several (1B's 73 sites: up to 5 groups of 16, or 10 of 8).
   for (const Case c : {Case{37, 512, 25, 4, 1}, Case{40, 512, 25, 4, 1}, Case{21, 1280, 73, 8, 1},
-                       Case{19, 768, 12, 8, 1}, Case{19, 512, 9, 4, 2}, Case{37, 96, 9, 4, 1}}) {
+                       Case{19, 768, 12, 8, 1}, Case{19, 512, 9, 4, 2}, Case{37, 96, 9, 4, 1},
+                       Case{21, 1024, 49, 8, 1}, Case{23, 640, 40, 4, 1}}) {
     const std::string tag = "N" + std::to_string(c.N) + " d" + std::to_string(c.d) + " S" +
                             std::to_string(c.S) + " H" + std::to_string(c.H) + " block" +
                             std::to_string(c.block);
@@ -460,13 +463,25 @@ TEST_F(RoutingParity, LogitsVersions) {
       cpu->routing_source_logits(weights.c, inv_rms.c.t()[i], history.c.t()[i], pc, lay, i, H,
                                  1e-6);
     // Version 4 (the token kernel at every slot) first: its outputs are the reference for
-    // every version's token-kernel slots. Version 5 (tensor cores) takes no token kernel
-    // where it applies (the 100M shapes), so its slots there are compared to the CPU only.
-    constexpr int kTokenVersion = 4, kMmaVersion = 5;
+    // every version's token-kernel slots. Versions 5-7 (tensor cores: 5 at head_dim 128,
+    // 6-7 at 160 too, 7 in site groups of 8) take no token kernel where they apply, so
+    // their slots there are compared to the CPU and to version 6's bits (run first of
+    // them): a logit's sum does not depend on its site group.
+    constexpr int kTokenVersion = 4, kMmaVersion = 5, kMmaEveryDim = 6;
+    const int versions = cuda::routing_kernel_versions(cuda::RoutingKernel::Logits);
     std::vector<int> order{kTokenVersion};
-    for (int v = 1; v <= cuda::routing_kernel_versions(cuda::RoutingKernel::Logits); ++v)
+    for (int v = 1; v < kMmaVersion; ++v)
       if (v != kTokenVersion) order.push_back(v);
+    order.push_back(kMmaEveryDim);
+    for (int v = kMmaVersion; v <= versions; ++v)
+      if (v != kMmaEveryDim) order.push_back(v);
+    const int dh = int(d / H);
+    const bool mma_shape = d == int64_t(dh) * H && (dh == 128 || dh == 160) && (H == 4 || H == 8);
+    auto by_tensor_cores = [&](int version) {
+      return mma_shape && version >= kMmaVersion && (version > kMmaVersion || dh == 128);
+    };
     std::vector<double> token_w, token_r;  // version 4's outputs
+    std::vector<double> mma_w, mma_r;      // version 6's
     for (const int version : order) {
       cuda::routing_set_kernel_version(cuda::RoutingKernel::Logits, version);
       const std::string what = "v" + std::to_string(version) + " " + tag;
@@ -482,6 +497,12 @@ TEST_F(RoutingParity, LogitsVersions) {
         token_w = w, token_r = r;
         continue;
       }
+      if (version == kMmaEveryDim) {
+        mma_w = w, mma_r = r;
+      } else if (by_tensor_cores(version)) {
+        EXPECT_TRUE(r == mma_r) << what << ": inv_rms differs from version " << kMmaEveryDim;
+        EXPECT_TRUE(w == mma_w) << what << ": logits differ from version " << kMmaEveryDim;
+      }
       int token_slots = 0;
       for (int i = 0; i < S; ++i) {
         const int ns = lay.last_site(i) - i + 1;
@@ -495,8 +516,8 @@ TEST_F(RoutingParity, LogitsVersions) {
             << what << ": logits of slot " << i << " differ from version " << kTokenVersion;
       }
       // The span layout takes the token kernel at least for the slots read by few sites
-      // (but under version 5 where its tensor cores take every slot).
-      if (d % 256 == 0 && !(version == kMmaVersion && d == 128 * H && (H == 4 || H == 8))) {
+      // (but not where the tensor cores take every slot).
+      if (d % 256 == 0 && !by_tensor_cores(version)) {
         EXPECT_GT(token_slots, 0) << what;
       }
     }
