@@ -1920,7 +1920,7 @@ __device__ __forceinline__ void logits_span_token(float* w_src, float* inv_rms, 
 //   rounds), when it took head_dim 128 only and one group a slot (4 heads and ns <= 32, or
 //   8 and ns <= 16): 100M 0.857 / **0.358** and 0.825 / **0.388** ms, 350M (its slots of
 //   up to 16 sites) 2.424 / **2.186**, 1B (head_dim 160: not taken) 5.248 / 5.243.
-//   Default since. Then extended to any ns by site groups (grid.y) and to head_dim 160:
+//   Default since. Then extended to any ns by site groups and to head_dim 160:
 //   version 5 keeps head_dim 128 (4 or 8 heads, every slot); versions 6-7 take 160 too.
 // 6 tensor cores at head_dim 128 and 160 (4 or 8 heads), the widest site groups.
 // 7 as 6 with groups of 8 sites: smaller shared tables and more blocks for v read more

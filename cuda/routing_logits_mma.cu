@@ -9,7 +9,7 @@
 //   channels [hi01 hi23 lo01 lo23] (16 bytes, [site][d / 4]); logits_mma_kernel stages
 //   its group's rows of that table in shared memory (cp.async, while its warps load their
 //   first rows) and reads v once a group.
-// - Site groups (grid.y): a block takes 64 tokens and up to 8 NT sites. The accumulators
+// - Site groups: a block takes 64 tokens and up to 8 NT sites. The accumulators
 //   keep every head's logits of the group (heads x NT x 4 floats a lane), so NT is bounded
 //   by the registers: 4 at 4 heads, 2 at 8. A slot with more sites takes several groups,
 //   each reading v again (from L2 where the groups run together) and each computing the
@@ -83,15 +83,21 @@ struct Args {
   const uint4* table;
   int64_t N;
   int ns;
+  int groups;  // site groups a token block
   float eps;
 };
 
-// Block (x, y): tokens 64 x .. + 63, sites 8 NT y .. + 8 NT - 1 (those below ns).
+// Block b: site group y = b % groups, token block x = b / groups: tokens 64 x .. + 63, sites
+// 8 NT y .. + 8 NT - 1 (those below ns). The groups of a token block are neighbours in the
+// launch order, so they run together and read the same rows of v from L2; with the groups
+// on grid.y, a slot's v (33-42 MB at 350M-1B) passed through L2 once a group.
 template <int H, int DH, int NT>
 __global__ void __launch_bounds__(32 * kWarps) logits_mma_kernel(const Args a) {
   constexpr int D = H * DH, RECORDS = D / 4, STRIDE = table_stride(D), KSTEPS = DH / 16;
   extern __shared__ __align__(16) uint4 qs[];  // [8 NT sites][STRIDE records]
-  const int k0 = 8 * NT * int(blockIdx.y), ns = min(a.ns - k0, 8 * NT);  // this group's
+  const int group = int(blockIdx.x % unsigned(a.groups));
+  const int64_t token_block = blockIdx.x / unsigned(a.groups);
+  const int k0 = 8 * NT * group, ns = min(a.ns - k0, 8 * NT);  // this group's
   const uint4* table = a.table + int64_t(k0) * RECORDS;
   for (int i = threadIdx.x; i < 8 * NT * RECORDS; i += 32 * kWarps) {
     const int k = i / RECORDS, c = i % RECORDS;
@@ -100,7 +106,7 @@ __global__ void __launch_bounds__(32 * kWarps) logits_mma_kernel(const Args a) {
   cp_async_commit();
 
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int64_t n0 = (int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5)) * 16;
+  const int64_t n0 = (token_block * kWarps + (threadIdx.x >> 5)) * 16;
   const int64_t na = n0 + g, nb = n0 + g + 8;  // this lane's two tokens (rows g, g + 8)
   const bool oka = na < a.N, okb = nb < a.N;
   const uint2* va = reinterpret_cast<const uint2*>(a.v + (oka ? na : 0) * D);
@@ -155,7 +161,7 @@ __global__ void __launch_bounds__(32 * kWarps) logits_mma_kernel(const Args a) {
   ssb += __shfl_xor_sync(0xffffffffu, ssb, 1);
   ssb += __shfl_xor_sync(0xffffffffu, ssb, 2);
   const float ra = rsqrtf(ssa / float(D) + a.eps), rb = rsqrtf(ssb / float(D) + a.eps);
-  if (t == 0 && blockIdx.y == 0) {
+  if (t == 0 && group == 0) {
     if (oka) a.inv_rms[na] = ra;
     if (okb) a.inv_rms[nb] = rb;
   }
@@ -181,7 +187,7 @@ int max_site_tiles(int heads) { return heads == 4 ? 4 : 2; }
 int head_dim_of(int d, int heads) { return heads > 0 ? d / heads : 0; }
 
 template <int H, int DH, int NT>
-void launch(cudaStream_t s, const Args& a, int groups) {
+void launch(cudaStream_t s, const Args& a) {
   const size_t smem = size_t(8) * NT * table_stride(H * DH) * sizeof(uint4);
   auto kernel = logits_mma_kernel<H, DH, NT>;
   static const bool allowed = [&] {
@@ -191,8 +197,9 @@ void launch(cudaStream_t s, const Args& a, int groups) {
     return true;
   }();
   (void)allowed;
-  const dim3 grid(unsigned(ceil_div(a.N, int64_t(16 * kWarps))), unsigned(groups));
-  kernel<<<grid, 32 * kWarps, smem, s>>>(a);
+  const int64_t blocks = ceil_div(a.N, int64_t(16 * kWarps)) * a.groups;
+  MHAR_CHECK(blocks < (int64_t(1) << 31), "logits_mma: ", blocks, " blocks");
+  kernel<<<unsigned(blocks), 32 * kWarps, smem, s>>>(a);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -232,7 +239,7 @@ bool logits_mma(cudaStream_t s, float* w, float* inv_rms, const bf16* v,
   logits_mma_table_kernel<<<unsigned(ceil_div(int64_t(ns) * (d / 4), 256)), 256, 0, s>>>(
       records, sites, ns, d);
   CUDA_CHECK_LAUNCH();
-  const Args a{w, inv_rms, v, records, N, ns, eps};
+
   // Tiles a group: the fewest groups at the widest tiles allowed, then the tiles spread
   // evenly over them (5 tiles at 4 heads: two groups of 3 tiles' room, not 4 + 1), so that
   // the one NT of the launch is no wider than it needs to be.
@@ -240,10 +247,10 @@ bool logits_mma(cudaStream_t s, float* w, float* inv_rms, const bf16* v,
   const int most =
       group_sites > 0 ? std::min(group_sites / 8, max_site_tiles(heads)) : max_site_tiles(heads);
   const int groups = int(ceil_div(tiles, most)), nt = int(ceil_div(tiles, groups));
+  const Args a{w, inv_rms, v, records, N, ns, groups, eps};
   auto run = [&](auto h, auto dh) {
     constexpr int H = decltype(h)::value, DH = decltype(dh)::value;
-    dispatch_tiles<H == 4 ? 4 : 2>(
-        nt, [&](auto t) { launch<H, DH, decltype(t)::value>(s, a, groups); });
+    dispatch_tiles<H == 4 ? 4 : 2>(nt, [&](auto t) { launch<H, DH, decltype(t)::value>(s, a); });
   };
   const int dh = head_dim_of(d, heads);
   if (heads == 4) {
