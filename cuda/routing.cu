@@ -1933,7 +1933,10 @@ __device__ __forceinline__ void logits_span_token(float* w_src, float* inv_rms, 
 //   head's loads are not in flight during this head's products as they are at 128 (158);
 //   hence version 5's rule. The 350M step with version 5 against 2, two alternating
 //   rounds: 0.846 / 0.861 and 0.870 / 0.872 (within the rounds' spread).
-constexpr int kLogitsVersions = 7;
+// 8 as 6 with the next head's rows loaded in place, one k-step at a time after that
+//   k-step's products (routing_logits_mma.cu, STREAM): no second buffer of rows, so the
+//   loads stay in flight at head_dim 160 without the registers that 6 lacked there.
+constexpr int kLogitsVersions = 8;
 constexpr int kLogitsDefault = 5;
 constexpr int64_t kLogitsTableL1Bytes = 64 * 1024;
 int g_logits_version = kLogitsDefault;  // routing_set_kernel_version (timing lab)
@@ -3152,7 +3155,7 @@ void routing_source_logits(cudaStream_t s, RoutingContext& ctx, Tensor weights, 
     for (int k = 0; k < ns; ++k) sites.q[k] = sp.q[source + k], sites.g[k] = sp.g[source + k];
     void* table = ctx.scratch(ScratchSlot::RoutingTables, logits_mma_table_bytes(g.d, ns));
     logits_mma(s, w, inv_rms.ptr<float>(), static_cast<const bf16*>(v.data), sites, table, N, g.d,
-               g.H, ns, g_logits_version == 7 ? 8 : 0, float(eps));
+               g.H, ns, g_logits_version == 7 ? 8 : 0, g_logits_version == 8, float(eps));
     return;
   }
   if (logits_token_kernel_applies(g, ns)) {  // one pass over v (see the kernel)
