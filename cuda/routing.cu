@@ -1924,7 +1924,7 @@ __device__ __forceinline__ void logits_span_token(float* w_src, float* inv_rms, 
 //   version 5 keeps head_dim 128 (4 or 8 heads, every slot); versions 6-7 take 160 too.
 // 6 tensor cores at head_dim 128 and 160 (4 or 8 heads), the widest site groups.
 // 7 as 6 with groups of 8 sites: smaller shared tables and more blocks for v read more
-//   often (from L2). Versions 5-7 give the same bits where they all take a slot.
+//   often (from L2). Versions 5-8 give the same bits where they all take a slot.
 //   Measured (twenty-fifth session, BENCHMARKS.md call 3, the same test, v2 / v5 (then
 //   what is now 6) / v7, ms, two rounds): 100M 0.675 / 0.374 / 0.418, 350M (every slot
 //   now) 2.473 / 2.116 / 2.091 and 2.466 / 2.146 / 2.110, 1B 5.308 / 6.986 / 7.941, 1B

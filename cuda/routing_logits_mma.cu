@@ -1,5 +1,5 @@
 // routing_logits_mma.cu: one slot's routing logits and inv_rms on tensor cores (logits
-// versions 5-7 in routing.cu's lab numbering; the default, 5, at head_dim 128). Per
+// versions 5-8 in routing.cu's lab numbering; the default, 5, at head_dim 128). Per
 // head the logits are a product with a token-independent operand, raw [tokens x sites] =
 // V [tokens x dh] QG^T (qg = q * g), each row then scaled by its token's inv_rms. The path
 // for other shapes runs it as two cuBLAS GEMMs (q*g's bf16 hi and lo parts) between an
@@ -22,9 +22,11 @@
 //   straight from global memory: in k-step s of a head, lane t's four k values are
 //   channels 16 s + 4 t .. + 3 (one 8-byte load a row; k = 2t, 2t + 1 take the first two,
 //   k = 2t + 8, 2t + 9 the last two), the table's records follow the same map, so B is
-//   one 16-byte shared load for hi and lo together. The row's sum of squares, taken
-//   from the same A registers and added over the 4 lanes of a row, gives inv_rms once
-//   every head has been read.
+//   one 16-byte shared load for hi and lo together. The next head's rows are loaded during
+//   a head's products: into a second buffer at the head's start (versions 5-7), or in
+//   place, each k-step's rows right after its products (version 8, STREAM). The row's sum
+//   of squares, taken from the same A registers and added over the 4 lanes of a row,
+//   gives inv_rms once every head has been read.
 // - Head dims 128 and 160 (the 100M, 350M and 1B widths), 4 or 8 heads. At 160 it loses to
 //   the token kernel and the GEMMs (routing.cu, the Logits versions' comment).
 // - Numerics: v exact in bf16, q*g (exact in fp32) as hi + lo to ~2^-16 relative, fp32
