@@ -1924,7 +1924,7 @@ __device__ __forceinline__ void logits_span_token(float* w_src, float* inv_rms, 
 //   version 5 keeps head_dim 128 (4 or 8 heads, every slot); versions 6-7 take 160 too.
 // 6 tensor cores at head_dim 128 and 160 (4 or 8 heads), the widest site groups.
 // 7 as 6 with groups of 8 sites: smaller shared tables and more blocks for v read more
-//   often (from L2). Versions 5-8 give the same bits where they all take a slot.
+//   often (from L2). Versions 5-7 give the same bits where they all take a slot.
 //   Measured (twenty-fifth session, BENCHMARKS.md call 3, the same test, v2 / v5 (then
 //   what is now 6) / v7, ms, two rounds): 100M 0.675 / 0.374 / 0.418, 350M (every slot
 //   now) 2.473 / 2.116 / 2.091 and 2.466 / 2.146 / 2.110, 1B 5.308 / 6.986 / 7.941, 1B
@@ -1933,10 +1933,14 @@ __device__ __forceinline__ void logits_span_token(float* w_src, float* inv_rms, 
 //   head's loads are not in flight during this head's products as they are at 128 (158);
 //   hence version 5's rule. The 350M step with version 5 against 2, two alternating
 //   rounds: 0.846 / 0.861 and 0.870 / 0.872 (within the rounds' spread).
-// 8 as 6 with the next head's rows loaded in place, one k-step at a time after that
-//   k-step's products (routing_logits_mma.cu, STREAM): no second buffer of rows, so the
-//   loads stay in flight at head_dim 160 without the registers that 6 lacked there.
-constexpr int kLogitsVersions = 8;
+//   Twenty-sixth session (BENCHMARKS.md calls 1 and 4): a token block's site groups
+//   adjacent in one 1-D grid (they had re-read v from DRAM on grid.y) took v6 / v7 to
+//   2.03 / 1.95 ms at 350M and 6.40 / 6.61 at 1B (v2 5.34). A version 8 that loaded the
+//   next head's rows in place, a k-step at a time after its products (no second buffer;
+//   the same bits; code at 5c90190), lost at every shape: 100M 0.462 against v5's 0.366,
+//   350M 2.39 against 2.00, 1B 5.87 (v6 6.25, v2 5.25). So the registers were not what
+//   slows head_dim 160; what does is not known (ncu of <8, 160, 2> is the next step).
+constexpr int kLogitsVersions = 7;
 constexpr int kLogitsDefault = 5;
 constexpr int64_t kLogitsTableL1Bytes = 64 * 1024;
 int g_logits_version = kLogitsDefault;  // routing_set_kernel_version (timing lab)
@@ -3155,7 +3159,7 @@ void routing_source_logits(cudaStream_t s, RoutingContext& ctx, Tensor weights, 
     for (int k = 0; k < ns; ++k) sites.q[k] = sp.q[source + k], sites.g[k] = sp.g[source + k];
     void* table = ctx.scratch(ScratchSlot::RoutingTables, logits_mma_table_bytes(g.d, ns));
     logits_mma(s, w, inv_rms.ptr<float>(), static_cast<const bf16*>(v.data), sites, table, N, g.d,
-               g.H, ns, g_logits_version == 7 ? 8 : 0, g_logits_version == 8, float(eps));
+               g.H, ns, g_logits_version == 7 ? 8 : 0, float(eps));
     return;
   }
   if (logits_token_kernel_applies(g, ns)) {  // one pass over v (see the kernel)

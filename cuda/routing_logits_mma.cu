@@ -1,5 +1,5 @@
 // routing_logits_mma.cu: one slot's routing logits and inv_rms on tensor cores (logits
-// versions 5-8 in routing.cu's lab numbering; the default, 5, at head_dim 128). Per
+// versions 5-7 in routing.cu's lab numbering; the default, 5, at head_dim 128). Per
 // head the logits are a product with a token-independent operand, raw [tokens x sites] =
 // V [tokens x dh] QG^T (qg = q * g), each row then scaled by its token's inv_rms. The path
 // for other shapes runs it as two cuBLAS GEMMs (q*g's bf16 hi and lo parts) between an
@@ -22,11 +22,9 @@
 //   straight from global memory: in k-step s of a head, lane t's four k values are
 //   channels 16 s + 4 t .. + 3 (one 8-byte load a row; k = 2t, 2t + 1 take the first two,
 //   k = 2t + 8, 2t + 9 the last two), the table's records follow the same map, so B is
-//   one 16-byte shared load for hi and lo together. The next head's rows are loaded during
-//   a head's products: into a second buffer at the head's start (versions 5-7), or in
-//   place, each k-step's rows right after its products (version 8, STREAM). The row's sum
-//   of squares, taken from the same A registers and added over the 4 lanes of a row,
-//   gives inv_rms once every head has been read.
+//   one 16-byte shared load for hi and lo together. The row's sum of squares, taken
+//   from the same A registers and added over the 4 lanes of a row, gives inv_rms once
+//   every head has been read.
 // - Head dims 128 and 160 (the 100M, 350M and 1B widths), 4 or 8 heads. At 160 it loses to
 //   the token kernel and the GEMMs (routing.cu, the Logits versions' comment).
 // - Numerics: v exact in bf16, q*g (exact in fp32) as hi + lo to ~2^-16 relative, fp32
@@ -93,10 +91,7 @@ struct Args {
 // 8 NT y .. + 8 NT - 1 (those below ns). The groups of a token block are neighbours in the
 // launch order, so they run together and read the same rows of v from L2; with the groups
 // on grid.y, a slot's v (33-42 MB at 350M-1B) passed through L2 once a group.
-// STREAM (version 8): the next head's rows are loaded in place, k-step by k-step, right
-// after that k-step's products, so each load has a head's products to hide behind without
-// a second register buffer; otherwise (versions 5-7) into a `next` buffer at a head's start.
-template <int H, int DH, int NT, bool STREAM>
+template <int H, int DH, int NT>
 __global__ void __launch_bounds__(32 * kWarps) logits_mma_kernel(const Args a) {
   constexpr int D = H * DH, RECORDS = D / 4, STRIDE = table_stride(D), KSTEPS = DH / 16;
   extern __shared__ __align__(16) uint4 qs[];  // [8 NT sites][STRIDE records]
@@ -117,14 +112,13 @@ __global__ void __launch_bounds__(32 * kWarps) logits_mma_kernel(const Args a) {
   const uint2* va = reinterpret_cast<const uint2*>(a.v + (oka ? na : 0) * D);
   const uint2* vb = reinterpret_cast<const uint2*>(a.v + (okb ? nb : 0) * D);
   // Head h, k-step s: channels h DH + 16 s + 4 t .. + 3, 8 bytes: uint2 h DH / 4 + 4 s + t.
-  auto load_step = [&](int h, int s, uint2(&rows)[2]) {
-    const int at = h * (DH / 4) + 4 * s + t;
-    rows[0] = oka ? va[at] : make_uint2(0, 0);
-    rows[1] = okb ? vb[at] : make_uint2(0, 0);
-  };
   auto load_head = [&](int h, uint2(&rows)[KSTEPS][2]) {
 #pragma unroll
-    for (int s = 0; s < KSTEPS; ++s) load_step(h, s, rows[s]);
+    for (int s = 0; s < KSTEPS; ++s) {
+      const int at = h * (DH / 4) + 4 * s + t;
+      rows[s][0] = oka ? va[at] : make_uint2(0, 0);
+      rows[s][1] = okb ? vb[at] : make_uint2(0, 0);
+    }
   };
   uint2 cur[KSTEPS][2];
   load_head(0, cur);
@@ -141,10 +135,8 @@ __global__ void __launch_bounds__(32 * kWarps) logits_mma_kernel(const Args a) {
   float ssa = 0.f, ssb = 0.f;
 #pragma unroll
   for (int h = 0; h < H; ++h) {
-    uint2 next[KSTEPS][2];  // versions 5-7: in flight during this head's products
-    if constexpr (!STREAM) {
-      if (h + 1 < H) load_head(h + 1, next);
-    }
+    uint2 next[KSTEPS][2];
+    if (h + 1 < H) load_head(h + 1, next);  // in flight during this head's products
 #pragma unroll
     for (int s = 0; s < KSTEPS; ++s) {
       ssa += sum_squares(cur[s][0]);
@@ -157,15 +149,10 @@ __global__ void __launch_bounds__(32 * kWarps) logits_mma_kernel(const Args a) {
         mma(acc[h][nt], frag, b.x, b.y);  // q*g's hi part
         mma(acc[h][nt], frag, b.z, b.w);  // and its lo part
       }
-      if constexpr (STREAM) {
-        if (h + 1 < H) load_step(h + 1, s, cur[s]);
-      }
     }
-    if constexpr (!STREAM) {
-      if (h + 1 < H) {
+    if (h + 1 < H) {
 #pragma unroll
-        for (int s = 0; s < KSTEPS; ++s) cur[s][0] = next[s][0], cur[s][1] = next[s][1];
-      }
+      for (int s = 0; s < KSTEPS; ++s) cur[s][0] = next[s][0], cur[s][1] = next[s][1];
     }
   }
   // A row's sum of squares: its 4 lanes (t) hold disjoint channels.
@@ -199,10 +186,10 @@ int max_site_tiles(int heads) { return heads == 4 ? 4 : 2; }
 
 int head_dim_of(int d, int heads) { return heads > 0 ? d / heads : 0; }
 
-template <int H, int DH, int NT, bool STREAM>
+template <int H, int DH, int NT>
 void launch(cudaStream_t s, const Args& a) {
   const size_t smem = size_t(8) * NT * table_stride(H * DH) * sizeof(uint4);
-  auto kernel = logits_mma_kernel<H, DH, NT, STREAM>;
+  auto kernel = logits_mma_kernel<H, DH, NT>;
   static const bool allowed = [&] {
     if (smem > 48 * 1024)
       CUDA_CHECK(
@@ -244,7 +231,7 @@ size_t logits_mma_table_bytes(int d, int ns) { return size_t(ns) * size_t(d / 4)
 
 bool logits_mma(cudaStream_t s, float* w, float* inv_rms, const bf16* v,
                 const LogitsMmaSites& sites, void* table, int64_t N, int d, int heads, int ns,
-                int group_sites, bool stream_heads, float eps) {
+                int group_sites, float eps) {
   if (!logits_mma_applies(N, d, heads, ns, v)) return false;
   MHAR_CHECK(group_sites >= 0 && group_sites % 8 == 0, "logits_mma: group_sites ", group_sites,
              " (0 or a multiple of 8)");
@@ -263,13 +250,7 @@ bool logits_mma(cudaStream_t s, float* w, float* inv_rms, const bf16* v,
   const Args a{w, inv_rms, v, records, N, ns, groups, eps};
   auto run = [&](auto h, auto dh) {
     constexpr int H = decltype(h)::value, DH = decltype(dh)::value;
-    dispatch_tiles<H == 4 ? 4 : 2>(nt, [&](auto t) {
-      constexpr int NT = decltype(t)::value;
-      if (stream_heads)
-        launch<H, DH, NT, true>(s, a);
-      else
-        launch<H, DH, NT, false>(s, a);
-    });
+    dispatch_tiles<H == 4 ? 4 : 2>(nt, [&](auto t) { launch<H, DH, decltype(t)::value>(s, a); });
   };
   const int dh = head_dim_of(d, heads);
   if (heads == 4) {
