@@ -7,7 +7,7 @@
 # the benchmark table against PyTorch (tools/bench_compare.sh), and prints a short
 # summary last. Logs go to $OUT (when set, e.g. by the device tool) or
 # $BUILD_DIR/logs; 3-7 files by the options (the device tool returns 7 at most: NCU_SOURCE,
-# LAB and AB each add one).
+# LAB, AB and KERNEL_TIMES each add one).
 # Also builds (and skips the GPU tests) on a machine without a GPU.
 #   BUILD_DIR       build directory (default build-gpu)
 #   GTEST_FILTER    passed through to the test binary (default: every test)
@@ -36,6 +36,10 @@
 #                   "standard mhar"), AB_ROUNDS (default 2) rounds, each the defaults then
 #                   MHAR_KERNEL_VERSIONS=VERSIONS (e.g. AB=key_grad=4; README, "Kernel
 #                   lab"); STEPS (default 8) and WARMUP (2) as bench_modes takes them
+#   KERNEL_TIMES="CONFIG ..."  then time every kernel of one step of each config apart
+#                   (tools/kernel_times.sh, under ncu; e.g. "configs/100m_mhar.json
+#                   configs/100m_standard.json") into kernel_times.txt, its FAMILY lines in
+#                   the summary (TOP rows a config, default 40)
 #   BENCH=1         also run tools/bench_compare.sh; it starts first, so the PyTorch jobs
 #                   compile while this script builds and tests, and our runs wait for
 #                   the tests to finish. BENCH_DEADLINE (s, default 420) bounds it;
@@ -234,6 +238,22 @@ if [ -n "${NCU_KERNELS:-}" ]; then
   fi
 fi
 
+if [ -n "${KERNEL_TIMES:-}" ]; then
+  echo "== kernel times: $KERNEL_TIMES (at $(elapsed))"
+  # Run from here so that `mhar` finds the carried ICU (LD_LIBRARY_PATH above); its CSVs
+  # and ncu's messages go to a folder of their own, only the summary to the logs.
+  kt_dir="$PWD/$BUILD_DIR/kernel_times"
+  mkdir -p "$kt_dir"
+  # shellcheck disable=SC2086  # a list of configs
+  if ! OUT="$kt_dir" TOP="${TOP:-40}" MHAR="$PWD/$BUILD_DIR/mhar" timeout 300 \
+    bash tools/kernel_times.sh $KERNEL_TIMES >"$LOG_DIR/kernel_times.txt" 2>&1; then
+    echo "kernel_times.sh failed; the end of ncu's messages is in kernel_times.txt"
+    for f in "$kt_dir"/*.err; do
+      [ -s "$f" ] && { echo "== $f"; tail -20 "$f"; } >>"$LOG_DIR/kernel_times.txt"
+    done
+  fi
+fi
+
 extra_rc=0
 if [ -n "${CHECKS:-}" ]; then
   echo "== extra checks: $CHECKS (at $(elapsed))"
@@ -254,6 +274,7 @@ grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[  FAILED  \]|tests? ran|Failure" "$LOG
 [ -e "$LOG_DIR/bench_table.md" ] && cat "$LOG_DIR/bench_table.md"
 [ -e "$LOG_DIR/lab.txt" ] && grep -E "^TIMING|^BANDWIDTH|FAILED|Failure" "$LOG_DIR/lab.txt"
 [ -e "$LOG_DIR/ab.txt" ] && cat "$LOG_DIR/ab.txt"
+[ -e "$LOG_DIR/kernel_times.txt" ] && grep -E "^FAMILY|^KERNELS [^ ]*:|failed" "$LOG_DIR/kernel_times.txt"
 if [ -e "$LOG_DIR/ncu.txt" ]; then
   grep -E "^  [a-z_].*\(|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Issued Warp|Eligible Warps|Executed Instructions  |Stall" \
     "$LOG_DIR/ncu.txt" | cut -c1-160 | head -40
