@@ -1924,7 +1924,7 @@ __device__ __forceinline__ void logits_span_token(float* w_src, float* inv_rms, 
 //   version 5 keeps head_dim 128 (4 or 8 heads, every slot); versions 6-7 take 160 too.
 // 6 tensor cores at head_dim 128 and 160 (4 or 8 heads), the widest site groups.
 // 7 as 6 with groups of 8 sites: smaller shared tables and more blocks for v read more
-//   often (from L2). Versions 5-7 give the same bits where they all take a slot.
+//   often (from L2). Versions 5-8 give the same bits where they all take a slot.
 //   Measured (twenty-fifth session, BENCHMARKS.md call 3, the same test, v2 / v5 (then
 //   what is now 6) / v7, ms, two rounds): 100M 0.675 / 0.374 / 0.418, 350M (every slot
 //   now) 2.473 / 2.116 / 2.091 and 2.466 / 2.146 / 2.110, 1B 5.308 / 6.986 / 7.941, 1B
@@ -1935,12 +1935,22 @@ __device__ __forceinline__ void logits_span_token(float* w_src, float* inv_rms, 
 //   rounds: 0.846 / 0.861 and 0.870 / 0.872 (within the rounds' spread).
 //   Twenty-sixth session (BENCHMARKS.md calls 1 and 4): a token block's site groups
 //   adjacent in one 1-D grid (they had re-read v from DRAM on grid.y) took v6 / v7 to
-//   2.03 / 1.95 ms at 350M and 6.40 / 6.61 at 1B (v2 5.34). A version 8 that loaded the
+//   2.03 / 1.95 ms at 350M and 6.40 / 6.61 at 1B (v2 5.34). A version that loaded the
 //   next head's rows in place, a k-step at a time after its products (no second buffer;
-//   the same bits; code at 5c90190), lost at every shape: 100M 0.462 against v5's 0.366,
-//   350M 2.39 against 2.00, 1B 5.87 (v6 6.25, v2 5.25). So the registers were not what
-//   slows head_dim 160; what does is not known (ncu of <8, 160, 2> is the next step).
-constexpr int kLogitsVersions = 7;
+//   the same bits; numbered 8 while it lived, code at 5c90190), lost at every shape: 100M
+//   0.462 against v5's 0.366, 350M 2.39 against 2.00, 1B 5.87 (v6 6.25, v2 5.25). So the
+//   registers were not what slows head_dim 160. What else differs, found by arithmetic
+//   after the session's device time ran out: the staged table is 81 KB a block at 8
+//   heads of 160 (NT 2), so shared memory allows 2 blocks (8 warps) an SM there against
+//   3 (12) at 128, and no register saving could raise that.
+// 8 as 6 with blocks of 8 warps (128 tokens) where a slot takes several site groups and
+//   such blocks keep more warps resident an SM (the occupancy calculator decides: at 1B's
+//   slots past 16 sites, not at 350M's, whose 158 registers would allow one block of 8):
+//   one staged table serves twice the tokens, so an SM holds 16 warps at head_dim 160
+//   (was 8) and each token's share of the table's staging halves. Slots of one group keep
+//   4 warps (N / 64 blocks fill the GPU; N / 128 would not at 16,384 tokens). Built after
+//   the twenty-sixth session's last device call: not yet run.
+constexpr int kLogitsVersions = 8;
 constexpr int kLogitsDefault = 5;
 constexpr int64_t kLogitsTableL1Bytes = 64 * 1024;
 int g_logits_version = kLogitsDefault;  // routing_set_kernel_version (timing lab)
@@ -3159,7 +3169,7 @@ void routing_source_logits(cudaStream_t s, RoutingContext& ctx, Tensor weights, 
     for (int k = 0; k < ns; ++k) sites.q[k] = sp.q[source + k], sites.g[k] = sp.g[source + k];
     void* table = ctx.scratch(ScratchSlot::RoutingTables, logits_mma_table_bytes(g.d, ns));
     logits_mma(s, w, inv_rms.ptr<float>(), static_cast<const bf16*>(v.data), sites, table, N, g.d,
-               g.H, ns, g_logits_version == 7 ? 8 : 0, float(eps));
+               g.H, ns, g_logits_version == 7 ? 8 : 0, g_logits_version == 8, float(eps));
     return;
   }
   if (logits_token_kernel_applies(g, ns)) {  // one pass over v (see the kernel)

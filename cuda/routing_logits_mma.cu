@@ -1,5 +1,5 @@
 // routing_logits_mma.cu: one slot's routing logits and inv_rms on tensor cores (logits
-// versions 5-7 in routing.cu's lab numbering; the default, 5, at head_dim 128). Per
+// versions 5-8 in routing.cu's lab numbering; the default, 5, at head_dim 128). Per
 // head the logits are a product with a token-independent operand, raw [tokens x sites] =
 // V [tokens x dh] QG^T (qg = q * g), each row then scaled by its token's inv_rms. The path
 // for other shapes runs it as two cuBLAS GEMMs (q*g's bf16 hi and lo parts) between an
@@ -9,7 +9,8 @@
 //   channels [hi01 hi23 lo01 lo23] (16 bytes, [site][d / 4]); logits_mma_kernel stages
 //   its group's rows of that table in shared memory (cp.async, while its warps load their
 //   first rows) and reads v once a group.
-// - Site groups: a block takes 64 tokens and up to 8 NT sites. The accumulators
+// - Site groups: a block takes 64 tokens (128 in version 8 where a slot takes several
+//   groups: kWarpsWide) and up to 8 NT sites. The accumulators
 //   keep every head's logits of the group (heads x NT x 4 floats a lane), so NT is bounded
 //   by the registers: 4 at 4 heads, 2 at 8. A slot with more sites takes several groups,
 //   each reading v again (from L2 where the groups run together) and each computing the
@@ -46,7 +47,13 @@ using attn_mma::cp_async_commit;
 using attn_mma::cp_async_wait;
 using attn_mma::mma;
 
-constexpr int kWarps = 4;  // a block: 64 tokens
+// A block's warps (16 tokens each): 4, or 8 (version 8) where a slot takes several site
+// groups and 8 keep more warps resident. Shared memory bounds the blocks an SM: the table
+// is 8 NT sites x STRIDE records, 81 KB at 8 heads of 160 with NT 2 (2 blocks an SM, 8
+// warps at 4 a block), 65-66 KB at 100M and 350M (3 blocks). 8 warps a block share one
+// table: twice the warps an SM where the table bounds them (at 1B; 350M's 158 registers
+// would leave one such block an SM), and half the table's staging (from L2) per token.
+constexpr int kWarps = 4, kWarpsWide = 8;
 
 __global__ void logits_mma_table_kernel(uint4* __restrict__ table, const LogitsMmaSites p, int ns,
                                         int d) {
@@ -87,26 +94,26 @@ struct Args {
   float eps;
 };
 
-// Block b: site group y = b % groups, token block x = b / groups: tokens 64 x .. + 63, sites
-// 8 NT y .. + 8 NT - 1 (those below ns). The groups of a token block are neighbours in the
+// Block b: site group y = b % groups, token block x = b / groups: tokens 16 W x .. + 16 W - 1,
+// sites 8 NT y .. + 8 NT - 1 (those below ns). The groups of a token block are neighbours in the
 // launch order, so they run together and read the same rows of v from L2; with the groups
 // on grid.y, a slot's v (33-42 MB at 350M-1B) passed through L2 once a group.
-template <int H, int DH, int NT>
-__global__ void __launch_bounds__(32 * kWarps) logits_mma_kernel(const Args a) {
+template <int H, int DH, int NT, int W>
+__global__ void __launch_bounds__(32 * W) logits_mma_kernel(const Args a) {
   constexpr int D = H * DH, RECORDS = D / 4, STRIDE = table_stride(D), KSTEPS = DH / 16;
   extern __shared__ __align__(16) uint4 qs[];  // [8 NT sites][STRIDE records]
   const int group = int(blockIdx.x % unsigned(a.groups));
   const int64_t token_block = blockIdx.x / unsigned(a.groups);
   const int k0 = 8 * NT * group, ns = min(a.ns - k0, 8 * NT);  // this group's
   const uint4* table = a.table + int64_t(k0) * RECORDS;
-  for (int i = threadIdx.x; i < 8 * NT * RECORDS; i += 32 * kWarps) {
+  for (int i = threadIdx.x; i < 8 * NT * RECORDS; i += 32 * W) {
     const int k = i / RECORDS, c = i % RECORDS;
     cp_async16(qs + k * STRIDE + c, k < ns ? table + i : table, k < ns);
   }
   cp_async_commit();
 
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int64_t n0 = (token_block * kWarps + (threadIdx.x >> 5)) * 16;
+  const int64_t n0 = (token_block * W + (threadIdx.x >> 5)) * 16;
   const int64_t na = n0 + g, nb = n0 + g + 8;  // this lane's two tokens (rows g, g + 8)
   const bool oka = na < a.N, okb = nb < a.N;
   const uint2* va = reinterpret_cast<const uint2*>(a.v + (oka ? na : 0) * D);
@@ -186,20 +193,49 @@ int max_site_tiles(int heads) { return heads == 4 ? 4 : 2; }
 
 int head_dim_of(int d, int heads) { return heads > 0 ? d / heads : 0; }
 
+// The shared q*g table of a block: 8 NT site rows.
 template <int H, int DH, int NT>
-void launch(cudaStream_t s, const Args& a) {
-  const size_t smem = size_t(8) * NT * table_stride(H * DH) * sizeof(uint4);
-  auto kernel = logits_mma_kernel<H, DH, NT>;
+constexpr size_t table_smem_bytes() {
+  return size_t(8) * NT * table_stride(H * DH) * sizeof(uint4);
+}
+
+// The kernel, allowed its dynamic shared memory (past 48 KB) once.
+template <int H, int DH, int NT, int W>
+auto prepared_kernel() {
+  auto kernel = logits_mma_kernel<H, DH, NT, W>;
   static const bool allowed = [&] {
+    constexpr size_t smem = table_smem_bytes<H, DH, NT>();
     if (smem > 48 * 1024)
       CUDA_CHECK(
           cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     return true;
   }();
   (void)allowed;
-  const int64_t blocks = ceil_div(a.N, int64_t(16 * kWarps)) * a.groups;
+  return kernel;
+}
+
+// Whether blocks of kWarpsWide warps keep more warps resident an SM than blocks of kWarps:
+// where the table bounds the blocks an SM (8 heads of 160) and the registers leave room.
+template <int H, int DH, int NT>
+bool wide_blocks_hold_more_warps() {
+  static const bool more = [] {
+    constexpr size_t smem = table_smem_bytes<H, DH, NT>();
+    int narrow = 0, wide = 0;
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &narrow, prepared_kernel<H, DH, NT, kWarps>(), 32 * kWarps, smem));
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &wide, prepared_kernel<H, DH, NT, kWarpsWide>(), 32 * kWarpsWide, smem));
+    return wide * kWarpsWide > narrow * kWarps;
+  }();
+  return more;
+}
+
+template <int H, int DH, int NT, int W>
+void launch(cudaStream_t s, const Args& a) {
+  auto kernel = prepared_kernel<H, DH, NT, W>();
+  const int64_t blocks = ceil_div(a.N, int64_t(16 * W)) * a.groups;
   MHAR_CHECK(blocks < (int64_t(1) << 31), "logits_mma: ", blocks, " blocks");
-  kernel<<<unsigned(blocks), 32 * kWarps, smem, s>>>(a);
+  kernel<<<unsigned(blocks), 32 * W, table_smem_bytes<H, DH, NT>(), s>>>(a);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -231,7 +267,7 @@ size_t logits_mma_table_bytes(int d, int ns) { return size_t(ns) * size_t(d / 4)
 
 bool logits_mma(cudaStream_t s, float* w, float* inv_rms, const bf16* v,
                 const LogitsMmaSites& sites, void* table, int64_t N, int d, int heads, int ns,
-                int group_sites, float eps) {
+                int group_sites, bool wide_blocks, float eps) {
   if (!logits_mma_applies(N, d, heads, ns, v)) return false;
   MHAR_CHECK(group_sites >= 0 && group_sites % 8 == 0, "logits_mma: group_sites ", group_sites,
              " (0 or a multiple of 8)");
@@ -250,7 +286,13 @@ bool logits_mma(cudaStream_t s, float* w, float* inv_rms, const bf16* v,
   const Args a{w, inv_rms, v, records, N, ns, groups, eps};
   auto run = [&](auto h, auto dh) {
     constexpr int H = decltype(h)::value, DH = decltype(dh)::value;
-    dispatch_tiles<H == 4 ? 4 : 2>(nt, [&](auto t) { launch<H, DH, decltype(t)::value>(s, a); });
+    dispatch_tiles<H == 4 ? 4 : 2>(nt, [&](auto t) {
+      constexpr int NT = decltype(t)::value;
+      if (wide_blocks && groups > 1 && wide_blocks_hold_more_warps<H, DH, NT>())
+        launch<H, DH, NT, kWarpsWide>(s, a);
+      else
+        launch<H, DH, NT, kWarps>(s, a);
+    });
   };
   const int dh = head_dim_of(d, heads);
   if (heads == 4) {

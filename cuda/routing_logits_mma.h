@@ -1,4 +1,4 @@
-// routing_logits_mma.h: logits versions 5-7 (routing_logits_mma.cu), one slot's routing
+// routing_logits_mma.h: logits versions 5-8 (routing_logits_mma.cu), one slot's routing
 // logits and inv_rms on tensor cores. Internal to cuda/ (routing.cu calls it).
 #pragma once
 #include <cuda_runtime.h>
@@ -25,10 +25,12 @@ size_t logits_mma_table_bytes(int d, int ns);
 // As routing_source_logits defines them: inv_rms[n] = 1 / sqrt(mean_c v[n, c]^2 + eps) and
 // w[(k H + h) N + n] = inv_rms[n] sum_{c in head h} q_k[c] g_k[c] v[n, c] for k < ns.
 // `table` is scratch of logits_mma_table_bytes. group_sites: the most sites a block takes
-// (a multiple of 8), 0 for the most its registers allow (versions 5-6; 8 is version 7); the
-// same bits either way. Returns false (nothing launched) where logits_mma_applies is false.
+// (a multiple of 8), 0 for the most its registers allow (versions 5-6 and 8; 8 is version
+// 7); the same bits either way. wide_blocks (version 8): blocks of 128 tokens rather than
+// 64 where the slot takes several site groups; the same bits again. Returns false (nothing
+// launched) where logits_mma_applies is false.
 bool logits_mma(cudaStream_t s, float* w, float* inv_rms, const bf16* v,
                 const LogitsMmaSites& sites, void* table, int64_t N, int d, int heads, int ns,
-                int group_sites, float eps);
+                int group_sites, bool wide_blocks, float eps);
 
 }  // namespace mhar::cuda

@@ -434,11 +434,13 @@ TEST_F(RoutingParity, LogitsVersions) {
     int64_t N, d;
     int S, H, block;
   };
-  // Tensor cores (versions 5-7) at head_dim 128 and 160 with 4 and 8 heads: slots of one
-  // site group and of several (1B's 73 sites: up to 5 groups of 16, or 10 of 8).
+  // Tensor cores (versions 5-8) at head_dim 128 and 160 with 4 and 8 heads: slots of one
+  // site group and of several (1B's 73 sites: up to 5 groups of 16, or 10 of 8); the last
+  // two span several blocks of 128 tokens (version 8's where a slot takes several groups).
   for (const Case c : {Case{37, 512, 25, 4, 1}, Case{40, 512, 25, 4, 1}, Case{21, 1280, 73, 8, 1},
                        Case{19, 768, 12, 8, 1}, Case{19, 512, 9, 4, 2}, Case{37, 96, 9, 4, 1},
-                       Case{21, 1024, 49, 8, 1}, Case{23, 640, 40, 4, 1}}) {
+                       Case{21, 1024, 49, 8, 1}, Case{23, 640, 40, 4, 1}, Case{300, 1280, 73, 8, 1},
+                       Case{150, 640, 40, 4, 1}}) {
     const std::string tag = "N" + std::to_string(c.N) + " d" + std::to_string(c.d) + " S" +
                             std::to_string(c.S) + " H" + std::to_string(c.H) + " block" +
                             std::to_string(c.block);
@@ -463,10 +465,11 @@ TEST_F(RoutingParity, LogitsVersions) {
       cpu->routing_source_logits(weights.c, inv_rms.c.t()[i], history.c.t()[i], pc, lay, i, H,
                                  1e-6);
     // Version 4 (the token kernel at every slot) first: its outputs are the reference for
-    // every version's token-kernel slots. Versions 5-7 (tensor cores: 5 at head_dim 128,
-    // 6-7 at 160 too, 7 in site groups of 8) take no token kernel where they apply, so
-    // their slots there are compared to the CPU and to version 6's bits (run first of
-    // them): a logit's sum does not depend on its site group.
+    // every version's token-kernel slots. Versions 5-8 (tensor cores: 5 at head_dim 128,
+    // 6-8 at 160 too, 7 in site groups of 8, 8 in blocks of 128 tokens where a slot takes
+    // several groups) take no token kernel where they apply, so their slots there are
+    // compared to the CPU and to version 6's bits (run first of them): a logit's sum does
+    // not depend on its site group or on the block its token falls in.
     constexpr int kTokenVersion = 4, kMmaVersion = 5, kMmaEveryDim = 6;
     const int versions = cuda::routing_kernel_versions(cuda::RoutingKernel::Logits);
     std::vector<int> order{kTokenVersion};
