@@ -10,14 +10,14 @@
 //   its group's rows of that table in shared memory (cp.async, while its warps load their
 //   first rows) and reads v once a group.
 // - Site groups: a block takes 64 tokens (128 in version 8 where a slot takes several
-//   groups: kWarpsWide) and up to 8 NT sites. The accumulators
-//   keep every head's logits of the group (heads x NT x 4 floats a lane), so NT is bounded
-//   by the registers: 4 at 4 heads, 2 at 8. A slot with more sites takes several groups,
-//   each reading v again (from L2 where the groups run together) and each computing the
-//   same inv_rms, which the first group stores. Versions 5-6 take the widest groups the
-//   registers allow, version 7 groups of 8 sites (smaller tables in shared memory, more
-//   blocks, v read more often): the same bits, since a logit's sum does not depend on
-//   the group it falls in.
+//   groups: kWarpsWide) and up to 8 NT sites. The accumulators keep every head's logits
+//   of the group (heads x NT x 4 floats a lane), so NT is bounded by the registers: 4 at
+//   4 heads, 2 at 8. A slot with more sites takes several groups, each reading v again
+//   (from L2 where the groups run together) and each computing the same inv_rms, which
+//   the first group stores. Versions 5-6 take the widest groups the registers allow,
+//   version 7 groups of 8 sites (smaller tables in shared memory, more blocks, v read
+//   more often): the same bits, since a logit's sum does not depend on the group it
+//   falls in.
 // - A warp takes 16 tokens and every head: mma.m16n8k16 with the tokens as M (rows g and
 //   g + 8 of the fragment), the sites as N (8 a tile), the head's channels as K. v is A,
 //   straight from global memory: in k-step s of a head, lane t's four k values are
@@ -220,11 +220,10 @@ template <int H, int DH, int NT>
 bool wide_blocks_hold_more_warps() {
   static const bool more = [] {
     constexpr size_t smem = table_smem_bytes<H, DH, NT>();
-    int narrow = 0, wide = 0;
-    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &narrow, prepared_kernel<H, DH, NT, kWarps>(), 32 * kWarps, smem));
-    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &wide, prepared_kernel<H, DH, NT, kWarpsWide>(), 32 * kWarpsWide, smem));
+    const int narrow =
+        resident_blocks_per_sm(prepared_kernel<H, DH, NT, kWarps>(), 32 * kWarps, smem);
+    const int wide =
+        resident_blocks_per_sm(prepared_kernel<H, DH, NT, kWarpsWide>(), 32 * kWarpsWide, smem);
     return wide * kWarpsWide > narrow * kWarps;
   }();
   return more;

@@ -27,8 +27,9 @@ size_t logits_mma_table_bytes(int d, int ns);
 // `table` is scratch of logits_mma_table_bytes. group_sites: the most sites a block takes
 // (a multiple of 8), 0 for the most its registers allow (versions 5-6 and 8; 8 is version
 // 7); the same bits either way. wide_blocks (version 8): blocks of 128 tokens rather than
-// 64 where the slot takes several site groups; the same bits again. Returns false (nothing
-// launched) where logits_mma_applies is false.
+// 64 where the slot takes several site groups and such blocks keep more warps resident an
+// SM; the same bits again. Returns false (nothing launched) where logits_mma_applies is
+// false.
 bool logits_mma(cudaStream_t s, float* w, float* inv_rms, const bf16* v,
                 const LogitsMmaSites& sites, void* table, int64_t N, int d, int heads, int ns,
                 int group_sites, bool wide_blocks, float eps);

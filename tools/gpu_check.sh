@@ -244,6 +244,7 @@ if [ -n "${KERNEL_TIMES:-}" ]; then
   # and ncu's messages go to a folder of their own, only the summary to the logs.
   kt_dir="$PWD/$BUILD_DIR/kernel_times"
   mkdir -p "$kt_dir"
+  rm -f "$kt_dir"/*.err  # a warm machine's earlier run: only this run's messages below
   # shellcheck disable=SC2086  # a list of configs
   if ! OUT="$kt_dir" TOP="${TOP:-40}" MHAR="$PWD/$BUILD_DIR/mhar" timeout 300 \
     bash tools/kernel_times.sh $KERNEL_TIMES >"$LOG_DIR/kernel_times.txt" 2>&1; then
