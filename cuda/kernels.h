@@ -297,8 +297,12 @@ int routing_backward_sum_order(int64_t d, int heads);
 // cap. The same bits at any grid.
 int routing_set_grid_cap(int blocks);
 // Whether routing_source_logits of a slot read by `sites` sites at width d takes the
-// token kernel (one pass over v) at the current Logits version, rather than the GEMMs.
+// token kernel (one pass over v) at the current Logits version, rather than the GEMMs or
+// the tensor cores.
 bool routing_logits_by_token_kernel(int64_t d, int heads, int sites);
+// Whether it takes the tensor-core kernel (cuda/routing_logits_mma.cu) for such a slot
+// (with v's rows aligned as the history's are) at the current Logits version.
+bool routing_logits_by_tensor_cores(int64_t d, int heads, int sites);
 // routing_stats.cu (the routing probe's device reduction)
 void routing_stats(cudaStream_t s, Tensor stats, Tensor weights, const RoutingLayout& layout,
                    int site, int heads);

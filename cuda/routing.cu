@@ -1949,14 +1949,21 @@ __device__ __forceinline__ void logits_span_token(float* w_src, float* inv_rms, 
 //   one staged table serves twice the tokens, so an SM holds 16 warps at head_dim 160
 //   (was 8) and each token's share of the table's staging halves. Slots of one group keep
 //   4 warps (N / 64 blocks fill the GPU; N / 128 would not at 16,384 tokens). Built after
-//   the twenty-sixth session's last device call: not yet run.
-constexpr int kLogitsVersions = 8;
-constexpr int kLogitsDefault = 5;
+//   the twenty-sixth session's last device call. Run in the twenty-seventh (BENCHMARKS.md):
+//   the same bits as 6; 1B 4.26 ms (v2 5.29, v6 6.25), 350M and 100M as v6; but 1B block
+//   routing (blocks of 9) 2.64 against v2's 1.97, its slots mostly of one group, where v6
+//   loses (2.87).
+// 9 as 5, and at head_dim 160 as 8 where the wide blocks apply (logits_mma_takes_wide_blocks:
+//   several site groups, more warps resident), the rest as 2: each slot at the kernel that
+//   won its shape.
+constexpr int kLogitsVersions = 9;
+constexpr int kLogitsDefault = 9;
 constexpr int64_t kLogitsTableL1Bytes = 64 * 1024;
 int g_logits_version = kLogitsDefault;  // routing_set_kernel_version (timing lab)
 // Whether the version in force takes a slot on tensor cores (routing_logits_mma.cu).
 bool logits_by_tensor_cores(int64_t N, int d, int H, int ns, const void* v) {
   if (g_logits_version < 5 || !logits_mma_applies(N, d, H, ns, v)) return false;
+  if (g_logits_version == 9) return d == 128 * H || logits_mma_takes_wide_blocks(d, H, ns);
   return g_logits_version > 5 || d == 128 * H;
 }
 bool logits_token_kernel_applies(const Geometry& g, int ns) {
@@ -3169,7 +3176,7 @@ void routing_source_logits(cudaStream_t s, RoutingContext& ctx, Tensor weights, 
     for (int k = 0; k < ns; ++k) sites.q[k] = sp.q[source + k], sites.g[k] = sp.g[source + k];
     void* table = ctx.scratch(ScratchSlot::RoutingTables, logits_mma_table_bytes(g.d, ns));
     logits_mma(s, w, inv_rms.ptr<float>(), static_cast<const bf16*>(v.data), sites, table, N, g.d,
-               g.H, ns, g_logits_version == 7 ? 8 : 0, g_logits_version == 8, float(eps));
+               g.H, ns, g_logits_version == 7 ? 8 : 0, g_logits_version >= 8, float(eps));
     return;
   }
   if (logits_token_kernel_applies(g, ns)) {  // one pass over v (see the kernel)
@@ -3443,6 +3450,10 @@ bool routing_logits_by_token_kernel(int64_t d, int heads, int sites) {
   g.d = int(d);
   g.H = heads;
   return logits_token_kernel_applies(g, sites);
+}
+
+bool routing_logits_by_tensor_cores(int64_t d, int heads, int sites) {
+  return logits_by_tensor_cores(1, int(d), heads, sites, nullptr);
 }
 
 int routing_backward_sum_order(int64_t d, int heads) {

@@ -1,5 +1,5 @@
 // routing_logits_mma.cu: one slot's routing logits and inv_rms on tensor cores (logits
-// versions 5-8 in routing.cu's lab numbering; the default, 5, at head_dim 128). Per
+// versions 5-9 in routing.cu's lab numbering; the default, 5, at head_dim 128). Per
 // head the logits are a product with a token-independent operand, raw [tokens x sites] =
 // V [tokens x dh] QG^T (qg = q * g), each row then scaled by its token's inv_rms. The path
 // for other shapes runs it as two cuBLAS GEMMs (q*g's bf16 hi and lo parts) between an
@@ -253,6 +253,42 @@ void dispatch_tiles(int nt, F&& f) {
   }
 }
 
+// A slot's split into site groups: the fewest groups at the widest tiles allowed, then the
+// tiles spread evenly over them (5 tiles at 4 heads: two groups of 3 tiles' room, not
+// 4 + 1), so that the one NT of the launch is no wider than it needs to be.
+struct SiteGroups {
+  int groups, nt;
+};
+SiteGroups site_groups(int heads, int ns, int group_sites) {
+  const int tiles = int(ceil_div(ns, 8));
+  const int most =
+      group_sites > 0 ? std::min(group_sites / 8, max_site_tiles(heads)) : max_site_tiles(heads);
+  const int groups = int(ceil_div(tiles, most));
+  return {groups, int(ceil_div(tiles, groups))};
+}
+
+// Calls f(integral_constant H, integral_constant DH, integral_constant NT) for the slot's
+// shape (logits_mma_applies true).
+template <class F>
+void dispatch_shape(int d, int heads, int nt, F&& f) {
+  auto run = [&](auto h, auto dh) {
+    constexpr int H = decltype(h)::value;
+    dispatch_tiles<H == 4 ? 4 : 2>(nt, [&](auto t) { f(h, dh, t); });
+  };
+  const int dh = head_dim_of(d, heads);
+  if (heads == 4) {
+    if (dh == 128)
+      run(std::integral_constant<int, 4>{}, std::integral_constant<int, 128>{});
+    else
+      run(std::integral_constant<int, 4>{}, std::integral_constant<int, 160>{});
+  } else {
+    if (dh == 128)
+      run(std::integral_constant<int, 8>{}, std::integral_constant<int, 128>{});
+    else
+      run(std::integral_constant<int, 8>{}, std::integral_constant<int, 160>{});
+  }
+}
+
 }  // namespace
 
 bool logits_mma_applies(int64_t N, int d, int heads, int ns, const void* v) {
@@ -260,6 +296,18 @@ bool logits_mma_applies(int64_t N, int d, int heads, int ns, const void* v) {
   const int dh = head_dim_of(d, heads);
   if (d != heads * dh || (dh != 128 && dh != 160)) return false;
   return (reinterpret_cast<uintptr_t>(v) & 7u) == 0;
+}
+
+bool logits_mma_takes_wide_blocks(int d, int heads, int ns) {
+  if (!logits_mma_applies(1, d, heads, ns, nullptr)) return false;
+  const SiteGroups sg = site_groups(heads, ns, 0);
+  if (sg.groups == 1) return false;
+  bool more = false;
+  dispatch_shape(d, heads, sg.nt, [&](auto h, auto dh, auto t) {
+    more =
+        wide_blocks_hold_more_warps<decltype(h)::value, decltype(dh)::value, decltype(t)::value>();
+  });
+  return more;
 }
 
 size_t logits_mma_table_bytes(int d, int ns) { return size_t(ns) * size_t(d / 4) * sizeof(uint4); }
@@ -275,36 +323,15 @@ bool logits_mma(cudaStream_t s, float* w, float* inv_rms, const bf16* v,
       records, sites, ns, d);
   CUDA_CHECK_LAUNCH();
 
-  // Tiles a group: the fewest groups at the widest tiles allowed, then the tiles spread
-  // evenly over them (5 tiles at 4 heads: two groups of 3 tiles' room, not 4 + 1), so that
-  // the one NT of the launch is no wider than it needs to be.
-  const int tiles = int(ceil_div(ns, 8));
-  const int most =
-      group_sites > 0 ? std::min(group_sites / 8, max_site_tiles(heads)) : max_site_tiles(heads);
-  const int groups = int(ceil_div(tiles, most)), nt = int(ceil_div(tiles, groups));
-  const Args a{w, inv_rms, v, records, N, ns, groups, eps};
-  auto run = [&](auto h, auto dh) {
-    constexpr int H = decltype(h)::value, DH = decltype(dh)::value;
-    dispatch_tiles<H == 4 ? 4 : 2>(nt, [&](auto t) {
-      constexpr int NT = decltype(t)::value;
-      if (wide_blocks && groups > 1 && wide_blocks_hold_more_warps<H, DH, NT>())
-        launch<H, DH, NT, kWarpsWide>(s, a);
-      else
-        launch<H, DH, NT, kWarps>(s, a);
-    });
-  };
-  const int dh = head_dim_of(d, heads);
-  if (heads == 4) {
-    if (dh == 128)
-      run(std::integral_constant<int, 4>{}, std::integral_constant<int, 128>{});
+  const SiteGroups sg = site_groups(heads, ns, group_sites);
+  const Args a{w, inv_rms, v, records, N, ns, sg.groups, eps};
+  dispatch_shape(d, heads, sg.nt, [&](auto h, auto dh, auto t) {
+    constexpr int H = decltype(h)::value, DH = decltype(dh)::value, NT = decltype(t)::value;
+    if (wide_blocks && sg.groups > 1 && wide_blocks_hold_more_warps<H, DH, NT>())
+      launch<H, DH, NT, kWarpsWide>(s, a);
     else
-      run(std::integral_constant<int, 4>{}, std::integral_constant<int, 160>{});
-  } else {
-    if (dh == 128)
-      run(std::integral_constant<int, 8>{}, std::integral_constant<int, 128>{});
-    else
-      run(std::integral_constant<int, 8>{}, std::integral_constant<int, 160>{});
-  }
+      launch<H, DH, NT, kWarps>(s, a);
+  });
   return true;
 }
 

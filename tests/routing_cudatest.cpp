@@ -434,7 +434,7 @@ TEST_F(RoutingParity, LogitsVersions) {
     int64_t N, d;
     int S, H, block;
   };
-  // Tensor cores (versions 5-8) at head_dim 128 and 160 with 4 and 8 heads: slots of one
+  // Tensor cores (versions 5-9) at head_dim 128 and 160 with 4 and 8 heads: slots of one
   // site group and of several (1B's 73 sites: up to 5 groups of 16, or 10 of 8); the last
   // two span several blocks of 128 tokens (version 8's where a slot takes several groups).
   for (const Case c : {Case{37, 512, 25, 4, 1}, Case{40, 512, 25, 4, 1}, Case{21, 1280, 73, 8, 1},
@@ -465,11 +465,11 @@ TEST_F(RoutingParity, LogitsVersions) {
       cpu->routing_source_logits(weights.c, inv_rms.c.t()[i], history.c.t()[i], pc, lay, i, H,
                                  1e-6);
     // Version 4 (the token kernel at every slot) first: its outputs are the reference for
-    // every version's token-kernel slots. Versions 5-8 (tensor cores: 5 at head_dim 128,
-    // 6-8 at 160 too, 7 in site groups of 8, 8 in blocks of 128 tokens where a slot takes
-    // several groups) take no token kernel where they apply, so their slots there are
-    // compared to the CPU and to version 6's bits (run first of them): a logit's sum does
-    // not depend on its site group or on the block its token falls in.
+    // every version's token-kernel slots. Version 6 takes every slot of a tensor-core shape
+    // on tensor cores; its outputs are the reference for the slots that versions 5 and 7-9
+    // take there (5 and 9 some, by head_dim and site count; 7 in site groups of 8; 8 and 9 in
+    // blocks of 128 tokens where a slot takes several groups): a logit's sum does not
+    // depend on its site group or on the block its token falls in.
     constexpr int kTokenVersion = 4, kMmaVersion = 5, kMmaEveryDim = 6;
     const int versions = cuda::routing_kernel_versions(cuda::RoutingKernel::Logits);
     std::vector<int> order{kTokenVersion};
@@ -480,9 +480,6 @@ TEST_F(RoutingParity, LogitsVersions) {
       if (v != kMmaEveryDim) order.push_back(v);
     const int dh = int(d / H);
     const bool mma_shape = d == int64_t(dh) * H && (dh == 128 || dh == 160) && (H == 4 || H == 8);
-    auto by_tensor_cores = [&](int version) {
-      return mma_shape && version >= kMmaVersion && (version > kMmaVersion || dh == 128);
-    };
     std::vector<double> token_w, token_r;  // version 4's outputs
     std::vector<double> mma_w, mma_r;      // version 6's
     for (const int version : order) {
@@ -500,27 +497,40 @@ TEST_F(RoutingParity, LogitsVersions) {
         token_w = w, token_r = r;
         continue;
       }
-      if (version == kMmaEveryDim) {
-        mma_w = w, mma_r = r;
-      } else if (by_tensor_cores(version)) {
-        EXPECT_TRUE(r == mma_r) << what << ": inv_rms differs from version " << kMmaEveryDim;
-        EXPECT_TRUE(w == mma_w) << what << ": logits differ from version " << kMmaEveryDim;
-      }
-      int token_slots = 0;
-      for (int i = 0; i < S; ++i) {
+      if (version == kMmaEveryDim) mma_w = w, mma_r = r;
+      int token_slots = 0, mma_slots = 0;
+      // Slot i's inv_rms row equals the reference's, and its logits' rows.
+      auto slot_is = [&](int i, const std::vector<double>& ref_w, const std::vector<double>& ref_r,
+                         int ref_version) {
         const int ns = lay.last_site(i) - i + 1;
-        if (!cuda::routing_logits_by_token_kernel(d, H, ns)) continue;
-        ++token_slots;
         const size_t r0 = size_t(i) * size_t(N), w0 = size_t(lay.pair_base(i) * H * N);
         const size_t wn = size_t(ns) * size_t(H * N);
-        EXPECT_TRUE(std::equal(r.begin() + r0, r.begin() + r0 + size_t(N), token_r.begin() + r0))
-            << what << ": inv_rms of slot " << i << " differs from version " << kTokenVersion;
-        EXPECT_TRUE(std::equal(w.begin() + w0, w.begin() + w0 + wn, token_w.begin() + w0))
-            << what << ": logits of slot " << i << " differ from version " << kTokenVersion;
+        EXPECT_TRUE(std::equal(r.begin() + r0, r.begin() + r0 + size_t(N), ref_r.begin() + r0))
+            << what << ": inv_rms of slot " << i << " differs from version " << ref_version;
+        EXPECT_TRUE(std::equal(w.begin() + w0, w.begin() + w0 + wn, ref_w.begin() + w0))
+            << what << ": logits of slot " << i << " differ from version " << ref_version;
+      };
+      for (int i = 0; i < S; ++i) {
+        const int ns = lay.last_site(i) - i + 1;
+        const bool mma = cuda::routing_logits_by_tensor_cores(d, H, ns);
+        if (version == kMmaEveryDim) {
+          EXPECT_EQ(mma, mma_shape) << what << ": slot " << i << " (" << ns << " sites)";
+        }
+        if (mma) {
+          ++mma_slots;
+          if (version != kMmaEveryDim) slot_is(i, mma_w, mma_r, kMmaEveryDim);
+        }
+        if (!cuda::routing_logits_by_token_kernel(d, H, ns)) continue;
+        EXPECT_FALSE(mma) << what << ": slot " << i << " claimed by two kernels";
+        ++token_slots;
+        slot_is(i, token_w, token_r, kTokenVersion);
       }
-      // The span layout takes the token kernel at least for the slots read by few sites
-      // (but not where the tensor cores take every slot).
-      if (d % 256 == 0 && !by_tensor_cores(version)) {
+      // Versions 1-4 take no tensor cores; the span layout takes the token kernel at least
+      // for the slots read by few sites, wherever some slot is off the tensor cores.
+      if (version < kMmaVersion) {
+        EXPECT_EQ(mma_slots, 0) << what;
+      }
+      if (d % 256 == 0 && mma_slots < S) {
         EXPECT_GT(token_slots, 0) << what;
       }
     }
