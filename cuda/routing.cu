@@ -1955,7 +1955,12 @@ __device__ __forceinline__ void logits_span_token(float* w_src, float* inv_rms, 
 //   loses (2.87).
 // 9 as 5, and at head_dim 160 as 8 where the wide blocks apply (logits_mma_takes_wide_blocks:
 //   several site groups, more warps resident), the rest as 2: each slot at the kernel that
-//   won its shape.
+//   won its shape. The default since the twenty-seventh session (BENCHMARKS.md, call 2:
+//   every GPU test passes with it; the same test, ms, two rounds, v2 / v5 / v8 / v9): 1B
+//   5.28 / 5.28 / 4.33 / **4.39**, 1B block9 1.95 / 1.95 / 2.65 / **1.83**, 100M and 350M
+//   as v5 (no wide blocks at head_dim 128). The 1B mhar step with v9 against v5, two
+//   alternating rounds: 302.4 / 302.1 and 301.7 / 302.5 ms (the 0.9 ms is within the
+//   spread).
 constexpr int kLogitsVersions = 9;
 constexpr int kLogitsDefault = 9;
 constexpr int64_t kLogitsTableL1Bytes = 64 * 1024;
