@@ -3,17 +3,27 @@
 //   losses[n] = logsumexp(logits[n]) - logits[n, target[n]]
 // With compute_grad the logits row is overwritten in place by its gradient
 //   grad_scale * (softmax(logits[n]) - onehot(target[n])).
-// One block per row. The row is read in 16-byte vectors (8 bf16 or 4 floats; a scalar
-// prologue up to the first 16-byte boundary and a scalar tail, so any V and any row
-// alignment take the vector path): pass 1 keeps a per-thread online (max, sum of exp) in
-// fp32, one rescale per vector, merged across the block; pass 2 (gradient only) re-reads
-// the row and writes each element once. No fp32 copy of the probabilities exists at any
-// point: memory is the logits. Bytes: 2 reads and 1 write of the row with the gradient,
-// 1 read without; 512 threads with 16-byte loads and several blocks per SM keep enough
-// loads in flight for the memory system (the scalar 2-byte loads of the first version
-// reached 0.91 TB/s at 1B).
+// The row is taken in 16-byte vectors (8 bf16 or 4 floats; a scalar prologue up to the
+// first 16-byte boundary and a scalar tail, so any V and any row alignment take the vector
+// path). Per thread an online (max, sum of exp) in fp32, one rescale per vector, merged
+// across the block. No fp32 copy of the probabilities exists at any point: memory is the
+// logits. Two kernels (kernel-lab versions, cross_entropy_set_version):
+// 1 one block per row: pass 1 folds the row, pass 2 (gradient only) re-reads it and writes
+//   each element once. 512 threads with 16-byte loads and several blocks an SM keep enough
+//   loads in flight (the scalar 2-byte loads of the first form reached 0.91 TB/s at 1B),
+//   but 4 blocks an SM hold ~150 MB of rows at once (300 KB a Qwen3 row), more than L2,
+//   so pass 2 reads the row from DRAM again: 3 row-sized transfers, measured at 61-62% of
+//   copy by the 2 the op must move (~93% by its own 3).
+// 2 (the default) a cluster of C blocks a row (C = 1, 2, 4 or 8: a block's segment of the
+//   row at most kSegmentTarget bytes): each block has its segment copied into shared
+//   memory by the copy engine in pieces of 8 KB, one transaction barrier each, so that
+//   its fold starts on the first piece; the blocks' (max, sum) are merged through
+//   distributed shared memory (every block merges the C states in rank order, so all
+//   hold the same logsumexp); pass 2 writes the gradient from shared memory. The row is
+//   read from DRAM once. Its sums differ from version 1's in order (the CPU parity bound).
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
+#include "cuda/mbarrier.cuh"
 
 namespace mhar::cuda {
 namespace {
@@ -137,7 +147,244 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t c = tail + threadIdx.x; c < V; c += blockDim.x) row[c] = store<T>(grad(load(row[c]), c));
 }
 
+// Version 2's geometry: a block's threads, its row segment's target and limit (a row whose
+// segment would exceed kSegmentMax at kMaxCluster blocks takes version 1), the pieces.
+constexpr int kClusterThreads = 256;
+constexpr int kMaxCluster = 8;                 // the portable cluster size
+constexpr int64_t kSegmentTarget = 40 * 1024;  // 5 blocks an SM by shared memory
+constexpr int64_t kSegmentMax = 192 * 1024;
+constexpr int kPieceVectors = 512;  // 8 KB
+constexpr int kMaxPieces = int(kSegmentMax / (16 * kPieceVectors));
+static_assert(kSegmentMax % (16 * kPieceVectors) == 0, "whole pieces");
+
+// Cluster primitives (sm_90; the project builds for sm_90 only, older targets trap).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define MHAR_CE_OLD_ARCH 1
+#endif
+__device__ __forceinline__ uint32_t cluster_special(int which) {
+  uint32_t r = 0;
+#ifdef MHAR_CE_OLD_ARCH
+  __trap();
+#else
+  if (which == 0)
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  else if (which == 1)
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
+  else
+    asm volatile("mov.u32 %0, %%clusterid.x;" : "=r"(r));
+#endif
+  return r;
+}
+// Every thread of every block of the cluster: arrive (release: this thread's writes before
+// it are visible to the cluster after the wait), then wait (acquire).
+__device__ __forceinline__ void cluster_arrive() {
+#ifdef MHAR_CE_OLD_ARCH
+  __trap();
+#else
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#ifdef MHAR_CE_OLD_ARCH
+  __trap();
+#else
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+// The float at p's place in the shared memory of the cluster's block `rank`.
+__device__ __forceinline__ float load_cluster_shared(const float* p, uint32_t rank) {
+  float v = 0.f;
+#ifdef MHAR_CE_OLD_ARCH
+  __trap();
+#else
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+               : "=r"(remote)
+               : "r"(smem_addr(p)), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+#endif
+  return v;
+}
+#undef MHAR_CE_OLD_ARCH
+
+// Version 2. segment_vectors: each block's share of a row's vectors (its rank's run of
+// them; the last blocks' may be short or empty). Rank 0 also takes the scalar head and
+// tail and the target's logit, which it reads before the first cluster barrier: no block
+// writes the row before it.
+template <class T>
+__global__ void __launch_bounds__(kClusterThreads)
+    cross_entropy_cluster_kernel(float* losses, T* logits, const int32_t* targets, int64_t V,
+                                 int64_t segment_vectors, float grad_scale, bool compute_grad) {
+  using P = Pack<T>;
+  constexpr int kN = P::kN;
+  extern __shared__ uint4 segment[];
+  __shared__ uint64_t bars[kMaxPieces];
+  __shared__ float sm_m[kClusterThreads / 32], sm_s[kClusterThreads / 32];
+  __shared__ float part_m, part_s, row_lse, target_logit;
+  const uint32_t rank = cluster_special(0), blocks = cluster_special(1);
+  const int64_t n = cluster_special(2);
+  T* row = logits + n * V;
+  const int32_t target = targets[n];
+  if (target < 0 || target >= V) __trap();
+
+  const int64_t misalign = int64_t(reinterpret_cast<uintptr_t>(row) & 15) / int64_t(sizeof(T));
+  const int64_t head = misalign == 0 ? 0 : (V < kN - misalign ? V : kN - misalign);
+  const int64_t nvec = (V - head) / kN, tail = head + nvec * kN;
+  const int64_t first = int64_t(rank) * segment_vectors;
+  const int64_t count =
+      first >= nvec ? 0 : (nvec - first < segment_vectors ? nvec - first : segment_vectors);
+  uint4* global_segment = reinterpret_cast<uint4*>(row + head) + first;
+  const int pieces = int(ceil_div(count, kPieceVectors));
+  if (threadIdx.x == 0) {
+    for (int p = 0; p < pieces; ++p) mbar_init(&bars[p], 1);
+    mbar_init_fence();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    if (rank == 0) target_logit = load(row[target]);
+    for (int p = 0; p < pieces; ++p) {
+      const int64_t at = int64_t(p) * kPieceVectors;
+      const uint32_t bytes =
+          uint32_t(16 * (count - at < kPieceVectors ? count - at : kPieceVectors));
+      mbar_expect_tx(&bars[p], bytes);
+      bulk_load(segment + at, global_segment + at, bytes, &bars[p]);
+    }
+  }
+
+  float m = -INFINITY, s = 0.f;
+  if (rank == 0) {
+    for (int64_t c = threadIdx.x; c < head; c += blockDim.x) {
+      const float x[1] = {load(row[c])};
+      fold(m, s, x);
+    }
+    for (int64_t c = tail + threadIdx.x; c < V; c += blockDim.x) {
+      const float x[1] = {load(row[c])};
+      fold(m, s, x);
+    }
+  }
+  for (int p = 0; p < pieces; ++p) {
+    mbar_wait(&bars[p], 0);
+    const int64_t end =
+        int64_t(p + 1) * kPieceVectors < count ? int64_t(p + 1) * kPieceVectors : count;
+    for (int64_t i = int64_t(p) * kPieceVectors + threadIdx.x; i < end; i += blockDim.x) {
+      const P pk{segment[i]};
+      float x[kN];
+#pragma unroll
+      for (int k = 0; k < kN; ++k) x[k] = pk.get(k);
+      fold(m, s, x);
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
+    const float s2 = __shfl_xor_sync(0xffffffffu, s, o);
+    merge(m, s, m2, s2);
+  }
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) sm_m[warp] = m, sm_s[warp] = s;
+  __syncthreads();
+  if (warp == 0) {
+    m = lane < int(blockDim.x >> 5) ? sm_m[lane] : -INFINITY;
+    s = lane < int(blockDim.x >> 5) ? sm_s[lane] : 0.f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
+      const float s2 = __shfl_xor_sync(0xffffffffu, s, o);
+      merge(m, s, m2, s2);
+    }
+    if (lane == 0) part_m = m, part_s = s;
+  }
+  cluster_arrive();
+  cluster_wait();
+  if (threadIdx.x == 0) {
+    float rm = -INFINITY, rs = 0.f;
+    for (uint32_t r = 0; r < blocks; ++r)
+      merge(rm, rs, load_cluster_shared(&part_m, r), load_cluster_shared(&part_s, r));
+    row_lse = rm + logf(rs);
+    if (rank == 0) losses[n] = row_lse - target_logit;
+  }
+  cluster_arrive();  // done reading the other blocks' shared memory
+  __syncthreads();   // row_lse
+  if (compute_grad) {
+    const float lse = row_lse;
+    auto grad = [&](float x, bool is_target) {
+      const float p = __expf(x - lse);
+      return grad_scale * (is_target ? p - 1.f : p);
+    };
+    for (int64_t i = threadIdx.x; i < count; i += blockDim.x) {
+      P pk{segment[i]};
+      const int64_t at = int64_t(target) - (head + (first + i) * kN);  // target's place here
+#pragma unroll
+      for (int k = 0; k < kN; ++k) pk.set(k, grad(pk.get(k), at == k));
+      global_segment[i] = pk.raw;
+    }
+    if (rank == 0) {
+      for (int64_t c = threadIdx.x; c < head; c += blockDim.x)
+        row[c] = store<T>(grad(load(row[c]), c == target));
+      for (int64_t c = tail + threadIdx.x; c < V; c += blockDim.x)
+        row[c] = store<T>(grad(load(row[c]), c == target));
+    }
+  }
+  cluster_wait();  // no block leaves while another may still read its part_m / part_s
+}
+
+constexpr int kCrossEntropyVersions = 2;
+constexpr int kCrossEntropyDefault = 2;
+int g_cross_entropy_version = kCrossEntropyDefault;
+
+// Version 2's blocks a row and each block's vectors for rows of V elements of `bytes`
+// each, or false where a segment would exceed kSegmentMax (version 1 then).
+struct ClusterPlan {
+  int blocks;
+  int64_t segment_vectors;
+};
+bool plan_cluster(int64_t V, int64_t bytes, ClusterPlan& plan) {
+  const int64_t vectors = V / (16 / bytes);  // at least any row's vector count
+  int blocks = 1;
+  while (blocks < kMaxCluster && ceil_div(vectors, blocks) * 16 > kSegmentTarget) blocks *= 2;
+  plan = {blocks, ceil_div(vectors, blocks)};
+  return plan.segment_vectors * 16 <= kSegmentMax;
+}
+
+template <class T>
+void launch_cluster(cudaStream_t s, float* losses, T* logits, const int32_t* targets, int64_t N,
+                    int64_t V, const ClusterPlan& plan, float grad_scale, bool compute_grad) {
+  auto kernel = cross_entropy_cluster_kernel<T>;
+  static const bool allowed = [&] {
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    int(kSegmentMax)));
+    return true;
+  }();
+  (void)allowed;
+  MHAR_CHECK(N * plan.blocks <= 0x7fffffff, "cross_entropy: ", N, " rows of ", plan.blocks,
+             " blocks");
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(N * plan.blocks));
+  cfg.blockDim = dim3(kClusterThreads);
+  cfg.dynamicSmemBytes = size_t(plan.segment_vectors) * 16;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = unsigned(plan.blocks);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, losses, logits, targets, V, plan.segment_vectors,
+                                grad_scale, compute_grad));
+}
+
 }  // namespace
+
+int cross_entropy_set_version(int version) {
+  MHAR_CHECK(version >= 0 && version <= kCrossEntropyVersions,
+             "cross_entropy_set_version: ", version, " (0 for the default, or 1 .. ",
+             kCrossEntropyVersions, ")");
+  const int previous = g_cross_entropy_version;
+  g_cross_entropy_version = version == 0 ? kCrossEntropyDefault : version;
+  return previous;
+}
+int cross_entropy_versions() { return kCrossEntropyVersions; }
 
 void cross_entropy(cudaStream_t s, Tensor losses, Tensor logits, Tensor targets,
                    double grad_scale, bool compute_grad) {
@@ -152,6 +399,12 @@ void cross_entropy(cudaStream_t s, Tensor losses, Tensor logits, Tensor targets,
   MHAR_CHECK(N <= 0x7fffffff, "cross_entropy: too many rows");
   dispatch_float(logits.dtype, "cross_entropy", [&](auto tag) {
     using T = decltype(tag);
+    ClusterPlan plan{};
+    if (g_cross_entropy_version == 2 && plan_cluster(V, int64_t(sizeof(T)), plan)) {
+      launch_cluster<T>(s, losses.ptr<float>(), static_cast<T*>(logits.data),
+                        targets.ptr<int32_t>(), N, V, plan, float(grad_scale), compute_grad);
+      return;
+    }
     cross_entropy_kernel<T><<<unsigned(N), kThreads, 0, s>>>(
         losses.ptr<float>(), static_cast<T*>(logits.data), targets.ptr<int32_t>(), V,
         float(grad_scale), compute_grad);

@@ -45,7 +45,8 @@ std::vector<LabKernel> lab_kernels() {
           routing<RoutingKernel::KeyGrad>("key_grad"),
           norm<NormKernel::Forward>("norm_forward"),
           norm<NormKernel::Backward>("norm_backward"),
-          norm<NormKernel::QkNormRope>("qk_norm_rope")};
+          norm<NormKernel::QkNormRope>("qk_norm_rope"),
+          {"cross_entropy", cross_entropy_versions, cross_entropy_set_version}};
 }
 
 }  // namespace

@@ -92,6 +92,11 @@ void swiglu_backward(cudaStream_t s, Tensor d_gate_up, Tensor h, Tensor dh, Tens
 // classifier.cu
 void cross_entropy(cudaStream_t s, Tensor losses, Tensor logits, Tensor targets,
                    double grad_scale, bool compute_grad);
+// Kernel lab: the cross-entropy's version (1: a block a row, the row read twice with the
+// gradient; 2: a cluster of blocks a row, the row read once into shared memory; 0: the
+// default, cuda/classifier.cu says which). Returns the version it replaces.
+int cross_entropy_set_version(int version);
+int cross_entropy_versions();
 
 // The ops' temporaries (Backend::op_scratch_bytes): an op asks for `bytes` in its slot and
 // gets memory at least that large. With a model's scratch bound, every slot is a fixed

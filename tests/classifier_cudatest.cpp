@@ -1,12 +1,16 @@
 // classifier_cudatest.cpp: CUDA fused softmax cross-entropy (losses and the in-place
 // logit gradient) against the CPU reference, small, GPT-2-sized and Qwen3-sized
-// vocabularies, bf16 and fp32 logits. The kernel reads rows in 16-byte vectors after a
-// scalar prologue up to the first 16-byte boundary, with a scalar tail: V = 1001, 50257
-// and 12 give rows at every misalignment (prologue, vectors and tail all in use), V a
-// multiple of 8 rows that start aligned (vectors only), V = 7 and 3 rows shorter than
-// one vector.
+// vocabularies, bf16 and fp32 logits, every kernel-lab version (cuda/classifier.cu). The
+// kernels read rows in 16-byte vectors after a scalar prologue up to the first 16-byte
+// boundary, with a scalar tail: V = 1001, 50257 and 12 give rows at every misalignment
+// (prologue, vectors and tail all in use), V a multiple of 8 rows that start aligned
+// (vectors only), V = 7 and 3 rows shorter than one vector. Version 2's clusters: one
+// block a row up to 4096 (bf16: one whole piece of 8 KB; fp32: two), 4 blocks at 50257
+// bf16 and 8 in fp32 (4 pieces a block, the last partial), 8 at 151936 (bf16: 5 pieces a
+// block; fp32: 10) and at 82005 (misaligned rows of 8 blocks of 3 and 6 pieces).
 #include <gtest/gtest.h>
 
+#include "cuda/kernels.h"
 #include "tests/cuda_test_util.h"
 
 namespace mhar::test {
@@ -15,34 +19,40 @@ namespace {
 class CrossEntropyParity : public CudaParity {};
 
 TEST_F(CrossEntropyParity, LossesAndLogitGradient) {
-  const std::pair<int64_t, int64_t> shapes[] = {{13, 1001}, {4, 50257}, {1, 7},    {6, 12},
-                                                {5, 3},     {9, 4096},  {3, 151936}};
-  for (auto [N, V] : shapes) {
-    for (DType dt : {DType::BF16, DType::F32}) {
-      for (bool grad : {false, true}) {
-        const std::string tag = "N" + std::to_string(N) + " V" + std::to_string(V) +
-                                (dt == DType::F32 ? " f32" : "") + (grad ? " grad" : "");
-        std::uniform_int_distribution<int32_t> pick(0, int32_t(V) - 1);
-        std::vector<int32_t> ids(static_cast<size_t>(N));
-        for (auto& t : ids) t = pick(rng);
-        Pair targets = pair(DType::I32, {N});
-        cpu->upload_tokens(targets.c, ids.data());
-        gpu->upload_tokens(targets.g, ids.data());
-        // Logits spread like a trained model's (std 3) so the softmax is far from uniform.
-        Pair logits = random_pair(dt, {N, V}, 3.0);
-        Pair losses = pair(DType::F32, {N});
-        losses.g.poison();
-        const double scale = 1.0 / double(N);
-        cpu->cross_entropy(losses.c, logits.c, targets.c, scale, grad);
-        gpu->cross_entropy(losses.g, logits.g, targets.g, scale, grad);
-        expect_close("cross_entropy losses " + tag, losses.g, losses.c, kTolF32Output);
-        // The gradient is stored in the logits' dtype: one rounding to bf16, or fp32.
-        if (grad)
-          expect_close("cross_entropy dlogits " + tag, logits.g, logits.c,
-                       dt == DType::F32 ? kTolF32Output : kTolBf16Output);
+  const std::pair<int64_t, int64_t> shapes[] = {{13, 1001}, {4, 50257}, {1, 7},      {6, 12},
+                                                {5, 3},     {9, 4096},  {3, 151936}, {7, 82005}};
+  const int versions = cuda::cross_entropy_versions();
+  for (int version = 1; version <= versions; ++version) {
+    cuda::cross_entropy_set_version(version);
+    for (auto [N, V] : shapes) {
+      for (DType dt : {DType::BF16, DType::F32}) {
+        for (bool grad : {false, true}) {
+          const std::string tag = "v" + std::to_string(version) + " N" + std::to_string(N) + " V" +
+                                  std::to_string(V) + (dt == DType::F32 ? " f32" : "") +
+                                  (grad ? " grad" : "");
+          std::uniform_int_distribution<int32_t> pick(0, int32_t(V) - 1);
+          std::vector<int32_t> ids(static_cast<size_t>(N));
+          for (auto& t : ids) t = pick(rng);
+          Pair targets = pair(DType::I32, {N});
+          cpu->upload_tokens(targets.c, ids.data());
+          gpu->upload_tokens(targets.g, ids.data());
+          // Logits spread like a trained model's (std 3) so the softmax is far from uniform.
+          Pair logits = random_pair(dt, {N, V}, 3.0);
+          Pair losses = pair(DType::F32, {N});
+          losses.g.poison();
+          const double scale = 1.0 / double(N);
+          cpu->cross_entropy(losses.c, logits.c, targets.c, scale, grad);
+          gpu->cross_entropy(losses.g, logits.g, targets.g, scale, grad);
+          expect_close("cross_entropy losses " + tag, losses.g, losses.c, kTolF32Output);
+          // The gradient is stored in the logits' dtype: one rounding to bf16, or fp32.
+          if (grad)
+            expect_close("cross_entropy dlogits " + tag, logits.g, logits.c,
+                         dt == DType::F32 ? kTolF32Output : kTolBf16Output);
+        }
       }
     }
   }
+  cuda::cross_entropy_set_version(0);
 }
 
 }  // namespace

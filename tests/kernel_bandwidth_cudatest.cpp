@@ -1,24 +1,25 @@
 // kernel_bandwidth_cudatest.cpp: achieved bandwidth of the memory-bound kernels (RMSNorm
-// and QK-norm forward/backward, the fused QK-norm + RoPE, RoPE, SwiGLU, add/add_inplace) at the 100M / 350M / 1B
-// standard shapes (16384 tokens a step), and the fused residual add + RMSNorm against the
-// two ops it replaces. Not a parity test and no pass/fail on speed:
-// DISABLED_ so plain runs skip it; run with --gtest_also_run_disabled_tests on the GPU.
-// Each line: the bytes the op must move (each input read once, each output written once;
-// an implementation's temporaries, such as the RMSNorm dw partial rows, not counted), the
-// median device time of `reps` calls (timing marks = CUDA events around each call, after
-// 3 warm-ups), TB/s, and % of the 4.3 TB/s copy rate measured on an H200 (and % of the
-// copy rate measured in this run). Inputs are random, never zeros; when one call's bytes
-// are under 4x a 50 MB L2, the calls rotate over several input sets so that no call reads
-// what the previous one left in L2.
-// NormKernelVersions: every kernel-lab version of the norm kernels (cuda/norm.cu,
-// cuda::norm_set_kernel_version) at the 1B shapes, version 1 timed again last (the spread
-// between two runs of one version: differences below it are noise), so that one device
-// call measures them all and picks the defaults; then the model's QK-norm + RoPE call of
-// q and k together (one launch) against the two tensors timed apart above.
+// and QK-norm forward/backward, the fused QK-norm + RoPE, RoPE, SwiGLU, add/add_inplace) at the
+// 100M / 350M / 1B standard shapes (16384 tokens a step), and the fused residual add + RMSNorm
+// against the two ops it replaces. Not a parity test and no pass/fail on speed: DISABLED_ so plain
+// runs skip it; run with --gtest_also_run_disabled_tests on the GPU. Each line: the bytes the op
+// must move (each input read once, each output written once; an implementation's temporaries, such
+// as the RMSNorm dw partial rows, not counted), the median device time of `reps` calls (timing
+// marks = CUDA events around each call, after 3 warm-ups), TB/s, and % of the 4.3 TB/s copy rate
+// measured on an H200 (and % of the copy rate measured in this run). Inputs are random, never
+// zeros; when one call's bytes are under 4x a 50 MB L2, the calls rotate over several input sets so
+// that no call reads what the previous one left in L2. NormKernelVersions: every kernel-lab version
+// of the norm kernels (cuda/norm.cu, cuda::norm_set_kernel_version) at the 1B shapes, version 1
+// timed again last (the spread between two runs of one version: differences below it are noise), so
+// that one device call measures them all and picks the defaults; then the model's QK-norm + RoPE
+// call of q and k together (one launch) against the two tensors timed apart above.
+// CrossEntropyVersions: the cross-entropy's versions at the models' classifier chunks.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <functional>
+#include <utility>
+#include <vector>
 
 #include "cuda/kernels.h"
 #include "tests/bandwidth_test_util.h"
@@ -270,6 +271,33 @@ TEST_F(KernelBandwidth, DISABLED_NormKernelVersions) {
   qk("qk-norm+rope fused q", sh, sh.H, at, all(cuda::NormKernel::QkNormRope));
   qk("qk-norm+rope fused k", sh, sh.Hkv, at, all(cuda::NormKernel::QkNormRope));
   qk_pair(sh, at);
+}
+
+// The cross-entropy with its gradient (cuda/classifier.cu, cuda::cross_entropy_set_version)
+// at the classifier chunks of the 1B model (2,048 tokens) and of the 100M model (16,384
+// tokens in 3 chunks: 5,462), Qwen3's 151,936 words, and a GPT-2-sized vocabulary of odd
+// width (every row misaligned); bf16 logits. The op must read the logits once and write
+// their gradient in place once (plus the targets and losses); version 1 reads them twice.
+// One input set (0.6-1.7 GB, 12x L2 and more); each call overwrites the logits with their
+// gradient, which the next call takes as its logits. Versions 1, 2, 1, 2 in turn.
+TEST_F(KernelBandwidth, DISABLED_CrossEntropyVersions) {
+  measure_copy_rate();
+  const std::pair<int64_t, int64_t> chunks[] = {{2048, 151936}, {5462, 151936}, {4096, 50257}};
+  for (auto [rows, V] : chunks) {
+    Buffer logits = random_gpu(DType::BF16, {rows, V}, 3.0);
+    Buffer targets(*gpu, DType::I32, {rows}), losses(*gpu, DType::F32, {rows});
+    std::vector<int32_t> ids(static_cast<size_t>(rows));
+    for (size_t i = 0; i < ids.size(); ++i) ids[i] = int32_t((i * 7919) % size_t(V));
+    gpu->upload_tokens(targets, ids.data());
+    const double bytes = 2 * 2.0 * double(rows) * double(V) + 8.0 * double(rows);
+    const std::string tag = " [" + std::to_string(rows) + ", " + std::to_string(V) + "]";
+    for (int version : {1, 2, 1, 2}) {
+      cuda::cross_entropy_set_version(version);
+      report("cross_entropy with gradient v" + std::to_string(version) + tag, bytes,
+             median_ms([&](int) { gpu->cross_entropy(losses, logits, targets, 1.0, true); }, 1));
+    }
+  }
+  cuda::cross_entropy_set_version(0);
 }
 
 }  // namespace
