@@ -1,18 +1,21 @@
 // kernel_bandwidth_cudatest.cpp: achieved bandwidth of the memory-bound kernels (RMSNorm
-// and QK-norm forward/backward, the fused QK-norm + RoPE, RoPE, SwiGLU, add/add_inplace) at the
-// 100M / 350M / 1B standard shapes (16384 tokens a step), and the fused residual add + RMSNorm
-// against the two ops it replaces. Not a parity test and no pass/fail on speed: DISABLED_ so plain
-// runs skip it; run with --gtest_also_run_disabled_tests on the GPU. Each line: the bytes the op
-// must move (each input read once, each output written once; an implementation's temporaries, such
-// as the RMSNorm dw partial rows, not counted), the median device time of `reps` calls (timing
-// marks = CUDA events around each call, after 3 warm-ups), TB/s, and % of the 4.3 TB/s copy rate
-// measured on an H200 (and % of the copy rate measured in this run). Inputs are random, never
-// zeros; when one call's bytes are under 4x a 50 MB L2, the calls rotate over several input sets so
-// that no call reads what the previous one left in L2. NormKernelVersions: every kernel-lab version
-// of the norm kernels (cuda/norm.cu, cuda::norm_set_kernel_version) at the 1B shapes, version 1
-// timed again last (the spread between two runs of one version: differences below it are noise), so
-// that one device call measures them all and picks the defaults; then the model's QK-norm + RoPE
-// call of q and k together (one launch) against the two tensors timed apart above.
+// and QK-norm forward/backward, the fused QK-norm + RoPE, RoPE, SwiGLU, add/add_inplace, the
+// cross-entropy) at the 100M / 350M / 1B standard shapes (16384 tokens a step), and the
+// fused residual add + RMSNorm against the two ops it replaces. Not a parity test and no
+// pass/fail on speed: DISABLED_ so plain runs skip it; run with
+// --gtest_also_run_disabled_tests on the GPU.
+// Each line: the bytes the op must move (each input read once, each output written once;
+// an implementation's temporaries, such as the RMSNorm dw partial rows, not counted), the
+// median device time of `reps` calls (timing marks = CUDA events around each call, after
+// 3 warm-ups), TB/s, and % of the 4.3 TB/s copy rate measured on an H200 (and % of the
+// copy rate measured in this run). Inputs are random, never zeros; when one call's bytes
+// are under 4x a 50 MB L2, the calls rotate over several input sets so that no call reads
+// what the previous one left in L2.
+// NormKernelVersions: every kernel-lab version of the norm kernels (cuda/norm.cu,
+// cuda::norm_set_kernel_version) at the 1B shapes, version 1 timed again last (the spread
+// between two runs of one version: differences below it are noise), so that one device
+// call measures them all and picks the defaults; then the model's QK-norm + RoPE call of
+// q and k together (one launch) against the two tensors timed apart above.
 // CrossEntropyVersions: the cross-entropy's versions at the models' classifier chunks.
 #include <gtest/gtest.h>
 
