@@ -10,10 +10,9 @@
 // logits. Two kernels (kernel-lab versions, cross_entropy_set_version):
 // 1 one block per row: pass 1 folds the row, pass 2 (gradient only) re-reads it and writes
 //   each element once. 512 threads with 16-byte loads and several blocks an SM keep enough
-//   loads in flight (the scalar 2-byte loads of the first form reached 0.91 TB/s at 1B),
-//   but 4 blocks an SM hold ~150 MB of rows at once (300 KB a Qwen3 row), more than L2,
-//   so pass 2 reads the row from DRAM again: 3 row-sized transfers, measured at 61-62% of
-//   copy by the 2 the op must move (~93% by its own 3).
+//   loads in flight (the scalar 2-byte loads of the first form reached 0.91 TB/s at 1B);
+//   4 blocks an SM hold ~150 MB of Qwen3 rows (300 KB each) at once, more than L2, so
+//   pass 2's reads may go to DRAM again.
 // 2 (the default) a cluster of C blocks a row (C = 1, 2, 4 or 8: a block's segment of the
 //   row at most kSegmentTarget bytes): each block has its segment copied into shared
 //   memory by the copy engine in pieces of 8 KB, one transaction barrier each, so that
@@ -21,6 +20,11 @@
 //   distributed shared memory (every block merges the C states in rank order, so all
 //   hold the same logsumexp); pass 2 writes the gradient from shared memory. The row is
 //   read from DRAM once. Its sums differ from version 1's in order (the CPU parity bound).
+// Measured (twenty-seventh session, KernelBandwidth.DISABLED_CrossEntropyVersions, bf16,
+// with the gradient, ms, v1 / v2): [2048, 151936] 0.479 / 0.457, [5462, 151936] 1.231 /
+// 1.205, [4096, 50257] 0.359 / 0.297; 64-65% of copy by the bytes the op must move. So
+// reading the row once gains 2-5% on Qwen3's rows (17% on GPT-2's, whose v1 rows start
+// misaligned): neither version is bound by its DRAM bytes. What is: cuda/NOTES.md, lead 4.
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
 #include "cuda/mbarrier.cuh"
