@@ -277,9 +277,9 @@ TEST_F(KernelBandwidth, DISABLED_NormKernelVersions) {
 }
 
 // The cross-entropy with its gradient (cuda/classifier.cu, cuda::cross_entropy_set_version)
-// at the classifier chunks of the 1B model (2,048 tokens) and of the 100M model (16,384
-// tokens in 3 chunks: 5,462), Qwen3's 151,936 words, and a GPT-2-sized vocabulary of odd
-// width (every row misaligned); bf16 logits. The op must read the logits once and write
+// at Qwen3's 151,936 words over 2,048 tokens (the chunk the earlier figures used) and 5,462
+// (the automatic chunk of the 100M-1B configs: 16,384 tokens in 3 chunks of at most 2 GiB),
+// and a GPT-2-sized vocabulary of odd width (every row misaligned); bf16 logits. The op must read the logits once and write
 // their gradient in place once (plus the targets and losses); version 1 reads them twice.
 // One input set (0.6-1.7 GB, 12x L2 and more); each call overwrites the logits with their
 // gradient, which the next call takes as its logits. Versions 1, 2, 1, 2 in turn.
