@@ -68,6 +68,47 @@ __device__ __forceinline__ void fold(float& m, float& s, const float (&x)[K]) {
   for (int i = 0; i < K; ++i) add += __expf(x[i] - m);
   s += add;
 }
+template <class T>
+__device__ __forceinline__ void fold(float& m, float& s, const Pack<T>& pk) {
+  float x[Pack<T>::kN];
+#pragma unroll
+  for (int k = 0; k < Pack<T>::kN; ++k) x[k] = pk.get(k);
+  fold(m, s, x);
+}
+// Folds the row's elements [from, to) one at a time, strided over the block's threads.
+template <class T>
+__device__ __forceinline__ void fold_scalars(float& m, float& s, const T* row, int64_t from,
+                                             int64_t to) {
+  for (int64_t c = from + threadIdx.x; c < to; c += blockDim.x) {
+    const float x[1] = {load(row[c])};
+    fold(m, s, x);
+  }
+}
+
+// Merges the block's threads' states; warp 0 holds the result (lane 0 reads it). sm_m and
+// sm_s: a float a warp each. A block barrier: the caller's shared writes before it are
+// visible to every thread after it.
+__device__ __forceinline__ void merge_block(float& m, float& s, float* sm_m, float* sm_s) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
+    const float s2 = __shfl_xor_sync(0xffffffffu, s, o);
+    merge(m, s, m2, s2);
+  }
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) sm_m[warp] = m, sm_s[warp] = s;
+  __syncthreads();
+  if (warp == 0) {
+    m = lane < int(blockDim.x >> 5) ? sm_m[lane] : -INFINITY;
+    s = lane < int(blockDim.x >> 5) ? sm_s[lane] : 0.f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
+      const float s2 = __shfl_xor_sync(0xffffffffu, s, o);
+      merge(m, s, m2, s2);
+    }
+  }
+}
 
 template <class T>
 __global__ void __launch_bounds__(kThreads)
@@ -90,47 +131,15 @@ __global__ void __launch_bounds__(kThreads)
   P* vec = reinterpret_cast<P*>(row + head);
 
   float m = -INFINITY, s = 0.f;
-  for (int64_t c = threadIdx.x; c < head; c += blockDim.x) {
-    const float x[1] = {load(row[c])};
-    fold(m, s, x);
-  }
+  fold_scalars(m, s, row, 0, head);
 #pragma unroll 4
-  for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x) {
-    const P p{*reinterpret_cast<const uint4*>(vec + i)};
-    float x[kN];
-#pragma unroll
-    for (int k = 0; k < kN; ++k) x[k] = p.get(k);
-    fold(m, s, x);
-  }
-  for (int64_t c = tail + threadIdx.x; c < V; c += blockDim.x) {
-    const float x[1] = {load(row[c])};
-    fold(m, s, x);
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
-    const float s2 = __shfl_xor_sync(0xffffffffu, s, o);
-    merge(m, s, m2, s2);
-  }
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if (lane == 0) {
-    sm_m[warp] = m;
-    sm_s[warp] = s;
-  }
-  __syncthreads();  // also publishes target_logit before any gradient write
-  if (warp == 0) {
-    m = lane < int(blockDim.x >> 5) ? sm_m[lane] : -INFINITY;
-    s = lane < int(blockDim.x >> 5) ? sm_s[lane] : 0.f;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
-      const float s2 = __shfl_xor_sync(0xffffffffu, s, o);
-      merge(m, s, m2, s2);
-    }
-    if (lane == 0) {
-      row_lse = m + logf(s);
-      losses[n] = row_lse - target_logit;
-    }
+  for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x)
+    fold(m, s, P{*reinterpret_cast<const uint4*>(vec + i)});
+  fold_scalars(m, s, row, tail, V);
+  merge_block(m, s, sm_m, sm_s);  // its barrier: the target read before any gradient write
+  if (threadIdx.x == 0) {
+    row_lse = m + logf(s);
+    losses[n] = row_lse - target_logit;
   }
   if (!compute_grad) return;
   __syncthreads();
@@ -257,47 +266,18 @@ __global__ void __launch_bounds__(kClusterThreads)
 
   float m = -INFINITY, s = 0.f;
   if (rank == 0) {
-    for (int64_t c = threadIdx.x; c < head; c += blockDim.x) {
-      const float x[1] = {load(row[c])};
-      fold(m, s, x);
-    }
-    for (int64_t c = tail + threadIdx.x; c < V; c += blockDim.x) {
-      const float x[1] = {load(row[c])};
-      fold(m, s, x);
-    }
+    fold_scalars(m, s, row, 0, head);
+    fold_scalars(m, s, row, tail, V);
   }
   for (int p = 0; p < pieces; ++p) {
     mbar_wait(&bars[p], 0);
     const int64_t end =
         int64_t(p + 1) * kPieceVectors < count ? int64_t(p + 1) * kPieceVectors : count;
-    for (int64_t i = int64_t(p) * kPieceVectors + threadIdx.x; i < end; i += blockDim.x) {
-      const P pk{segment[i]};
-      float x[kN];
-#pragma unroll
-      for (int k = 0; k < kN; ++k) x[k] = pk.get(k);
-      fold(m, s, x);
-    }
+    for (int64_t i = int64_t(p) * kPieceVectors + threadIdx.x; i < end; i += blockDim.x)
+      fold(m, s, P{segment[i]});
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
-    const float s2 = __shfl_xor_sync(0xffffffffu, s, o);
-    merge(m, s, m2, s2);
-  }
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if (lane == 0) sm_m[warp] = m, sm_s[warp] = s;
-  __syncthreads();
-  if (warp == 0) {
-    m = lane < int(blockDim.x >> 5) ? sm_m[lane] : -INFINITY;
-    s = lane < int(blockDim.x >> 5) ? sm_s[lane] : 0.f;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
-      const float s2 = __shfl_xor_sync(0xffffffffu, s, o);
-      merge(m, s, m2, s2);
-    }
-    if (lane == 0) part_m = m, part_s = s;
-  }
+  merge_block(m, s, sm_m, sm_s);
+  if (threadIdx.x == 0) part_m = m, part_s = s;
   cluster_arrive();
   cluster_wait();
   if (threadIdx.x == 0) {
