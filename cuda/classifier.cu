@@ -174,14 +174,17 @@ static_assert(kSegmentMax % (16 * kPieceVectors) == 0, "whole pieces");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #define MHAR_CE_OLD_ARCH 1
 #endif
-__device__ __forceinline__ uint32_t cluster_special(int which) {
+// This block's rank in its cluster, the cluster's blocks, the cluster's index in the grid.
+enum class ClusterReg { Rank, Blocks, Index };
+template <ClusterReg R>
+__device__ __forceinline__ uint32_t cluster_reg() {
   uint32_t r = 0;
 #ifdef MHAR_CE_OLD_ARCH
   __trap();
 #else
-  if (which == 0)
+  if constexpr (R == ClusterReg::Rank)
     asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  else if (which == 1)
+  else if constexpr (R == ClusterReg::Blocks)
     asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
   else
     asm volatile("mov.u32 %0, %%clusterid.x;" : "=r"(r));
@@ -234,8 +237,8 @@ __global__ void __launch_bounds__(kClusterThreads)
   __shared__ uint64_t bars[kMaxPieces];
   __shared__ float sm_m[kClusterThreads / 32], sm_s[kClusterThreads / 32];
   __shared__ float part_m, part_s, row_lse, target_logit;
-  const uint32_t rank = cluster_special(0), blocks = cluster_special(1);
-  const int64_t n = cluster_special(2);
+  const uint32_t rank = cluster_reg<ClusterReg::Rank>(), blocks = cluster_reg<ClusterReg::Blocks>();
+  const int64_t n = cluster_reg<ClusterReg::Index>();
   T* row = logits + n * V;
   const int32_t target = targets[n];
   if (target < 0 || target >= V) __trap();
