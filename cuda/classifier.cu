@@ -20,6 +20,13 @@
 //   distributed shared memory (every block merges the C states in rank order, so all
 //   hold the same logsumexp); pass 2 writes the gradient from shared memory. The row is
 //   read from DRAM once. Its sums differ from version 1's in order (the CPU parity bound).
+// 3 (bf16 rows; fp32 rows take 2) as 2, with pass 1 overwriting each vector of the segment
+//   by its exps e = exp(x - m) in fp16 (at most 1; m the thread's running max when it
+//   folded the vector, kept as one float a vector after the segment), so that pass 2 takes
+//   one exp a vector, p = e exp(m - lse), rather than one an element: ~1.1 exps an element
+//   in all against ~2.1. The losses are version 2's bits (pass 1's sums are unchanged); the
+//   gradient gains one fp16 rounding of e (2^-11 relative), a quarter of its bf16 rounding.
+//   Built after the twenty-seventh session's device time was spent: not yet run.
 // Measured (twenty-seventh session, KernelBandwidth.DISABLED_CrossEntropyVersions, bf16,
 // with the gradient, ms, v1 / v2): [2048, 151936] 0.479 / 0.457, [5462, 151936] 1.231 /
 // 1.205, [4096, 50257] 0.359 / 0.297; 64-65% of copy by the bytes the op must move. So
@@ -52,21 +59,34 @@ template <class T> struct Pack {
   __device__ __forceinline__ void set(int i, float x) { reinterpret_cast<T*>(&raw)[i] = store<T>(x); }
 };
 
-// Folds values x[0..k) into the online state with one rescale.
+// Folds values x[0..k) into the online state with one rescale; e[i] = exp(x[i] - m) at the
+// m after it (what version 3 keeps; 0 where every value is -inf).
 template <int K>
-__device__ __forceinline__ void fold(float& m, float& s, const float (&x)[K]) {
+__device__ __forceinline__ void fold(float& m, float& s, const float (&x)[K], float (&e)[K]) {
   float mx = x[0];
 #pragma unroll
   for (int i = 1; i < K; ++i) mx = fmaxf(mx, x[i]);
-  if (mx == -INFINITY) return;  // every value -inf: contributes nothing
+  if (mx == -INFINITY) {  // every value -inf: contributes nothing
+#pragma unroll
+    for (int i = 0; i < K; ++i) e[i] = 0.f;
+    return;
+  }
   if (mx > m) {
     s *= __expf(m - mx);  // m = -inf (nothing yet): s = 0 * 0
     m = mx;
   }
   float add = 0.f;
 #pragma unroll
-  for (int i = 0; i < K; ++i) add += __expf(x[i] - m);
+  for (int i = 0; i < K; ++i) {
+    e[i] = __expf(x[i] - m);
+    add += e[i];
+  }
   s += add;
+}
+template <int K>
+__device__ __forceinline__ void fold(float& m, float& s, const float (&x)[K]) {
+  float unused[K];
+  fold(m, s, x, unused);
 }
 template <class T>
 __device__ __forceinline__ void fold(float& m, float& s, const Pack<T>& pk) {
@@ -160,6 +180,26 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t c = tail + threadIdx.x; c < V; c += blockDim.x) row[c] = store<T>(grad(load(row[c]), c));
 }
 
+// Eight floats as fp16 (round to nearest) in 16 bytes, and back (version 3's kept exps).
+__device__ __forceinline__ uint4 pack_half8(const float (&f)[8]) {
+  uint4 r;
+  uint32_t* w = reinterpret_cast<uint32_t*>(&r);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __half2 h = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
+    w[i] = *reinterpret_cast<const uint32_t*>(&h);
+  }
+  return r;
+}
+__device__ __forceinline__ void unpack_half8(const uint4& r, float (&f)[8]) {
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(&r);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 x = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+    f[2 * i] = x.x, f[2 * i + 1] = x.y;
+  }
+}
+
 // Version 2's geometry: a block's threads, its row segment's target and limit (a row whose
 // segment would exceed kSegmentMax at kMaxCluster blocks takes version 1), the pieces.
 constexpr int kClusterThreads = 256;
@@ -227,13 +267,19 @@ __device__ __forceinline__ float load_cluster_shared(const float* p, uint32_t ra
 // them; the last blocks' may be short or empty). Rank 0 also takes the scalar head and
 // tail and the target's logit, which it reads before the first cluster barrier: no block
 // writes the row before it.
-template <class T>
+// KEEP (version 3, bf16): pass 1 overwrites each vector of the segment with its exps
+// (fp16; exp(x - m) <= 1) and records the m they were taken at (one float a vector, after
+// the segment), so that pass 2 takes one exp a vector, p = e exp(m - lse), rather than
+// one an element.
+template <class T, bool KEEP>
 __global__ void __launch_bounds__(kClusterThreads)
     cross_entropy_cluster_kernel(float* losses, T* logits, const int32_t* targets, int64_t V,
                                  int64_t segment_vectors, float grad_scale, bool compute_grad) {
   using P = Pack<T>;
   constexpr int kN = P::kN;
+  static_assert(!KEEP || kN == 8, "version 3 keeps the exps of bf16 rows");
   extern __shared__ uint4 segment[];
+  float* const kept_m = reinterpret_cast<float*>(segment + segment_vectors);  // KEEP
   __shared__ uint64_t bars[kMaxPieces];
   __shared__ float sm_m[kClusterThreads / 32], sm_s[kClusterThreads / 32];
   __shared__ float part_m, part_s, row_lse, target_logit;
@@ -276,8 +322,19 @@ __global__ void __launch_bounds__(kClusterThreads)
     mbar_wait(&bars[p], 0);
     const int64_t end =
         int64_t(p + 1) * kPieceVectors < count ? int64_t(p + 1) * kPieceVectors : count;
-    for (int64_t i = int64_t(p) * kPieceVectors + threadIdx.x; i < end; i += blockDim.x)
-      fold(m, s, P{segment[i]});
+    for (int64_t i = int64_t(p) * kPieceVectors + threadIdx.x; i < end; i += blockDim.x) {
+      if constexpr (KEEP) {
+        const P pk{segment[i]};
+        float x[kN], e[kN];
+#pragma unroll
+        for (int k = 0; k < kN; ++k) x[k] = pk.get(k);
+        fold(m, s, x, e);
+        segment[i] = pack_half8(e);
+        kept_m[i] = m;
+      } else {
+        fold(m, s, P{segment[i]});
+      }
+    }
   }
   merge_block(m, s, sm_m, sm_s);
   if (threadIdx.x == 0) part_m = m, part_s = s;
@@ -299,10 +356,21 @@ __global__ void __launch_bounds__(kClusterThreads)
       return grad_scale * (is_target ? p - 1.f : p);
     };
     for (int64_t i = threadIdx.x; i < count; i += blockDim.x) {
-      P pk{segment[i]};
       const int64_t at = int64_t(target) - (head + (first + i) * kN);  // target's place here
+      P pk{segment[i]};
+      if constexpr (KEEP) {
+        float e[kN];
+        unpack_half8(pk.raw, e);
+        const float scaled = grad_scale * __expf(kept_m[i] - lse);
 #pragma unroll
-      for (int k = 0; k < kN; ++k) pk.set(k, grad(pk.get(k), at == k));
+        for (int k = 0; k < kN; ++k) {
+          const float g = e[k] * scaled;
+          pk.set(k, at == k ? g - grad_scale : g);
+        }
+      } else {
+#pragma unroll
+        for (int k = 0; k < kN; ++k) pk.set(k, grad(pk.get(k), at == k));
+      }
       global_segment[i] = pk.raw;
     }
     if (rank == 0) {
@@ -315,28 +383,31 @@ __global__ void __launch_bounds__(kClusterThreads)
   cluster_wait();  // no block leaves while another may still read its part_m / part_s
 }
 
-constexpr int kCrossEntropyVersions = 2;
+constexpr int kCrossEntropyVersions = 3;
 constexpr int kCrossEntropyDefault = 2;
 int g_cross_entropy_version = kCrossEntropyDefault;
 
-// Version 2's blocks a row and each block's vectors for rows of V elements of `bytes`
-// each, or false where a segment would exceed kSegmentMax (version 1 then).
+// Versions 2-3's blocks a row and each block's vectors for rows of V elements of `bytes`
+// each, with `kept` more bytes a vector (version 3's m), or false where a block's shared
+// memory would exceed kSegmentMax (version 1 then).
 struct ClusterPlan {
   int blocks;
   int64_t segment_vectors;
+  size_t smem;
 };
-bool plan_cluster(int64_t V, int64_t bytes, ClusterPlan& plan) {
+bool plan_cluster(int64_t V, int64_t bytes, int64_t kept, ClusterPlan& plan) {
   const int64_t vectors = V / (16 / bytes);  // at least any row's vector count
   int blocks = 1;
   while (blocks < kMaxCluster && ceil_div(vectors, blocks) * 16 > kSegmentTarget) blocks *= 2;
-  plan = {blocks, ceil_div(vectors, blocks)};
-  return plan.segment_vectors * 16 <= kSegmentMax;
+  const int64_t segment = ceil_div(vectors, blocks);
+  plan = {blocks, segment, size_t(segment * (16 + kept))};
+  return int64_t(plan.smem) <= kSegmentMax;
 }
 
-template <class T>
+template <class T, bool KEEP>
 void launch_cluster(cudaStream_t s, float* losses, T* logits, const int32_t* targets, int64_t N,
                     int64_t V, const ClusterPlan& plan, float grad_scale, bool compute_grad) {
-  auto kernel = cross_entropy_cluster_kernel<T>;
+  auto kernel = cross_entropy_cluster_kernel<T, KEEP>;
   static const bool allowed = [&] {
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     int(kSegmentMax)));
@@ -348,7 +419,7 @@ void launch_cluster(cudaStream_t s, float* losses, T* logits, const int32_t* tar
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(unsigned(N * plan.blocks));
   cfg.blockDim = dim3(kClusterThreads);
-  cfg.dynamicSmemBytes = size_t(plan.segment_vectors) * 16;
+  cfg.dynamicSmemBytes = plan.smem;
   cfg.stream = s;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
@@ -387,9 +458,18 @@ void cross_entropy(cudaStream_t s, Tensor losses, Tensor logits, Tensor targets,
   dispatch_float(logits.dtype, "cross_entropy", [&](auto tag) {
     using T = decltype(tag);
     ClusterPlan plan{};
-    if (g_cross_entropy_version == 2 && plan_cluster(V, int64_t(sizeof(T)), plan)) {
-      launch_cluster<T>(s, losses.ptr<float>(), static_cast<T*>(logits.data),
-                        targets.ptr<int32_t>(), N, V, plan, float(grad_scale), compute_grad);
+    // Version 3 keeps fp16 exps of bf16 rows only; fp32 rows take version 2 there.
+    constexpr bool kKeepable = sizeof(T) == 2;
+    const bool keep = kKeepable && g_cross_entropy_version == 3;
+    if (g_cross_entropy_version >= 2 && plan_cluster(V, int64_t(sizeof(T)), keep ? 4 : 0, plan)) {
+      auto* out = losses.ptr<float>();
+      auto* rows = static_cast<T*>(logits.data);
+      const auto* ids = targets.ptr<int32_t>();
+      if (keep)
+        launch_cluster<T, kKeepable>(s, out, rows, ids, N, V, plan, float(grad_scale),
+                                     compute_grad);
+      else
+        launch_cluster<T, false>(s, out, rows, ids, N, V, plan, float(grad_scale), compute_grad);
       return;
     }
     cross_entropy_kernel<T><<<unsigned(N), kThreads, 0, s>>>(

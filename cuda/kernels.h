@@ -93,8 +93,9 @@ void swiglu_backward(cudaStream_t s, Tensor d_gate_up, Tensor h, Tensor dh, Tens
 void cross_entropy(cudaStream_t s, Tensor losses, Tensor logits, Tensor targets,
                    double grad_scale, bool compute_grad);
 // Kernel lab: the cross-entropy's version (1: a block a row, the row read twice with the
-// gradient; 2: a cluster of blocks a row, the row read once into shared memory; 0: the
-// default, cuda/classifier.cu says which). Returns the version it replaces.
+// gradient; 2: a cluster of blocks a row, the row read once into shared memory; 3: 2 with
+// pass 1's exps kept for pass 2, bf16 rows; 0: the default, cuda/classifier.cu says which).
+// Returns the version it replaces.
 int cross_entropy_set_version(int version);
 int cross_entropy_versions();
 
