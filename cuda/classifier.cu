@@ -7,7 +7,7 @@
 // first 16-byte boundary and a scalar tail, so any V and any row alignment take the vector
 // path). Per thread an online (max, sum of exp) in fp32, one rescale per vector, merged
 // across the block. No fp32 copy of the probabilities exists at any point: memory is the
-// logits. Two kernels (kernel-lab versions, cross_entropy_set_version):
+// logits. Three kernel-lab versions (cross_entropy_set_version) in two kernels:
 // 1 one block per row: pass 1 folds the row, pass 2 (gradient only) re-reads it and writes
 //   each element once. 512 threads with 16-byte loads and several blocks an SM keep enough
 //   loads in flight (the scalar 2-byte loads of the first form reached 0.91 TB/s at 1B);
@@ -32,6 +32,8 @@
 // 1.205, [4096, 50257] 0.359 / 0.297; 64-65% of copy by the bytes the op must move. So
 // reading the row once gains 2-5% on Qwen3's rows (17% on GPT-2's, whose v1 rows start
 // misaligned): neither version is bound by its DRAM bytes. What is: cuda/NOTES.md, lead 4.
+#include <cuda_fp16.h>
+
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
 #include "cuda/mbarrier.cuh"
@@ -89,11 +91,17 @@ __device__ __forceinline__ void fold(float& m, float& s, const float (&x)[K]) {
   fold(m, s, x, unused);
 }
 template <class T>
-__device__ __forceinline__ void fold(float& m, float& s, const Pack<T>& pk) {
+__device__ __forceinline__ void fold(float& m, float& s, const Pack<T>& pk,
+                                     float (&e)[Pack<T>::kN]) {
   float x[Pack<T>::kN];
 #pragma unroll
   for (int k = 0; k < Pack<T>::kN; ++k) x[k] = pk.get(k);
-  fold(m, s, x);
+  fold(m, s, x, e);
+}
+template <class T>
+__device__ __forceinline__ void fold(float& m, float& s, const Pack<T>& pk) {
+  float unused[Pack<T>::kN];
+  fold(m, s, pk, unused);
 }
 // Folds the row's elements [from, to) one at a time, strided over the block's threads.
 template <class T>
@@ -130,6 +138,34 @@ __device__ __forceinline__ void merge_block(float& m, float& s, float* sm_m, flo
   }
 }
 
+// A row's scalar elements [0, head), 16-byte vectors [head, tail) (nvec of them), scalar
+// tail [tail, V): vectors wherever the row's alignment allows.
+struct RowSpans {
+  int64_t head, nvec, tail;
+};
+template <class T>
+__device__ __forceinline__ RowSpans row_spans(const T* row, int64_t V) {
+  constexpr int64_t kN = Pack<T>::kN;
+  const int64_t misalign = int64_t(reinterpret_cast<uintptr_t>(row) & 15) / int64_t(sizeof(T));
+  const int64_t head = misalign == 0 ? 0 : (V < kN - misalign ? V : kN - misalign);
+  const int64_t nvec = (V - head) / kN;
+  return {head, nvec, head + nvec * kN};
+}
+
+// A logit's gradient: grad_scale (softmax - onehot).
+__device__ __forceinline__ float logit_grad(float x, bool is_target, float lse, float grad_scale) {
+  const float p = __expf(x - lse);
+  return grad_scale * (is_target ? p - 1.f : p);
+}
+// Overwrites the row's elements [from, to) with their gradients, strided over the block's
+// threads.
+template <class T>
+__device__ __forceinline__ void grad_scalars(T* row, int64_t from, int64_t to, int32_t target,
+                                             float lse, float grad_scale) {
+  for (int64_t c = from + threadIdx.x; c < to; c += blockDim.x)
+    row[c] = store<T>(logit_grad(load(row[c]), c == target, lse, grad_scale));
+}
+
 template <class T>
 __global__ void __launch_bounds__(kThreads)
     cross_entropy_kernel(float* losses, T* logits, const int32_t* targets, int64_t V,
@@ -144,10 +180,7 @@ __global__ void __launch_bounds__(kThreads)
   if (target < 0 || target >= V) __trap();
   if (threadIdx.x == 0) target_logit = load(row[target]);
 
-  // Scalar elements [0, head), vectors [head, head + nvec * kN), scalar tail after.
-  const int64_t misalign = int64_t(reinterpret_cast<uintptr_t>(row) & 15) / int64_t(sizeof(T));
-  const int64_t head = misalign == 0 ? 0 : (V < kN - misalign ? V : kN - misalign);
-  const int64_t nvec = (V - head) / kN, tail = head + nvec * kN;
+  const auto [head, nvec, tail] = row_spans(row, V);
   P* vec = reinterpret_cast<P*>(row + head);
 
   float m = -INFINITY, s = 0.f;
@@ -164,20 +197,16 @@ __global__ void __launch_bounds__(kThreads)
   if (!compute_grad) return;
   __syncthreads();
   const float lse = row_lse;
-  auto grad = [&](float x, int64_t c) {
-    const float p = __expf(x - lse);
-    return grad_scale * (c == target ? p - 1.f : p);
-  };
-  for (int64_t c = threadIdx.x; c < head; c += blockDim.x) row[c] = store<T>(grad(load(row[c]), c));
+  grad_scalars(row, 0, head, target, lse, grad_scale);
 #pragma unroll 4
   for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x) {
     P p{*reinterpret_cast<const uint4*>(vec + i)};
     const int64_t c0 = head + i * kN;
 #pragma unroll
-    for (int k = 0; k < kN; ++k) p.set(k, grad(p.get(k), c0 + k));
+    for (int k = 0; k < kN; ++k) p.set(k, logit_grad(p.get(k), c0 + k == target, lse, grad_scale));
     *reinterpret_cast<uint4*>(vec + i) = p.raw;
   }
-  for (int64_t c = tail + threadIdx.x; c < V; c += blockDim.x) row[c] = store<T>(grad(load(row[c]), c));
+  grad_scalars(row, tail, V, target, lse, grad_scale);
 }
 
 // Eight floats as fp16 (round to nearest) in 16 bytes, and back (version 3's kept exps).
@@ -289,9 +318,7 @@ __global__ void __launch_bounds__(kClusterThreads)
   const int32_t target = targets[n];
   if (target < 0 || target >= V) __trap();
 
-  const int64_t misalign = int64_t(reinterpret_cast<uintptr_t>(row) & 15) / int64_t(sizeof(T));
-  const int64_t head = misalign == 0 ? 0 : (V < kN - misalign ? V : kN - misalign);
-  const int64_t nvec = (V - head) / kN, tail = head + nvec * kN;
+  const auto [head, nvec, tail] = row_spans(row, V);
   const int64_t first = int64_t(rank) * segment_vectors;
   const int64_t count =
       first >= nvec ? 0 : (nvec - first < segment_vectors ? nvec - first : segment_vectors);
@@ -324,11 +351,8 @@ __global__ void __launch_bounds__(kClusterThreads)
         int64_t(p + 1) * kPieceVectors < count ? int64_t(p + 1) * kPieceVectors : count;
     for (int64_t i = int64_t(p) * kPieceVectors + threadIdx.x; i < end; i += blockDim.x) {
       if constexpr (KEEP) {
-        const P pk{segment[i]};
-        float x[kN], e[kN];
-#pragma unroll
-        for (int k = 0; k < kN; ++k) x[k] = pk.get(k);
-        fold(m, s, x, e);
+        float e[kN];
+        fold(m, s, P{segment[i]}, e);
         segment[i] = pack_half8(e);
         kept_m[i] = m;
       } else {
@@ -351,10 +375,6 @@ __global__ void __launch_bounds__(kClusterThreads)
   __syncthreads();   // row_lse
   if (compute_grad) {
     const float lse = row_lse;
-    auto grad = [&](float x, bool is_target) {
-      const float p = __expf(x - lse);
-      return grad_scale * (is_target ? p - 1.f : p);
-    };
     for (int64_t i = threadIdx.x; i < count; i += blockDim.x) {
       const int64_t at = int64_t(target) - (head + (first + i) * kN);  // target's place here
       P pk{segment[i]};
@@ -369,15 +389,13 @@ __global__ void __launch_bounds__(kClusterThreads)
         }
       } else {
 #pragma unroll
-        for (int k = 0; k < kN; ++k) pk.set(k, grad(pk.get(k), at == k));
+        for (int k = 0; k < kN; ++k) pk.set(k, logit_grad(pk.get(k), at == k, lse, grad_scale));
       }
       global_segment[i] = pk.raw;
     }
     if (rank == 0) {
-      for (int64_t c = threadIdx.x; c < head; c += blockDim.x)
-        row[c] = store<T>(grad(load(row[c]), c == target));
-      for (int64_t c = tail + threadIdx.x; c < V; c += blockDim.x)
-        row[c] = store<T>(grad(load(row[c]), c == target));
+      grad_scalars(row, 0, head, target, lse, grad_scale);
+      grad_scalars(row, tail, V, target, lse, grad_scale);
     }
   }
   cluster_wait();  // no block leaves while another may still read its part_m / part_s

@@ -9,7 +9,7 @@
 //   channels [hi01 hi23 lo01 lo23] (16 bytes, [site][d / 4]); logits_mma_kernel stages
 //   its group's rows of that table in shared memory (cp.async, while its warps load their
 //   first rows) and reads v once a group.
-// - Site groups: a block takes 64 tokens (128 in version 8 where a slot takes several
+// - Site groups: a block takes 64 tokens (128 in versions 8-9 where a slot takes several
 //   groups: kWarpsWide) and up to 8 NT sites. The accumulators keep every head's logits
 //   of the group (heads x NT x 4 floats a lane), so NT is bounded by the registers: 4 at
 //   4 heads, 2 at 8. A slot with more sites takes several groups, each reading v again
@@ -48,7 +48,7 @@ using attn_mma::cp_async_commit;
 using attn_mma::cp_async_wait;
 using attn_mma::mma;
 
-// A block's warps (16 tokens each): 4, or 8 (version 8) where a slot takes several site
+// A block's warps (16 tokens each): 4, or 8 (versions 8-9) where a slot takes several site
 // groups and 8 keep more warps resident. Shared memory bounds the blocks an SM: the table
 // is 8 NT sites x STRIDE records, 81 KB at 8 heads of 160 with NT 2 (2 blocks an SM, 8
 // warps at 4 a block), 65-66 KB at 100M and 350M (3 blocks). 8 warps a block share one
