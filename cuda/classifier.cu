@@ -13,25 +13,26 @@
 //   loads in flight (the scalar 2-byte loads of the first form reached 0.91 TB/s at 1B);
 //   4 blocks an SM hold ~150 MB of Qwen3 rows (300 KB each) at once, more than L2, so
 //   pass 2's reads may go to DRAM again.
-// 2 (the default) a cluster of C blocks a row (C = 1, 2, 4 or 8: a block's segment of the
-//   row at most kSegmentTarget bytes): each block has its segment copied into shared
-//   memory by the copy engine in pieces of 8 KB, one transaction barrier each, so that
-//   its fold starts on the first piece; the blocks' (max, sum) are merged through
-//   distributed shared memory (every block merges the C states in rank order, so all
-//   hold the same logsumexp); pass 2 writes the gradient from shared memory. The row is
-//   read from DRAM once. Its sums differ from version 1's in order (the CPU parity bound).
-// 3 (bf16 rows; fp32 rows take 2) as 2, with pass 1 overwriting each vector of the segment
-//   by its exps e = exp(x - m) in fp16 (at most 1; m the thread's running max when it
-//   folded the vector, kept as one float a vector after the segment), so that pass 2 takes
-//   one exp a vector, p = e exp(m - lse), rather than one an element: ~1.1 exps an element
-//   in all against ~2.1. The losses are version 2's bits (pass 1's sums are unchanged); the
-//   gradient gains one fp16 rounding of e (2^-11 relative), a quarter of its bf16 rounding.
-//   Built after the twenty-seventh session's device time was spent: not yet run.
-// Measured (twenty-seventh session, KernelBandwidth.DISABLED_CrossEntropyVersions, bf16,
-// with the gradient, ms, v1 / v2): [2048, 151936] 0.479 / 0.457, [5462, 151936] 1.231 /
-// 1.205, [4096, 50257] 0.359 / 0.297; 64-65% of copy by the bytes the op must move. So
-// reading the row once gains 2-5% on Qwen3's rows (17% on GPT-2's, whose v1 rows start
-// misaligned): neither version is bound by its DRAM bytes. What is: cuda/NOTES.md, lead 4.
+// 2 a cluster of C blocks a row (C = 1, 2, 4 or 8: a block's segment of the row at most
+//   kSegmentTarget bytes): each block has its segment copied into shared memory by the
+//   copy engine in pieces of 8 KB, one transaction barrier each, so that its fold starts
+//   on the first piece; the blocks' (max, sum) are merged through distributed shared
+//   memory (every block merges the C states in rank order, so all hold the same
+//   logsumexp); pass 2 writes the gradient from shared memory. The row is read from DRAM
+//   once. Its sums differ from version 1's in order (the CPU parity bound).
+// 3 (the default for bf16 rows; fp32 rows take 2) as 2, with pass 1 overwriting each
+//   vector of the segment by its exps e = exp(x - m) in fp16 (at most 1; m the thread's
+//   running max when it folded the vector, kept as one float a vector after the segment),
+//   so that pass 2 takes one exp a vector, p = e exp(m - lse), rather than one an
+//   element: ~1.1 exps an element in all against ~2.1. The losses are version 2's bits
+//   (pass 1's sums are unchanged); the gradient gains one fp16 rounding of e (2^-11
+//   relative, a quarter of its bf16 rounding; 2^-25 absolute below fp16's normal range).
+// Measured (KernelBandwidth.DISABLED_CrossEntropyVersions, bf16, with the gradient, ms,
+// v1 / v2 / v3, twenty-eighth session, two rounds each): [2048, 151936] 0.479 / 0.462 /
+// 0.455, [5462, 151936] (the configs' chunk) 1.230 / 1.224 / 1.197, [4096, 50257] 0.359 /
+// 0.300 / 0.295; v3 at 64-65% of copy by the bytes the op must move. So reading the row
+// once gains 2-5% on Qwen3's rows (17% on GPT-2's, whose v1 rows start misaligned), and
+// half the exps another 1-2%: no version is bound by its DRAM bytes. cuda/NOTES.md, lead 4.
 #include <cuda_fp16.h>
 
 #include "cuda/common.cuh"
@@ -402,7 +403,7 @@ __global__ void __launch_bounds__(kClusterThreads)
 }
 
 constexpr int kCrossEntropyVersions = 3;
-constexpr int kCrossEntropyDefault = 2;
+constexpr int kCrossEntropyDefault = 3;
 int g_cross_entropy_version = kCrossEntropyDefault;
 
 // Versions 2-3's blocks a row and each block's vectors for rows of V elements of `bytes`
