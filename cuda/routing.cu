@@ -67,6 +67,7 @@
 #include "cuda/kernels.h"
 #include "cuda/routing_key_grad_mma.h"
 #include "cuda/routing_logits_mma.h"
+#include "cuda/routing_pair_mma.h"
 
 namespace mhar::cuda {
 namespace {
@@ -2263,9 +2264,13 @@ __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT
 // Tried and dropped before any run: the two slot rows unpacked to fp32 once a token (a
 // fp32 copy of each, passed to the site helpers): NVVM sinks the unpacks back into the
 // site loop (identical PTX), so they stay ~32 of a site's instructions at d 512.
+// 12 is 11 with the unfused tiles' pass on tensor cores (routing_pair_mma.cu) where
+// pair_mma_applies (the paper's widths); the fused form (100M's default) stays 11's. Its
+// sums run in another order (routing_backward_sum_order says so).
 constexpr int kBackTileMaxNT = 5;  // d <= 1280: 234 registers, no spills (NT 6: 239; 7, 8 spill)
 constexpr int pair_blocks_per_sm(int NT, int version) { return version >= 2 && NT <= 4 ? 3 : 2; }
-constexpr int kPairVersions = 11;
+constexpr int kPairVersions = 12;
+constexpr int kPairMmaVersion = 12;
 constexpr int kPairDefault = 11;
 constexpr int kPairRing = 4;
 constexpr int kPairRingMaxNT = 2;
@@ -3475,7 +3480,10 @@ int routing_backward_sum_order(int64_t d, int heads) {
   const int value_parts = parts_log2_for(g, value_part_chunks(value));
   if (value == 5 && value_parts >= 0)  // every slot fused, the pair's form too
     return key_grads + 256 + lane_chunks(value_parts);
-  return key_grads + 16 * lane_chunks(parts_log2_for(g, pair_part_chunks(g_pair_version))) +
+  const int pair_mma_order =
+      g_pair_version == kPairMmaVersion && pair_mma_applies(g.d, heads) ? 2048 : 0;
+  return key_grads + pair_mma_order +
+         16 * lane_chunks(parts_log2_for(g, pair_part_chunks(g_pair_version))) +
          lane_chunks(value_parts);
 }
 
@@ -3605,6 +3613,24 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
           inv_rms.ptr<float>(), older->inv_rms, qg, g, source, fused_parts_log2);
       CUDA_CHECK_LAUNCH();
     });
+  } else if (older && g_pair_version == kPairMmaVersion && pair_mma_applies(g.d, heads)) {
+    PairMmaArgs pa{};
+    pa.val = val;
+    pa.partial = static_cast<float*>(ctx.scratch(ScratchSlot::RoutingBackTile, N * g.d * 4));
+    pa.w0 = weights.ptr<float>() + g.lay.pair_base(source) * g.H * N;
+    const int older_slot = source - g.lay.block;  // as the CUDA-core pair kernels
+    pa.w1 = weights.ptr<float>() + (g.lay.pair_base(older_slot) + (source - older_slot)) * g.H * N;
+    pa.ubar_source = ubar.ptr<float>() + int64_t(source) * g.H * N;
+    pa.x = x_in;
+    pa.v0 = v_in;
+    pa.v1 = older->v;
+    pa.inv_rms0 = inv_rms.ptr<float>();
+    pa.inv_rms1 = older->inv_rms;
+    pa.N = N;
+    pa.ns = ns;
+    for (int i = 0; i < ns; ++i) pa.dx[i] = rows.dx[source + i];
+    MHAR_CHECK(pair_mma(s, pa, g.d, heads, g_grid_cap), "CUDA ", what, ": pair version 12 at d ",
+               g.d, ", ", heads, " heads, ", ns, " sites");
   } else if (older) {
     auto* partial = static_cast<float*>(ctx.scratch(ScratchSlot::RoutingBackTile, N * g.d * 4));
     // Version 4's ring (3 blocks an SM, one wave) on whole rows or, versions 5-6, on row

@@ -108,7 +108,7 @@ class OpTiming : public CudaParity {
     gpu->copy(st.mixed, st.weights);
     return st;
   }
-  void routing_backward_sweeps(bool limits, bool versions);
+  void routing_backward_sweeps(bool limits, bool versions, bool pairs = false);
   static void report(const std::string& what, double ms, double flop, double bytes) {
     std::printf("TIMING %-58s %9.3f ms", what.c_str(), ms);
     if (flop > 0) std::printf("  %7.1f TFLOP/s", flop / ms * 1e-9);
@@ -559,7 +559,9 @@ TEST_F(OpTiming, DISABLED_RoutingLogitsVersions) {
 // tiled under each numbered version of the pair kernel (cuda::routing_set_kernel_version).
 // versions: each numbered version of the value and key-gradient kernels, and the version
 // pairs a default would take together.
-void OpTiming::routing_backward_sweeps(bool limits, bool versions) {
+// pairs: the tiled backward at the default limit under the default pair version and the
+// tensor-core one (12), alternating, three rounds.
+void OpTiming::routing_backward_sweeps(bool limits, bool versions, bool pairs) {
   const int64_t N = 16384;
   for (const FullRoutingShape& sh : kFullRoutingShapes) {
     const RoutingLayout lay = RoutingLayout::full(sh.S);
@@ -606,6 +608,15 @@ void OpTiming::routing_backward_sweeps(bool limits, bool versions) {
       cuda::routing_set_kernel_version(cuda::RoutingKernel::BackwardPair, 0);
     }
     cuda::routing_set_fused_key_max_sites(-1);
+    for (int round = 0; pairs && tile > 1 && round < 3; ++round)
+      for (int version : {0, 12}) {
+        cuda::routing_set_kernel_version(cuda::RoutingKernel::BackwardPair, version);
+        report("routing backward, tiles of " + std::to_string(tile) + ", pair kernel " +
+                   (version == 0 ? std::string("default") : "v" + std::to_string(version)) + ", " +
+                   tag,
+               time_ms([&] { backward(true); }, 3) - copy_ms, 0, 0);
+        cuda::routing_set_kernel_version(cuda::RoutingKernel::BackwardPair, 0);
+      }
     if (!versions) continue;
     // Each numbered version of one kernel at the default limit and pair kernel, untiled
     // and tiled: the plain calls' value kernel, the key gradients (1: the GEMMs past 8
@@ -644,6 +655,7 @@ void OpTiming::routing_backward_sweeps(bool limits, bool versions) {
 }
 TEST_F(OpTiming, DISABLED_RoutingBackwardFusedLimit) { routing_backward_sweeps(true, false); }
 TEST_F(OpTiming, DISABLED_RoutingBackwardVersions) { routing_backward_sweeps(false, true); }
+TEST_F(OpTiming, DISABLED_RoutingPairVersions) { routing_backward_sweeps(false, false, true); }
 
 // Delta's routing at the 1B shape (configs/1b_delta.json: d 1280, 73 sites, H 8, blocks
 // of 8 sublayers), split by slot class: "short" slots (a block's partial sums, read by
