@@ -365,20 +365,12 @@ __global__ void __launch_bounds__(kClusterThreads)
   if (threadIdx.x == 0) part_m = m, part_s = s;
   cluster_arrive();
   cluster_wait();
-  if (threadIdx.x < 32) {
-    // Lane r fetches block r's state, so the C remote loads overlap (one after another
-    // they were C round trips of distributed shared memory, ~1 us at C = 8, while the
-    // block held its segment idle); lane 0 then merges them in rank order, as before.
-    const uint32_t lane = threadIdx.x;
-    const float pm = lane < blocks ? load_cluster_shared(&part_m, lane) : -INFINITY;
-    const float ps = lane < blocks ? load_cluster_shared(&part_s, lane) : 0.f;
+  if (threadIdx.x == 0) {
     float rm = -INFINITY, rs = 0.f;
     for (uint32_t r = 0; r < blocks; ++r)
-      merge(rm, rs, __shfl_sync(0xffffffffu, pm, r), __shfl_sync(0xffffffffu, ps, r));
-    if (lane == 0) {
-      row_lse = rm + logf(rs);
-      if (rank == 0) losses[n] = row_lse - target_logit;
-    }
+      merge(rm, rs, load_cluster_shared(&part_m, r), load_cluster_shared(&part_s, r));
+    row_lse = rm + logf(rs);
+    if (rank == 0) losses[n] = row_lse - target_logit;
   }
   cluster_arrive();  // done reading the other blocks' shared memory
   __syncthreads();   // row_lse
