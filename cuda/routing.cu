@@ -55,11 +55,12 @@
 // Kernel lab: the mix tile and finish kernels, the backward's pair kernel and the logits
 // keep their earlier versions, numbered, chosen at launch (routing_set_kernel_version,
 // kernels.h; the defaults are the measured fastest: mix tile 5 of 5, finish 6 of 6, pair
-// 11 of 11, the unfused value kernel 5 / 3 / 6 / 2 of 6 by width, the key gradients 3 of
-// 3, logits 2 of 5, the delta site forward 1 of 2, its backward 2 of 3), so
-// that one device run times each (tests/op_timing_cudatest.cpp); every version computes
-// the same bits, but for the logits' choice between token kernel and GEMMs and the
-// backward's row parts and fused key path (see there).
+// 11 of 12, the unfused value kernel by width of 6, the key gradients 4 of 4, logits 9 of
+// 9, the delta site forward 1 of 2, its backward 2 of 3), so that one device run times
+// each (tests/op_timing_cudatest.cpp); every version computes the same bits, but for the
+// logits' choice between token kernel and GEMMs, the backward's row parts and fused key
+// path, the key gradients' and pair version 12's tensor cores (see there;
+// routing_backward_sum_order tells the tests which).
 #include <algorithm>
 #include <type_traits>
 
@@ -2266,7 +2267,10 @@ __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT
 // site loop (identical PTX), so they stay ~32 of a site's instructions at d 512.
 // 12 is 11 with the unfused tiles' pass on tensor cores (routing_pair_mma.cu) where
 // pair_mma_applies (the paper's widths); the fused form (100M's default) stays 11's. Its
-// sums run in another order (routing_backward_sum_order says so).
+// sums run in another order (routing_backward_sum_order says so). Measured (twenty-eighth
+// session, a step's tiled backward, v11 / v12): 350M 19.47 / 22.14 ms, 1B 44.17 / 52.42;
+// ncu: 8 warps an SM, latency-bound, most of its instructions the copies' address
+// arithmetic (cuda/NOTES.md, "The backward tile's pass on tensor cores").
 constexpr int kBackTileMaxNT = 5;  // d <= 1280: 234 registers, no spills (NT 6: 239; 7, 8 spill)
 constexpr int pair_blocks_per_sm(int NT, int version) { return version >= 2 && NT <= 4 ? 3 : 2; }
 constexpr int kPairVersions = 12;
