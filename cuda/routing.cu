@@ -55,7 +55,7 @@
 // Kernel lab: the mix tile and finish kernels, the backward's pair kernel and the logits
 // keep their earlier versions, numbered, chosen at launch (routing_set_kernel_version,
 // kernels.h; the defaults are the measured fastest: mix tile 5 of 5, finish 6 of 6, pair
-// 11 of 12, the unfused value kernel by width of 6, the key gradients 4 of 4, logits 9 of
+// 11 of 13, the unfused value kernel by width of 6, the key gradients 4 of 4, logits 9 of
 // 9, the delta site forward 1 of 2, its backward 2 of 3), so that one device run times
 // each (tests/op_timing_cudatest.cpp); every version computes the same bits, but for the
 // logits' choice between token kernel and GEMMs, the backward's row parts and fused key
@@ -2270,11 +2270,13 @@ __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT
 // sums run in another order (routing_backward_sum_order says so). Measured (twenty-eighth
 // session, a step's tiled backward, v11 / v12): 350M 19.47 / 22.14 ms, 1B 44.17 / 52.42;
 // ncu: 8 warps an SM, latency-bound, most of its instructions the copies' address
-// arithmetic (cuda/NOTES.md, "The backward tile's pass on tensor cores").
+// arithmetic (cuda/NOTES.md, "The backward tile's pass on tensor cores"). Since then (not
+// yet run): the copies' address arithmetic cut, U's mma chain split in two; 13 is 12 with
+// 2 stages a warp, so that 16 warps fit an SM at 350M and 1B (12: 8).
 constexpr int kBackTileMaxNT = 5;  // d <= 1280: 234 registers, no spills (NT 6: 239; 7, 8 spill)
 constexpr int pair_blocks_per_sm(int NT, int version) { return version >= 2 && NT <= 4 ? 3 : 2; }
-constexpr int kPairVersions = 12;
-constexpr int kPairMmaVersion = 12;
+constexpr int kPairVersions = 13;
+constexpr bool pair_on_tensor_cores(int version) { return version >= 12; }
 constexpr int kPairDefault = 11;
 constexpr int kPairRing = 4;
 constexpr int kPairRingMaxNT = 2;
@@ -3485,7 +3487,7 @@ int routing_backward_sum_order(int64_t d, int heads) {
   if (value == 5 && value_parts >= 0)  // every slot fused, the pair's form too
     return key_grads + 256 + lane_chunks(value_parts);
   const int pair_mma_order =
-      g_pair_version == kPairMmaVersion && pair_mma_applies(g.d, heads) ? 2048 : 0;
+      pair_on_tensor_cores(g_pair_version) && pair_mma_applies(g.d, heads) ? 2048 : 0;
   return key_grads + pair_mma_order +
          16 * lane_chunks(parts_log2_for(g, pair_part_chunks(g_pair_version))) +
          lane_chunks(value_parts);
@@ -3617,7 +3619,7 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
           inv_rms.ptr<float>(), older->inv_rms, qg, g, source, fused_parts_log2);
       CUDA_CHECK_LAUNCH();
     });
-  } else if (older && g_pair_version == kPairMmaVersion && pair_mma_applies(g.d, heads)) {
+  } else if (older && pair_on_tensor_cores(g_pair_version) && pair_mma_applies(g.d, heads)) {
     PairMmaArgs pa{};
     pa.val = val;
     pa.partial = static_cast<float*>(ctx.scratch(ScratchSlot::RoutingBackTile, N * g.d * 4));
@@ -3633,8 +3635,9 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
     pa.N = N;
     pa.ns = ns;
     for (int i = 0; i < ns; ++i) pa.dx[i] = rows.dx[source + i];
-    MHAR_CHECK(pair_mma(s, pa, g.d, heads, g_grid_cap), "CUDA ", what, ": pair version 12 at d ",
-               g.d, ", ", heads, " heads, ", ns, " sites");
+    MHAR_CHECK(pair_mma(s, pa, g.d, heads, g_pair_version == 13, g_grid_cap), "CUDA ", what,
+               ": pair version ", g_pair_version, " at d ", g.d, ", ", heads, " heads, ", ns,
+               " sites");
   } else if (older) {
     auto* partial = static_cast<float*>(ctx.scratch(ScratchSlot::RoutingBackTile, N * g.d * 4));
     // Version 4's ring (3 blocks an SM, one wave) on whole rows or, versions 5-6, on row

@@ -1,6 +1,7 @@
 // routing_pair_mma.cu: the backward depth tile's pass over its site gradients on tensor
-// cores (pair version 12 in routing.cu's lab numbering; routing_pair_mma.h states what it
-// computes). Why: the CUDA-core pair kernels issue ~270 instructions a site row and token
+// cores (pair versions 12 and 13 in routing.cu's lab numbering; routing_pair_mma.h states
+// what it computes; cuda/NOTES.md, "The backward tile's pass on tensor cores", what was
+// measured). Why: the CUDA-core pair kernels issue ~270 instructions a site row and token
 // (cuda/NOTES.md, "Where 100M's routing kernels stand"): two dot products a head and two
 // weighted sums per element, each a chain of FMAs and shuffles. Per token and head the
 // same work is two small products,
@@ -11,12 +12,13 @@
 // tensor cores have the time to spare, the issue slots do not.
 // - Warps: one a head (H warps a block), each on its own pipeline: the work is a stream
 //   of items (token, chunk of 16 sites), each staged by the warp's own cp.async copies
-//   STAGES - 1 items ahead of the one computed, into the warp's own shared memory: its
-//   head's slice of the chunk's 16 site rows (zero-filled past the last site), its
-//   scalars a0, a1, ubar [3][16] (zero-filled likewise), and with a token's first chunk
-//   its head's slices of v0, v1, x and both slots' inv_rms (STAGES buffers by token, so a
-//   token's rows outlive the items in flight after it). No block barrier: a warp waits
-//   for its own copies only (cp.async.wait_group, then __syncwarp for its lanes').
+//   STAGES - 1 items ahead of the one computed (4-5 stages, or 2 with twice the warps an
+//   SM), into the warp's own shared memory: its head's slice of the chunk's 16 site rows
+//   (zero-filled past the last site), its scalars a0, a1, ubar [3][16] (zero-filled
+//   likewise), and with a token's first chunk its head's slices of v0, v1, x and both
+//   slots' inv_rms (STAGES buffers by token, so a token's rows outlive the items in flight
+//   after it). No block barrier: a warp waits for its own copies only
+//   (cp.async.wait_group, then __syncwarp for its lanes').
 // - Tokens: a block takes runs of 8 consecutive tokens (a grid of one wave strides over
 //   the runs), so that the 4-byte scalars of [pair][head][token] rows share sectors.
 // - Shared rows are dh + 8 elements apart: the 16-byte pad puts the 8 rows of each
@@ -88,33 +90,46 @@ __global__ void __launch_bounds__(32 * H) pair_mma_kernel(const PairMmaArgs a) {
   const int64_t N = a.N, HN = int64_t(H) * N;
   const int ns = a.ns, chunks = (ns + kSites - 1) / kSites;
   const int64_t head_off = int64_t(h) * N;
+  // The copies' lane map, fixed for the kernel: a copy instruction takes kRowsPerCopy rows
+  // of the head's slice, lane (rsub, ch) chunk ch of row rsub of them (at dh 160 lanes 20
+  // and up idle); the scalar copies take lane (kind, sr): a0 / a1 of site sr, then ubar.
+  constexpr int kRowsPerCopy = 32 / kChunks;  // 2 at dh 128, 1 at 160
+  const bool copier = lane < kRowsPerCopy * kChunks;
+  const int ch = lane % kChunks, rsub = lane / kChunks, sr = lane & 15;
+  const int64_t lane_chunk = int64_t(h) * DH + ch * 8;
+  const float* const scalar_rows = lane < 16 ? a.w0 : a.w1;
 
   // Stages item `it` (token run index j = it / chunks, chunk c): this warp's share.
   auto issue = [&](int it) {
     const int j = it / chunks, c = it - j * chunks;
     const int64_t n = run_token(j);
     if (n >= N) return;
-    bf16* rows = rows_st + (it % STAGES) * W::kRowElems;
-    for (int idx = lane; idx < kSites * kChunks; idx += 32) {
-      const int r = idx / kChunks, ch = idx - r * kChunks, i = c * kSites + r;
-      const bool valid = i < ns;
-      const bf16* src = valid ? a.dx[i] + n * kD + h * DH + ch * 8 : a.x;
-      cp_async16(rows + r * kStride + ch * 8, src, valid);
+    const int64_t row_off = n * kD + lane_chunk;
+    bf16* rows = rows_st + (it % STAGES) * W::kRowElems + ch * 8;
+#pragma unroll
+    for (int u = 0; u < kSites / kRowsPerCopy; ++u) {
+      const int r = u * kRowsPerCopy + rsub, i = c * kSites + r;
+      // Read unconditionally (i < kPairMmaMaxSites: chunks of 16 cover at most its 256),
+      // so that no branch guards the table; the rows past ns copy nothing (zero-filled).
+      const bf16* site_row = a.dx[i] + row_off;
+      if (copier) cp_async16(rows + r * kStride, i < ns ? site_row : a.x, i < ns);
     }
+    // ubar of site `source` (i = 0) is the kernel's own output: zero here.
     float* scal = scal_st + (it % STAGES) * W::kScalars;
-    for (int idx = lane; idx < W::kScalars; idx += 32) {
-      const int kind = idx / kSites, i = c * kSites + idx % kSites;
-      // ubar of site `source` (i = 0) is the kernel's own output: zero here.
-      const bool valid = i < ns && !(kind == 2 && i == 0);
-      const float* base = kind == 0 ? a.w0 : kind == 1 ? a.w1 : a.ubar_source;
-      cp_async4(scal + idx, valid ? base + int64_t(i) * HN + head_off + n : a.w0, valid);
+    const int i = c * kSites + sr;
+    const int64_t scalar_off = int64_t(i) * HN + head_off + n;
+    cp_async4(scal + lane, i < ns ? scalar_rows + scalar_off : a.w0, i < ns);
+    if (lane < 16) {
+      const bool valid = i < ns && i > 0;
+      cp_async4(scal + 2 * kSites + lane, valid ? a.ubar_source + scalar_off : a.w0, valid);
     }
     if (c == 0) {
-      bf16* tok = tok_st + (j % STAGES) * W::kTokenElems;
-      for (int idx = lane; idx < 3 * kChunks; idx += 32) {
-        const int q = idx / kChunks, ch = idx - q * kChunks;
-        const bf16* src = q == 0 ? a.v0 : q == 1 ? a.v1 : a.x;
-        cp_async16(tok + q * kStride + ch * 8, src + n * kD + h * DH + ch * 8, true);
+      bf16* tok = tok_st + (j % STAGES) * W::kTokenElems + ch * 8;
+#pragma unroll
+      for (int u = 0; u < (3 + kRowsPerCopy - 1) / kRowsPerCopy; ++u) {
+        const int q = u * kRowsPerCopy + rsub;
+        if (copier && q < 3)
+          cp_async16(tok + q * kStride, (q == 0 ? a.v0 : q == 1 ? a.v1 : a.x) + row_off, true);
       }
       if (lane < 2)
         cp_async4(rms_st + (j % STAGES) * 2 + lane, (lane == 0 ? a.inv_rms0 : a.inv_rms1) + n,
@@ -150,7 +165,8 @@ __global__ void __launch_bounds__(32 * H) pair_mma_kernel(const PairMmaArgs a) {
     }
 
     // U: lane (g, t) ends with sites g, g + 8 x columns 2t, 2t + 1 (0: v0, 1: v1, 2: x).
-    float u[4] = {0.f, 0.f, 0.f, 0.f};
+    // Two accumulators (even and odd k steps) halve the chain of dependent mmas.
+    float u[4] = {0.f, 0.f, 0.f, 0.f}, u_odd[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int ks = 0; ks < DH / 16; ++ks) {
       uint32_t A[4];
@@ -161,8 +177,13 @@ __global__ void __launch_bounds__(32 * H) pair_mma_kernel(const PairMmaArgs a) {
         b0 = *reinterpret_cast<const uint32_t*>(p);
         b1 = *reinterpret_cast<const uint32_t*>(p + 8);
       }
-      mma(u, A, b0, b1);
+      if (ks % 2 == 0)
+        mma(u, A, b0, b1);
+      else
+        mma(u_odd, A, b0, b1);
     }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) u[e] += u_odd[e];
     // Site `source`'s ubar: column 2 of site 0, held by lane 1 (g 0, t 1).
     const float ux = __shfl_sync(0xffffffffu, u[0], 1);
     if (t == 0) {
@@ -221,6 +242,9 @@ void launch(cudaStream_t s, const PairMmaArgs& args, int max_blocks) {
   static const int per_sm = [&] {
     CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem)));
+    // All of the SM's 228 KB as shared memory, so that two blocks of 86-105 KB fit.
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                    int(cudaSharedmemCarveoutMaxShared)));
     return resident_blocks_per_sm(kernel, 32 * H, kSmem);
   }();
   const int64_t runs = ceil_div(args.N, int64_t(kTokenRun));
@@ -236,15 +260,28 @@ bool pair_mma_applies(int d, int heads) {
   return (heads == 4 && d == 512) || (heads == 8 && (d == 1024 || d == 1280));
 }
 
-bool pair_mma(cudaStream_t s, const PairMmaArgs& args, int d, int heads, int max_blocks) {
+bool pair_mma(cudaStream_t s, const PairMmaArgs& args, int d, int heads, bool two_stages,
+              int max_blocks) {
   if (!pair_mma_applies(d, heads) || args.ns < 1 || args.ns > kPairMmaMaxSites || args.N <= 0)
     return false;
-  if (heads == 4)
-    launch<4, 128, 5>(s, args, max_blocks);  // 108 KB a block: 2 an SM
-  else if (d == 1024)
-    launch<8, 128, 5>(s, args, max_blocks);  // 215 KB
-  else
-    launch<8, 160, 4>(s, args, max_blocks);  // 210 KB
+  // Shared memory a block, and the blocks an SM it allows (of 227 KB): deep, 4-5 stages
+  // (3-4 items in flight a warp); two_stages, 2 (1 in flight, twice the warps an SM).
+  if (heads == 4) {
+    if (two_stages)
+      launch<4, 128, 2>(s, args, max_blocks);  // 43 KB: 5 blocks, 20 warps
+    else
+      launch<4, 128, 5>(s, args, max_blocks);  // 108 KB: 2 blocks, 8 warps
+  } else if (d == 1024) {
+    if (two_stages)
+      launch<8, 128, 2>(s, args, max_blocks);  // 86 KB: 2 blocks, 16 warps
+    else
+      launch<8, 128, 5>(s, args, max_blocks);  // 215 KB: 1 block, 8 warps
+  } else {
+    if (two_stages)
+      launch<8, 160, 2>(s, args, max_blocks);  // 105 KB: 2 blocks, 16 warps
+    else
+      launch<8, 160, 4>(s, args, max_blocks);  // 210 KB: 1 block, 8 warps
+  }
   return true;
 }
 

@@ -40,8 +40,10 @@ struct PairMmaArgs {
 // of 160 with 8 (the paper's 100M, 350M and 1B shapes).
 bool pair_mma_applies(int d, int heads);
 // Launches it on a grid of one wave, at most max_blocks blocks where max_blocks > 0 (the
-// tests' routing_set_grid_cap); false (nothing launched) where pair_mma_applies says no or
-// ns is outside [1, kPairMmaMaxSites].
-bool pair_mma(cudaStream_t s, const PairMmaArgs& args, int d, int heads, int max_blocks);
+// tests' routing_set_grid_cap): each warp 4-5 stages deep (pair version 12), or 2 stages
+// with twice the warps an SM (two_stages: version 13). False (nothing launched) where
+// pair_mma_applies says no or ns is outside [1, kPairMmaMaxSites].
+bool pair_mma(cudaStream_t s, const PairMmaArgs& args, int d, int heads, bool two_stages,
+              int max_blocks);
 
 }  // namespace mhar::cuda

@@ -560,7 +560,7 @@ TEST_F(OpTiming, DISABLED_RoutingLogitsVersions) {
 // versions: each numbered version of the value and key-gradient kernels, and the version
 // pairs a default would take together.
 // pairs: the tiled backward at the default limit under the default pair version and the
-// tensor-core one (12), alternating, three rounds.
+// tensor-core ones (12, 13), alternating, three rounds.
 void OpTiming::routing_backward_sweeps(bool limits, bool versions, bool pairs) {
   const int64_t N = 16384;
   for (const FullRoutingShape& sh : kFullRoutingShapes) {
@@ -609,7 +609,7 @@ void OpTiming::routing_backward_sweeps(bool limits, bool versions, bool pairs) {
     }
     cuda::routing_set_fused_key_max_sites(-1);
     for (int round = 0; pairs && tile > 1 && round < 3; ++round)
-      for (int version : {0, 12}) {
+      for (int version : {0, 12, 13}) {
         cuda::routing_set_kernel_version(cuda::RoutingKernel::BackwardPair, version);
         report("routing backward, tiles of " + std::to_string(tile) + ", pair kernel " +
                    (version == 0 ? std::string("default") : "v" + std::to_string(version)) + ", " +
