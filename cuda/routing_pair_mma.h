@@ -1,4 +1,4 @@
-// routing_pair_mma.h: pair version 12 (routing_pair_mma.cu), the routing backward depth
+// routing_pair_mma.h: pair versions 12-13 (routing_pair_mma.cu), the routing backward depth
 // tile's pass over its site gradients on tensor cores. Internal to cuda/ (routing.cu
 // calls it).
 #pragma once

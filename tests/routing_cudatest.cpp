@@ -120,12 +120,12 @@ class RoutingParity : public CudaParity {
   // KeyGrad): the bits of `run()` at the defaults wherever
   // cuda::routing_backward_sum_order says the sums run in the defaults' order, else `close`
   // (the CPU reference's bounds: row parts sum each head's dot product in another order,
-  // the key-gradient versions each key gradient, pair version 12 its tensor cores). Then
-  // every version again with the backward's one-wave grids capped at one block
-  // (cuda::routing_set_grid_cap): each warp takes several tokens, through the kernels' token
-  // loops and the stream versions' cursor across token boundaries, and must still give the
-  // defaults' bits (or, reordered, stay within the CPU's bounds). Returns the defaults'
-  // outputs.
+  // the key-gradient versions each key gradient, pair versions 12-13 their tensor cores).
+  // Then every version again with the backward's one-wave grids capped at one block
+  // (cuda::routing_set_grid_cap): each warp takes several tokens, through the kernels'
+  // token loops and the stream versions' cursor across token boundaries, and must still
+  // give the defaults' bits (or, reordered, stay within the CPU's bounds). Returns the
+  // defaults' outputs.
   template <class Run, class Close>
   BackwardBits expect_versions_same_bits(const std::string& tag, int64_t d, int H,
                                          std::initializer_list<cuda::RoutingKernel> kernels,
