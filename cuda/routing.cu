@@ -3634,7 +3634,7 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
     pa.inv_rms1 = older->inv_rms;
     pa.N = N;
     pa.ns = ns;
-    for (int i = 0; i < ns; ++i) pa.dx[i] = rows.dx[source + i];
+    for (int i = 0; i < kPairMmaMaxSites; ++i) pa.dx[i] = i < ns ? rows.dx[source + i] : x_in;
     MHAR_CHECK(pair_mma(s, pa, g.d, heads, g_pair_version == 13, g_grid_cap), "CUDA ", what,
                ": pair version ", g_pair_version, " at d ", g.d, ", ", heads, " heads, ", ns,
                " sites");

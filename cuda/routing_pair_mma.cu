@@ -109,8 +109,9 @@ __global__ void __launch_bounds__(32 * H) pair_mma_kernel(const PairMmaArgs a) {
 #pragma unroll
     for (int u = 0; u < kSites / kRowsPerCopy; ++u) {
       const int r = u * kRowsPerCopy + rsub, i = c * kSites + r;
-      // Read unconditionally (i < kPairMmaMaxSites: chunks of 16 cover at most its 256),
-      // so that no branch guards the table; the rows past ns copy nothing (zero-filled).
+      // Read unconditionally (i < kPairMmaMaxSites: chunks of 16 cover at most its 256;
+      // entries past ns point at x), so that no branch guards the table; the rows past ns
+      // copy nothing (zero-filled).
       const bf16* site_row = a.dx[i] + row_off;
       if (copier) cp_async16(rows + r * kStride, i < ns ? site_row : a.x, i < ns);
     }

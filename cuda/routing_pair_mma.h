@@ -19,7 +19,8 @@ constexpr int kPairMmaMaxSites = 256;  // as routing.cu's per-site pointer table
 //   written over the pair row w_s[i][h][n] (s = 0, 1; r_s = inv_rms_s[n]);
 //   ubar_0 (site source) = sum_c dx_0[n][c] x[n][c], written to ubar_source[h][n];
 //   val[n][c] = sum_i a_0 dx_i[n][c], partial[n][c] = sum_i a_1 dx_i[n][c] (fp32 rows).
-// ubar_i for i > 0 is read from ubar_source + i H N. dx: the sites' bf16 rows [N][d].
+// ubar_i for i > 0 is read from ubar_source + i H N. dx: the sites' bf16 rows [N][d]
+// (entries past ns any valid row, e.g. x: the kernel reads the table without a branch).
 struct PairMmaArgs {
   float* val;
   float* partial;
