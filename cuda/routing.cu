@@ -3623,9 +3623,9 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
     PairMmaArgs pa{};
     pa.val = val;
     pa.partial = static_cast<float*>(ctx.scratch(ScratchSlot::RoutingBackTile, N * g.d * 4));
-    pa.w0 = weights.ptr<float>() + g.lay.pair_base(source) * g.H * N;
-    const int older_slot = source - g.lay.block;  // as the CUDA-core pair kernels
-    pa.w1 = weights.ptr<float>() + (g.lay.pair_base(older_slot) + (source - older_slot)) * g.H * N;
+    // The older slot is source - block, as in the CUDA-core pair kernels.
+    pa.w0 = weights.ptr<float>() + g.lay.pair(source, source) * g.H * N;
+    pa.w1 = weights.ptr<float>() + g.lay.pair(source - g.lay.block, source) * g.H * N;
     pa.ubar_source = ubar.ptr<float>() + int64_t(source) * g.H * N;
     pa.x = x_in;
     pa.v0 = v_in;
