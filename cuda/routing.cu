@@ -2275,7 +2275,7 @@ __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT
 // 2 stages a warp, so that 16 warps fit an SM at 350M and 1B (12: 8).
 constexpr int kBackTileMaxNT = 5;  // d <= 1280: 234 registers, no spills (NT 6: 239; 7, 8 spill)
 constexpr int pair_blocks_per_sm(int NT, int version) { return version >= 2 && NT <= 4 ? 3 : 2; }
-constexpr int kPairVersions = 13;
+constexpr int kPairVersions = 16;
 constexpr bool pair_on_tensor_cores(int version) { return version >= 12; }
 constexpr int kPairDefault = 11;
 constexpr int kPairRing = 4;
@@ -3635,7 +3635,7 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
     pa.N = N;
     pa.ns = ns;
     for (int i = 0; i < kPairMmaMaxSites; ++i) pa.dx[i] = i < ns ? rows.dx[source + i] : x_in;
-    MHAR_CHECK(pair_mma(s, pa, g.d, heads, g_pair_version == 13, g_grid_cap), "CUDA ", what,
+    MHAR_CHECK(pair_mma(s, pa, g.d, heads, g_pair_version, g_grid_cap), "CUDA ", what,
                ": pair version ", g_pair_version, " at d ", g.d, ", ", heads, " heads, ", ns,
                " sites");
   } else if (older) {
