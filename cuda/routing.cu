@@ -2270,12 +2270,16 @@ __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT
 // sums run in another order (routing_backward_sum_order says so). Measured (twenty-eighth
 // session, a step's tiled backward, v11 / v12): 350M 19.47 / 22.14 ms, 1B 44.17 / 52.42;
 // ncu: 8 warps an SM, latency-bound, most of its instructions the copies' address
-// arithmetic (cuda/NOTES.md, "The backward tile's pass on tensor cores"). Since then (not
-// yet run): the copies' address arithmetic cut, U's mma chain split in two; 13 is 12 with
-// 2 stages a warp, so that 16 warps fit an SM at 350M and 1B (12: 8).
+// arithmetic (cuda/NOTES.md, "The backward tile's pass on tensor cores"). Then (twenty-ninth
+// session, the same test) with the copies' address arithmetic cut and U's mma chain split
+// in two, and 13 as 12 at 2 stages a warp (16 warps an SM at 350M and 1B; 12: 8): 350M
+// 19.50 / 21.67 / 20.78 ms (default / 12 / 13), 1B 44.20 / 51.64 / 48.79. Still slower:
+// each warp's item (a token's head, 16 sites) is a serial chain of ~3 us. The rows by the
+// copy engine (versions 14-16, code at 11c7861) lost too: bulk copies take uniform
+// operands, so a warp's 16 row copies became a loop of 16.
 constexpr int kBackTileMaxNT = 5;  // d <= 1280: 234 registers, no spills (NT 6: 239; 7, 8 spill)
 constexpr int pair_blocks_per_sm(int NT, int version) { return version >= 2 && NT <= 4 ? 3 : 2; }
-constexpr int kPairVersions = 16;
+constexpr int kPairVersions = 13;
 constexpr bool pair_on_tensor_cores(int version) { return version >= 12; }
 constexpr int kPairDefault = 11;
 constexpr int kPairRing = 4;
@@ -3635,7 +3639,7 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
     pa.N = N;
     pa.ns = ns;
     for (int i = 0; i < kPairMmaMaxSites; ++i) pa.dx[i] = i < ns ? rows.dx[source + i] : x_in;
-    MHAR_CHECK(pair_mma(s, pa, g.d, heads, g_pair_version, g_grid_cap), "CUDA ", what,
+    MHAR_CHECK(pair_mma(s, pa, g.d, heads, g_pair_version == 13, g_grid_cap), "CUDA ", what,
                ": pair version ", g_pair_version, " at d ", g.d, ", ", heads, " heads, ", ns,
                " sites");
   } else if (older) {

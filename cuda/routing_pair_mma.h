@@ -1,4 +1,4 @@
-// routing_pair_mma.h: pair versions 12-16 (routing_pair_mma.cu), the routing backward depth
+// routing_pair_mma.h: pair versions 12-13 (routing_pair_mma.cu), the routing backward depth
 // tile's pass over its site gradients on tensor cores. Internal to cuda/ (routing.cu
 // calls it).
 #pragma once
@@ -40,12 +40,11 @@ struct PairMmaArgs {
 // Whether the kernel is built for d and heads: head widths of 128 with 4 or 8 heads, or
 // of 160 with 8 (the paper's 100M, 350M and 1B shapes).
 bool pair_mma_applies(int d, int heads);
-// Launches pair version `version` (12-16: routing.cu's lab numbering; the forms are
-// described at pair_mma in routing_pair_mma.cu) on a grid of one wave, at most max_blocks
-// blocks where max_blocks > 0 (the tests' routing_set_grid_cap). False (nothing launched)
-// where pair_mma_applies says no, ns is outside [1, kPairMmaMaxSites] or the version is
-// not one of these.
-bool pair_mma(cudaStream_t s, const PairMmaArgs& args, int d, int heads, int version,
+// Launches it on a grid of one wave, at most max_blocks blocks where max_blocks > 0 (the
+// tests' routing_set_grid_cap): each warp 4-5 stages deep (pair version 12), or 2 stages
+// with twice the warps an SM (two_stages: version 13). False (nothing launched) where
+// pair_mma_applies says no or ns is outside [1, kPairMmaMaxSites].
+bool pair_mma(cudaStream_t s, const PairMmaArgs& args, int d, int heads, bool two_stages,
               int max_blocks);
 
 }  // namespace mhar::cuda
