@@ -62,9 +62,25 @@ template <class T> struct Pack {
   __device__ __forceinline__ void set(int i, float x) { reinterpret_cast<T*>(&raw)[i] = store<T>(x); }
 };
 
+// e^x as __expf computes it (x times float(log2 e), then the SFU's 2^x), with results
+// below 2^-126 flushed to zero (ex2.approx.ftz): the same bits wherever the result is
+// normal, without the four instructions a call that keep denormal results (version 4).
+__device__ __forceinline__ float exp_ftz(float x) {
+  float y = 0.f;
+#if defined(__CUDA_ARCH__)
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.44269502f));
+#endif
+  return y;
+}
+template <bool FTZ>
+__device__ __forceinline__ float exp_of(float x) {
+  if constexpr (FTZ) return exp_ftz(x);
+  else return __expf(x);
+}
+
 // Folds values x[0..k) into the online state with one rescale; e[i] = exp(x[i] - m) at the
-// m after it (what version 3 keeps; 0 where every value is -inf).
-template <int K>
+// m after it (what versions 3-4 keep; 0 where every value is -inf). FTZ: exp_ftz.
+template <int K, bool FTZ = false>
 __device__ __forceinline__ void fold(float& m, float& s, const float (&x)[K], float (&e)[K]) {
   float mx = x[0];
 #pragma unroll
@@ -75,13 +91,13 @@ __device__ __forceinline__ void fold(float& m, float& s, const float (&x)[K], fl
     return;
   }
   if (mx > m) {
-    s *= __expf(m - mx);  // m = -inf (nothing yet): s = 0 * 0
+    s *= exp_of<FTZ>(m - mx);  // m = -inf (nothing yet): s = 0 * 0
     m = mx;
   }
   float add = 0.f;
 #pragma unroll
   for (int i = 0; i < K; ++i) {
-    e[i] = __expf(x[i] - m);
+    e[i] = exp_of<FTZ>(x[i] - m);
     add += e[i];
   }
   s += add;
@@ -91,13 +107,13 @@ __device__ __forceinline__ void fold(float& m, float& s, const float (&x)[K]) {
   float unused[K];
   fold(m, s, x, unused);
 }
-template <class T>
+template <bool FTZ = false, class T>
 __device__ __forceinline__ void fold(float& m, float& s, const Pack<T>& pk,
                                      float (&e)[Pack<T>::kN]) {
   float x[Pack<T>::kN];
 #pragma unroll
   for (int k = 0; k < Pack<T>::kN; ++k) x[k] = pk.get(k);
-  fold(m, s, x, e);
+  fold<Pack<T>::kN, FTZ>(m, s, x, e);
 }
 template <class T>
 __device__ __forceinline__ void fold(float& m, float& s, const Pack<T>& pk) {
@@ -301,13 +317,17 @@ __device__ __forceinline__ float load_cluster_shared(const float* p, uint32_t ra
 // (fp16; exp(x - m) <= 1) and records the m they were taken at (one float a vector, after
 // the segment), so that pass 2 takes one exp a vector, p = e exp(m - lse), rather than
 // one an element.
-template <class T, bool KEEP>
+// LEAN (version 4, with KEEP): version 3's arithmetic with fewer instructions: exp_ftz for
+// __expf, the target looked for once a vector in pass 2 (one compare of its place, not
+// eight 64-bit ones), 32-bit vector indices.
+template <class T, bool KEEP, bool LEAN = false>
 __global__ void __launch_bounds__(kClusterThreads)
     cross_entropy_cluster_kernel(float* losses, T* logits, const int32_t* targets, int64_t V,
                                  int64_t segment_vectors, float grad_scale, bool compute_grad) {
   using P = Pack<T>;
   constexpr int kN = P::kN;
   static_assert(!KEEP || kN == 8, "version 3 keeps the exps of bf16 rows");
+  static_assert(!LEAN || KEEP, "version 4 is version 3's form");
   extern __shared__ uint4 segment[];
   float* const kept_m = reinterpret_cast<float*>(segment + segment_vectors);  // KEEP
   __shared__ uint64_t bars[kMaxPieces];
@@ -350,10 +370,10 @@ __global__ void __launch_bounds__(kClusterThreads)
     mbar_wait(&bars[p], 0);
     const int64_t end =
         int64_t(p + 1) * kPieceVectors < count ? int64_t(p + 1) * kPieceVectors : count;
-    for (int64_t i = int64_t(p) * kPieceVectors + threadIdx.x; i < end; i += blockDim.x) {
+    for (int i = p * kPieceVectors + int(threadIdx.x); i < int(end); i += int(blockDim.x)) {
       if constexpr (KEEP) {
         float e[kN];
-        fold(m, s, P{segment[i]}, e);
+        fold<LEAN>(m, s, P{segment[i]}, e);
         segment[i] = pack_half8(e);
         kept_m[i] = m;
       } else {
@@ -376,10 +396,24 @@ __global__ void __launch_bounds__(kClusterThreads)
   __syncthreads();   // row_lse
   if (compute_grad) {
     const float lse = row_lse;
-    for (int64_t i = threadIdx.x; i < count; i += blockDim.x) {
-      const int64_t at = int64_t(target) - (head + (first + i) * kN);  // target's place here
+    const int64_t at0 = int64_t(target) - (head + first * kN);
+    for (int i = int(threadIdx.x); i < int(count); i += int(blockDim.x)) {
+      const int64_t at = at0 - int64_t(i) * kN;  // the target's place in this vector
       P pk{segment[i]};
-      if constexpr (KEEP) {
+      if constexpr (LEAN) {
+        float e[kN];
+        unpack_half8(pk.raw, e);
+        const float scaled = grad_scale * exp_ftz(kept_m[i] - lse);
+#pragma unroll
+        for (int k = 0; k < kN; ++k) e[k] *= scaled;
+        if (uint64_t(at) < uint64_t(kN)) {  // selects, not an index: e stays in registers
+          const int t = int(at);
+#pragma unroll
+          for (int k = 0; k < kN; ++k) e[k] = k == t ? e[k] - grad_scale : e[k];
+        }
+#pragma unroll
+        for (int k = 0; k < kN; ++k) pk.set(k, e[k]);
+      } else if constexpr (KEEP) {
         float e[kN];
         unpack_half8(pk.raw, e);
         const float scaled = grad_scale * __expf(kept_m[i] - lse);
@@ -402,8 +436,8 @@ __global__ void __launch_bounds__(kClusterThreads)
   cluster_wait();  // no block leaves while another may still read its part_m / part_s
 }
 
-constexpr int kCrossEntropyVersions = 3;
-constexpr int kCrossEntropyDefault = 3;
+constexpr int kCrossEntropyVersions = 4;
+constexpr int kCrossEntropyDefault = 4;
 int g_cross_entropy_version = kCrossEntropyDefault;
 
 // Versions 2-3's blocks a row and each block's vectors for rows of V elements of `bytes`
@@ -423,10 +457,10 @@ bool plan_cluster(int64_t V, int64_t bytes, int64_t kept, ClusterPlan& plan) {
   return int64_t(plan.smem) <= kSegmentMax;
 }
 
-template <class T, bool KEEP>
+template <class T, bool KEEP, bool LEAN = false>
 void launch_cluster(cudaStream_t s, float* losses, T* logits, const int32_t* targets, int64_t N,
                     int64_t V, const ClusterPlan& plan, float grad_scale, bool compute_grad) {
-  auto kernel = cross_entropy_cluster_kernel<T, KEEP>;
+  auto kernel = cross_entropy_cluster_kernel<T, KEEP, LEAN>;
   static const bool allowed = [&] {
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     int(kSegmentMax)));
@@ -477,14 +511,17 @@ void cross_entropy(cudaStream_t s, Tensor losses, Tensor logits, Tensor targets,
   dispatch_float(logits.dtype, "cross_entropy", [&](auto tag) {
     using T = decltype(tag);
     ClusterPlan plan{};
-    // Version 3 keeps fp16 exps of bf16 rows only; fp32 rows take version 2 there.
+    // Versions 3-4 keep fp16 exps of bf16 rows only; fp32 rows take version 2 there.
     constexpr bool kKeepable = sizeof(T) == 2;
-    const bool keep = kKeepable && g_cross_entropy_version == 3;
+    const bool keep = kKeepable && g_cross_entropy_version >= 3;
     if (g_cross_entropy_version >= 2 && plan_cluster(V, int64_t(sizeof(T)), keep ? 4 : 0, plan)) {
       auto* out = losses.ptr<float>();
       auto* rows = static_cast<T*>(logits.data);
       const auto* ids = targets.ptr<int32_t>();
-      if (keep)
+      if (keep && g_cross_entropy_version == 4)
+        launch_cluster<T, kKeepable, kKeepable>(s, out, rows, ids, N, V, plan, float(grad_scale),
+                                                compute_grad);
+      else if (keep)
         launch_cluster<T, kKeepable>(s, out, rows, ids, N, V, plan, float(grad_scale),
                                      compute_grad);
       else
