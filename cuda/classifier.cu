@@ -7,7 +7,7 @@
 // first 16-byte boundary and a scalar tail, so any V and any row alignment take the vector
 // path). Per thread an online (max, sum of exp) in fp32, one rescale per vector, merged
 // across the block. No fp32 copy of the probabilities exists at any point: memory is the
-// logits. Three kernel-lab versions (cross_entropy_set_version) in two kernels:
+// logits. Four kernel-lab versions (cross_entropy_set_version) in two kernels:
 // 1 one block per row: pass 1 folds the row, pass 2 (gradient only) re-reads it and writes
 //   each element once. 512 threads with 16-byte loads and several blocks an SM keep enough
 //   loads in flight (the scalar 2-byte loads of the first form reached 0.91 TB/s at 1B);
@@ -20,19 +20,27 @@
 //   memory (every block merges the C states in rank order, so all hold the same
 //   logsumexp); pass 2 writes the gradient from shared memory. The row is read from DRAM
 //   once. Its sums differ from version 1's in order (the CPU parity bound).
-// 3 (the default for bf16 rows; fp32 rows take 2) as 2, with pass 1 overwriting each
+// 3 as 2, with pass 1 overwriting each
 //   vector of the segment by its exps e = exp(x - m) in fp16 (at most 1; m the thread's
 //   running max when it folded the vector, kept as one float a vector after the segment),
 //   so that pass 2 takes one exp a vector, p = e exp(m - lse), rather than one an
 //   element: ~1.1 exps an element in all against ~2.1. The losses are version 2's bits
 //   (pass 1's sums are unchanged); the gradient gains one fp16 rounding of e (2^-11
 //   relative, a quarter of its bf16 rounding; 2^-25 absolute below fp16's normal range).
+// 4 (the default for bf16 rows; fp32 rows take 2) version 3 in fewer instructions (ncu of
+//   version 3: 238 warp instructions a vector of 8 and 0.67 issued a scheduler cycle,
+//   so its issue, not its bytes, bounded it): exps by ex2.approx.ftz (exp_ftz: __expf's
+//   bits wherever the result is normal, without the 4 instructions an exp that keep
+//   denormal results), the target looked for once a vector in pass 2 rather than by 8
+//   compares of 64-bit places, 32-bit vector indices. Losses: version 2's bits;
+//   gradient: version 3's (both checked by CrossEntropyParity).
 // Measured (KernelBandwidth.DISABLED_CrossEntropyVersions, bf16, with the gradient, ms,
-// v1 / v2 / v3, twenty-eighth session, two rounds each): [2048, 151936] 0.479 / 0.462 /
-// 0.455, [5462, 151936] (the configs' chunk) 1.230 / 1.224 / 1.197, [4096, 50257] 0.359 /
-// 0.300 / 0.295; v3 at 64-65% of copy by the bytes the op must move. So reading the row
-// once gains 2-5% on Qwen3's rows (17% on GPT-2's, whose v1 rows start misaligned), and
-// half the exps another 1-2%: no version is bound by its DRAM bytes. cuda/NOTES.md, lead 4.
+// two rounds each, twenty-ninth session): [2048, 151936] v1 / v2 / v3 / v4 0.480 / 0.460 /
+// 0.455 / 0.421, [5462, 151936] (the configs' chunk) 1.230 / 1.211 / 1.198 / 1.104,
+// [4096, 50257] 0.359 / 0.296 / 0.284 / 0.262: v4 at 70-74% of copy by the bytes the op
+// must move (v3 64-68%). So reading the row once gains 2-5% on Qwen3's rows (17% on
+// GPT-2's, whose v1 rows start misaligned), half the exps another 1-2%, and version 4's
+// instruction diet 8%. cuda/NOTES.md, lead 4.
 #include <cuda_fp16.h>
 
 #include "cuda/common.cuh"
