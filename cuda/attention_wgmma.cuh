@@ -45,15 +45,6 @@ template <int N> __device__ __forceinline__ void wgmma_wait() {
 __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
-// 2^x on the special-function unit, denormal inputs and results flushed to zero (exp2f
-// adds a denormal fix-up around the same instruction). Every use here is a probability
-// 2^(s c - m) <= 1 or a rescale factor, where a result below 2^-126 is zero to every
-// digit the sums and bf16 operands keep.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
 // Keeps the compiler from moving reads or writes of an accumulator across a wgmma wait.
 template <int N> __device__ __forceinline__ void pin(float (&d)[N]) {
 #pragma unroll

@@ -29,7 +29,7 @@
 //   relative, a quarter of its bf16 rounding; 2^-25 absolute below fp16's normal range).
 // 4 (the default for bf16 rows; fp32 rows take 2) version 3 in fewer instructions (ncu of
 //   version 3: 238 warp instructions a vector of 8 and 0.67 issued a scheduler cycle,
-//   so its issue, not its bytes, bounded it): exps by ex2.approx.ftz (exp_ftz: __expf's
+//   so its issue, not its bytes, bounded it): exps by ex2.approx.ftz (fast_exp: __expf's
 //   bits wherever the result is normal, without the 4 instructions an exp that keep
 //   denormal results), the target looked for once a vector in pass 2 rather than by 8
 //   compares of 64-bit places, 32-bit vector indices. Losses: version 2's bits;
@@ -70,24 +70,14 @@ template <class T> struct Pack {
   __device__ __forceinline__ void set(int i, float x) { reinterpret_cast<T*>(&raw)[i] = store<T>(x); }
 };
 
-// e^x as __expf computes it (x times float(log2 e), then the SFU's 2^x), with results
-// below 2^-126 flushed to zero (ex2.approx.ftz): the same bits wherever the result is
-// normal, without the four instructions a call that keep denormal results (version 4).
-__device__ __forceinline__ float exp_ftz(float x) {
-  float y = 0.f;
-#if defined(__CUDA_ARCH__)
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.44269502f));
-#endif
-  return y;
-}
+// FTZ: fast_exp (common.cuh), __expf's bits wherever the result is normal.
 template <bool FTZ>
 __device__ __forceinline__ float exp_of(float x) {
-  if constexpr (FTZ) return exp_ftz(x);
-  else return __expf(x);
+  return FTZ ? fast_exp(x) : __expf(x);
 }
 
 // Folds values x[0..k) into the online state with one rescale; e[i] = exp(x[i] - m) at the
-// m after it (what versions 3-4 keep; 0 where every value is -inf). FTZ: exp_ftz.
+// m after it (what versions 3-4 keep; 0 where every value is -inf). FTZ: fast_exp.
 template <int K, bool FTZ = false>
 __device__ __forceinline__ void fold(float& m, float& s, const float (&x)[K], float (&e)[K]) {
   float mx = x[0];
@@ -325,7 +315,7 @@ __device__ __forceinline__ float load_cluster_shared(const float* p, uint32_t ra
 // (fp16; exp(x - m) <= 1) and records the m they were taken at (one float a vector, after
 // the segment), so that pass 2 takes one exp a vector, p = e exp(m - lse), rather than
 // one an element.
-// LEAN (version 4, with KEEP): version 3's arithmetic with fewer instructions: exp_ftz for
+// LEAN (version 4, with KEEP): version 3's arithmetic with fewer instructions: fast_exp for
 // __expf, the target looked for once a vector in pass 2 (one compare of its place, not
 // eight 64-bit ones), 32-bit vector indices.
 template <class T, bool KEEP, bool LEAN = false>
@@ -411,7 +401,7 @@ __global__ void __launch_bounds__(kClusterThreads)
       if constexpr (LEAN) {
         float e[kN];
         unpack_half8(pk.raw, e);
-        const float scaled = grad_scale * exp_ftz(kept_m[i] - lse);
+        const float scaled = grad_scale * fast_exp(kept_m[i] - lse);
 #pragma unroll
         for (int k = 0; k < kN; ++k) e[k] *= scaled;
         if (uint64_t(at) < uint64_t(kN)) {  // selects, not an index: e stays in registers

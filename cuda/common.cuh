@@ -33,6 +33,18 @@ template <> __device__ __forceinline__ bf16 store<bf16>(float x) { return __floa
 // stores an intermediate (fused kernels that must give the sequence's bits apply it).
 template <class T> __device__ __forceinline__ float stored(float x) { return load(store<T>(x)); }
 
+// 2^x on the special-function unit, denormal inputs and results flushed to zero (exp2f
+// and __expf add a fix-up of four instructions around the same instruction for denormal
+// results). For probabilities and rescale factors (at most 1, summed with values near 1 or
+// rounded to bf16), a result below 2^-126 is zero to every digit kept. fast_exp(x) is
+// __expf's bits wherever the result is normal (the same multiply by float(log2 e)).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float fast_exp(float x) { return fast_exp2(x * 1.44269502f); }
+
 // 8 consecutive elements <-> fp32 (p 16-byte aligned). bf16: one 16-byte access; the
 // lower half of each 32-bit word is the lower-addressed element.
 __device__ __forceinline__ void unpack8(const uint4& u, float (&f)[8]) {
