@@ -55,7 +55,7 @@
 // Kernel lab: the mix tile and finish kernels, the backward's pair kernel and the logits
 // keep their earlier versions, numbered, chosen at launch (routing_set_kernel_version,
 // kernels.h; the defaults are the measured fastest: mix tile 5 of 5, finish 6 of 6, pair
-// 11 of 13, the unfused value kernel by width of 6, the key gradients 4 of 4, logits 9 of
+// 11 of 14, the unfused value kernel by width of 6, the key gradients 4 of 4, logits 9 of
 // 9, the delta site forward 1 of 2, its backward 2 of 3), so that one device run times
 // each (tests/op_timing_cudatest.cpp); every version computes the same bits, but for the
 // logits' choice between token kernel and GEMMs, the backward's row parts and fused key
@@ -117,6 +117,36 @@ __device__ __forceinline__ float elem(const uint4& raw, int e) {
   const uint32_t w = e < 2 ? raw.x : e < 4 ? raw.y : e < 6 ? raw.z : raw.w;
   const uint32_t bits = (e & 1) ? (w & 0xffff0000u) : (w << 16);
   return __uint_as_float(bits);
+}
+
+// A row's chunks widened to fp32 once (pair version 14's slot rows); at() reads either
+// form, so a site helper written with it gives the same bits from both.
+template <int NT>
+struct RowF32 {
+  float f[NT][8];
+};
+template <int NT>
+__device__ __forceinline__ float at(const Row<NT>& r, int t, int e) {
+  return elem(r.raw[t], e);
+}
+template <int NT>
+__device__ __forceinline__ float at(const RowF32<NT>& r, int t, int e) {
+  return r.f[t][e];
+}
+// r in fp32, each value passed through an empty asm: opaque to the compiler, which then
+// keeps them in registers instead of re-deriving them from the bf16 words at every use
+// (it sinks plain unpacks back into the loops that read them).
+template <int NT>
+__device__ __forceinline__ RowF32<NT> unpacked(const Row<NT>& r) {
+  RowF32<NT> u;
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      u.f[t][e] = elem(r.raw[t], e);
+      asm volatile("" : "+f"(u.f[t][e]));
+    }
+  return u;
 }
 
 // This lane's share of the dot product of two rows it holds (either layout): the sum over
@@ -1422,8 +1452,8 @@ struct DeltaRows {
 
 // The key path of one site for one slot: acc += (r ds) qg_k, and the slot's radial term
 // ds (qg_k . v)[head] on the head's leader lane.
-template <int NT>
-__device__ __forceinline__ void key_site(float (&acc)[NT][8], float& radial, const Row<NT>& rv,
+template <int NT, class RV>
+__device__ __forceinline__ void key_site(float (&acc)[NT][8], float& radial, const RV& rv,
                                          const float4* qrow, float r, float ds, int G,
                                          bool leader) {
   float vq = 0.f;
@@ -1434,7 +1464,7 @@ __device__ __forceinline__ void key_site(float (&acc)[NT][8], float& radial, con
     load_qg8(q, qrow, t);
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      vq += q[e] * elem(rv.raw[t], e);
+      vq += q[e] * at(rv, t, e);
       acc[t][e] += rds * q[e];
     }
   }
@@ -1444,14 +1474,14 @@ __device__ __forceinline__ void key_site(float (&acc)[NT][8], float& radial, con
 
 // The fused key path's last term: acc -= r^3/d radial v (radial: the whole row's sum of
 // key_site's radial terms).
-template <int NT>
-__device__ __forceinline__ void subtract_radial(float (&acc)[NT][8], const Row<NT>& rv, float r,
+template <int NT, class RV>
+__device__ __forceinline__ void subtract_radial(float (&acc)[NT][8], const RV& rv, float r,
                                                 float radial, int64_t d) {
   const float scale = r * r * r / float(d) * radial;
 #pragma unroll
   for (int t = 0; t < NT; ++t)
 #pragma unroll
-    for (int e = 0; e < 8; ++e) acc[t][e] -= scale * elem(rv.raw[t], e);
+    for (int e = 0; e < 8; ++e) acc[t][e] -= scale * at(rv, t, e);
 }
 
 // One site k of a slot's value path, token n (span layout): acc += a_k dx_k, and the
@@ -1758,9 +1788,9 @@ __device__ __forceinline__ float parts_sum(float v, float (*xch)[kWarpsPerBlock]
 }
 
 // dv = acc - r^3/d radial v of a token's part (radial: the whole row's sum).
-template <int NT>
-__device__ __forceinline__ void store_fused_dv(bf16* dv, float (&acc)[NT][8], const Row<NT>& rv,
-                                               float r, float radial, int d) {
+template <int NT, class RV>
+__device__ __forceinline__ void store_fused_dv(bf16* dv, float (&acc)[NT][8], const RV& rv, float r,
+                                               float radial, int d) {
   subtract_radial(acc, rv, r, radial, d);
   store_span(dv, acc);
 }
@@ -2191,19 +2221,18 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, delta_forward_blocks_per_
 // one dx_k row, each accumulator's operations in value_site's order (written out, not two
 // value_site calls, so that each dx_k element is unpacked once: the pair kernels are
 // register-bound).
-template <int NT>
+template <int NT, class RV>
 __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT][8], float& ds0,
-                                          float& ds1, const Row<NT>& rdx, const Row<NT>& rv0,
-                                          const Row<NT>& rv1, float a0, float a1, float ub,
-                                          int G) {
+                                          float& ds1, const Row<NT>& rdx, const RV& rv0,
+                                          const RV& rv1, float a0, float a1, float ub, int G) {
   float p0 = 0.f, p1 = 0.f;
 #pragma unroll
   for (int t = 0; t < NT; ++t)
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
       const float dxe = elem(rdx.raw[t], e);
-      p0 += dxe * elem(rv0.raw[t], e);
-      p1 += dxe * elem(rv1.raw[t], e);
+      p0 += dxe * at(rv0, t, e);
+      p1 += dxe * at(rv1, t, e);
       acc0[t][e] += a0 * dxe;
       acc1[t][e] += a1 * dxe;
     }
@@ -2277,10 +2306,15 @@ __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT
 // each warp's item (a token's head, 16 sites) is a serial chain of ~3 us. The rows by the
 // copy engine (versions 14-16, code at 11c7861) lost too: bulk copies take uniform
 // operands, so a warp's 16 row copies became a loop of 16.
+// 14 (since then; the number reused) is 11 with the fused form's two slot rows widened to
+// fp32 once a token and held in registers (RowF32, unpacked) where NT <= 2 (100M's d 512):
+// the compiler otherwise re-unpacks them at every site (~32 of a site's ~273 instructions
+// at d 512; the kernel is issue-bound there, cuda/NOTES.md). The same operations in the
+// same order: version 11's bits. Elsewhere it runs 11.
 constexpr int kBackTileMaxNT = 5;  // d <= 1280: 234 registers, no spills (NT 6: 239; 7, 8 spill)
 constexpr int pair_blocks_per_sm(int NT, int version) { return version >= 2 && NT <= 4 ? 3 : 2; }
-constexpr int kPairVersions = 13;
-constexpr bool pair_on_tensor_cores(int version) { return version >= 12; }
+constexpr int kPairVersions = 14;
+constexpr bool pair_on_tensor_cores(int version) { return version == 12 || version == 13; }
 constexpr int kPairDefault = 11;
 constexpr int kPairRing = 4;
 constexpr int kPairRingMaxNT = 2;
@@ -2607,19 +2641,19 @@ __device__ __forceinline__ void slot_span(const StreamSlot<NT>& slot, Row<NT>& r
   for (int t = 0; t < NT; ++t) r.raw[t] = slot.row[stream_pos<NT>(lane * NT + t)];
 }
 
-template <int NT, int MIN_BLOCKS, bool COALESCED, bool KEY = false, int GC = 0>
+template <int NT, int MIN_BLOCKS, bool COALESCED, bool KEY = false, int GC = 0, bool F32 = false>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
     source_value_pair_stream_kernel(float* __restrict__ val, bf16* __restrict__ dv0,
                                     float* __restrict__ partial, float* __restrict__ weights,
                                     float* __restrict__ ubar, const SiteRows site_dx,
                                     const bf16* __restrict__ x, const bf16* __restrict__ v0,
-                                    const bf16* __restrict__ v1,
-                                    const float* __restrict__ inv_rms0,
+                                    const bf16* __restrict__ v1, const float* __restrict__ inv_rms0,
                                     const float* __restrict__ inv_rms1,
                                     const float* __restrict__ qg, const Geometry g, int source) {
   static_assert(!KEY || COALESCED, "the fused form is version 9: version 8's copies");
   static_assert(GC == 0 || (COALESCED && GC <= 32 && (GC & (GC - 1)) == 0),
                 "version 11: version 8's copies, G a power of two");
+  static_assert(!F32 || (KEY && GC > 0), "version 14 is version 11's fused form");
   constexpr int R = stream_slots(NT);
   extern __shared__ float4 pair_stream_smem_raw[];
   // GC > 0 (version 11): the lanes a head as a compile-time constant (the host checks
@@ -2696,42 +2730,51 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
       row_of(ring.take(issue), rdx);
       ub = span_ubar_row(ubar, rdx, rx, g, source, n, G);
     }
-    float acc0[NT][8], acc1[NT][8], radial0 = 0.f, radial1 = 0.f;  // radials: KEY
+    // The token's sites and stores, on the slot rows as given (version 14: widened to
+    // fp32 once, see unpacked; else the bf16 words): the same operations either way.
+    auto token = [&](const auto& v0r, const auto& v1r) {
+      float acc0[NT][8], acc1[NT][8];
+      [[maybe_unused]] float radial0 = 0.f, radial1 = 0.f;  // KEY
 #pragma unroll
-    for (int t = 0; t < NT; ++t)
+      for (int t = 0; t < NT; ++t)
 #pragma unroll
-      for (int e = 0; e < 8; ++e) acc0[t][e] = 0.f, acc1[t][e] = 0.f;
-    // Site `source`'s weights sit in the slot just taken; read before the next take.
-    float a0 = ring.taken().scalar[0][sc], a1 = ring.taken().scalar[1][sc];
-    float* w0h = w0 + int64_t(h) * g.N;
-    float* w1h = w1 + int64_t(h) * g.N;
+        for (int e = 0; e < 8; ++e) acc0[t][e] = 0.f, acc1[t][e] = 0.f;
+      // Site `source`'s weights sit in the slot just taken; read before the next take.
+      float a0 = ring.taken().scalar[0][sc], a1 = ring.taken().scalar[1][sc];
+      float* w0h = w0 + int64_t(h) * g.N;
+      float* w1h = w1 + int64_t(h) * g.N;
 #pragma unroll 1
-    for (int k = source;; ++k) {
-      float ds0, ds1;
-      pair_site(acc0, acc1, ds0, ds1, rdx, rv0, rv1, a0, a1, ub, G);
-      if constexpr (KEY) {  // as pair_ring_token's, on the whole row
-        const float4* qrow =
-            reinterpret_cast<const float4*>(qg) + lane * 2 * NT + (k - source) * (g.d / 4);
-        key_site(acc0, radial0, rv0, qrow, r0, ds0, G, leader);
-        key_site(acc1, radial1, rv1, qrow, r1, ds1, G, leader);
+      for (int k = source;; ++k) {
+        float ds0, ds1;
+        pair_site(acc0, acc1, ds0, ds1, rdx, v0r, v1r, a0, a1, ub, G);
+        if constexpr (KEY) {  // as pair_ring_token's, on the whole row
+          const float4* qrow =
+              reinterpret_cast<const float4*>(qg) + lane * 2 * NT + (k - source) * (g.d / 4);
+          key_site(acc0, radial0, v0r, qrow, r0, ds0, G, leader);
+          key_site(acc1, radial1, v1r, qrow, r1, ds1, G, leader);
+        }
+        // The shuffles synchronise the warp: no lane still needs the weights overwritten here.
+        const int64_t off = (k - source) * HN + n;
+        if (leader) w0h[off] = ds0 * r0, w1h[off] = ds1 * r1;
+        if (k == last) break;
+        const StreamSlot<NT>& s = ring.take(issue);
+        row_of(s, rdx);
+        a0 = s.scalar[0][sc], a1 = s.scalar[1][sc], ub = s.scalar[2][sc];
       }
-      // The shuffles synchronise the warp: no lane still needs the weights overwritten here.
-      const int64_t off = (k - source) * HN + n;
-      if (leader) w0h[off] = ds0 * r0, w1h[off] = ds1 * r1;
-      if (k == last) break;
-      const StreamSlot<NT>& s = ring.take(issue);
-      row_of(s, rdx);
-      a0 = s.scalar[0][sc], a1 = s.scalar[1][sc], ub = s.scalar[2][sc];
-    }
-    if constexpr (KEY) {
-      store_fused_dv(dv0 + n * g.d, acc0, rv0, r0, warp_sum(radial0), g.d);
-      store_span_f32(partial + n * g.d, acc1);
-      const float total1 = warp_sum(radial1);
-      if (lane == 0) partial[g.N * g.d + n] = total1;
-    } else {
-      store_span_f32(val + n * g.d, acc0);
-      store_span_f32(partial + n * g.d, acc1);
-    }
+      if constexpr (KEY) {
+        store_fused_dv(dv0 + n * g.d, acc0, v0r, r0, warp_sum(radial0), g.d);
+        store_span_f32(partial + n * g.d, acc1);
+        const float total1 = warp_sum(radial1);
+        if (lane == 0) partial[g.N * g.d + n] = total1;
+      } else {
+        store_span_f32(val + n * g.d, acc0);
+        store_span_f32(partial + n * g.d, acc1);
+      }
+    };
+    if constexpr (F32)
+      token(unpacked(rv0), unpacked(rv1));
+    else
+      token(rv0, rv1);
   }
   cp_async_wait_groups<0>();  // nothing in flight into shared memory at exit
 }
@@ -3606,6 +3649,16 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
           }
         }
         constexpr int B = pair_blocks_per_sm(NT, 2);
+        if constexpr (NT <= 2) {
+          if (g_pair_version == 14) {  // the slot rows held in fp32 registers
+            auto stream =
+                with_lanes_a_head(true, heads, source_value_pair_stream_kernel<NT, B, true, true>,
+                                  source_value_pair_stream_kernel<NT, B, true, true, 8, true>,
+                                  source_value_pair_stream_kernel<NT, B, true, true, 4, true>);
+            launch_pair_stream(stream, stream_smem<NT>(), B, nullptr, dv_out, partial, qg);
+            return;
+          }
+        }
         auto stream = with_lanes_a_head(g_pair_version >= 11, heads,
                                         source_value_pair_stream_kernel<NT, B, true, true>,
                                         source_value_pair_stream_kernel<NT, B, true, true, 8>,
