@@ -2310,7 +2310,11 @@ __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT
 // fp32 once a token and held in registers (RowF32, unpacked) where NT <= 2 (100M's d 512):
 // the compiler otherwise re-unpacks them at every site (~32 of a site's ~273 instructions
 // at d 512; the kernel is issue-bound there, cuda/NOTES.md). The same operations in the
-// same order: version 11's bits. Elsewhere it runs 11.
+// same order: version 11's bits. Elsewhere it runs 11. Measured (twenty-ninth session, a
+// step's tiled backward at 100M, three rounds): v11 3.062-3.069 ms, v14 2.982-2.986
+// (-2.7%); 350M and 1B the same. Its parity against version 11's bits (RoutingParity:
+// SpanLayout's d 512, and ModelWidths' 100M case added since) has not run on a GPU yet;
+// until it has, 11 stays the default.
 constexpr int kBackTileMaxNT = 5;  // d <= 1280: 234 registers, no spills (NT 6: 239; 7, 8 spill)
 constexpr int pair_blocks_per_sm(int NT, int version) { return version >= 2 && NT <= 4 ? 3 : 2; }
 constexpr int kPairVersions = 14;

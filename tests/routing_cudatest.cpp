@@ -396,6 +396,7 @@ TEST_F(RoutingParity, ModelWidths) {
   check(24, 1024, 49, 8);  // the 350M config's depth
   check(16, 2048, 5, 16);  // 8 chunk rows, heads of 128
   check(24, 1024, 7, 8);   // the 350M config
+  check(24, 512, 25, 4);   // the 100M config: 4 heads of 128 (8 lanes a head), its depth
 }
 
 TEST_F(RoutingParity, BlockLayouts) {
