@@ -20,13 +20,13 @@
 //   memory (every block merges the C states in rank order, so all hold the same
 //   logsumexp); pass 2 writes the gradient from shared memory. The row is read from DRAM
 //   once. Its sums differ from version 1's in order (the CPU parity bound).
-// 3 as 2, with pass 1 overwriting each
-//   vector of the segment by its exps e = exp(x - m) in fp16 (at most 1; m the thread's
-//   running max when it folded the vector, kept as one float a vector after the segment),
-//   so that pass 2 takes one exp a vector, p = e exp(m - lse), rather than one an
-//   element: ~1.1 exps an element in all against ~2.1. The losses are version 2's bits
-//   (pass 1's sums are unchanged); the gradient gains one fp16 rounding of e (2^-11
-//   relative, a quarter of its bf16 rounding; 2^-25 absolute below fp16's normal range).
+// 3 as 2, with pass 1 overwriting each vector of the segment by its exps e = exp(x - m)
+//   in fp16 (at most 1; m the thread's running max when it folded the vector, kept as one
+//   float a vector after the segment), so that pass 2 takes one exp a vector, p = e
+//   exp(m - lse), rather than one an element: ~1.1 exps an element in all against ~2.1.
+//   The losses are version 2's bits (pass 1's sums are unchanged); the gradient gains one
+//   fp16 rounding of e (2^-11 relative, a quarter of its bf16 rounding; 2^-25 absolute
+//   below fp16's normal range).
 // 4 (the default for bf16 rows; fp32 rows take 2) version 3 in fewer instructions (ncu of
 //   version 3: 238 warp instructions a vector of 8 and 0.67 issued a scheduler cycle,
 //   so its issue, not its bytes, bounded it): exps by ex2.approx.ftz (fast_exp: __expf's
@@ -438,7 +438,7 @@ constexpr int kCrossEntropyVersions = 4;
 constexpr int kCrossEntropyDefault = 4;
 int g_cross_entropy_version = kCrossEntropyDefault;
 
-// Versions 2-3's blocks a row and each block's vectors for rows of V elements of `bytes`
+// Versions 2-4's blocks a row and each block's vectors for rows of V elements of `bytes`
 // each, with `kept` more bytes a vector (version 3's m), or false where a block's shared
 // memory would exceed kSegmentMax (version 1 then).
 struct ClusterPlan {
