@@ -2293,7 +2293,8 @@ __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT
 // **3.458** ms, 350M 20.785 -> 20.721, 1B 45.885 -> 45.296.
 // Tried and dropped before any run: the two slot rows unpacked to fp32 once a token (a
 // fp32 copy of each, passed to the site helpers): NVVM sinks the unpacks back into the
-// site loop (identical PTX), so they stay ~32 of a site's instructions at d 512.
+// site loop (identical PTX), so they stay ~32 of a site's instructions at d 512. Version
+// 14 (below) does it with each value made opaque to the compiler (unpacked), which holds.
 // 12 is 11 with the unfused tiles' pass on tensor cores (routing_pair_mma.cu) where
 // pair_mma_applies (the paper's widths); the fused form (100M's default) stays 11's. Its
 // sums run in another order (routing_backward_sum_order says so). Measured (twenty-eighth
@@ -3653,20 +3654,13 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
           }
         }
         constexpr int B = pair_blocks_per_sm(NT, 2);
-        if constexpr (NT <= 2) {
-          if (g_pair_version == 14) {  // the slot rows held in fp32 registers
-            auto stream =
-                with_lanes_a_head(true, heads, source_value_pair_stream_kernel<NT, B, true, true>,
-                                  source_value_pair_stream_kernel<NT, B, true, true, 8, true>,
-                                  source_value_pair_stream_kernel<NT, B, true, true, 4, true>);
-            launch_pair_stream(stream, stream_smem<NT>(), B, nullptr, dv_out, partial, qg);
-            return;
-          }
-        }
-        auto stream = with_lanes_a_head(g_pair_version >= 11, heads,
-                                        source_value_pair_stream_kernel<NT, B, true, true>,
-                                        source_value_pair_stream_kernel<NT, B, true, true, 8>,
-                                        source_value_pair_stream_kernel<NT, B, true, true, 4>);
+        const bool f32 = g_pair_version == 14;  // the slot rows held in fp32 registers
+        auto stream = with_lanes_a_head(
+            g_pair_version >= 11, heads, source_value_pair_stream_kernel<NT, B, true, true>,
+            f32 ? source_value_pair_stream_kernel<NT, B, true, true, 8, true>
+                : source_value_pair_stream_kernel<NT, B, true, true, 8>,
+            f32 ? source_value_pair_stream_kernel<NT, B, true, true, 4, true>
+                : source_value_pair_stream_kernel<NT, B, true, true, 4>);
         launch_pair_stream(stream, stream_smem<NT>(), B, nullptr, dv_out, partial, qg);
         return;
       }

@@ -559,8 +559,8 @@ TEST_F(OpTiming, DISABLED_RoutingLogitsVersions) {
 // tiled under each numbered version of the pair kernel (cuda::routing_set_kernel_version).
 // versions: each numbered version of the value and key-gradient kernels, and the version
 // pairs a default would take together.
-// pairs: the tiled backward at the default limit under the default pair version and the
-// tensor-core ones (12, 13), alternating, three rounds.
+// pairs: the tiled backward at the default limit under the default pair version, the
+// tensor-core version 13 and version 14 (fp32 slot rows), alternating, three rounds.
 void OpTiming::routing_backward_sweeps(bool limits, bool versions, bool pairs) {
   const int64_t N = 16384;
   for (const FullRoutingShape& sh : kFullRoutingShapes) {
