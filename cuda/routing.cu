@@ -55,7 +55,7 @@
 // Kernel lab: the mix tile and finish kernels, the backward's pair kernel and the logits
 // keep their earlier versions, numbered, chosen at launch (routing_set_kernel_version,
 // kernels.h; the defaults are the measured fastest: mix tile 5 of 5, finish 6 of 6, pair
-// 11 of 14, the unfused value kernel by width of 6, the key gradients 4 of 4, logits 9 of
+// 14 of 14, the unfused value kernel by width of 6, the key gradients 4 of 4, logits 9 of
 // 9, the delta site forward 1 of 2, its backward 2 of 3), so that one device run times
 // each (tests/op_timing_cudatest.cpp); every version computes the same bits, but for the
 // logits' choice between token kernel and GEMMs, the backward's row parts and fused key
@@ -2278,7 +2278,7 @@ __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT
 // whose stream keeps ~72 KB an SM in flight already, so more warps would help only if
 // the kernel is bound by its warps' issue. Measured (twentieth session, call 3, 100M's
 // tiled backward): v9 3.635 ms, v10 3.643: no gain, so it is not short of warps.
-// 11 (the default since the twenty-first session) is 9 with the lanes a head, G = 32 / H,
+// 11 (the default from the twenty-first session to the thirtieth) is 9 with the lanes a head, G = 32 / H,
 // a compile-time constant where H is 4 or 8 (the paper shapes: G 8 at 100M, 4 at 350M and
 // 1B). Why: the PTX of version 9's fused kernel at d
 // 512 has ~416 instructions (moves not counted) a site and token a warp, ~0.9 G warp
@@ -2313,14 +2313,15 @@ __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT
 // at d 512; the kernel is issue-bound there, cuda/NOTES.md). The same operations in the
 // same order: version 11's bits. Elsewhere it runs 11. Measured (twenty-ninth session, a
 // step's tiled backward at 100M, three rounds): v11 3.062-3.069 ms, v14 2.982-2.986
-// (-2.7%); 350M and 1B the same. Its parity against version 11's bits (RoutingParity:
-// SpanLayout's d 512, and ModelWidths' 100M case added since) has not run on a GPU yet;
-// until it has, 11 stays the default.
+// (-2.7%); 350M and 1B the same. The default since the thirtieth session, when
+// RoutingParity (SpanLayout's d 512, ModelWidths' 100M case) gave version 11's bits on
+// the H200; 100M's mhar step the same within noise (39.8 / 40.0 ms medians of 3 rounds:
+// the kernel's 0.08 ms is 0.2% of the step).
 constexpr int kBackTileMaxNT = 5;  // d <= 1280: 234 registers, no spills (NT 6: 239; 7, 8 spill)
 constexpr int pair_blocks_per_sm(int NT, int version) { return version >= 2 && NT <= 4 ? 3 : 2; }
 constexpr int kPairVersions = 14;
 constexpr bool pair_on_tensor_cores(int version) { return version == 12 || version == 13; }
-constexpr int kPairDefault = 11;
+constexpr int kPairDefault = 14;
 constexpr int kPairRing = 4;
 constexpr int kPairRingMaxNT = 2;
 int g_pair_version = kPairDefault;  // routing_set_kernel_version (timing lab)
