@@ -2278,9 +2278,9 @@ __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT
 // whose stream keeps ~72 KB an SM in flight already, so more warps would help only if
 // the kernel is bound by its warps' issue. Measured (twentieth session, call 3, 100M's
 // tiled backward): v9 3.635 ms, v10 3.643: no gain, so it is not short of warps.
-// 11 (the default from the twenty-first session to the thirtieth) is 9 with the lanes a head, G = 32 / H,
-// a compile-time constant where H is 4 or 8 (the paper shapes: G 8 at 100M, 4 at 350M and
-// 1B). Why: the PTX of version 9's fused kernel at d
+// 11 (the default from the twenty-first session to the thirtieth) is 9 with the lanes a
+// head, G = 32 / H, a compile-time constant where H is 4 or 8 (the paper shapes: G 8 at
+// 100M, 4 at 350M and 1B). Why: the PTX of version 9's fused kernel at d
 // 512 has ~416 instructions (moves not counted) a site and token a warp, ~0.9 G warp
 // instructions for 100M's tiles, which at the measured 1.91 ms is over half the issue
 // rate. Each of its four head sums a site (pair_site's two, key_site's two) is a loop over
