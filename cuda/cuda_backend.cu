@@ -57,7 +57,7 @@ struct ScratchLayout {
 };
 ScratchLayout scratch_layout(const OpScratchShapes& s) {
   using Slot = cuda::ScratchSlot;
-  static_assert(kSlots == 12, "every slot is sized and placed below (NormTickets: never planned)");
+  static_assert(kSlots == 11, "every slot is sized and placed below");
   ScratchLayout l;
   auto bytes = [&](Slot slot) -> size_t& { return l.bytes[size_t(slot)]; };
   const size_t N = size_t(std::max<int64_t>(s.tokens(), 0));
@@ -143,9 +143,6 @@ class CudaBackend final : public Backend {
     };
     CUDA_CHECK(cudaMalloc(&scratch_, cuda::kSumSquaresScratch * sizeof(double)));
     count(scratch_, cuda::kSumSquaresScratch * sizeof(double));
-    CUDA_CHECK(cudaMalloc(&norm_tickets_, cuda::kNormTicketBytes));
-    count(norm_tickets_, cuda::kNormTicketBytes);
-    CUDA_CHECK(cudaMemsetAsync(norm_tickets_, 0, cuda::kNormTicketBytes, stream_));
     routing_ctx_.blas = mm_.blas;
     routing_ctx_.scratch = [this](cuda::ScratchSlot slot, size_t bytes) {
       return scratch(slot, bytes);
@@ -155,7 +152,6 @@ class CudaBackend final : public Backend {
     cudaSetDevice(device_);
     cudaStreamSynchronize(stream_);
     cudaFree(scratch_);
-    cudaFree(norm_tickets_);
     for (cudaEvent_t e : marks_) cudaEventDestroy(e);
     for (auto& buf : scratch_bufs_)
       if (buf.ptr) cudaFree(buf.ptr);
@@ -558,7 +554,6 @@ class CudaBackend final : public Backend {
  private:
   cuda::MatmulContext mm_;
   double* scratch_ = nullptr;
-  void* norm_tickets_ = nullptr;  // ScratchSlot::NormTickets (kernels.h): zeroed, kept at 0
   // The ops' temporaries (kernels.h, ScratchSlot): the bound op scratch's part for the
   // slot (scratch_layout), or with none bound the slot's grow-only buffer (allocated when
   // first needed, counted in the peak).
@@ -597,11 +592,6 @@ class CudaBackend final : public Backend {
   cuda::RopeTable rope_table_;
 
   void* scratch(cuda::ScratchSlot slot, size_t bytes) {
-    if (slot == cuda::ScratchSlot::NormTickets) {
-      MHAR_CHECK(bytes <= cuda::kNormTicketBytes, "CUDA backend: ", bytes,
-                 " bytes of norm tickets asked for, ", cuda::kNormTicketBytes, " exist");
-      return norm_tickets_;
-    }
     if (bound_.memory.data) {
       const size_t i = size_t(slot);
       MHAR_CHECK(bytes <= layout_.bytes[i], "CUDA op scratch: the ", cuda::scratch_slot_name(slot),

@@ -107,10 +107,7 @@ int cross_entropy_versions();
 // contents last until the next request of the same slot; RoutingTile and RoutingBackTile
 // carry a depth tile from one op to the next (routing.cu), RopeTable the cos/sin table from
 // one call to the next (the backend refills it when theta, head_dim or the positions
-// change, and after every binding), the others are used within one op. NormTickets is
-// not scratch but the backend's own counters (kNormTicketBytes, allocated and zeroed with
-// the backend, never in a model's plan), which every kernel that takes them leaves at 0
-// (norm.cu's self-finishing backward). A new slot, or a
+// change, and after every binding), the others are used within one op. A new slot, or a
 // request that grows with another shape, needs its size in scratch_layout
 // (cuda_backend.cu), or models will fail the size check.
 enum class ScratchSlot {
@@ -123,13 +120,11 @@ enum class ScratchSlot {
   RoutingBackTile,
   HyperPartials,
   NormPartials,
-  NormTickets,
   MatmulTune,
   RopeTable,
   Count
 };
 using ScratchFn = std::function<void*(ScratchSlot, size_t)>;
-constexpr size_t kNormTicketBytes = 1024;
 inline const char* scratch_slot_name(ScratchSlot slot) {
   switch (slot) {
     case ScratchSlot::AttentionBackward: return "attention backward row dots and score gradients";
@@ -141,8 +136,6 @@ inline const char* scratch_slot_name(ScratchSlot slot) {
     case ScratchSlot::RoutingBackTile: return "routing backward depth tile";
     case ScratchSlot::HyperPartials: return "hyper partial sums";
     case ScratchSlot::NormPartials: return "norm partial sums";
-    case ScratchSlot::NormTickets:
-      return "norm dw finish tickets";
     case ScratchSlot::MatmulTune: return "matmul tuning output";
     case ScratchSlot::RopeTable: return "RoPE cos/sin table";
     case ScratchSlot::Count: break;

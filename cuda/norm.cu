@@ -46,17 +46,16 @@
 // (norm_backward_ring.cu: rows brought into shared memory by the copy engine, dw finished
 // in the kernel after a grid synchronisation). The defaults are the device runs' fastest
 // (kForwardDefault etc. below; cuda/NOTES.md has the measured tables).
+#include "cuda/common.cuh"
+#include "cuda/kernels.h"
+#include "cuda/norm_backward_ring.h"
+
 #include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <map>
 #include <mutex>
 #include <type_traits>
 #include <unordered_map>
-
-#include "cuda/common.cuh"
-#include "cuda/kernels.h"
-#include "cuda/norm_backward_ring.h"
 
 namespace mhar::cuda {
 namespace {
@@ -288,18 +287,15 @@ struct AddArgs {
 // kDwShared (backward, rows of one warp: TPR 32, RPI 1), dw's per-column partial sums in
 // shared memory instead of registers (the same additions in the same order per column),
 // which frees VPL x 8 registers a thread for a third block an SM.
-// kSelfFinish (backward), dw finished by the grid's own blocks (dw_finish_in_grid) instead
-// of the finish kernel: other dw bits (two levels of sums), dx's the same.
-// None changes an operation on a value or the rows a lane handles: the same bits, but dw's
-// where a version runs on its own grid (other partial rows) or with kSelfFinish.
+// None changes an operation on a value or the rows a lane handles: the same bits.
 // (Outside the unnamed namespace: nvcc warns about its unused members there.)
 }  // namespace
 namespace norm_lab {
 template <bool Prefetch, bool Pipeline = false, bool Lite = false, bool Pdl = false,
-          bool Staged = false, bool DwShared = false, bool SelfFinish = false>
+          bool Staged = false, bool DwShared = false>
 struct VecOpt {
   static constexpr bool kPrefetch = Prefetch, kPipeline = Pipeline, kLite = Lite, kPdl = Pdl,
-                        kStaged = Staged, kDwShared = DwShared, kSelfFinish = SelfFinish;
+                        kStaged = Staged, kDwShared = DwShared;
 };
 }  // namespace norm_lab
 namespace {
@@ -343,90 +339,6 @@ __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-}
-
-// ---- dw finished by the grid's own blocks (backward version 10, QK version 8) ----------
-// In place of the finish kernel: a block that has written its dw partial row takes a
-// ticket from its group's counter (groups of about sqrt(blocks) consecutive blocks); the
-// group's last block adds the group's partial rows in block order into a group row, then
-// takes a ticket from the tensor's counter, and the last group's block adds the group rows
-// in group order into dw. Which block runs a sum changes nothing (each runs in a fixed
-// order), so dw has the same bits every run; not the finish kernel's bits (two levels of
-// sums). Why: the finish kernel waits for the whole grid's end and its memory flush, then
-// runs ~4 us at 1B on 40 blocks (cuda/NOTES.md, "The backward fed by the copy engine");
-// here the groups finish while other blocks still run, and only the last group's two
-// short sums follow the last block. The counters are the backend's zeroed ticket buffer
-// (ScratchSlot::NormTickets); the last taker of each counter sets it back to 0 for the
-// next launch, and no kernel waits on another block (no residency assumption).
-constexpr int kDwGroupsMax = 64;
-constexpr int kDwTicketsPerTensor = 1 + kDwGroupsMax;  // the tensor's, then each group's
-struct DwSelfFinish {
-  float* dw = nullptr;
-  float* group_rows = nullptr;  // [groups][D]
-  unsigned* tickets = nullptr;  // kDwTicketsPerTensor counters, all 0 between launches
-  int group_size = 1, groups = 1;
-};
-
-// out (kAddInto: out +=) the sum of `count` rows of D floats (D % 4 == 0, 16-byte aligned
-// rows) in row order; the block's threads over float4 columns, 8 rows' loads in flight.
-// L2 loads: other blocks wrote the rows during this grid.
-template <bool kAddInto>
-__device__ __forceinline__ void sum_rows_in_order(float* out, const float* rows, int count, int D) {
-  const int C4 = D / 4;
-  auto add = [](float4& t, const float4& v) {
-    t.x += v.x;
-    t.y += v.y;
-    t.z += v.z;
-    t.w += v.w;
-  };
-  for (int c = threadIdx.x; c < C4; c += blockDim.x) {
-    const float4* p = reinterpret_cast<const float4*>(rows) + c;
-    float4 t = __ldcg(p);
-    int r = 1;
-    for (; r + 8 <= count; r += 8) {
-      float4 v[8];
-#pragma unroll
-      for (int k = 0; k < 8; ++k) v[k] = __ldcg(p + int64_t(r + k) * C4);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) add(t, v[k]);
-    }
-    for (; r < count; ++r) add(t, __ldcg(p + int64_t(r) * C4));
-    float4* o = reinterpret_cast<float4*>(out) + c;
-    if constexpr (kAddInto) {
-      float4 d = __ldcg(o);
-      add(d, t);
-      *o = d;
-    } else {
-      __stcg(o, t);
-    }
-  }
-}
-
-// Called by every thread of every block once its partial row (`partials` row `block` of
-// the tensor's `nblocks`) is written.
-__device__ __forceinline__ void dw_finish_in_grid(const DwSelfFinish& f, const float* partials,
-                                                  int block, int nblocks, int D) {
-  __shared__ unsigned ticket;
-  __threadfence();  // this thread's partial-row stores, visible before the ticket is taken
-  __syncthreads();
-  const int g = block / f.group_size, first = g * f.group_size;
-  const int count = min(f.group_size, nblocks - first);
-  if (threadIdx.x == 0) ticket = atomicAdd(f.tickets + 1 + g, 1u);
-  __syncthreads();
-  if (ticket != unsigned(count - 1)) return;  // uniform over the block
-  __threadfence();
-  sum_rows_in_order<false>(f.group_rows + int64_t(g) * D, partials + int64_t(first) * D, count, D);
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    f.tickets[1 + g] = 0;
-    ticket = atomicAdd(f.tickets, 1u);
-  }
-  __syncthreads();
-  if (ticket != unsigned(f.groups - 1)) return;
-  __threadfence();
-  sum_rows_in_order<true>(f.dw, f.group_rows, f.groups, D);
-  if (threadIdx.x == 0) f.tickets[0] = 0;
 }
 
 // kWarpToken (with kRope): every warp's RW rows of a step are heads of one token (the
@@ -571,11 +483,10 @@ __global__ void __launch_bounds__(kVecThreads)
 // The body of the backward kernels below (one kernel per launch-bounds rule).
 template <class W, int TPR, int VPL, int RPI, bool kRope, bool kWarpToken, class Opt>
 __device__ __forceinline__ void rmsnorm_backward_vec_body(
-    bf16* dx, float* __restrict__ partials, const bf16* __restrict__ dy, const bf16* __restrict__ x,
-    const W* __restrict__ w, const float* __restrict__ rstd, int64_t R, int D, bool accumulate,
-    const RopeArgs& ra, const DwSelfFinish& self) {
+    bf16* dx, float* __restrict__ partials, const bf16* __restrict__ dy,
+    const bf16* __restrict__ x, const W* __restrict__ w, const float* __restrict__ rstd,
+    int64_t R, int D, bool accumulate, const RopeArgs& ra) {
   static_assert(!kRope || VPL == 1, "fused RoPE needs head_dim = 8 * lanes per row");
-  static_assert(!(Opt::kSelfFinish && Opt::kPdl), "no finish kernel to launch early");
   // The finish kernel's blocks may be scheduled now (they wait for this grid's end before
   // reading `partials`): its launch overlaps this kernel instead of following it.
   if constexpr (Opt::kPdl) pdl_launch_dependents();
@@ -810,18 +721,17 @@ __device__ __forceinline__ void rmsnorm_backward_vec_body(
     for (int c = threadIdx.x; c < D; c += kVecThreads)
       partials[int64_t(blockIdx.x) * D + c] = col_sum[c];
   }
-  if constexpr (Opt::kSelfFinish) dw_finish_in_grid(self, partials, blockIdx.x, gridDim.x, D);
 }
 
 template <class W, int TPR, int VPL, int RPI, bool kRope = false, bool kWarpToken = false,
           class Opt = OptV1>
 __global__ void __launch_bounds__(kVecThreads)
-    rmsnorm_backward_vec_kernel(bf16* dx, float* __restrict__ partials, const bf16* __restrict__ dy,
-                                const bf16* __restrict__ x, const W* __restrict__ w,
-                                const float* __restrict__ rstd, int64_t R, int D, bool accumulate,
-                                RopeArgs ra, DwSelfFinish self) {
-  rmsnorm_backward_vec_body<W, TPR, VPL, RPI, kRope, kWarpToken, Opt>(dx, partials, dy, x, w, rstd,
-                                                                      R, D, accumulate, ra, self);
+    rmsnorm_backward_vec_kernel(bf16* dx, float* __restrict__ partials,
+                                const bf16* __restrict__ dy, const bf16* __restrict__ x,
+                                const W* __restrict__ w, const float* __restrict__ rstd,
+                                int64_t R, int D, bool accumulate, RopeArgs ra) {
+  rmsnorm_backward_vec_body<W, TPR, VPL, RPI, kRope, kWarpToken, Opt>(dx, partials, dy, x, w,
+                                                                      rstd, R, D, accumulate, ra);
 }
 // The staged plain kernels of short rows (D <= 768, kStaged3) held to 3 blocks per SM:
 // version 1's residency there (their grid is version 1's); unbounded they took 90 registers.
@@ -831,10 +741,10 @@ template <class W, int TPR, int VPL, int RPI, class Opt>
 __global__ void __launch_bounds__(kVecThreads, 3)
     rmsnorm_backward_vec_kernel3(bf16* dx, float* __restrict__ partials,
                                  const bf16* __restrict__ dy, const bf16* __restrict__ x,
-                                 const W* __restrict__ w, const float* __restrict__ rstd, int64_t R,
-                                 int D, bool accumulate, RopeArgs ra, DwSelfFinish self) {
-  rmsnorm_backward_vec_body<W, TPR, VPL, RPI, false, false, Opt>(dx, partials, dy, x, w, rstd, R, D,
-                                                                 accumulate, ra, self);
+                                 const W* __restrict__ w, const float* __restrict__ rstd,
+                                 int64_t R, int D, bool accumulate, RopeArgs ra) {
+  rmsnorm_backward_vec_body<W, TPR, VPL, RPI, false, false, Opt>(dx, partials, dy, x, w, rstd, R,
+                                                                  D, accumulate, ra);
 }
 
 // ---- QK-norm + RoPE version 6: a lane holds both halves of its rotate-half pairs ------
@@ -1005,13 +915,11 @@ __global__ void __launch_bounds__(kVecThreads)
 // version 1's operations; dw's partial row per block as rmsnorm_backward_vec_body, the
 // finish kernel launched as a programmatic dependent.
 // Held to 80 registers (3 blocks an SM; unbounded it took 95, 2 blocks).
-// kSelfFinish (QK version 8): dw finished by the grid's own blocks (dw_finish_in_grid, with
-// s0 / s1 for t0's / t1's blocks), no finish kernel.
-template <int TPR, bool kWarpToken, bool kTwo, bool kSelfFinish>
+template <int TPR, bool kWarpToken, bool kTwo>
 __global__ void __launch_bounds__(kVecThreads, 3)
-    qk_norm_rope_backward_pairs_kernel(PairRows t0, PairRows t1, bool accumulate, RopeTableArgs rt,
-                                       DwSelfFinish s0, DwSelfFinish s1) {
-  if constexpr (!kSelfFinish) pdl_launch_dependents();
+    qk_norm_rope_backward_pairs_kernel(PairRows t0, PairRows t1, bool accumulate,
+                                       RopeTableArgs rt) {
+  pdl_launch_dependents();
   constexpr int D = 8 * TPR, H = D / 2, G = 32 / TPR, RPI = kPairRpi, RW = G * RPI,
                 RB = (kVecThreads / 32) * RW;
   int64_t block = 0;
@@ -1095,18 +1003,8 @@ __global__ void __launch_bounds__(kVecThreads, 3)
   // This block's partial row, its address derived again from the parameters rather than
   // kept live through the loop (kTwo's 80 registers had no room for it).
   int64_t end_block = 0;
-  const PairRows te = pair_rows_of_block<kTwo>(t0, t1, rt, end_block);
-  for (int c = threadIdx.x; c < D; c += kVecThreads) te.partials[end_block * D + c] = col_sum[c];
-  if constexpr (kSelfFinish) {
-    const bool second = kTwo && int(blockIdx.x) >= t0.blocks;
-    DwSelfFinish f;  // field by field, as pair_rows_of_block
-    f.dw = second ? s1.dw : s0.dw;
-    f.group_rows = second ? s1.group_rows : s0.group_rows;
-    f.tickets = second ? s1.tickets : s0.tickets;
-    f.group_size = second ? s1.group_size : s0.group_size;
-    f.groups = second ? s1.groups : s0.groups;
-    dw_finish_in_grid(f, te.partials, int(end_block), te.blocks, D);
-  }
+  float* partials = pair_rows_of_block<kTwo>(t0, t1, rt, end_block).partials;
+  for (int c = threadIdx.x; c < D; c += kVecThreads) partials[end_block * D + c] = col_sum[c];
 }
 
 // The cos/sin table of version 6: record (pos, q) holds pairs 4q .. 4q + 3 (cos, then
@@ -1234,9 +1132,6 @@ bool vector_path(DType t, int64_t D, int64_t max_d, std::initializer_list<const 
 //   the first pass to the second and its stage released after the first (one block an
 //   SM; D <= 1536, else version 7). Where 512 < D <= 2048; other widths run version 5's
 //   rule.
-//   10 version 5 with dw finished by the grid's own blocks (kSelfFinish, dw_finish_in_grid):
-//   no finish kernel; where 5 runs version 3, version 3 without the programmatic
-//   dependent finish, with the self finish. dw: not version 5's bits (two levels of sums).
 // QkNormRope (qk_norm_rope_forward and _backward):
 //   1 as version 1 of the others. 2 kLite (cos/sin split over the warp: half the sincosf
 //   at head_dim 128; 32-bit token index), no prefetch. 3 version 2, forward on the
@@ -1249,19 +1144,16 @@ bool vector_path(DType t, int64_t D, int64_t max_d, std::initializer_list<const 
 //   call has no table covering its positions, version 3.
 //   7 version 6, and qk_norm_rope_forward_qk / _backward_qk run q and k in one launch
 //   (other versions: the two calls in turn). The same bits as version 6 but dw's sums.
-//   8 version 7 with the paired-lane backward's dw finished by the grid's own blocks
-//   (dw_finish_in_grid): no finish kernel. The same bits as version 7 but dw's sums.
 // Lab versions apply to BF16 weights (the model's); F32 weights take version 1.
-constexpr int kForwardVersions = 5, kBackwardVersions = 10, kQkVersions = 8;
+constexpr int kForwardVersions = 5, kBackwardVersions = 9, kQkVersions = 7;
 // Defaults: the fastest of the device runs (cuda/NOTES.md, "Norm kernel versions",
 // "Paired lanes" and "q and k in one launch"): forward 4, backward 5, QK 7.
 constexpr int kForwardDefault = 4, kBackwardDefault = 5, kQkDefault = 7;
 int g_forward_version = kForwardDefault;    // norm_set_kernel_version (timing lab)
 int g_backward_version = kBackwardDefault;
 int g_qk_version = kQkDefault;
-// QK versions 7 and 8 are version 6's kernels (7 changes how q and k are launched, 8 how
-// the paired-lane backward finishes dw).
-int qk_kernels_version() { return g_qk_version >= 7 ? 6 : g_qk_version; }
+// QK version 7 is version 6's kernels (it changes only how q and k are launched).
+int qk_kernels_version() { return g_qk_version == 7 ? 6 : g_qk_version; }
 
 enum class GridRule { Resident, Balanced, OneStep };
 int64_t vec_grid(GridRule rule, int64_t steps, int per_sm) {
@@ -1306,26 +1198,6 @@ template <class K> int prepare_dw_shared(K kern, size_t smem) {
 
 // The 32-bit token index of kLite needs row indices (plus a step) below 2^31.
 bool lite_rows_fit(int64_t R) { return R < (int64_t(1) << 30); }
-
-// The self finish's arguments for one tensor's dw over `nblocks` partial rows: groups of
-// about sqrt(nblocks) blocks (at most kDwGroupsMax groups), their rows in `group_rows`
-// (kDwGroupsMax rows of D floats).
-DwSelfFinish dw_self_finish(float* dw, float* group_rows, unsigned* tickets, int nblocks) {
-  DwSelfFinish f;
-  f.dw = dw;
-  f.group_rows = group_rows;
-  f.tickets = tickets;
-  f.group_size =
-      std::max(int(std::ceil(std::sqrt(double(nblocks)))), int(ceil_div(nblocks, kDwGroupsMax)));
-  f.groups = int(ceil_div(nblocks, f.group_size));
-  return f;
-}
-// The backend's zeroed counters, kDwTicketsPerTensor for each of two tensors.
-static_assert(2 * kDwTicketsPerTensor * sizeof(unsigned) <= kNormTicketBytes);
-unsigned* norm_tickets(const ScratchFn& scratch) {
-  return static_cast<unsigned*>(
-      scratch(ScratchSlot::NormTickets, 2 * kDwTicketsPerTensor * sizeof(unsigned)));
-}
 
 // The finish of `count` (1 or 2) weights' partial rows, each D columns.
 void launch_dw_finish(cudaStream_t s, bool pdl, const DwFinish& f0, const DwFinish& f1,
@@ -1452,12 +1324,11 @@ bool launch_backward_vec(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor
         int64_t blocks = std::min<int64_t>(ceil_div(R, rb), int64_t(sm_count()) * per_sm);
         int v = std::is_same_v<W, bf16> ? version : 1;
         if (kRope && !lite_rows_fit(R)) v = 1;
-        bool pdl = false, self_finish = false;
+        bool pdl = false;
         size_t smem = 0;
         if constexpr (std::is_same_v<W, bf16>) {
           auto pick = [&](auto opt) {
             using Opt = decltype(opt);
-            self_finish = Opt::kSelfFinish;
             auto k_any = rmsnorm_backward_vec_kernel<W, C::TPR, C::VPL, RPI, kRope, false, Opt>;
             if constexpr (!kRope && Opt::kStaged && kStaged3<C::TPR, C::VPL, RPI>)
               k_any = rmsnorm_backward_vec_kernel3<W, C::TPR, C::VPL, RPI, Opt>;
@@ -1483,52 +1354,38 @@ bool launch_backward_vec(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor
               }
             }
           };
-          // Plain: 2, 3, 4 as listed above, 5, 6 and 10 where rows are one warp's (VPL <= 6:
-          // at 8, version 5's 3-block bound spills), else 3 (10: 3 with the self finish);
-          // QK-norm + RoPE: 2, 3 (and 4, whose change is the forward's), 5, and 3 for 6
-          // (the paired-lane kernels, tried before this, had no table).
+          // Plain: 2, 3, 4 as listed above, 5 and 6 where rows are one warp's (VPL <= 6: at
+          // 8, version 5's 3-block bound spills), else 3; QK-norm + RoPE: 2, 3 (and 4,
+          // whose change is the forward's), 5, and 3 for 6 (the paired-lane kernels, tried
+          // before this, had no table).
           constexpr bool kDwSharedFits = !kRope && C::TPR == 32 && RPI == 1 && C::VPL <= 6;
           const int staged_from = kRope ? 5 : 4;
           if (v == 2) pick(VecOpt<false, false, kRope>{});
           else if (v < staged_from || (kRope && v == 6)) pick(VecOpt<false, false, kRope, true>{});
           else if (kRope || v == 4) pick(VecOpt<false, false, kRope, true, true>{});
-          else if constexpr (!kDwSharedFits) {
-            if constexpr (!kRope) {
-              if (v == 10)
-                pick(VecOpt<false, false, false, false, false, false, true>{});
-              else
-                pick(VecOpt<false, false, false, true>{});
-            }
-          } else {
+          else if constexpr (!kDwSharedFits) pick(VecOpt<false, false, false, true>{});
+          else {
             // 5: dw in shared memory, 3 blocks an SM; 6: 5 plus the register pipeline (2
-            // blocks); 10: 5 with dw finished by the grid's own blocks. Each on its own
-            // resident grid, so dw sums other partial rows than version 1's.
+            // blocks). Each on its own resident grid, so dw sums other partial rows than
+            // version 1's.
             using Opt5 = VecOpt<false, false, false, true, false, true>;
             using Opt6 = VecOpt<false, true, false, true, false, true>;
-            using Opt10 = VecOpt<false, false, false, false, false, true, true>;
             kern = v == 6 ? rmsnorm_backward_vec_kernel<W, C::TPR, C::VPL, RPI, false, false, Opt6>
-                   : v == 10 ? rmsnorm_backward_vec_kernel3<W, C::TPR, C::VPL, RPI, Opt10>
-                             : rmsnorm_backward_vec_kernel3<W, C::TPR, C::VPL, RPI, Opt5>;
-            pdl = v != 10;
-            self_finish = v == 10;
+                          : rmsnorm_backward_vec_kernel3<W, C::TPR, C::VPL, RPI, Opt5>;
+            pdl = true;
             smem = size_t(kVecThreads / 32) * C::VPL * 2 * 32 * 16;
             blocks = std::min<int64_t>(ceil_div(R, rb),
                                        int64_t(sm_count()) * prepare_dw_shared(kern, smem));
           }
         }
-        const size_t rows = size_t(blocks) + (self_finish ? kDwGroupsMax : 0);
         auto* partials = static_cast<float*>(
-            scratch(ScratchSlot::NormPartials, rows * size_t(D) * sizeof(float)));
-        DwSelfFinish self;
-        if (self_finish)
-          self = dw_self_finish(dw.ptr<float>(), partials + blocks * D, norm_tickets(scratch),
-                                int(blocks));
+            scratch(ScratchSlot::NormPartials, size_t(blocks) * size_t(D) * sizeof(float)));
         kern<<<unsigned(blocks), kVecThreads, smem, s>>>(
             static_cast<bf16*>(dx.data), partials, static_cast<const bf16*>(dy.data),
-            static_cast<const bf16*>(x.data), static_cast<const W*>(w.data), rstd.ptr<float>(), R,
-            int(D), accumulate_dx, ra, self);
+            static_cast<const bf16*>(x.data), static_cast<const W*>(w.data), rstd.ptr<float>(),
+            R, int(D), accumulate_dx, ra);
         CUDA_CHECK_LAUNCH();
-        if (!self_finish) launch_dw_finish(s, pdl, dw.ptr<float>(), partials, int(blocks), int(D));
+        launch_dw_finish(s, pdl, dw.ptr<float>(), partials, int(blocks), int(D));
         launched = true;
       }
     });
@@ -1612,7 +1469,6 @@ bool launch_backward_pairs(cudaStream_t s, PairRows (&rows)[2], DwFinish (&dw)[2
                            const Tensor& w, int64_t D, bool accumulate_dx,
                            const ScratchFn& scratch, const RopeArgs& ra, const RopeTable& table) {
   const int64_t R_max = count == 2 ? std::max(rows[0].R, rows[1].R) : rows[0].R;
-  const bool self_finish = g_qk_version == 8;
   return with_pairs(w, R_max, D, ra, table, [&](auto tpr, const RopeTableArgs& rt) {
     constexpr int TPR = decltype(tpr)::value, RW = (32 / TPR) * kPairRpi;
     constexpr int64_t RB = int64_t(kVecThreads / 32) * RW;
@@ -1628,31 +1484,20 @@ bool launch_backward_pairs(cudaStream_t s, PairRows (&rows)[2], DwFinish (&dw)[2
         rows[i].blocks = int(std::min(ceil_div(rows[i].R, RB), share[i]));
         total += rows[i].blocks;
       }
-      const size_t group_rows = self_finish ? size_t(count) * kDwGroupsMax : 0;
-      auto* partials = static_cast<float*>(scratch(
-          ScratchSlot::NormPartials, (size_t(total) + group_rows) * size_t(D) * sizeof(float)));
-      DwSelfFinish self[2];
-      unsigned* tickets = self_finish ? norm_tickets(scratch) : nullptr;
+      auto* partials = static_cast<float*>(
+          scratch(ScratchSlot::NormPartials, size_t(total) * size_t(D) * sizeof(float)));
       for (int i = 0, first = 0; i < count; first += rows[i].blocks, ++i) {
         rows[i].partials = partials + int64_t(first) * D;
         dw[i].partials = rows[i].partials;
         dw[i].nblocks = rows[i].blocks;
-        if (self_finish)
-          self[i] = dw_self_finish(dw[i].dw, partials + (total + int64_t(i) * kDwGroupsMax) * D,
-                                   tickets + i * kDwTicketsPerTensor, rows[i].blocks);
       }
-      kern<<<unsigned(total), kVecThreads, 0, s>>>(rows[0], rows[count - 1], accumulate_dx, rt,
-                                                   self[0], self[count - 1]);
+      kern<<<unsigned(total), kVecThreads, 0, s>>>(rows[0], rows[count - 1], accumulate_dx, rt);
       CUDA_CHECK_LAUNCH();
       if (count == 2) ++g_qk_pair_launches;
-      if (!self_finish) launch_dw_finish(s, true, dw[0], dw[count - 1], count, int(D));
+      launch_dw_finish(s, true, dw[0], dw[count - 1], count, int(D));
     };
     with_pair_variant<RW>(rows, count, [&](auto token, auto two) {
-      constexpr bool kToken = decltype(token)::value, kTwo = decltype(two)::value;
-      if (self_finish)
-        go(qk_norm_rope_backward_pairs_kernel<TPR, kToken, kTwo, true>);
-      else
-        go(qk_norm_rope_backward_pairs_kernel<TPR, kToken, kTwo, false>);
+      go(qk_norm_rope_backward_pairs_kernel<TPR, decltype(token)::value, decltype(two)::value>);
     });
   });
 }
@@ -1737,8 +1582,7 @@ size_t rmsnorm_backward_scratch_bytes(int64_t D) {
     CUDA_CHECK(cudaDeviceGetAttribute(&threads, cudaDevAttrMaxThreadsPerMultiProcessor, dev));
     return std::max(1, threads / kVecThreads);
   }();
-  // Plus the self finish's group rows (backward version 10, QK version 8), two tensors'.
-  return (size_t(sm_count()) * size_t(per_sm) + 2 * kDwGroupsMax) * size_t(D) * sizeof(float);
+  return size_t(sm_count()) * size_t(per_sm) * size_t(D) * sizeof(float);
 }
 
 void rmsnorm_forward(cudaStream_t s, Tensor y, Tensor rstd, Tensor x, Tensor w, double eps) {
@@ -1787,11 +1631,11 @@ void rmsnorm_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor x,
   check_backward("rmsnorm_backward", dx, dw, dy, x, rstd, R, D);
   if (R == 0) return;
   const bool vec = vector_path(x.dtype, D, kVecMaxDBackward, {x.data, dx.data, dy.data, w.data});
-  if (vec && g_backward_version >= 7 && g_backward_version <= 9 && w.dtype == DType::BF16 &&
+  if (vec && g_backward_version >= 7 && w.dtype == DType::BF16 &&
       ring_backward(s, g_backward_version, static_cast<bf16*>(dx.data), dw.ptr<float>(),
                     static_cast<const bf16*>(dy.data), static_cast<const bf16*>(x.data),
-                    static_cast<const bf16*>(w.data), rstd.ptr<float>(), R, int(D), accumulate_dx,
-                    scratch))
+                    static_cast<const bf16*>(w.data), rstd.ptr<float>(), R, int(D),
+                    accumulate_dx, scratch))
     return;
   if (vec && launch_backward_vec<false>(s, dx, dw, dy, x, w, rstd, R, D, accumulate_dx, scratch,
                                  RopeArgs{}))
@@ -1867,8 +1711,9 @@ namespace {
 // checks the rest (alignment, table, row counts) and the two calls run where it declines.
 bool qk_pair_applies(const Tensor& wq, const Tensor& wk, const Tensor& tq, const Tensor& tk) {
   const int64_t D = wq.numel();
-  return g_qk_version >= 7 && fused_rope_shape(D) && wk.numel() == D && wq.dtype == wk.dtype &&
-         tq.ndim == 4 && tk.ndim == 4 && tq.dim(1) == tk.dim(1) && tq.dim(3) == D && tk.dim(3) == D;
+  return g_qk_version == 7 && fused_rope_shape(D) && wk.numel() == D && wq.dtype == wk.dtype &&
+         tq.ndim == 4 && tk.ndim == 4 && tq.dim(1) == tk.dim(1) && tq.dim(3) == D &&
+         tk.dim(3) == D;
 }
 }  // namespace
 

@@ -140,9 +140,8 @@ class KernelBandwidth : public BandwidthTest {
     const std::string tag = " [" + std::to_string(sh.B) + ", " + std::to_string(sh.T) + ", " +
                             std::to_string(sh.H) + "+" + std::to_string(sh.Hkv) + ", " +
                             std::to_string(D) + "]" + at;
-    // Version 6: the two calls in turn; version 7: one launch; 8: one launch, no finish
-    // kernel.
-    each_version(cuda::NormKernel::QkNormRope, {6, 7, 8, 6, 7, 8}, [&](const std::string& v) {
+    // Version 6: the two calls in turn; version 7: one launch.
+    each_version(cuda::NormKernel::QkNormRope, {6, 7, 6, 7}, [&](const std::string& v) {
       report("qk-norm+rope fused q+k one call forward" + v + tag, fwd, median_ms([&](int) {
                gpu->qk_norm_rope_forward_qk({q.y, q.rstd, q.x, q.w}, {k.y, k.rstd, k.x, k.w},
                                             1e-6, 1e6, 0);

@@ -148,9 +148,8 @@ TEST_F(NormParity, AccumulatedDxIsTheTwoOpsBitForBit) {
 // Every kernel-lab version (cuda::norm_set_kernel_version) computes each value with version
 // 1's operations in version 1's order: y, rstd, the fused add's x, y, rstd (x apart from
 // a, and x in a's buffer), dx overwritten and "+=" are version 1's bits, and so is dw for
-// backward versions 2-4 (the same partial rows summed in the same order); versions 5-10
-// sum their own grid's partial rows (10 in two levels, by the grid's own blocks), so their
-// dw is compared within fp32 rounding. The
+// backward versions 2-4 (the same partial rows summed in the same order); versions 5-9
+// sum their own grid's partial rows, so their dw is compared within fp32 rounding. The
 // row counts give each grid rule several steps a block and a part-filled last step (D 4096:
 // the forward only; its backward takes the scalar path).
 TEST_F(NormParity, EveryKernelVersionSameBits) {
@@ -221,7 +220,7 @@ TEST_F(NormParity, EveryKernelVersionSameBits) {
       const char* names[] = {"dx", "dw", "dx +=", "dw (+=)"};
       for (size_t k = 0; k < got.size(); ++k) {
         const std::string what = "backward v" + std::to_string(v) + " " + names[k] + " " + tag;
-        // Versions 5-10 sum dw over their own grid's partial rows: another order of fp32
+        // Versions 5-9 sum dw over their own grid's partial rows: another order of fp32
         // sums.
         if (v >= 5 && (k == 1 || k == 3)) expect_close(what, got[k], bref[k], kTolF32Output);
         else expect_same_bits(what, got[k], bref[k]);
@@ -248,10 +247,10 @@ TEST_F(NormParity, PerHeadQkNormView) {
 // Every row configuration of the vector path (D/8 vectors: <=8, <=16, <=32, <=64, <=96,
 // <=128, <=160, <=192, <=256; forward only <=384, <=512) with odd row counts, so blocks end
 // part-way through their rows; the model widths 512, 1024, 1280, 2048.
-// The backward's numerics: version 1 (versions 2-4 are its bits), versions 5-10 (dw
-// summed over their own grids; 7-9 the ring kernel, 10 finished by the grid's blocks).
+// The backward's numerics: version 1 (versions 2-4 are its bits), versions 5-9 (dw
+// summed over their own grids; 7-9 the ring kernel).
 TEST_F(NormParity, VectorPathRowConfigs) {
-  for (int v : {1, 5, 6, 7, 8, 9, 10}) {
+  for (int v : {1, 5, 6, 7, 8, 9}) {
     cuda::norm_set_kernel_version(cuda::NormKernel::Backward, v);
     for (int64_t D : {8, 40, 64, 72, 128, 248, 256, 512, 768, 1024, 1280, 1536, 2048})
       for (int64_t R : {int64_t(1), int64_t(37), int64_t(1001)}) check(R, D, R == 37);
@@ -300,35 +299,30 @@ TEST_F(NormParity, MisalignedTensorsTakeTheScalarPath) {
 }
 
 // dw is summed without atomics on the vector path: two runs from the same inputs give the
-// same bits (dw's own start value included). At the default and at backward version 10,
-// whose blocks finish dw themselves in whichever order they end (and whose counters must
-// be back at 0 after every launch, or a later run would miss its last group's sum).
+// same bits (dw's own start value included).
 TEST_F(NormParity, BackwardDwIsDeterministic) {
-  for (int version : {0, 10})
-    for (int64_t D : {int64_t(64), int64_t(1280), int64_t(2048)}) {
-      cuda::norm_set_kernel_version(cuda::NormKernel::Backward, version);
-      const int64_t R = 4099;
-      Pair x = random_pair(DType::BF16, {R, D}, 2.0, 0.3);
-      Pair w = random_pair(DType::BF16, {D}, 0.3, 1.0);
-      Pair y = pair(DType::BF16, {R, D}), rstd = pair(DType::F32, {R});
-      gpu->rmsnorm_forward(y.g, rstd.g, x.g, w.g, 1e-6);
-      Pair dy = random_pair(DType::BF16, {R, D});
-      Pair dx = pair(DType::BF16, {R, D});
-      const std::vector<double> dw0 = random_normal(rng, D, DType::F32);
-      std::vector<std::vector<double>> runs;
-      for (int run = 0; run < 3; ++run) {
-        dx.g.poison();
-        Buffer dw(*gpu, DType::F32, {D});
-        dw.set(dw0);
-        gpu->rmsnorm_backward(dx.g, dw, dy.g, x.g, w.g, rstd.g, false);
-        runs.push_back(dw.get());
-      }
-      cuda::norm_set_kernel_version(cuda::NormKernel::Backward, 0);
-      for (int run = 1; run < 3; ++run)
-        for (int64_t c = 0; c < D; ++c)
-          ASSERT_EQ(runs[size_t(run)][size_t(c)], runs[0][size_t(c)])
-              << "version " << version << " D " << D << " column " << c << " run " << run;
+  for (int64_t D : {int64_t(64), int64_t(1280), int64_t(2048)}) {
+    const int64_t R = 4099;
+    Pair x = random_pair(DType::BF16, {R, D}, 2.0, 0.3);
+    Pair w = random_pair(DType::BF16, {D}, 0.3, 1.0);
+    Pair y = pair(DType::BF16, {R, D}), rstd = pair(DType::F32, {R});
+    gpu->rmsnorm_forward(y.g, rstd.g, x.g, w.g, 1e-6);
+    Pair dy = random_pair(DType::BF16, {R, D});
+    Pair dx = pair(DType::BF16, {R, D});
+    const std::vector<double> dw0 = random_normal(rng, D, DType::F32);
+    std::vector<std::vector<double>> runs;
+    for (int run = 0; run < 3; ++run) {
+      dx.g.poison();
+      Buffer dw(*gpu, DType::F32, {D});
+      dw.set(dw0);
+      gpu->rmsnorm_backward(dx.g, dw, dy.g, x.g, w.g, rstd.g, false);
+      runs.push_back(dw.get());
     }
+    for (int run = 1; run < 3; ++run)
+      for (int64_t c = 0; c < D; ++c)
+        ASSERT_EQ(runs[size_t(run)][size_t(c)], runs[0][size_t(c)])
+            << "D " << D << " column " << c << " run " << run;
+  }
 }
 
 }  // namespace

@@ -61,119 +61,13 @@ class QkNormRopeParity : public CudaParity {
     expect_close("qk_norm_rope_backward dx " + tag, dx.g, dx.c, kTolBf16Output);
     expect_close("qk_norm_rope_backward dw " + tag, dw.g, dw.c, kTolF32Output);
   }
-  // Backend::qk_norm_rope_forward_qk / _backward_qk against the two single calls at QK lab
-  // version `version` (QkInOneLaunchIsTheTwoCalls below).
-  void one_launch_against_two_calls(int version) {
-    cuda::norm_set_kernel_version(cuda::NormKernel::QkNormRope, version);
-    const double eps = 1e-6, theta = 1e6;
-    struct Case {
-      int64_t B, T, Hq, Hk, hd, first;
-      bool one_launch;
-    };
-    for (const Case c : {Case{2, 1000, 16, 8, 128, 0, true}, Case{2, 37, 16, 8, 64, 0, true},
-                         Case{1, 33, 3, 5, 128, 0, true}, Case{1, 40, 16, 8, 256, 0, true},
-                         Case{2, 999, 16, 8, 128, 777, true}, Case{2, 17, 4, 2, 96, 0, false}}) {
-      const int64_t B = c.B, T = c.T, hd = c.hd;
-      const std::string tag = "v" + std::to_string(version) + " B" + std::to_string(B) + " T" +
-                              std::to_string(T) + " H" + std::to_string(c.Hq) + "/" +
-                              std::to_string(c.Hk) + " hd" + std::to_string(hd) + " at" +
-                              std::to_string(c.first);
-      struct Side {
-        Buffer x, w, dy, old_dx, dw0;
-        int64_t H;
-      };
-      std::vector<Side> sides;
-      for (int64_t H : {c.Hq, c.Hk})
-        sides.push_back(Side{random_gpu(DType::BF16, {B * T, H * hd}, 2.0),
-                             random_gpu(DType::BF16, {hd}), random_gpu(DType::BF16, {B, T, H, hd}),
-                             random_gpu(DType::BF16, {B * T, H * hd}), random_gpu(DType::F32, {hd}),
-                             H});
-      // Outputs of a pass: y, rstd per side, then dx, dw per side and acc.
-      auto run = [&](bool one_call) {
-        std::vector<std::vector<double>> got;
-        std::vector<Buffer> y, rstd, dx, dw;
-        for (const Side& sd : sides) {
-          y.emplace_back(*gpu, DType::BF16, std::initializer_list<int64_t>{B, T, sd.H, hd});
-          rstd.emplace_back(*gpu, DType::F32, std::initializer_list<int64_t>{B * T * sd.H});
-          dx.emplace_back(*gpu, DType::BF16, std::initializer_list<int64_t>{B * T, sd.H * hd});
-          dw.emplace_back(*gpu, DType::F32, std::initializer_list<int64_t>{hd});
-          y.back().poison();
-          rstd.back().poison();
-        }
-        if (one_call) {
-          gpu->qk_norm_rope_forward_qk({y[0], rstd[0], sides[0].x, sides[0].w},
-                                       {y[1], rstd[1], sides[1].x, sides[1].w}, eps, theta,
-                                       c.first);
-        } else {
-          for (size_t i = 0; i < 2; ++i)
-            gpu->qk_norm_rope_forward(y[i], rstd[i], sides[i].x, sides[i].w, eps, theta, c.first);
-        }
-        for (size_t i = 0; i < 2; ++i) {
-          got.push_back(y[i].get());
-          got.push_back(rstd[i].get());
-        }
-        if (c.first != 0) return got;  // the backward is a training op: positions from 0
-        for (bool acc : {false, true}) {
-          for (size_t i = 0; i < 2; ++i) {
-            if (acc)
-              gpu->copy(dx[i], sides[i].old_dx);
-            else
-              dx[i].poison();
-            gpu->copy(dw[i], sides[i].dw0);
-          }
-          // dy is unspecified after a backward: a copy each time.
-          Buffer dyq(*gpu, DType::BF16, {B, T, c.Hq, hd}), dyk(*gpu, DType::BF16, {B, T, c.Hk, hd});
-          gpu->copy(dyq, sides[0].dy);
-          gpu->copy(dyk, sides[1].dy);
-          if (one_call) {
-            gpu->qk_norm_rope_backward_qk({dx[0], dw[0], dyq, sides[0].x, sides[0].w, rstd[0]},
-                                          {dx[1], dw[1], dyk, sides[1].x, sides[1].w, rstd[1]},
-                                          theta, acc);
-          } else {
-            gpu->qk_norm_rope_backward(dx[0], dw[0], dyq, sides[0].x, sides[0].w, rstd[0], theta,
-                                       acc);
-            gpu->qk_norm_rope_backward(dx[1], dw[1], dyk, sides[1].x, sides[1].w, rstd[1], theta,
-                                       acc);
-          }
-          for (size_t i = 0; i < 2; ++i) {
-            got.push_back(dx[i].get());
-            got.push_back(dw[i].get());
-          }
-        }
-        return got;
-      };
-      const auto two = run(false);
-      const int64_t launches = cuda::qk_pair_launches();
-      const auto one = run(true);
-      EXPECT_EQ(cuda::qk_pair_launches() - launches, c.one_launch ? (c.first == 0 ? 3 : 1) : 0)
-          << tag << ": launches of q and k together";
-      ASSERT_EQ(one.size(), two.size());
-      const char* names[] = {"y", "rstd"};
-      for (size_t k = 0; k < one.size(); ++k) {
-        const bool fwd = k < 4, is_q = (k / 2) % 2 == 0;
-        const std::string what = std::string(fwd     ? names[k % 2]
-                                             : k % 2 ? "dw"
-                                                     : "dx") +
-                                 (fwd      ? ""
-                                  : k >= 8 ? " +="
-                                           : "") +
-                                 (is_q ? " q " : " k ") + tag;
-        if (!fwd && k % 2 == 1)
-          expect_close("one launch " + what, one[k], two[k], kTolF32Output);
-        else
-          expect_same_bits("one launch " + what, one[k], two[k]);
-      }
-    }
-    cuda::norm_set_kernel_version(cuda::NormKernel::QkNormRope, 0);
-  }
 };
 
 // Both numerics of the fused kernels: version 1 (versions 2-5 are its bits, below) and
 // version 6 (the paired-lane kernels, whose row sums take their terms in another order);
-// and versions 7, the default, and 8, whose single calls must run version 6's kernels (8
-// with dw finished by the grid's own blocks).
+// and version 7, the default, whose single calls must run version 6's kernels.
 TEST_F(QkNormRopeParity, FusedHeadDims) {
-  for (int v : {1, 6, 7, 8}) {
+  for (int v : {1, 6, 7}) {
     cuda::norm_set_kernel_version(cuda::NormKernel::QkNormRope, v);
     for (int64_t hd : {int64_t(64), int64_t(128), int64_t(256)}) {
       check(2, 37, 16, hd, 0, false);  // q of GQA 16/8
@@ -193,8 +87,7 @@ TEST_F(QkNormRopeParity, FusedHeadDims) {
 // head_dim 64), row counts with several steps a block on every grid rule. Version 6 sums a
 // row's terms in another order: within the outputs' rounding of version 1 (and against
 // the CPU in FusedHeadDims); where no table covers the positions (at 100000) it runs
-// version 3, so there too the same bits. Versions 7 and 8 run version 6's kernels for one
-// tensor (8 with its own dw finish).
+// version 3, so there too the same bits. Version 7 runs version 6's kernels for one tensor.
 TEST_F(QkNormRopeParity, EveryKernelVersionSameBits) {
   using cuda::NormKernel;
   const double eps = 1e-6, theta = 1e6;
@@ -251,14 +144,103 @@ TEST_F(QkNormRopeParity, EveryKernelVersionSameBits) {
   }
 }
 
-// q and k in one call (Backend::qk_norm_rope_forward_qk / _backward_qk) at QK lab versions
-// 7 and 8: the two single calls' bits for y, rstd and dx (overwritten and "+="); dw within
-// fp32 rounding (each tensor's partial rows come from its share of the one grid; at 8 each
-// tensor's blocks finish its own dw, with its own counters). Shapes where both take the
-// paired-lane kernels must run as one launch (cuda::qk_pair_launches counts them); head_dim
-// 96 takes the two calls.
+// q and k in one call (Backend::qk_norm_rope_forward_qk / _backward_qk) at QK lab version
+// 7: the two single calls' bits for y, rstd and dx (overwritten and "+="); dw within fp32
+// rounding (each tensor's partial rows come from its share of the one grid). Shapes where
+// both take the paired-lane kernels must run as one launch (cuda::qk_pair_launches counts
+// them); head_dim 96 takes the two calls.
 TEST_F(QkNormRopeParity, QkInOneLaunchIsTheTwoCalls) {
-  for (int version : {7, 8}) one_launch_against_two_calls(version);
+  const double eps = 1e-6, theta = 1e6;
+  cuda::norm_set_kernel_version(cuda::NormKernel::QkNormRope, 7);
+  struct Case {
+    int64_t B, T, Hq, Hk, hd, first;
+    bool one_launch;
+  };
+  for (const Case c : {Case{2, 1000, 16, 8, 128, 0, true}, Case{2, 37, 16, 8, 64, 0, true},
+                       Case{1, 33, 3, 5, 128, 0, true}, Case{1, 40, 16, 8, 256, 0, true},
+                       Case{2, 999, 16, 8, 128, 777, true}, Case{2, 17, 4, 2, 96, 0, false}}) {
+    const int64_t B = c.B, T = c.T, hd = c.hd;
+    const std::string tag = "B" + std::to_string(B) + " T" + std::to_string(T) + " H" +
+                            std::to_string(c.Hq) + "/" + std::to_string(c.Hk) + " hd" +
+                            std::to_string(hd) + " at" + std::to_string(c.first);
+    struct Side {
+      Buffer x, w, dy, old_dx, dw0;
+      int64_t H;
+    };
+    std::vector<Side> sides;
+    for (int64_t H : {c.Hq, c.Hk})
+      sides.push_back(Side{random_gpu(DType::BF16, {B * T, H * hd}, 2.0),
+                           random_gpu(DType::BF16, {hd}),
+                           random_gpu(DType::BF16, {B, T, H, hd}),
+                           random_gpu(DType::BF16, {B * T, H * hd}), random_gpu(DType::F32, {hd}),
+                           H});
+    // Outputs of a pass: y, rstd per side, then dx, dw per side and acc.
+    auto run = [&](bool one_call) {
+      std::vector<std::vector<double>> got;
+      std::vector<Buffer> y, rstd, dx, dw;
+      for (const Side& sd : sides) {
+        y.emplace_back(*gpu, DType::BF16, std::initializer_list<int64_t>{B, T, sd.H, hd});
+        rstd.emplace_back(*gpu, DType::F32, std::initializer_list<int64_t>{B * T * sd.H});
+        dx.emplace_back(*gpu, DType::BF16, std::initializer_list<int64_t>{B * T, sd.H * hd});
+        dw.emplace_back(*gpu, DType::F32, std::initializer_list<int64_t>{hd});
+        y.back().poison();
+        rstd.back().poison();
+      }
+      if (one_call) {
+        gpu->qk_norm_rope_forward_qk({y[0], rstd[0], sides[0].x, sides[0].w},
+                                     {y[1], rstd[1], sides[1].x, sides[1].w}, eps, theta, c.first);
+      } else {
+        for (size_t i = 0; i < 2; ++i)
+          gpu->qk_norm_rope_forward(y[i], rstd[i], sides[i].x, sides[i].w, eps, theta, c.first);
+      }
+      for (size_t i = 0; i < 2; ++i) {
+        got.push_back(y[i].get());
+        got.push_back(rstd[i].get());
+      }
+      if (c.first != 0) return got;  // the backward is a training op: positions from 0
+      for (bool acc : {false, true}) {
+        for (size_t i = 0; i < 2; ++i) {
+          if (acc) gpu->copy(dx[i], sides[i].old_dx);
+          else dx[i].poison();
+          gpu->copy(dw[i], sides[i].dw0);
+        }
+        // dy is unspecified after a backward: a copy each time.
+        Buffer dyq(*gpu, DType::BF16, {B, T, c.Hq, hd}), dyk(*gpu, DType::BF16, {B, T, c.Hk, hd});
+        gpu->copy(dyq, sides[0].dy);
+        gpu->copy(dyk, sides[1].dy);
+        if (one_call) {
+          gpu->qk_norm_rope_backward_qk({dx[0], dw[0], dyq, sides[0].x, sides[0].w, rstd[0]},
+                                        {dx[1], dw[1], dyk, sides[1].x, sides[1].w, rstd[1]}, theta,
+                                        acc);
+        } else {
+          gpu->qk_norm_rope_backward(dx[0], dw[0], dyq, sides[0].x, sides[0].w, rstd[0], theta,
+                                     acc);
+          gpu->qk_norm_rope_backward(dx[1], dw[1], dyk, sides[1].x, sides[1].w, rstd[1], theta,
+                                     acc);
+        }
+        for (size_t i = 0; i < 2; ++i) {
+          got.push_back(dx[i].get());
+          got.push_back(dw[i].get());
+        }
+      }
+      return got;
+    };
+    const auto two = run(false);
+    const int64_t launches = cuda::qk_pair_launches();
+    const auto one = run(true);
+    EXPECT_EQ(cuda::qk_pair_launches() - launches, c.one_launch ? (c.first == 0 ? 3 : 1) : 0)
+        << tag << ": launches of q and k together";
+    ASSERT_EQ(one.size(), two.size());
+    const char* names[] = {"y", "rstd"};
+    for (size_t k = 0; k < one.size(); ++k) {
+      const bool fwd = k < 4, is_q = (k / 2) % 2 == 0;
+      const std::string what = std::string(fwd ? names[k % 2] : k % 2 ? "dw" : "dx") +
+                               (fwd ? "" : k >= 8 ? " +=" : "") + (is_q ? " q " : " k ") + tag;
+      if (!fwd && k % 2 == 1) expect_close("one launch " + what, one[k], two[k], kTolF32Output);
+      else expect_same_bits("one launch " + what, one[k], two[k]);
+    }
+  }
+  cuda::norm_set_kernel_version(cuda::NormKernel::QkNormRope, 0);
 }
 
 TEST_F(QkNormRopeParity, OtherHeadDimsTakeTheTwoOps) {
