@@ -55,7 +55,7 @@
 // Kernel lab: the mix tile and finish kernels, the backward's pair kernel and the logits
 // keep their earlier versions, numbered, chosen at launch (routing_set_kernel_version,
 // kernels.h; the defaults are the measured fastest: mix tile 5 of 5, finish 6 of 6, pair
-// 14 of 14, the unfused value kernel by width of 6, the key gradients 4 of 4, logits 9 of
+// 14 of 15, the unfused value kernel by width of 6, the key gradients 4 of 4, logits 9 of
 // 9, the delta site forward 1 of 2, its backward 2 of 3), so that one device run times
 // each (tests/op_timing_cudatest.cpp); every version computes the same bits, but for the
 // logits' choice between token kernel and GEMMs, the backward's row parts and fused key
@@ -1450,18 +1450,26 @@ struct DeltaRows {
   float* partial;
 };
 
+// This lane's chunks of a site's qg row.
+template <int NT>
+__device__ __forceinline__ void load_qg_row(float (&q)[NT][8], const float4* qrow) {
+#pragma unroll
+  for (int t = 0; t < NT; ++t) load_qg8(q[t], qrow, t);
+}
+
 // The key path of one site for one slot: acc += (r ds) qg_k, and the slot's radial term
-// ds (qg_k . v)[head] on the head's leader lane.
-template <int NT, class RV>
-__device__ __forceinline__ void key_site(float (&acc)[NT][8], float& radial, const RV& rv,
-                                         const float4* qrow, float r, float ds, int G,
-                                         bool leader) {
+// ds (qg_k . v)[head] on the head's leader lane. qg_k: this lane's chunks, from qrow, or
+// from q where they were loaded before (pair version 15).
+template <int NT, class RV, class Chunk>
+__device__ __forceinline__ void key_site_chunks(float (&acc)[NT][8], float& radial, const RV& rv,
+                                                Chunk&& chunk, float r, float ds, int G,
+                                                bool leader) {
   float vq = 0.f;
   const float rds = r * ds;
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
     float q[8];
-    load_qg8(q, qrow, t);
+    chunk(t, q);
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
       vq += q[e] * at(rv, t, e);
@@ -1470,6 +1478,25 @@ __device__ __forceinline__ void key_site(float (&acc)[NT][8], float& radial, con
   }
   vq = head_sum(vq, G);
   if (leader) radial += ds * vq;
+}
+template <int NT, class RV>
+__device__ __forceinline__ void key_site(float (&acc)[NT][8], float& radial, const RV& rv,
+                                         const float4* qrow, float r, float ds, int G,
+                                         bool leader) {
+  key_site_chunks(
+      acc, radial, rv, [&](int t, float(&q)[8]) { load_qg8(q, qrow, t); }, r, ds, G, leader);
+}
+template <int NT, class RV>
+__device__ __forceinline__ void key_site(float (&acc)[NT][8], float& radial, const RV& rv,
+                                         const float (&q)[NT][8], float r, float ds, int G,
+                                         bool leader) {
+  key_site_chunks(
+      acc, radial, rv,
+      [&](int t, float(&c)[8]) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) c[e] = q[t][e];
+      },
+      r, ds, G, leader);
 }
 
 // The fused key path's last term: acc -= r^3/d radial v (radial: the whole row's sum of
@@ -2317,9 +2344,15 @@ __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT
 // RoutingParity (SpanLayout's d 512, ModelWidths' 100M case) gave version 11's bits on
 // the H200; 100M's mhar step the same within noise (39.8 / 40.0 ms medians of 3 rounds:
 // the kernel's 0.08 ms is 0.2% of the step).
+// 15 is 14 with each site's qg chunks loaded while the site before runs (one site ahead,
+// 16 more registers a lane: 146 at d 512). Why: ncu of version 14 at 100M (thirtieth
+// session, BENCHMARKS.md) put ~21% of its stall samples on the key path's first FFMA
+// waiting for its qg row, loaded (ptxas placed it so) right after the site's head-sum
+// shuffles; 0.49 instructions issued a scheduler cycle, 12 warps an SM. The same
+// operations in the same order: version 14's bits.
 constexpr int kBackTileMaxNT = 5;  // d <= 1280: 234 registers, no spills (NT 6: 239; 7, 8 spill)
 constexpr int pair_blocks_per_sm(int NT, int version) { return version >= 2 && NT <= 4 ? 3 : 2; }
-constexpr int kPairVersions = 14;
+constexpr int kPairVersions = 15;
 constexpr bool pair_on_tensor_cores(int version) { return version == 12 || version == 13; }
 constexpr int kPairDefault = 14;
 constexpr int kPairRing = 4;
@@ -2647,7 +2680,8 @@ __device__ __forceinline__ void slot_span(const StreamSlot<NT>& slot, Row<NT>& r
   for (int t = 0; t < NT; ++t) r.raw[t] = slot.row[stream_pos<NT>(lane * NT + t)];
 }
 
-template <int NT, int MIN_BLOCKS, bool COALESCED, bool KEY = false, int GC = 0, bool F32 = false>
+template <int NT, int MIN_BLOCKS, bool COALESCED, bool KEY = false, int GC = 0, bool F32 = false,
+          bool QAHEAD = false>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
     source_value_pair_stream_kernel(float* __restrict__ val, bf16* __restrict__ dv0,
                                     float* __restrict__ partial, float* __restrict__ weights,
@@ -2660,6 +2694,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
   static_assert(GC == 0 || (COALESCED && GC <= 32 && (GC & (GC - 1)) == 0),
                 "version 11: version 8's copies, G a power of two");
   static_assert(!F32 || (KEY && GC > 0), "version 14 is version 11's fused form");
+  static_assert(!QAHEAD || F32, "version 15 is version 14 with qg one site ahead");
   constexpr int R = stream_slots(NT);
   extern __shared__ float4 pair_stream_smem_raw[];
   // GC > 0 (version 11): the lanes a head as a compile-time constant (the host checks
@@ -2749,20 +2784,28 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
       float a0 = ring.taken().scalar[0][sc], a1 = ring.taken().scalar[1][sc];
       float* w0h = w0 + int64_t(h) * g.N;
       float* w1h = w1 + int64_t(h) * g.N;
+      auto qrow_of = [&](int k) {
+        return reinterpret_cast<const float4*>(qg) + lane * 2 * NT + (k - source) * (g.d / 4);
+      };
+      // QAHEAD (version 15): site k's qg chunks, loaded while site k - 1 ran.
+      [[maybe_unused]] float q_next[NT][8];
+      if constexpr (QAHEAD) load_qg_row(q_next, qrow_of(source));
 #pragma unroll 1
       for (int k = source;; ++k) {
         float ds0, ds1;
         pair_site(acc0, acc1, ds0, ds1, rdx, v0r, v1r, a0, a1, ub, G);
-        if constexpr (KEY) {  // as pair_ring_token's, on the whole row
-          const float4* qrow =
-              reinterpret_cast<const float4*>(qg) + lane * 2 * NT + (k - source) * (g.d / 4);
-          key_site(acc0, radial0, v0r, qrow, r0, ds0, G, leader);
-          key_site(acc1, radial1, v1r, qrow, r1, ds1, G, leader);
+        if constexpr (QAHEAD) {
+          key_site(acc0, radial0, v0r, q_next, r0, ds0, G, leader);
+          key_site(acc1, radial1, v1r, q_next, r1, ds1, G, leader);
+        } else if constexpr (KEY) {  // as pair_ring_token's, on the whole row
+          key_site(acc0, radial0, v0r, qrow_of(k), r0, ds0, G, leader);
+          key_site(acc1, radial1, v1r, qrow_of(k), r1, ds1, G, leader);
         }
         // The shuffles synchronise the warp: no lane still needs the weights overwritten here.
         const int64_t off = (k - source) * HN + n;
         if (leader) w0h[off] = ds0 * r0, w1h[off] = ds1 * r1;
         if (k == last) break;
+        if constexpr (QAHEAD) load_qg_row(q_next, qrow_of(k + 1));
         const StreamSlot<NT>& s = ring.take(issue);
         row_of(s, rdx);
         a0 = s.scalar[0][sc], a1 = s.scalar[1][sc], ub = s.scalar[2][sc];
@@ -3655,13 +3698,19 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
           }
         }
         constexpr int B = pair_blocks_per_sm(NT, 2);
-        const bool f32 = g_pair_version == 14;  // the slot rows held in fp32 registers
-        auto stream = with_lanes_a_head(
-            g_pair_version >= 11, heads, source_value_pair_stream_kernel<NT, B, true, true>,
-            f32 ? source_value_pair_stream_kernel<NT, B, true, true, 8, true>
-                : source_value_pair_stream_kernel<NT, B, true, true, 8>,
-            f32 ? source_value_pair_stream_kernel<NT, B, true, true, 4, true>
-                : source_value_pair_stream_kernel<NT, B, true, true, 4>);
+        // 14: the slot rows held in fp32 registers; 15: and qg one site ahead.
+        auto lanes_a_head = [&](auto gc) {
+          constexpr int GC = decltype(gc)::value;
+          return g_pair_version == 15
+                     ? source_value_pair_stream_kernel<NT, B, true, true, GC, true, true>
+                 : g_pair_version == 14
+                     ? source_value_pair_stream_kernel<NT, B, true, true, GC, true>
+                     : source_value_pair_stream_kernel<NT, B, true, true, GC>;
+        };
+        auto stream = with_lanes_a_head(g_pair_version >= 11, heads,
+                                        source_value_pair_stream_kernel<NT, B, true, true>,
+                                        lanes_a_head(std::integral_constant<int, 8>{}),
+                                        lanes_a_head(std::integral_constant<int, 4>{}));
         launch_pair_stream(stream, stream_smem<NT>(), B, nullptr, dv_out, partial, qg);
         return;
       }
