@@ -559,8 +559,8 @@ TEST_F(OpTiming, DISABLED_RoutingLogitsVersions) {
 // tiled under each numbered version of the pair kernel (cuda::routing_set_kernel_version).
 // versions: each numbered version of the value and key-gradient kernels, and the version
 // pairs a default would take together.
-// pairs: the tiled backward at the default limit under the default pair version, the
-// tensor-core version 13 and version 14 (fp32 slot rows), alternating, three rounds.
+// pairs: the tiled backward at the default limit under the default pair version (14), the
+// former default 11 and version 15 (qg one site ahead), alternating, three rounds.
 void OpTiming::routing_backward_sweeps(bool limits, bool versions, bool pairs) {
   const int64_t N = 16384;
   for (const FullRoutingShape& sh : kFullRoutingShapes) {
@@ -609,7 +609,7 @@ void OpTiming::routing_backward_sweeps(bool limits, bool versions, bool pairs) {
     }
     cuda::routing_set_fused_key_max_sites(-1);
     for (int round = 0; pairs && tile > 1 && round < 3; ++round)
-      for (int version : {0, 13, 14}) {
+      for (int version : {0, 11, 15}) {
         cuda::routing_set_kernel_version(cuda::RoutingKernel::BackwardPair, version);
         report("routing backward, tiles of " + std::to_string(tile) + ", pair kernel " +
                    (version == 0 ? std::string("default") : "v" + std::to_string(version)) + ", " +
