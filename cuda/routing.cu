@@ -2349,7 +2349,9 @@ __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT
 // session, BENCHMARKS.md) put ~21% of its stall samples on the key path's first FFMA
 // waiting for its qg row, loaded (ptxas placed it so) right after the site's head-sum
 // shuffles; 0.49 instructions issued a scheduler cycle, 12 warps an SM. The same
-// operations in the same order: version 14's bits.
+// operations in the same order: version 14's bits (RoutingParity, thirtieth session).
+// Not yet timed: the next device call's first measurement
+// (OpTiming.DISABLED_RoutingPairVersions times it against the default).
 constexpr int kBackTileMaxNT = 5;  // d <= 1280: 234 registers, no spills (NT 6: 239; 7, 8 spill)
 constexpr int pair_blocks_per_sm(int NT, int version) { return version >= 2 && NT <= 4 ? 3 : 2; }
 constexpr int kPairVersions = 15;
