@@ -55,7 +55,7 @@
 // Kernel lab: the mix tile and finish kernels, the backward's pair kernel and the logits
 // keep their earlier versions, numbered, chosen at launch (routing_set_kernel_version,
 // kernels.h; the defaults are the measured fastest: mix tile 5 of 5, finish 6 of 6, pair
-// 14 of 15, the unfused value kernel by width of 6, the key gradients 4 of 4, logits 9 of
+// 15 of 15, the unfused value kernel by width of 6, the key gradients 4 of 4, logits 9 of
 // 9, the delta site forward 1 of 2, its backward 2 of 3), so that one device run times
 // each (tests/op_timing_cudatest.cpp); every version computes the same bits, but for the
 // logits' choice between token kernel and GEMMs, the backward's row parts and fused key
@@ -2350,13 +2350,15 @@ __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT
 // waiting for its qg row, loaded (ptxas placed it so) right after the site's head-sum
 // shuffles; 0.49 instructions issued a scheduler cycle, 12 warps an SM. The same
 // operations in the same order: version 14's bits (RoutingParity, thirtieth session).
-// Not yet timed: the next device call's first measurement
-// (OpTiming.DISABLED_RoutingPairVersions times it against the default).
+// Measured (thirty-first session, a step's tiled backward, three rounds): 100M v14
+// 2.971-2.980 ms, v15 2.808-2.810 (-5.6%); 350M and 1B the same within 0.1%. The
+// default since then; 100M's mhar step the same within noise (39.4 / 39.4 ms medians of
+// 3 rounds: the kernel's 0.17 ms is 0.4% of the step).
 constexpr int kBackTileMaxNT = 5;  // d <= 1280: 234 registers, no spills (NT 6: 239; 7, 8 spill)
 constexpr int pair_blocks_per_sm(int NT, int version) { return version >= 2 && NT <= 4 ? 3 : 2; }
 constexpr int kPairVersions = 15;
 constexpr bool pair_on_tensor_cores(int version) { return version == 12 || version == 13; }
-constexpr int kPairDefault = 14;
+constexpr int kPairDefault = 15;
 constexpr int kPairRing = 4;
 constexpr int kPairRingMaxNT = 2;
 int g_pair_version = kPairDefault;  // routing_set_kernel_version (timing lab)

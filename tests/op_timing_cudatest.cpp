@@ -609,7 +609,7 @@ void OpTiming::routing_backward_sweeps(bool limits, bool versions, bool pairs) {
     }
     cuda::routing_set_fused_key_max_sites(-1);
     for (int round = 0; pairs && tile > 1 && round < 3; ++round)
-      for (int version : {0, 11, 15}) {
+      for (int version : {0, 11, 14}) {
         cuda::routing_set_kernel_version(cuda::RoutingKernel::BackwardPair, version);
         report("routing backward, tiles of " + std::to_string(tile) + ", pair kernel " +
                    (version == 0 ? std::string("default") : "v" + std::to_string(version)) + ", " +
