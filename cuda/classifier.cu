@@ -7,7 +7,7 @@
 // first 16-byte boundary and a scalar tail, so any V and any row alignment take the vector
 // path). Per thread an online (max, sum of exp) in fp32, one rescale per vector, merged
 // across the block. No fp32 copy of the probabilities exists at any point: memory is the
-// logits. Four kernel-lab versions (cross_entropy_set_version) in two kernels:
+// logits. Five kernel-lab versions (cross_entropy_set_version) in two kernels:
 // 1 one block per row: pass 1 folds the row, pass 2 (gradient only) re-reads it and writes
 //   each element once. 512 threads with 16-byte loads and several blocks an SM keep enough
 //   loads in flight (the scalar 2-byte loads of the first form reached 0.91 TB/s at 1B);
@@ -34,6 +34,13 @@
 //   denormal results), the target looked for once a vector in pass 2 rather than by 8
 //   compares of 64-bit places, 32-bit vector indices. Losses: version 2's bits;
 //   gradient: version 3's (both checked by CrossEntropyParity).
+// 5 (bf16 rows; lab, not yet measured) version 4 with pass 1's per-element x - m and
+//   multiply by log2(e) as one FFMA against m log2(e) rounded once a change of m (8
+//   instructions fewer a vector of 8), the vector's max and sum as trees (a shorter
+//   dependent chain; the sum's order changes). Its losses are not version 2's bits: each
+//   exp carries a factor within ~2^-24 |m log2 e| of 1 (fold_fma), ~1e-6 relative to the
+//   sum at Qwen3's logits, far inside the CPU bound (1e-4); its gradient stays within the
+//   bf16 bound as version 4's.
 // Measured (KernelBandwidth.DISABLED_CrossEntropyVersions, bf16, with the gradient, ms,
 // two rounds each, twenty-ninth session): [2048, 151936] v1 / v2 / v3 / v4 0.480 / 0.460 /
 // 0.455 / 0.421, [5462, 151936] (the configs' chunk) 1.230 / 1.211 / 1.198 / 1.104,
@@ -117,6 +124,34 @@ template <class T>
 __device__ __forceinline__ void fold(float& m, float& s, const Pack<T>& pk) {
   float unused[Pack<T>::kN];
   fold(m, s, pk, unused);
+}
+constexpr float kLog2e = 1.44269502f;  // float(log2 e): fast_exp's multiplier
+
+// Version 5's fold of one bf16 vector: each exp's exponent one FFMA, x log2(e) - m log2(e),
+// with m_log2e = m log2(e) rounded once when m changes (version 4: x - m, then the
+// multiply); the max and the sum as trees (depth 3, not 7-8; the max's bits do not
+// depend on its order, the sum's do). e[i] = 2^(x[i] log2 e - m_log2e): exp(x[i] - m)
+// times 2^(m log2 e - m_log2e), a factor within 2^-24 |m log2 e| ln 2 of 1 (~4e-7 at a
+// logit of 15) common to the vector's elements and to what they add to s.
+__device__ __forceinline__ void fold_fma(float& m, float& m_log2e, float& s, const uint4& raw,
+                                         float (&e)[8]) {
+  float x[8];
+  unpack8(raw, x);
+  const float mx = fmaxf(fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3])),
+                         fmaxf(fmaxf(x[4], x[5]), fmaxf(x[6], x[7])));
+  if (mx == -INFINITY) {  // every value -inf: contributes nothing
+#pragma unroll
+    for (int i = 0; i < 8; ++i) e[i] = 0.f;
+    return;
+  }
+  if (mx > m) {
+    s *= fast_exp(m - mx);  // m = -inf (nothing yet): s = 0 * 0
+    m = mx;
+    m_log2e = mx * kLog2e;
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) e[i] = fast_exp2(fmaf(x[i], kLog2e, -m_log2e));
+  s += ((e[0] + e[1]) + (e[2] + e[3])) + ((e[4] + e[5]) + (e[6] + e[7]));
 }
 // Folds the row's elements [from, to) one at a time, strided over the block's threads.
 template <class T>
@@ -318,7 +353,8 @@ __device__ __forceinline__ float load_cluster_shared(const float* p, uint32_t ra
 // LEAN (version 4, with KEEP): version 3's arithmetic with fewer instructions: fast_exp for
 // __expf, the target looked for once a vector in pass 2 (one compare of its place, not
 // eight 64-bit ones), 32-bit vector indices.
-template <class T, bool KEEP, bool LEAN = false>
+// FMA (version 5, with LEAN): pass 1 folds by fold_fma.
+template <class T, bool KEEP, bool LEAN = false, bool FMA = false>
 __global__ void __launch_bounds__(kClusterThreads)
     cross_entropy_cluster_kernel(float* losses, T* logits, const int32_t* targets, int64_t V,
                                  int64_t segment_vectors, float grad_scale, bool compute_grad) {
@@ -326,6 +362,7 @@ __global__ void __launch_bounds__(kClusterThreads)
   constexpr int kN = P::kN;
   static_assert(!KEEP || kN == 8, "version 3 keeps the exps of bf16 rows");
   static_assert(!LEAN || KEEP, "version 4 is version 3's form");
+  static_assert(!FMA || LEAN, "version 5 is version 4's form");
   extern __shared__ uint4 segment[];
   float* const kept_m = reinterpret_cast<float*>(segment + segment_vectors);  // KEEP
   __shared__ uint64_t bars[kMaxPieces];
@@ -364,6 +401,7 @@ __global__ void __launch_bounds__(kClusterThreads)
     fold_scalars(m, s, row, 0, head);
     fold_scalars(m, s, row, tail, V);
   }
+  float m_log2e = m * kLog2e;  // FMA: fold_fma's m log2(e), updated with m
   for (int p = 0; p < pieces; ++p) {
     mbar_wait(&bars[p], 0);
     const int64_t end =
@@ -371,7 +409,11 @@ __global__ void __launch_bounds__(kClusterThreads)
     for (int i = p * kPieceVectors + int(threadIdx.x); i < int(end); i += int(blockDim.x)) {
       if constexpr (KEEP) {
         float e[kN];
-        fold<LEAN>(m, s, P{segment[i]}, e);
+        if constexpr (FMA) {
+          fold_fma(m, m_log2e, s, segment[i], e);
+        } else {
+          fold<LEAN>(m, s, P{segment[i]}, e);
+        }
         segment[i] = pack_half8(e);
         kept_m[i] = m;
       } else {
@@ -434,7 +476,7 @@ __global__ void __launch_bounds__(kClusterThreads)
   cluster_wait();  // no block leaves while another may still read its part_m / part_s
 }
 
-constexpr int kCrossEntropyVersions = 4;
+constexpr int kCrossEntropyVersions = 5;
 constexpr int kCrossEntropyDefault = 4;
 int g_cross_entropy_version = kCrossEntropyDefault;
 
@@ -455,10 +497,10 @@ bool plan_cluster(int64_t V, int64_t bytes, int64_t kept, ClusterPlan& plan) {
   return int64_t(plan.smem) <= kSegmentMax;
 }
 
-template <class T, bool KEEP, bool LEAN = false>
+template <class T, bool KEEP, bool LEAN = false, bool FMA = false>
 void launch_cluster(cudaStream_t s, float* losses, T* logits, const int32_t* targets, int64_t N,
                     int64_t V, const ClusterPlan& plan, float grad_scale, bool compute_grad) {
-  auto kernel = cross_entropy_cluster_kernel<T, KEEP, LEAN>;
+  auto kernel = cross_entropy_cluster_kernel<T, KEEP, LEAN, FMA>;
   static const bool allowed = [&] {
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     int(kSegmentMax)));
@@ -509,14 +551,17 @@ void cross_entropy(cudaStream_t s, Tensor losses, Tensor logits, Tensor targets,
   dispatch_float(logits.dtype, "cross_entropy", [&](auto tag) {
     using T = decltype(tag);
     ClusterPlan plan{};
-    // Versions 3-4 keep fp16 exps of bf16 rows only; fp32 rows take version 2 there.
+    // Versions 3-5 keep fp16 exps of bf16 rows only; fp32 rows take version 2 there.
     constexpr bool kKeepable = sizeof(T) == 2;
     const bool keep = kKeepable && g_cross_entropy_version >= 3;
     if (g_cross_entropy_version >= 2 && plan_cluster(V, int64_t(sizeof(T)), keep ? 4 : 0, plan)) {
       auto* out = losses.ptr<float>();
       auto* rows = static_cast<T*>(logits.data);
       const auto* ids = targets.ptr<int32_t>();
-      if (keep && g_cross_entropy_version == 4)
+      if (keep && g_cross_entropy_version == 5)
+        launch_cluster<T, kKeepable, kKeepable, kKeepable>(s, out, rows, ids, N, V, plan,
+                                                           float(grad_scale), compute_grad);
+      else if (keep && g_cross_entropy_version == 4)
         launch_cluster<T, kKeepable, kKeepable>(s, out, rows, ids, N, V, plan, float(grad_scale),
                                                 compute_grad);
       else if (keep)

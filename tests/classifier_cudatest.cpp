@@ -15,8 +15,14 @@
 // (under 2^-25 of the row's largest probability) is nothing in the norm. Version 4 is
 // version 3 in fewer instructions: its losses are version 2's bits and its gradient
 // version 3's (they could differ only where a probability's factor exp(m - lse) is below
-// 2^-126, which version 4 flushes to zero; these logits have none).
+// 2^-126, which version 4 flushes to zero; these logits have none). Version 5 is version 4
+// with pass 1's exponents as one FFMA and its sums in another order: its losses are
+// checked against the CPU and, row by row, against version 4's within a bound derived
+// from both versions' roundings (about 2e-5 at these logits); its gradient against the CPU.
 #include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
 
 #include "cuda/kernels.h"
 #include "tests/cuda_test_util.h"
@@ -29,7 +35,7 @@ class CrossEntropyParity : public CudaParity {};
 TEST_F(CrossEntropyParity, LossesAndLogitGradient) {
   const std::pair<int64_t, int64_t> shapes[] = {{13, 1001}, {4, 50257}, {1, 7},      {6, 12},
                                                 {5, 3},     {9, 4096},  {3, 151936}, {7, 82005}};
-  constexpr int kClusters = 2, kKeptExps = 3, kLean = 4;  // cuda/classifier.cu's versions
+  constexpr int kClusters = 2, kKeptExps = 3, kLean = 4, kFma = 5;  // cuda/classifier.cu's
   const int versions = cuda::cross_entropy_versions();
   for (int version = 1; version <= versions; ++version) {
     cuda::cross_entropy_set_version(version);
@@ -53,7 +59,7 @@ TEST_F(CrossEntropyParity, LossesAndLogitGradient) {
           // Versions 3-4 change only the gradient's pass: their losses are version 2's
           // bits; version 4's gradient is version 3's.
           std::vector<double> v2_losses, v3_grad;
-          if (version >= kKeptExps) {
+          if (version >= kKeptExps && version < kFma) {
             Buffer rows(*gpu, dt, {N, V});
             rows.set(logits.g.get());
             cuda::cross_entropy_set_version(kClusters);
@@ -69,11 +75,42 @@ TEST_F(CrossEntropyParity, LossesAndLogitGradient) {
             }
             cuda::cross_entropy_set_version(version);
           }
+          // Version 5 against version 4, row by row, within what their roundings allow (u =
+          // 2^-24; M the row's largest |logit|): each one's sum of exps is off by at most
+          // 64 additions' u (a thread's vectors, the tree, the warp, block and cluster
+          // merges) and each exp by u(2M) from its exponent's rounding (version 5: u M more
+          // from m log2 e's) plus ex2.approx's 2u; then logf's 2u |lse| each and the
+          // subtraction's u |loss|, |lse| <= M + log V, |loss| <= 2M + log V.
+          std::vector<double> v4_losses, row_bound;
+          if (version == kFma) {
+            Buffer rows(*gpu, dt, {N, V});
+            const std::vector<double> x = logits.g.get();
+            rows.set(x);
+            cuda::cross_entropy_set_version(kLean);
+            gpu->cross_entropy(losses.g, rows, targets.g, scale, grad);
+            v4_losses = losses.g.get();
+            losses.g.poison();
+            cuda::cross_entropy_set_version(version);
+            for (int64_t n = 0; n < N; ++n) {
+              double M = 0;
+              for (int64_t v = 0; v < V; ++v) M = std::max(M, std::abs(x[size_t(n * V + v)]));
+              const double log_v = std::log(double(V));
+              row_bound.push_back(
+                  std::ldexp(1.0, -24) *
+                  (2 * 64 + 2 * 2 * M + M + 2 * 2 + 2 * 2 * (M + log_v) + 2 * (2 * M + log_v)));
+            }
+          }
           cpu->cross_entropy(losses.c, logits.c, targets.c, scale, grad);
           gpu->cross_entropy(losses.g, logits.g, targets.g, scale, grad);
           expect_close("cross_entropy losses " + tag, losses.g, losses.c, kTolF32Output);
-          if (version >= kKeptExps) {
+          if (!v2_losses.empty()) {
             EXPECT_TRUE(losses.g.get() == v2_losses) << tag << ": losses differ from version 2";
+          }
+          if (!v4_losses.empty()) {
+            const std::vector<double> got = losses.g.get();
+            for (size_t n = 0; n < got.size(); ++n)
+              EXPECT_LE(std::abs(got[n] - v4_losses[n]), row_bound[n])
+                  << tag << ": row " << n << " against version 4";
           }
           if (!v3_grad.empty()) {
             EXPECT_TRUE(logits.g.get() == v3_grad) << tag << ": gradient differs from version 3";
