@@ -27,14 +27,14 @@
 //   The losses are version 2's bits (pass 1's sums are unchanged); the gradient gains one
 //   fp16 rounding of e (2^-11 relative, a quarter of its bf16 rounding; 2^-25 absolute
 //   below fp16's normal range).
-// 4 (the default for bf16 rows; fp32 rows take 2) version 3 in fewer instructions (ncu of
+// 4 version 3 in fewer instructions (ncu of
 //   version 3: 238 warp instructions a vector of 8 and 0.67 issued a scheduler cycle,
 //   so its issue, not its bytes, bounded it): exps by ex2.approx.ftz (fast_exp: __expf's
 //   bits wherever the result is normal, without the 4 instructions an exp that keep
 //   denormal results), the target looked for once a vector in pass 2 rather than by 8
 //   compares of 64-bit places, 32-bit vector indices. Losses: version 2's bits;
 //   gradient: version 3's (both checked by CrossEntropyParity).
-// 5 (bf16 rows; lab, not yet measured) version 4 with pass 1's per-element x - m and
+// 5 (the default for bf16 rows; fp32 rows take 2) version 4 with pass 1's per-element x - m and
 //   multiply by log2(e) as one FFMA against m log2(e) rounded once a change of m (8
 //   instructions fewer a vector of 8), the vector's max and sum as trees (a shorter
 //   dependent chain; the sum's order changes). Its losses are not version 2's bits: each
@@ -47,7 +47,11 @@
 // [4096, 50257] 0.359 / 0.296 / 0.284 / 0.262: v4 at 70-74% of copy by the bytes the op
 // must move (v3 64-68%). So reading the row once gains 2-5% on Qwen3's rows (17% on
 // GPT-2's, whose v1 rows start misaligned), half the exps another 1-2%, and version 4's
-// instruction diet 8%. cuda/NOTES.md, lead 4.
+// instruction diet 8%. Thirty-first session, the same test, v4 / v5: [2048, 151936] 0.4220 /
+// 0.4195, 0.4221 / 0.4195; [5462, 151936] 1.1089 / 1.1020, 1.1083 / 1.1028; [4096, 50257]
+// 0.2631 / 0.2593, 0.2624 / 0.2589: v5 0.5-1.5% faster (70-71% of copy on Qwen3's rows,
+// 75% on GPT-2's), less than its ~4% fewer instructions: pass 1's FADDs were not what
+// bounds it. cuda/NOTES.md, lead 4.
 #include <cuda_fp16.h>
 
 #include "cuda/common.cuh"
@@ -477,7 +481,7 @@ __global__ void __launch_bounds__(kClusterThreads)
 }
 
 constexpr int kCrossEntropyVersions = 5;
-constexpr int kCrossEntropyDefault = 4;
+constexpr int kCrossEntropyDefault = 5;
 int g_cross_entropy_version = kCrossEntropyDefault;
 
 // Versions 2-4's blocks a row and each block's vectors for rows of V elements of `bytes`
