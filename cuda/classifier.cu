@@ -27,16 +27,15 @@
 //   The losses are version 2's bits (pass 1's sums are unchanged); the gradient gains one
 //   fp16 rounding of e (2^-11 relative, a quarter of its bf16 rounding; 2^-25 absolute
 //   below fp16's normal range).
-// 4 version 3 in fewer instructions (ncu of
-//   version 3: 238 warp instructions a vector of 8 and 0.67 issued a scheduler cycle,
-//   so its issue, not its bytes, bounded it): exps by ex2.approx.ftz (fast_exp: __expf's
-//   bits wherever the result is normal, without the 4 instructions an exp that keep
-//   denormal results), the target looked for once a vector in pass 2 rather than by 8
-//   compares of 64-bit places, 32-bit vector indices. Losses: version 2's bits;
-//   gradient: version 3's (both checked by CrossEntropyParity).
-// 5 (the default for bf16 rows; fp32 rows take 2) version 4 with pass 1's per-element x - m and
-//   multiply by log2(e) as one FFMA against m log2(e) rounded once a change of m (8
-//   instructions fewer a vector of 8), the vector's max and sum as trees (a shorter
+// 4 version 3 in fewer instructions (ncu of version 3: 238 warp instructions a vector of
+//   8 and 0.67 issued a scheduler cycle, so its issue, not its bytes, bounded it): exps
+//   by ex2.approx.ftz (fast_exp: __expf's bits wherever the result is normal, without
+//   the 4 instructions an exp that keep denormal results), the target looked for once a
+//   vector in pass 2 rather than by 8 compares of 64-bit places, 32-bit vector indices.
+//   Losses: version 2's bits; gradient: version 3's (both checked by CrossEntropyParity).
+// 5 (the default for bf16 rows; fp32 rows take 2) version 4 with pass 1's per-element
+//   x - m and multiply by log2(e) as one FFMA against m log2(e) rounded once a change of
+//   m (8 instructions fewer a vector of 8), the vector's max and sum as trees (a shorter
 //   dependent chain; the sum's order changes). Its losses are not version 2's bits: each
 //   exp carries a factor within ~2^-24 |m log2 e| of 1 (fold_fma), ~1e-6 relative to the
 //   sum at Qwen3's logits, far inside the CPU bound (1e-4); its gradient stays within the
@@ -135,7 +134,7 @@ constexpr float kLog2e = 1.44269502f;  // float(log2 e): fast_exp's multiplier
 // with m_log2e = m log2(e) rounded once when m changes (version 4: x - m, then the
 // multiply); the max and the sum as trees (depth 3, not 7-8; the max's bits do not
 // depend on its order, the sum's do). e[i] = 2^(x[i] log2 e - m_log2e): exp(x[i] - m)
-// times 2^(m log2 e - m_log2e), a factor within 2^-24 |m log2 e| ln 2 of 1 (~4e-7 at a
+// times 2^(m log2 e - m_log2e), a factor within 2^-24 |m log2 e| ln 2 of 1 (~9e-7 at a
 // logit of 15) common to the vector's elements and to what they add to s.
 __device__ __forceinline__ void fold_fma(float& m, float& m_log2e, float& s, const uint4& raw,
                                          float (&e)[8]) {
@@ -484,7 +483,7 @@ constexpr int kCrossEntropyVersions = 5;
 constexpr int kCrossEntropyDefault = 5;
 int g_cross_entropy_version = kCrossEntropyDefault;
 
-// Versions 2-4's blocks a row and each block's vectors for rows of V elements of `bytes`
+// Versions 2-5's blocks a row and each block's vectors for rows of V elements of `bytes`
 // each, with `kept` more bytes a vector (version 3's m), or false where a block's shared
 // memory would exceed kSegmentMax (version 1 then).
 struct ClusterPlan {
