@@ -12,8 +12,6 @@
 
 namespace mhar::cuda::attn_mma {
 
-constexpr float kLog2e = 1.4426950408889634f;
-
 // The helpers below need sm_80+ (cp.async, ldmatrix, bf16 mma); builds for older targets
 // compile them to traps, and attention.cu's tc_available() then sends every call to the
 // fp32 path.

@@ -128,8 +128,6 @@ __device__ __forceinline__ void fold(float& m, float& s, const Pack<T>& pk) {
   float unused[Pack<T>::kN];
   fold(m, s, pk, unused);
 }
-constexpr float kLog2e = 1.44269502f;  // float(log2 e): fast_exp's multiplier
-
 // Version 5's fold of one bf16 vector: each exp's exponent one FFMA, x log2(e) - m log2(e),
 // with m_log2e = m log2(e) rounded once when m changes (version 4: x - m, then the
 // multiply); the max and the sum as trees (depth 3, not 7-8; the max's bits do not

@@ -43,7 +43,8 @@ __device__ __forceinline__ float fast_exp2(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 }
-__device__ __forceinline__ float fast_exp(float x) { return fast_exp2(x * 1.44269502f); }
+constexpr float kLog2e = 1.44269502f;  // float(log2 e)
+__device__ __forceinline__ float fast_exp(float x) { return fast_exp2(x * kLog2e); }
 
 // 8 consecutive elements <-> fp32 (p 16-byte aligned). bf16: one 16-byte access; the
 // lower half of each 32-bit word is the lower-addressed element.
