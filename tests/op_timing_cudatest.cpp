@@ -559,8 +559,8 @@ TEST_F(OpTiming, DISABLED_RoutingLogitsVersions) {
 // tiled under each numbered version of the pair kernel (cuda::routing_set_kernel_version).
 // versions: each numbered version of the value and key-gradient kernels, and the version
 // pairs a default would take together.
-// pairs: the tiled backward at the default limit under the default pair version (14), the
-// former default 11 and version 15 (qg one site ahead), alternating, three rounds.
+// pairs: the tiled backward at the default limit under the default pair version (15: qg
+// one site ahead) and the former defaults 11 and 14, alternating, three rounds.
 void OpTiming::routing_backward_sweeps(bool limits, bool versions, bool pairs) {
   const int64_t N = 16384;
   for (const FullRoutingShape& sh : kFullRoutingShapes) {
