@@ -1499,6 +1499,57 @@ __device__ __forceinline__ void key_site(float (&acc)[NT][8], float& radial, con
       r, ds, G, leader);
 }
 
+// The radial sum from the accumulator (pair version 16, value version 7). A slot's radial
+// sum over its sites, sum_k sum_h ds_kh (qg_k . v)_h, is v . K with K = sum_k ds_k qg_k (by
+// head), and the accumulator holds r K plus the value path sum_k a_k dx_k, whose dot with v
+// is sum_k sum_h a_kh u_kh, u_kh = (dx_k . v)_h, which value_site and pair_site already
+// form for ds. So radial = (v . acc - sum_k sum_h a_kh u_kh) / r: one dot a token where
+// key_site took one a site (16 FMAs, a head sum and the leader's FMA a slot and site at
+// d 512: about a sixth of the fused pair kernel's site loop). The sums run in another
+// order (and the subtraction cancels the value path's share: fp32 rounding of order
+// |v| |acc| / r, far below dv's bf16 rounding), so these versions are held to the CPU
+// reference's bounds, not to the defaults' bits (routing_backward_sum_order).
+// key_site without the radial term: acc += (r ds) qg_k, qg_k's chunks from `chunk`.
+template <int NT, class Chunk>
+__device__ __forceinline__ void key_acc_chunks(float (&acc)[NT][8], Chunk&& chunk, float r,
+                                               float ds) {
+  const float rds = r * ds;
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    float q[8];
+    chunk(t, q);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[t][e] += rds * q[e];
+  }
+}
+template <int NT>
+__device__ __forceinline__ void key_acc(float (&acc)[NT][8], const float4* qrow, float r,
+                                        float ds) {
+  key_acc_chunks(
+      acc, [&](int t, float(&q)[8]) { load_qg8(q, qrow, t); }, r, ds);
+}
+template <int NT>
+__device__ __forceinline__ void key_acc(float (&acc)[NT][8], const float (&q)[NT][8], float r,
+                                        float ds) {
+  key_acc_chunks(
+      acc,
+      [&](int t, float(&c)[8]) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) c[e] = q[t][e];
+      },
+      r, ds);
+}
+// This lane's share of v . acc (either row form).
+template <int NT, class RV>
+__device__ __forceinline__ float acc_dot(const float (&acc)[NT][8], const RV& rv) {
+  float p = 0.f;
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) p += acc[t][e] * at(rv, t, e);
+  return p;
+}
+
 // The fused key path's last term: acc -= r^3/d radial v (radial: the whole row's sum of
 // key_site's radial terms).
 template <int NT, class RV>
@@ -1514,9 +1565,11 @@ __device__ __forceinline__ void subtract_radial(float (&acc)[NT][8], const RV& r
 // One site k of a slot's value path, token n (span layout): acc += a_k dx_k, and the
 // slot's logit gradient ds_k = a_k (u_k - ubar_k), u_k = head h's sum of dx_k . v. Every
 // value kernel (plain, ring, pair) runs its sites through this, so they share the bits.
+// u_out (the radial sum from the accumulator, value version 7): u_k itself.
 template <int NT>
 __device__ __forceinline__ float value_site(float (&acc)[NT][8], const Row<NT>& rdx,
-                                            const Row<NT>& rv, float a, float ub, int G) {
+                                            const Row<NT>& rv, float a, float ub, int G,
+                                            float* u_out = nullptr) {
   float p = 0.f;
 #pragma unroll
   for (int t = 0; t < NT; ++t)
@@ -1526,7 +1579,9 @@ __device__ __forceinline__ float value_site(float (&acc)[NT][8], const Row<NT>& 
       p += dxe * elem(rv.raw[t], e);
       acc[t][e] += a * dxe;
     }
-  return a * (head_sum(p, G) - ub);
+  const float u = head_sum(p, G);
+  if (u_out) *u_out = u;
+  return a * (u - ub);
 }
 
 // DELTA's steps before the slot's backward, token n, on the rows rg (dx), dres (dresid)
@@ -1727,13 +1782,16 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, value_span_blocks_per_sm(
 //   / 4.097 (but v5's fused pair form with pair version 9 is 4.022); 350M 21.186 /
 //   **20.754** / 22.937 / 20.933; 1B 46.490 / 46.487 / 46.538 / **46.016** (untiled 56.77
 //   -> 55.74).
-// (A version 7, 5 with the lanes a head a compile-time constant as pair version 11, tied
-//   with 5 at 100M and lost at 350M in the twenty-first session; dropped, the code is
-//   f4f3731: cuda/NOTES.md.)
+// 7 is 5 with the radial sum formed once a token from the accumulator (key_acc_chunks:
+//   v . acc less the value path's sum_k a_k u_k and the resumed row's share, over r) instead
+//   of a qg_k . v dot product and head sum a site (ptxas at d 512: 122 registers, 126 for
+//   5). Its sums run in another order (routing_backward_sum_order). (An earlier version 7,
+//   5 with the lanes a head a compile-time constant, tied with 5 at 100M and lost at 350M
+//   in the twenty-first session; dropped, the code is f4f3731: cuda/NOTES.md.)
 // The default is therefore by width (version 0: source_value_version): 5 where a lane
 // holds the whole row in at most 2 chunks (d <= 512), 3 at 4 chunks (d 1024), 6 at 5
 // (d 1280), else 2.
-constexpr int kSourceValueVersions = 6;
+constexpr int kSourceValueVersions = 7;
 constexpr int kSourceValueDefault = 0;  // by width
 int g_source_value_version = kSourceValueDefault;  // routing_set_kernel_version (timing lab)
 int source_value_version(int64_t d) {
@@ -1827,15 +1885,11 @@ __device__ __forceinline__ void store_fused_dv(bf16* dv, float (&acc)[NT][8], co
 // (xch: the block's exchange for parts_sum; round: this warp's token count); else the
 // fp32 value row into val. Ring slot u holds site k = source + u (mod PF): its row,
 // weight and ubar.
-template <int NT, int PF, bool KEY>
-__device__ __forceinline__ void value_ring_token(float* val, bf16* dv, float* weights,
-                                                 float* ubar, const SiteRows& site_dx,
-                                                 const bf16* x, const bf16* v,
-                                                 const float* inv_rms, const float* qg,
-                                                 const float* resume, const Geometry& g,
-                                                 int source, int last, int parts_log2,
-                                                 int64_t wi, float (*xch)[kWarpsPerBlock],
-                                                 int round) {
+template <int NT, int PF, bool KEY, bool RADIAL = false>
+__device__ __forceinline__ void value_ring_token(
+    float* val, bf16* dv, float* weights, float* ubar, const SiteRows& site_dx, const bf16* x,
+    const bf16* v, const float* inv_rms, const float* qg, const float* resume, const Geometry& g,
+    int source, int last, int parts_log2, int64_t wi, float (*xch)[kWarpsPerBlock], int round) {
   const int lane = threadIdx.x & 31;
   const int64_t HN = int64_t(g.H) * g.N;
   const RowPart rp = row_part(wi, parts_log2, NT, g.H);
@@ -1857,10 +1911,15 @@ __device__ __forceinline__ void value_ring_token(float* val, bf16* dv, float* we
     }
   rub[0] = part_ubar(ubar, ring[0], x, g, rp, source);
   ra[0] = w_src[n];
+  static_assert(!RADIAL || KEY, "value version 7 is version 5 with the radial sum at the end");
   float acc[NT][8];
-  float radial = 0.f;  // KEY: this lane's head's share (leaders), from `resume` on
+  // KEY: this lane's head's share (leaders), from `resume` on; RADIAL: sum_k a_k u_k
+  // (key_acc_chunks), and the resumed row's share of v . acc, left out at the end.
+  float radial = 0.f;
+  [[maybe_unused]] float resumed_dot = 0.f;
   if (resume) {
     load_span_f32(acc, resume + row);
+    if constexpr (RADIAL) resumed_dot = acc_dot(acc, rv);
   } else {
 #pragma unroll
     for (int t = 0; t < NT; ++t)
@@ -1879,10 +1938,17 @@ __device__ __forceinline__ void value_ring_token(float* val, bf16* dv, float* we
         ra[u] = w_src[(k + PF - source) * HN + n];
         rub[u] = ub_h[(k + PF) * HN + n];
       }
-      const float ds = value_site(acc, rdx, rv, a, ub, rp.G);
+      [[maybe_unused]] float u_k;
+      const float ds = value_site(acc, rdx, rv, a, ub, rp.G, RADIAL ? &u_k : nullptr);
       if constexpr (KEY) {
-        const float4* qrow = reinterpret_cast<const float4*>(qg + rp.off) + lane * 2 * NT;
-        key_site(acc, radial, rv, qrow + (k - source) * (g.d / 4), r, ds, rp.G, leader);
+        const float4* qrow =
+            reinterpret_cast<const float4*>(qg + rp.off) + lane * 2 * NT + (k - source) * (g.d / 4);
+        if constexpr (RADIAL) {
+          radial += a * u_k;
+          key_acc(acc, qrow, r, ds);
+        } else {
+          key_site(acc, radial, rv, qrow, r, ds, rp.G, leader);
+        }
       }
       // head_sum's shuffles synchronise the warp: every lane has used a_k (read PF
       // sites ago) before the leader overwrites it.
@@ -1890,7 +1956,13 @@ __device__ __forceinline__ void value_ring_token(float* val, bf16* dv, float* we
     }
   }
   if constexpr (KEY) {
-    float total = parts_sum(warp_sum(radial), xch, parts_log2, round);
+    float total;
+    if constexpr (RADIAL) {
+      const float own = acc_dot(acc, rv) - resumed_dot - (leader ? radial : 0.f);
+      total = parts_sum(warp_sum(own), xch, parts_log2, round) / r;
+    } else {
+      total = parts_sum(warp_sum(radial), xch, parts_log2, round);
+    }
     if (resume) total += resume[g.N * g.d + n];  // the tile's sites' radial sum
     store_fused_dv(dv + row, acc, rv, r, total, g.d);
   } else {
@@ -1913,21 +1985,21 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
                                     resume, g, source, last, parts_log2, wi, nullptr, 0);
 }
 
-template <int NT, int PF>
+template <int NT, int PF, bool RADIAL = false>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
     source_value_fused_ring_kernel(bf16* __restrict__ dv, float* __restrict__ weights,
                                    float* __restrict__ ubar, const SiteRows site_dx,
                                    const bf16* __restrict__ x, const bf16* __restrict__ v,
-                                   const float* __restrict__ inv_rms,
-                                   const float* __restrict__ qg, const float* __restrict__ resume,
-                                   const Geometry g, int source, int last, int parts_log2) {
+                                   const float* __restrict__ inv_rms, const float* __restrict__ qg,
+                                   const float* __restrict__ resume, const Geometry g, int source,
+                                   int last, int parts_log2) {
   __shared__ float xch[2][kWarpsPerBlock];
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
   int round = 0;
   for (int64_t wi = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
        wi < (g.N << parts_log2); wi += warps, ++round)
-    value_ring_token<NT, PF, true>(nullptr, dv, weights, ubar, site_dx, x, v, inv_rms, qg, resume,
-                                   g, source, last, parts_log2, wi, xch, round);
+    value_ring_token<NT, PF, true, RADIAL>(nullptr, dv, weights, ubar, site_dx, x, v, inv_rms, qg,
+                                           resume, g, source, last, parts_log2, wi, xch, round);
 }
 
 // A slot's inv_rms and its logits for its ns sites, token n, span layout, from the slot's
@@ -2251,7 +2323,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, delta_forward_blocks_per_
 template <int NT, class RV>
 __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT][8], float& ds0,
                                           float& ds1, const Row<NT>& rdx, const RV& rv0,
-                                          const RV& rv1, float a0, float a1, float ub, int G) {
+                                          const RV& rv1, float a0, float a1, float ub, int G,
+                                          float* u0 = nullptr, float* u1 = nullptr) {
   float p0 = 0.f, p1 = 0.f;
 #pragma unroll
   for (int t = 0; t < NT; ++t)
@@ -2263,7 +2336,11 @@ __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT
       acc0[t][e] += a0 * dxe;
       acc1[t][e] += a1 * dxe;
     }
-  ds0 = a0 * (head_sum(p0, G) - ub), ds1 = a1 * (head_sum(p1, G) - ub);
+  const float h0 = head_sum(p0, G);
+  ds0 = a0 * (h0 - ub);
+  const float h1 = head_sum(p1, G);
+  ds1 = a1 * (h1 - ub);
+  if (u0) *u0 = h0, *u1 = h1;  // (pair version 16's radial sums)
 }
 
 // Depth tiling of the backward (backend.h routing_source_backward_tile; unfused slots,
@@ -2354,9 +2431,15 @@ __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT
 // 2.971-2.980 ms, v15 2.808-2.810 (-5.6%); 350M and 1B the same within 0.1%. The
 // default since then; 100M's mhar step the same within noise (39.4 / 39.4 ms medians of
 // 3 rounds: the kernel's 0.17 ms is 0.4% of the step).
+// 16 is 15 with both slots' radial sums formed once a token from the accumulators
+// (key_acc_chunks: v . acc less the value path's sum_k a_k u_k, over r) instead of a
+// qg_k . v dot product and head sum a slot and site: 32 FMAs, 6 shuffles and adds a site
+// fewer at d 512 (ptxas: 150 registers, 146 for 15). Its sums run in another order, so it
+// is held to the CPU's bounds (routing_backward_sum_order). Where it differs from 15: the
+// fused form's stream kernel with the lanes a head constant (whole rows, H 4 or 8).
 constexpr int kBackTileMaxNT = 5;  // d <= 1280: 234 registers, no spills (NT 6: 239; 7, 8 spill)
 constexpr int pair_blocks_per_sm(int NT, int version) { return version >= 2 && NT <= 4 ? 3 : 2; }
-constexpr int kPairVersions = 15;
+constexpr int kPairVersions = 16;
 constexpr bool pair_on_tensor_cores(int version) { return version == 12 || version == 13; }
 constexpr int kPairDefault = 15;
 constexpr int kPairRing = 4;
@@ -2685,7 +2768,7 @@ __device__ __forceinline__ void slot_span(const StreamSlot<NT>& slot, Row<NT>& r
 }
 
 template <int NT, int MIN_BLOCKS, bool COALESCED, bool KEY = false, int GC = 0, bool F32 = false,
-          bool QAHEAD = false>
+          bool QAHEAD = false, bool RADIAL = false>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
     source_value_pair_stream_kernel(float* __restrict__ val, bf16* __restrict__ dv0,
                                     float* __restrict__ partial, float* __restrict__ weights,
@@ -2699,6 +2782,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
                 "version 11: version 8's copies, G a power of two");
   static_assert(!F32 || (KEY && GC > 0), "version 14 is version 11's fused form");
   static_assert(!QAHEAD || F32, "version 15 is version 14 with qg one site ahead");
+  static_assert(!RADIAL || QAHEAD, "version 16 is version 15 with the radial sums at the end");
   constexpr int R = stream_slots(NT);
   extern __shared__ float4 pair_stream_smem_raw[];
   // GC > 0 (version 11): the lanes a head as a compile-time constant (the host checks
@@ -2779,7 +2863,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
     // fp32 once, see unpacked; else the bf16 words): the same operations either way.
     auto token = [&](const auto& v0r, const auto& v1r) {
       float acc0[NT][8], acc1[NT][8];
-      [[maybe_unused]] float radial0 = 0.f, radial1 = 0.f;  // KEY
+      [[maybe_unused]] float radial0 = 0.f, radial1 = 0.f;  // KEY; RADIAL: sum_k a_k u_k
 #pragma unroll
       for (int t = 0; t < NT; ++t)
 #pragma unroll
@@ -2797,13 +2881,22 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
 #pragma unroll 1
       for (int k = source;; ++k) {
         float ds0, ds1;
-        pair_site(acc0, acc1, ds0, ds1, rdx, v0r, v1r, a0, a1, ub, G);
-        if constexpr (QAHEAD) {
+        if constexpr (RADIAL) {  // version 16: the radial sums at the end (key_acc_chunks)
+          float u0, u1;
+          pair_site(acc0, acc1, ds0, ds1, rdx, v0r, v1r, a0, a1, ub, G, &u0, &u1);
+          radial0 += a0 * u0, radial1 += a1 * u1;
+          key_acc(acc0, q_next, r0, ds0);
+          key_acc(acc1, q_next, r1, ds1);
+        } else if constexpr (QAHEAD) {
+          pair_site(acc0, acc1, ds0, ds1, rdx, v0r, v1r, a0, a1, ub, G);
           key_site(acc0, radial0, v0r, q_next, r0, ds0, G, leader);
           key_site(acc1, radial1, v1r, q_next, r1, ds1, G, leader);
-        } else if constexpr (KEY) {  // as pair_ring_token's, on the whole row
-          key_site(acc0, radial0, v0r, qrow_of(k), r0, ds0, G, leader);
-          key_site(acc1, radial1, v1r, qrow_of(k), r1, ds1, G, leader);
+        } else {
+          pair_site(acc0, acc1, ds0, ds1, rdx, v0r, v1r, a0, a1, ub, G);
+          if constexpr (KEY) {  // as pair_ring_token's, on the whole row
+            key_site(acc0, radial0, v0r, qrow_of(k), r0, ds0, G, leader);
+            key_site(acc1, radial1, v1r, qrow_of(k), r1, ds1, G, leader);
+          }
         }
         // The shuffles synchronise the warp: no lane still needs the weights overwritten here.
         const int64_t off = (k - source) * HN + n;
@@ -2814,7 +2907,14 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
         row_of(s, rdx);
         a0 = s.scalar[0][sc], a1 = s.scalar[1][sc], ub = s.scalar[2][sc];
       }
-      if constexpr (KEY) {
+      if constexpr (RADIAL) {
+        // Each head's sum_k a_k u_k counted once, by its leader.
+        const float total0 = warp_sum(acc_dot(acc0, v0r) - (leader ? radial0 : 0.f)) / r0;
+        const float total1 = warp_sum(acc_dot(acc1, v1r) - (leader ? radial1 : 0.f)) / r1;
+        store_fused_dv(dv0 + n * g.d, acc0, v0r, r0, total0, g.d);
+        store_span_f32(partial + n * g.d, acc1);
+        if (lane == 0) partial[g.N * g.d + n] = total1;
+      } else if constexpr (KEY) {
         store_fused_dv(dv0 + n * g.d, acc0, v0r, r0, warp_sum(radial0), g.d);
         store_span_f32(partial + n * g.d, acc1);
         const float total1 = warp_sum(radial1);
@@ -3253,7 +3353,7 @@ int row_parts_log2(const Geometry& g, int chunks) {
 // The row parts' chunks a lane that each lab version asks for (0: whole rows): value
 // versions 3, 5 and 7 at most 2, 4 at most 1; pair versions 5 at most 2, 6 at most 1.
 int value_part_chunks(int version) {
-  return version == 3 || version == 5 ? 2 : version == 4 ? 1 : 0;
+  return version == 3 || version == 5 || version == 7 ? 2 : version == 4 ? 1 : 0;
 }
 int pair_part_chunks(int version) { return version == 5 ? 2 : version == 6 ? 1 : 0; }
 // row_parts_log2 for `chunks` (0: the whole row, log2 0).
@@ -3584,8 +3684,13 @@ int routing_backward_sum_order(int64_t d, int heads) {
   auto lane_chunks = [&](int parts_log2) { return g.d / 256 >> std::max(parts_log2, 0); };
   const int value = source_value_version(d);
   const int value_parts = parts_log2_for(g, value_part_chunks(value));
-  if (value == 5 && value_parts >= 0)  // every slot fused, the pair's form too
-    return key_grads + 256 + lane_chunks(value_parts);
+  if ((value == 5 || value == 7) && value_parts >= 0) {  // every slot fused, the pair's form too
+    // The radial sums at the end (key_acc_chunks): value version 7's plain calls, pair
+    // version 16's stream kernel (whole rows).
+    const bool pair_radial = g_pair_version == 16 && value_parts == 0 && (heads == 4 || heads == 8);
+    return key_grads + 256 + lane_chunks(value_parts) + (value == 7 ? 4096 : 0) +
+           (pair_radial ? 8192 : 0);
+  }
   const int pair_mma_order =
       pair_on_tensor_cores(g_pair_version) && pair_mma_applies(g.d, heads) ? 2048 : 0;
   return key_grads + pair_mma_order +
@@ -3668,7 +3773,7 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
   // the others write the fp32 value row for the key GEMM and finish kernel below. Value
   // version 5 fuses every slot's key path (source_value_fused_ring_kernel).
   const int value_version = source_value_version(g.d);
-  const bool fuses_every_slot = value_version == 5;
+  const bool fuses_every_slot = value_version == 5 || value_version == 7;
   const int fused_parts_log2 = !delta && fuses_every_slot && span_layout(g)
                                    ? parts_log2_for(g, value_part_chunks(value_version))
                                    : -1;
@@ -3702,10 +3807,13 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
           }
         }
         constexpr int B = pair_blocks_per_sm(NT, 2);
-        // 14: the slot rows held in fp32 registers; 15: and qg one site ahead.
+        // 14: the slot rows held in fp32 registers; 15: and qg one site ahead; 16: and the
+        // radial sums at the end.
         auto lanes_a_head = [&](auto gc) {
           constexpr int GC = decltype(gc)::value;
-          return g_pair_version == 15
+          return g_pair_version == 16
+                     ? source_value_pair_stream_kernel<NT, B, true, true, GC, true, true, true>
+                 : g_pair_version == 15
                      ? source_value_pair_stream_kernel<NT, B, true, true, GC, true, true>
                  : g_pair_version == 14
                      ? source_value_pair_stream_kernel<NT, B, true, true, GC, true>
@@ -3814,10 +3922,11 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
     if (ring_fused) {
       dispatch_part_span(g.d / 256 >> fused_parts_log2, [&](auto ntp) {
         constexpr int NT = decltype(ntp)::value;
-        source_value_fused_ring_kernel<NT, value_ring(NT)>
-            <<<token_blocks(N << fused_parts_log2), 32 * kWarpsPerBlock, 0, s>>>(
-            dv_out, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in,
-            inv_rms.ptr<float>(), qg, resume, g, source, last, fused_parts_log2);
+        auto kernel = value_version == 7 ? source_value_fused_ring_kernel<NT, value_ring(NT), true>
+                                         : source_value_fused_ring_kernel<NT, value_ring(NT)>;
+        kernel<<<token_blocks(N << fused_parts_log2), 32 * kWarpsPerBlock, 0, s>>>(
+            dv_out, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in, inv_rms.ptr<float>(),
+            qg, resume, g, source, last, fused_parts_log2);
         CUDA_CHECK_LAUNCH();
       });
     } else if (parts_log2 > 0) {

@@ -559,8 +559,10 @@ TEST_F(OpTiming, DISABLED_RoutingLogitsVersions) {
 // tiled under each numbered version of the pair kernel (cuda::routing_set_kernel_version).
 // versions: each numbered version of the value and key-gradient kernels, and the version
 // pairs a default would take together.
-// pairs: the tiled backward at the default limit under the default pair version (15: qg
-// one site ahead) and the former defaults 11 and 14, alternating, three rounds.
+// pairs: the tiled backward at the default limit under the default pair and value versions
+// (15 and by width: 5 at d 512) and with pair version 16 and value version 7 (the radial
+// sums from the accumulator, cuda/routing.cu key_acc_chunks), each alone and together,
+// alternating, three rounds.
 void OpTiming::routing_backward_sweeps(bool limits, bool versions, bool pairs) {
   const int64_t N = 16384;
   for (const FullRoutingShape& sh : kFullRoutingShapes) {
@@ -609,13 +611,16 @@ void OpTiming::routing_backward_sweeps(bool limits, bool versions, bool pairs) {
     }
     cuda::routing_set_fused_key_max_sites(-1);
     for (int round = 0; pairs && tile > 1 && round < 3; ++round)
-      for (int version : {0, 11, 14}) {
-        cuda::routing_set_kernel_version(cuda::RoutingKernel::BackwardPair, version);
+      for (const auto& [pair_v, value_v] :
+           {std::pair{0, 0}, std::pair{16, 0}, std::pair{0, 7}, std::pair{16, 7}}) {
+        cuda::routing_set_kernel_version(cuda::RoutingKernel::BackwardPair, pair_v);
+        cuda::routing_set_kernel_version(cuda::RoutingKernel::SourceValue, value_v);
+        auto name = [](int v) { return v == 0 ? std::string("default") : "v" + std::to_string(v); };
         report("routing backward, tiles of " + std::to_string(tile) + ", pair kernel " +
-                   (version == 0 ? std::string("default") : "v" + std::to_string(version)) + ", " +
-                   tag,
+                   name(pair_v) + ", value kernel " + name(value_v) + ", " + tag,
                time_ms([&] { backward(true); }, 3) - copy_ms, 0, 0);
         cuda::routing_set_kernel_version(cuda::RoutingKernel::BackwardPair, 0);
+        cuda::routing_set_kernel_version(cuda::RoutingKernel::SourceValue, 0);
       }
     if (!versions) continue;
     // Each numbered version of one kernel at the default limit and pair kernel, untiled
