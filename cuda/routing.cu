@@ -1787,16 +1787,19 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, value_span_blocks_per_sm(
 //   of a qg_k . v dot product and head sum a site (ptxas at d 512: 122 registers, 126 for
 //   5). Its sums run in another order (routing_backward_sum_order). (An earlier version 7,
 //   5 with the lanes a head a compile-time constant, tied with 5 at 100M and lost at 350M
-//   in the twenty-first session; dropped, the code is f4f3731: cuda/NOTES.md.)
-// The default is therefore by width (version 0: source_value_version): 5 where a lane
-// holds the whole row in at most 2 chunks (d <= 512), 3 at 4 chunks (d 1024), 6 at 5
-// (d 1280), else 2.
+//   in the twenty-first session; dropped, the code is f4f3731: cuda/NOTES.md.) Measured
+//   (thirty-second session, the tiled backward, pair version 16's list): 100M -1.3% alone,
+//   -3.6% with pair 16; 350M +11% and 1B +1.4% (there it runs as 5 does, on parts or
+//   not fused by default).
+// The default is therefore by width (version 0: source_value_version): 7 (5 before the
+// thirty-second session) where a lane holds the whole row in at most 2 chunks (d <= 512),
+// 3 at 4 chunks (d 1024), 6 at 5 (d 1280), else 2.
 constexpr int kSourceValueVersions = 7;
 constexpr int kSourceValueDefault = 0;  // by width
 int g_source_value_version = kSourceValueDefault;  // routing_set_kernel_version (timing lab)
 int source_value_version(int64_t d) {
   if (g_source_value_version > 0) return g_source_value_version;
-  return d <= 512 ? 5 : d / 256 == 4 ? 3 : d / 256 == 5 ? 6 : 2;
+  return d <= 512 ? 7 : d / 256 == 4 ? 3 : d / 256 == 5 ? 6 : 2;
 }
 // Sites in flight a warp (ptxas at 4 blocks an SM, <= 128 registers: no spills).
 constexpr int value_ring(int NT) { return NT <= 2 ? 4 : 2; }
@@ -2437,11 +2440,16 @@ __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT
 // fewer at d 512 (ptxas: 150 registers, 146 for 15). Its sums run in another order, so it
 // is held to the CPU's bounds (routing_backward_sum_order). Where it differs from 15: the
 // fused form's stream kernel with the lanes a head constant (whole rows, H 4 or 8).
+// Measured (thirty-second session, a step's tiled backward at 100M, three rounds, ms):
+// pair 15 + value 5 (then the defaults) 2.818-2.838, 16 + 5 2.757-2.764, 15 + 7
+// 2.787-2.789, **16 + 7 2.722-2.724** (-3.6%); 350M and 1B: 16 as 15 (the unfused form).
+// 100M's mhar step, 3 alternating rounds: 38.7 / 38.6 ms (medians). The default since then,
+// with value version 7 at d <= 512.
 constexpr int kBackTileMaxNT = 5;  // d <= 1280: 234 registers, no spills (NT 6: 239; 7, 8 spill)
 constexpr int pair_blocks_per_sm(int NT, int version) { return version >= 2 && NT <= 4 ? 3 : 2; }
 constexpr int kPairVersions = 16;
 constexpr bool pair_on_tensor_cores(int version) { return version == 12 || version == 13; }
-constexpr int kPairDefault = 15;
+constexpr int kPairDefault = 16;
 constexpr int kPairRing = 4;
 constexpr int kPairRingMaxNT = 2;
 int g_pair_version = kPairDefault;  // routing_set_kernel_version (timing lab)
