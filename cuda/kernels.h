@@ -295,9 +295,9 @@ void apply_kernel_versions_from_env();
 // chunks a lane sums before the shuffles, as a code. Two version settings with equal codes
 // give the same bits; row parts (pair versions 5-6, value versions 3-4) change it where they
 // split the row, value version 5 (the key path fused into the value pass) wherever it
-// applies, value version 7 and pair version 16 (its radial sums from the accumulators)
-// where they differ from 5 and 15, key-gradient version 2 (the kernel past 8 sites) and 3-4 (tensor
-// cores, every slot) the key gradients' sums.
+// applies, value version 7 and pair version 16 (the radial sums from the accumulators)
+// where they differ from 5 and 15, key-gradient version 2 (the kernel past 8 sites) and
+// 3-4 (tensor cores, every slot) the key gradients' sums.
 int routing_backward_sum_order(int64_t d, int heads);
 // Tests: caps the one-wave grids (the backward's pair and stream kernels) at `blocks` (0:
 // no cap), so that small N still gives each warp several tokens; returns the previous
