@@ -2445,16 +2445,9 @@ __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT
 // 2.787-2.789, **16 + 7 2.722-2.724** (-3.6%); 350M and 1B: 16 as 15 (the unfused form).
 // 100M's mhar step, 3 alternating rounds: 38.7 / 38.6 ms (medians). The default since then,
 // with value version 7 at d <= 512.
-// 17 is 16 in the fused form and 11 in the unfused one (so their bits), with the stream's
-// addresses kept and advanced instead of recomputed: ncu of version 16 at 100M (thirty-second
-// session: 0.49 instructions issued a scheduler cycle, 12 warps an SM, ~280 instructions
-// a site and token) put ~70 of them in each item's copy issue (the item kind's branches,
-// 64-bit multiplies of the token's row and scalar offsets) and ~24 in the leader's weight
-// stores' addresses; here the copy's row offset, the site items' scalar offset, the
-// weights' offset and the qg row are advanced by additions.
 constexpr int kBackTileMaxNT = 5;  // d <= 1280: 234 registers, no spills (NT 6: 239; 7, 8 spill)
 constexpr int pair_blocks_per_sm(int NT, int version) { return version >= 2 && NT <= 4 ? 3 : 2; }
-constexpr int kPairVersions = 17;
+constexpr int kPairVersions = 16;
 constexpr bool pair_on_tensor_cores(int version) { return version == 12 || version == 13; }
 constexpr int kPairDefault = 16;
 constexpr int kPairRing = 4;
@@ -2783,7 +2776,7 @@ __device__ __forceinline__ void slot_span(const StreamSlot<NT>& slot, Row<NT>& r
 }
 
 template <int NT, int MIN_BLOCKS, bool COALESCED, bool KEY = false, int GC = 0, bool F32 = false,
-          bool QAHEAD = false, bool RADIAL = false, bool INCR = false>
+          bool QAHEAD = false, bool RADIAL = false>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
     source_value_pair_stream_kernel(float* __restrict__ val, bf16* __restrict__ dv0,
                                     float* __restrict__ partial, float* __restrict__ weights,
@@ -2798,9 +2791,6 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
   static_assert(!F32 || (KEY && GC > 0), "version 14 is version 11's fused form");
   static_assert(!QAHEAD || F32, "version 15 is version 14 with qg one site ahead");
   static_assert(!RADIAL || QAHEAD, "version 16 is version 15 with the radial sums at the end");
-  static_assert(!INCR || GC > 0,
-                "version 17 is version 11 (unfused) or 16 (fused), addressed "
-                "incrementally");
   constexpr int R = stream_slots(NT);
   extern __shared__ float4 pair_stream_smem_raw[];
   // GC > 0 (version 11): the lanes a head as a compile-time constant (the host checks
@@ -2821,36 +2811,10 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
   float* w1 = weights + (g.lay.pair_base(older) + (source - older)) * HN;
   const int last = g.lay.last_site(source), items = last - source + 4;
   const int64_t first = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  // The cursor: item ci of token cn is the next to copy. INCR (version 17): its row offset
-  // cn d and its site items' scalar offset (ci - 3) HN + hc N + cn are kept and advanced,
-  // not recomputed by 64-bit multiplies each item (ncu of version 16 at 100M: ~70
-  // instructions an item in the copy issue, ~24 in the weight stores' addresses, of ~280 a
-  // site).
+  // The cursor: item ci of token cn is the next to copy.
   int64_t cn = first;
   int ci = 0;
-  [[maybe_unused]] int64_t cn_row = first * g.d, scalar_off = int64_t(hc) * g.N + first;
-  [[maybe_unused]] const float* ubar_source = ubar + int64_t(source) * HN;
-  auto issue_incr = [&](StreamSlot<NT>& slot) {
-    if (cn >= g.N) return;
-    const bf16* src = ci >= 3 ? site_dx.dx[source + ci - 3] : ci == 0 ? v0 : ci == 1 ? v1 : x;
-    copy_chunks_async(slot, reinterpret_cast<const uint4*>(src + cn_row));
-    if (copies_scalars) {
-      if (ci == 0) {
-        cp_async_ca(&slot.scalar[0][lane], inv_rms0 + cn, 4);
-        cp_async_ca(&slot.scalar[1][lane], inv_rms1 + cn, 4);
-      } else if (ci >= 3) {
-        cp_async_ca(&slot.scalar[0][lane], w0 + scalar_off, 4);
-        cp_async_ca(&slot.scalar[1][lane], w1 + scalar_off, 4);
-        if (ci > 3) cp_async_ca(&slot.scalar[2][lane], ubar_source + scalar_off, 4);
-      }
-    }
-    if (ci >= 3) scalar_off += HN;
-    if (++ci == items) {
-      ci = 0, cn += warps;
-      cn_row = cn * g.d, scalar_off = int64_t(hc) * g.N + cn;
-    }
-  };
-  auto issue_each = [&](StreamSlot<NT>& slot) {
+  auto issue = [&](StreamSlot<NT>& slot) {
     if (cn >= g.N) return;
     const bf16* src = ci == 0 ? v0 : ci == 1 ? v1 : ci == 2 ? x : site_dx.dx[source + ci - 3];
     const uint4* p = reinterpret_cast<const uint4*>(src + cn * g.d);
@@ -2874,12 +2838,6 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
       }
     }
     if (++ci == items) ci = 0, cn += warps;
-  };
-  auto issue = [&](StreamSlot<NT>& slot) {
-    if constexpr (INCR)
-      issue_incr(slot);
-    else
-      issue_each(slot);
   };
   auto row_of = [&](const StreamSlot<NT>& slot, Row<NT>& r) {
     if constexpr (COALESCED) {
@@ -2928,9 +2886,6 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
       // QAHEAD (version 15): site k's qg chunks, loaded while site k - 1 ran.
       [[maybe_unused]] float q_next[NT][8];
       if constexpr (QAHEAD) load_qg_row(q_next, qrow_of(source));
-      // INCR: site k's offset in the weights' rows and its qg row, advanced a site at a time.
-      [[maybe_unused]] int64_t w_off = n;
-      [[maybe_unused]] const float4* q_row = qrow_of(source);
 #pragma unroll 1
       for (int k = source;; ++k) {
         float ds0, ds1;
@@ -2952,16 +2907,10 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
           }
         }
         // The shuffles synchronise the warp: no lane still needs the weights overwritten here.
-        const int64_t off = INCR ? w_off : (k - source) * HN + n;
+        const int64_t off = (k - source) * HN + n;
         if (leader) w0h[off] = ds0 * r0, w1h[off] = ds1 * r1;
         if (k == last) break;
-        if constexpr (INCR) {
-          w_off += HN;
-          q_row += g.d / 4;
-          if constexpr (QAHEAD) load_qg_row(q_next, q_row);
-        } else if constexpr (QAHEAD) {
-          load_qg_row(q_next, qrow_of(k + 1));
-        }
+        if constexpr (QAHEAD) load_qg_row(q_next, qrow_of(k + 1));
         const StreamSlot<NT>& s = ring.take(issue);
         row_of(s, rdx);
         a0 = s.scalar[0][sc], a1 = s.scalar[1][sc], ub = s.scalar[2][sc];
@@ -3746,7 +3695,7 @@ int routing_backward_sum_order(int64_t d, int heads) {
   if ((value == 5 || value == 7) && value_parts >= 0) {  // every slot fused, the pair's form too
     // The radial sums at the end (key_acc_chunks): value version 7's plain calls, pair
     // version 16's stream kernel (whole rows).
-    const bool pair_radial = g_pair_version >= 16 && value_parts == 0 && (heads == 4 || heads == 8);
+    const bool pair_radial = g_pair_version == 16 && value_parts == 0 && (heads == 4 || heads == 8);
     return key_grads + 256 + lane_chunks(value_parts) + (value == 7 ? 4096 : 0) +
            (pair_radial ? 8192 : 0);
   }
@@ -3870,9 +3819,7 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
         // radial sums at the end.
         auto lanes_a_head = [&](auto gc) {
           constexpr int GC = decltype(gc)::value;
-          return g_pair_version == 17 ? source_value_pair_stream_kernel<NT, B, true, true, GC, true,
-                                                                        true, true, true>
-                 : g_pair_version == 16
+          return g_pair_version == 16
                      ? source_value_pair_stream_kernel<NT, B, true, true, GC, true, true, true>
                  : g_pair_version == 15
                      ? source_value_pair_stream_kernel<NT, B, true, true, GC, true, true>
@@ -3940,12 +3887,8 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
               g_pair_version >= 11, heads,
               g_pair_version >= 8 ? source_value_pair_stream_kernel<NT, B, true>
                                   : source_value_pair_stream_kernel<NT, B, false>,
-              g_pair_version == 17 ? source_value_pair_stream_kernel<NT, B, true, false, 8, false,
-                                                                     false, false, true>
-                                   : source_value_pair_stream_kernel<NT, B, true, false, 8>,
-              g_pair_version == 17 ? source_value_pair_stream_kernel<NT, B, true, false, 4, false,
-                                                                     false, false, true>
-                                   : source_value_pair_stream_kernel<NT, B, true, false, 4>);
+              source_value_pair_stream_kernel<NT, B, true, false, 8>,
+              source_value_pair_stream_kernel<NT, B, true, false, 4>);
           launch_pair_stream(stream, stream_smem<NT>(), B, val, nullptr, partial, nullptr);
           return;
         }

@@ -561,8 +561,8 @@ TEST_F(OpTiming, DISABLED_RoutingLogitsVersions) {
 // pairs a default would take together.
 // pairs: the tiled backward at the default limit under the default pair and value versions
 // (16 and by width: 7 at d 512, the radial sums from the accumulators: cuda/routing.cu,
-// key_acc_chunks), pair version 17 (16's and 11's streams addressed incrementally) and the
-// former defaults (15 and 5), alternating, three rounds.
+// key_acc_chunks), the former defaults (15 and 5) and each new version alone, alternating,
+// three rounds.
 void OpTiming::routing_backward_sweeps(bool limits, bool versions, bool pairs) {
   const int64_t N = 16384;
   for (const FullRoutingShape& sh : kFullRoutingShapes) {
@@ -611,7 +611,8 @@ void OpTiming::routing_backward_sweeps(bool limits, bool versions, bool pairs) {
     }
     cuda::routing_set_fused_key_max_sites(-1);
     for (int round = 0; pairs && tile > 1 && round < 3; ++round)
-      for (const auto& [pair_v, value_v] : {std::pair{0, 0}, std::pair{17, 0}, std::pair{15, 5}}) {
+      for (const auto& [pair_v, value_v] :
+           {std::pair{0, 0}, std::pair{15, 5}, std::pair{16, 5}, std::pair{15, 7}}) {
         cuda::routing_set_kernel_version(cuda::RoutingKernel::BackwardPair, pair_v);
         cuda::routing_set_kernel_version(cuda::RoutingKernel::SourceValue, value_v);
         auto name = [](int v) { return v == 0 ? std::string("default") : "v" + std::to_string(v); };
