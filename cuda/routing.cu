@@ -1457,14 +1457,25 @@ __device__ __forceinline__ void load_qg_row(float (&q)[NT][8], const float4* qro
   for (int t = 0; t < NT; ++t) load_qg8(q[t], qrow, t);
 }
 
-// The key path of one site for one slot: acc += (r ds) qg_k, and the slot's radial term
-// ds (qg_k . v)[head] on the head's leader lane. qg_k: this lane's chunks, from qrow, or
-// from q where they were loaded before (pair version 15).
-template <int NT, class RV, class Chunk>
+// The key path of one site for one slot: acc += (r ds) qg_k, and with kRadial the slot's
+// radial term ds (qg_k . v)[head] on the head's leader lane. qg_k: this lane's chunks, from
+// qrow, or from q where they were loaded before (pair version 15).
+// Without kRadial (pair version 16, value version 7) the radial sum comes from the
+// accumulator instead, once a token (acc_dot, below). A slot's radial sum over its sites,
+// sum_k sum_h ds_kh (qg_k . v)_h, is v . K with K = sum_k ds_k qg_k (by head), and the
+// accumulator holds r K plus the value path sum_k a_k dx_k, whose dot with v is sum_k
+// sum_h a_kh u_kh, u_kh = (dx_k . v)_h, which value_site and pair_site already form for
+// ds. So radial = (v . acc - sum_k sum_h a_kh u_kh) / r: one dot a token where kRadial
+// takes one a site (16 FMAs, a head sum and the leader's FMA a slot and site at d 512).
+// The sums run in another order (and the subtraction cancels the value path's share: fp32
+// rounding of order |v| |acc| / r, far below dv's bf16 rounding), so those versions are
+// held to the CPU reference's bounds, not to the defaults' bits
+// (routing_backward_sum_order); `radial` is left untouched.
+template <bool kRadial, int NT, class RV, class Chunk>
 __device__ __forceinline__ void key_site_chunks(float (&acc)[NT][8], float& radial, const RV& rv,
                                                 Chunk&& chunk, float r, float ds, int G,
                                                 bool leader) {
-  float vq = 0.f;
+  [[maybe_unused]] float vq = 0.f;
   const float rds = r * ds;
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
@@ -1472,25 +1483,27 @@ __device__ __forceinline__ void key_site_chunks(float (&acc)[NT][8], float& radi
     chunk(t, q);
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      vq += q[e] * at(rv, t, e);
+      if constexpr (kRadial) vq += q[e] * at(rv, t, e);
       acc[t][e] += rds * q[e];
     }
   }
-  vq = head_sum(vq, G);
-  if (leader) radial += ds * vq;
+  if constexpr (kRadial) {
+    vq = head_sum(vq, G);
+    if (leader) radial += ds * vq;
+  }
 }
-template <int NT, class RV>
+template <bool kRadial = true, int NT, class RV>
 __device__ __forceinline__ void key_site(float (&acc)[NT][8], float& radial, const RV& rv,
                                          const float4* qrow, float r, float ds, int G,
                                          bool leader) {
-  key_site_chunks(
+  key_site_chunks<kRadial>(
       acc, radial, rv, [&](int t, float(&q)[8]) { load_qg8(q, qrow, t); }, r, ds, G, leader);
 }
-template <int NT, class RV>
+template <bool kRadial = true, int NT, class RV>
 __device__ __forceinline__ void key_site(float (&acc)[NT][8], float& radial, const RV& rv,
                                          const float (&q)[NT][8], float r, float ds, int G,
                                          bool leader) {
-  key_site_chunks(
+  key_site_chunks<kRadial>(
       acc, radial, rv,
       [&](int t, float(&c)[8]) {
 #pragma unroll
@@ -1499,46 +1512,6 @@ __device__ __forceinline__ void key_site(float (&acc)[NT][8], float& radial, con
       r, ds, G, leader);
 }
 
-// The radial sum from the accumulator (pair version 16, value version 7). A slot's radial
-// sum over its sites, sum_k sum_h ds_kh (qg_k . v)_h, is v . K with K = sum_k ds_k qg_k (by
-// head), and the accumulator holds r K plus the value path sum_k a_k dx_k, whose dot with v
-// is sum_k sum_h a_kh u_kh, u_kh = (dx_k . v)_h, which value_site and pair_site already
-// form for ds. So radial = (v . acc - sum_k sum_h a_kh u_kh) / r: one dot a token where
-// key_site took one a site (16 FMAs, a head sum and the leader's FMA a slot and site at
-// d 512: about a sixth of the fused pair kernel's site loop). The sums run in another
-// order (and the subtraction cancels the value path's share: fp32 rounding of order
-// |v| |acc| / r, far below dv's bf16 rounding), so these versions are held to the CPU
-// reference's bounds, not to the defaults' bits (routing_backward_sum_order).
-// key_site without the radial term: acc += (r ds) qg_k, qg_k's chunks from `chunk`.
-template <int NT, class Chunk>
-__device__ __forceinline__ void key_acc_chunks(float (&acc)[NT][8], Chunk&& chunk, float r,
-                                               float ds) {
-  const float rds = r * ds;
-#pragma unroll
-  for (int t = 0; t < NT; ++t) {
-    float q[8];
-    chunk(t, q);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) acc[t][e] += rds * q[e];
-  }
-}
-template <int NT>
-__device__ __forceinline__ void key_acc(float (&acc)[NT][8], const float4* qrow, float r,
-                                        float ds) {
-  key_acc_chunks(
-      acc, [&](int t, float(&q)[8]) { load_qg8(q, qrow, t); }, r, ds);
-}
-template <int NT>
-__device__ __forceinline__ void key_acc(float (&acc)[NT][8], const float (&q)[NT][8], float r,
-                                        float ds) {
-  key_acc_chunks(
-      acc,
-      [&](int t, float(&c)[8]) {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) c[e] = q[t][e];
-      },
-      r, ds);
-}
 // This lane's share of v . acc (either row form).
 template <int NT, class RV>
 __device__ __forceinline__ float acc_dot(const float (&acc)[NT][8], const RV& rv) {
@@ -1782,7 +1755,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, value_span_blocks_per_sm(
 //   / 4.097 (but v5's fused pair form with pair version 9 is 4.022); 350M 21.186 /
 //   **20.754** / 22.937 / 20.933; 1B 46.490 / 46.487 / 46.538 / **46.016** (untiled 56.77
 //   -> 55.74).
-// 7 is 5 with the radial sum formed once a token from the accumulator (key_acc_chunks:
+// 7 is 5 with the radial sum formed once a token from the accumulator (key_site_chunks:
 //   v . acc less the value path's sum_k a_k u_k and the resumed row's share, over r) instead
 //   of a qg_k . v dot product and head sum a site (ptxas at d 512: 122 registers, 126 for
 //   5). Its sums run in another order (routing_backward_sum_order). (An earlier version 7,
@@ -1917,7 +1890,7 @@ __device__ __forceinline__ void value_ring_token(
   static_assert(!RADIAL || KEY, "value version 7 is version 5 with the radial sum at the end");
   float acc[NT][8];
   // KEY: this lane's head's share (leaders), from `resume` on; RADIAL: sum_k a_k u_k
-  // (key_acc_chunks), and the resumed row's share of v . acc, left out at the end.
+  // (key_site_chunks), and the resumed row's share of v . acc, left out at the end.
   float radial = 0.f;
   [[maybe_unused]] float resumed_dot = 0.f;
   if (resume) {
@@ -1948,7 +1921,7 @@ __device__ __forceinline__ void value_ring_token(
             reinterpret_cast<const float4*>(qg + rp.off) + lane * 2 * NT + (k - source) * (g.d / 4);
         if constexpr (RADIAL) {
           radial += a * u_k;
-          key_acc(acc, qrow, r, ds);
+          key_site<false>(acc, radial, rv, qrow, r, ds, rp.G, leader);
         } else {
           key_site(acc, radial, rv, qrow, r, ds, rp.G, leader);
         }
@@ -2435,7 +2408,7 @@ __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT
 // default since then; 100M's mhar step the same within noise (39.4 / 39.4 ms medians of
 // 3 rounds: the kernel's 0.17 ms is 0.4% of the step).
 // 16 is 15 with both slots' radial sums formed once a token from the accumulators
-// (key_acc_chunks: v . acc less the value path's sum_k a_k u_k, over r) instead of a
+// (key_site_chunks: v . acc less the value path's sum_k a_k u_k, over r) instead of a
 // qg_k . v dot product and head sum a slot and site: 32 FMAs, 6 shuffles and adds a site
 // fewer at d 512 (ptxas: 150 registers, 146 for 15). Its sums run in another order, so it
 // is held to the CPU's bounds (routing_backward_sum_order). Where it differs from 15: the
@@ -2889,12 +2862,12 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
 #pragma unroll 1
       for (int k = source;; ++k) {
         float ds0, ds1;
-        if constexpr (RADIAL) {  // version 16: the radial sums at the end (key_acc_chunks)
+        if constexpr (RADIAL) {  // version 16: the radial sums at the end (key_site_chunks)
           float u0, u1;
           pair_site(acc0, acc1, ds0, ds1, rdx, v0r, v1r, a0, a1, ub, G, &u0, &u1);
           radial0 += a0 * u0, radial1 += a1 * u1;
-          key_acc(acc0, q_next, r0, ds0);
-          key_acc(acc1, q_next, r1, ds1);
+          key_site<false>(acc0, radial0, v0r, q_next, r0, ds0, G, leader);
+          key_site<false>(acc1, radial1, v1r, q_next, r1, ds1, G, leader);
         } else if constexpr (QAHEAD) {
           pair_site(acc0, acc1, ds0, ds1, rdx, v0r, v1r, a0, a1, ub, G);
           key_site(acc0, radial0, v0r, q_next, r0, ds0, G, leader);
@@ -3693,7 +3666,7 @@ int routing_backward_sum_order(int64_t d, int heads) {
   const int value = source_value_version(d);
   const int value_parts = parts_log2_for(g, value_part_chunks(value));
   if ((value == 5 || value == 7) && value_parts >= 0) {  // every slot fused, the pair's form too
-    // The radial sums at the end (key_acc_chunks): value version 7's plain calls, pair
+    // The radial sums at the end (key_site_chunks): value version 7's plain calls, pair
     // version 16's stream kernel (whole rows).
     const bool pair_radial = g_pair_version == 16 && value_parts == 0 && (heads == 4 || heads == 8);
     return key_grads + 256 + lane_chunks(value_parts) + (value == 7 ? 4096 : 0) +

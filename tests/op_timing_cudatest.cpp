@@ -561,7 +561,7 @@ TEST_F(OpTiming, DISABLED_RoutingLogitsVersions) {
 // pairs a default would take together.
 // pairs: the tiled backward at the default limit under the default pair and value versions
 // (16 and by width: 7 at d 512, the radial sums from the accumulators: cuda/routing.cu,
-// key_acc_chunks), the former defaults (15 and 5) and each new version alone, alternating,
+// key_site_chunks), the former defaults (15 and 5) and each new version alone, alternating,
 // three rounds.
 void OpTiming::routing_backward_sweeps(bool limits, bool versions, bool pairs) {
   const int64_t N = 16384;
