@@ -1768,6 +1768,9 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, value_span_blocks_per_sm(
 // thirty-second session) where a lane holds the whole row in at most 2 chunks (d <= 512),
 // 3 at 4 chunks (d 1024), 6 at 5 (d 1280), else 2.
 constexpr int kSourceValueVersions = 7;
+// Whether a value version fuses every slot's key path (and the backward tiles' pair kernel
+// then takes its fused form): 5 and 7.
+constexpr bool value_fuses_every_slot(int version) { return version == 5 || version == 7; }
 constexpr int kSourceValueDefault = 0;  // by width
 int g_source_value_version = kSourceValueDefault;  // routing_set_kernel_version (timing lab)
 int source_value_version(int64_t d) {
@@ -2862,16 +2865,14 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
 #pragma unroll 1
       for (int k = source;; ++k) {
         float ds0, ds1;
-        if constexpr (RADIAL) {  // version 16: the radial sums at the end (key_site_chunks)
-          float u0, u1;
-          pair_site(acc0, acc1, ds0, ds1, rdx, v0r, v1r, a0, a1, ub, G, &u0, &u1);
-          radial0 += a0 * u0, radial1 += a1 * u1;
-          key_site<false>(acc0, radial0, v0r, q_next, r0, ds0, G, leader);
-          key_site<false>(acc1, radial1, v1r, q_next, r1, ds1, G, leader);
-        } else if constexpr (QAHEAD) {
-          pair_site(acc0, acc1, ds0, ds1, rdx, v0r, v1r, a0, a1, ub, G);
-          key_site(acc0, radial0, v0r, q_next, r0, ds0, G, leader);
-          key_site(acc1, radial1, v1r, q_next, r1, ds1, G, leader);
+        if constexpr (QAHEAD) {
+          // RADIAL (version 16): the radial sums at the end (key_site_chunks).
+          [[maybe_unused]] float u0, u1;
+          pair_site(acc0, acc1, ds0, ds1, rdx, v0r, v1r, a0, a1, ub, G, RADIAL ? &u0 : nullptr,
+                    RADIAL ? &u1 : nullptr);
+          if constexpr (RADIAL) radial0 += a0 * u0, radial1 += a1 * u1;
+          key_site<!RADIAL>(acc0, radial0, v0r, q_next, r0, ds0, G, leader);
+          key_site<!RADIAL>(acc1, radial1, v1r, q_next, r1, ds1, G, leader);
         } else {
           pair_site(acc0, acc1, ds0, ds1, rdx, v0r, v1r, a0, a1, ub, G);
           if constexpr (KEY) {  // as pair_ring_token's, on the whole row
@@ -2888,17 +2889,18 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
         row_of(s, rdx);
         a0 = s.scalar[0][sc], a1 = s.scalar[1][sc], ub = s.scalar[2][sc];
       }
-      if constexpr (RADIAL) {
-        // Each head's sum_k a_k u_k counted once, by its leader.
-        const float total0 = warp_sum(acc_dot(acc0, v0r) - (leader ? radial0 : 0.f)) / r0;
-        const float total1 = warp_sum(acc_dot(acc1, v1r) - (leader ? radial1 : 0.f)) / r1;
-        store_fused_dv(dv0 + n * g.d, acc0, v0r, r0, total0, g.d);
+      if constexpr (KEY) {
+        // A slot's radial sum over the warp; RADIAL: from its accumulator, each head's
+        // sum_k a_k u_k counted once, by its leader.
+        auto radial_sum = [&](const float(&acc)[NT][8], const auto& vr, float own, float r) {
+          if constexpr (RADIAL)
+            return warp_sum(acc_dot(acc, vr) - (leader ? own : 0.f)) / r;
+          else
+            return warp_sum(own);
+        };
+        store_fused_dv(dv0 + n * g.d, acc0, v0r, r0, radial_sum(acc0, v0r, radial0, r0), g.d);
         store_span_f32(partial + n * g.d, acc1);
-        if (lane == 0) partial[g.N * g.d + n] = total1;
-      } else if constexpr (KEY) {
-        store_fused_dv(dv0 + n * g.d, acc0, v0r, r0, warp_sum(radial0), g.d);
-        store_span_f32(partial + n * g.d, acc1);
-        const float total1 = warp_sum(radial1);
+        const float total1 = radial_sum(acc1, v1r, radial1, r1);
         if (lane == 0) partial[g.N * g.d + n] = total1;
       } else {
         store_span_f32(val + n * g.d, acc0);
@@ -3665,7 +3667,7 @@ int routing_backward_sum_order(int64_t d, int heads) {
   auto lane_chunks = [&](int parts_log2) { return g.d / 256 >> std::max(parts_log2, 0); };
   const int value = source_value_version(d);
   const int value_parts = parts_log2_for(g, value_part_chunks(value));
-  if ((value == 5 || value == 7) && value_parts >= 0) {  // every slot fused, the pair's form too
+  if (value_fuses_every_slot(value) && value_parts >= 0) {  // every slot fused, the pair's form too
     // The radial sums at the end (key_site_chunks): value version 7's plain calls, pair
     // version 16's stream kernel (whole rows).
     const bool pair_radial = g_pair_version == 16 && value_parts == 0 && (heads == 4 || heads == 8);
@@ -3752,9 +3754,9 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
   const auto* v_in = static_cast<const bf16*>(v.data);
   // Slots read by few sites take the fused span kernel (key path inside, dv written);
   // the others write the fp32 value row for the key GEMM and finish kernel below. Value
-  // version 5 fuses every slot's key path (source_value_fused_ring_kernel).
+  // versions 5 and 7 fuse every slot's key path (source_value_fused_ring_kernel).
   const int value_version = source_value_version(g.d);
-  const bool fuses_every_slot = value_version == 5 || value_version == 7;
+  const bool fuses_every_slot = value_fuses_every_slot(value_version);
   const int fused_parts_log2 = !delta && fuses_every_slot && span_layout(g)
                                    ? parts_log2_for(g, value_part_chunks(value_version))
                                    : -1;
