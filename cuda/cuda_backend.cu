@@ -385,6 +385,12 @@ class CudaBackend final : public Backend {
                    int site, int heads) override {
     cuda::routing_mix(stream_, routing_ctx_, x, weights, history, layout, site, heads);
   }
+  void routing_mix_rmsnorm(Tensor x, Tensor y, Tensor rstd, Tensor weights, Tensor history,
+                           const RoutingLayout& layout, int site, int heads, Tensor norm_w,
+                           double eps) override {
+    cuda::routing_mix_rmsnorm(stream_, routing_ctx_, x, y, rstd, weights, history, layout, site,
+                              heads, norm_w, eps);
+  }
   void routing_mix_tile(Tensor x, Tensor weights, Tensor history, const RoutingLayout& layout,
                         int site, int count, int heads) override {
     cuda::routing_mix_tile(stream_, routing_ctx_, x, weights, history, layout, site, count, heads);

@@ -43,6 +43,7 @@ std::vector<LabKernel> lab_kernels() {
           routing<RoutingKernel::MixFinish>("mix_finish"),
           routing<RoutingKernel::SourceValue>("source_value"),
           routing<RoutingKernel::KeyGrad>("key_grad"),
+          routing<RoutingKernel::MixNorm>("mix_norm"),
           norm<NormKernel::Forward>("norm_forward"),
           norm<NormKernel::Backward>("norm_backward"),
           norm<NormKernel::QkNormRope>("qk_norm_rope"),

@@ -25,6 +25,11 @@ void rmsnorm_forward(cudaStream_t s, Tensor y, Tensor rstd, Tensor x, Tensor w, 
 // else add then rmsnorm_forward; the same bits either way.
 void add_rmsnorm_forward(cudaStream_t s, Tensor x, Tensor y, Tensor rstd, Tensor a, Tensor b,
                          Tensor w, double eps);
+// Whether rmsnorm_forward(y, rstd, x, w) runs its vector kernel with bf16 weights (the
+// shapes are checked as rmsnorm_forward checks them): then a kernel that holds x's row in
+// one warp, as 16-byte chunks lane + 32 t, can write y and rstd with that kernel's bits
+// (routing.cu, store_row_normed: the site's mix and its consumer's norm in one pass).
+bool rmsnorm_forward_row_fusable(Tensor y, Tensor rstd, Tensor x, Tensor w);
 // rmsnorm_backward: below ScratchSlot (its dw partial sums live in backend scratch).
 
 // rope.cu
@@ -239,6 +244,11 @@ void routing_source_logits(cudaStream_t s, RoutingContext& ctx, Tensor weights, 
                            int source, int heads, double eps);
 void routing_mix(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weights, Tensor history,
                  const RoutingLayout& layout, int site, int heads);
+// Backend::routing_mix_rmsnorm: the norm fused into the finish kernels of a depth tile's
+// later sites (versions 4 and 6) where rmsnorm_forward_row_fusable, else the two ops.
+void routing_mix_rmsnorm(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor y, Tensor rstd,
+                         Tensor weights, Tensor history, const RoutingLayout& layout, int site,
+                         int heads, Tensor norm_w, double eps);
 void routing_mix_tile(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weights,
                       Tensor history, const RoutingLayout& layout, int site, int count, int heads);
 int routing_tile_sites(const RoutingLayout& layout, int64_t d, int heads);
@@ -282,7 +292,8 @@ enum class RoutingKernel {
   Logits,
   MixFinish,
   SourceValue,
-  KeyGrad
+  KeyGrad,
+  MixNorm
 };
 int routing_set_kernel_version(RoutingKernel kernel, int version);
 int routing_kernel_versions(RoutingKernel kernel);

@@ -1604,6 +1604,14 @@ void rmsnorm_forward(cudaStream_t s, Tensor y, Tensor rstd, Tensor x, Tensor w, 
   });
 }
 
+bool rmsnorm_forward_row_fusable(Tensor y, Tensor rstd, Tensor x, Tensor w) {
+  const int64_t D = w.numel(), R = D > 0 ? x.numel() / D : 0;
+  check_forward("rmsnorm_forward", y, rstd, x, R, D);
+  return w.dtype == DType::BF16 && y.data != x.data &&
+         vector_path(x.dtype, D, kVecMaxD, {x.data, y.data, w.data}) &&
+         dispatch_row_config(int(D), false, [](auto) {});
+}
+
 void add_rmsnorm_forward(cudaStream_t s, Tensor x, Tensor y, Tensor rstd, Tensor a, Tensor b,
                          Tensor w, double eps) {
   const int64_t D = w.numel(), R = D > 0 ? x.numel() / D : 0;

@@ -241,6 +241,63 @@ __device__ __forceinline__ void store_row(bf16* row, const float (&f)[NT][8], in
   }
 }
 
+// routing_mix_rmsnorm (kernel lab, routing_set_kernel_version(MixNorm, v)): 1 the mix, then
+// rmsnorm_forward's own launch; 2 (the default) the norm inside the finish kernel of a
+// depth tile's later site (finish versions 4 and 6; elsewhere as 1). The same bits.
+constexpr int kMixNormVersions = 2;
+constexpr int kMixNormDefault = 2;
+int g_mix_norm_version = kMixNormDefault;
+
+// The consumer's input norm of a mixed row (routing_mix_rmsnorm): its output y [N, d],
+// rstd [N] and weight w [d]. y null: no norm (the kernels' plain instantiations).
+struct RowNorm {
+  bf16* y = nullptr;
+  float* rstd = nullptr;
+  const bf16* w = nullptr;
+  float eps = 0.f;
+};
+
+// store_row of token n's row into x, then its norm, with the bits of rmsnorm_forward's
+// vector kernel (norm.cu, rmsnorm_forward_vec_kernel; the host checked
+// rmsnorm_forward_row_fusable): that kernel's lane holds the same chunks lane + 32 t of
+// the row (t ascending), sums their stored bf16 values' squares in the same order, and
+// adds the lanes by the same xor butterfly; where its rows are narrower than a warp (d <=
+// 128), the lanes past the row add exact zeros here. rstd = rsqrtf(sum / d + eps), y = x
+// rstd w, as there.
+template <int NT>
+__device__ __forceinline__ void store_row_normed(bf16* x, const float (&f)[NT][8],
+                                                 const RowNorm& nm, int64_t n, int d, int nchunks) {
+  const int lane = threadIdx.x & 31;
+  uint4 xv[NT];
+  float ss = 0.f;
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const int ch = lane + 32 * t;
+    if (ch >= nchunks) continue;
+    xv[t] = pack8(f[t]);
+    reinterpret_cast<uint4*>(x + n * d)[ch] = xv[t];
+    float v[8];
+    unpack8(xv[t], v);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) ss += v[e] * v[e];
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  const float r = rsqrtf(ss / float(d) + nm.eps);
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const int ch = lane + 32 * t;
+    if (ch >= nchunks) continue;
+    float wf[8], v[8];
+    load8(nm.w + 8 * ch, wf);
+    unpack8(xv[t], v);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = v[e] * r * wf[e];
+    store8(nm.y + n * d + 8 * ch, v);
+  }
+  if (lane == 0) nm.rstd[n] = r;
+}
+
 // ---------------------------------------------------------------- per-head sums
 // Where this lane's chunks sit among the heads, computed once per thread: integer
 // division by the runtime head size costs ~20 instructions, so it stays out of the token
@@ -952,11 +1009,12 @@ __device__ __forceinline__ void finish_start(float (&acc)[NT][8], Part&& part,
   }
 }
 
-template <int NT, int BATCH>
+template <int NT, int BATCH, bool NORM = false>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock)
     mix_tile_finish_kernel(bf16* __restrict__ x, float* __restrict__ weights,
                            const bf16* __restrict__ hist, const float* __restrict__ partial,
-                           const float* __restrict__ pstat, const Geometry g, int site0, int site) {
+                           const float* __restrict__ pstat, const Geometry g, int site0, int site,
+                           RowNorm nm) {
   __shared__ float st_scale[kWarpsPerBlock][32];
   const LaneHeads<NT> L = lane_heads<NT>(g);
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
@@ -972,7 +1030,10 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
       load_row(v, hist + (int64_t(i) * g.N + n) * g.d, g.nchunks);
       finish_merge(acc, v, weights, L, g, i, site, n);
     }
-    store_row(x + n * g.d, acc, g.nchunks);
+    if constexpr (NORM)
+      store_row_normed(x, acc, nm, n, g.d, g.nchunks);
+    else
+      store_row(x + n * g.d, acc, g.nchunks);
     __syncwarp();  // st_scale is rewritten for the next token
   }
 }
@@ -1038,13 +1099,12 @@ constexpr int kGroupQuarters = 32 / kGroupTokens;    // lanes per token in phase
 constexpr int kGroupMaxSubs = 8;                     // G of the heads versions 1-5 use
 constexpr int kGroupBatch = 8;                       // weights a lane loads before rewriting
 
-template <int NT, int G>
+template <int NT, int G, bool NORM = false>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock)
     mix_tile_finish_grouped_kernel(bf16* __restrict__ x, float* __restrict__ weights,
-                                   const bf16* __restrict__ hist,
-                                   const float* __restrict__ partial,
+                                   const bf16* __restrict__ hist, const float* __restrict__ partial,
                                    const float* __restrict__ pstat, const Geometry g, int site0,
-                                   int site) {
+                                   int site, RowNorm nm) {
   // [token of the group][warp][head]: st_scale[j] is the [warp][head] table finish_start reads.
   __shared__ float st_scale[kGroupTokens][kWarpsPerBlock][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -1102,7 +1162,10 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
         load_row(v, hist + (int64_t(i) * g.N + nt) * g.d, g.nchunks);
         finish_merge(acc, v, weights, L, g, i, site, nt);
       }
-      store_row(x + nt * g.d, acc, g.nchunks);
+      if constexpr (NORM)
+        store_row_normed(x, acc, nm, nt, g.d, g.nchunks);
+      else
+        store_row(x + nt * g.d, acc, g.nchunks);
     }
     __syncwarp();  // st_scale is rewritten for the next group
   }
@@ -3416,8 +3479,13 @@ void routing_source_logits(cudaStream_t s, RoutingContext& ctx, Tensor weights, 
   CUDA_CHECK_LAUNCH();
 }
 
-void routing_mix(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weights, Tensor history,
-                 const RoutingLayout& layout, int site, int heads) {
+namespace {
+
+// routing_mix; with nm.y set, also the consumer's norm where the site is a depth tile's
+// later one and its finish kernel has the fused form (versions 4 and 6): true when y and
+// rstd were written.
+bool mix_site(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weights, Tensor history,
+              const RoutingLayout& layout, int site, int heads, const RowNorm& nm) {
   const char* what = "routing_mix";
   MHAR_CHECK(history.ndim == 3 && history.dim(0) == layout.sources, what, ": history must be [",
              layout.sources, ", N, d], got ", history.shape_str());
@@ -3437,16 +3505,25 @@ void routing_mix(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weights, 
     const int64_t partial_floats = int64_t(tile.count - 1) * g.N * g.d;
     auto* partial = static_cast<float*>(ctx.scratch(ScratchSlot::RoutingTile, 0));
     const float* pstat = partial + partial_floats + int64_t(m - 1) * 2 * g.H * g.N;
+    const float* site_partial = partial + int64_t(m - 1) * g.N * g.d;
+    auto* xp = static_cast<bf16*>(x.data);
+    auto* hp = static_cast<const bf16*>(history.data);
+    const int version = g_mix_finish_version;
+    const bool norm = nm.y != nullptr && (version == 4 || version == 6);
     dispatch_rows(g, [&](auto nt, auto) {
       constexpr int NT = decltype(nt)::value;
-      if (g_mix_finish_version == 6 && g.H * kGroupMaxSubs >= 32) {
+      if (version == 6 && g.H * kGroupMaxSubs >= 32) {
         const int64_t groups = ceil_div(g.N, int64_t(kGroupTokens));
         auto grouped = [&](auto subs) {
-          mix_tile_finish_grouped_kernel<NT, decltype(subs)::value>
-              <<<grid_stride_blocks(groups * 32, 32 * kWarpsPerBlock), 32 * kWarpsPerBlock, 0,
-                 s>>>(static_cast<bf16*>(x.data), weights.ptr<float>(),
-                      static_cast<const bf16*>(history.data), partial + int64_t(m - 1) * g.N * g.d,
-                      pstat, g, tile.first, site);
+          auto launch = [&](auto fused) {
+            mix_tile_finish_grouped_kernel<NT, decltype(subs)::value, decltype(fused)::value>
+                <<<grid_stride_blocks(groups * 32, 32 * kWarpsPerBlock), 32 * kWarpsPerBlock, 0,
+                   s>>>(xp, weights.ptr<float>(), hp, site_partial, pstat, g, tile.first, site, nm);
+          };
+          if (norm)
+            launch(std::true_type{});
+          else
+            launch(std::false_type{});
         };
         switch (32 / g.H) {  // the lanes a head takes in versions 1-5
           case 1: grouped(std::integral_constant<int, 1>{}); break;
@@ -3454,26 +3531,28 @@ void routing_mix(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weights, 
           case 4: grouped(std::integral_constant<int, 4>{}); break;
           default: grouped(std::integral_constant<int, 8>{}); break;
         }
-        CUDA_CHECK_LAUNCH();
-        return;
+      } else if (version == 2 || version == 3 || version == 5) {
+        auto kernel = version == 2   ? mix_tile_finish_early_kernel<NT, 1, 0>
+                      : version == 3 ? mix_tile_finish_early_kernel<NT, 4, 0>
+                                     : mix_tile_finish_early_kernel<NT, 4, kNormBatchEarly>;
+        kernel<<<token_blocks(g.N), 32 * kWarpsPerBlock, 0, s>>>(
+            xp, weights.ptr<float>(), hp, site_partial, pstat, g, tile.first, site);
+      } else {
+        auto kernel = version == 1 ? mix_tile_finish_kernel<NT, 0>
+                      : norm       ? mix_tile_finish_kernel<NT, kNormBatch, true>
+                                   : mix_tile_finish_kernel<NT, kNormBatch>;  // 4; 6 at H < 4
+        kernel<<<token_blocks(g.N), 32 * kWarpsPerBlock, 0, s>>>(
+            xp, weights.ptr<float>(), hp, site_partial, pstat, g, tile.first, site, nm);
       }
-      auto kernel = g_mix_finish_version == 1   ? mix_tile_finish_kernel<NT, 0>
-                    : g_mix_finish_version == 2 ? mix_tile_finish_early_kernel<NT, 1, 0>
-                    : g_mix_finish_version == 3 ? mix_tile_finish_early_kernel<NT, 4, 0>
-                    : g_mix_finish_version == 5 ? mix_tile_finish_early_kernel<NT, 4, kNormBatchEarly>
-                                                : mix_tile_finish_kernel<NT, kNormBatch>;  // 4; 6 at H < 4
-      kernel<<<token_blocks(g.N), 32 * kWarpsPerBlock, 0, s>>>(
-          static_cast<bf16*>(x.data), weights.ptr<float>(), static_cast<const bf16*>(history.data),
-          partial + int64_t(m - 1) * g.N * g.d, pstat, g, tile.first, site);
       CUDA_CHECK_LAUNCH();
     });
     if (site + 1 < tile.first + tile.count) {
       ctx.tile = tile;
       ctx.tile.next = site + 1;
     }
-    return;
+    return norm;
   }
-  if (g.N == 0) return;
+  if (g.N == 0) return false;
   if (span_layout(g)) {
     dispatch_span(g, [&](auto nt) {
       mix_span_kernel<decltype(nt)::value><<<token_blocks(g.N), 32 * kWarpsPerBlock, 0, s>>>(
@@ -3481,7 +3560,7 @@ void routing_mix(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weights, 
           static_cast<const bf16*>(history.data), g, site);
       CUDA_CHECK_LAUNCH();
     });
-    return;
+    return false;
   }
   const size_t smem = sizeof(float) * kWarpsPerBlock * 2 * heads;
   dispatch_rows(g, [&](auto nt, auto al) {
@@ -3492,6 +3571,25 @@ void routing_mix(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weights, 
         static_cast<const bf16*>(history.data), g, site);
     CUDA_CHECK_LAUNCH();
   });
+  return false;
+}
+
+}  // namespace
+
+void routing_mix(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weights, Tensor history,
+                 const RoutingLayout& layout, int site, int heads) {
+  mix_site(s, ctx, x, weights, history, layout, site, heads, RowNorm{});
+}
+
+void routing_mix_rmsnorm(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor y, Tensor rstd,
+                         Tensor weights, Tensor history, const RoutingLayout& layout, int site,
+                         int heads, Tensor norm_w, double eps) {
+  RowNorm nm;
+  if (g_mix_norm_version == 2 && rmsnorm_forward_row_fusable(y, rstd, x, norm_w))
+    nm = RowNorm{static_cast<bf16*>(y.data), rstd.ptr<float>(),
+                 static_cast<const bf16*>(norm_w.data), float(eps)};
+  if (!mix_site(s, ctx, x, weights, history, layout, site, heads, nm))
+    rmsnorm_forward(s, y, rstd, x, norm_w, eps);
 }
 
 // Row-sized reads and writes of every site's mix with depth tiles of k (the traffic
@@ -3615,6 +3713,8 @@ int routing_kernel_versions(RoutingKernel kernel) {
     case RoutingKernel::MixFinish: return kMixFinishVersions;
     case RoutingKernel::SourceValue: return kSourceValueVersions;
     case RoutingKernel::KeyGrad: return kKeyGradVersions;
+    case RoutingKernel::MixNorm:
+      return kMixNormVersions;
   }
   return 0;
 }
@@ -3630,6 +3730,7 @@ int routing_set_kernel_version(RoutingKernel kernel, int version) {
            : kernel == RoutingKernel::MixFinish    ? g_mix_finish_version
            : kernel == RoutingKernel::SourceValue  ? g_source_value_version
            : kernel == RoutingKernel::KeyGrad      ? g_key_grad_version
+           : kernel == RoutingKernel::MixNorm      ? g_mix_norm_version
                                                    : g_delta_forward_version;
   const int fallback = kernel == RoutingKernel::MixTile        ? kMixTileDefault
                        : kernel == RoutingKernel::BackwardPair ? kPairDefault
@@ -3638,6 +3739,7 @@ int routing_set_kernel_version(RoutingKernel kernel, int version) {
                        : kernel == RoutingKernel::MixFinish    ? kMixFinishDefault
                        : kernel == RoutingKernel::SourceValue  ? kSourceValueDefault
                        : kernel == RoutingKernel::KeyGrad      ? kKeyGradDefault
+                       : kernel == RoutingKernel::MixNorm      ? kMixNormDefault
                                                                : kDeltaForwardDefault;
   const int before = v;
   v = version > 0 ? version : fallback;

@@ -384,6 +384,17 @@ class Backend {
   // [layout.sources, N, d]; only the site's own slots are read.
   virtual void routing_mix(Tensor x, Tensor weights, Tensor history, const RoutingLayout& layout,
                            int site, int heads) = 0;
+  // The mix of site j and its consumer's input norm: exactly routing_mix(x, ...), then
+  // rmsnorm_forward(y, rstd, x, norm_w, eps) of the stored x, so x, y, rstd and the
+  // weights are the same bits as the two ops'. This default is the reference; a backend
+  // may normalise each token's row while it still holds it (CUDA: inside a depth tile's
+  // finish kernels), saving a read of x and a launch.
+  virtual void routing_mix_rmsnorm(Tensor x, Tensor y, Tensor rstd, Tensor weights, Tensor history,
+                                   const RoutingLayout& layout, int site, int heads, Tensor norm_w,
+                                   double eps) {
+    routing_mix(x, weights, history, layout, site, heads);
+    rmsnorm_forward(y, rstd, x, norm_w, eps);
+  }
   // Depth tiling (DESIGN.md section 3), a speed-up of the mix with the same results:
   // routing_mix_tile(..., site, count, ...) is routing_mix(..., site, ...) plus a promise
   // that sites site+1 .. site+count-1 are mixed next, in order, by routing_mix with the

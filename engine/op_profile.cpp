@@ -329,7 +329,7 @@ void OpProfiler::routing_source_logits(Tensor weights, Tensor inv_rms, Tensor v,
   Span s(*this, __func__, OpFamily::Routing, bytes_of({v, inv_rms}) + logits);
   in_.routing_source_logits(weights, inv_rms, v, params, layout, source, heads, eps);
 }
-void OpProfiler::routing_mix(Tensor x, Tensor weights, Tensor history, const RoutingLayout& layout, int site,
+double OpProfiler::mix_bytes(Tensor x, Tensor weights, const RoutingLayout& layout, int site,
                              int heads) {
   // Each of the site's sources read once, the mix written once, the weights read and
   // written back (softmax in place).
@@ -341,8 +341,21 @@ void OpProfiler::routing_mix(Tensor x, Tensor weights, Tensor history, const Rou
   const bool tiled = site > tile_first_ && site < tile_end_;
   const double rows = tiled ? 2.0 + (site - tile_first_) + 1 : src + 1.0;
   if (site + 1 >= tile_end_) tile_first_ = tile_end_ = -1;
-  Span s(*this, __func__, OpFamily::Routing, rows * row + w);
+  return rows * row + w;
+}
+void OpProfiler::routing_mix(Tensor x, Tensor weights, Tensor history, const RoutingLayout& layout,
+                             int site, int heads) {
+  Span s(*this, __func__, OpFamily::Routing, mix_bytes(x, weights, layout, site, heads));
   in_.routing_mix(x, weights, history, layout, site, heads);
+}
+void OpProfiler::routing_mix_rmsnorm(Tensor x, Tensor y, Tensor rstd, Tensor weights,
+                                     Tensor history, const RoutingLayout& layout, int site,
+                                     int heads, Tensor norm_w, double eps) {
+  // The mix's bytes plus the norm's outputs: the bytes a fused pass must move (the two
+  // ops would also read x back). Counted as routing: the norm's time is inside the pass.
+  Span s(*this, __func__, OpFamily::Routing,
+         mix_bytes(x, weights, layout, site, heads) + bytes_of({y, rstd, norm_w}));
+  in_.routing_mix_rmsnorm(x, y, rstd, weights, history, layout, site, heads, norm_w, eps);
 }
 void OpProfiler::routing_mix_tile(Tensor x, Tensor weights, Tensor history,
                                   const RoutingLayout& layout, int site, int count, int heads) {

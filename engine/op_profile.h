@@ -104,6 +104,9 @@ class OpProfiler final : public ForwardingBackend {
                              const RoutingLayout& layout, int source, int heads, double eps) override;
   void routing_mix(Tensor x, Tensor weights, Tensor history, const RoutingLayout& layout, int site,
                    int heads) override;
+  void routing_mix_rmsnorm(Tensor x, Tensor y, Tensor rstd, Tensor weights, Tensor history,
+                           const RoutingLayout& layout, int site, int heads, Tensor norm_w,
+                           double eps) override;
   void routing_mix_tile(Tensor x, Tensor weights, Tensor history, const RoutingLayout& layout,
                         int site, int count, int heads) override;
   void routing_source_backward(Tensor dv, Tensor weights, Tensor ubar, Tensor gsum,
@@ -188,6 +191,8 @@ class OpProfiler final : public ForwardingBackend {
   // The depth tile in flight (routing_mix_tile): sites (tile_first_, tile_end_) read
   // their partial sums and newer slots only, which their bytes count.
   int tile_first_ = -1, tile_end_ = -1;
+  // A mix's bytes (routing_mix, routing_mix_rmsnorm), ending the tile at its last site.
+  double mix_bytes(Tensor x, Tensor weights, const RoutingLayout& layout, int site, int heads);
   // The backward depth tile in flight (routing_source_backward_tile): its older slots,
   // back_first_ - m * block in (back_end_, back_first_), read their partial gradient and
   // the sites < back_first_ only.

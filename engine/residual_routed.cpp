@@ -11,15 +11,16 @@
 //
 // Forward: when site j runs, slot j has just been written: its RMS and its logits for
 // every later site that reads it are computed once (routing_source_logits; the queries
-// are parameters), then site j's sources are mixed (routing_mix; at the start of each
-// depth tile routing_mix_tile, when the backend tiles). The backward is
-// source-stationary: site j's backward event builds the whole gradient of slot j from
-// the input gradients of the sites that read it (at the start of each backward depth
-// tile, routing_source_backward_tile, when the backend tiles: the backend may then read
-// them once for the tile's slots), so every site's input gradient stays alive until the
-// end of the backward (one [N, d] buffer per site, each planned from its site's
-// backward on) and each slot's gradient is written once. A sublayer output
-// v_j is in every slot from j to the end of its block, so its gradient is slot j's plus
+// are parameters), then site j's sources are mixed (routing_mix_rmsnorm, with the
+// consumer's input norm, which a backend may fuse into the mix's pass; at the start of
+// each depth tile routing_mix_tile, when the backend tiles, and the model's norm). The
+// backward is source-stationary: site j's backward event builds the whole gradient of
+// slot j from the input gradients of the sites that read it (at the start of each
+// backward depth tile, routing_source_backward_tile, when the backend tiles: the backend
+// may then read them once for the tile's slots), so every site's input gradient stays
+// alive until the end of the backward (one [N, d] buffer per site, each planned from its
+// site's backward on) and each slot's gradient is written once. A sublayer output v_j is
+// in every slot from j to the end of its block, so its gradient is slot j's plus
 // v_{j+1}'s when v_{j+1} continues the block (added at site j's backward: a running sum
 // from the block's end down).
 #include <algorithm>
@@ -60,7 +61,8 @@ class RoutedScheme final : public ResidualScheme {
     shapes.mix_tile_sites = tile_;  // site_forward's tiles: min(tile_, sites - j) sites
     shapes.backward_tile_slots = back_tile_;
   }
-  void site_forward(int j) override;
+  void site_forward(int j) override { mix(j, nullptr); }
+  bool site_forward_normed(int j, const SiteNorm& norm) override { return mix(j, &norm); }
   void sublayer_done(int j) override {
     // Slot j+1 holds v_{j+1}; inside a block it becomes the block's sum so far.
     if (continues_block(j + 1)) c_.be.add_inplace(c_.act(history_)[j + 1], c_.act(history_)[j]);
@@ -83,6 +85,9 @@ class RoutedScheme final : public ResidualScheme {
   }
 
  private:
+  // Site j's logits and mix; with `norm`, the consumer's norm in the same call where the
+  // site is not a depth tile's first (Backend::routing_mix_rmsnorm): true when written.
+  bool mix(int j, const SiteNorm* norm);
   // Whether sublayer output v_i (i >= 1) joins the block of v_{i-1}.
   bool continues_block(int i) const { return i >= 2 && (i - 1) % layout_.block != 0; }
 
@@ -141,17 +146,22 @@ void RoutedScheme::plan(MemoryPlan& P, const Timeline& t, int64_t N, int history
   site_x = site_x_;
 }
 
-void RoutedScheme::site_forward(int j) {
-  Tensor hist = c_.act(history_), w = c_.act(route_w_);
+bool RoutedScheme::mix(int j, const SiteNorm* norm) {
+  Tensor hist = c_.act(history_), w = c_.act(route_w_), x = c_.act(site_x_[size_t(j)]);
   c_.be.routing_source_logits(w, c_.act(inv_rms_)[j], hist[j], params_, layout_, j, H_,
                               c_.cfg.rms_eps);
   // Depth tiles start at sites 0, k, 2k, ...: the backend reads the slots <= j once for
   // the tile's sites (backend.h, routing_mix_tile).
-  if (tile_ > 1 && j % tile_ == 0)
-    c_.be.routing_mix_tile(c_.act(site_x_[size_t(j)]), w, hist, layout_, j,
-                           std::min(tile_, layout_.sites - j), H_);
-  else
-    c_.be.routing_mix(c_.act(site_x_[size_t(j)]), w, hist, layout_, j, H_);
+  if (tile_ > 1 && j % tile_ == 0) {
+    c_.be.routing_mix_tile(x, w, hist, layout_, j, std::min(tile_, layout_.sites - j), H_);
+    return false;
+  }
+  if (!norm) {
+    c_.be.routing_mix(x, w, hist, layout_, j, H_);
+    return false;
+  }
+  c_.be.routing_mix_rmsnorm(x, norm->y, norm->rstd, w, hist, layout_, j, H_, norm->w, norm->eps);
+  return true;
 }
 
 void RoutedScheme::site_backward(int j) {

@@ -82,7 +82,8 @@ TEST(OpProfiler, CountsEveryOpOfAStepWithItsWork) {
 
     // Every family split by op: each family's calls and time are its ops' sums; the
     // routing's mix is an op of the routed modes only; delta's sites j >= 1 run their
-    // whole forward as one routing op, one call each (its site 0 runs the mix itself).
+    // whole forward as one routing op, one call each (its site 0 runs the mix itself);
+    // mhar's sites (untiled on the CPU) each mix with their consumer's norm, one op.
     for (const auto& f : r["families"]) {
       double calls = 0, ms = 0;
       for (const auto& op : r["ops"])
@@ -91,14 +92,16 @@ TEST(OpProfiler, CountsEveryOpOfAStepWithItsWork) {
       EXPECT_NEAR(ms, f["ms"].get<double>(), 1e-9 * std::max(1.0, ms)) << f["family"];
     }
     bool mix = false;
-    double site_forward_calls = 0;
+    double site_forward_calls = 0, mix_norm_calls = 0;
     for (const auto& op : r["ops"]) {
-      mix |= op["op"] == "routing_mix" && op["family"] == "routing";
-      if (op["op"] == "delta_site_forward" && op["family"] == "routing")
-        site_forward_calls += op["calls"].get<double>();
+      if (op["family"] != "routing") continue;
+      mix |= op["op"] == "routing_mix" || op["op"] == "routing_mix_rmsnorm";
+      if (op["op"] == "delta_site_forward") site_forward_calls += op["calls"].get<double>();
+      if (op["op"] == "routing_mix_rmsnorm") mix_norm_calls += op["calls"].get<double>();
     }
     EXPECT_EQ(mix, routed);
     EXPECT_EQ(site_forward_calls, mode == ResidualMode::Delta ? double(m.n_sites() - 1) : 0.0);
+    EXPECT_EQ(mix_norm_calls, mode == ResidualMode::Mhar ? double(m.n_sites()) : 0.0);
     EXPECT_NE(prof.table(989, 4.3).find("rmsnorm_backward"), std::string::npos);
 
     // The matmul family split by product: every call and FLOP lands in exactly one

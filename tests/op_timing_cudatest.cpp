@@ -457,7 +457,8 @@ TEST_F(OpTiming, DISABLED_RoutingTiles1B) {
 //   the whole step: those plus each later site's partial (2 rows), newer slots and x, and
 //     every pair's logit read and weight written once (as in ModelShapes).
 // The untiled mixes of the same step are timed beside them for reference, and each
-// version of the finish kernel (the tiles' later sites) at the default tile kernel. Random logits
+// version of the finish kernel (the tiles' later sites) at the default tile kernel, and the
+// mixes with their consumers' norms with and without the norm in the finish. Random logits
 // (the work does not depend on their values; the mixes normalise them in place, which
 // keeps them finite for the next repetition).
 TEST_F(OpTiming, DISABLED_RoutingTileVersions) {
@@ -515,6 +516,31 @@ TEST_F(OpTiming, DISABLED_RoutingTileVersions) {
              step_bytes - tile_bytes);
     }
     cuda::routing_set_kernel_version(cuda::RoutingKernel::MixFinish, 0);
+    // The mixes with their consumers' norms, as the routed scheme calls them
+    // (routing_mix_rmsnorm; a tile's first site normalised by rmsnorm_forward): MixNorm
+    // version 1 (the norm's own launch) and 2 (inside the finish), in turn, twice. Bytes:
+    // the step's plus each norm's output written (version 1 also reads x back).
+    Buffer ys(*gpu, DType::BF16, {S, N, d}), rstds(*gpu, DType::F32, {S, N});
+    Buffer norm_w = random_gpu(DType::BF16, {d});
+    const double eps = 1e-6;
+    auto normed_step = [&] {
+      for (int i = 0; i < S; ++i)
+        if (i % k == 0) {
+          gpu->routing_mix_tile(xs.t()[i], weights, hist, lay, i, std::min(k, S - i), H);
+          gpu->rmsnorm_forward(ys.t()[i], rstds.t()[i], xs.t()[i], norm_w, eps);
+        } else {
+          gpu->routing_mix_rmsnorm(xs.t()[i], ys.t()[i], rstds.t()[i], weights, hist, lay, i, H,
+                                   norm_w, eps);
+        }
+    };
+    for (int round = 0; round < 2; ++round)
+      for (int version : {1, 2}) {
+        cuda::routing_set_kernel_version(cuda::RoutingKernel::MixNorm, version);
+        report(
+            "routing_mix + norms, all sites, tiled, norm v" + std::to_string(version) + ", " + tag,
+            time_ms(normed_step, 3), 0, step_bytes + S * (row + 4.0 * N));
+      }
+    cuda::routing_set_kernel_version(cuda::RoutingKernel::MixNorm, 0);
   }
 }
 

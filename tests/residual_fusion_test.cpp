@@ -11,8 +11,13 @@
 //   each fused op as the two ops of the old path (add, then rmsnorm_forward; dx_j into a
 //   buffer of its own, then add_inplace into the running sum). The CPU's "+=" adds the
 //   finished dx_j value to the old one, so the sums and their order are the old path's.
+// - The routed schemes' counterpart: each site's mix and its consumer's norm in one call
+//   (Backend::routing_mix_rmsnorm) but at a depth tile's first site; its bits against the
+//   two ops are the CUDA parity test's (tests/routing_cudatest.cpp), since the CPU's
+//   default is the two ops.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -158,6 +163,68 @@ TEST(ResidualFusion, OtherModesKeepTheirPath) {
     m.backward();
     EXPECT_TRUE(rec.fused.empty());
     EXPECT_EQ(rec.norm_backward_acc, 0);
+  }
+}
+
+// A CPU backend that asks for depth tiles of 3 (the CPU mixes them untiled: the same
+// results), recording the routed schemes' fused mix + norm calls and the plain norms.
+class MixNormRecorder final : public ForwardingBackend {
+ public:
+  using ForwardingBackend::ForwardingBackend;
+  struct Fused {
+    int site;
+    const void *x, *y, *rstd, *w;
+    double eps;
+  };
+  std::vector<Fused> fused;
+  std::vector<const void*> normed;  // x of each rmsnorm_forward
+  int routing_tile_sites(const RoutingLayout&, int64_t, int) const override { return 3; }
+  void routing_mix_rmsnorm(Tensor x, Tensor y, Tensor rstd, Tensor weights, Tensor history,
+                           const RoutingLayout& layout, int site, int heads, Tensor norm_w,
+                           double eps) override {
+    fused.push_back({site, x.data, y.data, rstd.data, norm_w.data, eps});
+    in_.routing_mix_rmsnorm(x, y, rstd, weights, history, layout, site, heads, norm_w, eps);
+  }
+  void rmsnorm_forward(Tensor y, Tensor rstd, Tensor x, Tensor w, double eps) override {
+    normed.push_back(x.data);
+    in_.rmsnorm_forward(y, rstd, x, w, eps);
+  }
+};
+
+// The routed schemes hand each site's consumer norm to the mix (routing_mix_rmsnorm),
+// but at a depth tile's first site, whose mix (routing_mix_tile) the model normalises.
+TEST(ResidualFusion, RoutedSchemesFuseTheConsumersNormIntoTheMix) {
+  for (ResidualMode mode : {ResidualMode::AttnRes, ResidualMode::Mhar}) {
+    SCOPED_TRACE(residual_mode_name(mode));
+    const Config c = tiny_config(mode, mode == ResidualMode::Mhar ? 2 : 0, true);
+    auto cpu = make_cpu_backend(DType::F32);
+    MixNormRecorder rec(*cpu);
+    Model m(c.model, c.residual, rec, 2, 5);
+    randomize_weights(m, 15);
+    std::vector<int32_t> tok, tgt;
+    random_tokens(10, c.model.vocab_size, 16, tok, tgt);
+    m.forward(tok.data(), tgt.data(), 1.0);
+    const int L = c.model.n_layers;
+    size_t next = 0;
+    for (int j = 0; j <= 2 * L; ++j) {
+      SCOPED_TRACE("site " + std::to_string(j));
+      const bool plain = j % 3 == 0;
+      EXPECT_EQ(std::count(rec.normed.begin(), rec.normed.end(), m.site_input(j).data),
+                plain ? 1 : 0);
+      if (plain) continue;
+      ASSERT_LT(next, rec.fused.size());
+      const MixNormRecorder::Fused& f = rec.fused[next++];
+      const std::string layer = "model.layers." + std::to_string(j / 2) + ".";
+      const std::string wname = j == 2 * L   ? "model.norm.weight"
+                                : j % 2 == 0 ? layer + "input_layernorm.weight"
+                                             : layer + "post_attention_layernorm.weight";
+      EXPECT_EQ(f.site, j);
+      EXPECT_EQ(f.x, m.site_input(j).data);
+      EXPECT_EQ(f.w, m.parameter(wname).value.data);
+      EXPECT_EQ(f.eps, c.model.rms_eps);
+      EXPECT_NE(f.y, f.x);
+    }
+    EXPECT_EQ(next, rec.fused.size()) << "no fused call beyond one a site";
   }
 }
 

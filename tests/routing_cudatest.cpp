@@ -71,6 +71,52 @@ class RoutingParity : public CudaParity {
         cuda::routing_set_kernel_version(kernel, 0);
       }
     }
+    // The mix with its consumer's norm (routing_mix_rmsnorm, as the routed scheme calls
+    // it: at every site but a tile's first): x and the weights routing_mix's bits, y and
+    // rstd those of rmsnorm_forward of that x, for every finish version (4 and 6 fuse the
+    // norm into their pass, the others run the two ops).
+    {
+      Buffer y(*gpu, DType::BF16, {S, N, d}), rstd(*gpu, DType::F32, {S, N});
+      Buffer y_ref(*gpu, DType::BF16, {S, N, d}), rstd_ref(*gpu, DType::F32, {S, N});
+      const Pair norm_w = random_pair(DType::BF16, {d});
+      mix_step();
+      for (int j = 0; j < S; ++j)
+        gpu->rmsnorm_forward(y_ref.t()[j], rstd_ref.t()[j], x.t()[j], norm_w.g, eps);
+      const std::vector<std::vector<double>> want = {x.get(), w.get(), y_ref.get(), rstd_ref.get()};
+      const int versions = cuda::routing_kernel_versions(cuda::RoutingKernel::MixFinish);
+      for (int run = 0; run <= 2 * versions + 1; ++run) {
+        // Finish versions 0 (the default) .. versions, each with the norm fused (MixNorm
+        // 2) and on its own (1).
+        const int version = run / 2, norm_version = 1 + run % 2;
+        cuda::routing_set_kernel_version(cuda::RoutingKernel::MixFinish, version);
+        cuda::routing_set_kernel_version(cuda::RoutingKernel::MixNorm, norm_version);
+        hist.poison();
+        x.poison();
+        y.poison();
+        rstd.poison();
+        w.set(raw_logits);
+        for (int j = 0; j < S; ++j) {
+          gpu->upload(hist.t()[j], clean.data() + size_t(j) * size_t(N * d));
+          if (j % k == 0) {
+            gpu->routing_mix_tile(x.t()[j], w, hist, lay, j, std::min(k, S - j), H);
+            gpu->rmsnorm_forward(y.t()[j], rstd.t()[j], x.t()[j], norm_w.g, eps);
+          } else {
+            gpu->routing_mix_rmsnorm(x.t()[j], y.t()[j], rstd.t()[j], w, hist, lay, j, H, norm_w.g,
+                                     eps);
+          }
+        }
+        const std::vector<std::vector<double>> got = {x.get(), w.get(), y.get(), rstd.get()};
+        const char* names[] = {"x", "weights", "y", "rstd"};
+        for (size_t o = 0; o < got.size(); ++o) {
+          int64_t diff = 0;
+          for (size_t e = 0; e < got[o].size(); ++e) diff += !(got[o][e] == want[o][e]);
+          EXPECT_EQ(diff, 0) << "routing_mix_rmsnorm " << names[o] << ", finish v" << version
+                             << ", norm v" << norm_version << " " << tag;
+        }
+      }
+      cuda::routing_set_kernel_version(cuda::RoutingKernel::MixFinish, 0);
+      cuda::routing_set_kernel_version(cuda::RoutingKernel::MixNorm, 0);
+    }
     if (S < 2) return;
     // Cut short: slot 0 scaled by 3 (its RMS, logits and share of every mix change).
     std::vector<double> changed = clean;
