@@ -85,6 +85,22 @@ std::vector<uint64_t> bits(const std::vector<double>& v) {
   return b;
 }
 
+// The name of site j's consumer's input norm weight (the head's final norm at j = 2L).
+std::string consumer_norm_weight(int j, int L) {
+  const std::string layer = "model.layers." + std::to_string(j / 2) + ".";
+  return j == 2 * L   ? "model.norm.weight"
+         : j % 2 == 0 ? layer + "input_layernorm.weight"
+                      : layer + "post_attention_layernorm.weight";
+}
+
+// Random weights (seed), then one forward with a loss on 10 random tokens (seed + 1).
+void forward_once(Model& m, uint64_t seed) {
+  randomize_weights(m, seed);
+  std::vector<int32_t> tok, tgt;
+  random_tokens(10, m.config().vocab_size, seed + 1, tok, tgt);
+  m.forward(tok.data(), tgt.data(), 1.0);
+}
+
 struct Results {
   std::vector<double> losses, logits;
   std::vector<std::vector<double>> grads;
@@ -110,20 +126,14 @@ TEST(ResidualFusion, StandardSchemeFusesWithTheOldPathsTensors) {
     auto cpu = make_cpu_backend(DType::F32);
     Recorder rec(*cpu);
     Model m(c.model, c.residual, rec, 2, 5);
-    randomize_weights(m, 11);
-    std::vector<int32_t> tok, tgt;
-    random_tokens(10, c.model.vocab_size, 12, tok, tgt);
-    m.forward(tok.data(), tgt.data(), 1.0);
+    forward_once(m, 11);
     const int L = c.model.n_layers;
     ASSERT_EQ(int(rec.fused.size()), 2 * L) << "one fused add + norm per site 1..2L";
     EXPECT_EQ(rec.adds, 0) << "the residual adds are all in the fused op";
     for (int j = 1; j <= 2 * L; ++j) {
       SCOPED_TRACE("site " + std::to_string(j));
       const Recorder::Fused& f = rec.fused[size_t(j - 1)];
-      const std::string layer = "model.layers." + std::to_string(j / 2) + ".";
-      const std::string wname = j == 2 * L    ? "model.norm.weight"
-                                : j % 2 == 0 ? layer + "input_layernorm.weight"
-                                             : layer + "post_attention_layernorm.weight";
+      const std::string wname = consumer_norm_weight(j, L);
       EXPECT_EQ(f.x, m.site_input(j).data);
       EXPECT_EQ(f.a, m.site_input(j - 1).data);
       EXPECT_EQ(f.b, m.history()[j].data);
@@ -156,10 +166,7 @@ TEST(ResidualFusion, OtherModesKeepTheirPath) {
     auto cpu = make_cpu_backend(DType::F64);
     Recorder rec(*cpu);
     Model m(c.model, c.residual, rec, 2, 5);
-    randomize_weights(m, 13);
-    std::vector<int32_t> tok, tgt;
-    random_tokens(10, c.model.vocab_size, 14, tok, tgt);
-    m.forward(tok.data(), tgt.data(), 1.0);
+    forward_once(m, 13);
     m.backward();
     EXPECT_TRUE(rec.fused.empty());
     EXPECT_EQ(rec.norm_backward_acc, 0);
@@ -200,10 +207,7 @@ TEST(ResidualFusion, RoutedSchemesFuseTheConsumersNormIntoTheMix) {
     auto cpu = make_cpu_backend(DType::F32);
     MixNormRecorder rec(*cpu);
     Model m(c.model, c.residual, rec, 2, 5);
-    randomize_weights(m, 15);
-    std::vector<int32_t> tok, tgt;
-    random_tokens(10, c.model.vocab_size, 16, tok, tgt);
-    m.forward(tok.data(), tgt.data(), 1.0);
+    forward_once(m, 15);
     const int L = c.model.n_layers;
     size_t next = 0;
     for (int j = 0; j <= 2 * L; ++j) {
@@ -214,10 +218,7 @@ TEST(ResidualFusion, RoutedSchemesFuseTheConsumersNormIntoTheMix) {
       if (plain) continue;
       ASSERT_LT(next, rec.fused.size());
       const MixNormRecorder::Fused& f = rec.fused[next++];
-      const std::string layer = "model.layers." + std::to_string(j / 2) + ".";
-      const std::string wname = j == 2 * L   ? "model.norm.weight"
-                                : j % 2 == 0 ? layer + "input_layernorm.weight"
-                                             : layer + "post_attention_layernorm.weight";
+      const std::string wname = consumer_norm_weight(j, L);
       EXPECT_EQ(f.site, j);
       EXPECT_EQ(f.x, m.site_input(j).data);
       EXPECT_EQ(f.w, m.parameter(wname).value.data);
