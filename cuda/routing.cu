@@ -5,6 +5,8 @@
 //   routing_mix_tile         the same for the first site of a depth tile, whose later
 //                            sites then read only their newer slots (section "depth
 //                            tiling"; full routing)
+//   routing_mix_rmsnorm      routing_mix and the consumer's input norm: inside a tile's
+//                            finish kernel where it can (store_row_normed), else the two
 //   routing_source_backward  one source's whole gradient from the input gradients of
 //                            every later site (source-stationary: no read-modify-write of
 //                            an accumulator per (site, source) pair), plus its share of
@@ -54,13 +56,13 @@
 // the backend's grow-only scratch (kernels.h); nothing here allocates.
 // Kernel lab: the mix tile and finish kernels, the backward's pair kernel and the logits
 // keep their earlier versions, numbered, chosen at launch (routing_set_kernel_version,
-// kernels.h; the defaults are the measured fastest: mix tile 5 of 5, finish 6 of 6, pair
-// 15 of 15, the unfused value kernel by width of 6, the key gradients 4 of 4, logits 9 of
-// 9, the delta site forward 1 of 2, its backward 2 of 3), so that one device run times
-// each (tests/op_timing_cudatest.cpp); every version computes the same bits, but for the
-// logits' choice between token kernel and GEMMs, the backward's row parts and fused key
-// path, the key gradients' and pair version 12's tensor cores (see there;
-// routing_backward_sum_order tells the tests which).
+// kernels.h; the defaults are the measured fastest: mix tile 5 of 5, finish 6 of 6, the
+// norm in the finish 2 of 2, pair 16 of 16, the unfused value kernel by width of 7, the
+// key gradients 4 of 4, logits 9 of 9, the delta site forward 1 of 2, its backward 2 of
+// 3), so that one device run times each (tests/op_timing_cudatest.cpp); every version
+// computes the same bits, but for the logits' choice between token kernel and GEMMs, the
+// backward's row parts and fused key path, the key gradients' and pair version 12's
+// tensor cores (see there; routing_backward_sum_order tells the tests which).
 #include <algorithm>
 #include <type_traits>
 
