@@ -7,6 +7,7 @@
 //                            tiling"; full routing)
 //   routing_mix_rmsnorm      routing_mix and the consumer's input norm: inside a tile's
 //                            finish kernel where it can (store_row_normed), else the two
+//                            ops
 //   routing_source_backward  one source's whole gradient from the input gradients of
 //                            every later site (source-stationary: no read-modify-write of
 //                            an accumulator per (site, source) pair), plus its share of
