@@ -7,7 +7,7 @@
 // first 16-byte boundary and a scalar tail, so any V and any row alignment take the vector
 // path). Per thread an online (max, sum of exp) in fp32, one rescale per vector, merged
 // across the block. No fp32 copy of the probabilities exists at any point: memory is the
-// logits. Five kernel-lab versions (cross_entropy_set_version) in two kernels:
+// logits. Six kernel-lab versions (cross_entropy_set_version) in two kernels:
 // 1 one block per row: pass 1 folds the row, pass 2 (gradient only) re-reads it and writes
 //   each element once. 512 threads with 16-byte loads and several blocks an SM keep enough
 //   loads in flight (the scalar 2-byte loads of the first form reached 0.91 TB/s at 1B);
@@ -40,6 +40,10 @@
 //   exp carries a factor within ~2^-24 |m log2 e| of 1 (fold_fma), ~1e-6 relative to the
 //   sum at Qwen3's logits, far inside the CPU bound (1e-4); its gradient stays within the
 //   bf16 bound as version 4's.
+// 6 version 5 with a cheaper exchange of the blocks' states (SYNC in the cluster kernel:
+//   a fence by the one writing thread and relaxed arrives instead of every thread's
+//   release, the states loaded by one lane each at once): version 5's bits, losses and
+//   gradient (CrossEntropyParity checks them).
 // Measured (KernelBandwidth.DISABLED_CrossEntropyVersions, bf16, with the gradient, ms,
 // two rounds each, twenty-ninth session): [2048, 151936] v1 / v2 / v3 / v4 0.480 / 0.460 /
 // 0.455 / 0.421, [5462, 151936] (the configs' chunk) 1.230 / 1.211 / 1.198 / 1.104,
@@ -320,6 +324,22 @@ __device__ __forceinline__ void cluster_arrive() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
 #endif
 }
+// The same barrier without release semantics: a thread whose writes the cluster must see
+// orders them first by cluster_fence (version 6: only the thread that wrote them).
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#ifdef MHAR_CE_OLD_ARCH
+  __trap();
+#else
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_fence() {
+#ifdef MHAR_CE_OLD_ARCH
+  __trap();
+#else
+  asm volatile("fence.acq_rel.cluster;\n" ::: "memory");
+#endif
+}
 __device__ __forceinline__ void cluster_wait() {
 #ifdef MHAR_CE_OLD_ARCH
   __trap();
@@ -355,7 +375,14 @@ __device__ __forceinline__ float load_cluster_shared(const float* p, uint32_t ra
 // __expf, the target looked for once a vector in pass 2 (one compare of its place, not
 // eight 64-bit ones), 32-bit vector indices.
 // FMA (version 5, with LEAN): pass 1 folds by fold_fma.
-template <class T, bool KEEP, bool LEAN = false, bool FMA = false>
+// SYNC (version 6, with FMA): version 5's arithmetic with a cheaper exchange. ncu of
+// version 5 (thirty-third session) put ~40% of its stall cycles at the two cluster barriers
+// and the block barrier after the merge: every thread's arrive.release is a GPU-scope
+// membar, and thread 0 loaded the blocks' 2 x 8 states one remote load at a time while
+// the block waited. Here only thread 0, the writer of part_m / part_s, fences before a
+// relaxed arrive (the second arrive publishes nothing), and warp 0's lanes load one
+// block's state each at once, which lane 0 merges in rank order: version 5's bits.
+template <class T, bool KEEP, bool LEAN = false, bool FMA = false, bool SYNC = false>
 __global__ void __launch_bounds__(kClusterThreads)
     cross_entropy_cluster_kernel(float* losses, T* logits, const int32_t* targets, int64_t V,
                                  int64_t segment_vectors, float grad_scale, bool compute_grad) {
@@ -364,6 +391,7 @@ __global__ void __launch_bounds__(kClusterThreads)
   static_assert(!KEEP || kN == 8, "version 3 keeps the exps of bf16 rows");
   static_assert(!LEAN || KEEP, "version 4 is version 3's form");
   static_assert(!FMA || LEAN, "version 5 is version 4's form");
+  static_assert(!SYNC || FMA, "version 6 is version 5's form");
   extern __shared__ uint4 segment[];
   float* const kept_m = reinterpret_cast<float*>(segment + segment_vectors);  // KEEP
   __shared__ uint64_t bars[kMaxPieces];
@@ -423,18 +451,41 @@ __global__ void __launch_bounds__(kClusterThreads)
     }
   }
   merge_block(m, s, sm_m, sm_s);
-  if (threadIdx.x == 0) part_m = m, part_s = s;
-  cluster_arrive();
-  cluster_wait();
-  if (threadIdx.x == 0) {
-    float rm = -INFINITY, rs = 0.f;
-    for (uint32_t r = 0; r < blocks; ++r)
-      merge(rm, rs, load_cluster_shared(&part_m, r), load_cluster_shared(&part_s, r));
-    row_lse = rm + logf(rs);
-    if (rank == 0) losses[n] = row_lse - target_logit;
+  if constexpr (SYNC) {
+    if (threadIdx.x == 0) {
+      part_m = m, part_s = s;
+      cluster_fence();
+    }
+    cluster_arrive_relaxed();
+    cluster_wait();
+    if (threadIdx.x < 32) {
+      const uint32_t lane = threadIdx.x;
+      float lm = -INFINITY, ls = 0.f;
+      if (lane < blocks)
+        lm = load_cluster_shared(&part_m, lane), ls = load_cluster_shared(&part_s, lane);
+      float rm = -INFINITY, rs = 0.f;
+      for (uint32_t r = 0; r < blocks; ++r)
+        merge(rm, rs, __shfl_sync(0xffffffffu, lm, int(r)), __shfl_sync(0xffffffffu, ls, int(r)));
+      if (lane == 0) {
+        row_lse = rm + logf(rs);
+        if (rank == 0) losses[n] = row_lse - target_logit;
+      }
+    }
+    cluster_arrive_relaxed();  // done reading the other blocks' shared memory
+  } else {
+    if (threadIdx.x == 0) part_m = m, part_s = s;
+    cluster_arrive();
+    cluster_wait();
+    if (threadIdx.x == 0) {
+      float rm = -INFINITY, rs = 0.f;
+      for (uint32_t r = 0; r < blocks; ++r)
+        merge(rm, rs, load_cluster_shared(&part_m, r), load_cluster_shared(&part_s, r));
+      row_lse = rm + logf(rs);
+      if (rank == 0) losses[n] = row_lse - target_logit;
+    }
+    cluster_arrive();  // done reading the other blocks' shared memory
   }
-  cluster_arrive();  // done reading the other blocks' shared memory
-  __syncthreads();   // row_lse
+  __syncthreads();  // row_lse
   if (compute_grad) {
     const float lse = row_lse;
     const int64_t at0 = int64_t(target) - (head + first * kN);
@@ -477,7 +528,7 @@ __global__ void __launch_bounds__(kClusterThreads)
   cluster_wait();  // no block leaves while another may still read its part_m / part_s
 }
 
-constexpr int kCrossEntropyVersions = 5;
+constexpr int kCrossEntropyVersions = 6;
 constexpr int kCrossEntropyDefault = 5;
 int g_cross_entropy_version = kCrossEntropyDefault;
 
@@ -498,10 +549,10 @@ bool plan_cluster(int64_t V, int64_t bytes, int64_t kept, ClusterPlan& plan) {
   return int64_t(plan.smem) <= kSegmentMax;
 }
 
-template <class T, bool KEEP, bool LEAN = false, bool FMA = false>
+template <class T, bool KEEP, bool LEAN = false, bool FMA = false, bool SYNC = false>
 void launch_cluster(cudaStream_t s, float* losses, T* logits, const int32_t* targets, int64_t N,
                     int64_t V, const ClusterPlan& plan, float grad_scale, bool compute_grad) {
-  auto kernel = cross_entropy_cluster_kernel<T, KEEP, LEAN, FMA>;
+  auto kernel = cross_entropy_cluster_kernel<T, KEEP, LEAN, FMA, SYNC>;
   static const bool allowed = [&] {
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     int(kSegmentMax)));
@@ -552,14 +603,17 @@ void cross_entropy(cudaStream_t s, Tensor losses, Tensor logits, Tensor targets,
   dispatch_float(logits.dtype, "cross_entropy", [&](auto tag) {
     using T = decltype(tag);
     ClusterPlan plan{};
-    // Versions 3-5 keep fp16 exps of bf16 rows only; fp32 rows take version 2 there.
+    // Versions 3-6 keep fp16 exps of bf16 rows only; fp32 rows take version 2 there.
     constexpr bool kKeepable = sizeof(T) == 2;
     const bool keep = kKeepable && g_cross_entropy_version >= 3;
     if (g_cross_entropy_version >= 2 && plan_cluster(V, int64_t(sizeof(T)), keep ? 4 : 0, plan)) {
       auto* out = losses.ptr<float>();
       auto* rows = static_cast<T*>(logits.data);
       const auto* ids = targets.ptr<int32_t>();
-      if (keep && g_cross_entropy_version == 5)
+      if (keep && g_cross_entropy_version == 6)
+        launch_cluster<T, kKeepable, kKeepable, kKeepable, kKeepable>(
+            s, out, rows, ids, N, V, plan, float(grad_scale), compute_grad);
+      else if (keep && g_cross_entropy_version == 5)
         launch_cluster<T, kKeepable, kKeepable, kKeepable>(s, out, rows, ids, N, V, plan,
                                                            float(grad_scale), compute_grad);
       else if (keep && g_cross_entropy_version == 4)

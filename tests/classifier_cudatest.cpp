@@ -35,7 +35,7 @@ class CrossEntropyParity : public CudaParity {};
 TEST_F(CrossEntropyParity, LossesAndLogitGradient) {
   const std::pair<int64_t, int64_t> shapes[] = {{13, 1001}, {4, 50257}, {1, 7},      {6, 12},
                                                 {5, 3},     {9, 4096},  {3, 151936}, {7, 82005}};
-  constexpr int kClusters = 2, kKeptExps = 3, kLean = 4, kFma = 5;  // cuda/classifier.cu's
+  constexpr int kClusters = 2, kKeptExps = 3, kLean = 4, kFma = 5, kSync = 6;  // classifier.cu's
   const int versions = cuda::cross_entropy_versions();
   for (int version = 1; version <= versions; ++version) {
     cuda::cross_entropy_set_version(version);
@@ -100,8 +100,24 @@ TEST_F(CrossEntropyParity, LossesAndLogitGradient) {
                   (2 * 64 + 2 * 2 * M + M + 2 * 2 + 2 * 2 * (M + log_v) + 2 * (2 * M + log_v)));
             }
           }
+          // Version 6 changes only the blocks' exchange: version 5's losses and gradient.
+          std::vector<double> v5_losses, v5_grad;
+          if (version == kSync) {
+            Buffer rows(*gpu, dt, {N, V});
+            rows.set(logits.g.get());
+            cuda::cross_entropy_set_version(kFma);
+            gpu->cross_entropy(losses.g, rows, targets.g, scale, grad);
+            v5_losses = losses.g.get();
+            v5_grad = rows.get();
+            losses.g.poison();
+            cuda::cross_entropy_set_version(version);
+          }
           cpu->cross_entropy(losses.c, logits.c, targets.c, scale, grad);
           gpu->cross_entropy(losses.g, logits.g, targets.g, scale, grad);
+          if (!v5_losses.empty()) {
+            EXPECT_TRUE(losses.g.get() == v5_losses) << tag << ": losses differ from version 5";
+            EXPECT_TRUE(logits.g.get() == v5_grad) << tag << ": rows differ from version 5";
+          }
           expect_close("cross_entropy losses " + tag, losses.g, losses.c, kTolF32Output);
           if (!v2_losses.empty()) {
             EXPECT_TRUE(losses.g.get() == v2_losses) << tag << ": losses differ from version 2";
