@@ -33,17 +33,17 @@
 //   the 4 instructions an exp that keep denormal results), the target looked for once a
 //   vector in pass 2 rather than by 8 compares of 64-bit places, 32-bit vector indices.
 //   Losses: version 2's bits; gradient: version 3's (both checked by CrossEntropyParity).
-// 5 (the default for bf16 rows; fp32 rows take 2) version 4 with pass 1's per-element
+// 5 version 4 with pass 1's per-element
 //   x - m and multiply by log2(e) as one FFMA against m log2(e) rounded once a change of
 //   m (8 instructions fewer a vector of 8), the vector's max and sum as trees (a shorter
 //   dependent chain; the sum's order changes). Its losses are not version 2's bits: each
 //   exp carries a factor within ~2^-24 |m log2 e| of 1 (fold_fma), ~1e-6 relative to the
 //   sum at Qwen3's logits, far inside the CPU bound (1e-4); its gradient stays within the
 //   bf16 bound as version 4's.
-// 6 version 5 with a cheaper exchange of the blocks' states (SYNC in the cluster kernel:
-//   a fence by the one writing thread and relaxed arrives instead of every thread's
-//   release, the states loaded by one lane each at once): version 5's bits, losses and
-//   gradient (CrossEntropyParity checks them).
+// 6 (the default for bf16 rows; fp32 rows take 2) version 5 with a cheaper exchange of
+//   the blocks' states (SYNC in the cluster kernel: a fence by the one writing thread and
+//   relaxed arrives instead of every thread's release, the states loaded by one lane each
+//   at once): version 5's bits, losses and gradient (CrossEntropyParity checks them).
 // Measured (KernelBandwidth.DISABLED_CrossEntropyVersions, bf16, with the gradient, ms,
 // two rounds each, twenty-ninth session): [2048, 151936] v1 / v2 / v3 / v4 0.480 / 0.460 /
 // 0.455 / 0.421, [5462, 151936] (the configs' chunk) 1.230 / 1.211 / 1.198 / 1.104,
@@ -54,7 +54,10 @@
 // 0.4195, 0.4221 / 0.4195; [5462, 151936] 1.1089 / 1.1020, 1.1083 / 1.1028; [4096, 50257]
 // 0.2631 / 0.2593, 0.2624 / 0.2589: v5 0.5-1.5% faster (70-71% of copy on Qwen3's rows,
 // 75% on GPT-2's), less than its ~4% fewer instructions: pass 1's FADDs were not what
-// bounds it. cuda/NOTES.md, lead 4.
+// bounds it. Thirty-third session, the same test, v5 / v6: [2048, 151936] 0.4201 / 0.3955,
+// 0.4196 / 0.3939; [5462, 151936] 1.1015 / 1.0399, 1.0993 / 1.0389; [4096, 50257] 0.2591 /
+// 0.2467, 0.2593 / 0.2476: v6 5-6% faster (74% of 4.3 TB/s on Qwen3's rows, 77% on
+// GPT-2's). cuda/NOTES.md, lead 4.
 #include <cuda_fp16.h>
 
 #include "cuda/common.cuh"
@@ -529,7 +532,7 @@ __global__ void __launch_bounds__(kClusterThreads)
 }
 
 constexpr int kCrossEntropyVersions = 6;
-constexpr int kCrossEntropyDefault = 5;
+constexpr int kCrossEntropyDefault = 6;
 int g_cross_entropy_version = kCrossEntropyDefault;
 
 // Versions 2-5's blocks a row and each block's vectors for rows of V elements of `bytes`
