@@ -33,13 +33,12 @@
 //   the 4 instructions an exp that keep denormal results), the target looked for once a
 //   vector in pass 2 rather than by 8 compares of 64-bit places, 32-bit vector indices.
 //   Losses: version 2's bits; gradient: version 3's (both checked by CrossEntropyParity).
-// 5 version 4 with pass 1's per-element
-//   x - m and multiply by log2(e) as one FFMA against m log2(e) rounded once a change of
-//   m (8 instructions fewer a vector of 8), the vector's max and sum as trees (a shorter
-//   dependent chain; the sum's order changes). Its losses are not version 2's bits: each
-//   exp carries a factor within ~2^-24 |m log2 e| of 1 (fold_fma), ~1e-6 relative to the
-//   sum at Qwen3's logits, far inside the CPU bound (1e-4); its gradient stays within the
-//   bf16 bound as version 4's.
+// 5 version 4 with pass 1's per-element x - m and multiply by log2(e) as one FFMA against
+//   m log2(e) rounded once a change of m (8 instructions fewer a vector of 8), the
+//   vector's max and sum as trees (a shorter dependent chain; the sum's order changes).
+//   Its losses are not version 2's bits: each exp carries a factor within ~2^-24 |m log2
+//   e| of 1 (fold_fma), ~1e-6 relative to the sum at Qwen3's logits, far inside the CPU
+//   bound (1e-4); its gradient stays within the bf16 bound as version 4's.
 // 6 (the default for bf16 rows; fp32 rows take 2) version 5 with a cheaper exchange of
 //   the blocks' states (SYNC in the cluster kernel: a fence by the one writing thread and
 //   relaxed arrives instead of every thread's release, the states loaded by one lane each
