@@ -262,14 +262,31 @@ TEST_F(OpTiming, DISABLED_ModelShapes) {
 // The depth-tiled mixes as the layer loop runs them (tile kernel at sites 0, k, 2k, ...,
 // the finish kernels between), for each of the mix tile kernel's numbered versions
 // (cuda::routing_set_kernel_version).
-void tiled_mixes(Backend& gpu, Buffer& xs, Buffer& weights, Buffer& hist,
-                 const RoutingLayout& lay, int k, int H, bool tiles_only) {
+// The consumers' norms of the mixes (routing_mix_rmsnorm): outputs ys [S, N, d] and
+// rstds [S, N], one weight row.
+struct MixNorms {
+  Buffer &ys, &rstds, &w;
+  double eps;
+};
+
+// With `norms`, as the routed scheme calls them: a tile's first site normalised by
+// rmsnorm_forward, the others by routing_mix_rmsnorm.
+void tiled_mixes(Backend& gpu, Buffer& xs, Buffer& weights, Buffer& hist, const RoutingLayout& lay,
+                 int k, int H, bool tiles_only, const MixNorms* norms = nullptr) {
   const int S = lay.sites;
   for (int i = 0; i < S; ++i)
-    if (i % k == 0)
+    if (i % k == 0) {
       gpu.routing_mix_tile(xs.t()[i], weights, hist, lay, i, std::min(k, S - i), H);
-    else if (!tiles_only)
+      if (norms)
+        gpu.rmsnorm_forward(norms->ys.t()[i], norms->rstds.t()[i], xs.t()[i], norms->w, norms->eps);
+    } else if (tiles_only) {
+      continue;
+    } else if (norms) {
+      gpu.routing_mix_rmsnorm(xs.t()[i], norms->ys.t()[i], norms->rstds.t()[i], weights, hist, lay,
+                              i, H, norms->w, norms->eps);
+    } else {
       gpu.routing_mix(xs.t()[i], weights, hist, lay, i, H);
+    }
 }
 
 // Is cuBLASLt's first heuristic choice the fastest for the 1B step's products, and does
@@ -522,17 +539,8 @@ TEST_F(OpTiming, DISABLED_RoutingTileVersions) {
     // the step's plus each norm's output written (version 1 also reads x back).
     Buffer ys(*gpu, DType::BF16, {S, N, d}), rstds(*gpu, DType::F32, {S, N});
     Buffer norm_w = random_gpu(DType::BF16, {d});
-    const double eps = 1e-6;
-    auto normed_step = [&] {
-      for (int i = 0; i < S; ++i)
-        if (i % k == 0) {
-          gpu->routing_mix_tile(xs.t()[i], weights, hist, lay, i, std::min(k, S - i), H);
-          gpu->rmsnorm_forward(ys.t()[i], rstds.t()[i], xs.t()[i], norm_w, eps);
-        } else {
-          gpu->routing_mix_rmsnorm(xs.t()[i], ys.t()[i], rstds.t()[i], weights, hist, lay, i, H,
-                                   norm_w, eps);
-        }
-    };
+    const MixNorms norms{ys, rstds, norm_w, 1e-6};
+    auto normed_step = [&] { tiled_mixes(*gpu, xs, weights, hist, lay, k, H, false, &norms); };
     for (int round = 0; round < 2; ++round)
       for (int version : {1, 2}) {
         cuda::routing_set_kernel_version(cuda::RoutingKernel::MixNorm, version);
