@@ -32,17 +32,29 @@ class RoutingParity : public CudaParity {
     const std::vector<double> clean = history.c.get();
     Buffer hist(*gpu, DType::BF16, {S, N, d}), x(*gpu, DType::BF16, {S, N, d});
     Buffer w(*gpu, DType::F32, {lay.pairs(), H, N});
+    // The consumers' norms (normed steps): outputs and one weight row.
+    Buffer y(*gpu, DType::BF16, {S, N, d}), rstd(*gpu, DType::F32, {S, N});
+    const Pair norm_w = random_pair(DType::BF16, {d});
     // The step's mixes from the raw logits, each slot written just before its site's mix.
-    auto mix_step = [&] {
+    // normed: with the consumers' norms as the routed scheme calls them (a tile's first
+    // site by rmsnorm_forward, the others by routing_mix_rmsnorm).
+    auto mix_step = [&](bool normed = false) {
       hist.poison();
       x.poison();
+      y.poison();
+      rstd.poison();
       w.set(raw_logits);
       for (int j = 0; j < S; ++j) {
         gpu->upload(hist.t()[j], clean.data() + size_t(j) * size_t(N * d));
-        if (j % k == 0)
+        if (j % k == 0) {
           gpu->routing_mix_tile(x.t()[j], w, hist, lay, j, std::min(k, S - j), H);
-        else
+          if (normed) gpu->rmsnorm_forward(y.t()[j], rstd.t()[j], x.t()[j], norm_w.g, eps);
+        } else if (normed) {
+          gpu->routing_mix_rmsnorm(x.t()[j], y.t()[j], rstd.t()[j], w, hist, lay, j, H, norm_w.g,
+                                   eps);
+        } else {
           gpu->routing_mix(x.t()[j], w, hist, lay, j, H);
+        }
       }
     };
     mix_step();
@@ -76,9 +88,7 @@ class RoutingParity : public CudaParity {
     // rstd those of rmsnorm_forward of that x, for every finish version (4 and 6 fuse the
     // norm into their pass, the others run the two ops).
     {
-      Buffer y(*gpu, DType::BF16, {S, N, d}), rstd(*gpu, DType::F32, {S, N});
       Buffer y_ref(*gpu, DType::BF16, {S, N, d}), rstd_ref(*gpu, DType::F32, {S, N});
-      const Pair norm_w = random_pair(DType::BF16, {d});
       mix_step();
       for (int j = 0; j < S; ++j)
         gpu->rmsnorm_forward(y_ref.t()[j], rstd_ref.t()[j], x.t()[j], norm_w.g, eps);
@@ -90,21 +100,7 @@ class RoutingParity : public CudaParity {
         const int version = run / 2, norm_version = 1 + run % 2;
         cuda::routing_set_kernel_version(cuda::RoutingKernel::MixFinish, version);
         cuda::routing_set_kernel_version(cuda::RoutingKernel::MixNorm, norm_version);
-        hist.poison();
-        x.poison();
-        y.poison();
-        rstd.poison();
-        w.set(raw_logits);
-        for (int j = 0; j < S; ++j) {
-          gpu->upload(hist.t()[j], clean.data() + size_t(j) * size_t(N * d));
-          if (j % k == 0) {
-            gpu->routing_mix_tile(x.t()[j], w, hist, lay, j, std::min(k, S - j), H);
-            gpu->rmsnorm_forward(y.t()[j], rstd.t()[j], x.t()[j], norm_w.g, eps);
-          } else {
-            gpu->routing_mix_rmsnorm(x.t()[j], y.t()[j], rstd.t()[j], w, hist, lay, j, H, norm_w.g,
-                                     eps);
-          }
-        }
+        mix_step(true);
         const std::vector<std::vector<double>> got = {x.get(), w.get(), y.get(), rstd.get()};
         const char* names[] = {"x", "weights", "y", "rstd"};
         for (size_t o = 0; o < got.size(); ++o) {
