@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "cuda/attention_mma.cuh"
+#include "cuda/mbarrier.cuh"  // fence_proxy_async
 
 namespace mhar::cuda::attn_wgmma {
 
@@ -39,11 +40,6 @@ __device__ __forceinline__ void wgmma_wait_all() {
 // Waits until at most N of this warpgroup's committed wgmma groups are still running.
 template <int N> __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-// Writes to shared memory by ordinary stores or cp.async are seen by wgmma (the async
-// proxy) only after this fence in the writing thread, followed by a barrier.
-__device__ __forceinline__ void fence_proxy_async() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 // Keeps the compiler from moving reads or writes of an accumulator across a wgmma wait.
 template <int N> __device__ __forceinline__ void pin(float (&d)[N]) {

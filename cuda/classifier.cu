@@ -7,7 +7,7 @@
 // first 16-byte boundary and a scalar tail, so any V and any row alignment take the vector
 // path). Per thread an online (max, sum of exp) in fp32, one rescale per vector, merged
 // across the block. No fp32 copy of the probabilities exists at any point: memory is the
-// logits. Six kernel-lab versions (cross_entropy_set_version) in two kernels:
+// logits. Seven kernel-lab versions (cross_entropy_set_version) in three kernels:
 // 1 one block per row: pass 1 folds the row, pass 2 (gradient only) re-reads it and writes
 //   each element once. 512 threads with 16-byte loads and several blocks an SM keep enough
 //   loads in flight (the scalar 2-byte loads of the first form reached 0.91 TB/s at 1B);
@@ -43,6 +43,9 @@
 //   the blocks' states (SYNC in the cluster kernel: a fence by the one writing thread and
 //   relaxed arrives instead of every thread's release, the states loaded by one lane each
 //   at once): version 5's bits, losses and gradient (CrossEntropyParity checks them).
+// 7 version 6 on a persistent grid of clusters with two rows a block in flight (the next
+//   row folded while the cluster's states of this one come in; cross_entropy_stream_kernel):
+//   version 6's bits. Rows whose two buffers would exceed kSegmentMax take version 6.
 // Measured (KernelBandwidth.DISABLED_CrossEntropyVersions, bf16, with the gradient, ms,
 // two rounds each, twenty-ninth session): [2048, 151936] v1 / v2 / v3 / v4 0.480 / 0.460 /
 // 0.455 / 0.421, [5462, 151936] (the configs' chunk) 1.230 / 1.211 / 1.198 / 1.104,
@@ -58,6 +61,10 @@
 // 0.2467, 0.2593 / 0.2476: v6 5-6% faster (74% of 4.3 TB/s on Qwen3's rows, 77% on
 // GPT-2's). cuda/NOTES.md, lead 4.
 #include <cuda_fp16.h>
+
+#include <algorithm>
+#include <map>
+#include <tuple>
 
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
@@ -286,6 +293,27 @@ __device__ __forceinline__ void unpack_half8(const uint4& r, float (&f)[8]) {
   }
 }
 
+// Versions 4-7's gradient of one vector from its kept fp16 exps e (taken at kept_m):
+// grad_scale (e exp(kept_m - lse) - onehot), `at` the target's place in the vector (the
+// one-hot by selects, not an index, so that e stays in registers).
+__device__ __forceinline__ uint4 kept_grad(const uint4& kept, float kept_m, int64_t at, float lse,
+                                           float grad_scale) {
+  float e[8];
+  unpack_half8(kept, e);
+  const float scaled = grad_scale * fast_exp(kept_m - lse);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) e[k] *= scaled;
+  if (uint64_t(at) < 8u) {
+    const int t = int(at);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) e[k] = k == t ? e[k] - grad_scale : e[k];
+  }
+  Pack<bf16> pk;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) pk.set(k, e[k]);
+  return pk.raw;
+}
+
 // Version 2's geometry: a block's threads, its row segment's target and limit (a row whose
 // segment would exceed kSegmentMax at kMaxCluster blocks takes version 1), the pieces.
 constexpr int kClusterThreads = 256;
@@ -300,8 +328,9 @@ static_assert(kSegmentMax % (16 * kPieceVectors) == 0, "whole pieces");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #define MHAR_CE_OLD_ARCH 1
 #endif
-// This block's rank in its cluster, the cluster's blocks, the cluster's index in the grid.
-enum class ClusterReg { Rank, Blocks, Index };
+// This block's rank in its cluster, the cluster's blocks, the cluster's index in the grid,
+// the grid's clusters.
+enum class ClusterReg { Rank, Blocks, Index, Count };
 template <ClusterReg R>
 __device__ __forceinline__ uint32_t cluster_reg() {
   uint32_t r = 0;
@@ -312,8 +341,10 @@ __device__ __forceinline__ uint32_t cluster_reg() {
     asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
   else if constexpr (R == ClusterReg::Blocks)
     asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
-  else
+  else if constexpr (R == ClusterReg::Index)
     asm volatile("mov.u32 %0, %%clusterid.x;" : "=r"(r));
+  else
+    asm volatile("mov.u32 %0, %%nclusterid.x;" : "=r"(r));
 #endif
   return r;
 }
@@ -495,18 +526,7 @@ __global__ void __launch_bounds__(kClusterThreads)
       const int64_t at = at0 - int64_t(i) * kN;  // the target's place in this vector
       P pk{segment[i]};
       if constexpr (LEAN) {
-        float e[kN];
-        unpack_half8(pk.raw, e);
-        const float scaled = grad_scale * fast_exp(kept_m[i] - lse);
-#pragma unroll
-        for (int k = 0; k < kN; ++k) e[k] *= scaled;
-        if (uint64_t(at) < uint64_t(kN)) {  // selects, not an index: e stays in registers
-          const int t = int(at);
-#pragma unroll
-          for (int k = 0; k < kN; ++k) e[k] = k == t ? e[k] - grad_scale : e[k];
-        }
-#pragma unroll
-        for (int k = 0; k < kN; ++k) pk.set(k, e[k]);
+        pk.raw = kept_grad(pk.raw, kept_m[i], at, lse, grad_scale);
       } else if constexpr (KEEP) {
         float e[kN];
         unpack_half8(pk.raw, e);
@@ -530,7 +550,173 @@ __global__ void __launch_bounds__(kClusterThreads)
   cluster_wait();  // no block leaves while another may still read its part_m / part_s
 }
 
-constexpr int kCrossEntropyVersions = 6;
+// Version 7: version 6's arithmetic and exchange on a persistent grid of clusters (as many
+// as fit at once), cluster c taking rows c, c + G, c + 2G, ... with two rows in flight a
+// block. ncu of version 6 (thirty-fourth session, [2048, 151936]) put a quarter of its
+// stall samples at the cluster wait (a block's eight segments finish their folds at
+// different times on different SMs, and the merge needs all eight) and 14% at the wait
+// for the copy engine's pieces, with nothing of the block's own to overlap either. Here a
+// block folds row k + 1 (its segment copied in while row k was folded) before it waits
+// for the cluster's states of row k, then writes row k's gradient and has row k + 2 copied
+// into the buffer row k leaves. Each buffer is version 6's segment and kept m's; two
+// buffers double the shared memory (2 blocks an SM at Qwen3's rows). The bits are version
+// 6's (the same fold, merges and gradient by row; CrossEntropyParity checks them).
+// The cluster barrier's phases: arrive 0 after row 0's state is published; each row k then
+// waits phase k (every block's state of row k visible) and arrives phase k + 1, which
+// publishes row k + 1's state and says this block is done reading the others' states of
+// row k (so that they may overwrite that slot with row k + 2's after their wait k + 1); a
+// last wait keeps every block's shared memory alive until no block reads it.
+// Buffer reuse: the fold writes a buffer and the gradient pass reads it by ordinary
+// accesses; each thread orders them before the copy engine's by a proxy fence, a block
+// barrier follows, then thread 0 has the copy engine overwrite it.
+template <class T>
+__global__ void __launch_bounds__(kClusterThreads)
+    cross_entropy_stream_kernel(float* losses, T* logits, const int32_t* targets, int64_t N,
+                                int64_t V, int64_t segment_vectors, int64_t buffer_vectors,
+                                float grad_scale, bool compute_grad) {
+  static_assert(Pack<T>::kN == 8, "version 7 keeps the exps of bf16 rows");
+  constexpr int kN = 8;
+  extern __shared__ uint4 buffers[];  // 2 x buffer_vectors: the segment, then its kept m's
+  __shared__ uint64_t bars[2][kMaxPieces];
+  __shared__ float sm_m[kClusterThreads / 32], sm_s[kClusterThreads / 32];
+  // Two of each, by row parity: a slot is rewritten for row k + 2 only after a barrier
+  // that every reader of row k's has passed.
+  __shared__ float part_m[2], part_s[2], target_logit[2], row_lse[2];
+  const uint32_t rank = cluster_reg<ClusterReg::Rank>(), blocks = cluster_reg<ClusterReg::Blocks>();
+  const int64_t cluster = cluster_reg<ClusterReg::Index>(),
+                clusters = cluster_reg<ClusterReg::Count>();
+  const int64_t rows = cluster < N ? (N - 1 - cluster) / clusters + 1 : 0;  // the grid has <= N
+  const int pieces_max = int(ceil_div(segment_vectors, kPieceVectors));
+  if (threadIdx.x == 0) {
+    for (int b = 0; b < 2; ++b)
+      for (int p = 0; p < pieces_max; ++p) mbar_init(&bars[b][p], 1);
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  // Row k of this cluster: where it lies, this block's run of its vectors.
+  struct Row {
+    T* row;
+    int32_t target;
+    int64_t head, tail, first, count;
+  };
+  auto row_at = [&](int64_t k) {
+    Row r;
+    const int64_t n = cluster + k * clusters;
+    r.row = logits + n * V;
+    r.target = targets[n];
+    if (r.target < 0 || r.target >= V) __trap();
+    const auto [head, nvec, tail] = row_spans(r.row, V);
+    r.head = head, r.tail = tail, r.first = int64_t(rank) * segment_vectors;
+    r.count =
+        r.first >= nvec ? 0 : (nvec - r.first < segment_vectors ? nvec - r.first : segment_vectors);
+    return r;
+  };
+  // Thread 0: row k's segment into buffer k & 1, every piece barrier of the buffer armed
+  // (those past the block's count with no bytes) so that each completes one phase a use.
+  // Rank 0 reads the target's logit here, before its arrive for row k: no block writes
+  // row k's gradient before every block has arrived for it.
+  auto fetch = [&](int64_t k) {
+    const Row r = row_at(k);
+    const int b = int(k & 1);
+    uint4* segment = buffers + b * buffer_vectors;
+    const uint4* global_segment = reinterpret_cast<const uint4*>(r.row + r.head) + r.first;
+    if (rank == 0) target_logit[b] = load(r.row[r.target]);
+    for (int p = 0; p < pieces_max; ++p) {
+      const int64_t at = int64_t(p) * kPieceVectors;
+      const int64_t left = r.count - at;
+      const uint32_t bytes =
+          left <= 0 ? 0 : uint32_t(16 * (left < kPieceVectors ? left : kPieceVectors));
+      mbar_expect_tx(&bars[b][p], bytes);
+      if (bytes > 0) bulk_load(segment + at, global_segment + at, bytes, &bars[b][p]);
+    }
+  };
+  // Row k's fold (version 6's) over buffer k & 1, merged across the block: thread 0 holds it.
+  auto fold_row = [&](int64_t k, float& m, float& s) {
+    const Row r = row_at(k);
+    const int b = int(k & 1);
+    uint4* segment = buffers + b * buffer_vectors;
+    float* kept_m = reinterpret_cast<float*>(segment + segment_vectors);
+    const uint32_t parity = uint32_t(k >> 1) & 1u;
+    m = -INFINITY, s = 0.f;
+    if (rank == 0) {
+      fold_scalars(m, s, r.row, 0, r.head);
+      fold_scalars(m, s, r.row, r.tail, V);
+    }
+    float m_log2e = m * kLog2e;
+    const int pieces = int(ceil_div(r.count, kPieceVectors));
+    for (int p = 0; p < pieces; ++p) {
+      mbar_wait(&bars[b][p], parity);
+      const int64_t end =
+          int64_t(p + 1) * kPieceVectors < r.count ? int64_t(p + 1) * kPieceVectors : r.count;
+      for (int i = p * kPieceVectors + int(threadIdx.x); i < int(end); i += int(blockDim.x)) {
+        float e[kN];
+        fold_fma(m, m_log2e, s, segment[i], e);
+        segment[i] = pack_half8(e);
+        kept_m[i] = m;
+      }
+    }
+    merge_block(m, s, sm_m, sm_s);
+  };
+  auto publish = [&](int64_t k, float m, float s) {  // thread 0
+    part_m[k & 1] = m, part_s[k & 1] = s;
+    cluster_fence();
+  };
+
+  if (threadIdx.x == 0) {
+    fetch(0);
+    if (rows > 1) fetch(1);
+  }
+  float m, s;
+  fold_row(0, m, s);
+  if (threadIdx.x == 0) publish(0, m, s);
+  cluster_arrive_relaxed();
+  for (int64_t k = 0; k < rows; ++k) {
+    const int b = int(k & 1);
+    const bool next = k + 1 < rows;
+    if (next) fold_row(k + 1, m, s);
+    cluster_wait();
+    if (threadIdx.x < 32) {
+      const uint32_t lane = threadIdx.x;
+      float lm = -INFINITY, ls = 0.f;
+      if (lane < blocks)
+        lm = load_cluster_shared(&part_m[b], lane), ls = load_cluster_shared(&part_s[b], lane);
+      float rm = -INFINITY, rs = 0.f;
+      for (uint32_t r = 0; r < blocks; ++r)
+        merge(rm, rs, __shfl_sync(0xffffffffu, lm, int(r)), __shfl_sync(0xffffffffu, ls, int(r)));
+      if (lane == 0) {
+        row_lse[b] = rm + logf(rs);
+        if (rank == 0) losses[cluster + k * clusters] = row_lse[b] - target_logit[b];
+        if (next) publish(k + 1, m, s);
+      }
+    }
+    cluster_arrive_relaxed();
+    __syncthreads();  // row_lse
+    const float lse = row_lse[b];
+    if (compute_grad) {
+      const Row r = row_at(k);
+      const uint4* segment = buffers + b * buffer_vectors;
+      const float* kept_m = reinterpret_cast<const float*>(segment + segment_vectors);
+      uint4* global_segment = reinterpret_cast<uint4*>(r.row + r.head) + r.first;
+      const int64_t at0 = int64_t(r.target) - (r.head + r.first * kN);
+      for (int i = int(threadIdx.x); i < int(r.count); i += int(blockDim.x))
+        global_segment[i] =
+            kept_grad(segment[i], kept_m[i], at0 - int64_t(i) * kN, lse, grad_scale);
+      if (rank == 0) {
+        grad_scalars(r.row, 0, r.head, r.target, lse, grad_scale);
+        grad_scalars(r.row, r.tail, V, r.target, lse, grad_scale);
+      }
+    }
+    if (k + 2 < rows) {
+      fence_proxy_async();  // this thread's reads and writes of buffer b before the copy's
+      __syncthreads();
+      if (threadIdx.x == 0) fetch(k + 2);
+    }
+  }
+  cluster_wait();  // no block leaves while another may still read its part_m / part_s
+}
+
+constexpr int kCrossEntropyVersions = 7;
 constexpr int kCrossEntropyDefault = 6;
 int g_cross_entropy_version = kCrossEntropyDefault;
 
@@ -549,6 +735,48 @@ bool plan_cluster(int64_t V, int64_t bytes, int64_t kept, ClusterPlan& plan) {
   const int64_t segment = ceil_div(vectors, blocks);
   plan = {blocks, segment, size_t(segment * (16 + kept))};
   return int64_t(plan.smem) <= kSegmentMax;
+}
+
+// Version 7's grid: as many clusters of plan.blocks as are resident at once (the
+// occupancy calculator's count for this shared memory), at most one a row.
+template <class T>
+void launch_stream(cudaStream_t s, float* losses, T* logits, const int32_t* targets, int64_t N,
+                   int64_t V, const ClusterPlan& plan, float grad_scale, bool compute_grad) {
+  auto kernel = cross_entropy_stream_kernel<T>;
+  static const bool allowed = [&] {
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    int(kSegmentMax)));
+    return true;
+  }();
+  (void)allowed;
+  const int64_t buffer_vectors = plan.segment_vectors + ceil_div(plan.segment_vectors, 4);
+  cudaLaunchConfig_t cfg = {};
+  cfg.blockDim = dim3(kClusterThreads);
+  cfg.dynamicSmemBytes = size_t(2 * 16 * buffer_vectors);
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = unsigned(plan.blocks);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  // The resident count depends only on the device, the cluster's blocks and the shared
+  // memory. The backend calls from one host thread.
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  static std::map<std::tuple<int, int, size_t>, int> resident;
+  auto [it, fresh] = resident.try_emplace({device, plan.blocks, cfg.dynamicSmemBytes}, 0);
+  if (fresh) {
+    cfg.gridDim = dim3(unsigned(plan.blocks));
+    CUDA_CHECK(cudaOccupancyMaxActiveClusters(&it->second, kernel, &cfg));
+    MHAR_CHECK(it->second > 0, "cross_entropy: no cluster of ", plan.blocks, " blocks with ",
+               cfg.dynamicSmemBytes, " bytes of shared memory fits");
+  }
+  const int64_t clusters = std::min<int64_t>(N, it->second);
+  cfg.gridDim = dim3(unsigned(clusters * plan.blocks));
+  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, losses, logits, targets, N, V, plan.segment_vectors,
+                                buffer_vectors, grad_scale, compute_grad));
 }
 
 template <class T, bool KEEP, bool LEAN = false, bool FMA = false, bool SYNC = false>
@@ -605,14 +833,21 @@ void cross_entropy(cudaStream_t s, Tensor losses, Tensor logits, Tensor targets,
   dispatch_float(logits.dtype, "cross_entropy", [&](auto tag) {
     using T = decltype(tag);
     ClusterPlan plan{};
-    // Versions 3-6 keep fp16 exps of bf16 rows only; fp32 rows take version 2 there.
+    // Versions 3-7 keep fp16 exps of bf16 rows only; fp32 rows take version 2 there.
+    // Version 7 takes two buffers a block; rows whose two would exceed kSegmentMax take 6.
     constexpr bool kKeepable = sizeof(T) == 2;
     const bool keep = kKeepable && g_cross_entropy_version >= 3;
     if (g_cross_entropy_version >= 2 && plan_cluster(V, int64_t(sizeof(T)), keep ? 4 : 0, plan)) {
       auto* out = losses.ptr<float>();
       auto* rows = static_cast<T*>(logits.data);
       const auto* ids = targets.ptr<int32_t>();
-      if (keep && g_cross_entropy_version == 6)
+      if constexpr (kKeepable) {
+        if (keep && g_cross_entropy_version == 7 && 2 * plan.smem + 16 * 4 <= kSegmentMax) {
+          launch_stream(s, out, rows, ids, N, V, plan, float(grad_scale), compute_grad);
+          return;
+        }
+      }
+      if (keep && g_cross_entropy_version >= 6)
         launch_cluster<T, kKeepable, kKeepable, kKeepable, kKeepable>(
             s, out, rows, ids, N, V, plan, float(grad_scale), compute_grad);
       else if (keep && g_cross_entropy_version == 5)

@@ -84,6 +84,17 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
 #endif
 }
 
+// Orders this thread's ordinary accesses to shared memory (stores, cp.async, loads) before
+// the async proxy's (wgmma's reads, the copy engine's writes) that a following barrier
+// lets start: each accessing thread fences, then the barrier.
+__device__ __forceinline__ void fence_proxy_async() {
+#ifdef MHAR_MBAR_OLD_ARCH
+  __trap();
+#else
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
 #undef MHAR_MBAR_OLD_ARCH
 
 }  // namespace mhar::cuda

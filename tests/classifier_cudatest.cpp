@@ -19,6 +19,9 @@
 // with pass 1's exponents as one FFMA and its sums in another order: its losses are
 // checked against the CPU and, row by row, against version 4's within a bound derived
 // from both versions' roundings (about 2e-5 at these logits); its gradient against the CPU.
+// Versions 6 and 7 change only the schedule (6 the blocks' exchange, 7 a persistent grid
+// with two rows a block in flight): their losses and gradients are version 5's bits, here
+// and, for version 7 with many rows a cluster, in PersistentClustersKeepVersionSixBits.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -36,6 +39,7 @@ TEST_F(CrossEntropyParity, LossesAndLogitGradient) {
   const std::pair<int64_t, int64_t> shapes[] = {{13, 1001}, {4, 50257}, {1, 7},      {6, 12},
                                                 {5, 3},     {9, 4096},  {3, 151936}, {7, 82005}};
   constexpr int kClusters = 2, kKeptExps = 3, kLean = 4, kFma = 5, kSync = 6;  // classifier.cu's
+  static_assert(kSync == 6);  // versions >= kSync: version 5's bits
   const int versions = cuda::cross_entropy_versions();
   for (int version = 1; version <= versions; ++version) {
     cuda::cross_entropy_set_version(version);
@@ -100,9 +104,9 @@ TEST_F(CrossEntropyParity, LossesAndLogitGradient) {
                   (2 * 64 + 2 * 2 * M + M + 2 * 2 + 2 * 2 * (M + log_v) + 2 * (2 * M + log_v)));
             }
           }
-          // Version 6 changes only the blocks' exchange: version 5's losses and gradient.
+          // Versions 6 and 7 change only the schedule: version 5's losses and gradient.
           std::vector<double> v5_losses, v5_grad;
-          if (version == kSync) {
+          if (version >= kSync) {
             Buffer rows(*gpu, dt, {N, V});
             rows.set(logits.g.get());
             cuda::cross_entropy_set_version(kFma);
@@ -136,6 +140,47 @@ TEST_F(CrossEntropyParity, LossesAndLogitGradient) {
             expect_close("cross_entropy dlogits " + tag, logits.g, logits.c,
                          dt == DType::F32 ? kTolF32Output : kTolBf16Output);
         }
+      }
+    }
+  }
+  cuda::cross_entropy_set_version(0);
+}
+
+// Version 7's grid holds as many clusters as are resident at once (on an H200 at most 33
+// of 8 blocks at Qwen3's rows, 99 of 4 at GPT-2's, 1,056 of 1 at 4,096 bf16 logits), each
+// taking every G-th row with two in flight: rows enough for several a cluster, so that
+// both buffers, both state slots and the barriers' later phases are used, and row counts
+// that leave some clusters one row more than others. Its losses and gradient are version
+// 6's bits (which the test above checks against the CPU and version 5).
+TEST_F(CrossEntropyParity, PersistentClustersKeepVersionSixBits) {
+  constexpr int kSync = 6, kStream = 7;  // classifier.cu's
+  ASSERT_GE(cuda::cross_entropy_versions(), kStream);
+  const std::pair<int64_t, int64_t> shapes[] = {
+      {101, 151936}, {301, 50257}, {203, 82005}, {2503, 4096}, {3, 151936}};
+  for (auto [N, V] : shapes) {
+    for (bool grad : {false, true}) {
+      const std::string tag =
+          "N" + std::to_string(N) + " V" + std::to_string(V) + (grad ? " grad" : "");
+      std::uniform_int_distribution<int32_t> pick(0, int32_t(V) - 1);
+      std::vector<int32_t> ids(static_cast<size_t>(N));
+      for (auto& t : ids) t = pick(rng);
+      Buffer targets(*gpu, DType::I32, {N});
+      gpu->upload_tokens(targets, ids.data());
+      Buffer logits(*gpu, DType::BF16, {N, V});
+      const std::vector<double> x = random_normal(rng, N * V, DType::BF16, 3.0);
+      Buffer losses(*gpu, DType::F32, {N});
+      std::vector<double> want_losses, want_rows;
+      for (int version : {kSync, kStream}) {
+        cuda::cross_entropy_set_version(version);
+        logits.set(x);
+        losses.poison();
+        gpu->cross_entropy(losses, logits, targets, 1.0 / double(N), grad);
+        if (version == kSync) {
+          want_losses = losses.get(), want_rows = logits.get();
+          continue;
+        }
+        EXPECT_TRUE(losses.get() == want_losses) << tag << ": losses differ from version 6";
+        EXPECT_TRUE(logits.get() == want_rows) << tag << ": rows differ from version 6";
       }
     }
   }
