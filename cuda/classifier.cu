@@ -7,7 +7,7 @@
 // first 16-byte boundary and a scalar tail, so any V and any row alignment take the vector
 // path). Per thread an online (max, sum of exp) in fp32, one rescale per vector, merged
 // across the block. No fp32 copy of the probabilities exists at any point: memory is the
-// logits. Seven kernel-lab versions (cross_entropy_set_version) in three kernels:
+// logits. Eight kernel-lab versions (cross_entropy_set_version) in three kernels:
 // 1 one block per row: pass 1 folds the row, pass 2 (gradient only) re-reads it and writes
 //   each element once. 512 threads with 16-byte loads and several blocks an SM keep enough
 //   loads in flight (the scalar 2-byte loads of the first form reached 0.91 TB/s at 1B);
@@ -46,6 +46,7 @@
 // 7 version 6 on a persistent grid of clusters with two rows a block in flight (the next
 //   row folded while the cluster's states of this one come in; cross_entropy_stream_kernel):
 //   version 6's bits. Rows whose two buffers would exceed kSegmentMax take version 6.
+// 8 version 7 with blocks of 512 threads (32 warps an SM where 7 has 16): its bits.
 // Measured (KernelBandwidth.DISABLED_CrossEntropyVersions, bf16, with the gradient, ms,
 // two rounds each, twenty-ninth session): [2048, 151936] v1 / v2 / v3 / v4 0.480 / 0.460 /
 // 0.455 / 0.421, [5462, 151936] (the configs' chunk) 1.230 / 1.211 / 1.198 / 1.104,
@@ -569,8 +570,10 @@ __global__ void __launch_bounds__(kClusterThreads)
 // Buffer reuse: the fold writes a buffer and the gradient pass reads it by ordinary
 // accesses; each thread orders them before the copy engine's by a proxy fence, a block
 // barrier follows, then thread 0 has the copy engine overwrite it.
-template <class T>
-__global__ void __launch_bounds__(kClusterThreads)
+// THREADS: 256 (version 7) or 512 (version 8: two blocks an SM at Qwen3's rows are 16
+// warps at 256 threads, half of version 6's four blocks; version 8 keeps 32).
+template <class T, int THREADS>
+__global__ void __launch_bounds__(THREADS)
     cross_entropy_stream_kernel(float* losses, T* logits, const int32_t* targets, int64_t N,
                                 int64_t V, int64_t segment_vectors, int64_t buffer_vectors,
                                 float grad_scale, bool compute_grad) {
@@ -578,7 +581,7 @@ __global__ void __launch_bounds__(kClusterThreads)
   constexpr int kN = 8;
   extern __shared__ uint4 buffers[];  // 2 x buffer_vectors: the segment, then its kept m's
   __shared__ uint64_t bars[2][kMaxPieces];
-  __shared__ float sm_m[kClusterThreads / 32], sm_s[kClusterThreads / 32];
+  __shared__ float sm_m[THREADS / 32], sm_s[THREADS / 32];
   // Two of each, by row parity: a slot is rewritten for row k + 2 only after a barrier
   // that every reader of row k's has passed.
   __shared__ float part_m[2], part_s[2], target_logit[2], row_lse[2];
@@ -716,7 +719,7 @@ __global__ void __launch_bounds__(kClusterThreads)
   cluster_wait();  // no block leaves while another may still read its part_m / part_s
 }
 
-constexpr int kCrossEntropyVersions = 7;
+constexpr int kCrossEntropyVersions = 8;
 constexpr int kCrossEntropyDefault = 6;
 int g_cross_entropy_version = kCrossEntropyDefault;
 
@@ -739,10 +742,10 @@ bool plan_cluster(int64_t V, int64_t bytes, int64_t kept, ClusterPlan& plan) {
 
 // Version 7's grid: as many clusters of plan.blocks as are resident at once (the
 // occupancy calculator's count for this shared memory), at most one a row.
-template <class T>
+template <class T, int THREADS>
 void launch_stream(cudaStream_t s, float* losses, T* logits, const int32_t* targets, int64_t N,
                    int64_t V, const ClusterPlan& plan, float grad_scale, bool compute_grad) {
-  auto kernel = cross_entropy_stream_kernel<T>;
+  auto kernel = cross_entropy_stream_kernel<T, THREADS>;
   static const bool allowed = [&] {
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     int(kSegmentMax)));
@@ -751,7 +754,7 @@ void launch_stream(cudaStream_t s, float* losses, T* logits, const int32_t* targ
   (void)allowed;
   const int64_t buffer_vectors = plan.segment_vectors + ceil_div(plan.segment_vectors, 4);
   cudaLaunchConfig_t cfg = {};
-  cfg.blockDim = dim3(kClusterThreads);
+  cfg.blockDim = dim3(THREADS);
   cfg.dynamicSmemBytes = size_t(2 * 16 * buffer_vectors);
   cfg.stream = s;
   cudaLaunchAttribute attr[1];
@@ -762,7 +765,8 @@ void launch_stream(cudaStream_t s, float* losses, T* logits, const int32_t* targ
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   // The resident count depends only on the device, the cluster's blocks and the shared
-  // memory. The backend calls from one host thread.
+  // memory (one map an instantiation: the kernel is fixed). The backend calls from one host
+  // thread.
   int device = 0;
   CUDA_CHECK(cudaGetDevice(&device));
   static std::map<std::tuple<int, int, size_t>, int> resident;
@@ -834,7 +838,7 @@ void cross_entropy(cudaStream_t s, Tensor losses, Tensor logits, Tensor targets,
     using T = decltype(tag);
     ClusterPlan plan{};
     // Versions 3-7 keep fp16 exps of bf16 rows only; fp32 rows take version 2 there.
-    // Version 7 takes two buffers a block; rows whose two would exceed kSegmentMax take 6.
+    // Versions 7-8 take two buffers a block; rows whose two would exceed kSegmentMax take 6.
     constexpr bool kKeepable = sizeof(T) == 2;
     const bool keep = kKeepable && g_cross_entropy_version >= 3;
     if (g_cross_entropy_version >= 2 && plan_cluster(V, int64_t(sizeof(T)), keep ? 4 : 0, plan)) {
@@ -842,8 +846,11 @@ void cross_entropy(cudaStream_t s, Tensor losses, Tensor logits, Tensor targets,
       auto* rows = static_cast<T*>(logits.data);
       const auto* ids = targets.ptr<int32_t>();
       if constexpr (kKeepable) {
-        if (keep && g_cross_entropy_version == 7 && 2 * plan.smem + 16 * 4 <= kSegmentMax) {
-          launch_stream(s, out, rows, ids, N, V, plan, float(grad_scale), compute_grad);
+        if (keep && g_cross_entropy_version >= 7 && 2 * plan.smem + 16 * 4 <= kSegmentMax) {
+          if (g_cross_entropy_version == 7)
+            launch_stream<T, 256>(s, out, rows, ids, N, V, plan, float(grad_scale), compute_grad);
+          else
+            launch_stream<T, 512>(s, out, rows, ids, N, V, plan, float(grad_scale), compute_grad);
           return;
         }
       }

@@ -19,9 +19,10 @@
 // with pass 1's exponents as one FFMA and its sums in another order: its losses are
 // checked against the CPU and, row by row, against version 4's within a bound derived
 // from both versions' roundings (about 2e-5 at these logits); its gradient against the CPU.
-// Versions 6 and 7 change only the schedule (6 the blocks' exchange, 7 a persistent grid
-// with two rows a block in flight): their losses and gradients are version 5's bits, here
-// and, for version 7 with many rows a cluster, in PersistentClustersKeepVersionSixBits.
+// Versions 6-8 change only the schedule (6 the blocks' exchange, 7 a persistent grid with
+// two rows a block in flight, 8 the same with blocks of 512 threads): their losses and
+// gradients are version 5's bits, here and, for versions 7-8 with many rows a cluster, in
+// PersistentClustersKeepVersionSixBits.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -104,7 +105,7 @@ TEST_F(CrossEntropyParity, LossesAndLogitGradient) {
                   (2 * 64 + 2 * 2 * M + M + 2 * 2 + 2 * 2 * (M + log_v) + 2 * (2 * M + log_v)));
             }
           }
-          // Versions 6 and 7 change only the schedule: version 5's losses and gradient.
+          // Versions 6-8 change only the schedule: version 5's losses and gradient.
           std::vector<double> v5_losses, v5_grad;
           if (version >= kSync) {
             Buffer rows(*gpu, dt, {N, V});
@@ -146,15 +147,15 @@ TEST_F(CrossEntropyParity, LossesAndLogitGradient) {
   cuda::cross_entropy_set_version(0);
 }
 
-// Version 7's grid holds as many clusters as are resident at once (on an H200 at most 33
-// of 8 blocks at Qwen3's rows, 99 of 4 at GPT-2's, 1,056 of 1 at 4,096 bf16 logits), each
+// Versions 7-8's grid holds as many clusters as are resident at once (on an H200 at most
+// 33 of 8 blocks at Qwen3's rows, 99 of 4 at GPT-2's, 1,056 of 1 at 4,096 bf16 logits), each
 // taking every G-th row with two in flight: rows enough for several a cluster, so that
 // both buffers, both state slots and the barriers' later phases are used, and row counts
-// that leave some clusters one row more than others. Its losses and gradient are version
-// 6's bits (which the test above checks against the CPU and version 5).
+// that leave some clusters one row more than others. Their losses and gradients are
+// version 6's bits (which the test above checks against the CPU and version 5).
 TEST_F(CrossEntropyParity, PersistentClustersKeepVersionSixBits) {
-  constexpr int kSync = 6, kStream = 7;  // classifier.cu's
-  ASSERT_GE(cuda::cross_entropy_versions(), kStream);
+  constexpr int kSync = 6, kStream = 7, kStreamWide = 8;  // classifier.cu's
+  ASSERT_GE(cuda::cross_entropy_versions(), kStreamWide);
   const std::pair<int64_t, int64_t> shapes[] = {
       {101, 151936}, {301, 50257}, {203, 82005}, {2503, 4096}, {3, 151936}};
   for (auto [N, V] : shapes) {
@@ -170,7 +171,7 @@ TEST_F(CrossEntropyParity, PersistentClustersKeepVersionSixBits) {
       const std::vector<double> x = random_normal(rng, N * V, DType::BF16, 3.0);
       Buffer losses(*gpu, DType::F32, {N});
       std::vector<double> want_losses, want_rows;
-      for (int version : {kSync, kStream}) {
+      for (int version : {kSync, kStream, kStreamWide}) {
         cuda::cross_entropy_set_version(version);
         logits.set(x);
         losses.poison();
@@ -179,8 +180,10 @@ TEST_F(CrossEntropyParity, PersistentClustersKeepVersionSixBits) {
           want_losses = losses.get(), want_rows = logits.get();
           continue;
         }
-        EXPECT_TRUE(losses.get() == want_losses) << tag << ": losses differ from version 6";
-        EXPECT_TRUE(logits.get() == want_rows) << tag << ": rows differ from version 6";
+        EXPECT_TRUE(losses.get() == want_losses)
+            << tag << " v" << version << ": losses differ from version 6";
+        EXPECT_TRUE(logits.get() == want_rows)
+            << tag << " v" << version << ": rows differ from version 6";
       }
     }
   }
