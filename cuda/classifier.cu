@@ -740,75 +740,76 @@ bool plan_cluster(int64_t V, int64_t bytes, int64_t kept, ClusterPlan& plan) {
   return int64_t(plan.smem) <= kSegmentMax;
 }
 
-// Version 7's grid: as many clusters of plan.blocks as are resident at once (the
+// A launch of clusters of `blocks` blocks: the configuration and the cluster attribute it
+// points to (so neither copies nor moves).
+struct ClusterLaunch {
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1] = {};
+  ClusterLaunch(cudaStream_t s, int blocks, int threads, size_t smem) {
+    cfg.blockDim = dim3(unsigned(threads));
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = s;
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = unsigned(blocks);
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+  }
+  ClusterLaunch(const ClusterLaunch&) = delete;
+  ClusterLaunch& operator=(const ClusterLaunch&) = delete;
+};
+// Lets Kernel take up to kSegmentMax bytes of dynamic shared memory (once a kernel: the
+// template is on the function itself, not its type, which kernels share).
+template <auto Kernel>
+void allow_segment_smem() {
+  static const bool allowed = [] {
+    CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    int(kSegmentMax)));
+    return true;
+  }();
+  (void)allowed;
+}
+
+// Versions 7-8's grid: as many clusters of plan.blocks as are resident at once (the
 // occupancy calculator's count for this shared memory), at most one a row.
 template <class T, int THREADS>
 void launch_stream(cudaStream_t s, float* losses, T* logits, const int32_t* targets, int64_t N,
                    int64_t V, const ClusterPlan& plan, float grad_scale, bool compute_grad) {
   auto kernel = cross_entropy_stream_kernel<T, THREADS>;
-  static const bool allowed = [&] {
-    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    int(kSegmentMax)));
-    return true;
-  }();
-  (void)allowed;
+  allow_segment_smem<cross_entropy_stream_kernel<T, THREADS>>();
   const int64_t buffer_vectors = plan.segment_vectors + ceil_div(plan.segment_vectors, 4);
-  cudaLaunchConfig_t cfg = {};
-  cfg.blockDim = dim3(THREADS);
-  cfg.dynamicSmemBytes = size_t(2 * 16 * buffer_vectors);
-  cfg.stream = s;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = unsigned(plan.blocks);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  ClusterLaunch launch(s, plan.blocks, THREADS, size_t(2 * 16 * buffer_vectors));
   // The resident count depends only on the device, the cluster's blocks and the shared
   // memory (one map an instantiation: the kernel is fixed). The backend calls from one host
   // thread.
   int device = 0;
   CUDA_CHECK(cudaGetDevice(&device));
   static std::map<std::tuple<int, int, size_t>, int> resident;
-  auto [it, fresh] = resident.try_emplace({device, plan.blocks, cfg.dynamicSmemBytes}, 0);
+  auto [it, fresh] = resident.try_emplace({device, plan.blocks, launch.cfg.dynamicSmemBytes}, 0);
   if (fresh) {
-    cfg.gridDim = dim3(unsigned(plan.blocks));
-    CUDA_CHECK(cudaOccupancyMaxActiveClusters(&it->second, kernel, &cfg));
+    launch.cfg.gridDim = dim3(unsigned(plan.blocks));
+    CUDA_CHECK(cudaOccupancyMaxActiveClusters(&it->second, kernel, &launch.cfg));
     MHAR_CHECK(it->second > 0, "cross_entropy: no cluster of ", plan.blocks, " blocks with ",
-               cfg.dynamicSmemBytes, " bytes of shared memory fits");
+               launch.cfg.dynamicSmemBytes, " bytes of shared memory fits");
   }
   const int64_t clusters = std::min<int64_t>(N, it->second);
-  cfg.gridDim = dim3(unsigned(clusters * plan.blocks));
-  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, losses, logits, targets, N, V, plan.segment_vectors,
-                                buffer_vectors, grad_scale, compute_grad));
+  launch.cfg.gridDim = dim3(unsigned(clusters * plan.blocks));
+  CUDA_CHECK(cudaLaunchKernelEx(&launch.cfg, kernel, losses, logits, targets, N, V,
+                                plan.segment_vectors, buffer_vectors, grad_scale, compute_grad));
 }
 
 template <class T, bool KEEP, bool LEAN = false, bool FMA = false, bool SYNC = false>
 void launch_cluster(cudaStream_t s, float* losses, T* logits, const int32_t* targets, int64_t N,
                     int64_t V, const ClusterPlan& plan, float grad_scale, bool compute_grad) {
   auto kernel = cross_entropy_cluster_kernel<T, KEEP, LEAN, FMA, SYNC>;
-  static const bool allowed = [&] {
-    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    int(kSegmentMax)));
-    return true;
-  }();
-  (void)allowed;
+  allow_segment_smem<cross_entropy_cluster_kernel<T, KEEP, LEAN, FMA, SYNC>>();
   MHAR_CHECK(N * plan.blocks <= 0x7fffffff, "cross_entropy: ", N, " rows of ", plan.blocks,
              " blocks");
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned(N * plan.blocks));
-  cfg.blockDim = dim3(kClusterThreads);
-  cfg.dynamicSmemBytes = plan.smem;
-  cfg.stream = s;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = unsigned(plan.blocks);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, losses, logits, targets, V, plan.segment_vectors,
-                                grad_scale, compute_grad));
+  ClusterLaunch launch(s, plan.blocks, kClusterThreads, plan.smem);
+  launch.cfg.gridDim = dim3(unsigned(N * plan.blocks));
+  CUDA_CHECK(cudaLaunchKernelEx(&launch.cfg, kernel, losses, logits, targets, V,
+                                plan.segment_vectors, grad_scale, compute_grad));
 }
 
 }  // namespace
