@@ -2491,6 +2491,14 @@ constexpr int kBackTileMaxNT = 5;  // d <= 1280: 234 registers, no spills (NT 6:
 constexpr int pair_blocks_per_sm(int NT, int version) { return version >= 2 && NT <= 4 ? 3 : 2; }
 constexpr int kPairVersions = 16;
 constexpr bool pair_on_tensor_cores(int version) { return version == 12 || version == 13; }
+// The lanes a head G = 32 / H as a compile-time constant (pair version 11 on, value
+// version 7): H 4 or 8, the paper shapes (with_lanes_a_head).
+constexpr bool lanes_a_head_constant(int heads) { return heads == 4 || heads == 8; }
+// Whether a fused pair tile of whole rows (fused parts 0) runs version 16's stream kernel,
+// whose radial sums come at the end in their own order (routing_backward_sum_order).
+constexpr bool pair_sums_radial_at_end(int version, int fused_parts_log2, int heads) {
+  return version == 16 && fused_parts_log2 == 0 && lanes_a_head_constant(heads);
+}
 constexpr int kPairDefault = 16;
 constexpr int kPairRing = 4;
 constexpr int kPairRingMaxNT = 2;
@@ -3330,7 +3338,7 @@ void launch_stream(cudaStream_t s, K kernel, size_t smem, int blocks_per_sm, int
 // or 8 (G 8 or 4: the paper shapes), else `runtime`, whose G is 32 / g.H at run time.
 template <class K>
 K with_lanes_a_head(bool constant, int heads, K runtime, K g8, K g4) {
-  if (!constant || (heads != 4 && heads != 8)) return runtime;
+  if (!constant || !lanes_a_head_constant(heads)) return runtime;
   return heads == 4 ? g8 : g4;
 }
 
@@ -3775,9 +3783,8 @@ int routing_backward_sum_order(int64_t d, int heads) {
   if (value_fuses_every_slot(value) && value_parts >= 0) {  // every slot fused, the pair's form too
     // The radial sums at the end (key_site_chunks): value version 7's plain calls, pair
     // version 16's stream kernel (whole rows).
-    const bool pair_radial = g_pair_version == 16 && value_parts == 0 && (heads == 4 || heads == 8);
     return key_grads + 256 + lane_chunks(value_parts) + (value == 7 ? 4096 : 0) +
-           (pair_radial ? 8192 : 0);
+           (pair_sums_radial_at_end(g_pair_version, value_parts, heads) ? 8192 : 0);
   }
   const int pair_mma_order =
       pair_on_tensor_cores(g_pair_version) && pair_mma_applies(g.d, heads) ? 2048 : 0;
@@ -3896,7 +3903,7 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
         }
         constexpr int B = pair_blocks_per_sm(NT, 2);
         // 14: the slot rows held in fp32 registers; 15: and qg one site ahead; 16: and the
-        // radial sums at the end.
+        // radial sums at the end (with the constant lanes a head: pair_sums_radial_at_end).
         auto lanes_a_head = [&](auto gc) {
           constexpr int GC = decltype(gc)::value;
           return g_pair_version == 16
