@@ -100,6 +100,25 @@ __device__ __forceinline__ float exp_of(float x) {
   return FTZ ? fast_exp(x) : __expf(x);
 }
 
+// The start of a fold of values whose max is mx: false where every value is -inf (they
+// contribute nothing: e zeroed, the state untouched); else true, with the state's max raised
+// to mx where mx is larger (s rescaled, then on_raise() for what the caller keeps of m).
+template <int K, bool FTZ, class OnRaise>
+__device__ __forceinline__ bool fold_start(float& m, float& s, float mx, float (&e)[K],
+                                           OnRaise&& on_raise) {
+  if (mx == -INFINITY) {
+#pragma unroll
+    for (int i = 0; i < K; ++i) e[i] = 0.f;
+    return false;
+  }
+  if (mx > m) {
+    s *= exp_of<FTZ>(m - mx);  // m = -inf (nothing yet): s = 0 * 0
+    m = mx;
+    on_raise();
+  }
+  return true;
+}
+
 // Folds values x[0..k) into the online state with one rescale; e[i] = exp(x[i] - m) at the
 // m after it (what versions 3-4 keep; 0 where every value is -inf). FTZ: fast_exp.
 template <int K, bool FTZ = false>
@@ -107,15 +126,7 @@ __device__ __forceinline__ void fold(float& m, float& s, const float (&x)[K], fl
   float mx = x[0];
 #pragma unroll
   for (int i = 1; i < K; ++i) mx = fmaxf(mx, x[i]);
-  if (mx == -INFINITY) {  // every value -inf: contributes nothing
-#pragma unroll
-    for (int i = 0; i < K; ++i) e[i] = 0.f;
-    return;
-  }
-  if (mx > m) {
-    s *= exp_of<FTZ>(m - mx);  // m = -inf (nothing yet): s = 0 * 0
-    m = mx;
-  }
+  if (!fold_start<K, FTZ>(m, s, mx, e, [] {})) return;
   float add = 0.f;
 #pragma unroll
   for (int i = 0; i < K; ++i) {
@@ -154,16 +165,7 @@ __device__ __forceinline__ void fold_fma(float& m, float& m_log2e, float& s, con
   unpack8(raw, x);
   const float mx = fmaxf(fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3])),
                          fmaxf(fmaxf(x[4], x[5]), fmaxf(x[6], x[7])));
-  if (mx == -INFINITY) {  // every value -inf: contributes nothing
-#pragma unroll
-    for (int i = 0; i < 8; ++i) e[i] = 0.f;
-    return;
-  }
-  if (mx > m) {
-    s *= fast_exp(m - mx);  // m = -inf (nothing yet): s = 0 * 0
-    m = mx;
-    m_log2e = mx * kLog2e;
-  }
+  if (!fold_start<8, true>(m, s, mx, e, [&] { m_log2e = mx * kLog2e; })) return;
 #pragma unroll
   for (int i = 0; i < 8; ++i) e[i] = fast_exp2(fmaf(x[i], kLog2e, -m_log2e));
   s += ((e[0] + e[1]) + (e[2] + e[3])) + ((e[4] + e[5]) + (e[6] + e[7]));
