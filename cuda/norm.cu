@@ -46,16 +46,17 @@
 // (norm_backward_ring.cu: rows brought into shared memory by the copy engine, dw finished
 // in the kernel after a grid synchronisation). The defaults are the device runs' fastest
 // (kForwardDefault etc. below; cuda/NOTES.md has the measured tables).
-#include "cuda/common.cuh"
-#include "cuda/kernels.h"
-#include "cuda/norm_backward_ring.h"
-
 #include <algorithm>
 #include <atomic>
 #include <map>
 #include <mutex>
 #include <type_traits>
 #include <unordered_map>
+
+#include "cuda/common.cuh"
+#include "cuda/kernels.h"
+#include "cuda/norm_backward_ring.h"
+#include "cuda/rmsnorm_row.cuh"  // group_sum and the forward's row arithmetic
 
 namespace mhar::cuda {
 namespace {
@@ -133,13 +134,6 @@ __global__ void rmsnorm_backward_dw_kernel(float* dw, const T* dy, const T* x, c
 // block (8 warps) RB; blocks loop over the rows grid-stride.
 constexpr int kVecThreads = 256;
 constexpr int kVecMaxD = 4096, kVecMaxDBackward = 2048;
-
-template <int TPR>
-__device__ __forceinline__ float group_sum(float v) {
-#pragma unroll
-  for (int o = TPR / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
 
 // The fused QK-norm + RoPE (kRope): rows are (token, head) of head_dim = D = 8 * TPR, so a
 // lane's 8 features pair with those of the lane TPR/2 away (rotate-half); the partner's
@@ -419,13 +413,8 @@ __global__ void __launch_bounds__(kVecThreads)
     for (int r = 0; r < RPI; ++r) {
       float acc = 0.f;
 #pragma unroll
-      for (int k = 0; k < VPL; ++k) {
-        float f[8];
-        unpack8(xv[r][k], f);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc += f[e] * f[e];
-      }
-      ss[r] = rsqrtf(group_sum<TPR>(acc) / float(D) + eps);
+      for (int k = 0; k < VPL; ++k) add_squares8(acc, xv[r][k]);
+      ss[r] = rms_rstd(group_sum<TPR>(acc), D, eps);
     }
 #pragma unroll
     for (int k = 0; k < VPL; ++k) {
@@ -438,8 +427,7 @@ __global__ void __launch_bounds__(kVecThreads)
         const int64_t row = row_of(base, r);
         float f[8];
         unpack8(xv[r][k], f);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) f[e] = f[e] * ss[r] * wf[e];
+        norm_chunk8(f, ss[r], wf);
         if constexpr (kRope) {
           if constexpr (!kWarpToken) rc.update(ra, row, sub);
           rc.rotate(f, sub);

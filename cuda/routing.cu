@@ -69,6 +69,7 @@
 
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
+#include "cuda/rmsnorm_row.cuh"  // store_row_normed: rmsnorm_forward's arithmetic
 #include "cuda/routing_key_grad_mma.h"
 #include "cuda/routing_logits_mma.h"
 #include "cuda/routing_pair_mma.h"
@@ -263,10 +264,9 @@ struct RowNorm {
 // store_row of token n's row into x, then its norm, with the bits of rmsnorm_forward's
 // vector kernel (norm.cu, rmsnorm_forward_vec_kernel; the host checked
 // rmsnorm_forward_row_fusable): that kernel's lane holds the same chunks lane + 32 t of
-// the row (t ascending), sums their stored bf16 values' squares in the same order, and
-// adds the lanes by the same xor butterfly; where its rows are narrower than a warp (d <=
-// 128), the lanes past the row add exact zeros here. rstd = rsqrtf(sum / d + eps), y = x
-// rstd w, as there.
+// the row (t ascending) and runs the same code on them (rmsnorm_row.cuh: the stored bf16
+// values' squares, the lanes' butterfly, rstd, y); where its rows are narrower than a warp
+// (d <= 128), the lanes past the row add exact zeros here.
 template <int NT>
 __device__ __forceinline__ void store_row_normed(bf16* x, const float (&f)[NT][8],
                                                  const RowNorm& nm, int64_t n, int d, int nchunks) {
@@ -279,14 +279,9 @@ __device__ __forceinline__ void store_row_normed(bf16* x, const float (&f)[NT][8
     if (ch >= nchunks) continue;
     xv[t] = pack8(f[t]);
     reinterpret_cast<uint4*>(x + n * d)[ch] = xv[t];
-    float v[8];
-    unpack8(xv[t], v);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) ss += v[e] * v[e];
+    add_squares8(ss, xv[t]);
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  const float r = rsqrtf(ss / float(d) + nm.eps);
+  const float r = rms_rstd(group_sum<32>(ss), d, nm.eps);
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
     const int ch = lane + 32 * t;
@@ -294,8 +289,7 @@ __device__ __forceinline__ void store_row_normed(bf16* x, const float (&f)[NT][8
     float wf[8], v[8];
     load8(nm.w + 8 * ch, wf);
     unpack8(xv[t], v);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) v[e] = v[e] * r * wf[e];
+    norm_chunk8(v, r, wf);
     store8(nm.y + n * d + 8 * ch, v);
   }
   if (lane == 0) nm.rstd[n] = r;
