@@ -11,6 +11,8 @@
 # Also builds (and skips the GPU tests) on a machine without a GPU.
 #   BUILD_DIR       build directory (default build-gpu)
 #   GTEST_FILTER    passed through to the test binary (default: every test)
+#   TEST_TIMEOUT    s, bounding that run (default 300; the whole suite takes ~250): shorter
+#                   for a first run of a kernel that could hang
 #   JOBS            build parallelism (default: nproc)
 #   OP_TIMING=0     skip the op timings
 #   CHECKS="..."    then run tools/gpu_extra_checks.sh with these stages (eval probe
@@ -162,7 +164,8 @@ fi
 
 echo "== mhar_cuda_tests"
 start=$(date +%s)
-timeout 300 "$BUILD_DIR/mhar_cuda_tests" --gtest_filter="${GTEST_FILTER:-*}" >"$LOG_DIR/cuda_tests.log" 2>&1
+timeout "${TEST_TIMEOUT:-300}" "$BUILD_DIR/mhar_cuda_tests" --gtest_filter="${GTEST_FILTER:-*}" \
+  >"$LOG_DIR/cuda_tests.log" 2>&1
 rc=$?
 echo "tests ran in $(( $(date +%s) - start )) s, exit $rc (at $(elapsed))"
 
