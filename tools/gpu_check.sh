@@ -11,7 +11,7 @@
 # Also builds (and skips the GPU tests) on a machine without a GPU.
 #   BUILD_DIR       build directory (default build-gpu)
 #   GTEST_FILTER    passed through to the test binary (default: every test)
-#   TEST_TIMEOUT    s, bounding that run (default 300; the whole suite takes ~250): shorter
+#   TEST_TIMEOUT    s, bounding that run (default 300, which the whole suite fits in): shorter
 #                   for a first run of a kernel that could hang
 #   JOBS            build parallelism (default: nproc)
 #   OP_TIMING=0     skip the op timings
