@@ -57,7 +57,7 @@ struct ScratchLayout {
 };
 ScratchLayout scratch_layout(const OpScratchShapes& s) {
   using Slot = cuda::ScratchSlot;
-  static_assert(kSlots == 11, "every slot is sized and placed below");
+  static_assert(kSlots == 12, "every slot is sized and placed below");
   ScratchLayout l;
   auto bytes = [&](Slot slot) -> size_t& { return l.bytes[size_t(slot)]; };
   const size_t N = size_t(std::max<int64_t>(s.tokens(), 0));
@@ -77,6 +77,8 @@ ScratchLayout scratch_layout(const OpScratchShapes& s) {
     size_t ns = 0;  // the most sites that read one slot (the tables' and the pairs' rows)
     for (int i = 0; i < lay.sources; ++i) ns = std::max(ns, size_t(lay.last_site(i) - i + 1));
     bytes(Slot::RoutingTables) = ns * d * sizeof(float);  // fp32 (backward); bf16 hi + lo (logits)
+    // Every site's q*g for the whole pass: fp32 rows, then the logits kernel's records.
+    bytes(Slot::RoutingPassTables) = cuda::routing_pass_tables_bytes(lay.sites, s.d_model);
     bytes(Slot::RoutingValueGrad) = N * d * sizeof(float);
     bytes(Slot::RoutingKeyGrad) = N * d * sizeof(float);
     bytes(Slot::RoutingPairSplit) = 2 * ns * H * N * sizeof(uint16_t);  // bf16 hi + lo
@@ -96,9 +98,14 @@ ScratchLayout scratch_layout(const OpScratchShapes& s) {
   }
   bytes(Slot::RopeTable) = cuda::rope_table_bytes(s.head_dim, s.seq_len);
   auto up = [](size_t x) { return (x + 255) / 256 * 256; };  // MemoryPlan::kAlignment
+  // The slots that outlive an op: the two depth tiles (never in flight together), the RoPE
+  // table and the pass's q*g tables, apart from each other and from the groups below.
   l.offset[size_t(Slot::RopeTable)] =
       std::max(up(bytes(Slot::RoutingTile)), up(bytes(Slot::RoutingBackTile)));
-  const size_t tiles = l.offset[size_t(Slot::RopeTable)] + up(bytes(Slot::RopeTable));
+  l.offset[size_t(Slot::RoutingPassTables)] =
+      l.offset[size_t(Slot::RopeTable)] + up(bytes(Slot::RopeTable));
+  const size_t tiles =
+      l.offset[size_t(Slot::RoutingPassTables)] + up(bytes(Slot::RoutingPassTables));
   size_t local = 0;
   static const std::vector<std::vector<Slot>> groups = {
       {Slot::AttentionBackward},
@@ -206,8 +213,11 @@ class CudaBackend final : public Backend {
       routing_ctx_.back_tile = cuda::BackTile{};
     }
     // The RoPE table is refilled after every binding (a pass's; one small kernel): a slot
-    // at the same address may belong to another plan and hold anything.
+    // at the same address may belong to another plan and hold anything. So are the routing
+    // q*g tables, once per pass: a binding starts a pass, unbinding ends it.
     rope_table_ = cuda::RopeTable{};
+    routing_ctx_.qg = cuda::QgPassTables{};
+    routing_ctx_.qg.pass = scratch.memory.data != nullptr;
     OpScratch previous = bound_;
     bound_ = scratch;
     layout_ = layout;

@@ -44,6 +44,7 @@ std::vector<LabKernel> lab_kernels() {
           routing<RoutingKernel::SourceValue>("source_value"),
           routing<RoutingKernel::KeyGrad>("key_grad"),
           routing<RoutingKernel::MixNorm>("mix_norm"),
+          routing<RoutingKernel::QgTables>("qg_tables"),
           norm<NormKernel::Forward>("norm_forward"),
           norm<NormKernel::Backward>("norm_backward"),
           norm<NormKernel::QkNormRope>("qk_norm_rope"),

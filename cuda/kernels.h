@@ -112,7 +112,9 @@ int cross_entropy_versions();
 // contents last until the next request of the same slot; RoutingTile and RoutingBackTile
 // carry a depth tile from one op to the next (routing.cu), RopeTable the cos/sin table from
 // one call to the next (the backend refills it when theta, head_dim or the positions
-// change, and after every binding), the others are used within one op. A new slot, or a
+// change, and after every binding), RoutingPassTables every site's q*g from the op of a
+// bound pass that first needs them to the pass's last (QgPassTables), the others are used
+// within one op. A new slot, or a
 // request that grows with another shape, needs its size in scratch_layout
 // (cuda_backend.cu), or models will fail the size check.
 enum class ScratchSlot {
@@ -127,6 +129,7 @@ enum class ScratchSlot {
   NormPartials,
   MatmulTune,
   RopeTable,
+  RoutingPassTables,
   Count
 };
 using ScratchFn = std::function<void*(ScratchSlot, size_t)>;
@@ -143,6 +146,8 @@ inline const char* scratch_slot_name(ScratchSlot slot) {
     case ScratchSlot::NormPartials: return "norm partial sums";
     case ScratchSlot::MatmulTune: return "matmul tuning output";
     case ScratchSlot::RopeTable: return "RoPE cos/sin table";
+    case ScratchSlot::RoutingPassTables:
+      return "routing query-gain tables of a pass";
     case ScratchSlot::Count: break;
   }
   return "?";
@@ -233,11 +238,29 @@ struct BackTile {
   int first = -1;
   int older() const { return first - layout.block; }  // RoutingLayout::back_tile_count
 };
+// Every site's q*g (token-independent: the logits' and the key paths' operand), computed
+// once per bound pass in the RoutingPassTables scratch rather than once per slot in
+// RoutingTables: the fp32 rows [S, d] and routing_logits_mma's records [S, d / 4], each
+// filled by the first op of the pass that needs it; a slot's rows are those of its sites.
+// A pass is a model's forward or backward (CudaBackend::bind_op_scratch starts one at
+// every binding, unbound ends it), whose routing parameters do not change while it runs;
+// the tables hold the parameters they were computed from (`params`), and an op with others
+// recomputes them. Unbound (ops called without a model) or at lab version 1 of
+// RoutingKernel::QgTables, each op computes its slot's rows as before; the same bits.
+constexpr int kQgPassMaxSites = 256;  // routing.cu's kMaxSites
+struct QgPassTables {
+  bool pass = false;  // a model's pass is bound
+  int sites = 0, d = 0;
+  const void* params[2 * kQgPassMaxSites] = {};  // the sites' q then g pointers the tables hold
+  float* f32 = nullptr;                          // filled, or null
+  void* records = nullptr;                       // filled, or null
+};
 struct RoutingContext {
   cublasHandle_t blas = nullptr;
   ScratchFn scratch;
   MixTile tile;
   BackTile back_tile;
+  QgPassTables qg;
 };
 void routing_source_logits(cudaStream_t s, RoutingContext& ctx, Tensor weights, Tensor inv_rms,
                            Tensor v, const RoutingParams& params, const RoutingLayout& layout,
@@ -252,6 +275,8 @@ void routing_mix_rmsnorm(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor y
 void routing_mix_tile(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weights,
                       Tensor history, const RoutingLayout& layout, int site, int count, int heads);
 int routing_tile_sites(const RoutingLayout& layout, int64_t d, int heads);
+// The RoutingPassTables scratch of `sites` sites of width d (QgPassTables).
+size_t routing_pass_tables_bytes(int sites, int64_t d);
 void routing_source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weights,
                              Tensor ubar, Tensor gsum, const std::vector<Tensor>& site_dx,
                              Tensor x, Tensor v, Tensor inv_rms, const RoutingParams& params,
@@ -293,7 +318,8 @@ enum class RoutingKernel {
   MixFinish,
   SourceValue,
   KeyGrad,
-  MixNorm
+  MixNorm,
+  QgTables
 };
 int routing_set_kernel_version(RoutingKernel kernel, int version);
 int routing_kernel_versions(RoutingKernel kernel);

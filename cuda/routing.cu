@@ -252,6 +252,15 @@ constexpr int kMixNormVersions = 2;
 constexpr int kMixNormDefault = 2;
 int g_mix_norm_version = kMixNormDefault;
 
+// RoutingKernel::QgTables (kernel lab): 1 each op computes its slot's q*g rows into the
+// RoutingTables scratch (two small launches a slot a step: the logits' records in the
+// forward, the key paths' fp32 rows in the backward); 2 (the default) a bound pass computes
+// every site's rows once, at its first need (QgPassTables, kernels.h). The same bits: the
+// same rows, read at the slot's first site.
+constexpr int kQgTablesVersions = 2;
+constexpr int kQgTablesDefault = 2;
+int g_qg_tables_version = kQgTablesDefault;
+
 // The consumer's input norm of a mixed row (routing_mix_rmsnorm): its output y [N, d],
 // rstd [N] and weight w [d]. y null: no norm (the kernels' plain instantiations).
 struct RowNorm {
@@ -3425,7 +3434,72 @@ void allow_smem(K kernel, size_t bytes) {
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
 }
 
+static_assert(kMaxSites == kQgPassMaxSites, "QgPassTables holds every site's parameters");
+
+// Whether an op of these parameters may read the pass's q*g tables (QgPassTables): a bound
+// pass at QgTables version 2. Where they hold other parameters they are emptied and now
+// stand for these.
+bool qg_pass_for(QgPassTables& t, const SiteParams& sp, int sites, int d) {
+  if (!t.pass || g_qg_tables_version != 2 || sites < 1 || sites > kMaxSites) return false;
+  bool same = t.sites == sites && t.d == d;
+  for (int k = 0; same && k < sites; ++k)
+    same = t.params[k] == sp.q[k] && t.params[kMaxSites + k] == sp.g[k];
+  if (!same) {
+    t.sites = sites, t.d = d, t.f32 = nullptr, t.records = nullptr;
+    for (int k = 0; k < sites; ++k) t.params[k] = sp.q[k], t.params[kMaxSites + k] = sp.g[k];
+  }
+  return true;
+}
+// The pass's tables in their scratch: fp32 rows [sites, d], then the records [sites, d / 4].
+float* qg_pass_memory(RoutingContext& ctx) {
+  return static_cast<float*>(ctx.scratch(ScratchSlot::RoutingPassTables,
+                                         routing_pass_tables_bytes(ctx.qg.sites, ctx.qg.d)));
+}
+
+// The fp32 q*g rows of sites source .. source + ns - 1 ([ns, d]): the pass's (every site's,
+// filled at the pass's first need) or this op's own in RoutingTables.
+const float* qg_rows_f32(cudaStream_t s, RoutingContext& ctx, const SiteParams& sp, int sites,
+                         int source, int ns, int d) {
+  QgPassTables& t = ctx.qg;
+  if (qg_pass_for(t, sp, sites, d)) {
+    if (!t.f32) {
+      t.f32 = qg_pass_memory(ctx);
+      const int64_t all = int64_t(sites) * d;
+      qg_tables_kernel<<<grid_stride_blocks(all, 256), 256, 0, s>>>(nullptr, nullptr, t.f32, sp, 0,
+                                                                    sites, d);
+      CUDA_CHECK_LAUNCH();
+    }
+    return t.f32 + int64_t(source) * d;
+  }
+  const int64_t table = int64_t(ns) * d;
+  auto* qg = static_cast<float*>(ctx.scratch(ScratchSlot::RoutingTables, table * sizeof(float)));
+  qg_tables_kernel<<<grid_stride_blocks(table, 256), 256, 0, s>>>(nullptr, nullptr, qg, sp, source,
+                                                                  ns, d);
+  CUDA_CHECK_LAUNCH();
+  return qg;
+}
+
+// routing_logits_mma's records of sites source .. from the pass's table (filled at the
+// pass's first need), or null where the op fills its own.
+const void* qg_pass_records(cudaStream_t s, RoutingContext& ctx, const SiteParams& sp, int sites,
+                            int source, int d) {
+  QgPassTables& t = ctx.qg;
+  if (!qg_pass_for(t, sp, sites, d)) return nullptr;
+  if (!t.records) {
+    t.records = qg_pass_memory(ctx) + int64_t(sites) * d;
+    LogitsMmaSites all{};
+    for (int k = 0; k < sites; ++k) all.q[k] = sp.q[k], all.g[k] = sp.g[k];
+    logits_mma_fill_table(s, t.records, all, sites, d);
+  }
+  return static_cast<const char*>(t.records) + logits_mma_table_bytes(d, source);
+}
+
 }  // namespace
+
+size_t routing_pass_tables_bytes(int sites, int64_t d) {
+  // fp32 rows, then records of 4 channels in 16 bytes: 4 bytes a channel each.
+  return size_t(std::max(sites, 0)) * size_t(std::max<int64_t>(d, 0)) * 2 * sizeof(float);
+}
 
 void routing_source_logits(cudaStream_t s, RoutingContext& ctx, Tensor weights, Tensor inv_rms,
                            Tensor v, const RoutingParams& params, const RoutingLayout& layout,
@@ -3441,16 +3515,16 @@ void routing_source_logits(cudaStream_t s, RoutingContext& ctx, Tensor weights, 
   if (logits_by_tensor_cores(N, g.d, g.H, ns, v.data)) {
     LogitsMmaSites sites{};
     for (int k = 0; k < ns; ++k) sites.q[k] = sp.q[source + k], sites.g[k] = sp.g[source + k];
-    void* table = ctx.scratch(ScratchSlot::RoutingTables, logits_mma_table_bytes(g.d, ns));
-    logits_mma(s, w, inv_rms.ptr<float>(), static_cast<const bf16*>(v.data), sites, table, N, g.d,
-               g.H, ns, g_logits_version == 7 ? 8 : 0, g_logits_version >= 8, float(eps));
+    const void* filled = qg_pass_records(s, ctx, sp, params.sites(), source, g.d);
+    void* table = filled ? const_cast<void*>(filled)
+                         : ctx.scratch(ScratchSlot::RoutingTables, logits_mma_table_bytes(g.d, ns));
+    logits_mma(s, w, inv_rms.ptr<float>(), static_cast<const bf16*>(v.data), sites, table,
+               filled != nullptr, N, g.d, g.H, ns, g_logits_version == 7 ? 8 : 0,
+               g_logits_version >= 8, float(eps));
     return;
   }
   if (logits_token_kernel_applies(g, ns)) {  // one pass over v (see the kernel)
-    auto* qg = static_cast<float*>(ctx.scratch(ScratchSlot::RoutingTables, table * sizeof(float)));
-    qg_tables_kernel<<<grid_stride_blocks(table, 256), 256, 0, s>>>(nullptr, nullptr, qg, sp,
-                                                                     source, ns, g.d);
-    CUDA_CHECK_LAUNCH();
+    const float* qg = qg_rows_f32(s, ctx, sp, params.sites(), source, ns, g.d);
     dispatch_span(g, [&](auto nt) {
       constexpr int NT = decltype(nt)::value;
       if (g_logits_version == 1) {
@@ -3720,6 +3794,8 @@ int routing_kernel_versions(RoutingKernel kernel) {
     case RoutingKernel::KeyGrad: return kKeyGradVersions;
     case RoutingKernel::MixNorm:
       return kMixNormVersions;
+    case RoutingKernel::QgTables:
+      return kQgTablesVersions;
   }
   return 0;
 }
@@ -3736,6 +3812,7 @@ int routing_set_kernel_version(RoutingKernel kernel, int version) {
            : kernel == RoutingKernel::SourceValue  ? g_source_value_version
            : kernel == RoutingKernel::KeyGrad      ? g_key_grad_version
            : kernel == RoutingKernel::MixNorm      ? g_mix_norm_version
+           : kernel == RoutingKernel::QgTables     ? g_qg_tables_version
                                                    : g_delta_forward_version;
   const int fallback = kernel == RoutingKernel::MixTile        ? kMixTileDefault
                        : kernel == RoutingKernel::BackwardPair ? kPairDefault
@@ -3745,6 +3822,7 @@ int routing_set_kernel_version(RoutingKernel kernel, int version) {
                        : kernel == RoutingKernel::SourceValue  ? kSourceValueDefault
                        : kernel == RoutingKernel::KeyGrad      ? kKeyGradDefault
                        : kernel == RoutingKernel::MixNorm      ? kMixNormDefault
+                       : kernel == RoutingKernel::QgTables     ? kQgTablesDefault
                                                                : kDeltaForwardDefault;
   const int before = v;
   v = version > 0 ? version : fallback;
@@ -3849,11 +3927,7 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
   check_numel(dv, N * g.d, what, "dv");
   const SiteParams sp = site_params(what, params, g.d);
   const int ns = layout.last_site(source) - source + 1;
-  const int64_t table = int64_t(ns) * g.d;
-  auto* qg = static_cast<float*>(ctx.scratch(ScratchSlot::RoutingTables, table * sizeof(float)));
-  qg_tables_kernel<<<grid_stride_blocks(table, 256), 256, 0, s>>>(nullptr, nullptr, qg, sp,
-                                                                   source, ns, g.d);
-  CUDA_CHECK_LAUNCH();
+  const float* qg = qg_rows_f32(s, ctx, sp, params.sites(), source, ns, g.d);
   const float* w_src = weights.ptr<float>() + g.lay.pair_base(source) * g.H * N;
   auto* dv_out = static_cast<bf16*>(dv.data);
   const auto* x_in = static_cast<const bf16*>(x.data);

@@ -5,8 +5,9 @@
 // by its token's inv_rms. The path for other shapes runs it as two cuBLAS GEMMs (q*g's
 // bf16 hi and lo parts) between an inv_rms kernel and a scaling pass: v read three times
 // and the logits twice more (cuda/NOTES.md, lead 7).
-// - Two launches a slot: logits_mma_table_kernel writes q*g as bf16 hi + lo, records of 4
-//   channels [hi01 hi23 lo01 lo23] (16 bytes, [site][d / 4]); logits_mma_kernel stages
+// - Two launches a slot (one where a bound pass's table holds every site's records:
+//   QgPassTables, routing.cu): logits_mma_table_kernel writes q*g as bf16 hi + lo, records
+//   of 4 channels [hi01 hi23 lo01 lo23] (16 bytes, [site][d / 4]); logits_mma_kernel stages
 //   its group's rows of that table in shared memory (cp.async, while its warps load their
 //   first rows) and reads v once a group.
 // - Site groups: a block takes 64 tokens (128 in versions 8-9 where a slot takes several
@@ -313,16 +314,21 @@ bool logits_mma_takes_wide_blocks(int d, int heads, int ns) {
 
 size_t logits_mma_table_bytes(int d, int ns) { return size_t(ns) * size_t(d / 4) * sizeof(uint4); }
 
+void logits_mma_fill_table(cudaStream_t s, void* table, const LogitsMmaSites& sites, int ns,
+                           int d) {
+  logits_mma_table_kernel<<<unsigned(ceil_div(int64_t(ns) * (d / 4), 256)), 256, 0, s>>>(
+      static_cast<uint4*>(table), sites, ns, d);
+  CUDA_CHECK_LAUNCH();
+}
+
 bool logits_mma(cudaStream_t s, float* w, float* inv_rms, const bf16* v,
-                const LogitsMmaSites& sites, void* table, int64_t N, int d, int heads, int ns,
-                int group_sites, bool wide_blocks, float eps) {
+                const LogitsMmaSites& sites, void* table, bool table_filled, int64_t N, int d,
+                int heads, int ns, int group_sites, bool wide_blocks, float eps) {
   if (!logits_mma_applies(N, d, heads, ns, v)) return false;
   MHAR_CHECK(group_sites >= 0 && group_sites % 8 == 0, "logits_mma: group_sites ", group_sites,
              " (0 or a multiple of 8)");
   auto* records = static_cast<uint4*>(table);
-  logits_mma_table_kernel<<<unsigned(ceil_div(int64_t(ns) * (d / 4), 256)), 256, 0, s>>>(
-      records, sites, ns, d);
-  CUDA_CHECK_LAUNCH();
+  if (!table_filled) logits_mma_fill_table(s, table, sites, ns, d);
 
   const SiteGroups sg = site_groups(heads, ns, group_sites);
   const Args a{w, inv_rms, v, records, N, ns, sg.groups, eps};

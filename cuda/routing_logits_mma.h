@@ -29,14 +29,20 @@ bool logits_mma_takes_wide_blocks(int d, int heads, int ns);
 size_t logits_mma_table_bytes(int d, int ns);
 // As routing_source_logits defines them: inv_rms[n] = 1 / sqrt(mean_c v[n, c]^2 + eps) and
 // w[(k H + h) N + n] = inv_rms[n] sum_{c in head h} q_k[c] g_k[c] v[n, c] for k < ns.
-// `table` is scratch of logits_mma_table_bytes. group_sites: the most sites a block takes
+// `table` is scratch of logits_mma_table_bytes, which the call fills with the sites'
+// records unless table_filled (logits_mma_fill_table filled it, for these sites, before).
+// group_sites: the most sites a block takes
 // (a multiple of 8), 0 for the most its registers allow (versions 5-6, 8-9; 8 is version
 // 7); the same bits either way. wide_blocks (versions 8-9): blocks of 128 tokens rather than
 // 64 where the slot takes several site groups and such blocks keep more warps resident an
 // SM; the same bits again. Returns false (nothing launched) where logits_mma_applies is
 // false.
 bool logits_mma(cudaStream_t s, float* w, float* inv_rms, const bf16* v,
-                const LogitsMmaSites& sites, void* table, int64_t N, int d, int heads, int ns,
-                int group_sites, bool wide_blocks, float eps);
+                const LogitsMmaSites& sites, void* table, bool table_filled, int64_t N, int d,
+                int heads, int ns, int group_sites, bool wide_blocks, float eps);
+// The records of q*g for sites 0 .. ns - 1 of `sites` into `table` (logits_mma_table_bytes(d,
+// ns)): a site's records start logits_mma_table_bytes(d, k) into the table, so rows from
+// site k on are a table for a slot whose first site is k.
+void logits_mma_fill_table(cudaStream_t s, void* table, const LogitsMmaSites& sites, int ns, int d);
 
 }  // namespace mhar::cuda

@@ -7,7 +7,10 @@
 // key-gradient kernel's vector path), and 1..9 sources; block routing's layouts
 // (partial block sums read by their own site only, closed ones by every later site)
 // from blocks of 2 to one block of all outputs, and the 1B config's 8 blocks of 9; the
-// span layout (d % 256 == 0, H dividing 32) for every H and row width it covers.
+// span layout (d % 256 == 0, H dividing 32) for every H and row width it covers. The
+// logits and the backward run again inside a bound pass (a model's op scratch), where
+// every site's q*g comes from the pass's tables (QgPassTables, cuda/kernels.h): the
+// unbound calls' bits, also when a second set of parameters takes the pass's tables over.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -325,6 +328,44 @@ class RoutingParity : public CudaParity {
     }
     expect_close("routing_source_logits inv_rms " + tag, inv_rms.g, inv_rms.c, kTolF32Output);
     expect_close("routing_source_logits logits " + tag, weights.g, weights.c, kTolF32Output);
+    // A bound pass: the op scratch of these shapes (nothing else planned: no attention, no
+    // depth tiles), in which the logits take every site's q*g from the pass's tables.
+    OpScratchShapes shapes;
+    shapes.batch = 1, shapes.seq_len = N, shapes.d_model = d;
+    shapes.routing = lay, shapes.routing_heads = H;
+    Buffer scratch(*gpu, DType::F32, {int64_t((gpu->op_scratch_bytes(shapes) + 3) / 4)});
+    {
+      const std::vector<double> unbound = weights.g.get(), unbound_rms = inv_rms.g.get();
+      // Other parameters for the same sites (new tensors): the pass's tables must follow
+      // whichever parameters a call brings.
+      std::vector<Buffer> other_q;
+      other_q.reserve(size_t(S));
+      RoutingParams other = pg;
+      for (int k = 0; k < S; ++k) {
+        other_q.emplace_back(*gpu, DType::BF16, std::initializer_list<int64_t>{d});
+        other_q.back().set(random_normal(rng, d, DType::BF16, q_std));
+        other.query[size_t(k)] = other_q.back();
+      }
+      Buffer w_other(*gpu, DType::F32, {P, H, N}), r_other(*gpu, DType::F32, {S, N});
+      for (int i = 0; i < S; ++i)
+        gpu->routing_source_logits(w_other, r_other.t()[i], history.g.t()[i], other, lay, i, H,
+                                   eps);
+      const std::vector<double> unbound_other = w_other.get();
+      const OpScratchBinding bind(*gpu, {scratch, shapes});
+      weights.g.poison();
+      inv_rms.g.poison();
+      w_other.poison();
+      for (int i = 0; i < S; ++i) {
+        gpu->routing_source_logits(weights.g, inv_rms.g.t()[i], history.g.t()[i], pg, lay, i, H,
+                                   eps);
+        gpu->routing_source_logits(w_other, r_other.t()[i], history.g.t()[i], other, lay, i, H,
+                                   eps);
+      }
+      EXPECT_TRUE(weights.g.get() == unbound) << "logits in a bound pass " << tag;
+      EXPECT_TRUE(inv_rms.g.get() == unbound_rms) << "inv_rms in a bound pass " << tag;
+      EXPECT_TRUE(w_other.get() == unbound_other)
+          << "logits of other parameters in the same bound pass " << tag;
+    }
     inv_rms.g.set(inv_rms.c.get());  // identical inputs for what follows
     const std::vector<double> raw_logits = weights.c.get();
     weights.g.set(raw_logits);
@@ -400,6 +441,9 @@ class RoutingParity : public CudaParity {
           [&](const BackwardBits& got, const std::string& what) {
             expect_backward_close(what, got, dv, ubar, weights, gsum);
           });
+      const BackwardBits unbound = run();  // then in a bound pass: the pass's q*g rows
+      const OpScratchBinding bind(*gpu, {scratch, shapes});
+      run().expect_same(unbound, "routing_source_backward in a bound pass " + tag);
     }
     if (const int k = gpu->routing_backward_tile_slots(lay, d, H); k > 1)
       check_back_tiles(tag, k, lay, N, d, H, history, xs, inv_rms, site_dx, mixed, pg, dv, ubar,

@@ -73,13 +73,31 @@ def ptx_command(args, arch, out):
     return cmd
 
 
+def anonymous(line):
+    """The line with each anonymous namespace's and internal static's mangled identifier
+    (length-prefixed: "43_GLOBAL__N__<path hash>_<file>_<content hash>", "41_INTERNAL_...")
+    replaced by a fixed one: nvcc derives them from the file's path and contents, which
+    differ between the two trees even where the code is the same."""
+    out, i = [], 0
+    for m in re.finditer(r"(\d+)(_GLOBAL__N__|_INTERNAL_)", line):
+        if m.start() < i:
+            continue
+        n = int(m.group(1))
+        out.append(line[i:m.start()])
+        out.append("ANON")
+        i = m.start() + len(m.group(1)) + n
+    out.append(line[i:])
+    return "".join(out)
+
+
 def kernel_bodies(path):
-    """Each kernel's instructions; the anonymous namespace's tag (a hash of the file's
-    path, which differs between the two trees), registers and labels renamed."""
+    """Each kernel's instructions; the tags nvcc derives from the file's path (which
+    differs between the two trees: anonymous namespaces, internal statics), registers and
+    labels renamed."""
     bodies, current = {}, None
     with open(path) as f:
         for line in f:
-            line = re.sub(r"_GLOBAL__N__[0-9a-f]+_", "_GLOBAL__N__", line)
+            line = anonymous(line)
             m = re.match(r"\s*(\.visible\s+|\.weak\s+)?\.entry\s+([^\s(]+)", line)
             if m:
                 current = m.group(2)
@@ -131,8 +149,11 @@ def main():
             changed = [k for k in names if old.get(k) != new.get(k)]
             print(f"{rel}: {len(names) - len(changed)} of {len(names)} kernels identical "
                   f"to {a.rev}")
-            for k in changed:
+            for n, k in enumerate(changed):
                 differ = True
+                if n == 12:
+                    print(f"  ... and {len(changed) - n} more")
+                    break
                 print(f"  differs: {k[:160]} ({len(old.get(k, []))} -> "
                       f"{len(new.get(k, []))} instructions)")
                 diff = [l for l in difflib.unified_diff(old.get(k, []), new.get(k, []),
