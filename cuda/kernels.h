@@ -245,8 +245,9 @@ struct BackTile {
 // A pass is a model's forward or backward (CudaBackend::bind_op_scratch starts one at
 // every binding, unbound ends it), whose routing parameters do not change while it runs;
 // the tables hold the parameters they were computed from (`params`), and an op with others
-// recomputes them. Unbound (ops called without a model) or at lab version 1 of
-// RoutingKernel::QgTables, each op computes its slot's rows as before; the same bits.
+// recomputes them. Only at lab version 2 of RoutingKernel::QgTables (not yet the default:
+// routing.cu); unbound (ops called without a model) or at version 1, each op computes its
+// slot's rows; the same bits.
 constexpr int kQgPassMaxSites = 256;  // routing.cu's kMaxSites
 struct QgPassTables {
   bool pass = false;  // a model's pass is bound

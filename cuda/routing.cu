@@ -252,13 +252,15 @@ constexpr int kMixNormVersions = 2;
 constexpr int kMixNormDefault = 2;
 int g_mix_norm_version = kMixNormDefault;
 
-// RoutingKernel::QgTables (kernel lab): 1 each op computes its slot's q*g rows into the
-// RoutingTables scratch (two small launches a slot a step: the logits' records in the
-// forward, the key paths' fp32 rows in the backward); 2 (the default) a bound pass computes
-// every site's rows once, at its first need (QgPassTables, kernels.h). The same bits: the
-// same rows, read at the slot's first site.
+// RoutingKernel::QgTables (kernel lab): 1 (the default) each op computes its slot's q*g
+// rows into the RoutingTables scratch (two small launches a slot a step: the logits'
+// records in the forward, the key paths' fp32 rows in the backward); 2 a bound pass
+// computes every site's rows once, at its first need (QgPassTables, kernels.h). The same
+// bits: the same rows, read at the slot's first site. Version 2 was written without a GPU
+// (thirty-fourth session); it becomes the default once its tests have run on one and the
+// step has been timed with it (cuda/NOTES.md, lead 6).
 constexpr int kQgTablesVersions = 2;
-constexpr int kQgTablesDefault = 2;
+constexpr int kQgTablesDefault = 1;
 int g_qg_tables_version = kQgTablesDefault;
 
 // The consumer's input norm of a mixed row (routing_mix_rmsnorm): its output y [N, d],

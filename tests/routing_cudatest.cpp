@@ -8,9 +8,10 @@
 // (partial block sums read by their own site only, closed ones by every later site)
 // from blocks of 2 to one block of all outputs, and the 1B config's 8 blocks of 9; the
 // span layout (d % 256 == 0, H dividing 32) for every H and row width it covers. The
-// logits and the backward run again inside a bound pass (a model's op scratch), where
-// every site's q*g comes from the pass's tables (QgPassTables, cuda/kernels.h): the
-// unbound calls' bits, also when a second set of parameters takes the pass's tables over.
+// logits and the backward run again inside a bound pass (a model's op scratch) at
+// RoutingKernel::QgTables version 2, where every site's q*g comes from the pass's tables
+// (QgPassTables, cuda/kernels.h): the unbound calls' bits, also when a second set of
+// parameters takes the pass's tables over.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -23,6 +24,13 @@ namespace {
 
 class RoutingParity : public CudaParity {
  protected:
+  // RoutingKernel::QgTables version 2 (a bound pass's q*g tables) while in scope.
+  struct QgPassTablesOn {
+    QgPassTablesOn() { cuda::routing_set_kernel_version(cuda::RoutingKernel::QgTables, 2); }
+    ~QgPassTablesOn() { cuda::routing_set_kernel_version(cuda::RoutingKernel::QgTables, 0); }
+    QgPassTablesOn(const QgPassTablesOn&) = delete;
+    QgPassTablesOn& operator=(const QgPassTablesOn&) = delete;
+  };
   // Depth tiles (routing_mix_tile, k sites from 0, k, 2k, ...) as the layer loop runs
   // them: slot j is written just before site j's mix and the later slots hold NaN, so a
   // tile that read ahead would show; x and the normalised weights against the CPU's plain
@@ -351,6 +359,7 @@ class RoutingParity : public CudaParity {
         gpu->routing_source_logits(w_other, r_other.t()[i], history.g.t()[i], other, lay, i, H,
                                    eps);
       const std::vector<double> unbound_other = w_other.get();
+      const QgPassTablesOn pass_tables;
       const OpScratchBinding bind(*gpu, {scratch, shapes});
       weights.g.poison();
       inv_rms.g.poison();
@@ -442,6 +451,7 @@ class RoutingParity : public CudaParity {
             expect_backward_close(what, got, dv, ubar, weights, gsum);
           });
       const BackwardBits unbound = run();  // then in a bound pass: the pass's q*g rows
+      const QgPassTablesOn pass_tables;
       const OpScratchBinding bind(*gpu, {scratch, shapes});
       run().expect_same(unbound, "routing_source_backward in a bound pass " + tag);
     }
