@@ -675,6 +675,9 @@ __global__ void __launch_bounds__(THREADS)
   float m, s;
   fold_row(0, m, s);
   if (threadIdx.x == 0) publish(0, m, s);
+  // Warp 0 has read sm_m / sm_s before any warp writes them again (row 1's merge_block);
+  // in the loop the barrier after each row's merge of the cluster's states does this.
+  __syncthreads();
   cluster_arrive_relaxed();
   for (int64_t k = 0; k < rows; ++k) {
     const int b = int(k & 1);
