@@ -296,7 +296,7 @@ __device__ __forceinline__ void unpack_half8(const uint4& r, float (&f)[8]) {
   }
 }
 
-// Versions 4-7's gradient of one vector from its kept fp16 exps e (taken at kept_m):
+// Versions 4-8's gradient of one vector from its kept fp16 exps e (taken at kept_m):
 // grad_scale (e exp(kept_m - lse) - onehot), `at` the target's place in the vector (the
 // one-hot by selects, not an index, so that e stays in registers).
 __device__ __forceinline__ uint4 kept_grad(const uint4& kept, float kept_m, int64_t at, float lse,

@@ -98,9 +98,10 @@ void swiglu_backward(cudaStream_t s, Tensor d_gate_up, Tensor h, Tensor dh, Tens
 void cross_entropy(cudaStream_t s, Tensor losses, Tensor logits, Tensor targets,
                    double grad_scale, bool compute_grad);
 // Kernel lab: the cross-entropy's version (1: a block a row, the row read twice with the
-// gradient; 2: a cluster of blocks a row, the row read once into shared memory; 3: 2 with
-// pass 1's exps kept for pass 2, bf16 rows; 0: the default, cuda/classifier.cu says which).
-// Returns the version it replaces.
+// gradient; 2: a cluster of blocks a row, the row read once into shared memory; 3 on: 2
+// with pass 1's exps kept for pass 2 (bf16 rows), each later version a faster form of it;
+// cross_entropy_versions() of them; 0: the default. cuda/classifier.cu says what each does
+// and which is the default). Returns the version it replaces.
 int cross_entropy_set_version(int version);
 int cross_entropy_versions();
 
@@ -114,9 +115,8 @@ int cross_entropy_versions();
 // one call to the next (the backend refills it when theta, head_dim or the positions
 // change, and after every binding), RoutingPassTables every site's q*g from the op of a
 // bound pass that first needs them to the pass's last (QgPassTables), the others are used
-// within one op. A new slot, or a
-// request that grows with another shape, needs its size in scratch_layout
-// (cuda_backend.cu), or models will fail the size check.
+// within one op. A new slot, or a request that grows with another shape, needs its size in
+// scratch_layout (cuda_backend.cu), or models will fail the size check.
 enum class ScratchSlot {
   AttentionBackward,
   RoutingTables,

@@ -31,9 +31,8 @@ size_t logits_mma_table_bytes(int d, int ns);
 // w[(k H + h) N + n] = inv_rms[n] sum_{c in head h} q_k[c] g_k[c] v[n, c] for k < ns.
 // `table` is scratch of logits_mma_table_bytes, which the call fills with the sites'
 // records unless table_filled (logits_mma_fill_table filled it, for these sites, before).
-// group_sites: the most sites a block takes
-// (a multiple of 8), 0 for the most its registers allow (versions 5-6, 8-9; 8 is version
-// 7); the same bits either way. wide_blocks (versions 8-9): blocks of 128 tokens rather than
+// group_sites: the most sites a block takes (a multiple of 8), 0 for the most its
+// registers allow (versions 5-6, 8-9; 8 is version 7); the same bits either way. wide_blocks (versions 8-9): blocks of 128 tokens rather than
 // 64 where the slot takes several site groups and such blocks keep more warps resident an
 // SM; the same bits again. Returns false (nothing launched) where logits_mma_applies is
 // false.
