@@ -11,7 +11,7 @@
 // logits and the backward run again inside a bound pass (a model's op scratch) at
 // RoutingKernel::QgTables version 2, where every site's q*g comes from the pass's tables
 // (QgPassTables, cuda/kernels.h): the unbound calls' bits, also when a second set of
-// parameters takes the pass's tables over.
+// parameters takes the pass's tables over, and when the first takes them back.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -364,12 +364,16 @@ class RoutingParity : public CudaParity {
       weights.g.poison();
       inv_rms.g.poison();
       w_other.poison();
-      for (int i = 0; i < S; ++i) {
+      // Every source with pg (its tables filled once), then with the other parameters (filled
+      // again, once), then pg's last source again (back to pg's).
+      for (int i = 0; i < S; ++i)
         gpu->routing_source_logits(weights.g, inv_rms.g.t()[i], history.g.t()[i], pg, lay, i, H,
                                    eps);
+      for (int i = 0; i < S; ++i)
         gpu->routing_source_logits(w_other, r_other.t()[i], history.g.t()[i], other, lay, i, H,
                                    eps);
-      }
+      gpu->routing_source_logits(weights.g, inv_rms.g.t()[S - 1], history.g.t()[S - 1], pg, lay,
+                                 S - 1, H, eps);
       EXPECT_TRUE(weights.g.get() == unbound) << "logits in a bound pass " << tag;
       EXPECT_TRUE(inv_rms.g.get() == unbound_rms) << "inv_rms in a bound pass " << tag;
       EXPECT_TRUE(w_other.get() == unbound_other)
