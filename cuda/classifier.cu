@@ -636,10 +636,14 @@ __global__ void __launch_bounds__(THREADS)
       if (bytes > 0) bulk_load(segment + at, global_segment + at, bytes, &bars[b][p]);
     }
   };
+  // Row k's place, kept by its fold for its gradient pass (by row parity, as the buffers:
+  // rewritten by row k + 2's fold, after the barrier that follows row k's gradient pass).
+  __shared__ Row placed[2];
   // Row k's fold (version 6's) over buffer k & 1, merged across the block: thread 0 holds it.
   auto fold_row = [&](int64_t k, float& m, float& s) {
     const Row r = row_at(k);
     const int b = int(k & 1);
+    if (threadIdx.x == 0) placed[b] = r;  // read after merge_block's barrier
     uint4* segment = buffers + b * buffer_vectors;
     float* kept_m = reinterpret_cast<float*>(segment + segment_vectors);
     const uint32_t parity = uint32_t(k >> 1) & 1u;
@@ -702,7 +706,7 @@ __global__ void __launch_bounds__(THREADS)
     __syncthreads();  // row_lse
     const float lse = row_lse[b];
     if (compute_grad) {
-      const Row r = row_at(k);
+      const Row r = placed[b];
       const uint4* segment = buffers + b * buffer_vectors;
       const float* kept_m = reinterpret_cast<const float*>(segment + segment_vectors);
       uint4* global_segment = reinterpret_cast<uint4*>(r.row + r.head) + r.first;
