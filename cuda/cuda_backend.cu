@@ -40,17 +40,16 @@ float host_bf16_to_float(uint16_t h) {
 
 constexpr size_t kSlots = size_t(cuda::ScratchSlot::Count);
 
-// A model's op scratch (Backend::op_scratch_bytes) by slot: each slot's most bytes for the
-// model's shapes (the requests of attention_backward and hyper_workspace below, norm.cu
-// and routing.cu), and where it sits. A depth tile carries its slot from one op to the
-// next (routing.cu), so the two tile slots come first and share their bytes: a mix tile
-// lives inside one forward pass, a backward tile inside one backward pass. The RoPE table
-// lasts from one call to the next as well: it has its own bytes after the tiles. Every
-// other slot is used within one op, and ops run one at a time on the one stream, so the
-// ops' groups share the bytes after the tiles and the table: attention's backward (row dots,
-// score-gradient tiles); the norms' partial sums; hyper's partial sums; the routing tables, value and key
-// rows and pair split side by side (one routing source backward uses all four, and the
-// backward tile, at once).
+// A model's op scratch (Backend::op_scratch_bytes) by slot: each slot's most bytes for the model's
+// shapes (the requests of attention_backward and hyper_workspace below, norm.cu and routing_mix.cu,
+// routing_backward.cu), and where it sits. A depth tile carries its slot from one op to the next
+// (routing_mix.cu, routing_backward.cu), so the two tile slots come first and share their bytes: a
+// mix tile lives inside one forward pass, a backward tile inside one backward pass. The RoPE table
+// lasts from one call to the next as well: it has its own bytes after the tiles. Every other slot
+// is used within one op, and ops run one at a time on the one stream, so the ops' groups share the
+// bytes after the tiles and the table: attention's backward (row dots, score-gradient tiles); the
+// norms' partial sums; hyper's partial sums; the routing tables, value and key rows and pair split
+// side by side (one routing source backward uses all four, and the backward tile, at once).
 struct ScratchLayout {
   size_t offset[kSlots] = {}, bytes[kSlots] = {};
   size_t total = 0;
@@ -87,7 +86,7 @@ ScratchLayout scratch_layout(const OpScratchShapes& s) {
     if (k >= 2) bytes(Slot::RoutingTile) = size_t(k - 1) * (N * d + 2 * H * N) * sizeof(float);
     if (std::min(s.backward_tile_slots,
                  cuda::routing_backward_tile_slots(lay, s.d_model, s.routing_heads)) >= 2)
-      bytes(Slot::RoutingBackTile) = N * (d + 1) * sizeof(float);  // row + radial sum (routing.cu)
+      bytes(Slot::RoutingBackTile) = N * (d + 1) * sizeof(float);  // row + radial sum
   }
   const int n = s.hyper_streams;
   if (n >= 1 && n <= cuda::kHyperMaxStreams && N > 0) {
@@ -207,7 +206,7 @@ class CudaBackend final : public Backend {
       MHAR_CHECK(scratch.memory.bytes() >= layout.total, "CUDA op scratch: ",
                  scratch.memory.bytes(), " bytes bound for shapes that need ", layout.total);
     }
-    // A depth tile in flight (routing.cu) keeps its partial sums in the scratch it began in.
+    // A depth tile in flight (routing_mix.cu) keeps its partial sums in the scratch it began in.
     if (scratch.memory.data != bound_.memory.data) {
       routing_ctx_.tile = cuda::MixTile{};
       routing_ctx_.back_tile = cuda::BackTile{};
@@ -509,11 +508,13 @@ class CudaBackend final : public Backend {
     cuda::delta_source_grad(stream_, out, dresid, slot, next);
   }
   void delta_site_forward(const DeltaSiteForward& a) override {
-    // One fused kernel where the shapes allow it (cuda/routing.cu), else the sequence.
+    // One fused kernel where the shapes allow it (cuda/routing_delta_forward.cu), else the
+    // sequence.
     if (!cuda::routing_delta_site_forward(stream_, routing_ctx_, a)) Backend::delta_site_forward(a);
   }
   void delta_site_backward(const DeltaSiteBackward& a) override {
-    // One fused kernel where the shapes allow it (cuda/routing.cu), else the sequence.
+    // One fused kernel where the shapes allow it (cuda/routing_backward.cu), else the
+    // sequence.
     if (!cuda::routing_delta_site_backward(stream_, routing_ctx_, a)) Backend::delta_site_backward(a);
   }
   double sum_squares(Tensor t) override { return cuda::sum_squares(stream_, t, scratch_); }

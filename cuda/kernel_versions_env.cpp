@@ -1,9 +1,9 @@
-// kernel_versions_env.cpp: MHAR_KERNEL_VERSIONS, the kernel lab's numbered versions chosen
-// for a whole process, so that a candidate default is timed in the real step (`mhar bench`,
-// tools/bench_modes.sh) against the current one in one device call, without a rebuild.
-// Format: comma-separated NAME=VERSION, e.g. MHAR_KERNEL_VERSIONS=key_grad=3,norm_backward=5;
-// names below (routing.cu and norm.cu say what each version does), VERSION 0 the default.
-// Unset or empty: every default, which is what a run without the lab is. A bad name or
+// kernel_versions_env.cpp: MHAR_KERNEL_VERSIONS, the kernel lab's numbered versions chosen for a
+// whole process, so that a candidate default is timed in the real step (`mhar bench`,
+// tools/bench_modes.sh) against the current one in one device call, without a rebuild. Format:
+// comma-separated NAME=VERSION, e.g. MHAR_KERNEL_VERSIONS=key_grad=3,norm_backward=5; names below
+// (cuda/routing_host.h names the routing file that says what each version does; norm.cu), VERSION 0
+// the default. Unset or empty: every default, which is what a run without the lab is. A bad name or
 // version stops the backend's construction with the valid choices, and sets nothing.
 #include <algorithm>
 #include <cstdlib>

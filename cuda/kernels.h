@@ -28,7 +28,7 @@ void add_rmsnorm_forward(cudaStream_t s, Tensor x, Tensor y, Tensor rstd, Tensor
 // Whether rmsnorm_forward(y, rstd, x, w) runs its vector kernel with bf16 weights (the
 // shapes are checked as rmsnorm_forward checks them): then a kernel that holds x's row in
 // one warp, as 16-byte chunks lane + 32 t, can write y and rstd with that kernel's bits
-// (routing.cu, store_row_normed: the site's mix and its consumer's norm in one pass).
+// (routing_mix.cu, store_row_normed: the site's mix and its consumer's norm in one pass).
 bool rmsnorm_forward_row_fusable(Tensor y, Tensor rstd, Tensor x, Tensor w);
 // rmsnorm_backward: below ScratchSlot (its dw partial sums live in backend scratch).
 
@@ -105,18 +105,18 @@ void cross_entropy(cudaStream_t s, Tensor losses, Tensor logits, Tensor targets,
 int cross_entropy_set_version(int version);
 int cross_entropy_versions();
 
-// The ops' temporaries (Backend::op_scratch_bytes): an op asks for `bytes` in its slot and
-// gets memory at least that large. With a model's scratch bound, every slot is a fixed
-// part of that buffer (cuda_backend.cu lays them out from the model's shapes; a request
-// beyond the planned size is an MHAR_CHECK); unbound, each slot is a grow-only buffer of
-// the backend (a larger request reallocates it, synchronising the stream). A slot's
-// contents last until the next request of the same slot; RoutingTile and RoutingBackTile
-// carry a depth tile from one op to the next (routing.cu), RopeTable the cos/sin table from
-// one call to the next (the backend refills it when theta, head_dim or the positions
-// change, and after every binding), RoutingPassTables every site's q*g from the op of a
-// bound pass that first needs them to the pass's last (QgPassTables), the others are used
-// within one op. A new slot, or a request that grows with another shape, needs its size in
-// scratch_layout (cuda_backend.cu), or models will fail the size check.
+// The ops' temporaries (Backend::op_scratch_bytes): an op asks for `bytes` in its slot and gets
+// memory at least that large. With a model's scratch bound, every slot is a fixed part of that
+// buffer (cuda_backend.cu lays them out from the model's shapes; a request beyond the planned size
+// is an MHAR_CHECK); unbound, each slot is a grow-only buffer of the backend (a larger request
+// reallocates it, synchronising the stream). A slot's contents last until the next request of the
+// same slot; RoutingTile and RoutingBackTile carry a depth tile from one op to the next
+// (routing_mix.cu, routing_backward.cu), RopeTable the cos/sin table from one call to the next (the
+// backend refills it when theta, head_dim or the positions change, and after every binding),
+// RoutingPassTables every site's q*g from the op of a bound pass that first needs them to the
+// pass's last (QgPassTables), the others are used within one op. A new slot, or a request that
+// grows with another shape, needs its size in scratch_layout (cuda_backend.cu), or models will fail
+// the size check.
 enum class ScratchSlot {
   AttentionBackward,
   RoutingTables,
@@ -208,9 +208,9 @@ int norm_kernel_versions(NormKernel kernel);
 // launch happened.
 int64_t qk_pair_launches();
 
-// routing.cu. The logits and the key path of the backward are small GEMMs per head
-// (cuBLAS, on the backend's stream) around the token kernels; their temporaries come from
-// the backend's scratch.
+// routing.cu and the routing_*.cu files it names. The logits and the key path of the backward are
+// small GEMMs per head (cuBLAS, on the backend's stream) around the token kernels; their
+// temporaries come from the backend's scratch.
 // The depth tile in flight (routing_mix_tile): the fp32 partial sums of sites
 // first+1 .. first+count-1 over the slots <= first, in the RoutingTile scratch, valid for
 // this weights/history pair until the tile's last site is mixed or a slot <= first gets
@@ -246,9 +246,9 @@ struct BackTile {
 // every binding, unbound ends it), whose routing parameters do not change while it runs;
 // the tables hold the parameters they were computed from (`params`), and an op with others
 // recomputes them. Only at lab version 2 of RoutingKernel::QgTables (not yet the default:
-// routing.cu); unbound (ops called without a model) or at version 1, each op computes its
+// routing_logits.cu); unbound (ops called without a model) or at version 1, each op computes its
 // slot's rows; the same bits.
-constexpr int kQgPassMaxSites = 256;  // routing.cu's kMaxSites
+constexpr int kQgPassMaxSites = 256;  // routing_rows.cuh's kMaxSites
 struct QgPassTables {
   bool pass = false;  // a model's pass is bound
   int sites = 0, d = 0;
@@ -305,9 +305,9 @@ void routing_param_grads(cudaStream_t s, const RoutingParams& params, Tensor gsu
 // Returns the previous limit. Process-wide, not thread-safe.
 int routing_set_fused_key_max_sites(int sites);
 int routing_fused_key_max_sites();
-// Kernel lab: numbered versions 1 .. routing_kernel_versions(k) of a routing kernel, each
-// a complete alternative (cuda/routing.cu says what each does), so that one device run
-// times them all. version <= 0: the default (the measured fastest, cuda/routing.cu).
+// Kernel lab: numbered versions 1 .. routing_kernel_versions(k) of a routing kernel, each a
+// complete alternative (cuda/routing_host.h names the file that says what each does), so that one
+// device run times them all. version <= 0: the default (the measured fastest, cuda/routing_host.h).
 // Returns the previous version.
 // Process-wide, not thread-safe; the engine never calls it.
 enum class RoutingKernel {
@@ -407,7 +407,7 @@ void delta_resid_gate_backward(cudaStream_t s, Tensor dresid, Tensor dr, Tensor 
                                Tensor r, Tensor alpha, Tensor scratch);
 void delta_source_grad(cudaStream_t s, Tensor out, Tensor dresid, Tensor slot, Tensor next);
 // out[0] += the sum of partial[0..count) in a fixed order (one block): the second half of
-// the gate's dalpha reductions (delta_gate_backward's, and routing.cu's fused site
+// the gate's dalpha reductions (delta_gate_backward's, and routing_backward.cu's fused site
 // backward's).
 void delta_add_partials(cudaStream_t s, Tensor out, const float* partial, int count);
 

@@ -1,6 +1,6 @@
 // rmsnorm_row.cuh: the RMSNorm forward's arithmetic on a row held in lanes, shared by
 // norm.cu's vector kernel and the kernels that fuse the norm into their own last pass
-// (routing.cu's mix finish, store_row_normed), which must give rmsnorm_forward's bits.
+// (routing_mix.cu's mix finish, store_row_normed), which must give rmsnorm_forward's bits.
 // Sharing the code fixes what decides those bits: each lane adds its chunks' squares in
 // element order, chunk after chunk, the lanes of a row add by one xor butterfly, rstd =
 // rsqrtf(sum / d + eps), and y = (x rstd) w, rounded once when stored.

@@ -1,12 +1,12 @@
 // routing_logits_mma.cu: one slot's routing logits and inv_rms on tensor cores (logits
-// versions 5-9 in routing.cu's lab numbering; the default, 9, at head_dim 128 and at 160
+// versions 5-9 in routing_logits.cu's lab numbering; the default, 9, at head_dim 128 and at 160
 // where the wide blocks apply). Per head the logits are a product with a token-independent
 // operand, raw [tokens x sites] = V [tokens x dh] QG^T (qg = q * g), each row then scaled
 // by its token's inv_rms. The path for other shapes runs it as two cuBLAS GEMMs (q*g's
 // bf16 hi and lo parts) between an inv_rms kernel and a scaling pass: v read three times
 // and the logits twice more (cuda/NOTES.md, lead 7).
 // - Two launches a slot (one where a bound pass's table holds every site's records:
-//   QgPassTables, routing.cu): logits_mma_table_kernel writes q*g as bf16 hi + lo, records
+//   QgPassTables, routing_logits.cu): logits_mma_table_kernel writes q*g as bf16 hi + lo, records
 //   of 4 channels [hi01 hi23 lo01 lo23] (16 bytes, [site][d / 4]); logits_mma_kernel stages
 //   its group's rows of that table in shared memory (cp.async, while its warps load their
 //   first rows) and reads v once a group.
@@ -29,12 +29,12 @@
 //   every head has been read.
 // - Head dims 128 and 160 (the 100M, 350M and 1B widths), 4 or 8 heads. At 160 it wins
 //   only in blocks of 128 tokens on slots of several site groups (the default, version 9,
-//   takes it there; routing.cu, the Logits versions' comment).
+//   takes it there; routing_logits.cu, the Logits versions' comment).
 // - Numerics: v exact in bf16, q*g (exact in fp32) as hi + lo to ~2^-16 relative, fp32
 //   accumulation: as the GEMM path, another order of sums (the CPU parity bound).
 // - Shared layout: the table's site rows padded to a stride of 4 mod 8 records, so the two
 //   rows an 8-lane phase reads fall in different bank groups.
-// Measured: routing.cu, the Logits versions' comment.
+// Measured: routing_logits.cu, the Logits versions' comment.
 #include <algorithm>
 #include <type_traits>
 

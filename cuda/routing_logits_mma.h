@@ -1,5 +1,5 @@
 // routing_logits_mma.h: logits versions 5-9 (routing_logits_mma.cu), one slot's routing
-// logits and inv_rms on tensor cores. Internal to cuda/ (routing.cu calls it).
+// logits and inv_rms on tensor cores. Internal to cuda/ (routing_logits.cu calls it).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -9,7 +9,7 @@
 
 namespace mhar::cuda {
 
-constexpr int kLogitsMmaMaxSites = 256;  // the most sites a slot may have (routing.cu's too)
+constexpr int kLogitsMmaMaxSites = 256;  // the most sites a slot may have (as routing's kMaxSites)
 
 // The per-site parameters of a slot's sites source .. source + ns - 1 (q and g, [d] bf16).
 struct LogitsMmaSites {

@@ -1,5 +1,5 @@
 // routing_pair_mma.cu: the backward depth tile's pass over its site gradients on tensor
-// cores (pair versions 12 and 13 in routing.cu's lab numbering; routing_pair_mma.h states
+// cores (pair versions 12 and 13 in routing_backward.cu's lab numbering; routing_pair_mma.h states
 // what it computes; cuda/NOTES.md, "The backward tile's pass on tensor cores", what was
 // measured). Why: the CUDA-core pair kernels issue ~270 instructions a site row and token
 // (cuda/NOTES.md, "Where 100M's routing kernels stand"): two dot products a head and two

@@ -37,7 +37,7 @@
 // Traffic per site (R = one [N, d] act-dtype row read or written: 42 MB at 1B on the GPU;
 // standard's is 3R forward and 3R backward per site, one add each). "Continuing": slot
 // j+1 continues slot j's block (forward) / slot j+1 exists and continues the block
-// (backward): 7 of every 8 sites at block_layers 4. The routing ops (routing.cu) are
+// (backward): 7 of every 8 sites at block_layers 4. The routing ops (cuda/routing_*.cu) are
 // counted apart: logits 1R, mix (sources + 1)R untiled, source backward
 // (3 + sites reading the slot)R.
 //                          before (unfused)            now (fused)
@@ -58,16 +58,16 @@
 // The backward of a site whose slot only it reads (the partial block sums: 64 of the 1B
 // model's 73 sites) is one op, delta_site_backward (backend.h): the gate backward, the
 // slot's routing backward and its gradient gathered. On the GPU it is one pass
-// (cuda/routing.cu, DELTA), which reads dx, r, dresid, v and next once and writes dresid,
+// (cuda/routing_backward.cu, DELTA), which reads dx, r, dresid, v and next once and writes dresid,
 // dr, the slot and out: 9R where the three ops moved 14R (gate 5R, the slot's backward
 // 4R, source grad 5R), plus the key gradients' 1R either way. Measured at 1B (tenth
 // session, OpTiming.DISABLED_DeltaRouting1B): 11.2 ms a step against 13.8 ms.
-// Forward: site j >= 1 runs as one op, delta_site_forward (backend.h): the stream advance
-// by v_j, the slot's logits, the mix and the gate. Where the slot is read by site j alone
-// the GPU runs it as one pass (cuda/routing.cu): the stream, v and prev read once, the new
-// slot's logits and the mix's own source taken from registers, r and x written together:
-// 7R (5R when the slot starts its block) plus the closed slots, where the four ops moved
-// 11R (9R) plus the closed slots.
+// Forward: site j >= 1 runs as one op, delta_site_forward (backend.h): the stream advance by v_j,
+// the slot's logits, the mix and the gate. Where the slot is read by site j alone the GPU runs it
+// as one pass (cuda/routing_delta_forward.cu): the stream, v and prev read once, the new slot's
+// logits and the mix's own source taken from registers, r and x written together: 7R (5R when the
+// slot starts its block) plus the closed slots, where the four ops moved 11R (9R) plus the closed
+// slots.
 #include "engine/model.h"
 #include "engine/residual.h"
 

@@ -355,10 +355,10 @@ TEST_F(DeltaParity, FusedStepsAreTheirSequencesBitForBitAndMatchTheCpu) {
   }
 }
 
-// Backend::delta_site_forward on the CUDA backend (one fused pass where the slot is read by
-// its own site: cuda/routing.cu) against its default, the op sequence (stream advance, the
-// slot's logits, the mix, the gate) run on the GPU: the same bits in the stream, the whole
-// history, x, r, inv_rms and the weights (logits and softmax weights). Block layout of 9
+// Backend::delta_site_forward on the CUDA backend (one fused pass where the slot is read by its own
+// site: cuda/routing_delta_forward.cu) against its default, the op sequence (stream advance, the
+// slot's logits, the mix, the gate) run on the GPU: the same bits in the stream, the whole history,
+// x, r, inv_rms and the weights (logits and softmax weights). Block layout of 9
 // sites in blocks of 4: site 1 (starts a block: no prev), 3 (continues its block; sources
 // null and the slot) and 6 (continues; closed slot 4 too); widths 256, 512 and 1280 (1, 2 and
 // 5 chunks per lane: 4, 4 and 3 blocks per SM), H 4, 2 and 8, N 37 (a partial warp's share)
@@ -418,7 +418,8 @@ TEST_F(DeltaParity, SiteForwardFusedIsItsSequence) {
       // fresh copy of the inputs.
       std::vector<std::vector<double>> inputs;
       for (const auto& o : outputs) inputs.push_back(get(std::get<1>(o)));
-      // Every version of the fused kernel (the kernel lab's, cuda/routing.cu): the same bits.
+      // Every version of the fused kernel (the kernel lab's, cuda/routing_delta_forward.cu): the
+      // same bits.
       const int versions = cuda::routing_kernel_versions(cuda::RoutingKernel::DeltaForward);
       for (int version = 1; version <= versions; ++version) {
         cuda::routing_set_kernel_version(cuda::RoutingKernel::DeltaForward, version);
@@ -440,7 +441,7 @@ TEST_F(DeltaParity, SiteForwardFusedIsItsSequence) {
 }
 
 // Backend::delta_site_backward on the CUDA backend (one fused pass where the shapes allow
-// it: cuda/routing.cu) against its default, the op sequence run on the GPU: the same bits
+// it: cuda/routing_backward.cu) against its default, the op sequence run on the GPU: the same bits
 // in dresid, dr, the slot's gradient, out, ubar, ds r and the key-gradient slabs; dalpha
 // (whose sum runs in the fused kernel's own fixed order) against the fp64 sum within the
 // fp32 bound of its longest chain: a lane's run of ceil(N / warps) tokens x (d / 32)
@@ -471,7 +472,8 @@ TEST_F(DeltaParity, SiteBackwardFusedIsItsSequence) {
         for (double x : normal(d, DType::BF16, 1.0 / std::sqrt(double(d / H)))) qv.push_back(x);
         for (double x : normal(d, DType::BF16, 0.3, 1.0)) gv.push_back(x);
       }
-      // Every version of the fused kernel (the kernel lab's, cuda/routing.cu): the same bits.
+      // Every version of the fused kernel (the kernel lab's, cuda/routing_backward.cu): the same
+      // bits.
       const int versions = cuda::routing_kernel_versions(cuda::RoutingKernel::DeltaSite);
       for (int version = 1; version <= versions; ++version) {
         cuda::routing_set_kernel_version(cuda::RoutingKernel::DeltaSite, version);

@@ -193,7 +193,7 @@ TEST_F(OpTiming, DISABLED_ModelShapes) {
                time_ms(logits, 2), 0, row * (double(P) + S) + 2 * stats);
     // Depth tiles of k sites (routing_mix_tile) as the layer loop runs them. Bytes: per
     // tile from j0, the tile kernel's j0 + 1 slots, x and k - 1 fp32 partial rows, then
-    // each later site's partial, newer slots and x (backend.h; cuda/routing.cu).
+    // each later site's partial, newer slots and x (backend.h; cuda/routing_mix.cu).
     if (const int k = gpu->routing_tile_sites(lay, d, H); k > 1) {
       auto tiled = [&] {
         for (int i = 0; i < S; ++i)
@@ -467,7 +467,7 @@ TEST_F(OpTiming, DISABLED_RoutingTiles1B) {
 
 // Each version of the mix tile kernel at the three full-routing model shapes (N = 16384):
 // the tile kernels alone (the calls at sites 0, k, 2k, ...) and the whole step's tiled
-// mixes, in ms and by the bytes each must move (traffic model of cuda/routing.cu):
+// mixes, in ms and by the bytes each must move (traffic model of cuda/routing_mix.cu):
 //   tile kernel at j0 (k' = min(k, S - j0) sites): rows j0 + 1 slots read, x written,
 //     k' - 1 fp32 partial rows (2 rows each) written; the logits of its (j0 + 1) k' pairs
 //     read, site j0's j0 + 1 weights and 2 (k' - 1) fp32 statistics written, per head;
@@ -594,7 +594,7 @@ TEST_F(OpTiming, DISABLED_RoutingLogitsVersions) {
 // versions: each numbered version of the value and key-gradient kernels, and the version
 // pairs a default would take together.
 // pairs: the tiled backward at the default limit under the default pair and value versions
-// (16 and by width: 7 at d 512, the radial sums from the accumulators: cuda/routing.cu,
+// (16 and by width: 7 at d 512, the radial sums from the accumulators: cuda/routing_backward.cu,
 // key_site_chunks), the former defaults (15 and 5) and each new version alone, alternating,
 // three rounds.
 void OpTiming::routing_backward_sweeps(bool limits, bool versions, bool pairs) {
