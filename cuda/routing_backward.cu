@@ -190,7 +190,7 @@ __device__ __forceinline__ float span_ubar(float* ubar, const Row<NT>& dx, const
   return span_ubar_row(ubar, dx, rx, g, source, n);
 }
 
-// The backward's value kernel (see source_value_kernel below), span layout. FUSED (for
+// The backward's value kernel (see source_value_kernel above), span layout. FUSED (for
 // slots read by few sites, e.g. block routing's partial sums): the key path is done here
 // too, from the fp32 q*g table `qg` [ns, d] (L1/L2-resident), and dv written directly,
 // instead of the fp32 value row + key GEMM + finish kernel, whose ~9 extra row-sized

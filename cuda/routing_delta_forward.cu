@@ -10,7 +10,7 @@ namespace {
 
 // Backend::delta_site_forward for a slot read by its own site only (a block's partial
 // sum), span layout, one warp per token, each step with the operations and roundings of
-// its op (delta.cu's advance and gate, the logits and mix above), so the same bits:
+// its op (delta.cu's advance and gate, routing_rows.cuh's logits and mix), so the same bits:
 //   stream += v; slot = v + prev (continues); the slot's inv_rms and logit (from the new
 //   slot row in registers); the site's mix (its closed slots and its own slot); r stored;
 //   x = stream + alpha r.

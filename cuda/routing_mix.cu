@@ -845,8 +845,8 @@ void routing_mix_rmsnorm(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor y
     rmsnorm_forward(s, y, rstd, x, norm_w, eps);
 }
 
-// Row-sized reads and writes of every site's mix with depth tiles of k (the traffic
-// model above; k = 1: the plain mixes).
+// Row-sized reads and writes of every site's mix with depth tiles of k (the tile kernels'
+// traffic model; k = 1: the plain mixes).
 int64_t tiled_mix_rows(int S, int k) {
   int64_t rows = 0;
   for (int j0 = 0; j0 < S; j0 += k) {
