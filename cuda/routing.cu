@@ -18,9 +18,11 @@
 //                      next older slot's share of the site gradients that both read, so
 //                      that slot then reads only its sites before the tile's first
 //                      (section "depth tiling of the backward"; block layouts pair closed
-//                      slots); routing_param_grads: dquery/dgain of every site from the
-//                      slabs of gsum; routing_delta_site_backward: Backend::
-//                      delta_site_backward in one pass (delta mode)
+//                      slots); routing_delta_site_backward: Backend::delta_site_backward
+//                      in one pass (delta mode)
+//   routing_key_grads.cu  a slot's key gradients into the slabs of gsum (the backward's
+//                      last step); routing_param_grads: dquery/dgain of every site from
+//                      the slabs
 //   routing_delta_forward.cu  routing_delta_site_forward: Backend::delta_site_forward in
 //                      one pass (delta mode)
 //   routing_rows.cuh   the kernels' shared device code (a token's row in a warp, the online

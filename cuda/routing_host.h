@@ -32,6 +32,11 @@ void head_gemm(cudaStream_t s, cublasHandle_t blas, cublasOperation_t ta, cublas
 // the RoutingTables scratch (routing_logits.cu).
 const float* qg_rows_f32(cudaStream_t s, RoutingContext& ctx, const SiteParams& sp, int sites,
                          int source, int ns, int d);
+// One slot's key gradients: gsum's slabs [., k] += G_k for its sites k = source .. source
+// + ns - 1, from its pairs' ds r (dsr, [ns, H, N]) and its row v [N, d]
+// (routing_key_grads.cu).
+void slot_key_grads(cudaStream_t s, RoutingContext& ctx, Tensor gsum, const float* dsr,
+                    const bf16* v, const Geometry& g, int source, int ns);
 
 // Calls f.template operator()<NT, ALIGNED>() for the geometry's row width and head size.
 template <class F>
@@ -104,7 +109,7 @@ constexpr int kDeltaForwardVersions = 2, kDeltaForwardDefault = 1;  // routing_d
 constexpr int kDeltaSiteVersions = 3, kDeltaSiteDefault = 2;        // routing_backward.cu
 constexpr int kSourceValueVersions = 7, kSourceValueDefault = 0;    // routing_backward.cu
 constexpr int kPairVersions = 16, kPairDefault = 16;                // routing_backward.cu
-constexpr int kKeyGradVersions = 4, kKeyGradDefault = 4;            // routing_backward.cu
+constexpr int kKeyGradVersions = 4, kKeyGradDefault = 4;            // routing_key_grads.cu
 extern int g_logits_version, g_qg_tables_version, g_mix_norm_version, g_mix_tile_version,
     g_mix_finish_version, g_delta_forward_version, g_delta_site_version, g_source_value_version,
     g_pair_version, g_key_grad_version;

@@ -1,5 +1,5 @@
 // routing_key_grad_mma.cu: a slot's key gradients on tensor cores (key-gradient version 3
-// in routing_backward.cu's lab numbering, the default). Per head they are a matrix product,
+// in routing_key_grads.cu's lab numbering, the default). Per head they are a matrix product,
 // G [ns sites x dh] = DSR [ns x tokens] V [tokens x dh], summed over a slab's tokens into
 // that slab of gsum (slabs added later by routing_param_grads, as for versions 1-2).
 // Versions 1-2 run it as cuBLAS GEMMs of ~32 tiles or as CUDA-core FMAs per token (ncu at

@@ -1,5 +1,5 @@
 // routing_key_grad_mma.h: key-gradient versions 3-4 (routing_key_grad_mma.cu), the routing
-// backward's key gradients of one slot on tensor cores. Internal to cuda/ (routing_backward.cu
+// backward's key gradients of one slot on tensor cores. Internal to cuda/ (routing_key_grads.cu
 // calls it).
 #pragma once
 #include <cuda_runtime.h>
@@ -10,7 +10,7 @@
 
 namespace mhar::cuda {
 
-// One slot's key gradients into gsum's slabs, as key_grad_kernel (routing_backward.cu) defines
+// One slot's key gradients into gsum's slabs, as key_grad_kernel (routing_key_grads.cu) defines
 // them: gsum[slab][source + k][f] += sum over the slab's tokens n of dsr[k][h(f)][n] v[n][f]
 // for the slot's ns sites k, where h(f) = f / dh and a slab is a contiguous share of the N
 // tokens. dsr: the slot's fp32 ds r rows, [ns][H][N]; v: the slot's bf16 row, [N][d];
