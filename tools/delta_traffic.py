@@ -1,0 +1,67 @@
+#!/usr/bin/env python3
+"""delta_traffic.py: the rows a delta-mode step moves beyond a standard step, as the CUDA
+code runs it, and the time that takes at a given bandwidth: a floor under delta's step
+time, set by the scheme's definition rather than by its kernels (cuda/NOTES.md, lead 5).
+
+R is one [N, d] bf16 row (16,384 tokens x d). Per site j (engine/residual_delta.cpp):
+  forward  one-site slot (j % s != 0), one fused kernel: reads the stream, v, prev (where
+           the slot continues its block) and the closed slots (the null's included);
+           writes the stream, the slot (continuing), r and x. A closing slot (j % s == 0):
+           the op sequence (stream advance 5R, its logits 1R, the mix over its closed
+           slots + r, the gate 3R). Then the sublayer's plain RMSNorm (2R), where standard
+           runs its fused add + RMSNorm (4R: reads the stream and v, writes both).
+  backward one-site slot: one fused kernel (9R) and the key gradients' read of v (1R). A
+           closed slot: gate backward 5R, its source backward over every later site's
+           gradient (halved by the backward tiles of two closed slots), v, r, dv, key
+           gradients, source gradient 5R. The sublayer norm's backward overwrites (3R)
+           where standard's adds into the running sum (4R).
+The null source (slot 0) is materialised as rows: every site reads them once forward,
+and slot 0's backward reads its sites' gradients (paired).
+
+  tools/delta_traffic.py [--layers 36] [--block-layers 4] [--d 1280] [--tokens 16384]
+                         [--standard-ms 246.7]
+"""
+import argparse
+
+p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+p.add_argument("--layers", type=int, default=36)
+p.add_argument("--block-layers", type=int, default=4)
+p.add_argument("--d", type=int, default=1280)
+p.add_argument("--tokens", type=int, default=16384)
+p.add_argument("--standard-ms", type=float, default=246.7,
+               help="standard's step (BENCHMARKS.md, 1B, thirty-first session)")
+a = p.parse_args()
+
+s = 2 * a.block_layers
+S = 2 * a.layers + 1
+
+
+def closed_slots(k):  # the closed slots site k reads, the null's included
+    return k // s + 1
+
+
+fwd = bwd = 0.0
+for j in range(S):
+    if j == 0:
+        f = 2 + 1 + 1 + 2 + 3  # stream copy, null rows, logits, mix (1 source + r), gate
+    elif j % s:
+        cont = 1 if j % s != 1 else 0
+        f = (2 + cont + closed_slots(j)) + (1 + cont + 1 + 1)
+    else:
+        f = 5 + 1 + (closed_slots(j) + 1) + 3
+    fwd += f + 2 - 4
+    if j >= 1 and j % s:
+        b = 9 + 1
+    else:
+        b = 5 + (S - j) / 2 + 3 + 1 + 1 + 5
+    bwd += b + 3 - 4
+null = S + S / 2 + 6  # the null's rows read forward; slot 0's backward
+R = a.tokens * a.d * 2
+total = fwd + bwd
+allowed = a.standard_ms / 0.95 - a.standard_ms
+print(f"beyond standard: forward {fwd:.0f} R, backward {bwd:.0f} R, {total:.0f} R in all "
+      f"({total * R / 1e9:.1f} GB, R = {R / 1e6:.1f} MB)")
+for bw in (4.3, 3.6):
+    print(f"  at {bw} TB/s: {total * R / bw / 1e9:.1f} ms; with the null as a broadcast row: "
+          f"{(total - null) * R / bw / 1e9:.1f} ms")
+print(f"issue 11's 0.95x of standard's {a.standard_ms} ms allows {allowed:.1f} ms beyond it")
