@@ -58,7 +58,7 @@
 // 0, d <= 256 * kMaxNT), in one of two layouts:
 // - span (d % 256 == 0 and H dividing 32: the model widths): lane l owns the contiguous
 //   chunks [NT l, NT (l+1)), NT = d/256, so a head is a run of 32/H lanes and a per-head
-//   sum is a few xor shuffles (section "span layout");
+//   sum is a few xor shuffles (routing_rows.cuh, section "span layout");
 // - interleaved (any other shape): lane l owns chunks l, l+32, ... (NT = ceil(d/256)),
 //   each load instruction of a warp reads 512 contiguous bytes. Per-head sums: when
 //   dh % 8 == 0 every chunk lies in one head (ALIGNED) and a segmented warp scan adds the
@@ -70,8 +70,9 @@
 // keep their earlier versions, numbered, chosen at launch (routing_set_kernel_version,
 // kernels.h; the defaults are the measured fastest: mix tile 5 of 5, finish 6 of 6, the
 // norm in the finish 2 of 2, pair 16 of 16, the unfused value kernel by width of 7, the
-// key gradients 4 of 4, logits 9 of 9, the delta site forward 1 of 2, its backward 2 of
-// 3), so that one device run times each (tests/op_timing_cudatest.cpp); every version
+// key gradients 4 of 4, logits 9 of 9, the q*g tables 1 of 2, the delta site forward 1 of
+// 2, its backward 2 of 3; routing_host.h lists them with their files), so that one device
+// run times each (tests/op_timing_cudatest.cpp); every version
 // computes the same bits, but for the logits' choice between token kernel and GEMMs, the
 // backward's row parts and fused key path, the key gradients' and pair version 12's
 // tensor cores (see there; routing_backward_sum_order tells the tests which).
