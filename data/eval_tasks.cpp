@@ -262,15 +262,11 @@ Request encode_pair(const data::Tokenizer& tok, std::string context, std::string
   }
   // HFLM._encode_pair: trailing whitespace of the context (str.rstrip) joins the
   // continuation.
-  size_t keep = context.size();
-  {
-    size_t end = 0;
-    for (size_t i = 0; i < context.size();) {
-      const size_t n = space_at(context, i);
-      i += n ? n : data::decode_utf8(context, i).length;
-      if (!n) end = i;
-    }
-    keep = end;
+  size_t keep = 0;  // the context up to the end of its last non-space character
+  for (size_t i = 0; i < context.size();) {
+    const size_t n = space_at(context, i);
+    i += n ? n : data::decode_utf8(context, i).length;
+    if (!n) keep = i;
   }
   continuation = context.substr(keep) + continuation;
   context.resize(keep);
