@@ -18,8 +18,9 @@
 //                      next older slot's share of the site gradients that both read, so
 //                      that slot then reads only its sites before the tile's first
 //                      (section "depth tiling of the backward"; block layouts pair closed
-//                      slots); routing_delta_site_backward: Backend::delta_site_backward
-//                      in one pass (delta mode)
+//                      slots; its pair kernels in routing_backward_tile.cu, their shared
+//                      device code in routing_backward_rows.cuh); routing_delta_site_
+//                      backward: Backend::delta_site_backward in one pass (delta mode)
 //   routing_key_grads.cu  a slot's key gradients into the slabs of gsum (the backward's
 //                      last step); routing_param_grads: dquery/dgain of every site from
 //                      the slabs

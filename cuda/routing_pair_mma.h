@@ -1,5 +1,5 @@
 // routing_pair_mma.h: pair versions 12-13 (routing_pair_mma.cu), the routing backward depth
-// tile's pass over its site gradients on tensor cores. Internal to cuda/ (routing_backward.cu
+// tile's pass over its site gradients on tensor cores. Internal to cuda/ (routing_backward_tile.cu
 // calls it).
 #pragma once
 #include <cuda_runtime.h>
@@ -12,7 +12,7 @@ namespace mhar::cuda {
 
 constexpr int kPairMmaMaxSites = 256;  // as routing_rows.cuh's per-site pointer tables
 
-// One backward depth tile's pass (the unfused form of routing_backward.cu's pair kernels), for
+// One backward depth tile's pass (the unfused form of routing_backward_tile.cu's pair kernels), for
 // slots p0 = source and p1 (the tile's older slot) over the sites i = 0 .. ns - 1 after
 // source (site source + i), token n, head h of the channels c in h:
 //   u_s = sum_c dx_i[n][c] v_s[n][c], ds_s = a_s (u_s - ubar_i), a_s read from and ds_s r_s

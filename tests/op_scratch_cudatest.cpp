@@ -40,8 +40,8 @@ namespace mhar::test {
 namespace {
 
 // d_model 256 with 4 routing heads is the routing kernels' span layout, where full routing tiles in
-// depth both ways (cuda/routing_mix.cu, cuda/routing_backward.cu); 4 layers give 9 sites, so the
-// forward tiles hold several sites and some slots take the fused key path, others not.
+// depth both ways (cuda/routing_mix.cu, cuda/routing_backward_tile.cu); 4 layers give 9 sites, so
+// the forward tiles hold several sites and some slots take the fused key path, others not.
 Config scratch_config(const std::string& mode, int heads, int block, bool dynamic) {
   nlohmann::json j = {
       {"model", {{"vocab_size", 256}, {"d_model", 256}, {"n_layers", 4}, {"n_heads", 4},

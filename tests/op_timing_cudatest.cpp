@@ -593,10 +593,10 @@ TEST_F(OpTiming, DISABLED_RoutingLogitsVersions) {
 // tiled under each numbered version of the pair kernel (cuda::routing_set_kernel_version).
 // versions: each numbered version of the value and key-gradient kernels, and the version
 // pairs a default would take together.
-// pairs: the tiled backward at the default limit under the default pair and value versions
-// (16 and by width: 7 at d 512, the radial sums from the accumulators: cuda/routing_backward.cu,
-// key_site_chunks), the former defaults (15 and 5) and each new version alone, alternating,
-// three rounds.
+// pairs: the tiled backward at the default limit under the default pair and value versions (16 and
+// by width: 7 at d 512, the radial sums from the accumulators: cuda/routing_backward_rows.cuh,
+// key_site_chunks), the former defaults (15 and 5) and each new version alone, alternating, three
+// rounds.
 void OpTiming::routing_backward_sweeps(bool limits, bool versions, bool pairs) {
   const int64_t N = 16384;
   for (const FullRoutingShape& sh : kFullRoutingShapes) {
