@@ -18,8 +18,17 @@ R is one [N, d] bf16 row (16,384 tokens x d). Per site j (engine/residual_delta.
 The null source (slot 0) is materialised as rows: every site reads them once forward,
 and slot 0's backward reads its sites' gradients (paired).
 
+--scheme closed models a design that is NOT built: the current block's partial sum no
+longer a source, so a block's sites read the null and the closed block sums only. A
+block's first s - 1 sites then share their sources, and one pass over them per block
+writes those sites' r rows (the closing site mixes on its own, with its new block sum);
+each site's step reads the stream, v, prev, r and writes the stream, the running block
+sum, x; backward, each site's gate backward (5R) and its source gradient, dresid plus its
+block's gradient (3R), and the closed slots' backward as now. No one-site slots remain:
+no per-site logits, key gradients or fused site backward.
+
   tools/delta_traffic.py [--layers 36] [--block-layers 4] [--d 1280] [--tokens 16384]
-                         [--standard-ms 246.7]
+                         [--standard-ms 246.7] [--scheme partial|closed]
 """
 import argparse
 
@@ -30,6 +39,9 @@ p.add_argument("--d", type=int, default=1280)
 p.add_argument("--tokens", type=int, default=16384)
 p.add_argument("--standard-ms", type=float, default=246.7,
                help="standard's step (BENCHMARKS.md, 1B, thirty-first session)")
+p.add_argument("--scheme", choices=("partial", "closed"), default="partial",
+               help="partial: the engine's delta mode; closed: the design without the "
+               "partial block as a source (not built)")
 a = p.parse_args()
 
 s = 2 * a.block_layers
@@ -41,7 +53,7 @@ def closed_slots(k):  # the closed slots site k reads, the null's included
 
 
 fwd = bwd = 0.0
-for j in range(S):
+for j in range(S if a.scheme == "partial" else 0):
     if j == 0:
         f = 2 + 1 + 1 + 2 + 3  # stream copy, null rows, logits, mix (1 source + r), gate
     elif j % s:
@@ -55,11 +67,27 @@ for j in range(S):
     else:
         b = 5 + (S - j) / 2 + 3 + 1 + 1 + 5
     bwd += b + 3 - 4
+for j in range(S if a.scheme == "closed" else 0):
+    b = j // s  # the closed block sums before site j's block
+    if j == 0:
+        f = 2 + 1 + 1 + 2 + 3
+    else:
+        cont = 1 if j % s != 1 else 0
+        f = (4 + cont) + (2 + cont) + 2 - 4  # the step, the plain RMSNorm, less standard's
+        if j % s == 1:
+            f += (b + 1) + (s - 1)  # the block's shared pass: its sources, its sites' r
+        if j % s == 0:
+            f += 1 + (b + 1) + 1  # this closed slot's logits; its own mix over b + 1 + 1
+    fwd += f
+    if j >= 1 and j % s:
+        bwd += 5 + 3 + 3 - 4  # gate backward, source gradient, norm backward vs standard's
+    else:
+        bwd += 5 + (S - j) / 2 + 3 + 1 + 1 + 5 + 3 - 4
 null = S + S / 2 + 6  # the null's rows read forward; slot 0's backward
 R = a.tokens * a.d * 2
 total = fwd + bwd
 allowed = a.standard_ms / 0.95 - a.standard_ms
-print(f"beyond standard: forward {fwd:.0f} R, backward {bwd:.0f} R, {total:.0f} R in all "
+print(f"{a.scheme}: beyond standard: forward {fwd:.0f} R, backward {bwd:.0f} R, {total:.0f} R in all "
       f"({total * R / 1e9:.1f} GB, R = {R / 1e6:.1f} MB)")
 for bw in (4.3, 3.6):
     print(f"  at {bw} TB/s: {total * R / bw / 1e9:.1f} ms; with the null as a broadcast row: "
