@@ -208,9 +208,9 @@ int norm_kernel_versions(NormKernel kernel);
 // launch happened.
 int64_t qk_pair_launches();
 
-// routing.cu and the routing_*.cu files it names. The logits and the key path of the backward are
-// small GEMMs per head (cuBLAS, on the backend's stream) around the token kernels; their
-// temporaries come from the backend's scratch.
+// Depth routing: cuda/routing.cu and the routing_*.cu files it names. The logits and the key path
+// of the backward are small GEMMs per head (cuBLAS, on the backend's stream) around the token
+// kernels; their temporaries come from the backend's scratch.
 // The depth tile in flight (routing_mix_tile): the fp32 partial sums of sites
 // first+1 .. first+count-1 over the slots <= first, in the RoutingTile scratch, valid for
 // this weights/history pair until the tile's last site is mixed or a slot <= first gets
