@@ -52,37 +52,49 @@ def closed_slots(k):  # the closed slots site k reads, the null's included
     return k // s + 1
 
 
-fwd = bwd = 0.0
-for j in range(S if a.scheme == "partial" else 0):
+# Both schemes: site 0 (the stream copy, the null's rows, its logits, its mix of one
+# source and r, the gate) and a closed slot's backward (gate backward, its source backward
+# over every later site's gradient halved by the tiles, v, r, dv, key gradients, source
+# gradient), each with the plain RMSNorm in place of standard's fused one.
+SITE0_FORWARD = 2 + 1 + 1 + 2 + 3
+NORM_FORWARD, NORM_BACKWARD = 2 - 4, 3 - 4
+
+
+def closed_slot_backward(j):
+    return 5 + (S - j) / 2 + 3 + 1 + 1 + 5
+
+
+def partial_scheme(j):
+    """Rows beyond standard's at site j, forward and backward: the engine's delta mode."""
     if j == 0:
-        f = 2 + 1 + 1 + 2 + 3  # stream copy, null rows, logits, mix (1 source + r), gate
+        f = SITE0_FORWARD
     elif j % s:
         cont = 1 if j % s != 1 else 0
         f = (2 + cont + closed_slots(j)) + (1 + cont + 1 + 1)
     else:
         f = 5 + 1 + (closed_slots(j) + 1) + 3
-    fwd += f + 2 - 4
-    if j >= 1 and j % s:
-        b = 9 + 1
-    else:
-        b = 5 + (S - j) / 2 + 3 + 1 + 1 + 5
-    bwd += b + 3 - 4
-for j in range(S if a.scheme == "closed" else 0):
-    b = j // s  # the closed block sums before site j's block
+    b = 9 + 1 if j >= 1 and j % s else closed_slot_backward(j)
+    return f + NORM_FORWARD, b + NORM_BACKWARD
+
+
+def closed_scheme(j):
+    """The same for the design without the partial block as a source (not built)."""
     if j == 0:
-        f = 2 + 1 + 1 + 2 + 3
+        f = SITE0_FORWARD
     else:
         cont = 1 if j % s != 1 else 0
-        f = (4 + cont) + (2 + cont) + 2 - 4  # the step, the plain RMSNorm, less standard's
-        if j % s == 1:
-            f += (b + 1) + (s - 1)  # the block's shared pass: its sources, its sites' r
-        if j % s == 0:
-            f += 1 + (b + 1) + 1  # this closed slot's logits; its own mix over b + 1 + 1
-    fwd += f
-    if j >= 1 and j % s:
-        bwd += 5 + 3 + 3 - 4  # gate backward, source gradient, norm backward vs standard's
-    else:
-        bwd += 5 + (S - j) / 2 + 3 + 1 + 1 + 5 + 3 - 4
+        f = (4 + cont) + (2 + cont)  # the step: reads stream, v, [prev], r; writes 3
+        if j % s == 1:  # the block's shared pass: its null and closed sums, its sites' r
+            f += closed_slots(j) + (s - 1)
+        if j % s == 0:  # this closed slot's logits; its own mix over the block sums so far
+            f += 1 + closed_slots(j) + 1
+    b = 5 + 3 if j >= 1 and j % s else closed_slot_backward(j)  # gate backward, source grad
+    return f + NORM_FORWARD, b + NORM_BACKWARD
+
+
+site_rows = partial_scheme if a.scheme == "partial" else closed_scheme
+fwd = sum(site_rows(j)[0] for j in range(S))
+bwd = sum(site_rows(j)[1] for j in range(S))
 null = S + S / 2 + 6  # the null's rows read forward; slot 0's backward
 R = a.tokens * a.d * 2
 total = fwd + bwd
