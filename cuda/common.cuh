@@ -3,7 +3,7 @@
 //   arithmetic in fp32: load() widens, store<T>() rounds to nearest even.
 // - Dispatch: dispatch_float(dtype, f) calls f with a value of the matching storage type,
 //   so one generic host lambda launches the right template instance; other dtypes fail
-//   with a message naming the op.
+//   with a message naming the op. dispatch_int<Lo, Hi>(n, f) does the same for an int.
 // - Warp reductions assume a full warp (32 active lanes).
 // - Vectors of 8: the memory-bound kernels move 16-byte bf16x8 (or 2 x float4) vectors;
 //   load8/store8 widen to / round from fp32 exactly as load()/store<T>() do per element,
@@ -15,6 +15,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/check.h"
 #include "engine/tensor.h"
@@ -169,6 +170,20 @@ template <class F> void dispatch_float(DType t, const char* what, F&& f) {
     case DType::BF16: f(bf16{}); return;
     case DType::F32: f(float{}); return;
     default: ::mhar::fail("CUDA ", what, ": unsupported dtype ", dtype_name(t), " (BF16 or F32)");
+  }
+}
+
+// Calls f(std::integral_constant<int, n>{}) for a run-time n in [Lo, Hi], so that a launch
+// picks the instantiation of a kernel templated on that width or count; false, without a
+// call, for any other n.
+template <int Lo, int Hi, class F>
+bool dispatch_int(int n, F&& f) {
+  if constexpr (Lo > Hi) {
+    return false;
+  } else {
+    if (n != Lo) return dispatch_int<Lo + 1, Hi>(n, f);
+    f(std::integral_constant<int, Lo>{});
+    return true;
   }
 }
 

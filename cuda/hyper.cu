@@ -677,21 +677,11 @@ __global__ void dyn_param_finish_kernel(float* dAm, float* dAr, float* dB, float
 
 #undef MHAR_FOR_EACH_TOKEN
 
-// Calls f(std::integral_constant<int, n>) for n = 1..kMaxStreams.
+// Calls f(std::integral_constant<int, n>) for n = 1..kHyperMaxStreams.
 template <class F> void dispatch_streams(int n, const char* what, F&& f) {
-  switch (n) {
-    case 1: f(std::integral_constant<int, 1>{}); return;
-    case 2: f(std::integral_constant<int, 2>{}); return;
-    case 3: f(std::integral_constant<int, 3>{}); return;
-    case 4: f(std::integral_constant<int, 4>{}); return;
-    case 5: f(std::integral_constant<int, 5>{}); return;
-    case 6: f(std::integral_constant<int, 6>{}); return;
-    case 7: f(std::integral_constant<int, 7>{}); return;
-    case 8: f(std::integral_constant<int, 8>{}); return;
-    default:
-      fail("CUDA ", what, ": residual.hyper_n = ", n, " streams; the CUDA kernels take 1 to ",
-           kHyperMaxStreams, " (run more on the CPU backend)");
-  }
+  if (!dispatch_int<1, kHyperMaxStreams>(n, f))
+    fail("CUDA ", what, ": residual.hyper_n = ", n, " streams; the CUDA kernels take 1 to ",
+         kHyperMaxStreams, " (run more on the CPU backend)");
 }
 
 void check_aligned(const Tensor& t, const char* what, const char* name) {

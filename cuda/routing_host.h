@@ -63,21 +63,12 @@ void dispatch_rows(const Geometry& g, F&& f) {
   // clang-format on
 }
 
-// Calls f(std::integral_constant<int, NT>) with NT = d / 256 exactly (span layout).
+// Calls f(std::integral_constant<int, NT>) with NT = d / 256 exactly (span layout;
+// geometry() caps d at 2048, so NT is 1..8; any other width takes 8).
 template <class F>
 void dispatch_span(const Geometry& g, F&& f) {
-  // clang-format off
-  switch (g.d / 256) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    case 6: f(std::integral_constant<int, 6>{}); break;
-    case 7: f(std::integral_constant<int, 7>{}); break;
-    default: f(std::integral_constant<int, 8>{}); break;  // geometry() caps d at 2048
-  }
-  // clang-format on
+  const int nt = g.d / 256;
+  dispatch_int<1, kMaxNT>(nt >= 1 && nt <= kMaxNT ? nt : kMaxNT, f);
 }
 
 // Dynamic shared memory beyond the default 48 KiB needs an opt-in per kernel.

@@ -931,18 +931,7 @@ void routing_mix_tile(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weig
       else
         launch(mix_tile_ring_kernel<K, tile_ring(K), 4>);
     };
-    static_assert(kTileSites == 8, "one instantiation per tile size below");
-    // clang-format off
-    switch (k) {
-      case 2: ring(std::integral_constant<int, 2>{}); break;
-      case 3: ring(std::integral_constant<int, 3>{}); break;
-      case 4: ring(std::integral_constant<int, 4>{}); break;
-      case 5: ring(std::integral_constant<int, 5>{}); break;
-      case 6: ring(std::integral_constant<int, 6>{}); break;
-      case 7: ring(std::integral_constant<int, 7>{}); break;
-      default: ring(std::integral_constant<int, 8>{}); break;
-    }
-    // clang-format on
+    dispatch_int<2, kTileSites>(std::min(k, kTileSites), ring);  // k >= 2 here
   } else {
     // Version 1: accumulators for 4 sites where that is enough (fewer registers, no idle
     // predicates), else 8.
