@@ -5,6 +5,7 @@
 #pragma once
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -26,12 +27,15 @@ inline std::string fixture_dir() { return std::string(MHAR_SOURCE_DIR) + "/tests
 inline std::string base64_decode(const std::string& in) {
   static const std::string chars = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
   std::string out;
-  int val = 0, bits = -8;
+  // Unsigned: the accumulator keeps only its low bits that matter, and older bits shifted
+  // out the top must wrap rather than overflow (a signed int overflowed after 5 characters).
+  std::uint32_t val = 0;
+  int bits = -8;
   for (char c : in) {
     if (c == '=') break;
     const auto pos = chars.find(c);
     if (pos == std::string::npos) continue;
-    val = (val << 6) + static_cast<int>(pos);
+    val = (val << 6) + static_cast<std::uint32_t>(pos);
     bits += 6;
     if (bits >= 0) {
       out.push_back(static_cast<char>((val >> bits) & 0xFF));
