@@ -75,7 +75,8 @@ TEST(ShardFuzz, MutatedShardsAreRefusedOrReadSafely) {
   const int32_t header_values[] = {0, 1, -1, 7, 20240520, 20240801, 599, 600, 601, INT32_MAX, INT32_MIN, 300};
   int refused = 0, read_ok = 0, loader_ok = 0;
   const auto t0 = std::chrono::steady_clock::now();
-  for (int c = 0; c < 1200; ++c) {
+  const int kMutations = 1200;
+  for (int c = 0; c < kMutations; ++c) {
     const int which = static_cast<int>(rng() % 2);
     std::string bytes = bases[which];
     const int width = which == 0 ? 2 : 4;
@@ -133,8 +134,8 @@ TEST(ShardFuzz, MutatedShardsAreRefusedOrReadSafely) {
       EXPECT_NE(std::string(e.what()).find("m.bin"), std::string::npos) << "case " << c << ": " << e.what();
     }
   }
-  std::printf("[ fuzz ] 1200 shard mutations: %d read, %d refused (loader served %d), %.2f s\n", read_ok, refused,
-              loader_ok, seconds_since(t0));
+  std::printf("[ fuzz ] %d shard mutations: %d read, %d refused (loader served %d), %.2f s\n",
+              kMutations, read_ok, refused, loader_ok, seconds_since(t0));
   EXPECT_GT(read_ok, 100);
   EXPECT_GT(refused, 600);
 }

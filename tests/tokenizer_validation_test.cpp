@@ -442,7 +442,8 @@ TEST(TokenizerValidation, FuzzedTokenizersLoadAndWorkOrAreRefused) {
   int loaded = 0, refused = 0;
   const auto start = std::chrono::steady_clock::now();
   Watchdog watchdog(30.0);
-  for (int c = 0; c < 1500; ++c) {
+  const int kMutations = 1500;
+  for (int c = 0; c < kMutations; ++c) {
     watchdog.next(c);
     const std::string text = mutate(base, rng);
     try {
@@ -461,7 +462,8 @@ TEST(TokenizerValidation, FuzzedTokenizersLoadAndWorkOrAreRefused) {
     }
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  std::printf("[ fuzz ] 1500 tokenizer.json mutations: %d loaded, %d refused, %.2f s\n", loaded, refused, seconds);
+  std::printf("[ fuzz ] %d tokenizer.json mutations: %d loaded, %d refused, %.2f s\n", kMutations,
+              loaded, refused, seconds);
   // Both outcomes are exercised, so the loop tests the validation and the working path.
   EXPECT_GT(loaded, 100);
   EXPECT_GT(refused, 500);
