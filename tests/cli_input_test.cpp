@@ -14,6 +14,8 @@
 #include <sstream>
 #include <string>
 
+#include "tests/wall_clock.h"
+
 namespace fs = std::filesystem;
 
 namespace {
@@ -73,7 +75,7 @@ class CliInput : public ::testing::Test {
     const Outcome r = run(args);
     SCOPED_TRACE("mhar " + args.substr(0, 200));
     EXPECT_EQ(r.rc, 1) << r.err;
-    EXPECT_LT(r.secs, 5.0);
+    EXPECT_LT(r.secs, mhar::test::wall_clock_bound(5.0));
     EXPECT_NE(r.err.find("error: "), std::string::npos) << r.err;
     EXPECT_NE(r.err.find(message), std::string::npos) << "expected \"" << message << "\" in: " << r.err;
     EXPECT_EQ(r.err.find("internal error"), std::string::npos) << r.err;

@@ -14,6 +14,7 @@
 #include "engine/config.h"
 #include "engine/error.h"
 #include "engine/model.h"
+#include "tests/wall_clock.h"
 
 using mhar::Config;
 using nlohmann::json;
@@ -402,23 +403,13 @@ TEST(ConfigInput, OverrideValuesAreStrictJsonOrValidUtf8Words) {
   EXPECT_TRUE(has(e, "KEY must be SECTION.FIELD")) << e;
 }
 
-// Wall-clock bounds below are for a normal build. Under the sanitizers (tools/test.sh's
-// second stage) allocation-heavy code runs far slower: planning the 1024-layer model took
-// 0.056 s in Release and 2.3 s in the sanitized build on CI's 2 cores (41x; ASan's slow
-// unwinder records every allocation's stack), so there the bounds only catch hangs.
-#ifdef MHAR_SANITIZE
-constexpr double kTimeScale = 100.0;
-#else
-constexpr double kTimeScale = 1.0;
-#endif
-
 TEST(ConfigInput, ModelSizesAreCappedBeforeAnyPlanning) {
   // n_layers = 100000 used to be accepted and then hang in the memory planner.
   const auto t0 = std::chrono::steady_clock::now();
   std::string e = override_error("model.n_layers=100000");
   EXPECT_TRUE(has(e, "model.n_layers = 100000 is out of range; valid: 1 to 1024")) << e;
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
-            1.0 * kTimeScale);
+            mhar::test::wall_clock_bound(1.0));
   for (const char* f : {"vocab_size", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff",
                         "context_length"}) {
     e = error_of({{"model", {{f, 1LL << 31}}}});
@@ -451,7 +442,7 @@ TEST(ConfigInput, ModelAtTheLayerCapPlansQuickly) {
     const auto t0 = std::chrono::steady_clock::now();
     mhar::Model m(c.model, c.residual, *be, c.train.micro_batch, c.train.seq_len);
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    EXPECT_LT(secs, 2.0 * kTimeScale)
+    EXPECT_LT(secs, mhar::test::wall_clock_bound(2.0))
         << mhar::residual_mode_name(mode) << ": " << m.activation_plan().buffers().size()
         << " activation tensors";
     std::printf("[ model ] %s, 1024 layers: %zu + %zu tensors planned in %.3f s\n",
@@ -473,7 +464,7 @@ TEST(ConfigInput, ConfigFilesMustBeRegularFiles) {
   e = load_error(fifo);
   EXPECT_TRUE(has(e, "a FIFO (named pipe), but a config file must be a regular file")) << e;
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
-            1.0 * kTimeScale);
+            mhar::test::wall_clock_bound(1.0));
   // A symlink loop, a missing file.
   const fs::path loop = dir.path / "loop.json";
   fs::create_symlink(loop, loop);
