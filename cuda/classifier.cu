@@ -46,7 +46,9 @@
 // 7 version 6 on a persistent grid of clusters with two rows a block in flight (the next
 //   row folded while the cluster's states of this one come in; cross_entropy_stream_kernel):
 //   version 6's bits. Rows whose two buffers would exceed kSegmentMax take version 6.
-// 8 version 7 with blocks of 512 threads (32 warps an SM where 7 has 16): its bits.
+// 8 version 7 with blocks of 512 threads (32 warps an SM where 7 has 16). Not its bits:
+//   each thread folds half as many vectors, so the sums run in another order and the
+//   kept maxima differ (within the CPU bound; CrossEntropyParity checks it there).
 // Measured (KernelBandwidth.DISABLED_CrossEntropyVersions, bf16, with the gradient, ms,
 // two rounds each, twenty-ninth session): [2048, 151936] v1 / v2 / v3 / v4 0.480 / 0.460 /
 // 0.455 / 0.421, [5462, 151936] (the configs' chunk) 1.230 / 1.211 / 1.198 / 1.104,
