@@ -14,7 +14,7 @@
 # PyTorch job starts at once, as far as GPU memory allows, and compiles concurrently;
 # only the timed regions take turns, through one file lock that our runs take too, so no
 # two timed steps ever share the GPU. Memory: each job reserves an estimate of its peak
-# (below) against the card (140 GB of ~150); a job starts only when its reservation fits,
+# (below) against 93% of the card (140 GB of an H200, 80 of an H100); a job starts only when its reservation fits,
 # and a PyTorch job only when the next run of ours would still fit beside it.
 # Our runs go one at a time (--after FILE: wait until FILE exists first, e.g. for a build
 # still running). At --deadline (seconds from start, default 420) jobs still running are
@@ -79,7 +79,16 @@ TORCH_GB = {("100m", "standard"): 13, ("100m", "mhar"): 19, ("350m", "standard")
             ("350m", "mhar"): 66, ("1b", "standard"): 46, ("1b", "mhar"): 160}
 OURS_GB = {("100m", "standard"): 14, ("100m", "mhar"): 15, ("350m", "standard"): 36,
            ("350m", "mhar"): 38, ("1b", "standard"): 65, ("1b", "mhar"): 70}
-BUDGET_GB = 140  # of ~150 GB (139.8 GiB)
+# The budget: 93% of the card's memory (140 GB of an H200's ~150, 80 of an H100's ~85), read
+# from nvidia-smi, so that every reservation and the allocator's slack fit.
+def card_gb():
+    query = ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"]
+    try:
+        return float(subprocess.run(query, capture_output=True, text=True,
+                                    check=True).stdout.split()[0]) * 1.048576e-3  # MiB -> GB
+    except (OSError, subprocess.CalledProcessError, ValueError, IndexError) as e:
+        sys.exit(f"bench_compare.sh: cannot read the GPU's memory ({' '.join(query)}): {e}")
+BUDGET_GB = 0.93 * card_gb()
 # Priority order: PyTorch jobs first where they fit (they compile for minutes), ours as
 # soon as the binary exists, one at a time; a PyTorch job starts only if the next pending
 # run of ours still fits beside it.
