@@ -62,7 +62,10 @@
 // bounds it. Thirty-third session, the same test, v5 / v6: [2048, 151936] 0.4201 / 0.3955,
 // 0.4196 / 0.3939; [5462, 151936] 1.1015 / 1.0399, 1.0993 / 1.0389; [4096, 50257] 0.2591 /
 // 0.2467, 0.2593 / 0.2476: v6 5-6% faster (74% of 4.3 TB/s on Qwen3's rows, 77% on
-// GPT-2's). cuda/NOTES.md, lead 4.
+// GPT-2's). Thirty-seventh session, on an H100 (copy 3.03 TB/s), the same test, v6 / v7 /
+// v8: [2048, 151936] 0.469 / 0.554 / 0.564, [5462, 151936] 1.231 / 1.454 / 1.485, [4096,
+// 50257] 0.296 / 0.382 / 0.488: the persistent versions lose there (v6 already at 88-92%
+// of that card's copy rate); not yet timed on an H200. cuda/NOTES.md, lead 4.
 #include <cuda_fp16.h>
 
 #include <algorithm>

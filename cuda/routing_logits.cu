@@ -231,9 +231,10 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
 // rows into the RoutingTables scratch (two small launches a slot a step: the logits'
 // records in the forward, the key paths' fp32 rows in the backward); 2 a bound pass
 // computes every site's rows once, at its first need (QgPassTables, kernels.h). The same
-// bits: the same rows, read at the slot's first site. Version 2 was written without a GPU
-// (thirty-fourth session); it becomes the default once its tests have run on one and the
-// step has been timed with it (cuda/NOTES.md, lead 6).
+// bits: the same rows, read at the slot's first site. Version 2 passes its tests on an H100
+// (thirty-seventh session) but does not move the 100M mhar step (-0.2% in two alternating
+// rounds, inside their spread; BENCHMARKS.md), so 1 stays the default (cuda/NOTES.md,
+// lead 6).
 
 static_assert(kMaxSites == kQgPassMaxSites, "QgPassTables holds every site's parameters");
 
