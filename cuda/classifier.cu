@@ -7,7 +7,7 @@
 // first 16-byte boundary and a scalar tail, so any V and any row alignment take the vector
 // path). Per thread an online (max, sum of exp) in fp32, one rescale per vector, merged
 // across the block. No fp32 copy of the probabilities exists at any point: memory is the
-// logits. Eight kernel-lab versions (cross_entropy_set_version) in three kernels:
+// logits. Nine kernel-lab versions (cross_entropy_set_version) in three kernels:
 // 1 one block per row: pass 1 folds the row, pass 2 (gradient only) re-reads it and writes
 //   each element once. 512 threads with 16-byte loads and several blocks an SM keep enough
 //   loads in flight (the scalar 2-byte loads of the first form reached 0.91 TB/s at 1B);
@@ -49,6 +49,15 @@
 // 8 version 7 with blocks of 512 threads (32 warps an SM where 7 has 16). Not its bits:
 //   each thread folds half as many vectors, so the sums run in another order and the
 //   kept maxima differ (within the CPU bound; CrossEntropyParity checks it there).
+// 9 version 6 with its kept maxima in 2 bytes a vector, not 4 (COARSE in the cluster
+//   kernel), so that 5 blocks fit an SM's 228 KB at Qwen3's rows where 6 fits 4 (8 blocks
+//   of 2,374 vectors: 42.7 KB of shared memory each against 47.5 KB, and 1.3 KB more a
+//   block); GPT-2's rows stay at 7. A thread's running max is taken on bf16's grid,
+//   rounded up (a bf16 number >= every logit folded so far, at most 2^-7 |m| above the
+//   true max), so every kept m is a bf16 number, kept exactly in 2 bytes. The sums are
+//   version 6's terms each times exp(m - m_bf16) (the same state, another reference), so
+//   the losses are within the rounding bound of version 5's (CrossEntropyParity) and the
+//   exps stay <= 1 in fp16, at most a factor ~0.9 smaller at Qwen3's logits.
 // Measured (KernelBandwidth.DISABLED_CrossEntropyVersions, bf16, with the gradient, ms,
 // two rounds each, twenty-ninth session): [2048, 151936] v1 / v2 / v3 / v4 0.480 / 0.460 /
 // 0.455 / 0.421, [5462, 151936] (the configs' chunk) 1.230 / 1.211 / 1.198 / 1.104,
@@ -158,18 +167,29 @@ __device__ __forceinline__ void fold(float& m, float& s, const Pack<T>& pk) {
   float unused[Pack<T>::kN];
   fold(m, s, pk, unused);
 }
+// The least bf16 number >= x, as a float (version 9's grid of maxima): -inf and +inf stay,
+// a finite x moves up by less than one bf16 ulp (2^-7 |x| at most); x above bf16's largest
+// finite number becomes +inf.
+__device__ __forceinline__ float bf16_at_least(float x) {
+  return __bfloat162float(__float2bfloat16_ru(x));
+}
 // Version 5's fold of one bf16 vector: each exp's exponent one FFMA, x log2(e) - m log2(e),
 // with m_log2e = m log2(e) rounded once when m changes (version 4: x - m, then the
 // multiply); the max and the sum as trees (depth 3, not 7-8; the max's bits do not
 // depend on its order, the sum's do). e[i] = 2^(x[i] log2 e - m_log2e): exp(x[i] - m)
 // times 2^(m log2 e - m_log2e), a factor within 2^-24 |m log2 e| ln 2 of 1 (~9e-7 at a
 // logit of 15) common to the vector's elements and to what they add to s.
+// COARSE (version 9): m raised to bf16_at_least(mx), not to mx; a state whose m is on
+// bf16's grid stays there.
+template <bool COARSE = false>
 __device__ __forceinline__ void fold_fma(float& m, float& m_log2e, float& s, const uint4& raw,
                                          float (&e)[8]) {
   float x[8];
   unpack8(raw, x);
-  const float mx = fmaxf(fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3])),
-                         fmaxf(fmaxf(x[4], x[5]), fmaxf(x[6], x[7])));
+  float mx = fmaxf(fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3])),
+                   fmaxf(fmaxf(x[4], x[5]), fmaxf(x[6], x[7])));
+  // On the grid, mx > m exactly when bf16_at_least(mx) > m, and -inf stays -inf.
+  if constexpr (COARSE) mx = bf16_at_least(mx);
   if (!fold_start<8, true>(m, s, mx, e, [&] { m_log2e = mx * kLog2e; })) return;
 #pragma unroll
   for (int i = 0; i < 8; ++i) e[i] = fast_exp2(fmaf(x[i], kLog2e, -m_log2e));
@@ -404,6 +424,21 @@ __device__ __forceinline__ float load_cluster_shared(const float* p, uint32_t ra
 }
 #undef MHAR_CE_OLD_ARCH
 
+// A vector's kept m (KEEP): a float, or in version 9 (COARSE) a bf16 number, which holds
+// that version's m exactly (they are on bf16's grid).
+template <bool COARSE>
+struct KeptMax {
+  float m;
+  static __device__ __forceinline__ KeptMax of(float x) { return {x}; }
+  __device__ __forceinline__ explicit operator float() const { return m; }
+};
+template <>
+struct KeptMax<true> {
+  bf16 m;
+  static __device__ __forceinline__ KeptMax of(float x) { return {__float2bfloat16_rn(x)}; }
+  __device__ __forceinline__ explicit operator float() const { return __bfloat162float(m); }
+};
+
 // Version 2. segment_vectors: each block's share of a row's vectors (its rank's run of
 // them; the last blocks' may be short or empty). Rank 0 also takes the scalar head and
 // tail and the target's logit, which it reads before the first cluster barrier: no block
@@ -416,6 +451,8 @@ __device__ __forceinline__ float load_cluster_shared(const float* p, uint32_t ra
 // __expf, the target looked for once a vector in pass 2 (one compare of its place, not
 // eight 64-bit ones), 32-bit vector indices.
 // FMA (version 5, with LEAN): pass 1 folds by fold_fma.
+// COARSE (version 9, with SYNC): the maxima on bf16's grid, kept in 2 bytes a vector
+// (KeptM), so that one block more fits an SM.
 // SYNC (version 6, with FMA): version 5's arithmetic with a cheaper exchange. ncu of
 // version 5 (thirty-third session) put ~40% of its stall cycles at the two cluster barriers
 // and the block barrier after the merge: every thread's arrive.release is a GPU-scope
@@ -423,18 +460,21 @@ __device__ __forceinline__ float load_cluster_shared(const float* p, uint32_t ra
 // the block waited. Here only thread 0, the writer of part_m / part_s, fences before a
 // relaxed arrive (the second arrive publishes nothing), and warp 0's lanes load one
 // block's state each at once, which lane 0 merges in rank order: version 5's bits.
-template <class T, bool KEEP, bool LEAN = false, bool FMA = false, bool SYNC = false>
+template <class T, bool KEEP, bool LEAN = false, bool FMA = false, bool SYNC = false,
+          bool COARSE = false>
 __global__ void __launch_bounds__(kClusterThreads)
     cross_entropy_cluster_kernel(float* losses, T* logits, const int32_t* targets, int64_t V,
                                  int64_t segment_vectors, float grad_scale, bool compute_grad) {
   using P = Pack<T>;
+  using KeptM = KeptMax<COARSE>;
   constexpr int kN = P::kN;
   static_assert(!KEEP || kN == 8, "version 3 keeps the exps of bf16 rows");
   static_assert(!LEAN || KEEP, "version 4 is version 3's form");
   static_assert(!FMA || LEAN, "version 5 is version 4's form");
   static_assert(!SYNC || FMA, "version 6 is version 5's form");
+  static_assert(!COARSE || SYNC, "version 9 is version 6's form");
   extern __shared__ uint4 segment[];
-  float* const kept_m = reinterpret_cast<float*>(segment + segment_vectors);  // KEEP
+  KeptM* const kept_m = reinterpret_cast<KeptM*>(segment + segment_vectors);  // KEEP
   __shared__ uint64_t bars[kMaxPieces];
   __shared__ float sm_m[kClusterThreads / 32], sm_s[kClusterThreads / 32];
   __shared__ float part_m, part_s, row_lse, target_logit;
@@ -471,6 +511,10 @@ __global__ void __launch_bounds__(kClusterThreads)
     fold_scalars(m, s, row, 0, head);
     fold_scalars(m, s, row, tail, V);
   }
+  if constexpr (COARSE) {  // the scalars' m onto the grid before the first kept m
+    const float up = bf16_at_least(m);
+    if (up != m) s *= __expf(m - up), m = up;  // never at -inf or +inf: m - up is finite
+  }
   float m_log2e = m * kLog2e;  // FMA: fold_fma's m log2(e), updated with m
   for (int p = 0; p < pieces; ++p) {
     mbar_wait(&bars[p], 0);
@@ -480,12 +524,12 @@ __global__ void __launch_bounds__(kClusterThreads)
       if constexpr (KEEP) {
         float e[kN];
         if constexpr (FMA) {
-          fold_fma(m, m_log2e, s, segment[i], e);
+          fold_fma<COARSE>(m, m_log2e, s, segment[i], e);
         } else {
           fold<LEAN>(m, s, P{segment[i]}, e);
         }
         segment[i] = pack_half8(e);
-        kept_m[i] = m;
+        kept_m[i] = KeptM::of(m);
       } else {
         fold(m, s, P{segment[i]});
       }
@@ -534,11 +578,11 @@ __global__ void __launch_bounds__(kClusterThreads)
       const int64_t at = at0 - int64_t(i) * kN;  // the target's place in this vector
       P pk{segment[i]};
       if constexpr (LEAN) {
-        pk.raw = kept_grad(pk.raw, kept_m[i], at, lse, grad_scale);
+        pk.raw = kept_grad(pk.raw, float(kept_m[i]), at, lse, grad_scale);
       } else if constexpr (KEEP) {
         float e[kN];
         unpack_half8(pk.raw, e);
-        const float scaled = grad_scale * __expf(kept_m[i] - lse);
+        const float scaled = grad_scale * __expf(float(kept_m[i]) - lse);
 #pragma unroll
         for (int k = 0; k < kN; ++k) {
           const float g = e[k] * scaled;
@@ -733,7 +777,7 @@ __global__ void __launch_bounds__(THREADS)
   cluster_wait();  // no block leaves while another may still read its part_m / part_s
 }
 
-constexpr int kCrossEntropyVersions = 8;
+constexpr int kCrossEntropyVersions = 9;
 constexpr int kCrossEntropyDefault = 6;
 int g_cross_entropy_version = kCrossEntropyDefault;
 
@@ -813,11 +857,12 @@ void launch_stream(cudaStream_t s, float* losses, T* logits, const int32_t* targ
                                 plan.segment_vectors, buffer_vectors, grad_scale, compute_grad));
 }
 
-template <class T, bool KEEP, bool LEAN = false, bool FMA = false, bool SYNC = false>
+template <class T, bool KEEP, bool LEAN = false, bool FMA = false, bool SYNC = false,
+          bool COARSE = false>
 void launch_cluster(cudaStream_t s, float* losses, T* logits, const int32_t* targets, int64_t N,
                     int64_t V, const ClusterPlan& plan, float grad_scale, bool compute_grad) {
-  auto kernel = cross_entropy_cluster_kernel<T, KEEP, LEAN, FMA, SYNC>;
-  allow_segment_smem<cross_entropy_cluster_kernel<T, KEEP, LEAN, FMA, SYNC>>();
+  auto kernel = cross_entropy_cluster_kernel<T, KEEP, LEAN, FMA, SYNC, COARSE>;
+  allow_segment_smem<cross_entropy_cluster_kernel<T, KEEP, LEAN, FMA, SYNC, COARSE>>();
   MHAR_CHECK(N * plan.blocks <= 0x7fffffff, "cross_entropy: ", N, " rows of ", plan.blocks,
              " blocks");
   ClusterLaunch launch(s, plan.blocks, kClusterThreads, plan.smem);
@@ -852,30 +897,36 @@ void cross_entropy(cudaStream_t s, Tensor losses, Tensor logits, Tensor targets,
   dispatch_float(logits.dtype, "cross_entropy", [&](auto tag) {
     using T = decltype(tag);
     ClusterPlan plan{};
-    // Versions 3-7 keep fp16 exps of bf16 rows only; fp32 rows take version 2 there.
+    // Versions 3-9 keep fp16 exps of bf16 rows only; fp32 rows take version 2 there.
     // Versions 7-8 take two buffers a block; rows whose two would exceed kSegmentMax take 6.
+    // Version 9 keeps each vector's m in 2 bytes, the others in 4.
     constexpr bool kKeepable = sizeof(T) == 2;
-    const bool keep = kKeepable && g_cross_entropy_version >= 3;
-    if (g_cross_entropy_version >= 2 && plan_cluster(V, int64_t(sizeof(T)), keep ? 4 : 0, plan)) {
+    const int version = g_cross_entropy_version;
+    const bool keep = kKeepable && version >= 3;
+    const int64_t kept_bytes = !keep ? 0 : version == 9 ? 2 : 4;
+    if (version >= 2 && plan_cluster(V, int64_t(sizeof(T)), kept_bytes, plan)) {
       auto* out = losses.ptr<float>();
       auto* rows = static_cast<T*>(logits.data);
       const auto* ids = targets.ptr<int32_t>();
       if constexpr (kKeepable) {
-        if (keep && g_cross_entropy_version >= 7 && 2 * plan.smem + 16 * 4 <= kSegmentMax) {
-          if (g_cross_entropy_version == 7)
+        if (keep && (version == 7 || version == 8) && 2 * plan.smem + 16 * 4 <= kSegmentMax) {
+          if (version == 7)
             launch_stream<T, 256>(s, out, rows, ids, N, V, plan, float(grad_scale), compute_grad);
           else
             launch_stream<T, 512>(s, out, rows, ids, N, V, plan, float(grad_scale), compute_grad);
           return;
         }
       }
-      if (keep && g_cross_entropy_version >= 6)
+      if (keep && version == 9)
+        launch_cluster<T, kKeepable, kKeepable, kKeepable, kKeepable, kKeepable>(
+            s, out, rows, ids, N, V, plan, float(grad_scale), compute_grad);
+      else if (keep && version >= 6)
         launch_cluster<T, kKeepable, kKeepable, kKeepable, kKeepable>(
             s, out, rows, ids, N, V, plan, float(grad_scale), compute_grad);
-      else if (keep && g_cross_entropy_version == 5)
+      else if (keep && version == 5)
         launch_cluster<T, kKeepable, kKeepable, kKeepable>(s, out, rows, ids, N, V, plan,
                                                            float(grad_scale), compute_grad);
-      else if (keep && g_cross_entropy_version == 4)
+      else if (keep && version == 4)
         launch_cluster<T, kKeepable, kKeepable>(s, out, rows, ids, N, V, plan, float(grad_scale),
                                                 compute_grad);
       else if (keep)
