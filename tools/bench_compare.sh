@@ -14,8 +14,9 @@
 # PyTorch job starts at once, as far as GPU memory allows, and compiles concurrently;
 # only the timed regions take turns, through one file lock that our runs take too, so no
 # two timed steps ever share the GPU. Memory: each job reserves an estimate of its peak
-# (below) against 93% of the card (140 GB of an H200, 80 of an H100); a job starts only when its reservation fits,
-# and a PyTorch job only when the next run of ours would still fit beside it.
+# (below) against 93% of the card (140 GB of an H200, 80 of an H100); a job starts only
+# when its reservation fits, and a PyTorch job only when the next run of ours would still
+# fit beside it (on an H100, PyTorch's 350M mhar waits for our runs).
 # Our runs go one at a time (--after FILE: wait until FILE exists first, e.g. for a build
 # still running). At --deadline (seconds from start, default 420) jobs still running are
 # stopped and reported as "timeout"; jobs never started are "not run". Each run: 3 warm-up
