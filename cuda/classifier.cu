@@ -58,6 +58,11 @@
 //   version 6's terms each times exp(m - m_bf16) (the same state, another reference), so
 //   the losses are within the rounding bound of version 5's (CrossEntropyParity) and the
 //   exps stay <= 1 in fp16, at most a factor ~0.9 smaller at Qwen3's logits.
+// 10 version 9's kernel on clusters of up to 16 blocks (a non-portable size, which Hopper
+//   allows) with segments of at most 20 KB: 16 blocks of 19 KB a Qwen3 row, 22.7 KB of
+//   shared memory a block, so 8 blocks an SM (64 warps, every register: 32 a thread), twice
+//   version 6's warps, with twice its blocks' fixed costs a byte. Its segments are not
+//   version 9's, so neither are its sums' orders: checked as version 9 is.
 // Measured (KernelBandwidth.DISABLED_CrossEntropyVersions, bf16, with the gradient, ms,
 // two rounds each, twenty-ninth session): [2048, 151936] v1 / v2 / v3 / v4 0.480 / 0.460 /
 // 0.455 / 0.421, [5462, 151936] (the configs' chunk) 1.230 / 1.211 / 1.198 / 1.104,
@@ -347,6 +352,9 @@ __device__ __forceinline__ uint4 kept_grad(const uint4& kept, float kept_m, int6
 constexpr int kClusterThreads = 256;
 constexpr int kMaxCluster = 8;                 // the portable cluster size
 constexpr int64_t kSegmentTarget = 40 * 1024;  // 5 blocks an SM by shared memory
+// Version 10's: Hopper's largest cluster (non-portable) and half the segment.
+constexpr int kMaxClusterWide = 16;
+constexpr int64_t kSegmentTargetWide = 20 * 1024;
 constexpr int64_t kSegmentMax = 192 * 1024;
 constexpr int kPieceVectors = 512;  // 8 KB
 constexpr int kMaxPieces = int(kSegmentMax / (16 * kPieceVectors));
@@ -777,7 +785,7 @@ __global__ void __launch_bounds__(THREADS)
   cluster_wait();  // no block leaves while another may still read its part_m / part_s
 }
 
-constexpr int kCrossEntropyVersions = 9;
+constexpr int kCrossEntropyVersions = 10;
 constexpr int kCrossEntropyDefault = 6;
 int g_cross_entropy_version = kCrossEntropyDefault;
 
@@ -789,10 +797,11 @@ struct ClusterPlan {
   int64_t segment_vectors;
   size_t smem;
 };
-bool plan_cluster(int64_t V, int64_t bytes, int64_t kept, ClusterPlan& plan) {
+bool plan_cluster(int64_t V, int64_t bytes, int64_t kept, ClusterPlan& plan,
+                  int max_blocks = kMaxCluster, int64_t segment_target = kSegmentTarget) {
   const int64_t vectors = V / (16 / bytes);  // at least any row's vector count
   int blocks = 1;
-  while (blocks < kMaxCluster && ceil_div(vectors, blocks) * 16 > kSegmentTarget) blocks *= 2;
+  while (blocks < max_blocks && ceil_div(vectors, blocks) * 16 > segment_target) blocks *= 2;
   const int64_t segment = ceil_div(vectors, blocks);
   plan = {blocks, segment, size_t(segment * (16 + kept))};
   return int64_t(plan.smem) <= kSegmentMax;
@@ -817,15 +826,21 @@ struct ClusterLaunch {
   ClusterLaunch(const ClusterLaunch&) = delete;
   ClusterLaunch& operator=(const ClusterLaunch&) = delete;
 };
-// Lets Kernel take up to kSegmentMax bytes of dynamic shared memory (once a kernel: the
-// template is on the function itself, not its type, which kernels share).
+// Lets Kernel take up to kSegmentMax bytes of dynamic shared memory and, where
+// `wide_clusters` (version 10), clusters of more than 8 blocks (once a kernel: the template
+// is on the function itself, not its type, which kernels share).
 template <auto Kernel>
-void allow_segment_smem() {
+void allow_segment_smem(bool wide_clusters = false) {
   static const bool allowed = [] {
     CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     int(kSegmentMax)));
     return true;
   }();
+  static bool wide_allowed = false;
+  if (wide_clusters && !wide_allowed) {
+    CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    wide_allowed = true;
+  }
   (void)allowed;
 }
 
@@ -862,7 +877,8 @@ template <class T, bool KEEP, bool LEAN = false, bool FMA = false, bool SYNC = f
 void launch_cluster(cudaStream_t s, float* losses, T* logits, const int32_t* targets, int64_t N,
                     int64_t V, const ClusterPlan& plan, float grad_scale, bool compute_grad) {
   auto kernel = cross_entropy_cluster_kernel<T, KEEP, LEAN, FMA, SYNC, COARSE>;
-  allow_segment_smem<cross_entropy_cluster_kernel<T, KEEP, LEAN, FMA, SYNC, COARSE>>();
+  allow_segment_smem<cross_entropy_cluster_kernel<T, KEEP, LEAN, FMA, SYNC, COARSE>>(plan.blocks >
+                                                                                     kMaxCluster);
   MHAR_CHECK(N * plan.blocks <= 0x7fffffff, "cross_entropy: ", N, " rows of ", plan.blocks,
              " blocks");
   ClusterLaunch launch(s, plan.blocks, kClusterThreads, plan.smem);
@@ -897,14 +913,21 @@ void cross_entropy(cudaStream_t s, Tensor losses, Tensor logits, Tensor targets,
   dispatch_float(logits.dtype, "cross_entropy", [&](auto tag) {
     using T = decltype(tag);
     ClusterPlan plan{};
-    // Versions 3-9 keep fp16 exps of bf16 rows only; fp32 rows take version 2 there.
+    // Versions 3-10 keep fp16 exps of bf16 rows only; fp32 rows take version 2 there.
     // Versions 7-8 take two buffers a block; rows whose two would exceed kSegmentMax take 6.
-    // Version 9 keeps each vector's m in 2 bytes, the others in 4.
+    // Versions 9-10 keep each vector's m in 2 bytes, the others in 4; 10 plans wide clusters.
     constexpr bool kKeepable = sizeof(T) == 2;
     const int version = g_cross_entropy_version;
     const bool keep = kKeepable && version >= 3;
-    const int64_t kept_bytes = !keep ? 0 : version == 9 ? 2 : 4;
-    if (version >= 2 && plan_cluster(V, int64_t(sizeof(T)), kept_bytes, plan)) {
+    const bool coarse = keep && version >= 9, wide = keep && version == 10;
+    const bool planned =
+        wide ? plan_cluster(V, int64_t(sizeof(T)), 2, plan, kMaxClusterWide, kSegmentTargetWide)
+             : plan_cluster(V, int64_t(sizeof(T)),
+                            !keep    ? 0
+                            : coarse ? 2
+                                     : 4,
+                            plan);
+    if (version >= 2 && planned) {
       auto* out = losses.ptr<float>();
       auto* rows = static_cast<T*>(logits.data);
       const auto* ids = targets.ptr<int32_t>();
@@ -917,7 +940,7 @@ void cross_entropy(cudaStream_t s, Tensor losses, Tensor logits, Tensor targets,
           return;
         }
       }
-      if (keep && version == 9)
+      if (coarse)
         launch_cluster<T, kKeepable, kKeepable, kKeepable, kKeepable, kKeepable>(
             s, out, rows, ids, N, V, plan, float(grad_scale), compute_grad);
       else if (keep && version >= 6)

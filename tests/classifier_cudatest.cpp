@@ -29,7 +29,8 @@
 // grid (rounded up, so kept exactly in 2 bytes): checked as version 8 is, its bound taken
 // at maxima up to 2^-7 above the row's largest logit. Its gradient against the CPU also
 // checks that the kept maxima are exact: a kept m off by a bf16 rounding (2^-5 at a logit
-// of 10) scales its vector's probabilities by ~3%, eight times the bf16 bound.
+// of 10) scales its vector's probabilities by ~3%, eight times the bf16 bound. Version 10
+// is version 9's kernel on clusters of up to 16 blocks (half the segments): checked as 9.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -48,7 +49,7 @@ TEST_F(CrossEntropyParity, LossesAndLogitGradient) {
                                                 {5, 3},     {9, 4096},  {3, 151936}, {7, 82005}};
   // classifier.cu's versions
   constexpr int kClusters = 2, kKeptExps = 3, kLean = 4, kFma = 5, kSync = 6, kStream = 7,
-                kStreamWide = 8, kCoarse = 9;
+                kStreamWide = 8, kCoarse = 9, kCoarseWide = 10;
   const int versions = cuda::cross_entropy_versions();
   for (int version = 1; version <= versions; ++version) {
     cuda::cross_entropy_set_version(version);
@@ -88,18 +89,19 @@ TEST_F(CrossEntropyParity, LossesAndLogitGradient) {
             }
             cuda::cross_entropy_set_version(version);
           }
-          // Version 5 against version 4 (and 8 and 9 against 5), row by row, within what
-          // their roundings allow (u = 2^-24; M the row's largest |logit|, version 9's
-          // maxima up to a bf16 ulp, 2^-7 M, above it: M (1 + 2^-7) there): each one's sum of exps
+          // Version 5 against version 4 (and 8-10 against 5), row by row, within what their
+          // roundings allow (u = 2^-24; M the row's largest |logit|, versions 9-10's maxima
+          // up to a bf16 ulp, 2^-7 M, above it: M (1 + 2^-7) there): each one's sum of exps
           // is off by at most 64 additions' u (a thread's vectors, the tree, the warp, block
-          // and cluster merges: at most ~45 at these shapes with 512 threads) and each exp
-          // by u(2M) from its exponent's rounding (version 5: u M more from m log2 e's) plus
-          // ex2.approx's 2u; then logf's 2u |lse| each and the subtraction's u |loss|,
-          // |lse| <= M + log V, |loss| <= 2M + log V.
+          // and cluster merges: at most ~45 at these shapes, with 512 threads or 16 blocks)
+          // and each exp by u(2M) from its exponent's rounding (version 5: u M more from m
+          // log2 e's) plus ex2.approx's 2u; then logf's 2u |lse| each and the subtraction's
+          // u |loss|, |lse| <= M + log V, |loss| <= 2M + log V.
           std::vector<double> ref_losses, row_bound;
-          const int ref_version = version == kFma                                ? kLean
-                                  : version == kStreamWide || version == kCoarse ? kFma
-                                                                                 : 0;
+          const bool coarse = version == kCoarse || version == kCoarseWide;
+          const int ref_version = version == kFma                    ? kLean
+                                  : version == kStreamWide || coarse ? kFma
+                                                                     : 0;
           if (ref_version != 0) {
             Buffer rows(*gpu, dt, {N, V});
             const std::vector<double> x = logits.g.get();
@@ -112,7 +114,7 @@ TEST_F(CrossEntropyParity, LossesAndLogitGradient) {
             for (int64_t n = 0; n < N; ++n) {
               double M = 0;
               for (int64_t v = 0; v < V; ++v) M = std::max(M, std::abs(x[size_t(n * V + v)]));
-              if (version == kCoarse) M *= 1 + std::ldexp(1.0, -7);
+              if (coarse) M *= 1 + std::ldexp(1.0, -7);
               const double log_v = std::log(double(V));
               const double fma_versions = ref_version == kLean ? 1 : 2;
               row_bound.push_back(std::ldexp(1.0, -24) *
