@@ -7,7 +7,7 @@
 // first 16-byte boundary and a scalar tail, so any V and any row alignment take the vector
 // path). Per thread an online (max, sum of exp) in fp32, one rescale per vector, merged
 // across the block. No fp32 copy of the probabilities exists at any point: memory is the
-// logits. Nine kernel-lab versions (cross_entropy_set_version) in three kernels:
+// logits. Ten kernel-lab versions (cross_entropy_set_version) in three kernels:
 // 1 one block per row: pass 1 folds the row, pass 2 (gradient only) re-reads it and writes
 //   each element once. 512 threads with 16-byte loads and several blocks an SM keep enough
 //   loads in flight (the scalar 2-byte loads of the first form reached 0.91 TB/s at 1B);
