@@ -39,20 +39,20 @@
 //   Its losses are not version 2's bits: each exp carries a factor within ~2^-24 |m log2
 //   e| of 1 (fold_fma), ~1e-6 relative to the sum at Qwen3's logits, far inside the CPU
 //   bound (1e-4); its gradient stays within the bf16 bound as version 4's.
-// 6 (the default for bf16 rows; fp32 rows take 2) version 5 with a cheaper exchange of
-//   the blocks' states (SYNC in the cluster kernel: a fence by the one writing thread and
-//   relaxed arrives instead of every thread's release, the states loaded by one lane each
-//   at once): version 5's bits, losses and gradient (CrossEntropyParity checks them).
+// 6 version 5 with a cheaper exchange of the blocks' states (SYNC in the cluster kernel: a
+//   fence by the one writing thread and relaxed arrives instead of every thread's release,
+//   the states loaded by one lane each at once): version 5's bits, losses and gradient
+//   (CrossEntropyParity checks them).
 // 7 version 6 on a persistent grid of clusters with two rows a block in flight (the next
 //   row folded while the cluster's states of this one come in; cross_entropy_stream_kernel):
 //   version 6's bits. Rows whose two buffers would exceed kSegmentMax take version 6.
 // 8 version 7 with blocks of 512 threads (32 warps an SM where 7 has 16). Not its bits:
 //   each thread folds half as many vectors, so the sums run in another order and the
 //   kept maxima differ (within the CPU bound; CrossEntropyParity checks it there).
-// 9 version 6 with its kept maxima in 2 bytes a vector, not 4 (COARSE in the cluster
-//   kernel), so that 5 blocks fit an SM's 228 KB at Qwen3's rows where 6 fits 4 (8 blocks
-//   of 2,374 vectors: 42.7 KB of shared memory each against 47.5 KB, and 1.3 KB more a
-//   block); GPT-2's rows stay at 7. A thread's running max is taken on bf16's grid,
+// 9 (the default for bf16 rows; fp32 rows take 2) version 6 with its kept maxima in 2
+//   bytes a vector, not 4 (COARSE in the cluster kernel), so that 5 blocks fit an SM's
+//   228 KB at Qwen3's rows where 6 fits 4 (8 blocks of 2,374 vectors: 42.7 KB of shared
+//   memory each against 47.5 KB, and 1.3 KB more a block); GPT-2's rows stay at 7. A thread's running max is taken on bf16's grid,
 //   rounded up (a bf16 number >= every logit folded so far, at most 2^-7 |m| above the
 //   true max), so every kept m is a bf16 number, kept exactly in 2 bytes. The sums are
 //   version 6's terms each times exp(m - m_bf16) (the same state, another reference), so
@@ -79,7 +79,13 @@
 // GPT-2's). Thirty-seventh session, on an H100 (copy 3.03 TB/s), the same test, v6 / v7 /
 // v8: [2048, 151936] 0.469 / 0.554 / 0.564, [5462, 151936] 1.231 / 1.454 / 1.485, [4096,
 // 50257] 0.296 / 0.382 / 0.488: the persistent versions lose there (v6 already at 88-92%
-// of that card's copy rate); not yet timed on an H200. cuda/NOTES.md, lead 4.
+// of that card's copy rate); not yet timed on an H200. Thirty-eighth session, the same
+// card and test (copy 3.01 TB/s), v6 / v9 / v10 in two rounds: [2048, 151936] 0.4721 /
+// 0.4545 / 0.4920, 0.4715 / 0.4549 / 0.4917; [5462, 151936] 1.2367 / 1.1906 / 1.2935,
+// 1.2365 / 1.1902 / 1.2936; [4096, 50257] 0.2984 / 0.2990 / 0.3553, 0.2977 / 0.2991 /
+// 0.3550: v9 3.7% faster on Qwen3's rows (92.6% of copy at the configs' chunk) and even on
+// GPT-2's (7 blocks an SM either way), so it is the default; v10's wide clusters lose
+// 4-19%. cuda/NOTES.md, lead 4.
 #include <cuda_fp16.h>
 
 #include <algorithm>
@@ -786,7 +792,7 @@ __global__ void __launch_bounds__(THREADS)
 }
 
 constexpr int kCrossEntropyVersions = 10;
-constexpr int kCrossEntropyDefault = 6;
+constexpr int kCrossEntropyDefault = 9;
 int g_cross_entropy_version = kCrossEntropyDefault;
 
 // Versions 2-5's blocks a row and each block's vectors for rows of V elements of `bytes`
