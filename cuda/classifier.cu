@@ -52,12 +52,13 @@
 // 9 (the default for bf16 rows; fp32 rows take 2) version 6 with its kept maxima in 2
 //   bytes a vector, not 4 (COARSE in the cluster kernel), so that 5 blocks fit an SM's
 //   228 KB at Qwen3's rows where 6 fits 4 (8 blocks of 2,374 vectors: 42.7 KB of shared
-//   memory each against 47.5 KB, and 1.3 KB more a block); GPT-2's rows stay at 7. A thread's running max is taken on bf16's grid,
-//   rounded up (a bf16 number >= every logit folded so far, at most 2^-7 |m| above the
-//   true max), so every kept m is a bf16 number, kept exactly in 2 bytes. The sums are
-//   version 6's terms each times exp(m - m_bf16) (the same state, another reference), so
-//   the losses are within the rounding bound of version 5's (CrossEntropyParity) and the
-//   exps stay <= 1 in fp16, at most a factor ~0.9 smaller at Qwen3's logits.
+//   memory each against 47.5 KB, and 1.3 KB more a block); GPT-2's rows stay at 7. A
+//   thread's running max is taken on bf16's grid, rounded up (a bf16 number >= every logit
+//   folded so far, at most 2^-7 |m| above the true max), so every kept m is a bf16 number,
+//   kept exactly in 2 bytes. The sums are version 6's terms each times exp(m - m_bf16)
+//   (the same state, another reference), so the losses are within the rounding bound of
+//   version 5's (CrossEntropyParity) and the exps stay <= 1 in fp16, at most a factor ~0.9
+//   smaller at Qwen3's logits.
 // 10 version 9's kernel on clusters of up to 16 blocks (a non-portable size, which Hopper
 //   allows) with segments of at most 20 KB: 16 blocks of 19 KB a Qwen3 row, 22.7 KB of
 //   shared memory a block, so 8 blocks an SM (64 warps, every register: 32 a thread), twice
