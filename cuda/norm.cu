@@ -723,14 +723,15 @@ __global__ void __launch_bounds__(kVecThreads)
 }
 // The staged plain kernels of short rows (D <= 768, kStaged3) held to 3 blocks per SM:
 // version 1's residency there (their grid is version 1's); unbounded they took 90 registers.
+// The same kernel serves backward version 5 (3 blocks an SM) and 10 (kBlocksPerSm 4).
 template <int TPR, int VPL, int RPI>
 constexpr bool kStaged3 = RPI > 1 || VPL <= 3;
-template <class W, int TPR, int VPL, int RPI, class Opt>
-__global__ void __launch_bounds__(kVecThreads, 3)
+template <class W, int TPR, int VPL, int RPI, class Opt, int kBlocksPerSm = 3>
+__global__ void __launch_bounds__(kVecThreads, kBlocksPerSm)
     rmsnorm_backward_vec_kernel3(bf16* dx, float* __restrict__ partials,
                                  const bf16* __restrict__ dy, const bf16* __restrict__ x,
-                                 const W* __restrict__ w, const float* __restrict__ rstd,
-                                 int64_t R, int D, bool accumulate, RopeArgs ra) {
+                                 const W* __restrict__ w, const float* __restrict__ rstd, int64_t R,
+                                 int D, bool accumulate, RopeArgs ra) {
   rmsnorm_backward_vec_body<W, TPR, VPL, RPI, false, false, Opt>(dx, partials, dy, x, w, rstd, R,
                                                                   D, accumulate, ra);
 }
@@ -1120,6 +1121,11 @@ bool vector_path(DType t, int64_t D, int64_t max_d, std::initializer_list<const 
 //   the first pass to the second and its stage released after the first (one block an
 //   SM; D <= 1536, else version 7). Where 512 < D <= 2048; other widths run version 5's
 //   rule.
+//   10 version 5 held to 4 blocks an SM (64 registers at D 1280, no spills), its own
+//   resident grid: at 1B's 16,384 rows, 528 blocks take every warp through at most 4 rows
+//   (3.9 on average), where version 5's 396 take 5.2 on average and 6 at most, the 6th
+//   step with 17% of the warps running: the time of a latency-bound step for a sixth of
+//   its bytes. dw as version 5 (over its own grid's partial rows).
 // QkNormRope (qk_norm_rope_forward and _backward):
 //   1 as version 1 of the others. 2 kLite (cos/sin split over the warp: half the sincosf
 //   at head_dim 128; 32-bit token index), no prefetch. 3 version 2, forward on the
@@ -1133,7 +1139,7 @@ bool vector_path(DType t, int64_t D, int64_t max_d, std::initializer_list<const 
 //   7 version 6, and qk_norm_rope_forward_qk / _backward_qk run q and k in one launch
 //   (other versions: the two calls in turn). The same bits as version 6 but dw's sums.
 // Lab versions apply to BF16 weights (the model's); F32 weights take version 1.
-constexpr int kForwardVersions = 5, kBackwardVersions = 9, kQkVersions = 7;
+constexpr int kForwardVersions = 5, kBackwardVersions = 10, kQkVersions = 7;
 // Defaults: the fastest of the device runs (cuda/NOTES.md, "Norm kernel versions",
 // "Paired lanes" and "q and k in one launch"): forward 4, backward 5, QK 7.
 constexpr int kForwardDefault = 4, kBackwardDefault = 5, kQkDefault = 7;
@@ -1359,7 +1365,8 @@ bool launch_backward_vec(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor
             using Opt5 = VecOpt<false, false, false, true, false, true>;
             using Opt6 = VecOpt<false, true, false, true, false, true>;
             kern = v == 6 ? rmsnorm_backward_vec_kernel<W, C::TPR, C::VPL, RPI, false, false, Opt6>
-                          : rmsnorm_backward_vec_kernel3<W, C::TPR, C::VPL, RPI, Opt5>;
+                   : v == 10 ? rmsnorm_backward_vec_kernel3<W, C::TPR, C::VPL, RPI, Opt5, 4>
+                             : rmsnorm_backward_vec_kernel3<W, C::TPR, C::VPL, RPI, Opt5>;
             pdl = true;
             smem = size_t(kVecThreads / 32) * C::VPL * 2 * 32 * 16;
             blocks = std::min<int64_t>(ceil_div(R, rb),
@@ -1627,11 +1634,11 @@ void rmsnorm_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor x,
   check_backward("rmsnorm_backward", dx, dw, dy, x, rstd, R, D);
   if (R == 0) return;
   const bool vec = vector_path(x.dtype, D, kVecMaxDBackward, {x.data, dx.data, dy.data, w.data});
-  if (vec && g_backward_version >= 7 && w.dtype == DType::BF16 &&
+  if (vec && g_backward_version >= 7 && g_backward_version <= 9 && w.dtype == DType::BF16 &&
       ring_backward(s, g_backward_version, static_cast<bf16*>(dx.data), dw.ptr<float>(),
                     static_cast<const bf16*>(dy.data), static_cast<const bf16*>(x.data),
-                    static_cast<const bf16*>(w.data), rstd.ptr<float>(), R, int(D),
-                    accumulate_dx, scratch))
+                    static_cast<const bf16*>(w.data), rstd.ptr<float>(), R, int(D), accumulate_dx,
+                    scratch))
     return;
   if (vec && launch_backward_vec<false>(s, dx, dw, dy, x, w, rstd, R, D, accumulate_dx, scratch,
                                  RopeArgs{}))

@@ -220,7 +220,7 @@ TEST_F(NormParity, EveryKernelVersionSameBits) {
       const char* names[] = {"dx", "dw", "dx +=", "dw (+=)"};
       for (size_t k = 0; k < got.size(); ++k) {
         const std::string what = "backward v" + std::to_string(v) + " " + names[k] + " " + tag;
-        // Versions 5-9 sum dw over their own grid's partial rows: another order of fp32
+        // Versions 5-10 sum dw over their own grid's partial rows: another order of fp32
         // sums.
         if (v >= 5 && (k == 1 || k == 3)) expect_close(what, got[k], bref[k], kTolF32Output);
         else expect_same_bits(what, got[k], bref[k]);
