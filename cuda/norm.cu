@@ -723,9 +723,9 @@ __global__ void __launch_bounds__(kVecThreads)
 }
 // The staged plain kernels of short rows (D <= 768, kStaged3) held to 3 blocks per SM:
 // version 1's residency there (their grid is version 1's); unbounded they took 90 registers.
-// The same kernel serves backward version 5 (3 blocks an SM) and 10 (kBlocksPerSm 4).
 template <int TPR, int VPL, int RPI>
 constexpr bool kStaged3 = RPI > 1 || VPL <= 3;
+// The same kernel serves backward version 5 (3 blocks an SM) and 10 (kBlocksPerSm 4).
 template <class W, int TPR, int VPL, int RPI, class Opt, int kBlocksPerSm = 3>
 __global__ void __launch_bounds__(kVecThreads, kBlocksPerSm)
     rmsnorm_backward_vec_kernel3(bf16* dx, float* __restrict__ partials,
@@ -1124,8 +1124,9 @@ bool vector_path(DType t, int64_t D, int64_t max_d, std::initializer_list<const 
 //   10 version 5 held to 4 blocks an SM (64 registers at D 1280, no spills), its own
 //   resident grid: at 1B's 16,384 rows, 528 blocks take every warp through at most 4 rows
 //   (3.9 on average), where version 5's 396 take 5.2 on average and 6 at most, the 6th
-//   step with 17% of the warps running: the time of a latency-bound step for a sixth of
-//   its bytes. dw as version 5 (over its own grid's partial rows).
+//   step with 17% of the warps running (if a step is latency-bound, that step costs a
+//   full step's time for a sixth of its bytes: a hypothesis, not yet timed). dw as
+//   version 5 (over its own grid's partial rows).
 // QkNormRope (qk_norm_rope_forward and _backward):
 //   1 as version 1 of the others. 2 kLite (cos/sin split over the warp: half the sincosf
 //   at head_dim 128; 32-bit token index), no prefetch. 3 version 2, forward on the
