@@ -38,14 +38,14 @@
 // backward's rows staged in shared memory by cp.async, the dw finish kernel by
 // programmatic dependent launch, the fused RoPE's cos/sin split over the warp) and give
 // version 1's bits. Two change a sum's order and are compared with the CPU instead: the
-// backward's dw partials in shared memory on their own grid (backward 5, the default at
-// model widths 768-1536) and the paired-lane QK-norm + RoPE (QK 6, and QK 7, the default,
-// which launches q and k together: a lane holds both halves of its rotate-half pairs and
-// reads cos/sin from a table the backend fills once, ScratchSlot::RopeTable). Backward
-// versions 7-9 are the ring kernel
-// (norm_backward_ring.cu: rows brought into shared memory by the copy engine, dw finished
-// in the kernel after a grid synchronisation). The defaults are the device runs' fastest
-// (kForwardDefault etc. below; cuda/NOTES.md has the measured tables).
+// backward's dw partials in shared memory on their own grid (backward 5 at model widths
+// 768-1536, and 10, the default: 5 with 4 blocks an SM where rows are wider than 1024) and the
+// paired-lane QK-norm + RoPE (QK 6, and QK 7, the default, which launches q and k together: a lane
+// holds both halves of its rotate-half pairs and reads cos/sin from a table the backend fills once,
+// ScratchSlot::RopeTable). Backward versions 7-9 are the ring kernel (norm_backward_ring.cu: rows
+// brought into shared memory by the copy engine, dw finished in the kernel after a grid
+// synchronisation). The defaults are the device runs' fastest (kForwardDefault etc. below;
+// cuda/NOTES.md has the measured tables).
 #include <algorithm>
 #include <atomic>
 #include <map>
@@ -1121,12 +1121,15 @@ bool vector_path(DType t, int64_t D, int64_t max_d, std::initializer_list<const 
 //   the first pass to the second and its stage released after the first (one block an
 //   SM; D <= 1536, else version 7). Where 512 < D <= 2048; other widths run version 5's
 //   rule.
-//   10 version 5 held to 4 blocks an SM (64 registers at D 1280, no spills), its own
-//   resident grid: at 1B's 16,384 rows, 528 blocks take every warp through at most 4 rows
-//   (3.9 on average), where version 5's 396 take 5.2 on average and 6 at most, the 6th
-//   step with 17% of the warps running (if a step is latency-bound, that step costs a
-//   full step's time for a sixth of its bytes: a hypothesis, not yet timed). dw as
-//   version 5 (over its own grid's partial rows).
+//   10 version 5 held to 4 blocks an SM where its rows are 5-6 vectors a lane (1024 < D
+//   <= 1536; 64 registers at D 1280, no spills), its own resident grid; elsewhere version
+//   5 (at D 1024 version 5 already takes 64 registers and 4 blocks; shorter rows were not
+//   timed under the bound). At 1B's 16,384 rows, 528 blocks take every warp through at
+//   most 4 rows (3.9 on average), where version 5's 396 take 5.2 on average and 6 at most,
+//   the 6th step with 17% of the warps running. Timed on an H100 (thirty-ninth session):
+//   75.3% of copy overwriting and 79.0% accumulating against version 5's 74.6% and 76.2%,
+//   1-4% where the tail reasoning predicted ~14%, so the tail is a small part of the gap.
+//   dw as version 5 (over its own grid's partial rows).
 // QkNormRope (qk_norm_rope_forward and _backward):
 //   1 as version 1 of the others. 2 kLite (cos/sin split over the warp: half the sincosf
 //   at head_dim 128; 32-bit token index), no prefetch. 3 version 2, forward on the
@@ -1142,8 +1145,8 @@ bool vector_path(DType t, int64_t D, int64_t max_d, std::initializer_list<const 
 // Lab versions apply to BF16 weights (the model's); F32 weights take version 1.
 constexpr int kForwardVersions = 5, kBackwardVersions = 10, kQkVersions = 7;
 // Defaults: the fastest of the device runs (cuda/NOTES.md, "Norm kernel versions",
-// "Paired lanes" and "q and k in one launch"): forward 4, backward 5, QK 7.
-constexpr int kForwardDefault = 4, kBackwardDefault = 5, kQkDefault = 7;
+// "Paired lanes" and "q and k in one launch"): forward 4, backward 10, QK 7.
+constexpr int kForwardDefault = 4, kBackwardDefault = 10, kQkDefault = 7;
 int g_forward_version = kForwardDefault;    // norm_set_kernel_version (timing lab)
 int g_backward_version = kBackwardDefault;
 int g_qk_version = kQkDefault;
@@ -1361,13 +1364,14 @@ bool launch_backward_vec(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor
           else if constexpr (!kDwSharedFits) pick(VecOpt<false, false, false, true>{});
           else {
             // 5: dw in shared memory, 3 blocks an SM; 6: 5 plus the register pipeline (2
-            // blocks). Each on its own resident grid, so dw sums other partial rows than
-            // version 1's.
+            // blocks); 10: 5 with 4 blocks where VPL is 5-6. Each on its own resident grid,
+            // so dw sums other partial rows than version 1's.
             using Opt5 = VecOpt<false, false, false, true, false, true>;
             using Opt6 = VecOpt<false, true, false, true, false, true>;
             kern = v == 6 ? rmsnorm_backward_vec_kernel<W, C::TPR, C::VPL, RPI, false, false, Opt6>
-                   : v == 10 ? rmsnorm_backward_vec_kernel3<W, C::TPR, C::VPL, RPI, Opt5, 4>
-                             : rmsnorm_backward_vec_kernel3<W, C::TPR, C::VPL, RPI, Opt5>;
+                   : v == 10 && C::VPL >= 5
+                       ? rmsnorm_backward_vec_kernel3<W, C::TPR, C::VPL, RPI, Opt5, 4>
+                       : rmsnorm_backward_vec_kernel3<W, C::TPR, C::VPL, RPI, Opt5>;
             pdl = true;
             smem = size_t(kVecThreads / 32) * C::VPL * 2 * 32 * 16;
             blocks = std::min<int64_t>(ceil_div(R, rb),
