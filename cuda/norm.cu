@@ -39,13 +39,13 @@
 // programmatic dependent launch, the fused RoPE's cos/sin split over the warp) and give
 // version 1's bits. Two change a sum's order and are compared with the CPU instead: the
 // backward's dw partials in shared memory on their own grid (backward 5 at model widths
-// 768-1536, and 10, the default: 5 with 4 blocks an SM where rows are wider than 1024) and the
-// paired-lane QK-norm + RoPE (QK 6, and QK 7, the default, which launches q and k together: a lane
-// holds both halves of its rotate-half pairs and reads cos/sin from a table the backend fills once,
-// ScratchSlot::RopeTable). Backward versions 7-9 are the ring kernel (norm_backward_ring.cu: rows
-// brought into shared memory by the copy engine, dw finished in the kernel after a grid
-// synchronisation). The defaults are the device runs' fastest (kForwardDefault etc. below;
-// cuda/NOTES.md has the measured tables).
+// 768-1536, and 10, the default: 5 with 4 blocks an SM where rows are wider than 1024)
+// and the paired-lane QK-norm + RoPE (QK 6, and QK 7, the default, which launches q and k
+// together: a lane holds both halves of its rotate-half pairs and reads cos/sin from a
+// table the backend fills once, ScratchSlot::RopeTable). Backward versions 7-9 are the
+// ring kernel (norm_backward_ring.cu: rows brought into shared memory by the copy engine,
+// dw finished in the kernel after a grid synchronisation). The defaults are the device
+// runs' fastest (kForwardDefault etc. below; cuda/NOTES.md has the measured tables).
 #include <algorithm>
 #include <atomic>
 #include <map>
