@@ -52,6 +52,7 @@
 #include <mutex>
 #include <type_traits>
 #include <unordered_map>
+#include <utility>
 
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
@@ -1015,20 +1016,22 @@ __global__ void rope_table_kernel(float* table, double base, int half, int64_t p
 }
 
 // dw[c] += sum over blocks b (in order per row lane, then lanes in order) of
-// partials[b][c]. Block (32 columns) x (kFinishLanes row lanes): with one partial row per
-// resident block (~264 at D 1280) every lane has all its ~8 loads in flight at once (was 8
-// lanes with ~33 loads each, 8 in flight: a few microseconds of latency on 40 SMs after
-// every backward).
+// partials[b][c]. Block (32 columns) x (kFinishLanes row lanes); a lane's partial rows are
+// every kFinishLanes-th. Finish version 2 (the default) issues up to kFinishBatch of a
+// lane's loads before its first add, so grids up to kFinishBatch x kFinishLanes = 1024
+// blocks cost one L2 round trip a lane; version 1 issued them 8 at a time, which was one
+// round trip at 2 blocks an SM (~264 rows) and three at backward version 10's 528. Both
+// add the same terms in the same order (the same bits).
 // kPdl: launched as a programmatic dependent of the backward kernel; waits for its end
 // (and its partial rows' visibility) before the first read.
 // Up to two weights at once (gridDim.y; q's and k's after one QK-norm launch of both).
-constexpr int kFinishLanes = 32;
+constexpr int kFinishLanes = 32, kFinishBatch = 32;
 struct DwFinish {
   float* dw = nullptr;
   const float* partials = nullptr;
   int nblocks = 0;
 };
-template <bool kPdl = false>
+template <bool kPdl, bool kBatch>
 __global__ void __launch_bounds__(32 * kFinishLanes)
     rmsnorm_dw_finish_kernel(DwFinish f0, DwFinish f1, int D) {
   if constexpr (kPdl) pdl_wait();
@@ -1039,9 +1042,23 @@ __global__ void __launch_bounds__(32 * kFinishLanes)
   const int c = blockIdx.x * 32 + threadIdx.x;
   float acc = 0.f;
   if (c < D) {
+    if constexpr (kBatch) {
+      for (int b0 = threadIdx.y; b0 < nblocks; b0 += kFinishBatch * kFinishLanes) {
+        float v[kFinishBatch];
+#pragma unroll
+        for (int i = 0; i < kFinishBatch; ++i) {
+          const int b = b0 + i * kFinishLanes;
+          v[i] = b < nblocks ? __ldg(partials + int64_t(b) * D + c) : 0.f;
+        }
+#pragma unroll
+        for (int i = 0; i < kFinishBatch; ++i)
+          if (b0 + i * kFinishLanes < nblocks) acc += v[i];  // no "+ 0": keeps -0's sign
+      }
+    } else {
 #pragma unroll 8
-    for (int b = threadIdx.y; b < nblocks; b += kFinishLanes)
-      acc += __ldg(partials + int64_t(b) * D + c);
+      for (int b = threadIdx.y; b < nblocks; b += kFinishLanes)
+        acc += __ldg(partials + int64_t(b) * D + c);
+    }
   }
   part[threadIdx.y][threadIdx.x] = acc;
   __syncthreads();
@@ -1150,6 +1167,7 @@ constexpr int kForwardDefault = 4, kBackwardDefault = 10, kQkDefault = 7;
 int g_forward_version = kForwardDefault;    // norm_set_kernel_version (timing lab)
 int g_backward_version = kBackwardDefault;
 int g_qk_version = kQkDefault;
+int g_dw_finish_version = 2;  // norm_lab_dw_finish (timing lab only)
 // QK version 7 is version 6's kernels (it changes only how q and k are launched).
 int qk_kernels_version() { return g_qk_version == 7 ? 6 : g_qk_version; }
 
@@ -1200,9 +1218,12 @@ bool lite_rows_fit(int64_t R) { return R < (int64_t(1) << 30); }
 // The finish of `count` (1 or 2) weights' partial rows, each D columns.
 void launch_dw_finish(cudaStream_t s, bool pdl, const DwFinish& f0, const DwFinish& f1,
                       int count, int D) {
+  if (g_dw_finish_version == 0) return;  // timing only: dw left unfinished
   const dim3 grid(unsigned(ceil_div(D, 32)), unsigned(count)), block(32, kFinishLanes);
+  const bool batch = g_dw_finish_version == 2;
   if (!pdl) {
-    rmsnorm_dw_finish_kernel<false><<<grid, block, 0, s>>>(f0, f1, D);
+    if (batch) rmsnorm_dw_finish_kernel<false, true><<<grid, block, 0, s>>>(f0, f1, D);
+    else rmsnorm_dw_finish_kernel<false, false><<<grid, block, 0, s>>>(f0, f1, D);
     CUDA_CHECK_LAUNCH();
     return;
   }
@@ -1216,7 +1237,8 @@ void launch_dw_finish(cudaStream_t s, bool pdl, const DwFinish& f0, const DwFini
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  CUDA_CHECK(cudaLaunchKernelEx(&cfg, rmsnorm_dw_finish_kernel<true>, f0, f1, D));
+  if (batch) CUDA_CHECK(cudaLaunchKernelEx(&cfg, rmsnorm_dw_finish_kernel<true, true>, f0, f1, D));
+  else CUDA_CHECK(cudaLaunchKernelEx(&cfg, rmsnorm_dw_finish_kernel<true, false>, f0, f1, D));
 }
 void launch_dw_finish(cudaStream_t s, bool pdl, float* dw, const float* partials, int nblocks,
                       int D) {
@@ -1810,6 +1832,12 @@ int norm_kernel_versions(NormKernel kernel) {
     case NormKernel::QkNormRope: return kQkVersions;
   }
   return 1;
+}
+
+int norm_lab_dw_finish(int version) {
+  MHAR_CHECK(version >= 0 && version <= 2, "norm_lab_dw_finish: version ", version,
+             " (0: none, 1 or 2)");
+  return std::exchange(g_dw_finish_version, version);
 }
 
 int norm_set_kernel_version(NormKernel kernel, int version) {

@@ -16,11 +16,16 @@
 // between two runs of one version: differences below it are noise), so that one device
 // call measures them all and picks the defaults; then the model's QK-norm + RoPE call of
 // q and k together (one launch) against the two tensors timed apart above.
+// NormBackwardScaling: the RMSNorm backward's time over the row count, split by a fitted
+// line into a fixed part per call and a rate per row.
 // CrossEntropyVersions: the cross-entropy's versions at the models' classifier chunks.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <functional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -274,6 +279,90 @@ TEST_F(KernelBandwidth, DISABLED_NormKernelVersions) {
   qk("qk-norm+rope fused q", sh, sh.H, at, all(cuda::NormKernel::QkNormRope));
   qk("qk-norm+rope fused k", sh, sh.Hkv, at, all(cuda::NormKernel::QkNormRope));
   qk_pair(sh, at);
+}
+
+// NormBackwardScaling: the RMSNorm backward (versions 5 and 10, overwriting and "+=") at
+// 1B's row width over 4,096-65,536 rows, beside add (out = a + b: the overwriting
+// backward's bytes, two rows read and one written, with no reduction) and the forward.
+// A line fitted to each op's times over the rows separates what a call costs whatever its
+// size (launches, dw's partial rows and finish, the grid's ramp and tail) from what a row
+// costs, as a rate against this run's copy rate: it says whether 1B's 16,384 rows miss
+// the copy rate in the rows' own work or in the call's fixed part (cuda/NOTES.md lead 4).
+TEST_F(KernelBandwidth, DISABLED_NormBackwardScaling) {
+  measure_copy_rate();
+  constexpr int64_t D = 1280;
+  const int64_t rows[] = {4096, 8192, 16384, 32768, 65536};
+  struct Series {
+    std::string name;
+    double row_bytes;  // bytes a row moves, as the report lines count them
+    std::vector<std::pair<double, double>> r_ms;
+  };
+  const double row = 2.0 * D;
+  std::vector<Series> series = {{"add (a + b)", 3 * row, {}},
+                                {"rmsnorm forward", 2 * row + 4, {}},
+                                {"rmsnorm backward v5", 3 * row + 4, {}},
+                                {"rmsnorm backward dx+= v5", 4 * row + 4, {}},
+                                {"rmsnorm backward v10", 3 * row + 4, {}},
+                                {"rmsnorm backward dx+= v10", 4 * row + 4, {}},
+                                {"rmsnorm backward v10 finish v1", 3 * row + 4, {}},
+                                {"rmsnorm backward v10 main kernel only", 3 * row + 4, {}}};
+  for (int64_t R : rows) {
+    const int sets = sets_for(3 * row * double(R));
+    std::vector<Buffer> x, y, dy, dx;
+    for (int i = 0; i < sets; ++i) {
+      x.push_back(random_gpu(DType::BF16, {R, D}, 2.0));
+      y.emplace_back(*gpu, DType::BF16, std::initializer_list<int64_t>{R, D});
+      dy.push_back(random_gpu(DType::BF16, {R, D}));
+      dx.push_back(random_gpu(DType::BF16, {R, D}));
+    }
+    Buffer w = random_gpu(DType::BF16, {D}), rstd(*gpu, DType::F32, {R});
+    Buffer dw(*gpu, DType::F32, {D});
+    const std::string tag = " [" + std::to_string(R) + ", " + std::to_string(D) + "]";
+    auto time = [&](Series& s, const std::function<void(int)>& op) {
+      const double ms = median_ms(op, sets);
+      report(s.name + tag, s.row_bytes * double(R) + (s.name[0] == 'r' ? 8.0 * D : 0.0), ms);
+      s.r_ms.emplace_back(double(R), ms);
+    };
+    time(series[0], [&](int i) { gpu->add(y[size_t(i)], x[size_t(i)], dy[size_t(i)]); });
+    time(series[1], [&](int i) { gpu->rmsnorm_forward(y[size_t(i)], rstd, x[size_t(i)], w, 1e-6); });
+    int s = 2;
+    for (int v : {5, 10}) {
+      cuda::norm_set_kernel_version(cuda::NormKernel::Backward, v);
+      for (bool acc : {false, true})
+        time(series[size_t(s++)], [&](int i) {
+          gpu->rmsnorm_backward(dx[size_t(i)], dw, dy[size_t(i)], x[size_t(i)], w, rstd, acc);
+        });
+    }
+    // dw's finish at its version 1, then none (dw left unfinished: timing only), so that
+    // the fixed part above splits into the finish with its launch and the main kernel's own.
+    cuda::norm_set_kernel_version(cuda::NormKernel::Backward, 10);
+    for (int finish : {1, 0}) {
+      const int before = cuda::norm_lab_dw_finish(finish);
+      time(series[size_t(s++)], [&](int i) {
+        gpu->rmsnorm_backward(dx[size_t(i)], dw, dy[size_t(i)], x[size_t(i)], w, rstd, false);
+      });
+      cuda::norm_lab_dw_finish(before);
+    }
+    cuda::norm_set_kernel_version(cuda::NormKernel::Backward, 0);
+  }
+  // Least squares ms = fixed + R * per_row over the sizes.
+  for (const Series& s : series) {
+    double n = 0, sr = 0, sm = 0, srr = 0, srm = 0;
+    for (auto [r, ms] : s.r_ms) {
+      n += 1;
+      sr += r;
+      sm += ms;
+      srr += r * r;
+      srm += r * ms;
+    }
+    const double per_row = (n * srm - sr * sm) / (n * srr - sr * sr), fixed = (sm - per_row * sr) / n;
+    const double tbs = s.row_bytes / per_row * 1e-9;
+    double worst = 0;  // the fit's largest miss, as a share of that size's time
+    for (auto [r, ms] : s.r_ms) worst = std::max(worst, std::abs(fixed + per_row * r - ms) / ms);
+    std::printf("SCALING %-28s fixed %6.2f us  rows at %5.2f TB/s = %5.1f%% of copy here"
+                "  (fit within %.1f%%)\n",
+                s.name.c_str(), fixed * 1e3, tbs, 100.0 * tbs / copy_tbs_, 100.0 * worst);
+  }
 }
 
 // The cross-entropy with its gradient (cuda/classifier.cu, cuda::cross_entropy_set_version)
