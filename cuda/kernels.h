@@ -203,11 +203,11 @@ void qk_norm_rope_backward_qk(cudaStream_t s, const QkNormRopeGradOperands& q,
 enum class NormKernel { Forward, Backward, QkNormRope };
 int norm_set_kernel_version(NormKernel kernel, int version);
 int norm_kernel_versions(NormKernel kernel);
-// The finish that sums the norm backwards' dw partial rows (cuda/norm.cu): 2 (the
-// default) or 1, the same bits; 0 is for timing only (tests/kernel_bandwidth_cudatest.cpp's
-// NormBackwardScaling times the main kernel alone): no finish, so dw is left unchanged and
-// WRONG. Returns the previous version. Process-wide, not thread-safe.
-int norm_lab_dw_finish(int version);
+// Timing only (tests/kernel_bandwidth_cudatest.cpp's NormBackwardScaling): while on, the
+// norm backwards launch their main kernel and not the finish that sums dw's partial rows,
+// so dw is left unchanged and WRONG; the lab times the main kernel alone this way.
+// Returns the previous setting. Process-wide, not thread-safe.
+bool norm_lab_skip_dw_finish(bool skip);
 // Launches of the paired-lane QK-norm + RoPE kernels over q and k together
 // (qk_norm_rope_forward_qk / _backward_qk) so far, in this process: tests check the one
 // launch happened.

@@ -1016,22 +1016,22 @@ __global__ void rope_table_kernel(float* table, double base, int half, int64_t p
 }
 
 // dw[c] += sum over blocks b (in order per row lane, then lanes in order) of
-// partials[b][c]. Block (32 columns) x (kFinishLanes row lanes); a lane's partial rows are
-// every kFinishLanes-th. Finish version 2 (the default) issues up to kFinishBatch of a
-// lane's loads before its first add, so grids up to kFinishBatch x kFinishLanes = 1024
-// blocks cost one L2 round trip a lane; version 1 issued them 8 at a time, which was one
-// round trip at 2 blocks an SM (~264 rows) and three at backward version 10's 528. Both
-// add the same terms in the same order (the same bits).
+// partials[b][c]. Block (32 columns) x (kFinishLanes row lanes): with one partial row per
+// resident block (~264 at D 1280) every lane has all its ~8 loads in flight at once (was 8
+// lanes with ~33 loads each, 8 in flight: a few microseconds of latency on 40 SMs after
+// every backward). At backward version 10's 528 rows a lane issues its ~17 loads 8 at a
+// time; issuing up to 32 at once (a1be600: the same bits) made the call 2.9 us slower at
+// 1B's 16,384 rows, cause not looked into (cuda/NOTES.md lead 4).
 // kPdl: launched as a programmatic dependent of the backward kernel; waits for its end
 // (and its partial rows' visibility) before the first read.
 // Up to two weights at once (gridDim.y; q's and k's after one QK-norm launch of both).
-constexpr int kFinishLanes = 32, kFinishBatch = 32;
+constexpr int kFinishLanes = 32;
 struct DwFinish {
   float* dw = nullptr;
   const float* partials = nullptr;
   int nblocks = 0;
 };
-template <bool kPdl, bool kBatch>
+template <bool kPdl = false>
 __global__ void __launch_bounds__(32 * kFinishLanes)
     rmsnorm_dw_finish_kernel(DwFinish f0, DwFinish f1, int D) {
   if constexpr (kPdl) pdl_wait();
@@ -1042,23 +1042,9 @@ __global__ void __launch_bounds__(32 * kFinishLanes)
   const int c = blockIdx.x * 32 + threadIdx.x;
   float acc = 0.f;
   if (c < D) {
-    if constexpr (kBatch) {
-      for (int b0 = threadIdx.y; b0 < nblocks; b0 += kFinishBatch * kFinishLanes) {
-        float v[kFinishBatch];
-#pragma unroll
-        for (int i = 0; i < kFinishBatch; ++i) {
-          const int b = b0 + i * kFinishLanes;
-          v[i] = b < nblocks ? __ldg(partials + int64_t(b) * D + c) : 0.f;
-        }
-#pragma unroll
-        for (int i = 0; i < kFinishBatch; ++i)
-          if (b0 + i * kFinishLanes < nblocks) acc += v[i];  // no "+ 0": keeps -0's sign
-      }
-    } else {
 #pragma unroll 8
-      for (int b = threadIdx.y; b < nblocks; b += kFinishLanes)
-        acc += __ldg(partials + int64_t(b) * D + c);
-    }
+    for (int b = threadIdx.y; b < nblocks; b += kFinishLanes)
+      acc += __ldg(partials + int64_t(b) * D + c);
   }
   part[threadIdx.y][threadIdx.x] = acc;
   __syncthreads();
@@ -1167,7 +1153,7 @@ constexpr int kForwardDefault = 4, kBackwardDefault = 10, kQkDefault = 7;
 int g_forward_version = kForwardDefault;    // norm_set_kernel_version (timing lab)
 int g_backward_version = kBackwardDefault;
 int g_qk_version = kQkDefault;
-int g_dw_finish_version = 2;  // norm_lab_dw_finish (timing lab only)
+bool g_skip_dw_finish = false;  // norm_lab_skip_dw_finish (timing lab only)
 // QK version 7 is version 6's kernels (it changes only how q and k are launched).
 int qk_kernels_version() { return g_qk_version == 7 ? 6 : g_qk_version; }
 
@@ -1218,12 +1204,10 @@ bool lite_rows_fit(int64_t R) { return R < (int64_t(1) << 30); }
 // The finish of `count` (1 or 2) weights' partial rows, each D columns.
 void launch_dw_finish(cudaStream_t s, bool pdl, const DwFinish& f0, const DwFinish& f1,
                       int count, int D) {
-  if (g_dw_finish_version == 0) return;  // timing only: dw left unfinished
+  if (g_skip_dw_finish) return;  // timing only: dw left unfinished
   const dim3 grid(unsigned(ceil_div(D, 32)), unsigned(count)), block(32, kFinishLanes);
-  const bool batch = g_dw_finish_version == 2;
   if (!pdl) {
-    if (batch) rmsnorm_dw_finish_kernel<false, true><<<grid, block, 0, s>>>(f0, f1, D);
-    else rmsnorm_dw_finish_kernel<false, false><<<grid, block, 0, s>>>(f0, f1, D);
+    rmsnorm_dw_finish_kernel<false><<<grid, block, 0, s>>>(f0, f1, D);
     CUDA_CHECK_LAUNCH();
     return;
   }
@@ -1237,8 +1221,7 @@ void launch_dw_finish(cudaStream_t s, bool pdl, const DwFinish& f0, const DwFini
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  if (batch) CUDA_CHECK(cudaLaunchKernelEx(&cfg, rmsnorm_dw_finish_kernel<true, true>, f0, f1, D));
-  else CUDA_CHECK(cudaLaunchKernelEx(&cfg, rmsnorm_dw_finish_kernel<true, false>, f0, f1, D));
+  CUDA_CHECK(cudaLaunchKernelEx(&cfg, rmsnorm_dw_finish_kernel<true>, f0, f1, D));
 }
 void launch_dw_finish(cudaStream_t s, bool pdl, float* dw, const float* partials, int nblocks,
                       int D) {
@@ -1834,11 +1817,7 @@ int norm_kernel_versions(NormKernel kernel) {
   return 1;
 }
 
-int norm_lab_dw_finish(int version) {
-  MHAR_CHECK(version >= 0 && version <= 2, "norm_lab_dw_finish: version ", version,
-             " (0: none, 1 or 2)");
-  return std::exchange(g_dw_finish_version, version);
-}
+bool norm_lab_skip_dw_finish(bool skip) { return std::exchange(g_skip_dw_finish, skip); }
 
 int norm_set_kernel_version(NormKernel kernel, int version) {
   const int versions = norm_kernel_versions(kernel);

@@ -304,7 +304,6 @@ TEST_F(KernelBandwidth, DISABLED_NormBackwardScaling) {
                                 {"rmsnorm backward dx+= v5", 4 * row + 4, {}},
                                 {"rmsnorm backward v10", 3 * row + 4, {}},
                                 {"rmsnorm backward dx+= v10", 4 * row + 4, {}},
-                                {"rmsnorm backward v10 finish v1", 3 * row + 4, {}},
                                 {"rmsnorm backward v10 main kernel only", 3 * row + 4, {}}};
   for (int64_t R : rows) {
     const int sets = sets_for(3 * row * double(R));
@@ -333,16 +332,14 @@ TEST_F(KernelBandwidth, DISABLED_NormBackwardScaling) {
           gpu->rmsnorm_backward(dx[size_t(i)], dw, dy[size_t(i)], x[size_t(i)], w, rstd, acc);
         });
     }
-    // dw's finish at its version 1, then none (dw left unfinished: timing only), so that
-    // the fixed part above splits into the finish with its launch and the main kernel's own.
+    // The main kernel without dw's finish (dw left unfinished: timing only), so that the
+    // fixed part above splits into the finish with its launch and the main kernel's own.
     cuda::norm_set_kernel_version(cuda::NormKernel::Backward, 10);
-    for (int finish : {1, 0}) {
-      const int before = cuda::norm_lab_dw_finish(finish);
-      time(series[size_t(s++)], [&](int i) {
-        gpu->rmsnorm_backward(dx[size_t(i)], dw, dy[size_t(i)], x[size_t(i)], w, rstd, false);
-      });
-      cuda::norm_lab_dw_finish(before);
-    }
+    const bool skipped = cuda::norm_lab_skip_dw_finish(true);
+    time(series[size_t(s)], [&](int i) {
+      gpu->rmsnorm_backward(dx[size_t(i)], dw, dy[size_t(i)], x[size_t(i)], w, rstd, false);
+    });
+    cuda::norm_lab_skip_dw_finish(skipped);
     cuda::norm_set_kernel_version(cuda::NormKernel::Backward, 0);
   }
   // Least squares ms = fixed + R * per_row over the sizes.

@@ -230,43 +230,6 @@ TEST_F(NormParity, EveryKernelVersionSameBits) {
   }
 }
 
-// The dw finish's two versions (cuda::norm_lab_dw_finish: loads 8 at a time, or up to 32
-// of a lane's at once) add the same partial rows in the same order: the same bits, on
-// grids of a few hundred blocks and of more than 1,024 (D 64: the second version's loads
-// in two batches where the device has the SMs for it), overwriting dw and adding to it.
-TEST_F(NormParity, DwFinishVersionsSameBits) {
-  struct Case {
-    int64_t R, D;
-    int version;
-  };
-  for (const Case c : {Case{80001, 64, 1}, Case{50001, 128, 5}, Case{6001, 1280, 10},
-                       Case{20001, 1280, 10}, Case{3001, 2048, 5}}) {
-    const std::string tag = "R" + std::to_string(c.R) + " D" + std::to_string(c.D) + " v" +
-                            std::to_string(c.version);
-    Buffer x = random_gpu(DType::BF16, {c.R, c.D}, 2.0), dy = random_gpu(DType::BF16, {c.R, c.D});
-    Buffer w = random_gpu(DType::BF16, {c.D}), dw0 = random_gpu(DType::F32, {c.D});
-    Buffer y(*gpu, DType::BF16, {c.R, c.D}), rstd(*gpu, DType::F32, {c.R});
-    Buffer dx(*gpu, DType::BF16, {c.R, c.D}), dw(*gpu, DType::F32, {c.D});
-    gpu->rmsnorm_forward(y, rstd, x, w, 1e-6);
-    cuda::norm_set_kernel_version(cuda::NormKernel::Backward, c.version);
-    std::vector<double> ref[2];
-    for (int finish : {1, 2}) {
-      const int before = cuda::norm_lab_dw_finish(finish);
-      for (int from_zero = 0; from_zero < 2; ++from_zero) {
-        if (from_zero) gpu->zero(dw);
-        else gpu->copy(dw, dw0);
-        gpu->rmsnorm_backward(dx, dw, dy, x, w, rstd, false);
-        if (finish == 1) ref[from_zero] = dw.get();
-        else
-          expect_same_bits("dw finish v2 " + std::string(from_zero ? "from 0 " : "+= ") + tag,
-                           dw.get(), ref[from_zero]);
-      }
-      cuda::norm_lab_dw_finish(before);
-    }
-  }
-  cuda::norm_set_kernel_version(cuda::NormKernel::Backward, 0);
-}
-
 TEST_F(NormParity, ModelWidthRows) {
   check(37, 96, false);
   check(37, 96, true);
