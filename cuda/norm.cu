@@ -39,7 +39,8 @@
 // programmatic dependent launch, the fused RoPE's cos/sin split over the warp) and give
 // version 1's bits. Two change a sum's order and are compared with the CPU instead: the
 // backward's dw partials in shared memory on their own grid (backward 5 at model widths
-// 768-1536, and 10, the default: 5 with 4 blocks an SM where rows are wider than 1024)
+// 768-1536, and 10, the default: 5 with 4 blocks an SM where rows are wider than 1024;
+// 11, 10 with each warp's next row from a ticket counter, whose dw order varies run to run)
 // and the paired-lane QK-norm + RoPE (QK 6, and QK 7, the default, which launches q and k
 // together: a lane holds both halves of its rotate-half pairs and reads cos/sin from a
 // table the backend fills once, ScratchSlot::RopeTable). Backward versions 7-9 are the
@@ -282,7 +283,13 @@ struct AddArgs {
 // kDwShared (backward, rows of one warp: TPR 32, RPI 1), dw's per-column partial sums in
 // shared memory instead of registers (the same additions in the same order per column),
 // which frees VPL x 8 registers a thread for a third block an SM.
-// None changes an operation on a value or the rows a lane handles: the same bits.
+// kDynamic (backward with kDwShared; version 11): each warp takes its next row from a
+// device-wide ticket counter instead of a fixed grid stride, so that warps served late
+// take fewer rows and the grid ends evenly. dx is unchanged; dw's partial rows then hold
+// whichever rows each block took, so dw's order of sums (and its last bits) varies run to
+// run.
+// None but kDynamic changes an operation on a value or the rows a lane handles: the same
+// bits.
 // (Outside the unnamed namespace: nvcc warns about its unused members there.)
 }  // namespace
 namespace norm_lab {
@@ -290,7 +297,11 @@ template <bool Prefetch, bool Pipeline = false, bool Lite = false, bool Pdl = fa
           bool Staged = false, bool DwShared = false>
 struct VecOpt {
   static constexpr bool kPrefetch = Prefetch, kPipeline = Pipeline, kLite = Lite, kPdl = Pdl,
-                        kStaged = Staged, kDwShared = DwShared;
+                        kStaged = Staged, kDwShared = DwShared, kDynamic = false;
+};
+// Backward version 11: version 5's options with rows taken from a ticket counter.
+struct OptDynamicRows : VecOpt<false, false, false, true, false, true> {
+  static constexpr bool kDynamic = true;
 };
 }  // namespace norm_lab
 namespace {
@@ -470,6 +481,12 @@ __global__ void __launch_bounds__(kVecThreads)
 // kRope: dy is the gradient w.r.t. the rotated output; it is rotated back (rounded to
 // bf16, as the unfused inverse RoPE stores it) right after loading, and not written.
 // The body of the backward kernels below (one kernel per launch-bounds rule).
+// kDynamic's row tickets: [0] the next row, [1] the warps that found no row left. The
+// last warp of a grid to find none zeroes both, so each launch starts from 0 (launches on
+// one stream run one after another; kDynamic kernels are never launched concurrently).
+// 32 bits: the host takes version 10 instead where rows plus warps reach 2^32.
+__device__ unsigned int g_backward_row_ticket[2];
+
 template <class W, int TPR, int VPL, int RPI, bool kRope, bool kWarpToken, class Opt>
 __device__ __forceinline__ void rmsnorm_backward_vec_body(
     bf16* dx, float* __restrict__ partials, const bf16* __restrict__ dy,
@@ -484,6 +501,8 @@ __device__ __forceinline__ void rmsnorm_backward_vec_body(
   constexpr bool kDwShared = Opt::kDwShared;
   static_assert(!kDwShared || (TPR == 32 && RPI == 1 && !kRope && !Opt::kStaged),
                 "dw in shared memory: one row a warp, no staging");
+  static_assert(!Opt::kDynamic || (kDwShared && !Opt::kPipeline && !Opt::kPrefetch),
+                "dynamic rows: one row a warp, loaded in its own step");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int grp = lane / TPR, sub = lane % TPR;
   // kDwShared: warp wi's sums of this lane's 8 columns of vector k, half h (4 floats), at
@@ -558,7 +577,15 @@ __device__ __forceinline__ void rmsnorm_backward_vec_body(
   [[maybe_unused]] uint4 nx[RPI][VPL], ng[RPI][VPL];
   [[maybe_unused]] float nrs[RPI];
   if constexpr (Opt::kPipeline) load_rows(int64_t(blockIdx.x) * RB, nx, ng, nrs);
-  for (int64_t base = int64_t(blockIdx.x) * RB; base < R; base += stride, buf ^= 1) {
+  // kDynamic: the warp's row is its ticket; base is set so that row_of(base, 0) gives it.
+  auto take_row = [&]() -> int64_t {
+    unsigned t = 0;
+    if (lane == 0) t = atomicAdd(&g_backward_row_ticket[0], 1u);
+    return int64_t(__shfl_sync(0xffffffffu, t, 0)) - warp;
+  };
+  for (int64_t base = Opt::kDynamic ? take_row() : int64_t(blockIdx.x) * RB;
+       Opt::kDynamic ? base + warp < R : base < R;
+       base = Opt::kDynamic ? take_row() : base + stride, buf ^= 1) {
     uint4 xv[RPI][VPL], gv[RPI][VPL];
     float rs[RPI], coef[RPI];
     if constexpr (Opt::kPipeline) {
@@ -670,6 +697,15 @@ __device__ __forceinline__ void rmsnorm_backward_vec_body(
   }
 
   if constexpr (Opt::kStaged) stage_wait<0>();  // the last (zero-filled) stage
+  if constexpr (Opt::kDynamic) {
+    if (lane == 0) {
+      const unsigned warps = gridDim.x * (kVecThreads / 32);
+      if (atomicAdd(&g_backward_row_ticket[1], 1u) == warps - 1) {
+        g_backward_row_ticket[0] = 0;
+        g_backward_row_ticket[1] = 0;
+      }
+    }
+  }
 
   if constexpr (kDwShared) {
     // Column c's sums of the 8 warps, in warp order: the additions below, as version 1's.
@@ -1146,7 +1182,7 @@ bool vector_path(DType t, int64_t D, int64_t max_d, std::initializer_list<const 
 //   7 version 6, and qk_norm_rope_forward_qk / _backward_qk run q and k in one launch
 //   (other versions: the two calls in turn). The same bits as version 6 but dw's sums.
 // Lab versions apply to BF16 weights (the model's); F32 weights take version 1.
-constexpr int kForwardVersions = 5, kBackwardVersions = 10, kQkVersions = 7;
+constexpr int kForwardVersions = 5, kBackwardVersions = 11, kQkVersions = 7;
 // Defaults: the fastest of the device runs (cuda/NOTES.md, "Norm kernel versions",
 // "Paired lanes" and "q and k in one launch"): forward 4, backward 10, QK 7.
 constexpr int kForwardDefault = 4, kBackwardDefault = 10, kQkDefault = 7;
@@ -1257,6 +1293,7 @@ bool launch_forward_vec(cudaStream_t s, Tensor y, Tensor rstd, Tensor x, Tensor 
         };
         [[maybe_unused]] const bool warp_token = kRope && ra.heads % RW == 0;
         int v = std::is_same_v<W, bf16> ? version : 1;
+        if (v == 11 && R + int64_t(sm_count()) * 64 >= (int64_t(1) << 32)) v = 10;  // tickets
         if (kRope && !lite_rows_fit(R)) v = 1;
         if (v <= 1) {
           if constexpr (kRope) {
@@ -1371,9 +1408,14 @@ bool launch_backward_vec(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor
             // 5: dw in shared memory, 3 blocks an SM; 6: 5 plus the register pipeline (2
             // blocks); 10: 5 with 4 blocks where VPL is 5-6. Each on its own resident grid,
             // so dw sums other partial rows than version 1's.
+            // 11: 10 with rows taken from a ticket counter (kDynamic).
             using Opt5 = VecOpt<false, false, false, true, false, true>;
             using Opt6 = VecOpt<false, true, false, true, false, true>;
+            using Opt11 = norm_lab::OptDynamicRows;
             kern = v == 6 ? rmsnorm_backward_vec_kernel<W, C::TPR, C::VPL, RPI, false, false, Opt6>
+                   : v == 11 && C::VPL >= 5
+                       ? rmsnorm_backward_vec_kernel3<W, C::TPR, C::VPL, RPI, Opt11, 4>
+                   : v == 11 ? rmsnorm_backward_vec_kernel3<W, C::TPR, C::VPL, RPI, Opt11>
                    : v == 10 && C::VPL >= 5
                        ? rmsnorm_backward_vec_kernel3<W, C::TPR, C::VPL, RPI, Opt5, 4>
                        : rmsnorm_backward_vec_kernel3<W, C::TPR, C::VPL, RPI, Opt5>;

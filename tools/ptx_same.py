@@ -129,7 +129,8 @@ def symbol_names(symbols):
 def kernel_bodies(paths):
     """Each kernel's instructions over the PTX files `paths`, keyed by its comparable name
     (symbol_names), with the symbols inside the bodies renamed the same way, and registers
-    and labels renamed. A kernel found twice is an error (two files would define it)."""
+    and labels (and local-memory frames) renamed. A kernel found twice is an error (two
+    files would define it)."""
     raw, current = {}, None
     for path in paths:
         with open(path) as f:
@@ -144,6 +145,9 @@ def kernel_bodies(paths):
                 t = line.strip()
                 if current and t.endswith(";") and not t.startswith((".", "//")):
                     t = re.sub(r"\$L__\w+", "L", t)
+                    # A kernel's local-memory frame is numbered file-wide: a kernel added
+                    # earlier in the file renumbers the later ones' frames.
+                    t = re.sub(r"__local_depot\d+", "__local_depot", t)
                     raw[current].append(re.sub(r"%[a-z]+\d+", "R", t))
     symbols = set(raw)
     for body in raw.values():
