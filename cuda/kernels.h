@@ -197,8 +197,8 @@ void qk_norm_rope_backward_qk(cudaStream_t s, const QkNormRopeGradOperands& q,
 // (Forward: rmsnorm_forward and add_rmsnorm_forward; Backward: rmsnorm_backward;
 // QkNormRope: both fused QK-norm + RoPE ops), each a complete alternative with the same
 // bits as version 1 except Backward 5, 6 and 10 (dw summed over their own grid), Backward
-// 11 (dw summed in an order that varies run to run) and QkNormRope 6 and 7 (a row's sums
-// in another order) (cuda/norm.cu says what each changes). version <= 0: the default.
+// 11 and 12 (dw summed in an order that varies run to run) and QkNormRope 6 and 7 (a row's
+// sums in another order) (cuda/norm.cu says what each changes). version <= 0: the default.
 // Returns the previous version. Process-wide, not thread-safe.
 enum class NormKernel { Forward, Backward, QkNormRope };
 int norm_set_kernel_version(NormKernel kernel, int version);

@@ -281,7 +281,7 @@ TEST_F(KernelBandwidth, DISABLED_NormKernelVersions) {
   qk_pair(sh, at);
 }
 
-// NormBackwardScaling: the RMSNorm backward (versions 5, 10 and 11, overwriting and "+=") at
+// NormBackwardScaling: the RMSNorm backward (versions 5 and 10-12, overwriting and "+=") at
 // 1B's row width over 4,096-65,536 rows, beside add (out = a + b: the overwriting
 // backward's bytes, two rows read and one written, with no reduction) and the forward.
 // A line fitted to each op's times over the rows separates what a call costs whatever its
@@ -306,6 +306,8 @@ TEST_F(KernelBandwidth, DISABLED_NormBackwardScaling) {
                                 {"rmsnorm backward dx+= v10", 4 * row + 4, {}},
                                 {"rmsnorm backward v11", 3 * row + 4, {}},
                                 {"rmsnorm backward dx+= v11", 4 * row + 4, {}},
+                                {"rmsnorm backward v12", 3 * row + 4, {}},
+                                {"rmsnorm backward dx+= v12", 4 * row + 4, {}},
                                 {"rmsnorm backward v10 main kernel only", 3 * row + 4, {}}};
   for (int64_t R : rows) {
     const int sets = sets_for(3 * row * double(R));
@@ -327,7 +329,7 @@ TEST_F(KernelBandwidth, DISABLED_NormBackwardScaling) {
     time(series[0], [&](int i) { gpu->add(y[size_t(i)], x[size_t(i)], dy[size_t(i)]); });
     time(series[1], [&](int i) { gpu->rmsnorm_forward(y[size_t(i)], rstd, x[size_t(i)], w, 1e-6); });
     int s = 2;
-    for (int v : {5, 10, 11}) {
+    for (int v : {5, 10, 11, 12}) {
       cuda::norm_set_kernel_version(cuda::NormKernel::Backward, v);
       for (bool acc : {false, true})
         time(series[size_t(s++)], [&](int i) {

@@ -148,7 +148,7 @@ TEST_F(NormParity, AccumulatedDxIsTheTwoOpsBitForBit) {
 // Every kernel-lab version (cuda::norm_set_kernel_version) computes each value with version
 // 1's operations in version 1's order: y, rstd, the fused add's x, y, rstd (x apart from
 // a, and x in a's buffer), dx overwritten and "+=" are version 1's bits, and so is dw for
-// backward versions 2-4 (the same partial rows summed in the same order); versions 5-11
+// backward versions 2-4 (the same partial rows summed in the same order); versions 5-12
 // sum their own grid's partial rows, so their dw is compared within fp32 rounding. The
 // row counts give each grid rule several steps a block and a part-filled last step (D 4096:
 // the forward only; its backward takes the scalar path).
@@ -220,8 +220,8 @@ TEST_F(NormParity, EveryKernelVersionSameBits) {
       const char* names[] = {"dx", "dw", "dx +=", "dw (+=)"};
       for (size_t k = 0; k < got.size(); ++k) {
         const std::string what = "backward v" + std::to_string(v) + " " + names[k] + " " + tag;
-        // Versions 5-11 sum dw over their own grid's partial rows: another order of fp32
-        // sums (11's varies run to run).
+        // Versions 5-12 sum dw over their own grid's partial rows: another order of fp32
+        // sums (11's and 12's varies run to run).
         if (v >= 5 && (k == 1 || k == 3)) expect_close(what, got[k], bref[k], kTolF32Output);
         else expect_same_bits(what, got[k], bref[k]);
       }
@@ -247,10 +247,10 @@ TEST_F(NormParity, PerHeadQkNormView) {
 // Every row configuration of the vector path (D/8 vectors: <=8, <=16, <=32, <=64, <=96,
 // <=128, <=160, <=192, <=256; forward only <=384, <=512) with odd row counts, so blocks end
 // part-way through their rows; the model widths 512, 1024, 1280, 2048.
-// The backward's numerics: version 1 (versions 2-4 are its bits), versions 5-11 (dw
-// summed over their own grids; 7-9 the ring kernel; 11 rows taken from a counter).
+// The backward's numerics: version 1 (versions 2-4 are its bits), versions 5-12 (dw
+// summed over their own grids; 7-9 the ring kernel; 11-12 rows taken from a counter).
 TEST_F(NormParity, VectorPathRowConfigs) {
-  for (int v : {1, 5, 6, 7, 8, 9, 10, 11}) {
+  for (int v : {1, 5, 6, 7, 8, 9, 10, 11, 12}) {
     cuda::norm_set_kernel_version(cuda::NormKernel::Backward, v);
     for (int64_t D : {8, 40, 64, 72, 128, 248, 256, 512, 768, 1024, 1280, 1536, 2048})
       for (int64_t R : {int64_t(1), int64_t(37), int64_t(1001)}) check(R, D, R == 37);
@@ -299,8 +299,8 @@ TEST_F(NormParity, MisalignedTensorsTakeTheScalarPath) {
 }
 
 // dw is summed without atomics on the vector path: two runs from the same inputs give the
-// same bits (dw's own start value included). At the default version; lab version 11 is
-// the one that does not (its rows go to whichever warp asks first).
+// same bits (dw's own start value included). At the default version; lab versions 11 and
+// 12 do not (their rows go to whichever warp asks first).
 TEST_F(NormParity, BackwardDwIsDeterministic) {
   for (int64_t D : {int64_t(64), int64_t(1280), int64_t(2048)}) {
     const int64_t R = 4099;
