@@ -288,10 +288,12 @@ struct AddArgs {
 // a device-wide ticket counter instead of a fixed grid stride, so that warps served late
 // take fewer rows and the grid ends evenly. dx is unchanged; dw's partial rows then hold
 // whichever rows each block took, so dw's order of sums (and its last bits) varies run to
-// run. kTicketAhead (version 12): the next row's ticket is requested right after this
-// row's loads and read at the step's end, so its round trip to L2 overlaps the step
-// instead of preceding the next step's loads (version 11 measured ~6 us more a call
-// than version 10 in fixed cost, ~1.5 us a step).
+// run. kTicketAhead (version 12): a warp's first row is its own index in the grid, as in
+// the fixed stride, and each later row's ticket (counted from the grid's warps) is
+// requested right after the step's loads and read at the step's end, so its round trip to
+// L2 overlaps the step instead of preceding the next loads. Version 11 measured ~6 us
+// more a call than version 10 in fixed cost, ~6 us already at one row a warp: likely
+// its first tickets, every warp's atomic on one address at once, served one at a time.
 // None but kDynamic changes an operation on a value or the rows a lane handles: the same
 // bits.
 // (Outside the unnamed namespace: nvcc warns about its unused members there.)
@@ -493,7 +495,7 @@ __global__ void __launch_bounds__(kVecThreads)
 // kDynamic's row tickets: [0] the next row, [1] the warps that found no row left. The
 // last warp of a grid to find none zeroes both, so each launch starts from 0 (launches on
 // one stream run one after another; kDynamic kernels are never launched concurrently).
-// 32 bits: the host takes version 10 instead where rows plus warps reach 2^32.
+// 32 bits: the host takes version 10 instead where rows plus twice the warps reach 2^32.
 __device__ unsigned int g_backward_row_ticket[2];
 
 template <class W, int TPR, int VPL, int RPI, bool kRope, bool kWarpToken, class Opt>
@@ -599,7 +601,7 @@ __device__ __forceinline__ void rmsnorm_backward_vec_body(
       return int64_t(__shfl_sync(0xffffffffu, ticket_ahead, 0)) - warp;
     else return take_row();
   };
-  for (int64_t base = Opt::kDynamic ? take_row() : int64_t(blockIdx.x) * RB;
+  for (int64_t base = Opt::kDynamic && !Opt::kTicketAhead ? take_row() : int64_t(blockIdx.x) * RB;
        Opt::kDynamic ? base + warp < R : base < R;
        base = Opt::kDynamic ? next_row() : base + stride, buf ^= 1) {
     uint4 xv[RPI][VPL], gv[RPI][VPL];
@@ -631,7 +633,8 @@ __device__ __forceinline__ void rmsnorm_backward_vec_body(
     } else {
       load_rows(base, xv, gv, rs);
       if constexpr (Opt::kTicketAhead)
-        if (lane == 0) ticket_ahead = atomicAdd(&g_backward_row_ticket[0], 1u);
+        if (lane == 0)
+          ticket_ahead = atomicAdd(&g_backward_row_ticket[0], 1u) + gridDim.x * (kVecThreads / 32);
     }
     if constexpr (Opt::kPrefetch)
       prefetch_rows<RW>(base + stride, warp, lane, R, D, x, dy, accumulate ? dx : nullptr);
@@ -1311,7 +1314,7 @@ bool launch_forward_vec(cudaStream_t s, Tensor y, Tensor rstd, Tensor x, Tensor 
         };
         [[maybe_unused]] const bool warp_token = kRope && ra.heads % RW == 0;
         int v = std::is_same_v<W, bf16> ? version : 1;
-        if (v >= 11 && R + int64_t(sm_count()) * 64 >= (int64_t(1) << 32)) v = 10;  // tickets
+        if (v >= 11 && R + int64_t(sm_count()) * 128 >= (int64_t(1) << 32)) v = 10;  // tickets
         if (kRope && !lite_rows_fit(R)) v = 1;
         if (v <= 1) {
           if constexpr (kRope) {
