@@ -599,7 +599,8 @@ __device__ __forceinline__ void rmsnorm_backward_vec_body(
   auto next_row = [&]() -> int64_t {
     if constexpr (Opt::kTicketAhead)
       return int64_t(__shfl_sync(0xffffffffu, ticket_ahead, 0)) - warp;
-    else return take_row();
+    else
+      return take_row();
   };
   for (int64_t base = Opt::kDynamic && !Opt::kTicketAhead ? take_row() : int64_t(blockIdx.x) * RB;
        Opt::kDynamic ? base + warp < R : base < R;

@@ -327,7 +327,8 @@ TEST_F(KernelBandwidth, DISABLED_NormBackwardScaling) {
       s.r_ms.emplace_back(double(R), ms);
     };
     time(series[0], [&](int i) { gpu->add(y[size_t(i)], x[size_t(i)], dy[size_t(i)]); });
-    time(series[1], [&](int i) { gpu->rmsnorm_forward(y[size_t(i)], rstd, x[size_t(i)], w, 1e-6); });
+    time(series[1],
+         [&](int i) { gpu->rmsnorm_forward(y[size_t(i)], rstd, x[size_t(i)], w, 1e-6); });
     int s = 2;
     for (int v : {5, 10, 11, 12}) {
       cuda::norm_set_kernel_version(cuda::NormKernel::Backward, v);
@@ -356,13 +357,15 @@ TEST_F(KernelBandwidth, DISABLED_NormBackwardScaling) {
       srr += r * r;
       srm += r * ms;
     }
-    const double per_row = (n * srm - sr * sm) / (n * srr - sr * sr), fixed = (sm - per_row * sr) / n;
+    const double per_row = (n * srm - sr * sm) / (n * srr - sr * sr),
+                 fixed = (sm - per_row * sr) / n;
     const double tbs = s.row_bytes / per_row * 1e-9;
     double worst = 0;  // the fit's largest miss, as a share of that size's time
     for (auto [r, ms] : s.r_ms) worst = std::max(worst, std::abs(fixed + per_row * r - ms) / ms);
-    std::printf("SCALING %-28s fixed %6.2f us  rows at %5.2f TB/s = %5.1f%% of copy here"
-                "  (fit within %.1f%%)\n",
-                s.name.c_str(), fixed * 1e3, tbs, 100.0 * tbs / copy_tbs_, 100.0 * worst);
+    std::printf(
+        "SCALING %-28s fixed %6.2f us  rows at %5.2f TB/s = %5.1f%% of copy here"
+        "  (fit within %.1f%%)\n",
+        s.name.c_str(), fixed * 1e3, tbs, 100.0 * tbs / copy_tbs_, 100.0 * worst);
   }
 }
 
