@@ -57,21 +57,35 @@ class KernelBandwidth : public BandwidthTest {
     cuda::norm_set_kernel_version(k, 0);
   }
 
+  // `sets` input sets of an RMSNorm over [R, D] (x, dy and an old dx random; y for the
+  // forward's output) and the weight, rstd and dw they share.
+  struct NormSets {
+    NormSets(Buffer w_, Buffer rstd_, Buffer dw_)
+        : w(std::move(w_)), rstd(std::move(rstd_)), dw(std::move(dw_)) {}
+    std::vector<Buffer> x, y, dy, dx;
+    Buffer w, rstd, dw;
+  };
+  NormSets norm_sets(int64_t R, int64_t D, int sets) {
+    NormSets n(random_gpu(DType::BF16, {D}), Buffer(*gpu, DType::F32, {R}),
+               Buffer(*gpu, DType::F32, {D}));
+    for (int i = 0; i < sets; ++i) {
+      n.x.push_back(random_gpu(DType::BF16, {R, D}, 2.0));
+      n.y.emplace_back(*gpu, DType::BF16, std::initializer_list<int64_t>{R, D});
+      n.dy.push_back(random_gpu(DType::BF16, {R, D}));
+      n.dx.push_back(random_gpu(DType::BF16, {R, D}));
+    }
+    return n;
+  }
+
   // RMSNorm over [R, D]: forward reads x, writes y and rstd; backward reads dy, x, rstd,
   // writes dx (reads it too when accumulating), dw += (D fp32, read and written).
   void norms(const std::string& what, int64_t R, int64_t D, const std::string& at,
              const std::vector<int>& fwd_versions = {0}, const std::vector<int>& bwd_versions = {0}) {
     const double row = 2.0 * R * D, fwd = 2 * row + 4.0 * R, bwd = 3 * row + 4.0 * R + 8.0 * D;
     const int sets = sets_for(fwd);
-    std::vector<Buffer> x, y, dy, dx;
-    for (int i = 0; i < sets; ++i) {
-      x.push_back(random_gpu(DType::BF16, {R, D}, 2.0));
-      y.emplace_back(*gpu, DType::BF16, std::initializer_list<int64_t>{R, D});
-      dy.push_back(random_gpu(DType::BF16, {R, D}));
-      dx.push_back(random_gpu(DType::BF16, {R, D}));
-    }
-    Buffer w = random_gpu(DType::BF16, {D}), rstd(*gpu, DType::F32, {R});
-    Buffer dw(*gpu, DType::F32, {D});
+    NormSets n = norm_sets(R, D, sets);
+    auto &x = n.x, &y = n.y, &dy = n.dy, &dx = n.dx;
+    const Buffer &w = n.w, &rstd = n.rstd, &dw = n.dw;
     const std::string tag = " [" + std::to_string(R) + ", " + std::to_string(D) + "]" + at;
     each_version(cuda::NormKernel::Forward, fwd_versions, [&](const std::string& v) {
       report(what + " forward" + v + tag, fwd, median_ms([&](int i) {
@@ -311,15 +325,9 @@ TEST_F(KernelBandwidth, DISABLED_NormBackwardScaling) {
                                 {"rmsnorm backward v10 main kernel only", 3 * row + 4, {}}};
   for (int64_t R : rows) {
     const int sets = sets_for(3 * row * double(R));
-    std::vector<Buffer> x, y, dy, dx;
-    for (int i = 0; i < sets; ++i) {
-      x.push_back(random_gpu(DType::BF16, {R, D}, 2.0));
-      y.emplace_back(*gpu, DType::BF16, std::initializer_list<int64_t>{R, D});
-      dy.push_back(random_gpu(DType::BF16, {R, D}));
-      dx.push_back(random_gpu(DType::BF16, {R, D}));
-    }
-    Buffer w = random_gpu(DType::BF16, {D}), rstd(*gpu, DType::F32, {R});
-    Buffer dw(*gpu, DType::F32, {D});
+    NormSets n = norm_sets(R, D, sets);
+    auto &x = n.x, &y = n.y, &dy = n.dy, &dx = n.dx;
+    const Buffer &w = n.w, &rstd = n.rstd, &dw = n.dw;
     const std::string tag = " [" + std::to_string(R) + ", " + std::to_string(D) + "]";
     auto time = [&](Series& s, const std::function<void(int)>& op) {
       const double ms = median_ms(op, sets);
