@@ -1315,7 +1315,6 @@ bool launch_forward_vec(cudaStream_t s, Tensor y, Tensor rstd, Tensor x, Tensor 
         };
         [[maybe_unused]] const bool warp_token = kRope && ra.heads % RW == 0;
         int v = std::is_same_v<W, bf16> ? version : 1;
-        if (v >= 11 && R + int64_t(sm_count()) * 128 >= (int64_t(1) << 32)) v = 10;  // tickets
         if (kRope && !lite_rows_fit(R)) v = 1;
         if (v <= 1) {
           if constexpr (kRope) {
@@ -1386,6 +1385,7 @@ bool launch_backward_vec(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor
         int64_t blocks = std::min<int64_t>(ceil_div(R, rb), int64_t(sm_count()) * per_sm);
         int v = std::is_same_v<W, bf16> ? version : 1;
         if (kRope && !lite_rows_fit(R)) v = 1;
+        if (v >= 11 && R + int64_t(sm_count()) * 128 >= (int64_t(1) << 32)) v = 10;  // tickets
         bool pdl = false;
         size_t smem = 0;
         if constexpr (std::is_same_v<W, bf16>) {
