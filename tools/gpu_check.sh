@@ -31,7 +31,7 @@
 #                   every section's details
 #   LAB=FILTER      then run the kernel lab's disabled tests of this gtest filter (e.g.
 #                   'OpTiming.DISABLED_RoutingBackwardVersions') into lab.txt, LAB_TIMEOUT
-#                   (s, default 240) bounding them; their TIMING and BANDWIDTH lines in
+#                   (s, default 240) bounding them; their TIMING, BANDWIDTH and SCALING lines in
 #                   the summary
 #   AB=VERSIONS     then time the step at these lab versions against the defaults:
 #                   tools/bench_modes.sh AB_SIZE (default 100m) AB_MODES (default
@@ -276,7 +276,7 @@ grep -E "^MODEL_PARITY .*worst|^TRAIN .*mean|^NCCL_1RANK" "$LOG_DIR/cuda_tests.l
 grep -E "^PARITY" "$LOG_DIR/cuda_tests.log" | sort -k7 -g -r | head -8 || true
 grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[  FAILED  \]|tests? ran|Failure" "$LOG_DIR/cuda_tests.log" | tail -30
 [ -e "$LOG_DIR/bench_table.md" ] && cat "$LOG_DIR/bench_table.md"
-[ -e "$LOG_DIR/lab.txt" ] && grep -E "^TIMING|^BANDWIDTH|FAILED|Failure" "$LOG_DIR/lab.txt"
+[ -e "$LOG_DIR/lab.txt" ] && grep -E "^TIMING|^BANDWIDTH|^SCALING|FAILED|Failure" "$LOG_DIR/lab.txt"
 [ -e "$LOG_DIR/ab.txt" ] && cat "$LOG_DIR/ab.txt"
 [ -e "$LOG_DIR/kernel_times.txt" ] && grep -E "^FAMILY|^KERNELS [^ ]*:|failed" "$LOG_DIR/kernel_times.txt"
 if [ -e "$LOG_DIR/ncu.txt" ]; then
