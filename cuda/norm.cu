@@ -12,7 +12,8 @@
 // bf16x8 vectors, so each byte is read once (forward: x in, y out; backward: x, dy in,
 // dx out). The backward also accumulates dw's per-column sums for its rows in registers
 // and writes one fp32 partial row per block into backend scratch; a second small kernel
-// adds the partial rows into dw in block order. No atomics: the same bits every run.
+// adds the partial rows into dw in block order. No atomics: the same bits every run (but
+// lab versions 11-12, whose blocks take rows as they free up).
 // qk_norm_rope_forward/backward: the vector kernels with RoPE fused (head_dim 64/128/256):
 // forward rotates the normalised row (rounded to bf16 first, as the unfused path stores
 // it) before its one store; backward rotates dy back right after loading it. Saves a
