@@ -1192,6 +1192,14 @@ bool vector_path(DType t, int64_t D, int64_t max_d, std::initializer_list<const 
 //   75.3% of copy overwriting and 79.0% accumulating against version 5's 74.6% and 76.2%,
 //   1-4% where the tail reasoning predicted ~14%, so the tail is a small part of the gap.
 //   dw as version 5 (over its own grid's partial rows).
+//   11 version 10 with each warp's rows taken from a ticket counter as it frees up
+//   (kDynamic), so the grid ends evenly: dx is version 1's bits, dw's order of sums varies
+//   run to run. Timed on an H100 (fortieth session, over 4,096-65,536 rows): its rows at
+//   99% of copy against version 10's 94%, but ~6 us more a call (its first tickets, every
+//   warp's atomic on one address at once), so it loses at 1B's 16,384 rows (69.7% against
+//   74.9% overwriting) and wins at 65,536.
+//   12 version 11 with each warp's first row its grid index and each later ticket
+//   requested a step ahead (kTicketAhead). Not yet run.
 // QkNormRope (qk_norm_rope_forward and _backward):
 //   1 as version 1 of the others. 2 kLite (cos/sin split over the warp: half the sincosf
 //   at head_dim 128; 32-bit token index), no prefetch. 3 version 2, forward on the
