@@ -38,17 +38,17 @@
 // prefetch, balanced or one-step grids, a register pipeline of the next step's rows, the
 // backward's rows staged in shared memory by cp.async, the dw finish kernel by
 // programmatic dependent launch, the fused RoPE's cos/sin split over the warp) and give
-// version 1's bits. Two change a sum's order and are compared with the CPU instead: the
-// backward's dw partials in shared memory on their own grid (backward 5 at model widths
-// 768-1536, and 10, the default: 5 with 4 blocks an SM where rows are wider than 1024;
-// 11 and 12, 10 with each warp's next row from a ticket counter, whose dw order varies run
-// to run)
-// and the paired-lane QK-norm + RoPE (QK 6, and QK 7, the default, which launches q and k
-// together: a lane holds both halves of its rotate-half pairs and reads cos/sin from a
-// table the backend fills once, ScratchSlot::RopeTable). Backward versions 7-9 are the
-// ring kernel (norm_backward_ring.cu: rows brought into shared memory by the copy engine,
-// dw finished in the kernel after a grid synchronisation). The defaults are the device
-// runs' fastest (kForwardDefault etc. below; cuda/NOTES.md has the measured tables).
+// version 1's bits. The others change a sum's order and are compared with the CPU
+// instead: the backward's dw partials in shared memory on their own grid (backward 5 at
+// model widths 768-1536; 10, the default: 5 with 4 blocks an SM where rows are wider than
+// 1024; 11 and 12, 10 with each warp's next row from a ticket counter, whose dw order
+// varies run to run) and the paired-lane QK-norm + RoPE (QK 6, and QK 7, the default,
+// which launches q and k together: a lane holds both halves of its rotate-half pairs and
+// reads cos/sin from a table the backend fills once, ScratchSlot::RopeTable). Backward
+// versions 7-9 are the ring kernel (norm_backward_ring.cu: rows brought into shared memory
+// by the copy engine, dw finished in the kernel after a grid synchronisation). The
+// defaults are the device runs' fastest (kForwardDefault etc. below; cuda/NOTES.md has the
+// measured tables).
 #include <algorithm>
 #include <atomic>
 #include <map>
@@ -635,7 +635,7 @@ __device__ __forceinline__ void rmsnorm_backward_vec_body(
     } else {
       load_rows(base, xv, gv, rs);
       if constexpr (Opt::kTicketAhead)
-        if (lane == 0)
+        if (lane == 0)  // rows after the grid's first row a warp
           ticket_ahead = atomicAdd(&g_backward_row_ticket[0], 1u) + gridDim.x * (kVecThreads / 32);
     }
     if constexpr (Opt::kPrefetch)
@@ -1445,16 +1445,17 @@ bool launch_backward_vec(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor
             using Opt6 = VecOpt<false, true, false, true, false, true>;
             using Opt11 = norm_lab::OptDynamicRows;
             using Opt12 = norm_lab::OptDynamicRowsAhead;
+            // Versions 10-12 hold 4 blocks an SM where rows are 5-6 vectors a lane.
+            auto four_blocks_where_wide = [](auto opt) {
+              using O = decltype(opt);
+              return C::VPL >= 5 ? rmsnorm_backward_vec_kernel3<W, C::TPR, C::VPL, RPI, O, 4>
+                                 : rmsnorm_backward_vec_kernel3<W, C::TPR, C::VPL, RPI, O>;
+            };
             kern = v == 6 ? rmsnorm_backward_vec_kernel<W, C::TPR, C::VPL, RPI, false, false, Opt6>
-                   : v == 12 && C::VPL >= 5
-                       ? rmsnorm_backward_vec_kernel3<W, C::TPR, C::VPL, RPI, Opt12, 4>
-                   : v == 12 ? rmsnorm_backward_vec_kernel3<W, C::TPR, C::VPL, RPI, Opt12>
-                   : v == 11 && C::VPL >= 5
-                       ? rmsnorm_backward_vec_kernel3<W, C::TPR, C::VPL, RPI, Opt11, 4>
-                   : v == 11 ? rmsnorm_backward_vec_kernel3<W, C::TPR, C::VPL, RPI, Opt11>
-                   : v == 10 && C::VPL >= 5
-                       ? rmsnorm_backward_vec_kernel3<W, C::TPR, C::VPL, RPI, Opt5, 4>
-                       : rmsnorm_backward_vec_kernel3<W, C::TPR, C::VPL, RPI, Opt5>;
+                   : v == 12 ? four_blocks_where_wide(Opt12{})
+                   : v == 11 ? four_blocks_where_wide(Opt11{})
+                   : v == 10 ? four_blocks_where_wide(Opt5{})
+                             : rmsnorm_backward_vec_kernel3<W, C::TPR, C::VPL, RPI, Opt5>;
             pdl = true;
             smem = size_t(kVecThreads / 32) * C::VPL * 2 * 32 * 16;
             blocks = std::min<int64_t>(ceil_div(R, rb),

@@ -311,47 +311,45 @@ TEST_F(KernelBandwidth, DISABLED_NormBackwardScaling) {
     double row_bytes;  // bytes a row moves, as the report lines count them
     std::vector<std::pair<double, double>> r_ms;
   };
-  const double row = 2.0 * D;
-  std::vector<Series> series = {{"add (a + b)", 3 * row, {}},
-                                {"rmsnorm forward", 2 * row + 4, {}},
-                                {"rmsnorm backward v5", 3 * row + 4, {}},
-                                {"rmsnorm backward dx+= v5", 4 * row + 4, {}},
-                                {"rmsnorm backward v10", 3 * row + 4, {}},
-                                {"rmsnorm backward dx+= v10", 4 * row + 4, {}},
-                                {"rmsnorm backward v11", 3 * row + 4, {}},
-                                {"rmsnorm backward dx+= v11", 4 * row + 4, {}},
-                                {"rmsnorm backward v12", 3 * row + 4, {}},
-                                {"rmsnorm backward dx+= v12", 4 * row + 4, {}},
-                                {"rmsnorm backward v10 main kernel only", 3 * row + 4, {}}};
+  std::vector<Series> series;  // in the order first timed
+  // A row of bf16; dw's D floats, read and written once a call.
+  const double row = 2.0 * D, dw_bytes = 8.0 * D;
   for (int64_t R : rows) {
     const int sets = sets_for(3 * row * double(R));
     NormSets n = norm_sets(R, D, sets);
     auto &x = n.x, &y = n.y, &dy = n.dy, &dx = n.dx;
     const Buffer &w = n.w, &rstd = n.rstd, &dw = n.dw;
     const std::string tag = " [" + std::to_string(R) + ", " + std::to_string(D) + "]";
-    auto time = [&](Series& s, const std::function<void(int)>& op) {
+    // Times op as series `name` (a row moving row_bytes, a call call_bytes more).
+    auto time = [&](const std::string& name, double row_bytes, double call_bytes,
+                    const std::function<void(int)>& op) {
+      auto it = std::find_if(series.begin(), series.end(),
+                             [&](const Series& s) { return s.name == name; });
+      if (it == series.end()) it = series.insert(it, Series{name, row_bytes, {}});
       const double ms = median_ms(op, sets);
-      report(s.name + tag, s.row_bytes * double(R) + (s.name[0] == 'r' ? 8.0 * D : 0.0), ms);
-      s.r_ms.emplace_back(double(R), ms);
+      report(name + tag, row_bytes * double(R) + call_bytes, ms);
+      it->r_ms.emplace_back(double(R), ms);
     };
-    time(series[0], [&](int i) { gpu->add(y[size_t(i)], x[size_t(i)], dy[size_t(i)]); });
-    time(series[1],
+    auto backward = [&](bool acc) {
+      return [&, acc](int i) {
+        gpu->rmsnorm_backward(dx[size_t(i)], dw, dy[size_t(i)], x[size_t(i)], w, rstd, acc);
+      };
+    };
+    time("add (a + b)", 3 * row, 0,
+         [&](int i) { gpu->add(y[size_t(i)], x[size_t(i)], dy[size_t(i)]); });
+    time("rmsnorm forward", 2 * row + 4, 0,
          [&](int i) { gpu->rmsnorm_forward(y[size_t(i)], rstd, x[size_t(i)], w, 1e-6); });
-    int s = 2;
     for (int v : {5, 10, 11, 12}) {
       cuda::norm_set_kernel_version(cuda::NormKernel::Backward, v);
-      for (bool acc : {false, true})
-        time(series[size_t(s++)], [&](int i) {
-          gpu->rmsnorm_backward(dx[size_t(i)], dw, dy[size_t(i)], x[size_t(i)], w, rstd, acc);
-        });
+      const std::string suffix = " v" + std::to_string(v);
+      time("rmsnorm backward" + suffix, 3 * row + 4, dw_bytes, backward(false));
+      time("rmsnorm backward dx+=" + suffix, 4 * row + 4, dw_bytes, backward(true));
     }
     // The main kernel without dw's finish (dw left unfinished: timing only), so that the
     // fixed part above splits into the finish with its launch and the main kernel's own.
     cuda::norm_set_kernel_version(cuda::NormKernel::Backward, 10);
     const bool skipped = cuda::norm_lab_skip_dw_finish(true);
-    time(series[size_t(s)], [&](int i) {
-      gpu->rmsnorm_backward(dx[size_t(i)], dw, dy[size_t(i)], x[size_t(i)], w, rstd, false);
-    });
+    time("rmsnorm backward v10 main kernel only", 3 * row + 4, dw_bytes, backward(false));
     cuda::norm_lab_skip_dw_finish(skipped);
     cuda::norm_set_kernel_version(cuda::NormKernel::Backward, 0);
   }
