@@ -31,8 +31,8 @@
 #                   every section's details
 #   LAB=FILTER      then run the kernel lab's disabled tests of this gtest filter (e.g.
 #                   'OpTiming.DISABLED_RoutingBackwardVersions') into lab.txt, LAB_TIMEOUT
-#                   (s, default 240) bounding them; their TIMING, BANDWIDTH and SCALING lines in
-#                   the summary
+#                   (s, default 240) bounding them; their TIMING, BANDWIDTH and SCALING
+#                   lines in the summary
 #   AB=VERSIONS     then time the step at these lab versions against the defaults:
 #                   tools/bench_modes.sh AB_SIZE (default 100m) AB_MODES (default
 #                   "standard mhar"), AB_ROUNDS (default 2) rounds, each the defaults then
