@@ -48,7 +48,8 @@ constexpr size_t kSlots = size_t(cuda::ScratchSlot::Count);
 // lasts from one call to the next as well: it has its own bytes after the tiles. Every other slot
 // is used within one op, and ops run one at a time on the one stream, so the ops' groups share the
 // bytes after the tiles and the table: attention's backward (row dots, score-gradient tiles); the
-// norms' partial sums; hyper's partial sums; the routing tables, value and key rows and pair split
+// norms' partial sums; hyper's partial sums; the embedding gradient's sorted token ids; the
+// matmul timing's output; the routing tables, value and key rows and pair split
 // side by side (one routing source backward uses all four, and the backward tile, at once).
 struct ScratchLayout {
   size_t offset[kSlots] = {}, bytes[kSlots] = {};
@@ -56,7 +57,7 @@ struct ScratchLayout {
 };
 ScratchLayout scratch_layout(const OpScratchShapes& s) {
   using Slot = cuda::ScratchSlot;
-  static_assert(kSlots == 12, "every slot is sized and placed below");
+  static_assert(kSlots == 13, "every slot is sized and placed below");
   ScratchLayout l;
   auto bytes = [&](Slot slot) -> size_t& { return l.bytes[size_t(slot)]; };
   const size_t N = size_t(std::max<int64_t>(s.tokens(), 0));
@@ -70,6 +71,7 @@ ScratchLayout scratch_layout(const OpScratchShapes& s) {
   // fixed size, shared with the other ops' groups (at 1B it adds 64 MiB to standard's
   // scratch, nothing to routing's, whose group is larger).
   if (N > 0) bytes(Slot::MatmulTune) = cuda::kMatmulTuneScratchBytes;
+  bytes(Slot::EmbeddingSort) = cuda::embedding_backward_scratch_bytes(int64_t(N));
   const RoutingLayout& lay = s.routing;
   if (lay.sites > 0 && s.routing_heads > 0) {
     const size_t H = size_t(s.routing_heads);
@@ -111,6 +113,7 @@ ScratchLayout scratch_layout(const OpScratchShapes& s) {
       {Slot::NormPartials},
       {Slot::HyperPartials},
       {Slot::MatmulTune},
+      {Slot::EmbeddingSort},
       {Slot::RoutingTables, Slot::RoutingValueGrad, Slot::RoutingKeyGrad, Slot::RoutingPairSplit}};
   for (const std::vector<Slot>& group : groups) {
     size_t at = tiles;
@@ -311,7 +314,7 @@ class CudaBackend final : public Backend {
     cuda::embedding_forward(stream_, out, tokens, table);
   }
   void embedding_backward(Tensor dtable, Tensor dout, Tensor tokens) override {
-    cuda::embedding_backward(stream_, dtable, dout, tokens);
+    cuda::embedding_backward(stream_, dtable, dout, tokens, routing_ctx_.scratch);
   }
   void rmsnorm_forward(Tensor y, Tensor rstd, Tensor x, Tensor w, double eps) override {
     cuda::rmsnorm_forward(stream_, y, rstd, x, w, eps);

@@ -17,7 +17,7 @@ namespace mhar::cuda {
 
 // embedding.cu
 void embedding_forward(cudaStream_t s, Tensor out, Tensor tokens, Tensor table);
-void embedding_backward(cudaStream_t s, Tensor dtable, Tensor dout, Tensor tokens);
+// embedding_backward: below ScratchSlot (its sorted token ids live in backend scratch).
 
 // norm.cu
 void rmsnorm_forward(cudaStream_t s, Tensor y, Tensor rstd, Tensor x, Tensor w, double eps);
@@ -130,6 +130,7 @@ enum class ScratchSlot {
   MatmulTune,
   RopeTable,
   RoutingPassTables,
+  EmbeddingSort,
   Count
 };
 using ScratchFn = std::function<void*(ScratchSlot, size_t)>;
@@ -148,10 +149,18 @@ inline const char* scratch_slot_name(ScratchSlot slot) {
     case ScratchSlot::RopeTable: return "RoPE cos/sin table";
     case ScratchSlot::RoutingPassTables:
       return "routing query-gain tables of a pass";
+    case ScratchSlot::EmbeddingSort:
+      return "embedding gradient's sorted token ids";
     case ScratchSlot::Count: break;
   }
   return "?";
 }
+
+// embedding.cu (continued): the backward, deterministic (its header says how), and the
+// most EmbeddingSort bytes it asks for with N tokens.
+void embedding_backward(cudaStream_t s, Tensor dtable, Tensor dout, Tensor tokens,
+                        const ScratchFn& scratch);
+size_t embedding_backward_scratch_bytes(int64_t N);
 
 // norm.cu (continued)
 void rmsnorm_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,

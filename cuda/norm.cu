@@ -31,8 +31,8 @@
 // Version 1 of every vector kernel asks L2 for its next step's rows (one bulk prefetch per
 // warp and tensor) before computing the current ones, so that more bytes are in flight
 // than the registers hold.
-// Other shapes/dtypes take the scalar path (warp per row, dw by a slab kernel with one
-// fp32 atomic per column per block, whose summation order can vary run to run).
+// Other shapes/dtypes take the scalar path (warp per row; dw by a slab kernel writing one
+// partial row per slab of rows, finished as the vector path's: the same bits every run).
 // Kernel lab (norm_set_kernel_version, kernels.h; "kernel lab" below lists them): numbered
 // versions of the vector kernels. Most change only how bytes are scheduled (no L2
 // prefetch, balanced or one-step grids, a register pipeline of the next step's rows, the
@@ -108,10 +108,13 @@ __global__ void rmsnorm_backward_dx_kernel(T* dx, const T* dy, const T* x, const
   }
 }
 
-// Block (32 columns) x (8 row lanes); each block sums a slab of rows for its 32 columns.
+// Block (32 columns) x (8 row lanes); each block sums a slab of rows for its 32 columns into
+// its row of `partials` (blockIdx.y), which rmsnorm_dw_finish_kernel adds into dw in slab
+// order: no atomics, the same bits every run.
 template <class T>
-__global__ void rmsnorm_backward_dw_kernel(float* dw, const T* dy, const T* x, const float* rstd,
-                                           int64_t R, int64_t D, int64_t rows_per_block) {
+__global__ void rmsnorm_backward_dw_kernel(float* partials, const T* dy, const T* x,
+                                           const float* rstd, int64_t R, int64_t D,
+                                           int64_t rows_per_block) {
   __shared__ float partial[8][33];
   const int64_t c = int64_t(blockIdx.x) * 32 + threadIdx.x;
   const int64_t r0 = int64_t(blockIdx.y) * rows_per_block;
@@ -126,10 +129,9 @@ __global__ void rmsnorm_backward_dw_kernel(float* dw, const T* dy, const T* x, c
     float t = 0.f;
 #pragma unroll
     for (int i = 0; i < 8; ++i) t += partial[i][threadIdx.x];
-    atomicAdd(dw + c, t);
+    partials[int64_t(blockIdx.y) * D + c] = t;
   }
 }
-
 
 // ---- vector path ----------------------------------------------------------------
 // Lanes per row TPR (8, 16 or 32: a shuffle group inside the warp), bf16x8 vectors per
@@ -1654,10 +1656,23 @@ bool ring_backward(cudaStream_t s, int version, bf16* dx, float* dw, const bf16*
                                accumulate, scratch);
 }
 
+// The scalar path's dw slabs: about 8 blocks an SM in all (grid_stride_blocks' cap), so
+// that the slab kernel fills the GPU and its partial rows stay few.
+int64_t scalar_dw_max_slabs(int64_t D) {
+  return std::max<int64_t>(1, ceil_div(int64_t(sm_count()) * 8, ceil_div(D, 32)));
+}
+int64_t scalar_dw_rows_per_slab(int64_t R, int64_t D) {
+  const int64_t want = ceil_div(int64_t(grid_stride_blocks(R * D, 256)), ceil_div(D, 32));
+  return ceil_div(R, std::clamp<int64_t>(want, 1, std::min(R, scalar_dw_max_slabs(D))));
+}
+
 }  // namespace
 
 size_t rmsnorm_backward_scratch_bytes(int64_t D) {
-  if (D <= 0 || D % 8 != 0 || D > kVecMaxDBackward) return 0;  // the scalar path's atomics
+  if (D <= 0) return 0;
+  // The scalar path's slabs: at most its grid's cap over its column blocks.
+  const size_t scalar = size_t(scalar_dw_max_slabs(D)) * size_t(D) * sizeof(float);
+  if (D % 8 != 0 || D > kVecMaxDBackward) return scalar;
   // launch_backward_vec's grid: at most sm_count() x its kernel's resident blocks per SM,
   // and an SM holds no more kVecThreads-thread blocks than its thread limit allows.
   static const int per_sm = [] {
@@ -1666,7 +1681,7 @@ size_t rmsnorm_backward_scratch_bytes(int64_t D) {
     CUDA_CHECK(cudaDeviceGetAttribute(&threads, cudaDevAttrMaxThreadsPerMultiProcessor, dev));
     return std::max(1, threads / kVecThreads);
   }();
-  return size_t(sm_count()) * size_t(per_sm) * size_t(D) * sizeof(float);
+  return std::max(scalar, size_t(sm_count()) * size_t(per_sm) * size_t(D) * sizeof(float));
 }
 
 void rmsnorm_forward(cudaStream_t s, Tensor y, Tensor rstd, Tensor x, Tensor w, double eps) {
@@ -1744,16 +1759,16 @@ void rmsnorm_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor x,
       CUDA_CHECK_LAUNCH();
     });
     using T = decltype(tx);
-    // About 4 blocks' worth of rows per SM in total keeps the atomics few and the SMs busy.
-    const int64_t col_blocks = ceil_div(D, 32);
-    const int64_t want_row_blocks = ceil_div(int64_t(grid_stride_blocks(R * D, 256)), col_blocks);
-    const int64_t row_blocks = want_row_blocks < 1 ? 1 : (want_row_blocks > R ? R : want_row_blocks);
-    const int64_t rows_per_block = ceil_div(R, row_blocks);
-    dim3 grid(unsigned(col_blocks), unsigned(ceil_div(R, rows_per_block)));
+    const int64_t rows_per_block = scalar_dw_rows_per_slab(R, D);
+    const int64_t slabs = ceil_div(R, rows_per_block);
+    auto* partials = static_cast<float*>(
+        scratch(ScratchSlot::NormPartials, size_t(slabs) * size_t(D) * sizeof(float)));
+    dim3 grid(unsigned(ceil_div(D, 32)), unsigned(slabs));
     rmsnorm_backward_dw_kernel<T><<<grid, dim3(32, 8), 0, s>>>(
-        dw.ptr<float>(), static_cast<const T*>(dy.data), static_cast<const T*>(x.data),
-        rstd.ptr<float>(), R, D, rows_per_block);
+        partials, static_cast<const T*>(dy.data), static_cast<const T*>(x.data), rstd.ptr<float>(),
+        R, D, rows_per_block);
     CUDA_CHECK_LAUNCH();
+    launch_dw_finish(s, false, dw.ptr<float>(), partials, int(slabs), int(D));
   });
 }
 

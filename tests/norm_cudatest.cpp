@@ -298,18 +298,25 @@ TEST_F(NormParity, MisalignedTensorsTakeTheScalarPath) {
   expect_close("rmsnorm_forward rstd misaligned", rstd.g, rstd.c, kTolF32Output);
 }
 
-// dw is summed without atomics on the vector path: two runs from the same inputs give the
-// same bits (dw's own start value included). At the default version; lab versions 11 and
-// 12 do not (their rows go to whichever warp asks first).
+// dw is summed without atomics on every path: two runs from the same inputs give the same
+// bits (dw's own start value included). At the default version; lab versions 11 and 12 do
+// not (their rows go to whichever warp asks first). D 64, 1280 and 2048 in bf16 take the
+// vector path; 4096 (wider than its backward), 100 (not whole vectors) and fp32 rows the
+// scalar one, whose slab kernel once added into dw by atomics.
 TEST_F(NormParity, BackwardDwIsDeterministic) {
-  for (int64_t D : {int64_t(64), int64_t(1280), int64_t(2048)}) {
+  for (auto [D, dt] : {std::pair{int64_t(64), DType::BF16},
+                       {int64_t(1280), DType::BF16},
+                       {int64_t(2048), DType::BF16},
+                       {int64_t(4096), DType::BF16},
+                       {int64_t(100), DType::BF16},
+                       {int64_t(1280), DType::F32}}) {
     const int64_t R = 4099;
-    Pair x = random_pair(DType::BF16, {R, D}, 2.0, 0.3);
+    Pair x = random_pair(dt, {R, D}, 2.0, 0.3);
     Pair w = random_pair(DType::BF16, {D}, 0.3, 1.0);
-    Pair y = pair(DType::BF16, {R, D}), rstd = pair(DType::F32, {R});
+    Pair y = pair(dt, {R, D}), rstd = pair(DType::F32, {R});
     gpu->rmsnorm_forward(y.g, rstd.g, x.g, w.g, 1e-6);
-    Pair dy = random_pair(DType::BF16, {R, D});
-    Pair dx = pair(DType::BF16, {R, D});
+    Pair dy = random_pair(dt, {R, D});
+    Pair dx = pair(dt, {R, D});
     const std::vector<double> dw0 = random_normal(rng, D, DType::F32);
     std::vector<std::vector<double>> runs;
     for (int run = 0; run < 3; ++run) {
@@ -322,7 +329,7 @@ TEST_F(NormParity, BackwardDwIsDeterministic) {
     for (int run = 1; run < 3; ++run)
       for (int64_t c = 0; c < D; ++c)
         ASSERT_EQ(runs[size_t(run)][size_t(c)], runs[0][size_t(c)])
-            << "D " << D << " column " << c << " run " << run;
+            << "D " << D << " " << dtype_name(dt) << " column " << c << " run " << run;
   }
 }
 
