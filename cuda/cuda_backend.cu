@@ -199,6 +199,10 @@ class CudaBackend final : public Backend {
   }
   int64_t peak_bytes_in_use() const override { return peak_; }
   int64_t device_allocations() const override { return allocations_; }
+  std::string timed_choices() const override { return cuda::matmul_choices(); }
+  int use_timed_choices(const std::string& text, std::string* why_not) override {
+    return cuda::matmul_use_choices(text, why_not);
+  }
   size_t op_scratch_bytes(const OpScratchShapes& shapes) const override {
     return scratch_layout(shapes).total;
   }

@@ -88,6 +88,15 @@ void matmul(cudaStream_t s, MatmulContext& ctx, Tensor c, Tensor a, Tensor b, bo
 // last (1 at most with rank 0).
 int matmul_set_heuristic_rank(int rank);
 int matmul_heuristic_results();
+// The timed choices as text (empty: none made or given yet; given ones included), and such
+// a text taken back: its picks stand untimed for their shapes from then on. matmul_use_choices
+// returns how many it took, or -1 with *why_not set (another cuBLASLt or device, or not such a
+// text): then nothing changes. matmul_timed_shapes: how many shapes this process has timed.
+// matmul_forget_plans (tests): every shape planned afresh, as in a new process.
+std::string matmul_choices();
+int matmul_use_choices(const std::string& text, std::string* why_not);
+int matmul_timed_shapes();
+void matmul_forget_plans();
 
 // mlp.cu
 void swiglu_forward(cudaStream_t s, Tensor h, Tensor gate_up);

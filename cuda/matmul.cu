@@ -17,11 +17,15 @@
 // limit (681 W of 700 at 1,635 MHz), so a kernel faster at a given clock is not faster
 // when it spends the same power (BENCHMARKS.md, ninth session; timing the candidates in
 // the step itself gained no more and was dropped).
-// Candidates with an in-place split-K reduction (atomics in C) are left
-// out, so every product stays deterministic given its algorithm; which algorithm wins can
-// differ between processes when two are within timing noise (GPU runs were not bitwise
-// reproducible before either: DESIGN.md section 4). MHAR_MATMUL_TUNE=0 in the environment
-// takes Lt's first choice instead, untimed.
+// Candidates with an in-place split-K reduction (atomics in C) are left out, so every
+// product is deterministic given its algorithm; but which algorithm wins can differ between
+// processes when two are within timing noise. So the choices are kept: matmul_choices()
+// writes every shape's pick as text, and matmul_use_choices() takes such a text, whose
+// picks then stand untimed (the trainer keeps them in the run directory: a resumed run
+// multiplies with its first process's algorithms, and so gives the same bits as a run that
+// never stopped). The text names cuBLASLt's version and the device; one written elsewhere
+// is refused (the heuristic's list, whose positions the picks are, may differ there).
+// MHAR_MATMUL_TUNE=0 in the environment takes Lt's first choice instead, untimed.
 // Kernel lab (matmul_set_heuristic_rank): a given candidate instead (0 = the first
 // choice), for the timing test that compares them.
 #include <algorithm>
@@ -30,10 +34,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
-#include <string>
-#include <vector>
 #include <mutex>
+#include <sstream>
+#include <string>
 #include <tuple>
+#include <vector>
 
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
@@ -78,6 +83,11 @@ std::mutex plan_mutex;
 std::map<Key, Plan> plans;  // shapes repeat every step: one heuristic call per shape
 int heuristic_rank = -1;    // guarded by plan_mutex; -1: the timed choice
 int last_results = 0;
+// The timed choice's pick (a position in the heuristic's list, below) of every shape planned
+// at rank -1, and the picks given by matmul_use_choices, taken untimed; guarded by
+// plan_mutex. timed_shapes: how many shapes were timed.
+std::map<Key, int> chosen, given;
+int timed_shapes = 0;
 constexpr int kLabResults = 16;
 constexpr int kTuneCandidates = 8;
 constexpr int kTuneRounds = 3;
@@ -263,10 +273,13 @@ void matmul(cudaStream_t s, MatmulContext& ctx, Tensor c, Tensor a, Tensor b, bo
       // copy of result 0).
       cublasLtMatmulHeuristicResult_t results[kLabResults + 1]{};
       int found = 0;
-      const bool tune = key.rank < 0 && tuning_enabled() && ctx.tune_scratch;
+      const auto given_pick = key.rank < 0 ? given.find(key) : given.end();
+      const bool tune =
+          key.rank < 0 && given_pick == given.end() && tuning_enabled() && ctx.tune_scratch;
       cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(ctx.lt, lt.op, lt.a, lt.b, lt.c, lt.c,
                                                          pref, 1, results, &found);
-      if (st == CUBLAS_STATUS_SUCCESS && found > 0 && (key.rank > 0 || tune)) {
+      if (st == CUBLAS_STATUS_SUCCESS && found > 0 &&
+          (key.rank > 0 || tune || (given_pick != given.end() && given_pick->second > 0))) {
         cublasLtMatmulHeuristicResult_t more[kLabResults]{};
         int n_more = 0;
         if (cublasLtMatmulAlgoGetHeuristic(ctx.lt, lt.op, lt.a, lt.b, lt.c, lt.c, pref,
@@ -283,7 +296,20 @@ void matmul(cudaStream_t s, MatmulContext& ctx, Tensor c, Tensor a, Tensor b, bo
           plan.algo = results[std::min(key.rank, found - 1)].algo;
         } else {
           int pick = 0;
-          if (tune && found > 1) {
+          if (given_pick != given.end()) {
+            // The list is the heuristic's for the same shape, library and device (checked
+            // when the picks were given), so the position names the same algorithm. Should
+            // the list be shorter all the same, Lt's first choice (never a crash for this).
+            if (given_pick->second < found)
+              pick = given_pick->second;
+            else
+              std::fprintf(stderr,
+                           "matmul: a kept choice (position %d) but cuBLASLt lists %d algorithms "
+                           "for C[%lld,%lld]: its first taken; bits may differ from the run's\n",
+                           given_pick->second, found, static_cast<long long>(M),
+                           static_cast<long long>(N));
+          } else if (tune && found > 1) {
+            ++timed_shapes;
             std::string log;
             pick = fastest(s, ctx, c.data, c.bytes(), accumulate, std::min(found, kTuneCandidates),
                            results, run_lt, tuning_logged() ? &log : nullptr);
@@ -295,6 +321,7 @@ void matmul(cudaStream_t s, MatmulContext& ctx, Tensor c, Tensor a, Tensor b, bo
                            log.c_str());
           }
           plan.algo = results[pick].algo;
+          chosen[key] = pick;
         }
       }
       plans[key] = plan;
@@ -323,6 +350,90 @@ int matmul_set_heuristic_rank(int rank) {
 int matmul_heuristic_results() {
   std::lock_guard<std::mutex> lock(plan_mutex);
   return last_results;
+}
+
+namespace {
+constexpr const char* kChoicesHeader = "mhar matmul choices 1";
+
+// What the picks depend on besides the shape: cuBLASLt's version and the device.
+std::string choices_context() {
+  int dev = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  cudaDeviceProp prop{};
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+  std::ostringstream os;
+  os << "cublasLt " << cublasLtGetVersion() << "\ndevice " << prop.name << " sm_" << prop.major
+     << prop.minor << " " << prop.multiProcessorCount << " SMs";
+  return os.str();
+}
+}  // namespace
+
+std::string matmul_choices() {
+  std::lock_guard<std::mutex> lock(plan_mutex);
+  // The given picks too, planned yet or not: a process that took a run's choices hands on
+  // all of them (the same pick where it planned the shape).
+  std::map<Key, int> all = given;
+  for (const auto& [k, pick] : chosen) all[k] = pick;
+  if (all.empty()) return {};
+  std::ostringstream os;
+  os << kChoicesHeader << "\n" << choices_context() << "\n";
+  for (const auto& [k, pick] : all)
+    os << k.m << " " << k.n << " " << k.k << " " << k.ta << " " << k.tb << " " << int(k.ab) << " "
+       << int(k.c) << " " << k.align_a << " " << k.align_b << " " << k.align_c << " " << pick
+       << "\n";
+  return os.str();
+}
+
+int matmul_use_choices(const std::string& text, std::string* why_not) {
+  std::istringstream in(text);
+  std::string line, library, device;
+  std::getline(in, line);
+  if (line != kChoicesHeader) {
+    *why_not = "not a list of matmul choices (its first line is not \"" +
+               std::string(kChoicesHeader) + "\")";
+    return -1;
+  }
+  std::getline(in, library);
+  std::getline(in, device);
+  const std::string here = choices_context();
+  if (library + "\n" + device != here) {
+    *why_not = "made with " + library + " on " + device + ", this process has " + here;
+    for (char& ch : *why_not)
+      if (ch == '\n') ch = ',';
+    return -1;
+  }
+  std::map<Key, int> picks;
+  for (int n = 4; std::getline(in, line); ++n) {
+    std::istringstream ls(line);
+    Key k{};
+    int ab = 0, c = 0, pick = -1;
+    std::string rest;
+    if (!(ls >> k.m >> k.n >> k.k >> k.ta >> k.tb >> ab >> c >> k.align_a >> k.align_b >>
+          k.align_c >> pick) ||
+        (ls >> rest) || pick < 0 || pick >= kLabResults || k.m <= 0 || k.n <= 0 || k.k <= 0) {
+      *why_not = "line " + std::to_string(n) + " is not a choice: \"" + line + "\"";
+      return -1;
+    }
+    k.ab = DType(ab);
+    k.c = DType(c);
+    k.rank = -1;
+    picks[k] = pick;
+  }
+  std::lock_guard<std::mutex> lock(plan_mutex);
+  given = std::move(picks);
+  return int(given.size());
+}
+
+int matmul_timed_shapes() {
+  std::lock_guard<std::mutex> lock(plan_mutex);
+  return timed_shapes;
+}
+
+void matmul_forget_plans() {
+  std::lock_guard<std::mutex> lock(plan_mutex);
+  plans.clear();
+  chosen.clear();
+  given.clear();
 }
 
 }  // namespace mhar::cuda

@@ -213,6 +213,18 @@ class Backend {
   // How many allocations this backend has made from its device's allocator so far (every
   // one peak_bytes_in_use() counts, released or not). -1 when the backend does not count.
   virtual int64_t device_allocations() const { return -1; }
+  // Algorithms the backend chose by timing (the CUDA backend's matmuls, cuda/matmul.cu), as
+  // text for the run directory, so that a resumed run computes with its first process's
+  // choices and gives the bits of a run that never stopped. Empty: nothing to keep (the
+  // default, and the CPU's, which chooses nothing). use_timed_choices takes such a text back
+  // (before the shapes' first calls): how many choices it will use, or -1 with *why_not set
+  // when the text does not apply here (another device or library), and nothing changes.
+  virtual std::string timed_choices() const { return {}; }
+  virtual int use_timed_choices(const std::string& text, std::string* why_not) {
+    (void)text;
+    (void)why_not;
+    return 0;
+  }
 
   // ---- op scratch: the temporaries some ops need beyond the tensors they are given.
   // op_scratch_bytes(shapes) is the size of one buffer that holds every temporary of every

@@ -26,6 +26,10 @@ class ForwardingBackend : public Backend {
   void synchronize() override { in_.synchronize(); }
   int64_t peak_bytes_in_use() const override { return in_.peak_bytes_in_use(); }
   int64_t device_allocations() const override { return in_.device_allocations(); }
+  std::string timed_choices() const override { return in_.timed_choices(); }
+  int use_timed_choices(const std::string& text, std::string* why_not) override {
+    return in_.use_timed_choices(text, why_not);
+  }
   // The inner backend's ops run with the scratch bound here. A wrapper that runs an op as
   // the default sequence of smaller ops (this class forwards only the ops listed) still
   // fits: the inner backend sizes the scratch for every op a model can call, fused or not.

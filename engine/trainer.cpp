@@ -257,6 +257,59 @@ nlohmann::json convert_loader_state(nlohmann::json st, int from, int to,
   return st;
 }
 
+// The backend's timed choices (Backend::timed_choices: the CUDA matmuls' algorithms) live in
+// the run directory, a file a rank. The run's first process times them and writes the file
+// (after a step or an evaluation that added a shape); a later process (a resume) takes them
+// from it before its first call, so the whole run multiplies with the same algorithms and
+// a resume gives the bits of a run that never stopped. A file there before a new run starts
+// is taken too: copied into a new run directory, it repeats another run's choices (the GPU
+// tests compare two runs so). The file is a cache, not a checkpoint: one that is unreadable
+// or made on another device or library is left aside with a warning, and the process times
+// its own.
+class TimedChoices {
+ public:
+  TimedChoices(Backend& be, const std::string& run_dir, int rank)
+      : be_(be),
+        path_(
+            (fs::path(run_dir) / ("timed_choices.rank" + std::to_string(rank) + ".txt")).string()) {
+  }
+  void load() {
+    std::error_code ec;
+    if (!fs::exists(fs::symlink_status(path_, ec))) return;
+    std::string text, why;
+    int n = -1;
+    try {
+      text = read_regular_file(path_, "timed choices file", uint64_t(1) << 20);
+      n = be_.use_timed_choices(text, &why);
+    } catch (const Error& e) {
+      why = e.what();
+    }
+    if (n < 0) {
+      spdlog::warn(
+          "{} not used ({}): this process times its own choices, so its results may "
+          "differ in the last bits from the run's first process",
+          path_, why);
+      return;
+    }
+    kept_ = text;
+    spdlog::info("{} timed choice(s) from {}", n, path_);
+  }
+  void save() {
+    const std::string now = be_.timed_choices();
+    if (now.empty() || now == kept_) return;
+    kept_ = now;
+    try {
+      write_file_atomic(path_, now);
+    } catch (const std::exception& e) {  // a cache: the run goes on without it
+      spdlog::warn("{} not written ({}): a resume will time its own choices", path_, e.what());
+    }
+  }
+
+ private:
+  Backend& be_;
+  std::string path_, kept_;
+};
+
 }  // namespace
 
 TrainResult train(Config cfg, const TrainOptions& opt) {
@@ -315,6 +368,8 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
   }
 
   auto backend = make_backend(t.device, dist_info.local_rank);
+  TimedChoices timed_choices(*backend, opt.run_dir, rank);
+  timed_choices.load();
   auto comm = make_communicator(*backend);
   Model model(cfg.model, cfg.residual, *backend, B, T, W, cfg.train.logits_chunk);
   AdamWOptimizer optimizer(model, t, rank);
@@ -422,6 +477,7 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
     comm->all_reduce_sum(&val_loss, 1);
     if (result.first_val_loss < 0) result.first_val_loss = val_loss;
     result.last_val_loss = val_loss;
+    timed_choices.save();  // an evaluation's products may be shapes no step has
   };
 
   if (step == 0) run_eval(0);
@@ -492,6 +548,7 @@ TrainResult train(Config cfg, const TrainOptions& opt) {
       tokens_seen += micro_tokens * accum * W;
     }
     ++step;  // a skipped step's batch is consumed too: the data position moves on
+    timed_choices.save();
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const double elapsed =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();

@@ -6,6 +6,8 @@
 // scratch C (accumulate).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "cuda/kernels.h"
 #include "tests/cuda_test_util.h"
 
@@ -74,6 +76,40 @@ TEST_F(MatmulParity, TimedChoiceLeavesTheFirstCallExact) {
     expect_close(std::string("timed matmul") + (acc ? " +=" : ""), c.g, c.c,
                  acc ? kTolF32Output : kTolBf16Output);
   }
+}
+
+// The timed choices as text (what the trainer keeps in a run directory) come back whole
+// after every plan is forgotten, and then stand untimed; a text of another device or
+// library, or not such a text, is refused with a reason and changes nothing.
+TEST_F(MatmulParity, TimedChoicesComeBackAndStandUntimed) {
+  const int64_t M = 1664, N = 1024, K = 576;  // a shape no other test plans
+  Pair a = random_pair(DType::BF16, {M, K}), b = random_pair(DType::BF16, {N, K});
+  Pair c = pair(DType::BF16, {M, N});
+  gpu->matmul(c.g, a.g, b.g, false, true, false);
+  const std::string text = gpu->timed_choices();
+  ASSERT_NE(text.find("\n1664 1024 576 0 1 "), std::string::npos) << text;
+  const std::vector<double> before = c.g.get();
+
+  cuda::matmul_forget_plans();
+  std::string why;
+  const int lines = int(std::count(text.begin(), text.end(), '\n')) - 3;  // header, library, device
+  EXPECT_EQ(gpu->use_timed_choices(text, &why), lines) << why;
+  const int timed = cuda::matmul_timed_shapes();
+  c.g.poison();
+  gpu->matmul(c.g, a.g, b.g, false, true, false);
+  EXPECT_EQ(cuda::matmul_timed_shapes(), timed) << "a given choice was timed again";
+  expect_same_bits("the kept choice's product", c.g.get(), before);
+  EXPECT_EQ(gpu->timed_choices(), text);
+
+  std::string other = text;
+  other.replace(other.find("device "), 7, "device another ");
+  EXPECT_EQ(gpu->use_timed_choices(other, &why), -1);
+  EXPECT_NE(why.find("device another"), std::string::npos) << why;
+  EXPECT_EQ(gpu->use_timed_choices(text + "1 2 x\n", &why), -1);
+  EXPECT_NE(why.find("is not a choice"), std::string::npos) << why;
+  EXPECT_EQ(gpu->use_timed_choices("{}", &why), -1);
+  EXPECT_NE(why.find("first line"), std::string::npos) << why;
+  cuda::matmul_forget_plans();
 }
 
 TEST_F(MatmulParity, Fp32Inputs) {
