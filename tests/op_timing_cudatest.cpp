@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <functional>
+#include <random>
 
 #include "cuda/kernels.h"
 #include "tests/cuda_test_util.h"
@@ -296,6 +297,35 @@ void tiled_mixes(Backend& gpu, Buffer& xs, Buffer& weights, Buffer& hist, const 
 // timed choice (rank -1, the engine's default), and the step's matmul time at each (36
 // layers; 3 LM-head chunks of 5,504 tokens). Not a parity test: the ranks compute the
 // same products with other tilings (other rounding of the fp32 sums).
+// The embedding backward (cuda/embedding.cu: token ids sorted, each id's rows added in
+// token order) at the configs' micro-batch of 16,384 tokens and Qwen3's 151,936 ids, the
+// 100M and 1B widths, on ids drawn by Zipf's law (P(rank r) ~ 1/r, as words in text: the
+// most frequent id ~8% of the tokens, a run of ~1,300 rows, the longest serial sum any
+// column does). Bytes: the gradient rows read and each distinct id's fp32 row read and
+// written; the sort's passes are not counted. A step at 100M runs ~35 ms a micro-batch.
+TEST_F(OpTiming, DISABLED_EmbeddingBackward) {
+  const int64_t N = 16384, V = 151936;
+  std::vector<double> cdf(static_cast<size_t>(V));
+  double total = 0;
+  for (int64_t r = 0; r < V; ++r) cdf[size_t(r)] = (total += 1.0 / double(r + 1));
+  std::uniform_real_distribution<double> u(0.0, total);
+  std::vector<int32_t> ids(static_cast<size_t>(N));
+  for (auto& t : ids) t = int32_t(std::lower_bound(cdf.begin(), cdf.end(), u(rng)) - cdf.begin());
+  std::vector<int32_t> distinct = ids;
+  std::sort(distinct.begin(), distinct.end());
+  const int64_t U = std::unique(distinct.begin(), distinct.end()) - distinct.begin();
+  Buffer tokens(*gpu, DType::I32, {N});
+  gpu->upload_tokens(tokens, ids.data());
+  for (int64_t d : {int64_t(512), int64_t(1280)}) {
+    Buffer dout = random_gpu(DType::BF16, {N, d});
+    Buffer dtable(*gpu, DType::F32, {V, d});
+    report("embedding_backward N16384 V151936 d" + std::to_string(d) + " (" + std::to_string(U) +
+               " distinct ids)",
+           time_ms([&] { gpu->embedding_backward(dtable, dout, tokens); }, 20), 0,
+           2.0 * N * d + 8.0 * U * d);
+  }
+}
+
 TEST_F(OpTiming, DISABLED_MatmulHeuristicRanks1B) {
   const int64_t N = 16384, d = 1280;
   struct Product {
