@@ -57,8 +57,6 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
                         float* __restrict__ ubar, const SiteRows site_dx,
                         const bf16* __restrict__ x, const bf16* __restrict__ v,
                         const float* __restrict__ inv_rms, const Geometry g, int source) {
-  extern __shared__ float smem[];
-  float* scratch = smem + (threadIdx.x >> 5) * g.H;
   const LaneHeads<NT> L = lane_heads<NT>(g);
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
   float* w_src = weights + g.lay.pair_base(source) * g.H * g.N;
@@ -79,7 +77,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
       for (int t = 0; t < NT; ++t)
 #pragma unroll
         for (int e = 0; e < 8; ++e) prod[t][e] = elem(rdx.raw[t], e) * elem(rx.raw[t], e);
-      head_totals<NT, ALIGNED>(prod, ub, g, L, scratch);
+      head_totals<NT, ALIGNED>(prod, ub, g, L);
       float* u = ubar + int64_t(source) * g.H * g.N + n;
       for_head_leaders<NT, ALIGNED>(
           g, L, [&](int t, int e, int h) { u[int64_t(h) * g.N] = hv<ALIGNED>(ub, t, e); });
@@ -111,7 +109,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
           prod[t][e] = dxe * elem(rv.raw[t], e);
           acc[t][e] += hv<ALIGNED>(a, t, e) * dxe;
         }
-      head_totals<NT, ALIGNED>(prod, u, g, L, scratch);
+      head_totals<NT, ALIGNED>(prod, u, g, L);
 #pragma unroll
       for (int t = 0; t < NT; ++t)
 #pragma unroll
@@ -780,13 +778,11 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
     if (delta) delta_add_partials(s, dalpha, delta->partial, token_blocks(N));
   } else {
     MHAR_CHECK(resume_last < 0, "CUDA ", what, ": a backward depth tile outside the span layout");
-    const size_t smem = sizeof(float) * kWarpsPerBlock * heads;
     dispatch_rows(g, [&](auto nt, auto al) {
       auto kernel = source_value_kernel<decltype(nt)::value, decltype(al)::value>;
-      allow_smem(kernel, smem);
-      kernel<<<token_blocks(N), 32 * kWarpsPerBlock, smem, s>>>(val, weights.ptr<float>(),
-                                                                ubar.ptr<float>(), rows, x_in, v_in,
-                                                                inv_rms.ptr<float>(), g, source);
+      kernel<<<token_blocks(N), 32 * kWarpsPerBlock, 0, s>>>(val, weights.ptr<float>(),
+                                                             ubar.ptr<float>(), rows, x_in, v_in,
+                                                             inv_rms.ptr<float>(), g, source);
       CUDA_CHECK_LAUNCH();
     });
   }

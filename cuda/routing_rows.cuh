@@ -225,8 +225,11 @@ __device__ __forceinline__ LaneHeads<NT> lane_heads(const Geometry& g) {
 // tot = sum of val over the head of feature 8*(lane + 32t) + e, for every valid feature
 // (per chunk when ALIGNED, per feature otherwise). ALIGNED: the chunks' sums go through a
 // segmented inclusive scan per row (heads are runs of lanes), then heads that span rows
-// add their parts from the neighbouring rows. Otherwise every feature is added into
-// `scratch` (this warp's H floats of shared memory).
+// add their parts from the neighbouring rows. Otherwise head by head: each lane adds its
+// features of the head in feature order, then warp_sum's fixed butterfly adds the lanes.
+// Both orders are fixed, so the same bits every run. (The unaligned form added each
+// feature into shared memory by atomics until the forty-first session: an order that
+// varied from run to run.)
 // Per-head values of this lane's features: one per chunk when ALIGNED, else one per
 // feature (hv() reads either).
 template <bool ALIGNED>
@@ -239,7 +242,7 @@ __device__ __forceinline__ float hv(const float (&a)[NT][kHeadVals<ALIGNED>], in
 template <int NT, bool ALIGNED>
 __device__ __forceinline__ void head_totals(const float (&val)[NT][8],
                                             float (&tot)[NT][kHeadVals<ALIGNED>], const Geometry& g,
-                                            const LaneHeads<NT>& L, float* scratch) {
+                                            const LaneHeads<NT>& L) {
   const int lane = threadIdx.x & 31;
   if constexpr (ALIGNED) {
     float row_tot[NT], row_last[NT], row_first[NT];
@@ -269,23 +272,31 @@ __device__ __forceinline__ void head_totals(const float (&val)[NT][8],
       tot[t][0] = total;
     }
   } else {
-    for (int h = lane; h < g.H; h += 32) scratch[h] = 0.f;
-    __syncwarp();
 #pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      const int ch = lane + 32 * t;
-      if (ch < g.nchunks)
+    for (int t = 0; t < NT; ++t)
 #pragma unroll
-        for (int e = 0; e < 8; ++e) atomicAdd(scratch + (8 * ch + e) / g.dh, val[t][e]);
+      for (int e = 0; e < 8; ++e) tot[t][e] = 0.f;
+    for (int h = 0; h < g.H; ++h) {
+      const int lo = h * g.dh, hi = lo + g.dh;  // the head's features [lo, hi)
+      float part = 0.f;
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        const int f0 = 8 * (lane + 32 * t);
+        if (lane + 32 * t < g.nchunks)
+#pragma unroll
+          for (int e = 0; e < 8; ++e)
+            if (f0 + e >= lo && f0 + e < hi) part += val[t][e];
+      }
+      const float total = warp_sum(part);
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        const int f0 = 8 * (lane + 32 * t);
+        if (lane + 32 * t < g.nchunks)
+#pragma unroll
+          for (int e = 0; e < 8; ++e)
+            if (f0 + e >= lo && f0 + e < hi) tot[t][e] = total;
+      }
     }
-    __syncwarp();
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      const int ch = lane + 32 * t;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) tot[t][e] = ch < g.nchunks ? scratch[(8 * ch + e) / g.dh] : 0.f;
-    }
-    __syncwarp();  // the next call zeroes scratch
   }
 }
 

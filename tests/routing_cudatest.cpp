@@ -2,7 +2,7 @@
 // whole step's worth of calls: the logits of every source, the mix of every site, the
 // backward of every source (last to first), then the query/gain gradients. Shapes cover
 // H = 1..16 and H > 32, head sizes that are and are not multiples of 8 (the segmented-scan
-// and the shared-memory head sums), heads that span a lane's chunk rows (d 640, 1280),
+// and the head-by-head warp sums), heads that span a lane's chunk rows (d 640, 1280),
 // d up to 2048 (8 chunks per lane), token counts that are and are not multiples of 4 (the
 // key-gradient kernel's vector path), and 1..9 sources; block routing's layouts
 // (partial block sums read by their own site only, closed ones by every later site)
@@ -479,7 +479,7 @@ class RoutingParity : public CudaParity {
 };
 
 TEST_F(RoutingParity, SmallWidthEverySourceCount) {
-  // d = 96: heads of 96, 48, 24 (segmented scan) and 12 (shared-memory head sums).
+  // d = 96: heads of 96, 48, 24 (segmented scan) and 12 (head by head, warp sums).
   for (int S = 1; S <= 9; ++S)
     for (int H : {1, 2, 4, 8}) check(37, 96, S, H);
 }
