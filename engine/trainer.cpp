@@ -58,16 +58,20 @@ std::string join_path(const std::string& base, const std::string& p) {
   return (fs::path(base) / p).lexically_normal().string();
 }
 
-// Temporary files of the atomic writes (engine/file_io.h) of config.json and
-// metrics.jsonl, which only a lock holder writes, are a killed writer's and go (so do the
-// names older versions used). report.html is also written by `mhar report`, which takes
-// no lock, so its temporary files go only when their pid is gone.
+// Temporary files of the atomic writes (engine/file_io.h) of config.json, metrics.jsonl
+// and the ranks' timed_choices.rankR.txt, which only a lock holder's processes write, are a
+// killed writer's and go (so do the names older versions used). report.html is also written by
+// `mhar report`, which takes no lock, so its temporary files go only when their pid is gone.
 void remove_stale_temp_files(const std::string& run_dir) {
   const std::string pid_now = std::to_string(::getpid());
   std::error_code ec;
   for (fs::directory_iterator it(run_dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
     bool stale = name == "config.json.tmp" || name == "metrics.jsonl.tmp";  // older versions' names
+    const size_t tmp_at = name.find(".txt.tmp-");
+    if (name.rfind(".timed_choices.rank", 0) == 0 && tmp_at != std::string::npos &&
+        name.find_first_not_of("0123456789", tmp_at + 9) == std::string::npos)
+      stale = true;
     for (const char* file : {"config.json", "metrics.jsonl", "report.html"}) {
       std::string stem = fs::path(temp_path_for(file)).filename().string();  // .F.tmp-<our pid>
       stem.resize(stem.size() - pid_now.size());

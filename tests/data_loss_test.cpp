@@ -427,9 +427,9 @@ TEST_F(DataLoss, RealFullDiskTrainResumeLosesNothing) {
 // holder is killed (its flock dies with it, its record stays) a resume takes the stale
 // lock over, saying whose it was, and first removes what killed writers left: every
 // checkpoints/.tmp-step_* (the lock proves no live trainer owns one, whatever process its
-// pid names now), an .old-step_* whose step exists, the temporary files of config.json and
-// metrics.jsonl; a report.html temporary file of a running pid stays (`mhar report`
-// takes no lock).
+// pid names now), an .old-step_* whose step exists, the temporary files of config.json,
+// metrics.jsonl and a rank's timed choices; a report.html temporary file of a running pid stays
+// (`mhar report` takes no lock).
 TEST_F(DataLoss, SecondTrainerIsRefusedAndAKilledTrainersLockAndLeftoversAreTakenOver) {
   const std::string cfg = config_file(1000000, 5);
   const fs::path run = dir / "run";
@@ -471,6 +471,7 @@ TEST_F(DataLoss, SecondTrainerIsRefusedAndAKilledTrainersLockAndLeftoversAreTake
   ASSERT_TRUE(fs::exists(ck / "step_00000005"));
   write_bytes((run / (".metrics.jsonl.tmp-" + dead)).string(), "{}");
   write_bytes((run / (".config.json.tmp-" + live)).string(), "{}");
+  write_bytes((run / (".timed_choices.rank1.txt.tmp-" + dead)).string(), "mhar");
   write_bytes((run / (".report.html.tmp-" + dead)).string(), "<html>");
   write_bytes((run / (".report.html.tmp-" + live)).string(), "<html>");
 
@@ -489,7 +490,9 @@ TEST_F(DataLoss, SecondTrainerIsRefusedAndAKilledTrainersLockAndLeftoversAreTake
       << r.out;
   for (const std::string& gone : {".tmp-step_00000099-" + dead, ".tmp-step_00000098-" + live, ".old-step_00000005-" + dead})
     EXPECT_FALSE(fs::exists(ck / gone)) << gone;
-  for (const std::string& gone : {".metrics.jsonl.tmp-" + dead, ".config.json.tmp-" + live, ".report.html.tmp-" + dead})
+  for (const std::string& gone :
+       {".metrics.jsonl.tmp-" + dead, ".config.json.tmp-" + live, ".report.html.tmp-" + dead,
+        ".timed_choices.rank1.txt.tmp-" + dead})
     EXPECT_FALSE(fs::exists(run / gone)) << gone;
   EXPECT_TRUE(fs::exists(run / (".report.html.tmp-" + live)));
   fs::remove(run / (".report.html.tmp-" + live));
