@@ -276,26 +276,23 @@ __device__ __forceinline__ void head_totals(const float (&val)[NT][8],
     for (int t = 0; t < NT; ++t)
 #pragma unroll
       for (int e = 0; e < 8; ++e) tot[t][e] = 0.f;
+    // f(t, e) for each of this lane's valid features in [lo, hi), in feature order.
+    auto each_in = [&](int lo, int hi, auto&& f) {
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        const int f0 = 8 * (lane + 32 * t);
+        if (lane + 32 * t < g.nchunks)
+#pragma unroll
+          for (int e = 0; e < 8; ++e)
+            if (f0 + e >= lo && f0 + e < hi) f(t, e);
+      }
+    };
     for (int h = 0; h < g.H; ++h) {
-      const int lo = h * g.dh, hi = lo + g.dh;  // the head's features [lo, hi)
+      const int lo = h * g.dh, hi = lo + g.dh;  // the head's features
       float part = 0.f;
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        const int f0 = 8 * (lane + 32 * t);
-        if (lane + 32 * t < g.nchunks)
-#pragma unroll
-          for (int e = 0; e < 8; ++e)
-            if (f0 + e >= lo && f0 + e < hi) part += val[t][e];
-      }
+      each_in(lo, hi, [&](int t, int e) { part += val[t][e]; });
       const float total = warp_sum(part);
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        const int f0 = 8 * (lane + 32 * t);
-        if (lane + 32 * t < g.nchunks)
-#pragma unroll
-          for (int e = 0; e < 8; ++e)
-            if (f0 + e >= lo && f0 + e < hi) tot[t][e] = total;
-      }
+      each_in(lo, hi, [&](int t, int e) { tot[t][e] = total; });
     }
   }
 }
