@@ -410,7 +410,8 @@ int matmul_use_choices(const std::string& text, std::string* why_not) {
     std::string rest;
     if (!(ls >> k.m >> k.n >> k.k >> k.ta >> k.tb >> ab >> c >> k.align_a >> k.align_b >>
           k.align_c >> pick) ||
-        (ls >> rest) || pick < 0 || pick >= kLabResults || k.m <= 0 || k.n <= 0 || k.k <= 0) {
+        (ls >> rest) || pick < 0 || pick >= kLabResults || k.m <= 0 || k.n <= 0 || k.k <= 0 ||
+        ab < 0 || ab > int(DType::I32) || c < 0 || c > int(DType::I32)) {
       *why_not = "line " + std::to_string(n) + " is not a choice: \"" + line + "\"";
       return -1;
     }
