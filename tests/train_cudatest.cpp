@@ -40,33 +40,35 @@ class GpuReproducible : public ::testing::TestWithParam<const char*> {
   void TearDown() override {
     if (!dir.empty()) fs::remove_all(dir);
   }
-  // Widths the vector kernels take (d and the routing heads' 64 features a multiple of 8).
+  // model_cudatest.cpp's tiny GPU model (head_dim 64; mhar with 2 routing heads of 64
+  // features), two micro-batches a step, checkpoints every 3 steps.
   Config config(int steps) {
-    nlohmann::json j = {{"model",
-                         {{"vocab_size", 32},
-                          {"d_model", 128},
-                          {"n_layers", 2},
-                          {"n_heads", 4},
-                          {"n_kv_heads", 2},
-                          {"head_dim", 32},
-                          {"d_ff", 256},
-                          {"context_length", 64}}},
-                        {"residual", {{"mode", GetParam()}}},
-                        {"train",
-                         {{"micro_batch", 8},
-                          {"seq_len", 64},
-                          {"batch_tokens", 2 * 8 * 64},
-                          {"steps", steps},
-                          {"lr", 3e-3},
-                          {"warmup_steps", 2},
-                          {"eval_every", 100},
-                          {"eval_batches", 4},
-                          {"device", "cuda"},
-                          {"seed", 7}}},
-                        {"data",
-                         {{"train", (dir / "data/train_*.bin").string()},
-                          {"val", (dir / "data/val_*.bin").string()}}},
-                        {"checkpoint", {{"every", 3}, {"keep", 0}}}};
+    nlohmann::json j = {
+        {"model",
+         {{"vocab_size", 32},
+          {"d_model", 128},
+          {"n_layers", 2},
+          {"n_heads", 4},
+          {"n_kv_heads", 2},
+          {"head_dim", 64},
+          {"d_ff", 256},
+          {"context_length", 64}}},
+        {"residual", {{"mode", GetParam()}, {"heads", std::string(GetParam()) == "mhar" ? 2 : 0}}},
+        {"train",
+         {{"micro_batch", 8},
+          {"seq_len", 64},
+          {"batch_tokens", 2 * 8 * 64},
+          {"steps", steps},
+          {"lr", 3e-3},
+          {"warmup_steps", 2},
+          {"eval_every", 100},
+          {"eval_batches", 4},
+          {"device", "cuda"},
+          {"seed", 7}}},
+        {"data",
+         {{"train", (dir / "data/train_*.bin").string()},
+          {"val", (dir / "data/val_*.bin").string()}}},
+        {"checkpoint", {{"every", 3}, {"keep", 0}}}};
     return config_from_json(j, "train_cudatest");
   }
   TrainOptions options(const std::string& run) {
