@@ -41,12 +41,12 @@ __global__ void iota_kernel(int32_t* out, int64_t n) {
 // row of dtable, one column a thread (blockIdx.y: columns blockDim.x * y on), in run order.
 // A run's additions are serial (that is the order the CPU's are in), so its rows are fetched
 // kUnroll at a time before they are added: a long run (a frequent token: ~650 of a 16,384-
-// token micro-batch for " the") waits on ~40 rounds of loads, not ~650.
+// token micro-batch for " the") waits on ~20 rounds of loads, not ~650.
 template <class TD>
 __global__ void embedding_backward_runs_kernel(float* dtable, const TD* dout,
                                                const uint32_t* sorted, const int32_t* order,
                                                int64_t N, int64_t d, int64_t V) {
-  constexpr int kUnroll = 16;
+  constexpr int kUnroll = 32;
   const int64_t c = int64_t(blockIdx.y) * blockDim.x + threadIdx.x;
   if (c >= d) return;
   for (int64_t i = blockIdx.x; i < N; i += gridDim.x) {
