@@ -10,6 +10,8 @@
 //   ScratchSlot::EmbeddingSort, embedding_backward_scratch_bytes(N) at most.
 // Token ids must lie in [0, V): the data loader guarantees it; ids outside trap the kernel
 // rather than read or write out of bounds.
+#include <algorithm>
+
 #include <cub/device/device_radix_sort.cuh>
 
 #include "cuda/common.cuh"
@@ -112,8 +114,11 @@ void embedding_forward(cudaStream_t s, Tensor out, Tensor tokens, Tensor table) 
 
 size_t embedding_backward_scratch_bytes(int64_t N) {
   if (N <= 0) return 0;
-  // Sorted ids, positions in and out, then CUB's storage, planned for ids of any width.
-  return 3 * align256(size_t(N) * 4) + cub_sort_bytes(N, 32);
+  // Sorted ids, positions in and out, then CUB's storage for ids of any width (the most
+  // over every bit count, rather than trusting it to grow with the bits).
+  size_t sort = 0;
+  for (int bits = 1; bits <= 32; ++bits) sort = std::max(sort, cub_sort_bytes(N, bits));
+  return 3 * align256(size_t(N) * 4) + sort;
 }
 
 void embedding_backward(cudaStream_t s, Tensor dtable, Tensor dout, Tensor tokens,
