@@ -11,8 +11,10 @@
 // Token ids must lie in [0, V): the data loader guarantees it; ids outside trap the kernel
 // rather than read or write out of bounds.
 #include <algorithm>
-
 #include <cub/device/device_radix_sort.cuh>
+#include <map>
+#include <mutex>
+#include <utility>
 
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
@@ -115,9 +117,16 @@ void embedding_forward(cudaStream_t s, Tensor out, Tensor tokens, Tensor table) 
 size_t embedding_backward_scratch_bytes(int64_t N) {
   if (N <= 0) return 0;
   // Sorted ids, positions in and out, then CUB's storage for ids of any width (the most
-  // over every bit count, rather than trusting it to grow with the bits).
-  size_t sort = 0;
-  for (int bits = 1; bits <= 32; ++bits) sort = std::max(sort, cub_sort_bytes(N, bits));
+  // over every bit count, rather than trusting it to grow with the bits). Remembered per N
+  // and device: the backend lays its scratch out at every pass's binding.
+  static std::mutex mutex;
+  static std::map<std::pair<int64_t, int>, size_t> known;
+  int dev = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(mutex);
+  size_t& sort = known[{N, dev}];
+  if (sort == 0)
+    for (int bits = 1; bits <= 32; ++bits) sort = std::max(sort, cub_sort_bytes(N, bits));
   return 3 * align256(size_t(N) * 4) + sort;
 }
 
