@@ -139,10 +139,10 @@ void embedding_backward(cudaStream_t s, Tensor dtable, Tensor dout, Tensor token
   if (N == 0) return;
   MHAR_CHECK(N < (int64_t(1) << 31), "embedding_backward: ", N,
              " tokens; positions are 32-bit (fewer than 2^31)");
-  const int bits = id_bits(V);
-  const size_t sort_bytes = cub_sort_bytes(N, bits);
-  char* base = static_cast<char*>(
-      scratch(ScratchSlot::EmbeddingSort, 3 * align256(size_t(N) * 4) + sort_bytes));
+  // The planned bytes (remembered per N): CUB takes any storage at least as large as the
+  // sort over these ids' bits needs, so no query of its own here.
+  const size_t bytes = embedding_backward_scratch_bytes(N);
+  char* base = static_cast<char*>(scratch(ScratchSlot::EmbeddingSort, bytes));
   auto* sorted = reinterpret_cast<uint32_t*>(base);
   auto* positions = reinterpret_cast<int32_t*>(base + align256(size_t(N) * 4));
   auto* order = reinterpret_cast<int32_t*>(base + 2 * align256(size_t(N) * 4));
@@ -150,12 +150,12 @@ void embedding_backward(cudaStream_t s, Tensor dtable, Tensor dout, Tensor token
   const int fill_blocks = int(std::min<int64_t>(ceil_div(N, 256), 4 * int64_t(sm_count())));
   iota_kernel<<<fill_blocks, 256, 0, s>>>(positions, N);
   CUDA_CHECK_LAUNCH();
-  size_t storage_bytes = sort_bytes;
+  size_t storage_bytes = bytes - 3 * align256(size_t(N) * 4);
   // Ids as unsigned: one outside [0, V) (a negative one reads as >= 2^31) keeps its whole
   // value in `sorted`, whatever bits the sort compared, and traps in the run kernel.
   CUDA_CHECK(cub::DeviceRadixSort::SortPairs(cub_storage, storage_bytes,
                                              reinterpret_cast<const uint32_t*>(tokens.data), sorted,
-                                             positions, order, int(N), 0, bits, s));
+                                             positions, order, int(N), 0, id_bits(V), s));
   dispatch_float(dout.dtype, "embedding_backward", [&](auto td) {
     using TD = decltype(td);
     const int threads = row_threads(d);

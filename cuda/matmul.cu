@@ -355,16 +355,25 @@ int matmul_heuristic_results() {
 namespace {
 constexpr const char* kChoicesHeader = "mhar matmul choices 1";
 
-// What the picks depend on besides the shape: cuBLASLt's version and the device.
+// What the picks depend on besides the shape: cuBLASLt's version and the device. Remembered
+// per device: the trainer asks for the choices after every step, and
+// cudaGetDeviceProperties is slow.
 std::string choices_context() {
   int dev = 0;
   CUDA_CHECK(cudaGetDevice(&dev));
-  cudaDeviceProp prop{};
-  CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
-  std::ostringstream os;
-  os << "cublasLt " << cublasLtGetVersion() << "\ndevice " << prop.name << " sm_" << prop.major
-     << prop.minor << " " << prop.multiProcessorCount << " SMs";
-  return os.str();
+  static std::mutex mutex;
+  static std::map<int, std::string> known;
+  std::lock_guard<std::mutex> lock(mutex);
+  std::string& context = known[dev];
+  if (context.empty()) {
+    cudaDeviceProp prop{};
+    CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+    std::ostringstream os;
+    os << "cublasLt " << cublasLtGetVersion() << "\ndevice " << prop.name << " sm_"
+       << prop.major << prop.minor << " " << prop.multiProcessorCount << " SMs";
+    context = os.str();
+  }
+  return context;
 }
 }  // namespace
 
