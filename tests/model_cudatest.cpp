@@ -103,16 +103,13 @@ constexpr double kZeroGradNorm = 1e-5;
 constexpr double kTolTrain = 0.03;         // relative, mean loss of the last 10 steps (header)
 constexpr double kTolTrainDynamic = 0.15;  // hyper_dynamic: its measured bf16 spread (header)
 
-// Tiny, but with the shapes the GPU kernels special-case: head_dim 64 (attention supports
-// 64 and 128), GQA 2, T not a multiple of the attention tiles (64), routing H = 2.
+// tiny_gpu_model_json (model_test_util.h) at T 80, not a multiple of the attention tiles
+// (64); routing H = 2.
 Config tiny_gpu_config(const std::string& mode, int heads, int vocab = 256, int block_size = 0,
                        bool hyper_dynamic = false) {
-  nlohmann::json j = {
-      {"model", {{"vocab_size", vocab}, {"d_model", 128}, {"n_layers", 2}, {"n_heads", 4},
-                 {"n_kv_heads", 2}, {"head_dim", 64}, {"d_ff", 256}, {"context_length", 128},
-                 {"rope_theta", 10000.0}, {"tie_embeddings", true}}},
-      {"residual", {{"mode", mode}, {"heads", heads}, {"block_size", block_size}}},
-      {"train", {{"micro_batch", 2}, {"seq_len", 80}, {"warmup_steps", 0}}}};
+  nlohmann::json j = {{"model", tiny_gpu_model_json(vocab, 128)},
+                      {"residual", {{"mode", mode}, {"heads", heads}, {"block_size", block_size}}},
+                      {"train", {{"micro_batch", 2}, {"seq_len", 80}, {"warmup_steps", 0}}}};
   if (hyper_dynamic) j["residual"]["hyper_dynamic"] = true;  // mode hyper only
   if (mode == "delta") {  // block_size names residual.block_layers (1..2) in mode delta
     j["residual"]["block_size"] = 0;

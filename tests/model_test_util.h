@@ -32,6 +32,18 @@ inline Config tiny_config(ResidualMode mode, int heads = 0, bool tied = true, in
   return config_from_json(j, "tiny");
 }
 
+// The "model" section of the tiny GPU model (model_cudatest.cpp, train_cudatest.cpp):
+// tiny, but with the shapes the GPU kernels special-case: head_dim 64 (attention supports
+// 64 and 128), GQA 2 (4 query heads on 2 KV heads), d_model 128 (routing heads of 64 at
+// residual.heads 2).
+inline nlohmann::json tiny_gpu_model_json(int vocab, int context_length) {
+  return {{"vocab_size", vocab},   {"d_model", 128},
+          {"n_layers", 2},         {"n_heads", 4},
+          {"n_kv_heads", 2},       {"head_dim", 64},
+          {"d_ff", 256},           {"context_length", context_length},
+          {"rope_theta", 10000.0}, {"tie_embeddings", true}};
+}
+
 inline std::vector<double> download(Backend& be, const Tensor& t) {
   std::vector<double> v(static_cast<size_t>(t.numel()));
   be.download(v.data(), t);

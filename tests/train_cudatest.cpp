@@ -40,19 +40,11 @@ class GpuReproducible : public ::testing::TestWithParam<const char*> {
   void TearDown() override {
     if (!dir.empty()) fs::remove_all(dir);
   }
-  // model_cudatest.cpp's tiny GPU model (head_dim 64; mhar with 2 routing heads of 64
-  // features), two micro-batches a step, checkpoints every 3 steps.
+  // The tiny GPU model of model_cudatest.cpp (model_test_util.h; mhar with 2 routing heads
+  // of 64 features), two micro-batches a step, checkpoints every 3 steps.
   Config config(int steps) {
     nlohmann::json j = {
-        {"model",
-         {{"vocab_size", 32},
-          {"d_model", 128},
-          {"n_layers", 2},
-          {"n_heads", 4},
-          {"n_kv_heads", 2},
-          {"head_dim", 64},
-          {"d_ff", 256},
-          {"context_length", 64}}},
+        {"model", tiny_gpu_model_json(32, 64)},
         {"residual", {{"mode", GetParam()}, {"heads", std::string(GetParam()) == "mhar" ? 2 : 0}}},
         {"train",
          {{"micro_batch", 8},
