@@ -6,6 +6,8 @@
 // sample, train --init-from and --resume accept it), and bad input refused cleanly: exit
 // 1 in under 5 s, a message naming the file, the field or the tensor, and nothing at
 // --out. The comparison with transformers itself needs PyTorch: tools/hf/check_export.py.
+#include "engine/hf_export.h"
+
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -14,6 +16,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -26,7 +29,6 @@
 #include "engine/backend.h"
 #include "engine/checkpoint.h"
 #include "engine/error.h"
-#include "engine/hf_export.h"
 #include "engine/hf_import.h"
 #include "engine/model.h"
 #include "engine/safetensors.h"
@@ -44,16 +46,22 @@ namespace {
 
 struct CmdResult {
   int code;
-  std::string output;
+  std::string output;       // stdout, then stderr: where a message is looked for
+  std::string stdout_text;  // the command's result alone (JSON for eval): logs go to stderr
   double seconds;
 };
 
-// Runs `mhar ARGS` (with ENV assignments in front), capturing stdout and stderr.
+// Runs `mhar ARGS` (with ENV assignments in front), capturing stdout and stderr apart: a
+// warning the engine logs on stderr (OpenBLAS's slow kernels on a CPU it does not
+// recognise) must not break the JSON a command prints on stdout.
 CmdResult run_mhar(const std::string& args, const std::string& env = "") {
+  char err_path[] = "/tmp/mhar_hf_test_stderr_XXXXXX";
+  const int fd = ::mkstemp(err_path);
+  if (fd >= 0) ::close(fd);
   const std::string cmd = env + (env.empty() ? "" : " ") + std::string(MHAR_BINARY) +
-                          " --log-level warn " + args + " 2>&1";
+                          " --log-level warn " + args + " 2>'" + err_path + "'";
   const auto t0 = std::chrono::steady_clock::now();
-  FILE* p = popen(cmd.c_str(), "r");
+  FILE* p = fd >= 0 ? popen(cmd.c_str(), "r") : nullptr;
   std::string out;
   if (p) {
     char buf[4096];
@@ -63,7 +71,12 @@ CmdResult run_mhar(const std::string& args, const std::string& env = "") {
   const int status = p ? pclose(p) : -1;
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const int code = (status >= 0 && WIFEXITED(status)) ? WEXITSTATUS(status) : -1;
-  return {code, out, secs};
+  std::string err;
+  if (fd >= 0) {
+    err = read_bytes(err_path);
+    ::unlink(err_path);
+  }
+  return {code, out + err, out, secs};
 }
 
 std::string q(const fs::path& p) { return "'" + p.string() + "'"; }
@@ -678,7 +691,8 @@ TEST_F(HfExportTest, StandardModelRoundTrip) {
   const CmdResult e2 = run_mhar("eval --checkpoint " + q(imp) + eval_args);
   ASSERT_EQ(e1.code, 0) << e1.output;
   ASSERT_EQ(e2.code, 0) << e2.output;
-  EXPECT_EQ(json::parse(e1.output)["loss"].get<double>(), json::parse(e2.output)["loss"].get<double>());
+  EXPECT_EQ(json::parse(e1.stdout_text)["loss"].get<double>(),
+            json::parse(e2.stdout_text)["loss"].get<double>());
   const CmdResult s = run_mhar("sample --checkpoint " + q(imp) + " --prompt 'the' --max-tokens 3 --temperature 0 --device cpu");
   EXPECT_EQ(s.code, 0) << s.output;
 }
@@ -691,7 +705,7 @@ TEST_F(HfExportTest, EvalWritesItsLogits) {
   const CmdResult r = run_mhar("eval --checkpoint " + q(ck) + " --data " + val() +
                                " --device cpu --batch-size 2 --seq-len 16 --batches 3 --logits-out " + q(file));
   ASSERT_EQ(r.code, 0) << r.output;
-  const json out = json::parse(r.output);
+  const json out = json::parse(r.stdout_text);
   EXPECT_EQ(out["logits_file"], file.string());
   const auto t = read_raw(file, false);
   ASSERT_EQ(t.at("logits").shape, (std::vector<int64_t>{6, 16, 4096}));
@@ -743,7 +757,7 @@ TEST_F(HfExportTest, ImportedRunsTrainByInitFromAndResume) {
   const CmdResult e = run_mhar("eval --checkpoint " + q(ck) + " --data " + val() +
                                " --device cpu --batch-size 4 --seq-len 16 --batches 2");
   ASSERT_EQ(e.code, 0) << e.output;
-  EXPECT_EQ(first_eval, json::parse(e.output)["loss"].get<double>());
+  EXPECT_EQ(first_eval, json::parse(e.stdout_text)["loss"].get<double>());
   EXPECT_TRUE(fs::exists(dir / "ft/checkpoints/step_00000002"));
 
   // A different model is refused, naming the field.
@@ -897,7 +911,8 @@ TEST_F(HfExportTest, EveryResidualSchemeExportsAndImportsBitForBit) {
     const CmdResult e1 = run_mhar("eval --checkpoint " + q(imp) + eval_args);
     ASSERT_EQ(e0.code, 0) << e0.output;
     ASSERT_EQ(e1.code, 0) << e1.output;
-    EXPECT_EQ(json::parse(e0.output)["loss"].get<double>(), json::parse(e1.output)["loss"].get<double>());
+    EXPECT_EQ(json::parse(e0.stdout_text)["loss"].get<double>(),
+              json::parse(e1.stdout_text)["loss"].get<double>());
   }
 }
 
