@@ -9,7 +9,6 @@
 #include "engine/hf_export.h"
 
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -35,6 +34,7 @@
 #include "engine/trainer.h"
 #include "tests/data_test_util.h"
 #include "tests/model_test_util.h"
+#include "tests/process_test_util.h"
 #include "tests/wall_clock.h"
 
 namespace fs = std::filesystem;
@@ -51,32 +51,21 @@ struct CmdResult {
   double seconds;
 };
 
-// Runs `mhar ARGS` (with ENV assignments in front), capturing stdout and stderr apart: a
-// warning the engine logs on stderr (OpenBLAS's slow kernels on a CPU it does not
-// recognise) must not break the JSON a command prints on stdout.
+// Runs `mhar ARGS` (with ENV assignments in front) by process_test_util.h's run_command,
+// capturing stdout and stderr apart: a warning the engine logs on stderr (OpenBLAS's slow
+// kernels on a CPU it does not recognise) must not break the JSON a command prints on
+// stdout.
 CmdResult run_mhar(const std::string& args, const std::string& env = "") {
   char err_path[] = "/tmp/mhar_hf_test_stderr_XXXXXX";
   const int fd = ::mkstemp(err_path);
-  if (fd >= 0) ::close(fd);
-  const std::string cmd = env + (env.empty() ? "" : " ") + std::string(MHAR_BINARY) +
-                          " --log-level warn " + args + " 2>'" + err_path + "'";
-  const auto t0 = std::chrono::steady_clock::now();
-  FILE* p = fd >= 0 ? popen(cmd.c_str(), "r") : nullptr;
-  std::string out;
-  if (p) {
-    char buf[4096];
-    size_t n;
-    while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  }
-  const int status = p ? pclose(p) : -1;
-  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  const int code = (status >= 0 && WIFEXITED(status)) ? WEXITSTATUS(status) : -1;
-  std::string err;
-  if (fd >= 0) {
-    err = read_bytes(err_path);
-    ::unlink(err_path);
-  }
-  return {code, out + err, out, secs};
+  if (fd < 0) return {-1, "mkstemp failed for the command's stderr", "", 0};
+  ::close(fd);
+  const mhar::test::CommandResult r =
+      mhar::test::run_command(env + (env.empty() ? "" : " ") + std::string(MHAR_BINARY) +
+                              " --log-level warn " + args + " 2>'" + err_path + "'");
+  const std::string err = read_bytes(err_path);
+  ::unlink(err_path);
+  return {r.rc, r.out + err, r.out, r.seconds};
 }
 
 std::string q(const fs::path& p) { return "'" + p.string() + "'"; }
