@@ -4,10 +4,17 @@
 //   bits every run, and the CPU reference's (engine/cpu/embedding.h): each row of dtable
 //   adds its tokens' gradient rows one at a time in token order, in fp32. The tokens are
 //   sorted by id (CUB's radix sort, stable, so equal ids keep their order; the positions
-//   travel with them), and one thread per column walks each run of equal ids. No atomics:
-//   an earlier version scattered with fp32 atomics, which made GPU runs differ from run to
-//   run in the last bits. Temporaries (sorted ids, positions, CUB's storage) come from
-//   ScratchSlot::EmbeddingSort, embedding_backward_scratch_bytes(N) at most.
+//   travel with them), and each run of equal ids is summed column by column in that order
+//   by whoever owns the run's first entry. No atomics: an earlier version scattered with
+//   fp32 atomics, which made GPU runs differ from run to run in the last bits. Temporaries
+//   (sorted ids, positions, CUB's storage) come from ScratchSlot::EmbeddingSort,
+//   embedding_backward_scratch_bytes(N) at most.
+// - Kernel lab (embedding_backward_set_version): how the runs are walked. 1: a block a
+//   stride of sorted entries, a thread a column, the block's runs one after another. 2: a
+//   warp a window of 32 sorted entries and 32 columns, every gradient row and dtable row of
+//   the window fetched at once, then added in order; a run longer than its window goes on
+//   in batches of 32, the next batch's ids fetched with this one's rows. Both give the CPU's
+//   bits (EmbeddingParity runs each).
 // Token ids must lie in [0, V): the data loader guarantees it; ids outside trap the kernel
 // rather than read or write out of bounds.
 #include <algorithm>
@@ -40,8 +47,8 @@ __global__ void iota_kernel(int32_t* out, int64_t n) {
     out[i] = int32_t(i);
 }
 
-// Runs of equal ids in `sorted` (ascending; `order` their positions in dout, ascending within
-// a run): the block whose index meets a run's first entry adds the run's rows into its id's
+// Version 1. Runs of equal ids in `sorted` (ascending; `order` their positions in dout, ascending
+// within a run): the block whose index meets a run's first entry adds the run's rows into its id's
 // row of dtable, one column a thread (blockIdx.y: columns blockDim.x * y on), in run order.
 // A run's additions are serial (that is the order the CPU's are in), so its rows are fetched
 // kUnroll at a time before they are added: a long run (a frequent token: ~650 of a 16,384-
@@ -74,6 +81,101 @@ __global__ void embedding_backward_runs_kernel(float* dtable, const TD* dout,
   }
 }
 
+// Version 2. A warp owns the runs that start in a window of 32 sorted entries (blockIdx.x),
+// over 32 columns (lane; warp threadIdx.y of block blockIdx.y picks which 32). Version 1
+// walked a block's runs one after another, each a chain of dependent loads (id, position,
+// gradient row, dtable row), and measured 0.52 ms at d 512 for 16,384 Zipf ids (cuda/
+// NOTES.md); here a window's ids and positions come in one load a lane, then all 32
+// gradient rows and the 32 dtable rows its runs start from in one round (every address
+// valid, so nothing waits on a branch), and only the additions are serial. Entries before
+// the window's first run start belong to a run an earlier window owns. A run that goes on
+// past the window is finished here in batches of 32 entries, the next batch's ids and
+// positions fetched while this batch's rows are.
+template <class TD>
+__global__ void __launch_bounds__(256)
+    embedding_backward_windows_kernel(float* dtable, const TD* dout, const uint32_t* sorted,
+                                      const int32_t* order, int64_t N, int64_t d, int64_t V) {
+  constexpr int kWindow = 32;
+  constexpr unsigned kAll = 0xffffffffu;
+  const int lane = int(threadIdx.x);
+  const int64_t first_column = (int64_t(blockIdx.y) * blockDim.y + threadIdx.y) * 32;
+  if (first_column >= d) return;  // the whole warp
+  // Lanes past d fetch column d - 1 (a valid address) and store nothing.
+  const bool live = first_column + lane < d;
+  const int64_t c = live ? first_column + lane : d - 1;
+  const int64_t base = int64_t(blockIdx.x) * kWindow;
+  const int64_t e = base + lane;
+  const bool valid = e < N;
+  const uint32_t tok = valid ? sorted[e] : 0u;
+  const int32_t pos = valid ? order[e] : 0;
+  const uint32_t before = base > 0 ? sorted[base - 1] : 0u;
+  const bool more = base + kWindow < N;
+  const uint32_t after = more ? sorted[base + kWindow] : 0u;
+  if (valid && tok >= uint64_t(V)) __trap();
+  const uint32_t above = __shfl_up_sync(kAll, tok, 1);
+  const uint32_t previous = lane == 0 ? before : above;
+  const unsigned starts = __ballot_sync(kAll, valid && (e == 0 || previous != tok));
+  if (starts == 0) return;  // the window lies inside a run an earlier window owns
+  const int first = __ffs(int(starts)) - 1;
+  const int count = int(N - base < kWindow ? N - base : kWindow);  // valid entries
+  // Entries outside [first, count) fetch the first start's rows: valid, never added.
+  // (Every lane runs each shuffle: one inside a ?: would run on some lanes only.)
+  const bool owned = valid && lane >= first;
+  const uint32_t first_tok = __shfl_sync(kAll, tok, first);
+  const int32_t first_pos = __shfl_sync(kAll, pos, first);
+  const uint32_t row_tok = owned ? tok : first_tok;
+  const int32_t row_pos = owned ? pos : first_pos;
+  float g[kWindow], old[kWindow];
+#pragma unroll
+  for (int u = 0; u < kWindow; ++u) {
+    g[u] = load(dout[int64_t(__shfl_sync(kAll, row_pos, u)) * d + c]);
+    old[u] = dtable[int64_t(__shfl_sync(kAll, row_tok, u)) * d + c];
+  }
+  float acc = 0.f;
+  int64_t row = 0;
+#pragma unroll
+  for (int u = 0; u < kWindow; ++u) {
+    const uint32_t u_tok = __shfl_sync(kAll, row_tok, u);
+    if (u < first || u >= count) continue;  // the same for the whole warp
+    if (starts >> u & 1u) {
+      if (u > first && live) dtable[row * d + c] = acc;
+      acc = old[u];
+      row = int64_t(u_tok);
+    }
+    acc += g[u];
+  }
+  // The last run goes on past the window when the next entry has its id.
+  const uint32_t last_tok = __shfl_sync(kAll, tok, count - 1);
+  if (more && after == last_tok) {
+    int64_t j = base + kWindow;
+    bool next_valid = j + lane < N;
+    uint32_t next_tok = next_valid ? sorted[j + lane] : 0u;
+    int32_t next_pos = next_valid ? order[j + lane] : 0;
+    for (;;) {
+      const unsigned in_run = __ballot_sync(kAll, next_valid && next_tok == last_tok);
+      const int taken = __popc(in_run);  // a prefix: the ids are sorted
+      if (taken == 0) break;
+      const int32_t run_pos = __shfl_sync(kAll, next_pos, 0);
+      const int32_t batch_pos = lane < taken ? next_pos : run_pos;
+      float gt[kWindow];
+#pragma unroll
+      for (int u = 0; u < kWindow; ++u)
+        gt[u] = load(dout[int64_t(__shfl_sync(kAll, batch_pos, u)) * d + c]);
+      if (taken == kWindow) {
+        j += kWindow;
+        next_valid = j + lane < N;
+        next_tok = next_valid ? sorted[j + lane] : 0u;
+        next_pos = next_valid ? order[j + lane] : 0;
+      }
+#pragma unroll
+      for (int u = 0; u < kWindow; ++u)
+        if (u < taken) acc += gt[u];
+      if (taken < kWindow) break;
+    }
+  }
+  if (live) dtable[row * d + c] = acc;
+}
+
 // The bits that hold every id below V (at least 1).
 int id_bits(int64_t V) {
   int bits = 1;
@@ -92,7 +194,22 @@ size_t cub_sort_bytes(int64_t n, int bits) {
 
 size_t align256(size_t x) { return (x + 255) / 256 * 256; }
 
+// EmbeddingSort's layout for N tokens: sorted ids (at 0), positions in, positions out
+// (sorted), each 256-byte aligned, then CUB's storage. One function for the size and the
+// offsets, so that they cannot drift apart.
+struct SortLayout {
+  size_t positions, order, cub_storage;
+};
+SortLayout sort_layout(int64_t N) {
+  const size_t array = align256(size_t(N) * 4);
+  return {array, 2 * array, 3 * array};
+}
+
 int row_threads(int64_t d) { return d >= 256 ? 256 : int(ceil_div(d, 32) * 32); }
+
+constexpr int kEmbeddingBackwardVersions = 2;
+constexpr int kEmbeddingBackwardDefault = 1;
+int g_embedding_backward_version = kEmbeddingBackwardDefault;
 
 }  // namespace
 
@@ -127,8 +244,18 @@ size_t embedding_backward_scratch_bytes(int64_t N) {
   size_t& sort = known[{N, dev}];
   if (sort == 0)
     for (int bits = 1; bits <= 32; ++bits) sort = std::max(sort, cub_sort_bytes(N, bits));
-  return 3 * align256(size_t(N) * 4) + sort;
+  return sort_layout(N).cub_storage + sort;
 }
+
+int embedding_backward_set_version(int version) {
+  MHAR_CHECK(version >= 0 && version <= kEmbeddingBackwardVersions,
+             "embedding_backward_set_version: ", version, " (0 for the default, or 1 .. ",
+             kEmbeddingBackwardVersions, ")");
+  const int previous = g_embedding_backward_version;
+  g_embedding_backward_version = version == 0 ? kEmbeddingBackwardDefault : version;
+  return previous;
+}
+int embedding_backward_versions() { return kEmbeddingBackwardVersions; }
 
 void embedding_backward(cudaStream_t s, Tensor dtable, Tensor dout, Tensor tokens,
                         const ScratchFn& scratch) {
@@ -143,14 +270,15 @@ void embedding_backward(cudaStream_t s, Tensor dtable, Tensor dout, Tensor token
   // sort over these ids' bits needs, so no query of its own here.
   const size_t bytes = embedding_backward_scratch_bytes(N);
   char* base = static_cast<char*>(scratch(ScratchSlot::EmbeddingSort, bytes));
+  const SortLayout layout = sort_layout(N);
   auto* sorted = reinterpret_cast<uint32_t*>(base);
-  auto* positions = reinterpret_cast<int32_t*>(base + align256(size_t(N) * 4));
-  auto* order = reinterpret_cast<int32_t*>(base + 2 * align256(size_t(N) * 4));
-  void* cub_storage = base + 3 * align256(size_t(N) * 4);
+  auto* positions = reinterpret_cast<int32_t*>(base + layout.positions);
+  auto* order = reinterpret_cast<int32_t*>(base + layout.order);
+  void* cub_storage = base + layout.cub_storage;
+  size_t storage_bytes = bytes - layout.cub_storage;
   const int fill_blocks = int(std::min<int64_t>(ceil_div(N, 256), 4 * int64_t(sm_count())));
   iota_kernel<<<fill_blocks, 256, 0, s>>>(positions, N);
   CUDA_CHECK_LAUNCH();
-  size_t storage_bytes = bytes - 3 * align256(size_t(N) * 4);
   // Ids as unsigned: one outside [0, V) (a negative one reads as >= 2^31) keeps its whole
   // value in `sorted`, whatever bits the sort compared, and traps in the run kernel.
   CUDA_CHECK(cub::DeviceRadixSort::SortPairs(cub_storage, storage_bytes,
@@ -158,11 +286,18 @@ void embedding_backward(cudaStream_t s, Tensor dtable, Tensor dout, Tensor token
                                              positions, order, int(N), 0, id_bits(V), s));
   dispatch_float(dout.dtype, "embedding_backward", [&](auto td) {
     using TD = decltype(td);
-    const int threads = row_threads(d);
-    const dim3 grid(unsigned(std::min<int64_t>(N, 8 * int64_t(sm_count()))),
-                    unsigned(ceil_div(d, threads)));
-    embedding_backward_runs_kernel<TD><<<grid, threads, 0, s>>>(
-        dtable.ptr<float>(), static_cast<const TD*>(dout.data), sorted, order, N, d, V);
+    float* dt = dtable.ptr<float>();
+    const TD* go = static_cast<const TD*>(dout.data);
+    if (g_embedding_backward_version == 2) {
+      const dim3 block(32, 8);
+      const dim3 grid(unsigned(ceil_div(N, 32)), unsigned(ceil_div(ceil_div(d, 32), 8)));
+      embedding_backward_windows_kernel<TD><<<grid, block, 0, s>>>(dt, go, sorted, order, N, d, V);
+    } else {
+      const int threads = row_threads(d);
+      const dim3 grid(unsigned(std::min<int64_t>(N, 8 * int64_t(sm_count()))),
+                      unsigned(ceil_div(d, threads)));
+      embedding_backward_runs_kernel<TD><<<grid, threads, 0, s>>>(dt, go, sorted, order, N, d, V);
+    }
     CUDA_CHECK_LAUNCH();
   });
 }

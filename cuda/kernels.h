@@ -170,6 +170,11 @@ inline const char* scratch_slot_name(ScratchSlot slot) {
 void embedding_backward(cudaStream_t s, Tensor dtable, Tensor dout, Tensor tokens,
                         const ScratchFn& scratch);
 size_t embedding_backward_scratch_bytes(int64_t N);
+// Kernel lab: how the backward walks the sorted runs (embedding.cu says what each version
+// does and which is the default; every one gives the CPU's bits). 0: the default. Returns the
+// version it replaces.
+int embedding_backward_set_version(int version);
+int embedding_backward_versions();
 
 // norm.cu (continued)
 void rmsnorm_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,

@@ -1,15 +1,34 @@
 // embedding_cudatest.cpp: CUDA embedding forward/backward against the CPU reference. Both
 // are exact: the forward copies bf16 rows, and the backward adds each id's gradient rows in
 // token order in fp32 on both backends (cuda/embedding.cu), so the GPU's dtable must have
-// the CPU's bits, and the same bits on every run.
+// the CPU's bits, and the same bits on every run. Every backward test runs each kernel-lab
+// version of the backward (embedding_backward_set_version).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <functional>
+#include <numeric>
+
+#include "cuda/kernels.h"
 #include "tests/cuda_test_util.h"
 
 namespace mhar::test {
 namespace {
 
-class EmbeddingParity : public CudaParity {};
+class EmbeddingParity : public CudaParity {
+ protected:
+  // body(tag) once with each version of the backward kernel set, the default restored after
+  // (also when an assertion returns early).
+  void for_each_backward_version(const std::function<void(const std::string&)>& body) {
+    struct Restore {
+      ~Restore() { cuda::embedding_backward_set_version(0); }
+    } restore;
+    for (int v = 1; v <= cuda::embedding_backward_versions(); ++v) {
+      cuda::embedding_backward_set_version(v);
+      body(" (backward version " + std::to_string(v) + ")");
+    }
+  }
+};
 
 TEST_F(EmbeddingParity, ForwardAndBackwardOddSizesWithRepeatedTokens) {
   for (auto [N, V, d] : {std::tuple<int64_t, int64_t, int64_t>{37, 101, 96},
@@ -33,10 +52,16 @@ TEST_F(EmbeddingParity, ForwardAndBackwardOddSizesWithRepeatedTokens) {
     expect_close("embedding_forward out " + tag, out.g, out.c, 1e-12);
 
     Pair dout = random_pair(DType::BF16, {N, d});
-    Pair dtable = random_pair(DType::F32, {V, d});  // += output: starts non-zero
+    const std::vector<double> start = random_normal(rng, V * d, DType::F32, 1.0);
+    Pair dtable = pair(DType::F32, {V, d});  // += output: starts non-zero
+    dtable.c.set(start);
     cpu->embedding_backward(dtable.c, dout.c, tokens.c);
-    gpu->embedding_backward(dtable.g, dout.g, tokens.g);
-    expect_same_bits("embedding_backward dtable " + tag, dtable.g.get(), dtable.c.get());
+    for_each_backward_version([&](const std::string& version) {
+      dtable.g.set(start);
+      gpu->embedding_backward(dtable.g, dout.g, tokens.g);
+      expect_same_bits("embedding_backward dtable " + tag + version, dtable.g.get(),
+                       dtable.c.get());
+    });
   }
 }
 
@@ -67,16 +92,60 @@ TEST_F(EmbeddingParity, BackwardLongRunsHaveTheCpuBitsEveryRun) {
     dout.set(g);
     const std::vector<double> start = random_normal(rng, V * d, DType::F32, 1.0);
     Pair dtable = pair(DType::F32, {V, d});
-    dtable.set(start);
-    for (int call = 0; call < 2; ++call) {
-      cpu->embedding_backward(dtable.c, dout.c, tokens.c);
+    dtable.c.set(start);
+    for (int call = 0; call < 2; ++call) cpu->embedding_backward(dtable.c, dout.c, tokens.c);
+    const std::vector<double> want = dtable.c.get();
+    for_each_backward_version([&](const std::string& version) {
+      dtable.g.set(start);
+      for (int call = 0; call < 2; ++call) gpu->embedding_backward(dtable.g, dout.g, tokens.g);
+      const std::vector<double> first = dtable.g.get();
+      expect_same_bits("embedding_backward (two calls) " + tag + version, first, want);
+      dtable.g.set(start);
+      for (int call = 0; call < 2; ++call) gpu->embedding_backward(dtable.g, dout.g, tokens.g);
+      expect_same_bits("embedding_backward, second run " + tag + version, dtable.g.get(), first);
+    });
+  }
+}
+
+// Runs whose ends fall on and around the edges of version 2's windows of 32 sorted entries
+// (lengths 31-33, 63-65, 96, 128: a run that fills whole windows and batches, one that ends
+// exactly at a batch's end so the next batch takes nothing), a last run that ends at N
+// itself (N a multiple of 32) or not, widths below, at and past a warp's 32 columns and a
+// block's 256, and fp32 gradient rows beside bf16 ones.
+TEST_F(EmbeddingParity, BackwardRunsAcrossWindowEdges) {
+  const std::vector<int> lengths = {1, 31, 32, 33, 63, 64, 65, 96, 128, 2, 1, 1, 19};
+  const int total = std::accumulate(lengths.begin(), lengths.end(), 0);  // 536
+  for (auto [N, d, dtype] : {std::tuple<int64_t, int64_t, DType>{total, 257, DType::BF16},
+                             {512, 31, DType::BF16},
+                             {total, 32, DType::F32},
+                             {total - 19, 1, DType::F32},
+                             {512, 300, DType::F32}}) {
+    const int64_t V = 1000;
+    const std::string tag =
+        "N" + std::to_string(N) + " d" + std::to_string(d) + " " + dtype_name(dtype);
+    // Ids spread over V (sorted order differs from this one), each run's entries scattered
+    // over the batch; the first N of the shuffled list (N < total drops part of some runs).
+    std::vector<int32_t> ids;
+    for (size_t r = 0; r < lengths.size(); ++r)
+      ids.insert(ids.end(), size_t(lengths[r]), int32_t((r * 389 + 17) % V));
+    std::shuffle(ids.begin(), ids.end(), rng);
+    ids.resize(size_t(N));
+    Pair tokens = pair(DType::I32, {N});
+    cpu->upload_tokens(tokens.c, ids.data());
+    gpu->upload_tokens(tokens.g, ids.data());
+    Pair dout = pair(dtype, {N, d});
+    std::vector<double> g = random_normal(rng, N * d, dtype, 1.0);
+    for (size_t i = 0; i < g.size(); i += 5) g[i] = round_to(dtype, g[i] * 1e4);
+    dout.set(g);
+    const std::vector<double> start = random_normal(rng, V * d, DType::F32, 1.0);
+    Pair dtable = pair(DType::F32, {V, d});
+    dtable.c.set(start);
+    cpu->embedding_backward(dtable.c, dout.c, tokens.c);
+    for_each_backward_version([&](const std::string& version) {
+      dtable.g.set(start);
       gpu->embedding_backward(dtable.g, dout.g, tokens.g);
-    }
-    const std::vector<double> first = dtable.g.get();
-    expect_same_bits("embedding_backward (two calls) " + tag, first, dtable.c.get());
-    dtable.g.set(start);
-    for (int call = 0; call < 2; ++call) gpu->embedding_backward(dtable.g, dout.g, tokens.g);
-    expect_same_bits("embedding_backward, second run " + tag, dtable.g.get(), first);
+      expect_same_bits("embedding_backward " + tag + version, dtable.g.get(), dtable.c.get());
+    });
   }
 }
 
