@@ -14,7 +14,8 @@
 //   warp a window of 32 sorted entries and 32 columns, every gradient row and dtable row of
 //   the window fetched at once, then added in order; a run longer than its window goes on
 //   in batches of 32, the next batch's ids fetched with this one's rows. Both give the CPU's
-//   bits (EmbeddingParity runs each).
+//   bits (EmbeddingParity runs each). 3: 2 fetching half a window's rows at a time, in
+//   fewer registers.
 // Token ids must lie in [0, V): the data loader guarantees it; ids outside trap the kernel
 // rather than read or write out of bounds.
 #include <algorithm>
@@ -90,8 +91,10 @@ __global__ void embedding_backward_runs_kernel(float* dtable, const TD* dout,
 // valid, so nothing waits on a branch), and only the additions are serial. Entries before
 // the window's first run start belong to a run an earlier window owns. A run that goes on
 // past the window is finished here in batches of 32 entries, the next batch's ids and
-// positions fetched while this batch's rows are.
-template <class TD>
+// positions fetched while this batch's rows are. Version 3 is 2 fetching kBatch = 16 rows at
+// a time, not 32: two rounds where 2 has one, in 63 registers where 2 holds 106 (ptxas, bf16
+// rows: 4 blocks of 256 threads an SM against 2), so that more warps are in flight.
+template <class TD, int kBatch>
 __global__ void __launch_bounds__(256)
     embedding_backward_windows_kernel(float* dtable, const TD* dout, const uint32_t* sorted,
                                       const int32_t* order, int64_t N, int64_t d, int64_t V) {
@@ -125,24 +128,28 @@ __global__ void __launch_bounds__(256)
   const int32_t first_pos = __shfl_sync(kAll, pos, first);
   const uint32_t row_tok = owned ? tok : first_tok;
   const int32_t row_pos = owned ? pos : first_pos;
-  float g[kWindow], old[kWindow];
-#pragma unroll
-  for (int u = 0; u < kWindow; ++u) {
-    g[u] = load(dout[int64_t(__shfl_sync(kAll, row_pos, u)) * d + c]);
-    old[u] = dtable[int64_t(__shfl_sync(kAll, row_tok, u)) * d + c];
-  }
   float acc = 0.f;
   int64_t row = 0;
 #pragma unroll
-  for (int u = 0; u < kWindow; ++u) {
-    const uint32_t u_tok = __shfl_sync(kAll, row_tok, u);
-    if (u < first || u >= count) continue;  // the same for the whole warp
-    if (starts >> u & 1u) {
-      if (u > first && live) dtable[row * d + c] = acc;
-      acc = old[u];
-      row = int64_t(u_tok);
+  for (int h = 0; h < kWindow; h += kBatch) {
+    float g[kBatch], old[kBatch];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      g[k] = load(dout[int64_t(__shfl_sync(kAll, row_pos, h + k)) * d + c]);
+      old[k] = dtable[int64_t(__shfl_sync(kAll, row_tok, h + k)) * d + c];
     }
-    acc += g[u];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const int u = h + k;
+      const uint32_t u_tok = __shfl_sync(kAll, row_tok, u);
+      if (u < first || u >= count) continue;  // the same for the whole warp
+      if (starts >> u & 1u) {
+        if (u > first && live) dtable[row * d + c] = acc;
+        acc = old[k];
+        row = int64_t(u_tok);
+      }
+      acc += g[k];
+    }
   }
   // The last run goes on past the window when the next entry has its id.
   const uint32_t last_tok = __shfl_sync(kAll, tok, count - 1);
@@ -157,10 +164,6 @@ __global__ void __launch_bounds__(256)
       if (taken == 0) break;
       const int32_t run_pos = __shfl_sync(kAll, next_pos, 0);
       const int32_t batch_pos = lane < taken ? next_pos : run_pos;
-      float gt[kWindow];
-#pragma unroll
-      for (int u = 0; u < kWindow; ++u)
-        gt[u] = load(dout[int64_t(__shfl_sync(kAll, batch_pos, u)) * d + c]);
       if (taken == kWindow) {
         j += kWindow;
         next_valid = j + lane < N;
@@ -168,8 +171,15 @@ __global__ void __launch_bounds__(256)
         next_pos = next_valid ? order[j + lane] : 0;
       }
 #pragma unroll
-      for (int u = 0; u < kWindow; ++u)
-        if (u < taken) acc += gt[u];
+      for (int h = 0; h < kWindow; h += kBatch) {
+        float gt[kBatch];
+#pragma unroll
+        for (int k = 0; k < kBatch; ++k)
+          gt[k] = load(dout[int64_t(__shfl_sync(kAll, batch_pos, h + k)) * d + c]);
+#pragma unroll
+        for (int k = 0; k < kBatch; ++k)
+          if (h + k < taken) acc += gt[k];
+      }
       if (taken < kWindow) break;
     }
   }
@@ -207,7 +217,7 @@ SortLayout sort_layout(int64_t N) {
 
 int row_threads(int64_t d) { return d >= 256 ? 256 : int(ceil_div(d, 32) * 32); }
 
-constexpr int kEmbeddingBackwardVersions = 2;
+constexpr int kEmbeddingBackwardVersions = 3;
 constexpr int kEmbeddingBackwardDefault = 1;
 int g_embedding_backward_version = kEmbeddingBackwardDefault;
 
@@ -288,10 +298,12 @@ void embedding_backward(cudaStream_t s, Tensor dtable, Tensor dout, Tensor token
     using TD = decltype(td);
     float* dt = dtable.ptr<float>();
     const TD* go = static_cast<const TD*>(dout.data);
-    if (g_embedding_backward_version == 2) {
+    if (g_embedding_backward_version >= 2) {
       const dim3 block(32, 8);
       const dim3 grid(unsigned(ceil_div(N, 32)), unsigned(ceil_div(ceil_div(d, 32), 8)));
-      embedding_backward_windows_kernel<TD><<<grid, block, 0, s>>>(dt, go, sorted, order, N, d, V);
+      auto kernel = g_embedding_backward_version == 2 ? embedding_backward_windows_kernel<TD, 32>
+                                                      : embedding_backward_windows_kernel<TD, 16>;
+      kernel<<<grid, block, 0, s>>>(dt, go, sorted, order, N, d, V);
     } else {
       const int threads = row_threads(d);
       const dim3 grid(unsigned(std::min<int64_t>(N, 8 * int64_t(sm_count()))),
