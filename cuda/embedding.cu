@@ -13,9 +13,9 @@
 //   stride of sorted entries, a thread a column, the block's runs one after another. 2: a
 //   warp a window of 32 sorted entries and 32 columns, every gradient row and dtable row of
 //   the window fetched at once, then added in order; a run longer than its window goes on
-//   in batches of 32, the next batch's ids fetched with this one's rows. Both give the CPU's
-//   bits (EmbeddingParity runs each). 3: 2 fetching half a window's rows at a time, in
-//   fewer registers.
+//   in batches of 32, the next batch's ids fetched with this one's rows. 3: 2 fetching half
+//   a window's rows at a time, in fewer registers. Every version gives the CPU's bits
+//   (EmbeddingParity runs each).
 // Token ids must lie in [0, V): the data loader guarantees it; ids outside trap the kernel
 // rather than read or write out of bounds.
 #include <algorithm>
