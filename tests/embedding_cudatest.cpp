@@ -107,27 +107,34 @@ TEST_F(EmbeddingParity, BackwardLongRunsHaveTheCpuBitsEveryRun) {
   }
 }
 
-// Runs whose ends fall on and around the edges of version 2's windows of 32 sorted entries
-// (lengths 31-33, 63-65, 96, 128: a run that fills whole windows and batches, one that ends
-// exactly at a batch's end so the next batch takes nothing), a last run that ends at N
-// itself (N a multiple of 32) or not, widths below, at and past a warp's 32 columns and a
-// block's 256, and fp32 gradient rows beside bf16 ones.
+// Runs whose ends fall on and around the edges of version 2's windows of 32 sorted entries,
+// widths below, at and past a warp's 32 columns and a block's 256, bf16 and fp32 gradient
+// rows. Runs of 1, 31, 32, 33, 63, 64, 65, 96, 128, 2, 1, 1 and 19 entries (536), shuffled.
+// With `in_order` the ids grow with the run's place in that list, so the sorted runs end at
+// 1, 32, 64, 97, 160, 224, 289, 385, 513, 515, 516, 517 and 536: runs that end exactly at a
+// window's end, with (160, 224: the batch after a full one takes nothing) and without (32,
+// 64) a batch past their own window, and one that crosses into the next window by one
+// entry (97). Otherwise the ids are spread over V in another order. N below 536 keeps the
+// first N entries of the shuffled list (the runs' lengths change), N 512 a multiple of 32.
 TEST_F(EmbeddingParity, BackwardRunsAcrossWindowEdges) {
   const std::vector<int> lengths = {1, 31, 32, 33, 63, 64, 65, 96, 128, 2, 1, 1, 19};
   const int total = std::accumulate(lengths.begin(), lengths.end(), 0);  // 536
-  for (auto [N, d, dtype] : {std::tuple<int64_t, int64_t, DType>{total, 257, DType::BF16},
-                             {512, 31, DType::BF16},
-                             {total, 32, DType::F32},
-                             {total - 19, 1, DType::F32},
-                             {512, 300, DType::F32}}) {
+  for (auto [N, d, dtype, in_order] :
+       {std::tuple<int64_t, int64_t, DType, bool>{total, 257, DType::BF16, true},
+        {total, 33, DType::F32, true},
+        {total, 257, DType::BF16, false},
+        {512, 31, DType::BF16, false},
+        {total, 32, DType::F32, false},
+        {total - 19, 1, DType::F32, false},
+        {512, 300, DType::F32, true}}) {
     const int64_t V = 1000;
-    const std::string tag =
-        "N" + std::to_string(N) + " d" + std::to_string(d) + " " + dtype_name(dtype);
-    // Ids spread over V (sorted order differs from this one), each run's entries scattered
-    // over the batch; the first N of the shuffled list (N < total drops part of some runs).
+    const std::string tag = "N" + std::to_string(N) + " d" + std::to_string(d) + " " +
+                            dtype_name(dtype) + (in_order ? " ids in run order" : "");
     std::vector<int32_t> ids;
-    for (size_t r = 0; r < lengths.size(); ++r)
-      ids.insert(ids.end(), size_t(lengths[r]), int32_t((r * 389 + 17) % V));
+    for (size_t r = 0; r < lengths.size(); ++r) {
+      const int32_t id = in_order ? int32_t(17 + 73 * r) : int32_t((r * 389 + 17) % V);
+      ids.insert(ids.end(), size_t(lengths[r]), id);
+    }
     std::shuffle(ids.begin(), ids.end(), rng);
     ids.resize(size_t(N));
     Pair tokens = pair(DType::I32, {N});
