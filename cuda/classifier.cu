@@ -897,12 +897,8 @@ void launch_cluster(cudaStream_t s, float* losses, T* logits, const int32_t* tar
 }  // namespace
 
 int cross_entropy_set_version(int version) {
-  MHAR_CHECK(version >= 0 && version <= kCrossEntropyVersions,
-             "cross_entropy_set_version: ", version, " (0 for the default, or 1 .. ",
-             kCrossEntropyVersions, ")");
-  const int previous = g_cross_entropy_version;
-  g_cross_entropy_version = version == 0 ? kCrossEntropyDefault : version;
-  return previous;
+  return set_lab_version(g_cross_entropy_version, version, kCrossEntropyVersions,
+                         kCrossEntropyDefault, "cross_entropy_set_version");
 }
 int cross_entropy_versions() { return kCrossEntropyVersions; }
 

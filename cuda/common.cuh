@@ -200,6 +200,18 @@ inline void check_numel(const Tensor& t, int64_t n, const char* what, const char
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
+// A one-kernel lab choice (cross_entropy_set_version, embedding_backward_set_version): sets
+// `current` to `version` (1 .. versions; 0 for `default_version`) and returns the version it
+// replaces; any other value fails, naming `setter`, and sets nothing.
+inline int set_lab_version(int& current, int version, int versions, int default_version,
+                           const char* setter) {
+  MHAR_CHECK(version >= 0 && version <= versions, setter, ": ", version,
+             " (0 for the default, or 1 .. ", versions, ")");
+  const int previous = current;
+  current = version == 0 ? default_version : version;
+  return previous;
+}
+
 // Blocks of `threads` threads of `kernel` resident per SM at once (the occupancy API),
 // at least 1: sizes persistent grids that loop over their work.
 template <class K> int resident_blocks_per_sm(K kernel, int threads, size_t smem = 0) {

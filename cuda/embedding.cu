@@ -261,12 +261,8 @@ size_t embedding_backward_scratch_bytes(int64_t N) {
 }
 
 int embedding_backward_set_version(int version) {
-  MHAR_CHECK(version >= 0 && version <= kEmbeddingBackwardVersions,
-             "embedding_backward_set_version: ", version, " (0 for the default, or 1 .. ",
-             kEmbeddingBackwardVersions, ")");
-  const int previous = g_embedding_backward_version;
-  g_embedding_backward_version = version == 0 ? kEmbeddingBackwardDefault : version;
-  return previous;
+  return set_lab_version(g_embedding_backward_version, version, kEmbeddingBackwardVersions,
+                         kEmbeddingBackwardDefault, "embedding_backward_set_version");
 }
 int embedding_backward_versions() { return kEmbeddingBackwardVersions; }
 
