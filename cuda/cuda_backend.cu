@@ -1,7 +1,14 @@
 // cuda_backend.cu: the CUDA implementation of mhar::Backend. Owns the device selection,
-// the one stream, the cuBLASLt/cuBLAS handles and workspace, and a small scratch for
+// the stream, the cuBLASLt/cuBLAS handles and workspace, and a small scratch for
 // sum_squares (its per-block sums); memory ops and host transfers live here, kernels in
 // one .cu per op family (kernels.h).
+// - Side work (Backend::side_work_begin): with side_stream version 2 the ops between a
+//   begin and an end go to a second stream, which first waits for everything issued on the
+//   main stream, with their own cuBLAS handle and matmul workspace (a workspace serves one
+//   product at a time); side_work_join makes the main stream wait for them. Version 1 runs
+//   them in issue order on the main stream. A matmul timed at its shape's first call
+//   (cuda/matmul.cu) is timed on the side stream too, synchronously, so it never runs
+//   beside main-stream work that the begin's wait did not already finish.
 // - act_dtype BF16, stat_dtype F32, grad_dtype F32.
 // - allocate() is cudaMalloc, zero-filled and synchronous (not on the hot path). The
 //   handles, workspace and sum_squares scratch are allocated in the constructor.
@@ -22,6 +29,20 @@
 #include "cuda/kernels.h"
 
 namespace mhar {
+
+namespace cuda {
+namespace {
+// side_stream lab versions: 1 issue order on one stream, 2 side work on a second stream.
+constexpr int kSideStreamVersions = 2, kSideStreamDefault = 1;
+int side_stream_version = kSideStreamDefault;
+}  // namespace
+int side_stream_set_version(int version) {
+  return set_lab_version(side_stream_version, version, kSideStreamVersions, kSideStreamDefault,
+                         "side_stream_set_version");
+}
+int side_stream_versions() { return kSideStreamVersions; }
+}  // namespace cuda
+
 namespace {
 
 uint16_t host_float_to_bf16(float f) {
@@ -135,7 +156,8 @@ class CudaBackend final : public Backend {
       fail("CUDA device ", device, " does not exist (", n, " device(s) found)");
     CUDA_CHECK(cudaSetDevice(device_));
     cuda::apply_kernel_versions_from_env();
-    CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&main_stream_, cudaStreamNonBlocking));
+    stream_ = main_stream_;
     CUBLAS_CHECK(cublasLtCreate(&mm_.lt));
     CUBLAS_CHECK(cublasCreate(&mm_.blas));
     CUBLAS_CHECK(cublasSetStream(mm_.blas, stream_));
@@ -159,7 +181,15 @@ class CudaBackend final : public Backend {
   }
   ~CudaBackend() override {
     cudaSetDevice(device_);
-    cudaStreamSynchronize(stream_);
+    cudaStreamSynchronize(main_stream_);
+    if (side_stream_) {
+      cudaStreamSynchronize(side_stream_);
+      cudaEventDestroy(side_ready_);
+      cudaEventDestroy(side_done_);
+      cudaFree(mm_side_.workspace);
+      cublasDestroy(mm_side_.blas);
+      cudaStreamDestroy(side_stream_);
+    }
     cudaFree(scratch_);
     for (cudaEvent_t e : marks_) cudaEventDestroy(e);
     for (auto& buf : scratch_bufs_)
@@ -167,7 +197,7 @@ class CudaBackend final : public Backend {
     cudaFree(mm_.workspace);
     cublasDestroy(mm_.blas);
     cublasLtDestroy(mm_.lt);
-    cudaStreamDestroy(stream_);
+    cudaStreamDestroy(main_stream_);
   }
 
   std::string name() const override { return "cuda:" + std::to_string(device_); }
@@ -294,7 +324,33 @@ class CudaBackend final : public Backend {
     cuda::check_dtype(dst, DType::I32, "upload_tokens", "dst");
     put(dst, host);
   }
-  void synchronize() override { CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+  void synchronize() override {
+    MHAR_CHECK(!on_side_, "synchronize() between side_work_begin() and side_work_end()");
+    side_work_join();
+    CUDA_CHECK(cudaStreamSynchronize(main_stream_));
+  }
+  void side_work_begin() override {
+    MHAR_CHECK(!on_side_, "side_work_begin() twice without side_work_end()");
+    if (cuda::side_stream_version != 2) return;
+    if (!side_stream_) make_side_stream();
+    CUDA_CHECK(cudaEventRecord(side_ready_, main_stream_));
+    CUDA_CHECK(cudaStreamWaitEvent(side_stream_, side_ready_, 0));
+    stream_ = side_stream_;
+    on_side_ = true;
+  }
+  void side_work_end() override {
+    if (!on_side_) return;
+    CUDA_CHECK(cudaEventRecord(side_done_, side_stream_));
+    stream_ = main_stream_;
+    on_side_ = false;
+    side_pending_ = true;
+  }
+  void side_work_join() override {
+    MHAR_CHECK(!on_side_, "side_work_join() between side_work_begin() and side_work_end()");
+    if (!side_pending_) return;
+    CUDA_CHECK(cudaStreamWaitEvent(main_stream_, side_done_, 0));
+    side_pending_ = false;
+  }
   // Events recorded on the stream; the pool grows to the most marks one profile needs.
   int timing_mark() override {
     if (used_marks_ == marks_.size()) {
@@ -332,7 +388,7 @@ class CudaBackend final : public Backend {
     cuda::rmsnorm_backward(stream_, dx, dw, dy, x, w, rstd, accumulate_dx, routing_ctx_.scratch);
   }
   void matmul(Tensor c, Tensor a, Tensor b, bool trans_a, bool trans_b, bool accumulate) override {
-    cuda::matmul(stream_, mm_, c, a, b, trans_a, trans_b, accumulate);
+    cuda::matmul(stream_, on_side_ ? mm_side_ : mm_, c, a, b, trans_a, trans_b, accumulate);
   }
   void qk_norm_rope_forward(Tensor y, Tensor rstd, Tensor x, Tensor w, double eps,
                             double theta, int64_t first_position) override {
@@ -568,15 +624,38 @@ class CudaBackend final : public Backend {
   }
 
   int device_;
+  // The stream ops are issued to: the main stream, or between side_work_begin() and
+  // side_work_end() the side stream.
   cudaStream_t stream_ = nullptr;
+  cudaStream_t main_stream_ = nullptr;
 
  public:
   // For the NCCL communicator, which orders its stream against this one.
-  cudaStream_t stream() const { return stream_; }
+  cudaStream_t stream() const { return main_stream_; }
   int device() const { return device_; }
 
  private:
   cuda::MatmulContext mm_;
+  // Side work (made at the first side_work_begin() under side_stream version 2): its
+  // stream, the events that order it against the main stream (side_ready_: the main
+  // stream's work before the begin; side_done_: the side work up to the last end), and
+  // its matmul context (Lt's handle shared; its own cuBLAS handle and workspace).
+  cudaStream_t side_stream_ = nullptr;
+  cudaEvent_t side_ready_ = nullptr, side_done_ = nullptr;
+  cuda::MatmulContext mm_side_;
+  bool on_side_ = false, side_pending_ = false;
+  void make_side_stream() {
+    CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
+    CUDA_CHECK(cudaEventCreateWithFlags(&side_ready_, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventCreateWithFlags(&side_done_, cudaEventDisableTiming));
+    mm_side_.lt = mm_.lt;
+    mm_side_.tune_scratch = mm_.tune_scratch;
+    mm_side_.workspace_bytes = mm_.workspace_bytes;
+    CUDA_CHECK(cudaMalloc(&mm_side_.workspace, mm_side_.workspace_bytes));
+    count(mm_side_.workspace, mm_side_.workspace_bytes);
+    CUBLAS_CHECK(cublasCreate(&mm_side_.blas));
+    CUBLAS_CHECK(cublasSetWorkspace(mm_side_.blas, mm_side_.workspace, mm_side_.workspace_bytes));
+  }
   double* scratch_ = nullptr;
   // The ops' temporaries (kernels.h, ScratchSlot): the bound op scratch's part for the
   // slot (scratch_layout), or with none bound the slot's grow-only buffer (allocated when

@@ -3,7 +3,8 @@
 // tools/bench_modes.sh) against the current one in one device call, without a rebuild. Format:
 // comma-separated NAME=VERSION, e.g. MHAR_KERNEL_VERSIONS=key_grad=3,norm_backward=5; names below
 // (cuda/routing_host.h names the routing file that says what each version does; norm.cu,
-// classifier.cu and embedding.cu say theirs), VERSION 0 the default. Unset or empty: every
+// classifier.cu and embedding.cu say theirs; side_stream, not a kernel, is where the
+// backward's weight gradients run: cuda_backend.cu), VERSION 0 the default. Unset or empty: every
 // default, which is what a run without the lab is. A bad name or version stops the backend's
 // construction with the valid choices, and sets nothing.
 #include <algorithm>
@@ -50,7 +51,8 @@ std::vector<LabKernel> lab_kernels() {
           norm<NormKernel::Backward>("norm_backward"),
           norm<NormKernel::QkNormRope>("qk_norm_rope"),
           {"cross_entropy", cross_entropy_versions, cross_entropy_set_version},
-          {"embedding_backward", embedding_backward_versions, embedding_backward_set_version}};
+          {"embedding_backward", embedding_backward_versions, embedding_backward_set_version},
+          {"side_stream", side_stream_versions, side_stream_set_version}};
 }
 
 }  // namespace

@@ -176,6 +176,12 @@ size_t embedding_backward_scratch_bytes(int64_t N);
 int embedding_backward_set_version(int version);
 int embedding_backward_versions();
 
+// cuda_backend.cu: where Backend::side_work_begin's ops run. 1: in issue order on the one
+// stream; 2: on a second stream, beside the main stream's ops until the join (the same
+// ops, so the same bits). 0: the default. Returns the version it replaces.
+int side_stream_set_version(int version);
+int side_stream_versions();
+
 // norm.cu (continued)
 void rmsnorm_backward(cudaStream_t s, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,
                       Tensor rstd, bool accumulate_dx, const ScratchFn& scratch);

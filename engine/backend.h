@@ -260,6 +260,20 @@ class Backend {
   virtual double timing_ms(int /*a*/, int /*b*/) { return 0; }
   virtual void timing_reset() {}
 
+  // ---- side work: ops that nothing issued after them needs until a join, so a device
+  // backend may run them beside those later ops (the backward's weight gradients beside
+  // the routing's, model.cpp). Ops issued between side_work_begin() and side_work_end()
+  // start after everything issued before the begin; ops issued after the end may run
+  // before or beside them until side_work_join(), after which everything issued later
+  // starts after them. The caller keeps every buffer the side work reads or writes
+  // untouched by the ops it may run beside. Only the order of whole ops changes, never
+  // an op's arithmetic, so results are the same bits as in issue order. The default, the
+  // CPU reference's and every ForwardingBackend's (whose wrappers watch ops in issue
+  // order): issue order.
+  virtual void side_work_begin() {}
+  virtual void side_work_end() {}
+  virtual void side_work_join() {}
+
   // ---- embedding: out[n] = table[tokens[n]];  dtable[tokens[n]] += dout[n]
   virtual void embedding_forward(Tensor out, Tensor tokens, Tensor table) = 0;
   virtual void embedding_backward(Tensor dtable, Tensor dout, Tensor tokens) = 0;

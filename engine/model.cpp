@@ -271,7 +271,9 @@ void Model::plan_activations() {
     const std::string name = "sublayer." + std::to_string(j) + ".";
     auto A = std::make_unique<SublayerActs>();
     // The input norm is written at the site (run_layers), one event before the sublayer.
-    A->xn = P.add(name + "xn", at, {N, d}, tl.site(j), b);
+    // What the sublayer's side work (backward(), below) reads lives one event longer, to
+    // its site's backward (b + 1), which may run beside it.
+    A->xn = P.add(name + "xn", at, {N, d}, tl.site(j), b + 1);
     A->rstd = P.add(name + "rstd", st, {N}, tl.site(j), b);
     A->d_xn = P.add(name + "xn.grad", at, {N, d}, b, b);
     if (j % 2 == 0) {
@@ -288,9 +290,9 @@ void Model::plan_activations() {
       A->d_att = P.add(name + "att.grad", at, {N, qd}, b, b);
       A->dq = P.add(name + "q.grad", at, {N, qd}, b, b);
       A->dk = P.add(name + "k.grad", at, {N, kvd}, b, b);
-      A->dv = P.add(name + "v.grad", at, {N, kvd}, b, b);
-      A->dq_pre = P.add(name + "q_pre.grad", at, {N, qd}, b, b);
-      A->dk_pre = P.add(name + "k_pre.grad", at, {N, kvd}, b, b);
+      A->dv = P.add(name + "v.grad", at, {N, kvd}, b, b + 1);
+      A->dq_pre = P.add(name + "q_pre.grad", at, {N, qd}, b, b + 1);
+      A->dk_pre = P.add(name + "k_pre.grad", at, {N, kvd}, b, b + 1);
     } else {
       A->gate_up = P.add(name + "gate_up", at, {N, 2 * F}, e, b);
       // h = silu(gate) * up is not kept for the backward: swiglu_backward writes it again,
@@ -298,7 +300,7 @@ void Model::plan_activations() {
       A->h = P.add(name + "h", at, {N, F}, e, e);
       A->h_again = P.add(name + "h.again", at, {N, F}, b, b);
       A->d_h = P.add(name + "h.grad", at, {N, F}, b, b);
-      A->d_gate_up = P.add(name + "gate_up.grad", at, {N, 2 * F}, b, b);
+      A->d_gate_up = P.add(name + "gate_up.grad", at, {N, 2 * F}, b, b + 1);
     }
     acts_.push_back(std::move(A));
   }
@@ -644,17 +646,28 @@ void Model::backward(const BucketHook& bucket_done) {
                        site_input(last_site), p(final_norm_), act(s.rstd_f),
                        rs.site_grad_accumulates(last_site));
   done(head_bucket);  // final norm, and the LM head unless it is the (tied) embedding
+  // Each sublayer's backward issues the weight gradients that read only its own
+  // activations and gradients (not the sublayer's output gradient, which the scheme's
+  // site gradient may share memory with) as side work (Backend::side_work_begin), which
+  // may run beside the sublayer's input norm backward and its site's backward: at 100M
+  // mhar those are the routing's backward kernels, which leave the GPU's tensor cores
+  // idle. The buffers the side work reads live through its site's backward event (the
+  // plan above), and the next sublayer's backward joins it before its own scratch, which
+  // may reuse their memory, is written; a bucket is joined before it is handed on.
   for (int j = last_site; j >= 0; --j) {
     if (j < last_site) {
-      if (j % 2 == 0) {
+      if (j % 2 == 0)
         attention_backward(j / 2);
-        done(1 + j / 2);  // the layer's last weight gradient (its input norm) is written
-      } else {
+      else
         mlp_backward(j / 2);
-      }
     }
     rs.site_backward(j);
+    if (j < last_site && j % 2 == 0) {
+      be_.side_work_join();
+      done(1 + j / 2);  // the layer's last weight gradient (its input norm) is written
+    }
   }
+  be_.side_work_join();
   if (rs.finish_backward()) done(scheme_bucket);
   be_.embedding_backward(g(embed_), rs.source_grad(0), act(s.tokens));
   done(0);
@@ -668,6 +681,7 @@ void Model::attention_backward(int l) {
   const SublayerActs& A = *acts_[j];
   const LayerParams& lp = layers_[l];
   const int64_t hq = cfg_.n_heads, hkv = cfg_.n_kv_heads, hd = cfg_.head_dim;
+  be_.side_work_join();  // the last sublayer's side work read buffers this one may reuse
   Tensor dout = scheme_->source_grad(j + 1);
   be_.matmul_input_grad(act(A.d_att), dout, p(lp.wo), false);
   be_.matmul_weight_grad(g(lp.wo), dout, act(A.att));
@@ -683,9 +697,11 @@ void Model::attention_backward(int l) {
   be_.matmul_input_grad(act(A.d_xn), act(A.dq_pre), p(lp.wq), false);
   be_.matmul_input_grad(act(A.d_xn), act(A.dk_pre), p(lp.wk), true);
   be_.matmul_input_grad(act(A.d_xn), act(A.dv), p(lp.wv), true);
+  be_.side_work_begin();
   be_.matmul_weight_grad(g(lp.wq), act(A.dq_pre), act(A.xn));
   be_.matmul_weight_grad(g(lp.wk), act(A.dk_pre), act(A.xn));
   be_.matmul_weight_grad(g(lp.wv), act(A.dv), act(A.xn));
+  be_.side_work_end();
   // Last: the scheme's site_grad(j) may be the buffer of source_grad(j + 1) (residual.h).
   be_.rmsnorm_backward(scheme_->site_grad(j), g(lp.attn_norm), act(A.d_xn), site_input(j),
                        p(lp.attn_norm), act(A.rstd), scheme_->site_grad_accumulates(j));
@@ -695,12 +711,15 @@ void Model::mlp_backward(int l) {
   const int j = 2 * l + 1;
   const SublayerActs& A = *acts_[j];
   const LayerParams& lp = layers_[l];
+  be_.side_work_join();  // the last sublayer's side work read buffers this one may reuse
   Tensor dout = scheme_->source_grad(j + 1);
   be_.matmul_input_grad(act(A.d_h), dout, p(lp.w_down), false);
   be_.swiglu_backward(act(A.d_gate_up), act(A.h_again), act(A.d_h), act(A.gate_up));
   be_.matmul_weight_grad(g(lp.w_down), dout, act(A.h_again));
   be_.matmul_input_grad(act(A.d_xn), act(A.d_gate_up), stacked(lp.gate_up), false);
+  be_.side_work_begin();
   be_.matmul_weight_grad(stacked_grad(lp.gate_up), act(A.d_gate_up), act(A.xn));
+  be_.side_work_end();
   // Last: the scheme's site_grad(j) may be the buffer of source_grad(j + 1) (residual.h).
   be_.rmsnorm_backward(scheme_->site_grad(j), g(lp.mlp_norm), act(A.d_xn), site_input(j),
                        p(lp.mlp_norm), act(A.rstd), scheme_->site_grad_accumulates(j));

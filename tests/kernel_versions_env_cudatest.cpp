@@ -21,6 +21,7 @@ class KernelVersionsEnv : public ::testing::Test {
     unsetenv("MHAR_KERNEL_VERSIONS");
     cuda::routing_set_kernel_version(cuda::RoutingKernel::KeyGrad, 0);
     cuda::norm_set_kernel_version(cuda::NormKernel::Backward, 0);
+    cuda::side_stream_set_version(0);
   }
   // The message apply_kernel_versions_from_env fails with under `value`, or "" when it
   // succeeds.
@@ -36,11 +37,12 @@ class KernelVersionsEnv : public ::testing::Test {
 };
 
 TEST_F(KernelVersionsEnv, SetsTheNamedVersions) {
-  ASSERT_EQ(apply_error("key_grad=3,norm_backward=5,embedding_backward=2"), "");
+  ASSERT_EQ(apply_error("key_grad=3,norm_backward=5,embedding_backward=2,side_stream=2"), "");
   // Each set_version returns the version it replaces.
   EXPECT_EQ(cuda::routing_set_kernel_version(cuda::RoutingKernel::KeyGrad, 0), 3);
   EXPECT_EQ(cuda::norm_set_kernel_version(cuda::NormKernel::Backward, 0), 5);
   EXPECT_EQ(cuda::embedding_backward_set_version(0), 2);
+  EXPECT_EQ(cuda::side_stream_set_version(0), 2);
 }
 
 TEST_F(KernelVersionsEnv, RefusesBadItemsWithTheChoices) {

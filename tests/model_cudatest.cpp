@@ -1,9 +1,10 @@
 // model_cudatest.cpp: the whole model on the CUDA backend against the CPU fp32 reference
 // (issue 5): the loss and every parameter gradient of one forward/backward for standard,
 // attnres and mhar (and both with block routing), hyper (n = 4, static and dynamic
-// Hyper-Connections, issue 11) and delta (blocks of 1 layer, gates, null and queries non-zero) on a tiny
-// config with the same weights on both sides, and a short training run on each backend that must reach the same loss
-// within noise.
+// Hyper-Connections, issue 11) and delta (blocks of 1 layer, gates, null and queries non-zero) on a
+// tiny config with the same weights on both sides, and a short training run on each backend that
+// must reach the same loss within noise. SideWork: the backward's side work on a second stream
+// gives issue order's bits.
 //
 // Tolerances (on ||gpu - cpu|| / ||cpu|| per tensor; the GPU stores every activation and
 // weight in bf16, the CPU nothing):
@@ -82,10 +83,11 @@
 
 #include "cuda/cuda_backend.h"
 #include "cuda/device.h"
+#include "cuda/kernels.h"
 #include "engine/backend.h"
+#include "engine/communicator.h"
 #include "engine/config.h"
 #include "engine/model.h"
-#include "engine/communicator.h"
 #include "engine/optimizer.h"
 #include "engine/train_step.h"
 #include "tests/bf16_storage_backend.h"
@@ -273,6 +275,72 @@ INSTANTIATE_TEST_SUITE_P(Modes, GpuTraining,
                          ::testing::Values(ModeCase{"standard", 0}, ModeCase{"mhar", 2},
                                            ModeCase{"mhar", 2, 3}, ModeCase{"hyper", 0},
                                            ModeCase{"hyper", 0, 0, true}),
+                         [](const ::testing::TestParamInfo<ModeCase>& i) {
+                           return i.param.label();
+                         });
+
+// Side work (Backend::side_work_begin): the backward's weight gradients on a second stream
+// (cuda_backend.cu's side_stream version 2), beside the norm and routing backwards, give
+// the losses and every gradient bit for bit as in issue order (version 1): the same ops on
+// the same buffers, only their order against the site's backward changed. Two
+// micro-batches accumulate, so the weight gradients run both as "=" and "+="; a model
+// larger than the parity tests' gives the kernels time to run side by side.
+class SideWork : public ::testing::TestWithParam<ModeCase> {};
+
+TEST_P(SideWork, SameBitsAsIssueOrder) {
+  if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  const ModeCase mc = GetParam();
+  Config cfg = tiny_gpu_config(mc.mode, mc.heads, 256, mc.block_size);
+  const int B = 4, T = 256;
+  auto gpu = make_cuda_backend(0);
+  Model m(cfg.model, cfg.residual, *gpu, B, T);
+  randomize_weights(m, 42);
+  std::vector<int32_t> x[2], y[2];
+  for (int k = 0; k < 2; ++k) random_tokens(B * T, cfg.model.vocab_size, 7 + k, x[k], y[k]);
+
+  struct Result {
+    double loss[2];
+    std::vector<std::vector<double>> grads;
+  };
+  auto run = [&](int version) {
+    const int before = cuda::side_stream_set_version(version);
+    Result r;
+    m.zero_grads();
+    for (int k = 0; k < 2; ++k) {
+      r.loss[k] = m.forward(x[k].data(), y[k].data(), 0.5);
+      m.backward();
+    }
+    for (const Parameter& p : m.parameters()) r.grads.push_back(download(*gpu, p.grad));
+    cuda::side_stream_set_version(before);
+    return r;
+  };
+  const Result in_order = run(1), beside = run(2), again = run(1);
+  for (int k = 0; k < 2; ++k) {
+    EXPECT_EQ(in_order.loss[k], again.loss[k]) << "issue order is not reproducible: vacuous";
+    EXPECT_EQ(beside.loss[k], in_order.loss[k]) << mc.label() << " micro-batch " << k;
+  }
+  size_t differing = 0, nonzero = 0;
+  for (size_t i = 0; i < m.parameters().size(); ++i) {
+    ASSERT_EQ(in_order.grads[i], again.grads[i])
+        << "issue order is not reproducible: " << m.parameters()[i].name;
+    nonzero += norm(in_order.grads[i]) > 0;
+    if (beside.grads[i] != in_order.grads[i]) {
+      ++differing;
+      ADD_FAILURE() << mc.label() << ": " << m.parameters()[i].name
+                    << " differs with side work on a second stream";
+    }
+  }
+  // Every layer's weight gradients are non-zero (only routing site 0's query and gain
+  // may be exactly zero: header), so the comparison is not of zeros.
+  EXPECT_GT(nonzero, m.parameters().size() / 2);
+  std::printf("SIDE_WORK %-8s %zu tensors (%zu non-zero), %zu differ\n", mc.label().c_str(),
+              m.parameters().size(), nonzero, differing);
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, SideWork,
+                         ::testing::Values(ModeCase{"standard", 0}, ModeCase{"mhar", 2},
+                                           ModeCase{"mhar", 2, 3}, ModeCase{"hyper", 0},
+                                           ModeCase{"delta", 2, 1}),
                          [](const ::testing::TestParamInfo<ModeCase>& i) {
                            return i.param.label();
                          });
