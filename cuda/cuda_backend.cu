@@ -177,6 +177,7 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaMalloc(&scratch_, cuda::kSumSquaresScratch * sizeof(double)));
     count(scratch_, cuda::kSumSquaresScratch * sizeof(double));
     routing_ctx_.blas = mm_.blas;
+    make_side_stream();  // here, not at the first side work: a model's step allocates nothing
     routing_ctx_.scratch = [this](cuda::ScratchSlot slot, size_t bytes) {
       return scratch(slot, bytes);
     };
@@ -184,14 +185,12 @@ class CudaBackend final : public Backend {
   ~CudaBackend() override {
     cudaSetDevice(device_);
     cudaStreamSynchronize(main_stream_);
-    if (side_stream_) {
-      cudaStreamSynchronize(side_stream_);
-      cudaEventDestroy(side_ready_);
-      cudaEventDestroy(side_done_);
-      cudaFree(mm_side_.workspace);
-      cublasDestroy(mm_side_.blas);
-      cudaStreamDestroy(side_stream_);
-    }
+    cudaStreamSynchronize(side_stream_);
+    cudaEventDestroy(side_ready_);
+    cudaEventDestroy(side_done_);
+    cudaFree(mm_side_.workspace);
+    cublasDestroy(mm_side_.blas);
+    cudaStreamDestroy(side_stream_);
     cudaFree(scratch_);
     for (cudaEvent_t e : marks_) cudaEventDestroy(e);
     for (auto& buf : scratch_bufs_)
@@ -334,7 +333,6 @@ class CudaBackend final : public Backend {
   void side_work_begin() override {
     MHAR_CHECK(!on_side_, "side_work_begin() twice without side_work_end()");
     if (cuda::side_stream_version != 2) return;
-    if (!side_stream_) make_side_stream();
     CUDA_CHECK(cudaEventRecord(side_ready_, main_stream_));
     CUDA_CHECK(cudaStreamWaitEvent(side_stream_, side_ready_, 0));
     stream_ = side_stream_;
@@ -638,10 +636,10 @@ class CudaBackend final : public Backend {
 
  private:
   cuda::MatmulContext mm_;
-  // Side work (made at the first side_work_begin() under side_stream version 2): its
-  // stream, the events that order it against the main stream (side_ready_: the main
-  // stream's work before the begin; side_done_: the side work up to the last end), and
-  // its matmul context (Lt's handle shared; its own cuBLAS handle and workspace).
+  // Side work (made with the backend, whichever side_stream version runs): its stream, the events
+  // that order it against the main stream (side_ready_: the main stream's work before the begin;
+  // side_done_: the side work up to the last end), and its matmul context (Lt's handle shared; its
+  // own cuBLAS handle and workspace).
   cudaStream_t side_stream_ = nullptr;
   cudaEvent_t side_ready_ = nullptr, side_done_ = nullptr;
   cuda::MatmulContext mm_side_;
