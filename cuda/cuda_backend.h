@@ -1,7 +1,9 @@
 // cuda_backend.h: the CUDA backend (bf16 activations and weights, fp32 statistics and
 // parameter gradients, fp32 accumulation everywhere), tested op by op against the CPU
-// reference (tests/*_cudatest.cpp). One stream per backend; every op is asynchronous on
-// it except the host transfers and sum_squares, which synchronise.
+// reference (tests/*_cudatest.cpp). One stream per backend, and a second for side work
+// (Backend::side_work_begin: the backward's weight gradients, joined back by
+// side_work_join); every op is asynchronous except the host transfers and sum_squares,
+// which synchronise.
 #pragma once
 #include <memory>
 
