@@ -5,10 +5,11 @@
 // - Side work (Backend::side_work_begin): with side_stream version 2 the ops between a
 //   begin and an end go to a second stream, which first waits for everything issued on the
 //   main stream, with their own cuBLAS handle and matmul workspace (a workspace serves one
-//   product at a time); side_work_join makes the main stream wait for them. Version 1 runs
-//   them in issue order on the main stream (MHAR_KERNEL_VERSIONS=side_stream=1). A matmul timed at its shape's first call
-//   (cuda/matmul.cu) is timed on the side stream too, synchronously, so it never runs
-//   beside main-stream work that the begin's wait did not already finish.
+//   product at a time); side_work_join makes the main stream wait for them. Version 1
+//   (MHAR_KERNEL_VERSIONS=side_stream=1) runs them in issue order on the main stream. A
+//   matmul timed at its shape's first call (cuda/matmul.cu) is timed on the side stream
+//   too, synchronously, so it never runs beside main-stream work that the begin's wait did
+//   not already finish.
 // - act_dtype BF16, stat_dtype F32, grad_dtype F32.
 // - allocate() is cudaMalloc, zero-filled and synchronous (not on the hot path). The
 //   handles, workspace and sum_squares scratch are allocated in the constructor.
@@ -636,10 +637,10 @@ class CudaBackend final : public Backend {
 
  private:
   cuda::MatmulContext mm_;
-  // Side work (made with the backend, whichever side_stream version runs): its stream, the events
-  // that order it against the main stream (side_ready_: the main stream's work before the begin;
-  // side_done_: the side work up to the last end), and its matmul context (Lt's handle shared; its
-  // own cuBLAS handle and workspace).
+  // Side work (made with the backend, whichever side_stream version runs): its stream, the
+  // events that order it against the main stream (side_ready_: the main stream's work
+  // before the begin; side_done_: the side work up to the last end), and its matmul context
+  // (Lt's handle shared; its own cuBLAS handle and workspace).
   cudaStream_t side_stream_ = nullptr;
   cudaEvent_t side_ready_ = nullptr, side_done_ = nullptr;
   cuda::MatmulContext mm_side_;

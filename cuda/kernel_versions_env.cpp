@@ -4,8 +4,8 @@
 // comma-separated NAME=VERSION, e.g. MHAR_KERNEL_VERSIONS=key_grad=3,norm_backward=5; names below
 // (cuda/routing_host.h names the routing file that says what each version does; norm.cu,
 // classifier.cu and embedding.cu say theirs; side_stream, not a kernel, is where the
-// backward's weight gradients run: cuda_backend.cu), VERSION 0 the default. Unset or empty: every
-// default, which is what a run without the lab is. A bad name or version stops the backend's
+// backward's weight gradients run: cuda_backend.cu), VERSION 0 the default. Unset or empty:
+// every default, which is what a run without the lab is. A bad name or version stops the backend's
 // construction with the valid choices, and sets nothing.
 #include <algorithm>
 #include <cstdlib>

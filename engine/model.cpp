@@ -651,9 +651,10 @@ void Model::backward(const BucketHook& bucket_done) {
   // site gradient may share memory with) as side work (Backend::side_work_begin), which
   // may run beside the sublayer's input norm backward and its site's backward: in the
   // routed modes those are the routing's backward kernels, which leave the tensor cores
-  // idle (100M mhar's step 1% faster on an H100; standard's unchanged). The buffers the side work reads live through its site's backward event (the
-  // plan above), and the next sublayer's backward joins it before its own scratch, which
-  // may reuse their memory, is written; a bucket is joined before it is handed on.
+  // idle (100M mhar's step 1% faster on an H100; standard's unchanged). The buffers the
+  // side work reads live through its site's backward event (the plan above), and the next
+  // sublayer's backward joins it before its own scratch, which may reuse their memory, is
+  // written; a bucket is joined before it is handed on.
   for (int j = last_site; j >= 0; --j) {
     if (j < last_site) {
       if (j % 2 == 0)

@@ -37,12 +37,12 @@ class KernelVersionsEnv : public ::testing::Test {
 };
 
 TEST_F(KernelVersionsEnv, SetsTheNamedVersions) {
-  ASSERT_EQ(apply_error("key_grad=3,norm_backward=5,embedding_backward=2,side_stream=2"), "");
+  ASSERT_EQ(apply_error("key_grad=3,norm_backward=5,embedding_backward=2,side_stream=1"), "");
   // Each set_version returns the version it replaces.
   EXPECT_EQ(cuda::routing_set_kernel_version(cuda::RoutingKernel::KeyGrad, 0), 3);
   EXPECT_EQ(cuda::norm_set_kernel_version(cuda::NormKernel::Backward, 0), 5);
   EXPECT_EQ(cuda::embedding_backward_set_version(0), 2);
-  EXPECT_EQ(cuda::side_stream_set_version(0), 2);
+  EXPECT_EQ(cuda::side_stream_set_version(0), 1);
 }
 
 TEST_F(KernelVersionsEnv, RefusesBadItemsWithTheChoices) {

@@ -291,7 +291,7 @@ TEST_P(SideWork, SameBitsAsIssueOrder) {
   if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
   const ModeCase mc = GetParam();
   Config cfg = tiny_gpu_config(mc.mode, mc.heads, 256, mc.block_size);
-  const int B = 4, T = 256;
+  const int B = 8, T = 128;  // T: the tiny model's context length
   auto gpu = make_cuda_backend(0);
   Model m(cfg.model, cfg.residual, *gpu, B, T);
   randomize_weights(m, 42);
