@@ -76,7 +76,7 @@ for k, (t, c) in sorted(by.items(), key=lambda kv: -kv[1][0])[:top]:
 families = [("matmul", ("nvjet", "gemm", "cublas", "cutlass", "splitK")),
             ("attention", ("hopper::", "tc::", "attention", "flash")),
             ("routing", ("source_", "mix_", "key_grad", "qg_tables", "inv_rms", "split_bf16",
-                         "scale_by_token", "param_grads", "routing", "delta_")),
+                         "scale_by_token", "param_grads", "routing", "delta_", "logits_mma")),
             ("norm", ("rmsnorm", "qk_norm")),
             ("mlp", ("swiglu",)),
             ("classifier", ("cross_entropy", "logsumexp", "classifier")),
