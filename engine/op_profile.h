@@ -13,7 +13,9 @@
 // shape, transposes and accumulation), to find the one call that runs below its family.
 // "other / idle" is the step's wall time minus every op's time: launch gaps, host work,
 // synchronisations, communication the ops do not hide. Profiled steps run slower than
-// plain ones (two event records per op), so the table is a budget, not the step time.
+// plain ones (two event records per op, and every op in issue order: as a
+// ForwardingBackend the profiler runs the backward's side work, Backend::side_work_begin,
+// in line rather than beside the routing), so the table is a budget, not the step time.
 #pragma once
 #include <array>
 #include <chrono>
