@@ -327,27 +327,25 @@ class CudaBackend final : public Backend {
     put(dst, host);
   }
   void synchronize() override {
-    MHAR_CHECK(!on_side_, "synchronize() between side_work_begin() and side_work_end()");
+    MHAR_CHECK(!on_side(), "synchronize() between side_work_begin() and side_work_end()");
     side_work_join();
     CUDA_CHECK(cudaStreamSynchronize(main_stream_));
   }
   void side_work_begin() override {
-    MHAR_CHECK(!on_side_, "side_work_begin() twice without side_work_end()");
+    MHAR_CHECK(!on_side(), "side_work_begin() twice without side_work_end()");
     if (cuda::side_stream_version != 2) return;
     CUDA_CHECK(cudaEventRecord(side_ready_, main_stream_));
     CUDA_CHECK(cudaStreamWaitEvent(side_stream_, side_ready_, 0));
     stream_ = side_stream_;
-    on_side_ = true;
   }
   void side_work_end() override {
-    if (!on_side_) return;
+    if (!on_side()) return;
     CUDA_CHECK(cudaEventRecord(side_done_, side_stream_));
     stream_ = main_stream_;
-    on_side_ = false;
     side_pending_ = true;
   }
   void side_work_join() override {
-    MHAR_CHECK(!on_side_, "side_work_join() between side_work_begin() and side_work_end()");
+    MHAR_CHECK(!on_side(), "side_work_join() between side_work_begin() and side_work_end()");
     if (!side_pending_) return;
     CUDA_CHECK(cudaStreamWaitEvent(main_stream_, side_done_, 0));
     side_pending_ = false;
@@ -389,7 +387,7 @@ class CudaBackend final : public Backend {
     cuda::rmsnorm_backward(stream_, dx, dw, dy, x, w, rstd, accumulate_dx, routing_ctx_.scratch);
   }
   void matmul(Tensor c, Tensor a, Tensor b, bool trans_a, bool trans_b, bool accumulate) override {
-    cuda::matmul(stream_, on_side_ ? mm_side_ : mm_, c, a, b, trans_a, trans_b, accumulate);
+    cuda::matmul(stream_, on_side() ? mm_side_ : mm_, c, a, b, trans_a, trans_b, accumulate);
   }
   void qk_norm_rope_forward(Tensor y, Tensor rstd, Tensor x, Tensor w, double eps,
                             double theta, int64_t first_position) override {
@@ -644,7 +642,8 @@ class CudaBackend final : public Backend {
   cudaStream_t side_stream_ = nullptr;
   cudaEvent_t side_ready_ = nullptr, side_done_ = nullptr;
   cuda::MatmulContext mm_side_;
-  bool on_side_ = false, side_pending_ = false;
+  bool side_pending_ = false;  // side work ended and not yet joined
+  bool on_side() const { return stream_ == side_stream_; }
   void make_side_stream() {
     CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
     CUDA_CHECK(cudaEventCreateWithFlags(&side_ready_, cudaEventDisableTiming));
