@@ -266,6 +266,10 @@ void Model::plan_activations() {
   s.history = P.add("history", at, {S, N, d}, 0, last);
   s.losses = P.add("losses", st, {N}, 0, last);
   scheme_->plan(P, tl, N, s.history, s.site_x);
+  // Where the scheme holds a sublayer's output gradient through its site's backward, the
+  // output projection's weight gradient is side work too, and its other operand (the
+  // attention output, the recomputed SwiGLU) lives that event longer as well.
+  const int held = scheme_->source_grad_held_through_site() ? 1 : 0;
   for (int j = 0; j < 2 * L; ++j) {
     const int e = sub_ev(j), b = tb(e);
     const std::string name = "sublayer." + std::to_string(j) + ".";
@@ -285,7 +289,7 @@ void Model::plan_activations() {
       A->v = P.add(name + "v", at, {N, kvd}, e, b);
       A->q_rstd = P.add(name + "q_rstd", st, {N * hq}, e, b);
       A->k_rstd = P.add(name + "k_rstd", st, {N * hkv}, e, b);
-      A->att = P.add(name + "att", at, {N, qd}, e, b);
+      A->att = P.add(name + "att", at, {N, qd}, e, b + held);
       A->lse = P.add(name + "lse", st, {int64_t(B_), hq, int64_t(T_)}, e, b);
       A->d_att = P.add(name + "att.grad", at, {N, qd}, b, b);
       A->dq = P.add(name + "q.grad", at, {N, qd}, b, b);
@@ -298,7 +302,7 @@ void Model::plan_activations() {
       // h = silu(gate) * up is not kept for the backward: swiglu_backward writes it again,
       // bit for bit, for the down projection's weight gradient (6 GB less at 1B).
       A->h = P.add(name + "h", at, {N, F}, e, e);
-      A->h_again = P.add(name + "h.again", at, {N, F}, b, b);
+      A->h_again = P.add(name + "h.again", at, {N, F}, b, b + held);
       A->d_h = P.add(name + "h.grad", at, {N, F}, b, b);
       A->d_gate_up = P.add(name + "gate_up.grad", at, {N, 2 * F}, b, b + 1);
     }
@@ -647,14 +651,17 @@ void Model::backward(const BucketHook& bucket_done) {
                        rs.site_grad_accumulates(last_site));
   done(head_bucket);  // final norm, and the LM head unless it is the (tied) embedding
   // Each sublayer's backward issues the weight gradients that read only its own
-  // activations and gradients (not the sublayer's output gradient, which the scheme's
-  // site gradient may share memory with) as side work (Backend::side_work_begin), which
-  // may run beside the sublayer's input norm backward and its site's backward: in the
-  // routed modes those are the routing's backward kernels, which leave the tensor cores
-  // idle (100M mhar's step 1% faster on an H100; standard's unchanged). The buffers the
-  // side work reads live through its site's backward event (the plan above), so it is
-  // joined right after that: before the next sublayer's backward writes its scratch, which
-  // may reuse their memory, and before a layer's bucket is handed on.
+  // activations and gradients as side work (Backend::side_work_begin), which may run
+  // beside the sublayer's input norm backward and its site's backward: in the routed
+  // modes those are the routing's backward kernels, which leave the tensor cores idle
+  // (100M mhar's step 1% faster on an H100; standard's unchanged). The output projection's
+  // weight gradient joins them where the scheme holds the sublayer's output gradient
+  // through the site's backward (ResidualScheme::source_grad_held_through_site); in the
+  // standard scheme that buffer is the site gradient the input norm's backward adds into,
+  // so there it runs in order, before. The buffers the side work reads live through its
+  // site's backward event (the plan above), so it is joined right after that: before the
+  // next sublayer's backward writes its scratch, which may reuse their memory, and before
+  // a layer's bucket is handed on.
   for (int j = last_site; j >= 0; --j) {
     if (j < last_site) {
       if (j % 2 == 0)
@@ -681,8 +688,9 @@ void Model::attention_backward(int l) {
   const LayerParams& lp = layers_[l];
   const int64_t hq = cfg_.n_heads, hkv = cfg_.n_kv_heads, hd = cfg_.head_dim;
   Tensor dout = scheme_->source_grad(j + 1);
+  const bool dout_held = scheme_->source_grad_held_through_site();
   be_.matmul_input_grad(act(A.d_att), dout, p(lp.wo), false);
-  be_.matmul_weight_grad(g(lp.wo), dout, act(A.att));
+  if (!dout_held) be_.matmul_weight_grad(g(lp.wo), dout, act(A.att));
   Tensor dq4 = act(A.dq).view({B_, T_, hq, hd}), dk4 = act(A.dk).view({B_, T_, hkv, hd});
   be_.attention_backward(dq4, dk4, act(A.dv).view({B_, T_, hkv, hd}),
                          act(A.d_att).view({B_, T_, hq, hd}), act(A.q).view({B_, T_, hq, hd}),
@@ -696,6 +704,7 @@ void Model::attention_backward(int l) {
   be_.matmul_input_grad(act(A.d_xn), act(A.dk_pre), p(lp.wk), true);
   be_.matmul_input_grad(act(A.d_xn), act(A.dv), p(lp.wv), true);
   be_.side_work_begin();
+  if (dout_held) be_.matmul_weight_grad(g(lp.wo), dout, act(A.att));
   be_.matmul_weight_grad(g(lp.wq), act(A.dq_pre), act(A.xn));
   be_.matmul_weight_grad(g(lp.wk), act(A.dk_pre), act(A.xn));
   be_.matmul_weight_grad(g(lp.wv), act(A.dv), act(A.xn));
@@ -710,11 +719,13 @@ void Model::mlp_backward(int l) {
   const SublayerActs& A = *acts_[j];
   const LayerParams& lp = layers_[l];
   Tensor dout = scheme_->source_grad(j + 1);
+  const bool dout_held = scheme_->source_grad_held_through_site();
   be_.matmul_input_grad(act(A.d_h), dout, p(lp.w_down), false);
   be_.swiglu_backward(act(A.d_gate_up), act(A.h_again), act(A.d_h), act(A.gate_up));
-  be_.matmul_weight_grad(g(lp.w_down), dout, act(A.h_again));
+  if (!dout_held) be_.matmul_weight_grad(g(lp.w_down), dout, act(A.h_again));
   be_.matmul_input_grad(act(A.d_xn), act(A.d_gate_up), stacked(lp.gate_up), false);
   be_.side_work_begin();
+  if (dout_held) be_.matmul_weight_grad(g(lp.w_down), dout, act(A.h_again));
   be_.matmul_weight_grad(stacked_grad(lp.gate_up), act(A.d_gate_up), act(A.xn));
   be_.side_work_end();
   // Last: the scheme's site_grad(j) may be the buffer of source_grad(j + 1) (residual.h).

@@ -132,6 +132,12 @@ class ResidualScheme {
   }
   virtual void site_backward(int j) = 0;
   virtual Tensor source_grad(int i) = 0;
+  // source_grad_held_through_site(): source_grad(j+1) is a buffer of its own, planned to
+  // live until site_backward(j) has run, which neither writes it nor lets anything reuse
+  // its memory; so sublayer j's weight gradients that read it may run beside that site's
+  // backward (model.cpp, side work). Not the standard scheme: its site_grad(j) is that
+  // buffer, added into by the input norm's backward.
+  virtual bool source_grad_held_through_site() const { return false; }
   virtual bool finish_backward() = 0;
 
   // ---- routing views (routed schemes; the others fail naming the mode). After a

@@ -123,6 +123,8 @@ class DeltaScheme final : public ResidualScheme {
   Tensor source_grad(int i) override {
     return i == 0 ? c_.act(dresid_) : c_.act(source_dx_[size_t(i)]);
   }
+  // source_grad(j+1) for j >= 0 is v_{j+1}'s own buffer (dresid is source_grad(0) only).
+  bool source_grad_held_through_site() const override { return true; }
   bool finish_backward() override {
     c_.be.routing_param_grads(params_, c_.act(gsum_));
     return true;  // the gates and the null were done at their sites' backward
@@ -179,10 +181,10 @@ void DeltaScheme::plan(MemoryPlan& P, const Timeline& t, int64_t N, int history,
     // Slot i's routing gradient; inside a block slot i-1's backward adds it to its own.
     slot_dx_.push_back(P.add(name + ".slot.grad", at, {N, d}, t.back(t.site(i)),
                              continues_block(i) ? t.back(t.site(i - 1)) : t.back(t.site(i))));
-    // v_i's whole gradient (i >= 1; v_0's is dresid), read by the sublayer that wrote it.
-    source_dx_.push_back(i == 0 ? -1
-                                : P.add(name + ".grad", at, {N, d}, t.back(t.site(i)),
-                                        t.back(t.sublayer(i - 1))));
+    // v_i's whole gradient (i >= 1; v_0's is dresid), read by the sublayer that wrote it;
+    // it lives through site i-1's backward (source_grad_held_through_site).
+    source_dx_.push_back(
+        i == 0 ? -1 : P.add(name + ".grad", at, {N, d}, t.back(t.site(i)), t.back(t.site(i - 1))));
   }
   site_x = site_x_;
 }

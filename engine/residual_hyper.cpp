@@ -93,6 +93,7 @@ class HyperScheme final : public ResidualScheme {
   Tensor site_grad(int j) override { return c_.act(site_dx_[size_t(j)]); }
   void site_backward(int j) override;
   Tensor source_grad(int i) override { return c_.act(source_dx_[size_t(i)]); }
+  bool source_grad_held_through_site() const override { return true; }
   bool finish_backward() override { return true; }  // every coefficient's gradient is in
 
  private:
@@ -139,10 +140,11 @@ void HyperScheme::plan(MemoryPlan& P, const Timeline& t, int64_t N, int history,
     site_dx_.push_back(P.add(name + ".x.grad", at, {N, d}, t.back(consumer), t.back(t.site(j))));
   }
   // v_i's gradient, made at site i's backward, read by the sublayer that wrote v_i (or,
-  // for v_0, by the embedding's backward at the very end).
+  // for v_0, by the embedding's backward at the very end); it lives through site i-1's
+  // backward (source_grad_held_through_site).
   for (int i = 0; i < S; ++i)
     source_dx_.push_back(P.add("source." + std::to_string(i) + ".grad", at, {N, d},
-                               t.back(t.site(i)), i == 0 ? last : t.back(t.sublayer(i - 1))));
+                               t.back(t.site(i)), i == 0 ? last : t.back(t.site(i - 1))));
   // Dynamic: C^k [N, n, n+2] is made at site k and read by the mix, the update (sublayer
   // k), the update's backward (site k+1's) and the mix's (site k's); its gradient is
   // filled by those two backwards, the update's columns first, then site k's reads it

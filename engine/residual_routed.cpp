@@ -72,6 +72,7 @@ class RoutedScheme final : public ResidualScheme {
   Tensor site_grad(int j) override { return c_.act(site_dx_[size_t(j)]); }
   void site_backward(int j) override;
   Tensor source_grad(int i) override { return c_.act(source_dx_[size_t(i)]); }
+  bool source_grad_held_through_site() const override { return true; }
   bool finish_backward() override {
     c_.be.routing_param_grads(params_, c_.act(gsum_));
     return true;
@@ -132,13 +133,11 @@ void RoutedScheme::plan(MemoryPlan& P, const Timeline& t, int64_t N, int history
   gsum_ = P.add("routing.key_grad", c_.be.grad_dtype(), {kKeyGradSlabs, S, d},
                 t.back(t.head()), last);
   // Slot i's gradient becomes v_i's, read by the sublayer that wrote v_i (i = 0: the
-  // embedding) and, inside a block, by slot i-1's backward right after it.
+  // embedding) and, inside a block, by slot i-1's backward right after it; it lives
+  // through slot i-1's backward in any case (source_grad_held_through_site).
   for (int i = 0; i < layout_.sources; ++i)
     source_dx_.push_back(P.add("source." + std::to_string(i) + ".grad", at, {N, d},
-                               t.back(t.site(i)),
-                               i == 0                ? last
-                               : continues_block(i) ? t.back(t.site(i - 1))
-                                                    : t.back(t.sublayer(i - 1))));
+                               t.back(t.site(i)), i == 0 ? last : t.back(t.site(i - 1))));
   // A site input lives until its slot's backward, which needs x_j for ubar_j.
   for (int j = 0; j < S; ++j)
     site_x_.push_back(P.add("site." + std::to_string(j) + ".x", at, {N, d}, t.site(j),
