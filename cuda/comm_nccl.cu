@@ -79,11 +79,7 @@ class NcclCommunicator final : public Communicator {
     NCCL_CHECK(ncclCommInitRank(&comm, host_->world_size(), id, host_->rank()));
     comm_ = comm;
     shared_->comm = comm;
-    // The compute stream's priority (the CUDA backend's main stream has the highest, for its
-    // side work's sake), so the two keep the footing they had at equal default priorities.
-    int priority = 0;
-    CUDA_CHECK(cudaStreamGetPriority(stream_, &priority));
-    CUDA_CHECK(cudaStreamCreateWithPriority(&comm_stream_, cudaStreamNonBlocking, priority));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking));
     CUDA_CHECK(cudaEventCreateWithFlags(&compute_done_, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventCreateWithFlags(&comm_done_, cudaEventDisableTiming));
     std::shared_ptr<SharedComm> shared = shared_;

@@ -6,12 +6,7 @@
 //   begin and an end go to a second stream, which first waits for everything issued on the
 //   main stream, with their own cuBLAS handle and matmul workspace (a workspace serves one
 //   product at a time); side_work_join makes the main stream wait for them. Version 1
-//   (MHAR_KERNEL_VERSIONS=side_stream=1) runs them in issue order on the main stream.
-//   Version 3 is version 2 on a stream of the lowest priority (the main stream has the
-//   highest, and so does version 2's side stream): where both streams have blocks waiting,
-//   the block scheduler gives the SMs that free up to the main stream's, the critical path,
-//   and the side work takes what is left. The NCCL communicator's stream takes the main
-//   stream's priority (cuda/comm_nccl.cu), so their order is what it was before. A
+//   (MHAR_KERNEL_VERSIONS=side_stream=1) runs them in issue order on the main stream. A
 //   matmul timed at its shape's first call (cuda/matmul.cu) is timed on the side stream
 //   too, synchronously, so it never runs beside main-stream work that the begin's wait did
 //   not already finish.
@@ -40,8 +35,8 @@ namespace cuda {
 namespace {
 // side_stream lab versions: 1 issue order on one stream, 2 side work on a second stream
 // (the default: 100M mhar's step 41.5 -> 41.1 ms on an H100, standard's unchanged;
-// BENCHMARKS.md, forty-fourth session), 3 that stream at the lowest priority.
-constexpr int kSideStreamVersions = 3, kSideStreamDefault = 2;
+// BENCHMARKS.md, forty-fourth session).
+constexpr int kSideStreamVersions = 2, kSideStreamDefault = 2;
 int side_stream_version = kSideStreamDefault;
 }  // namespace
 int side_stream_set_version(int version) {
@@ -164,11 +159,7 @@ class CudaBackend final : public Backend {
       fail("CUDA device ", device, " does not exist (", n, " device(s) found)");
     CUDA_CHECK(cudaSetDevice(device_));
     cuda::apply_kernel_versions_from_env();
-    // The highest priority, so that side_stream version 3 can run the side work below it.
-    int least_priority = 0, greatest_priority = 0;
-    CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least_priority, &greatest_priority));
-    CUDA_CHECK(
-        cudaStreamCreateWithPriority(&main_stream_, cudaStreamNonBlocking, greatest_priority));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&main_stream_, cudaStreamNonBlocking));
     stream_ = main_stream_;
     CUBLAS_CHECK(cublasLtCreate(&mm_.lt));
     CUBLAS_CHECK(cublasCreate(&mm_.blas));
@@ -187,8 +178,7 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaMalloc(&scratch_, cuda::kSumSquaresScratch * sizeof(double)));
     count(scratch_, cuda::kSumSquaresScratch * sizeof(double));
     routing_ctx_.blas = mm_.blas;
-    // Here, not at the first side work: a model's step allocates nothing.
-    make_side_streams(greatest_priority, least_priority);
+    make_side_stream();  // here, not at the first side work: a model's step allocates nothing
     routing_ctx_.scratch = [this](cuda::ScratchSlot slot, size_t bytes) {
       return scratch(slot, bytes);
     };
@@ -196,12 +186,12 @@ class CudaBackend final : public Backend {
   ~CudaBackend() override {
     cudaSetDevice(device_);
     cudaStreamSynchronize(main_stream_);
-    for (cudaStream_t s : side_streams_) cudaStreamSynchronize(s);
+    cudaStreamSynchronize(side_stream_);
     cudaEventDestroy(side_ready_);
     cudaEventDestroy(side_done_);
     cudaFree(mm_side_.workspace);
     cublasDestroy(mm_side_.blas);
-    for (cudaStream_t s : side_streams_) cudaStreamDestroy(s);
+    cudaStreamDestroy(side_stream_);
     cudaFree(scratch_);
     for (cudaEvent_t e : marks_) cudaEventDestroy(e);
     for (auto& buf : scratch_bufs_)
@@ -343,14 +333,7 @@ class CudaBackend final : public Backend {
   }
   void side_work_begin() override {
     MHAR_CHECK(!on_side(), "side_work_begin() twice without side_work_end()");
-    if (cuda::side_stream_version < 2) return;
-    cudaStream_t side = side_streams_[cuda::side_stream_version == 3 ? 1 : 0];
-    if (side != side_stream_) {
-      // The version changed: the other side stream's work ends before this one's starts
-      // (the two share one matmul workspace).
-      side_work_join();
-      side_stream_ = side;
-    }
+    if (cuda::side_stream_version != 2) return;
     CUDA_CHECK(cudaEventRecord(side_ready_, main_stream_));
     CUDA_CHECK(cudaStreamWaitEvent(side_stream_, side_ready_, 0));
     stream_ = side_stream_;
@@ -652,23 +635,17 @@ class CudaBackend final : public Backend {
 
  private:
   cuda::MatmulContext mm_;
-  // Side work (made with the backend, whichever side_stream version runs): its streams
-  // (versions 2 and 3: the main stream's priority and the lowest) and the one in use, the
+  // Side work (made with the backend, whichever side_stream version runs): its stream, the
   // events that order it against the main stream (side_ready_: the main stream's work
   // before the begin; side_done_: the side work up to the last end), and its matmul context
   // (Lt's handle shared; its own cuBLAS handle and workspace).
-  cudaStream_t side_streams_[2] = {nullptr, nullptr};
   cudaStream_t side_stream_ = nullptr;
   cudaEvent_t side_ready_ = nullptr, side_done_ = nullptr;
   cuda::MatmulContext mm_side_;
   bool side_pending_ = false;  // side work ended and not yet joined
   bool on_side() const { return stream_ == side_stream_; }
-  void make_side_streams(int main_priority, int low_priority) {
-    CUDA_CHECK(
-        cudaStreamCreateWithPriority(&side_streams_[0], cudaStreamNonBlocking, main_priority));
-    CUDA_CHECK(
-        cudaStreamCreateWithPriority(&side_streams_[1], cudaStreamNonBlocking, low_priority));
-    side_stream_ = side_streams_[0];
+  void make_side_stream() {
+    CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
     CUDA_CHECK(cudaEventCreateWithFlags(&side_ready_, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventCreateWithFlags(&side_done_, cudaEventDisableTiming));
     mm_side_.lt = mm_.lt;

@@ -178,8 +178,7 @@ int embedding_backward_versions();
 
 // cuda_backend.cu: where Backend::side_work_begin's ops run. 1: in issue order on the one
 // stream; 2: on a second stream, beside the main stream's ops until the join (the same
-// ops, so the same bits); 3: that stream at the lowest priority, below the main stream's.
-// 0: the default. Returns the version it replaces.
+// ops, so the same bits). 0: the default. Returns the version it replaces.
 int side_stream_set_version(int version);
 int side_stream_versions();
 
