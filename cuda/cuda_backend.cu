@@ -35,8 +35,11 @@ namespace cuda {
 namespace {
 // side_stream lab versions: 1 issue order on one stream, 2 side work on a second stream
 // (the default: 100M mhar's step 41.5 -> 41.1 ms on an H100, standard's unchanged;
-// BENCHMARKS.md, forty-fourth session).
-constexpr int kSideStreamVersions = 2, kSideStreamDefault = 2;
+// BENCHMARKS.md, forty-fourth session), 3 as 2 with the routing backward's key gradients
+// on the second stream too (kernels.h, KeyGradsBeside): from a pass's first side work, so
+// never where side work is not asked for (a profile's ForwardingBackend does not forward
+// it), to routing_param_grads, which joins them.
+constexpr int kSideStreamVersions = 3, kSideStreamDefault = 2;
 int side_stream_version = kSideStreamDefault;
 }  // namespace
 int side_stream_set_version(int version) {
@@ -189,6 +192,8 @@ class CudaBackend final : public Backend {
     cudaStreamSynchronize(side_stream_);
     cudaEventDestroy(side_ready_);
     cudaEventDestroy(side_done_);
+    cudaEventDestroy(routing_ctx_.key_beside.ready);
+    cudaEventDestroy(routing_ctx_.key_beside.done);
     cudaFree(mm_side_.workspace);
     cublasDestroy(mm_side_.blas);
     cudaStreamDestroy(side_stream_);
@@ -256,6 +261,8 @@ class CudaBackend final : public Backend {
     rope_table_ = cuda::RopeTable{};
     routing_ctx_.qg = cuda::QgPassTables{};
     routing_ctx_.qg.pass = scratch.memory.data != nullptr;
+    join_key_grads();
+    routing_ctx_.key_beside.stream = nullptr;  // until the pass's first side work
     OpScratch previous = bound_;
     bound_ = scratch;
     layout_ = layout;
@@ -296,6 +303,7 @@ class CudaBackend final : public Backend {
     put(dst, staging.data());
   }
   void download(double* host, Tensor src) override {
+    join_key_grads();  // src may be what they add into
     const int64_t n = src.numel();
     std::vector<unsigned char> staging(src.bytes());
     if (src.bytes()) {
@@ -329,11 +337,14 @@ class CudaBackend final : public Backend {
   void synchronize() override {
     MHAR_CHECK(!on_side(), "synchronize() between side_work_begin() and side_work_end()");
     side_work_join();
+    join_key_grads();
     CUDA_CHECK(cudaStreamSynchronize(main_stream_));
   }
   void side_work_begin() override {
     MHAR_CHECK(!on_side(), "side_work_begin() twice without side_work_end()");
-    if (cuda::side_stream_version != 2) return;
+    if (cuda::side_stream_version < 2) return;
+    if (cuda::side_stream_version == 3 && bound_.memory.data)
+      routing_ctx_.key_beside.stream = side_stream_;
     CUDA_CHECK(cudaEventRecord(side_ready_, main_stream_));
     CUDA_CHECK(cudaStreamWaitEvent(side_stream_, side_ready_, 0));
     stream_ = side_stream_;
@@ -489,6 +500,7 @@ class CudaBackend final : public Backend {
     return cuda::routing_backward_tile_slots(layout, d, heads);
   }
   void routing_param_grads(const RoutingParams& p, Tensor gsum) override {
+    join_key_grads();  // gsum's last adds
     cuda::routing_param_grads(stream_, p, gsum);
   }
   void routing_stats(Tensor stats, Tensor weights, const RoutingLayout& layout, int site,
@@ -617,6 +629,7 @@ class CudaBackend final : public Backend {
             need};
   }
   void put(Tensor dst, const void* host) {
+    join_key_grads();  // dst may be what they read or add into
     if (!dst.bytes()) return;
     CUDA_CHECK(cudaMemcpyAsync(dst.data, host, dst.bytes(), cudaMemcpyHostToDevice, stream_));
     CUDA_CHECK(cudaStreamSynchronize(stream_));  // the host buffer may go away on return
@@ -643,11 +656,20 @@ class CudaBackend final : public Backend {
   cudaEvent_t side_ready_ = nullptr, side_done_ = nullptr;
   cuda::MatmulContext mm_side_;
   bool side_pending_ = false;  // side work ended and not yet joined
+  // The main stream waits for the key gradients issued beside (side_stream version 3).
+  void join_key_grads() {
+    cuda::KeyGradsBeside& b = routing_ctx_.key_beside;
+    if (!b.pending) return;
+    CUDA_CHECK(cudaStreamWaitEvent(main_stream_, b.done, 0));
+    b.pending = false;
+  }
   bool on_side() const { return stream_ == side_stream_; }
   void make_side_stream() {
     CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
     CUDA_CHECK(cudaEventCreateWithFlags(&side_ready_, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventCreateWithFlags(&side_done_, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventCreateWithFlags(&routing_ctx_.key_beside.ready, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventCreateWithFlags(&routing_ctx_.key_beside.done, cudaEventDisableTiming));
     mm_side_.lt = mm_.lt;
     mm_side_.tune_scratch = mm_.tune_scratch;
     mm_side_.workspace_bytes = mm_.workspace_bytes;

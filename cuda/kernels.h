@@ -178,7 +178,9 @@ int embedding_backward_versions();
 
 // cuda_backend.cu: where Backend::side_work_begin's ops run. 1: in issue order on the one
 // stream; 2: on a second stream, beside the main stream's ops until the join (the same
-// ops, so the same bits). 0: the default. Returns the version it replaces.
+// ops, so the same bits); 3: 2, and from a pass's first side work on the routing
+// backward's key gradients on that stream too, joined at routing_param_grads
+// (KeyGradsBeside). 0: the default. Returns the version it replaces.
 int side_stream_set_version(int version);
 int side_stream_versions();
 
@@ -290,12 +292,24 @@ struct QgPassTables {
   float* f32 = nullptr;                          // filled, or null
   void* records = nullptr;                       // filled, or null
 };
+// Where the routing backward's key gradients run (slot_key_grads, routing_key_grads.cu):
+// with `stream` null, on the op's stream; else on that stream (the backend's side stream,
+// side_stream version 3), after the op's value kernel (the `ready` event) and in issue order
+// among themselves, so with the same bits. They read only the slot's ds r pair rows and its
+// history row, and add into gsum, which nothing else touches before routing_param_grads;
+// the backend joins them there (`done`; `pending` says whether any were issued since).
+struct KeyGradsBeside {
+  cudaStream_t stream = nullptr;
+  cudaEvent_t ready = nullptr, done = nullptr;
+  bool pending = false;
+};
 struct RoutingContext {
   cublasHandle_t blas = nullptr;
   ScratchFn scratch;
   MixTile tile;
   BackTile back_tile;
   QgPassTables qg;
+  KeyGradsBeside key_beside;
 };
 void routing_source_logits(cudaStream_t s, RoutingContext& ctx, Tensor weights, Tensor inv_rms,
                            Tensor v, const RoutingParams& params, const RoutingLayout& layout,

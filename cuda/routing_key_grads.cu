@@ -165,31 +165,47 @@ __global__ void param_grads_kernel(const SiteGrads sg, const SiteParams sp,
 void slot_key_grads(cudaStream_t s, RoutingContext& ctx, Tensor gsum, const float* dsr,
                     const bf16* v, const Geometry& g, int source, int ns) {
   int key_version = g_key_grad_version;
-  if (key_version >= 3) {
-    if (key_grad_mma(s, gsum.ptr<float>(), dsr, v, g.N, g.d, g.H, g.lay.sites, source, ns,
-                     int(gsum.dim(0)), key_version == 4))
-      return;
-    key_version = key_grad_fallback_version(g.d);
-  }
-  if ((ns <= kKeyGradKernelMaxSites || key_version >= 2) && g.dh % 8 == 0) {
-    // One pass (see the kernel), a grid layer a group of kKeyGradKernelMaxSites sites.
-    const int slabs = int(gsum.dim(0));
-    const dim3 grid(unsigned(slabs), unsigned(ceil_div(g.nchunks, 32)),
-                    unsigned(ceil_div(ns, kKeyGradKernelMaxSites)));
-    auto launch = [&](auto ns_bound) {
-      constexpr int NS = decltype(ns_bound)::value;  // the kernel's sites a grid layer
-      key_grad_kernel<NS>
-          <<<grid, 32 * kKeyGradRows, 0, s>>>(gsum.ptr<float>(), dsr, v, g, source, ns, slabs);
-      CUDA_CHECK_LAUNCH();
-    };
-    if (ns == 1)
-      launch(std::integral_constant<int, 1>{});
-    else if (ns == 2)
-      launch(std::integral_constant<int, 2>{});
-    else if (ns <= 4)
-      launch(std::integral_constant<int, 4>{});
-    else
-      launch(std::integral_constant<int, kKeyGradKernelMaxSites>{});
+  const int slabs = int(gsum.dim(0));
+  const bool mma =
+      key_version >= 3 && ns > 0 && slabs > 0 && key_grad_mma_applies(g.N, g.d, g.H, dsr, v);
+  if (key_version >= 3 && !mma) key_version = key_grad_fallback_version(g.d);
+  if (mma || ((ns <= kKeyGradKernelMaxSites || key_version >= 2) && g.dh % 8 == 0)) {
+    // These kernels take no scratch and no cuBLAS handle, so they may run beside
+    // (KeyGradsBeside); the GEMM path below stays on the op's stream.
+    KeyGradsBeside& beside = ctx.key_beside;
+    if (beside.stream) {
+      CUDA_CHECK(cudaEventRecord(beside.ready, s));
+      CUDA_CHECK(cudaStreamWaitEvent(beside.stream, beside.ready, 0));
+      s = beside.stream;
+    }
+    if (mma) {
+      MHAR_CHECK(
+          key_grad_mma(s, gsum.ptr<float>(), dsr, v, g.N, g.d, g.H, g.lay.sites, source, ns, slabs,
+                       g_key_grad_version == 4),
+          "CUDA routing key gradients: the tensor-core kernel refused a shape it applies to");
+    } else {
+      // One pass (see the kernel), a grid layer a group of kKeyGradKernelMaxSites sites.
+      const dim3 grid(unsigned(slabs), unsigned(ceil_div(g.nchunks, 32)),
+                      unsigned(ceil_div(ns, kKeyGradKernelMaxSites)));
+      auto launch = [&](auto ns_bound) {
+        constexpr int NS = decltype(ns_bound)::value;  // the kernel's sites a grid layer
+        key_grad_kernel<NS>
+            <<<grid, 32 * kKeyGradRows, 0, s>>>(gsum.ptr<float>(), dsr, v, g, source, ns, slabs);
+        CUDA_CHECK_LAUNCH();
+      };
+      if (ns == 1)
+        launch(std::integral_constant<int, 1>{});
+      else if (ns == 2)
+        launch(std::integral_constant<int, 2>{});
+      else if (ns <= 4)
+        launch(std::integral_constant<int, 4>{});
+      else
+        launch(std::integral_constant<int, kKeyGradKernelMaxSites>{});
+    }
+    if (beside.stream) {
+      CUDA_CHECK(cudaEventRecord(beside.done, beside.stream));
+      beside.pending = true;
+    }
     return;
   }
   const int64_t pair_vals = int64_t(ns) * g.H * g.N;

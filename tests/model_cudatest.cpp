@@ -280,9 +280,10 @@ INSTANTIATE_TEST_SUITE_P(Modes, GpuTraining,
                          });
 
 // Side work (Backend::side_work_begin): the backward's weight gradients on a second stream
-// (cuda_backend.cu's side_stream version 2), beside the norm and routing backwards, give
-// the losses and every gradient bit for bit as in issue order (version 1): the same ops on
-// the same buffers, only their order against the site's backward changed. Two
+// (cuda_backend.cu's side_stream version 2), beside the norm and routing backwards, and
+// with them the routing's key gradients (version 3), give the losses and every gradient
+// bit for bit as in issue order (version 1): the same ops on the same buffers, only their
+// order against the site's backward changed. Two
 // micro-batches accumulate, so the weight gradients run both as "=" and "+="; a model
 // larger than the parity tests' gives the kernels time to run side by side.
 class SideWork : public ::testing::TestWithParam<ModeCase> {};
@@ -326,7 +327,7 @@ TEST_P(SideWork, SameBitsAsIssueOrder) {
   // Every layer's weight gradients are non-zero (only routing site 0's query and gain
   // may be exactly zero: header), so the comparison is not of zeros.
   EXPECT_GT(nonzero, m.parameters().size() / 2);
-  // Every version that puts side work on a second stream (2, the default, so far).
+  // Every version that puts side work on a second stream (2, the default; 3).
   for (int version = 2; version <= cuda::side_stream_versions(); ++version) {
     const Result beside = run(version);
     size_t differing = 0;
