@@ -368,7 +368,8 @@ enum class RoutingKernel {
   SourceValue,
   KeyGrad,
   MixNorm,
-  QgTables
+  QgTables,
+  SourceFinish
 };
 int routing_set_kernel_version(RoutingKernel kernel, int version);
 int routing_kernel_versions(RoutingKernel kernel);
@@ -383,7 +384,8 @@ void apply_kernel_versions_from_env();
 // split the row, value version 5 (the key path fused into the value pass) wherever it
 // applies, value version 7 and pair version 16 (the radial sums from the accumulators)
 // where they differ from 5 and 15, key-gradient version 2 (the kernel past 8 sites) and
-// 3-4 (tensor cores, every slot) the key gradients' sums.
+// 3-4 (tensor cores, every slot) the key gradients' sums, source-finish versions 2-3 (the
+// unfused slots' key path in one kernel) their keys' sums.
 int routing_backward_sum_order(int64_t d, int heads);
 // Tests: caps the one-wave grids (the backward's pair and stream kernels) at `blocks` (0:
 // no cap), so that small N still gives each warp several tokens; returns the previous

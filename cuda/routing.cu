@@ -95,6 +95,7 @@ int g_delta_site_version = kDeltaSiteDefault;
 int g_source_value_version = kSourceValueDefault;
 int g_pair_version = kPairDefault;
 int g_key_grad_version = kKeyGradDefault;
+int g_source_finish_version = kSourceFinishDefault;
 int g_grid_cap = 0;
 int g_fused_key_max_sites = kFusedKeyMaxSites;
 
@@ -198,6 +199,8 @@ int routing_kernel_versions(RoutingKernel kernel) {
       return kMixNormVersions;
     case RoutingKernel::QgTables:
       return kQgTablesVersions;
+    case RoutingKernel::SourceFinish:
+      return kSourceFinishVersions;
   }
   return 0;
 }
@@ -215,6 +218,7 @@ int routing_set_kernel_version(RoutingKernel kernel, int version) {
            : kernel == RoutingKernel::KeyGrad      ? g_key_grad_version
            : kernel == RoutingKernel::MixNorm      ? g_mix_norm_version
            : kernel == RoutingKernel::QgTables     ? g_qg_tables_version
+           : kernel == RoutingKernel::SourceFinish ? g_source_finish_version
                                                    : g_delta_forward_version;
   const int fallback = kernel == RoutingKernel::MixTile        ? kMixTileDefault
                        : kernel == RoutingKernel::BackwardPair ? kPairDefault
@@ -225,6 +229,7 @@ int routing_set_kernel_version(RoutingKernel kernel, int version) {
                        : kernel == RoutingKernel::KeyGrad      ? kKeyGradDefault
                        : kernel == RoutingKernel::MixNorm      ? kMixNormDefault
                        : kernel == RoutingKernel::QgTables     ? kQgTablesDefault
+                       : kernel == RoutingKernel::SourceFinish ? kSourceFinishDefault
                                                                : kDeltaForwardDefault;
   const int before = v;
   v = version > 0 ? version : fallback;

@@ -786,7 +786,10 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
       CUDA_CHECK_LAUNCH();
     });
   }
-  if (!fused) {
+  // The unfused slots' key path and finish: one kernel (SourceFinish versions 2-3,
+  // routing_finish_key.cu), or the key GEMM into an fp32 row and the finish kernel.
+  if (!fused && !source_finish_key(s, dv_out, val, w_src, qg, v_in, inv_rms.ptr<float>(), g, ns,
+                                   g_source_finish_version)) {
     auto* key = static_cast<float*>(ctx.scratch(ScratchSlot::RoutingKeyGrad, N * g.d * 4));
     // The key path: key = (ds r) qg per head, from the pairs the value kernel just wrote.
     head_gemm(s, ctx.blas, CUBLAS_OP_N, CUBLAS_OP_T, g.dh, N, ns, qg, CUDA_R_32F, g.d, g.dh, w_src,
@@ -811,7 +814,9 @@ int routing_backward_sum_order(int64_t d, int heads) {
   // at every slot (where their shapes do not allow them, the fallback's: the default and an
   // explicit version 3 or 4 still run the same code).
   const int key_grads = g_key_grad_version >= 3 ? 1024 : g_key_grad_version == 2 ? 512 : 0;
-  if (!span_layout(d, heads) || d > 256 * kMaxNT) return key_grads;
+  // The unfused slots' key path in one kernel (SourceFinish 2-3) sums each key in its order.
+  const int finish_key = source_finish_key_fits(d, heads, g_source_finish_version) ? 16384 : 0;
+  if (!span_layout(d, heads) || d > 256 * kMaxNT) return key_grads + finish_key;
   Geometry g{};
   g.d = int(d);
   g.H = heads;
@@ -826,7 +831,7 @@ int routing_backward_sum_order(int64_t d, int heads) {
   }
   const int pair_mma_order =
       pair_on_tensor_cores(g_pair_version) && pair_mma_applies(g.d, heads) ? 2048 : 0;
-  return key_grads + pair_mma_order +
+  return key_grads + pair_mma_order + finish_key +
          16 * lane_chunks(parts_log2_for(g, pair_part_chunks(g_pair_version))) +
          lane_chunks(value_parts);
 }

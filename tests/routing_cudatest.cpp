@@ -164,16 +164,18 @@ class RoutingParity : public CudaParity {
   };
 
   static const char* kernel_name(cuda::RoutingKernel kernel) {
-    return kernel == cuda::RoutingKernel::BackwardPair ? "pair"
-           : kernel == cuda::RoutingKernel::KeyGrad    ? "key grad"
-                                                       : "value";
+    return kernel == cuda::RoutingKernel::BackwardPair   ? "pair"
+           : kernel == cuda::RoutingKernel::KeyGrad      ? "key grad"
+           : kernel == cuda::RoutingKernel::SourceFinish ? "finish"
+                                                         : "value";
   }
 
   // Every kernel-lab version of the backward's `kernels` (BackwardPair, SourceValue,
-  // KeyGrad): the bits of `run()` at the defaults wherever
+  // KeyGrad, SourceFinish): the bits of `run()` at the defaults wherever
   // cuda::routing_backward_sum_order says the sums run in the defaults' order, else `close`
   // (the CPU reference's bounds: row parts sum each head's dot product in another order,
-  // the key-gradient versions each key gradient, pair versions 12-13 their tensor cores).
+  // the key-gradient versions each key gradient, pair versions 12-13 their tensor cores,
+  // source-finish versions 2-3 each key row).
   // Then every version again with the backward's one-wave grids capped at one block
   // (cuda::routing_set_grid_cap): each warp takes several tokens, through the kernels'
   // token loops and the stream versions' cursor across token boundaries, and must still
@@ -283,7 +285,7 @@ class RoutingParity : public CudaParity {
     const BackwardBits got = expect_versions_same_bits(
         "backward tiles " + tag, d, H,
         {cuda::RoutingKernel::BackwardPair, cuda::RoutingKernel::SourceValue,
-         cuda::RoutingKernel::KeyGrad},
+         cuda::RoutingKernel::KeyGrad, cuda::RoutingKernel::SourceFinish},
         run, against_cpu);
     std::printf("BACKWARD_TILES %s: %d tiles of %d slots\n", tag.c_str(), tiles, k);
     against_cpu(got, tag);
@@ -448,12 +450,12 @@ class RoutingParity : public CudaParity {
                                        H);
         return BackwardBits{dvp.get(), ub.get(), w.get(), gs.get()};
       };
-      expect_versions_same_bits(
-          "routing_source_backward " + tag, d, H,
-          {cuda::RoutingKernel::SourceValue, cuda::RoutingKernel::KeyGrad}, run,
-          [&](const BackwardBits& got, const std::string& what) {
-            expect_backward_close(what, got, dv, ubar, weights, gsum);
-          });
+      expect_versions_same_bits("routing_source_backward " + tag, d, H,
+                                {cuda::RoutingKernel::SourceValue, cuda::RoutingKernel::KeyGrad,
+                                 cuda::RoutingKernel::SourceFinish},
+                                run, [&](const BackwardBits& got, const std::string& what) {
+                                  expect_backward_close(what, got, dv, ubar, weights, gsum);
+                                });
       const BackwardBits unbound = run();  // then in a bound pass: the pass's q*g rows
       const QgPassTablesOn pass_tables;
       const OpScratchBinding bind(*gpu, {scratch, shapes});
