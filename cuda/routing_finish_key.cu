@@ -17,7 +17,8 @@
 // TPW x NT x 8 key accumulators, and every q*g value it reads from shared memory serves TPW
 // tokens. The slot's q*g rows (fp32 [ns, d], the same for every token) and the block's ds r
 // come through shared memory kSites sites a stage, two stages in flight (cp.async), so the
-// next stage's loads run under this stage's products.
+// next stage's loads run under this stage's products; the block's v and val rows are
+// prefetched into L2 at its start, under the products too.
 // Versions: 2 is TPW = 4 (one block of 8 warps an SM by registers: 4 tokens of FMAs for
 // each shared-memory read), 3 is TPW = 2 (two blocks an SM: more warps for the finish's
 // row loads, twice the shared-memory reads a product).
@@ -60,12 +61,25 @@ __global__ void __launch_bounds__(32 * kWarps, TPW >= 4 ? 1 : 2)
   float* ds = qs + 2 * kSites * g.d;                          // [2][kSites][H][kTokens]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t n0 = int64_t(blockIdx.x) * kTokens, HN = int64_t(g.H) * g.N;
+  // The block's rows of v and val are contiguous: L2 fetches them while the products run,
+  // so the finish's loads below hit L2.
+  if (threadIdx.x == 0) {
+    const int64_t rows = min(int64_t(kTokens), g.N - n0);
+    prefetch_l2(v + n0 * g.d, uint32_t(rows * g.d * sizeof(bf16)));
+    prefetch_l2(val + n0 * g.d, uint32_t(rows * g.d * sizeof(float)));
+  }
   // Stage `buf` holds the sites k0 .. k0 + kSites - 1 below ns; every thread issues a share.
+  // A q*g row is stored as its chunks' first halves, then their second halves, so that a
+  // warp's 16-byte reads of consecutive chunks are consecutive (no bank conflicts).
+  const int row4 = g.d / 4, half4 = g.d / 8;
   auto load_stage = [&](int buf, int k0) {
-    const int kc = min(kSites, ns - k0), row4 = g.d / 4;
+    const int kc = min(kSites, ns - k0);
     float4* qd = reinterpret_cast<float4*>(qs + buf * kSites * g.d);
     const float4* qsrc = reinterpret_cast<const float4*>(qg + int64_t(k0) * g.d);
-    for (int i = threadIdx.x; i < kc * row4; i += blockDim.x) cp_async_cg16(qd + i, qsrc + i);
+    for (int i = threadIdx.x; i < kc * row4; i += blockDim.x) {
+      const int kk = i / row4, j = i - kk * row4;
+      cp_async_cg16(qd + kk * row4 + (j & 1) * half4 + (j >> 1), qsrc + i);
+    }
     float* dd = ds + buf * kSites * g.H * kTokens;
     for (int i = threadIdx.x; i < kc * g.H * kTokens; i += blockDim.x) {
       const int64_t n = n0 + i % kTokens;
@@ -115,7 +129,7 @@ __global__ void __launch_bounds__(32 * kWarps, TPW >= 4 ? 1 : 2)
       for (int t = 0; t < NT; ++t) {
         const int ch = lane + 32 * t;
         if (ch >= g.nchunks) continue;
-        const float4 lo = qrow[2 * ch], hi = qrow[2 * ch + 1];
+        const float4 lo = qrow[ch], hi = qrow[half4 + ch];
         const float q[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
         float s[TPW];
         if constexpr (TPW == 4) {
