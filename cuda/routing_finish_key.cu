@@ -48,7 +48,9 @@ size_t finish_key_smem(int d, int heads, int tokens) {
   return 2 * size_t(kSites) * (size_t(d) + size_t(heads) * size_t(tokens)) * sizeof(float);
 }
 
-template <int NT, int TPW>
+// FULL: every lane's NT chunks lie inside the row (d = 256 NT, the paper widths), so the
+// chunk checks go and nothing stands between a stage's shared-memory loads and its products.
+template <int NT, int TPW, bool FULL>
 __global__ void __launch_bounds__(32 * kWarps, TPW >= 4 ? 1 : 2)
     source_finish_key_kernel(bf16* __restrict__ dv, const float* __restrict__ val,
                              const float* __restrict__ dsr, const float* __restrict__ qg,
@@ -128,7 +130,7 @@ __global__ void __launch_bounds__(32 * kWarps, TPW >= 4 ? 1 : 2)
 #pragma unroll
       for (int t = 0; t < NT; ++t) {
         const int ch = lane + 32 * t;
-        if (ch >= g.nchunks) continue;
+        if (!FULL && ch >= g.nchunks) continue;
         const float4 lo = qrow[ch], hi = qrow[half4 + ch];
         const float q[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
         float s[TPW];
@@ -167,7 +169,7 @@ __global__ void __launch_bounds__(32 * kWarps, TPW >= 4 ? 1 : 2)
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
       const int ch = lane + 32 * t;
-      if (ch >= g.nchunks) continue;
+      if (!FULL && ch >= g.nchunks) continue;
       const float4 lo = vrow[2 * ch], hi = vrow[2 * ch + 1];
       float o[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
@@ -198,7 +200,8 @@ bool source_finish_key(cudaStream_t s, bf16* dv, const float* val, const float* 
     constexpr int NT = decltype(nt_tag)::value, TPW = decltype(tpw_tag)::value;
     if constexpr (NT <= kMaxNTFinishKey) {
       const size_t smem = finish_key_smem(g.d, g.H, block_tokens<TPW>());
-      auto kernel = source_finish_key_kernel<NT, TPW>;
+      auto kernel = g.nchunks == 32 * NT ? source_finish_key_kernel<NT, TPW, true>
+                                         : source_finish_key_kernel<NT, TPW, false>;
       allow_smem(kernel, smem);
       kernel<<<unsigned(ceil_div(g.N, int64_t(block_tokens<TPW>()))), 32 * kWarps, smem, s>>>(
           dv, val, dsr, qg, v, inv_rms, g, ns);
