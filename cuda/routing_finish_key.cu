@@ -157,6 +157,24 @@ __global__ void __launch_bounds__(32 * kWarps, TPW >= 4 ? 1 : 2)
     if (n >= g.N) break;  // uniform over the warp
     Row<NT> rv;
     load_row(rv, v + n * g.d, g.nchunks);
+    // val's row is loaded with v's, ahead of the dot that needs only v, so a token waits
+    // for one round trip, not two (ncu of the version without: half the kernel's stall
+    // samples were the finish's loads). Where that would spill (NT 5 at 4 tokens a warp,
+    // 249 registers without it; at 2 tokens a warp, the 128 of two blocks an SM), after
+    // the dot.
+    constexpr bool kValAhead = TPW == 4 && NT <= 4;
+    const float4* vrow = reinterpret_cast<const float4*>(val + n * g.d);
+    float4 vlo[NT], vhi[NT];
+    auto load_val = [&] {
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        const int ch = lane + 32 * t;
+        const bool in = FULL || ch < g.nchunks;
+        vlo[t] = in ? vrow[2 * ch] : make_float4(0.f, 0.f, 0.f, 0.f);
+        vhi[t] = in ? vrow[2 * ch + 1] : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    };
+    if constexpr (kValAhead) load_val();
     float dot = 0.f;
 #pragma unroll
     for (int t = 0; t < NT; ++t)
@@ -164,13 +182,13 @@ __global__ void __launch_bounds__(32 * kWarps, TPW >= 4 ? 1 : 2)
       for (int e = 0; e < 8; ++e) dot += elem(rv.raw[t], e) * acc[u][t][e];
     const float r = inv_rms[n];
     const float coef = r * r / float(g.d) * warp_sum(dot);
-    const float4* vrow = reinterpret_cast<const float4*>(val + n * g.d);
+    if constexpr (!kValAhead) load_val();
     uint4* out = reinterpret_cast<uint4*>(dv + n * g.d);
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
       const int ch = lane + 32 * t;
       if (!FULL && ch >= g.nchunks) continue;
-      const float4 lo = vrow[2 * ch], hi = vrow[2 * ch + 1];
+      const float4 lo = vlo[t], hi = vhi[t];
       float o[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
       for (int e = 0; e < 8; ++e) o[e] += acc[u][t][e] - coef * elem(rv.raw[t], e);
