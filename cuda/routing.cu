@@ -21,9 +21,12 @@
 //                      slots; its pair kernels in routing_backward_tile.cu, their shared
 //                      device code in routing_backward_rows.cuh); routing_delta_site_
 //                      backward: Backend::delta_site_backward in one pass (delta mode)
+//   routing_finish_key.cu  an unfused slot's key path and finish in one kernel (the lab's
+//                      source_finish 2-3; by default the key GEMM and the finish kernel
+//                      in routing_backward.cu)
 //   routing_key_grads.cu  a slot's key gradients into the slabs of gsum (the backward's
-//                      last step); routing_param_grads: dquery/dgain of every site from
-//                      the slabs
+//                      last step; beside the main stream at side_stream 3);
+//                      routing_param_grads: dquery/dgain of every site from the slabs
 //   routing_delta_forward.cu  routing_delta_site_forward: Backend::delta_site_forward in
 //                      one pass (delta mode)
 //   routing_rows.cuh   the kernels' shared device code (a token's row in a warp, the online
