@@ -22,6 +22,10 @@
 // Versions: 2 is TPW = 4 (one block of 8 warps an SM by registers: 4 tokens of FMAs for
 // each shared-memory read), 3 is TPW = 2 (two blocks an SM: more warps for the finish's
 // row loads, twice the shared-memory reads a product).
+// Measured (forty-sixth session, H100, a 350M step's 41 unfused slots, kernel_times.sh):
+// version 1 4.96 ms (GEMMs 2.05 + finish kernel 2.91), version 2 4.08, version 3 5.45;
+// version 1 stays the default until version 2 is timed in the step (cuda/NOTES.md,
+// "The unfused slots' key path and finish in one kernel").
 // Sums: key[n][c] = sum over k ascending of fp32 fma((ds r)[k][head(c)][n], qg[k][c]),
 // another order than cuBLAS's, so dv's last bits differ from version 1's (the parity tests
 // hold both to the CPU reference's bounds; routing_backward_sum_order says so); the finish's
@@ -34,9 +38,9 @@ namespace {
 
 constexpr int kWarps = 8;  // a block
 constexpr int kSites = 8;  // q*g rows and ds r a stage
-// The widest rows, in chunk rows a lane (d <= 1280): ptxas keeps the accumulators without
-// spills there (TPW 4 at NT 5: 241 registers, one block an SM; TPW 2 at NT 5: 128, the
-// two-block bound, where NT 6 spills).
+// The widest rows, in chunk rows a lane (d <= 1280): ptxas keeps TPW 4's accumulators
+// without spills there (255 registers at NT 5, one block an SM); TPW 2 at NT 5 spills 64
+// bytes under its two-block bound of 128, NT 6 more.
 constexpr int kMaxNTFinishKey = 5;
 
 template <int TPW>
