@@ -283,9 +283,9 @@ INSTANTIATE_TEST_SUITE_P(Modes, GpuTraining,
 // (cuda_backend.cu's side_stream version 2), beside the norm and routing backwards, and
 // with them the routing's key gradients (version 3), give the losses and every gradient
 // bit for bit as in issue order (version 1): the same ops on the same buffers, only their
-// order against the site's backward changed. Two
-// micro-batches accumulate, so the weight gradients run both as "=" and "+="; a model
-// larger than the parity tests' gives the kernels time to run side by side.
+// order against the site's backward changed. Two micro-batches accumulate, so the weight
+// gradients run both as "=" and "+="; a model larger than the parity tests' gives the
+// kernels time to run side by side.
 class SideWork : public ::testing::TestWithParam<ModeCase> {};
 
 TEST_P(SideWork, SameBitsAsIssueOrder) {
