@@ -111,6 +111,12 @@ __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
 #endif
 }
 
+// Asks L1 to fetch the 128-byte line holding p, without a register or a wait: for a load
+// that must follow a dependent step but whose address is known now. No effect on results.
+__device__ __forceinline__ void prefetch_l1(const void* p) {
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
+}
+
 // RoPE's cos/sin (rope.cu; also the fused QK-norm + RoPE in norm.cu): inv_freq_i =
 // base^i with base = theta^(-2/head_dim) from the host (fp64, by squaring), angle
 // t * inv_freq in fp64 reduced to [-pi, pi], then fp32 sincosf. backward negates sin.

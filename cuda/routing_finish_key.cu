@@ -165,9 +165,20 @@ __global__ void __launch_bounds__(32 * kWarps, TPW >= 4 ? 1 : 2)
     // for one round trip, not two (ncu of the version without: half the kernel's stall
     // samples were the finish's loads). Where that would spill (NT 5 at 4 tokens a warp,
     // 249 registers without it; at 2 tokens a warp, the 128 of two blocks an SM), after
-    // the dot.
+    // the dot, with its lines and the next token's v row asked into L1 here (prefetch_l1:
+    // no registers), so that those loads wait for L1, not L2 (not yet timed).
     constexpr bool kValAhead = TPW == 4 && NT <= 4;
     const float4* vrow = reinterpret_cast<const float4*>(val + n * g.d);
+    if constexpr (!kValAhead) {
+      const bool next = u + 1 < TPW && n + 1 < g.N;
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        const int ch = lane + 32 * t;
+        if (!FULL && ch >= g.nchunks) continue;
+        prefetch_l1(vrow + 2 * ch);
+        if (next) prefetch_l1(v + (n + 1) * g.d + 8 * ch);
+      }
+    }
     float4 vlo[NT], vhi[NT];
     auto load_val = [&] {
 #pragma unroll
