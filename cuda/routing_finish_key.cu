@@ -23,9 +23,10 @@
 // each shared-memory read), 3 is TPW = 2 (two blocks an SM: more warps for the finish's
 // row loads, twice the shared-memory reads a product).
 // Measured (forty-sixth session, H100, a 350M step's 41 unfused slots, kernel_times.sh):
-// version 1 4.96 ms (GEMMs 2.05 + finish kernel 2.91), version 2 4.08, version 3 5.45;
-// version 1 stays the default until version 2 is timed in the step (cuda/NOTES.md,
-// "The unfused slots' key path and finish in one kernel").
+// version 1 4.96 ms (GEMMs 2.05 + finish kernel 2.91), version 2 4.08, version 3 5.45
+// (before its L1 prefetches below, which are not yet timed, nor is d 1280); version 1
+// stays the default until version 2 is timed in the step (cuda/NOTES.md, "The unfused
+// slots' key path and finish in one kernel").
 // Sums: key[n][c] = sum over k ascending of fp32 fma((ds r)[k][head(c)][n], qg[k][c]),
 // another order than cuBLAS's, so dv's last bits differ from version 1's (the parity tests
 // hold both to the CPU reference's bounds; routing_backward_sum_order says so); the finish's
