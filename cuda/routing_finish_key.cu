@@ -222,33 +222,27 @@ bool source_finish_key_fits(int64_t d, int heads, int version) {
   return finish_key_smem(int(d), heads, kWarps * tpw) <= 227 * 1024;
 }
 
-bool source_finish_key_applies(const Geometry& g, const float* qg, int ns, int version) {
-  return ns >= 1 && aligned16(qg) && source_finish_key_fits(g.d, g.H, version);
-}
-
 bool source_finish_key(cudaStream_t s, bf16* dv, const float* val, const float* dsr,
                        const float* qg, const bf16* v, const float* inv_rms, const Geometry& g,
                        int ns, int version) {
-  if (!source_finish_key_applies(g, qg, ns, version)) return false;
+  if (ns < 1 || !aligned16(qg) || !source_finish_key_fits(g.d, g.H, version)) return false;
   auto launch = [&](auto nt_tag, auto tpw_tag) {
     constexpr int NT = decltype(nt_tag)::value, TPW = decltype(tpw_tag)::value;
-    if constexpr (NT <= kMaxNTFinishKey) {
-      const size_t smem = finish_key_smem(g.d, g.H, block_tokens<TPW>());
-      auto kernel = g.nchunks == 32 * NT ? source_finish_key_kernel<NT, TPW, true>
-                                         : source_finish_key_kernel<NT, TPW, false>;
-      allow_smem(kernel, smem);
-      kernel<<<unsigned(ceil_div(g.N, int64_t(block_tokens<TPW>()))), 32 * kWarps, smem, s>>>(
-          dv, val, dsr, qg, v, inv_rms, g, ns);
-      CUDA_CHECK_LAUNCH();
-    }
+    const size_t smem = finish_key_smem(g.d, g.H, block_tokens<TPW>());
+    auto kernel = g.nchunks == 32 * NT ? source_finish_key_kernel<NT, TPW, true>
+                                       : source_finish_key_kernel<NT, TPW, false>;
+    allow_smem(kernel, smem);
+    kernel<<<unsigned(ceil_div(g.N, int64_t(block_tokens<TPW>()))), 32 * kWarps, smem, s>>>(
+        dv, val, dsr, qg, v, inv_rms, g, ns);
+    CUDA_CHECK_LAUNCH();
   };
-  dispatch_rows(g, [&](auto nt, auto) {
+  // NT = ceil(d / 256) chunk rows a lane (source_finish_key_fits: at most kMaxNTFinishKey).
+  return dispatch_int<1, kMaxNTFinishKey>(int(ceil_div(g.d, 256)), [&](auto nt) {
     if (version == 2)
       launch(nt, std::integral_constant<int, 4>{});
     else
       launch(nt, std::integral_constant<int, 2>{});
   });
-  return true;
 }
 
 }  // namespace routing_detail

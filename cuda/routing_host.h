@@ -42,7 +42,6 @@ void slot_key_grads(cudaStream_t s, RoutingContext& ctx, Tensor gsum, const floa
 // q*g rows qg [ns, d], v and inv_rms. False (nothing launched) where `version` or the shape
 // does not allow it: the caller then runs the key GEMM and the finish kernel.
 bool source_finish_key_fits(int64_t d, int heads, int version);  // the width and heads
-bool source_finish_key_applies(const Geometry& g, const float* qg, int ns, int version);
 bool source_finish_key(cudaStream_t s, bf16* dv, const float* val, const float* dsr,
                        const float* qg, const bf16* v, const float* inv_rms, const Geometry& g,
                        int ns, int version);
