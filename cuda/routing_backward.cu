@@ -786,7 +786,7 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
       CUDA_CHECK_LAUNCH();
     });
   }
-  // The unfused slots' key path and finish: one kernel (SourceFinish versions 2-3,
+  // The unfused slots' key path and finish: one kernel (SourceFinish versions 2-4,
   // routing_finish_key.cu), or the key GEMM into an fp32 row and the finish kernel.
   if (!fused && !source_finish_key(s, dv_out, val, w_src, qg, v_in, inv_rms.ptr<float>(), g, ns,
                                    g_source_finish_version)) {
@@ -814,7 +814,7 @@ int routing_backward_sum_order(int64_t d, int heads) {
   // at every slot (where their shapes do not allow them, the fallback's: the default and an
   // explicit version 3 or 4 still run the same code).
   const int key_grads = g_key_grad_version >= 3 ? 1024 : g_key_grad_version == 2 ? 512 : 0;
-  // The unfused slots' key path in one kernel (SourceFinish 2-3) sums each key in its order.
+  // The unfused slots' key path in one kernel (SourceFinish 2-4) sums each key in its order.
   const int finish_key = source_finish_key_fits(d, heads, g_source_finish_version) ? 16384 : 0;
   if (!span_layout(d, heads) || d > 256 * kMaxNT) return key_grads + finish_key;
   Geometry g{};

@@ -1,5 +1,5 @@
 // routing_finish_key.cu: the last step of an unfused slot's backward (routing_backward.cu,
-// source_backward) in one kernel, RoutingKernel::SourceFinish versions 2 and 3: the key path
+// source_backward) in one kernel, RoutingKernel::SourceFinish versions 2-4: the key path
 // key = (ds r) qg per head, from the pairs the value kernel has just written, and the finish
 // dv = val + key - (r^2 / d) (v . key) v. Version 1 (routing_backward.cu) computes the key
 // rows with a cuBLAS fp32 GEMM into an fp32 [N, d] scratch row, which source_finish_kernel
@@ -21,7 +21,10 @@
 // prefetched into L2 at its start, under the products too.
 // Versions: 2 is TPW = 4 (one block of 8 warps an SM by registers: 4 tokens of FMAs for
 // each shared-memory read), 3 is TPW = 2 (two blocks an SM: more warps for the finish's
-// row loads, twice the shared-memory reads a product).
+// row loads, twice the shared-memory reads a product), 4 is version 2 on a grid of one
+// wave whose blocks walk the token tiles, each issuing the next tile's first stage before
+// this tile's finish (ncu of version 2: 16% of its stall samples waited on a tile's first
+// stage, with nothing else in flight on the SM; not yet timed).
 // Measured (forty-sixth session, H100, a 350M step's 41 unfused slots, kernel_times.sh):
 // version 1 4.96 ms (GEMMs 2.05 + finish kernel 2.91), version 2 4.08, version 3 5.45
 // (before its L1 prefetches below, which are not yet timed, nor is d 1280); version 1
@@ -55,7 +58,10 @@ size_t finish_key_smem(int d, int heads, int tokens) {
 
 // FULL: every lane's NT chunks lie inside the row (d = 256 NT, the paper widths), so the
 // chunk checks go and nothing stands between a stage's shared-memory loads and its products.
-template <int NT, int TPW, bool FULL>
+// PERSIST (version 4): a grid of one block an SM walks the token tiles, and issues the next
+// tile's first stage before this tile's finish, so that its copies land under the finish's
+// row loads rather than ahead of the next tile's products.
+template <int NT, int TPW, bool FULL, bool PERSIST>
 __global__ void __launch_bounds__(32 * kWarps, TPW >= 4 ? 1 : 2)
     source_finish_key_kernel(bf16* __restrict__ dv, const float* __restrict__ val,
                              const float* __restrict__ dsr, const float* __restrict__ qg,
@@ -67,19 +73,13 @@ __global__ void __launch_bounds__(32 * kWarps, TPW >= 4 ? 1 : 2)
   float* qs = reinterpret_cast<float*>(finish_key_smem_raw);  // [2][kSites][d]
   float* ds = qs + 2 * kSites * g.d;                          // [2][kSites][H][kTokens]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t n0 = int64_t(blockIdx.x) * kTokens, HN = int64_t(g.H) * g.N;
-  // The block's rows of v and val are contiguous: L2 fetches them while the products run,
-  // so the finish's loads below hit L2.
-  if (threadIdx.x == 0) {
-    const int64_t rows = min(int64_t(kTokens), g.N - n0);
-    prefetch_l2(v + n0 * g.d, uint32_t(rows * g.d * sizeof(bf16)));
-    prefetch_l2(val + n0 * g.d, uint32_t(rows * g.d * sizeof(float)));
-  }
-  // Stage `buf` holds the sites k0 .. k0 + kSites - 1 below ns; every thread issues a share.
-  // A q*g row is stored as its chunks' first halves, then their second halves, so that a
-  // warp's 16-byte reads of consecutive chunks are consecutive (no bank conflicts).
+  const int64_t HN = int64_t(g.H) * g.N, tiles = (g.N + kTokens - 1) / kTokens;
+  // Stage `buf` of the tile from token n0 holds the sites k0 .. k0 + kSites - 1 below ns;
+  // every thread issues a share. A q*g row is stored as its chunks' first halves, then their
+  // second halves, so that a warp's 16-byte reads of consecutive chunks are consecutive (no
+  // bank conflicts).
   const int row4 = g.d / 4, half4 = g.d / 8;
-  auto load_stage = [&](int buf, int k0) {
+  auto load_stage = [&](int buf, int64_t n0, int k0) {
     const int kc = min(kSites, ns - k0);
     float4* qd = reinterpret_cast<float4*>(qs + buf * kSites * g.d);
     const float4* qsrc = reinterpret_cast<const float4*>(qg + int64_t(k0) * g.d);
@@ -105,119 +105,133 @@ __global__ void __launch_bounds__(32 * kWarps, TPW >= 4 ? 1 : 2)
     const int ch = lane + 32 * t;
     head[t] = ch < g.nchunks ? ch * 8 / g.dh : 0;
   }
-  float acc[TPW][NT][8];
-#pragma unroll
-  for (int u = 0; u < TPW; ++u)
-#pragma unroll
-    for (int t = 0; t < NT; ++t)
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc[u][t][e] = 0.f;
-
   const int stages = (ns + kSites - 1) / kSites;
-  load_stage(0, 0);
-  for (int st = 0; st < stages; ++st) {
-    const int buf = st & 1;
-    // The other buffer was consumed by the whole block (the barrier ending the last stage).
-    if (st + 1 < stages) {
-      load_stage(buf ^ 1, (st + 1) * kSites);
-      cp_async_wait_groups<1>();
-    } else {
-      cp_async_wait_groups<0>();
-    }
-    __syncthreads();  // this stage's copies, every thread's, have landed
-    const int kc = min(kSites, ns - st * kSites);
-    const float* qb = qs + buf * kSites * g.d;
-    const float* db = ds + buf * kSites * g.H * kTokens + warp * TPW;
+  const int64_t tile_step = PERSIST ? gridDim.x : tiles;
+  if constexpr (PERSIST) load_stage(0, int64_t(blockIdx.x) * kTokens, 0);  // grid <= tiles
 #pragma unroll 1
-    for (int kk = 0; kk < kc; ++kk) {
-      const float4* qrow = reinterpret_cast<const float4*>(qb + kk * g.d);
-      const float* drow = db + kk * g.H * kTokens;
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        const int ch = lane + 32 * t;
-        if (!FULL && ch >= g.nchunks) continue;
-        const float4 lo = qrow[ch], hi = qrow[half4 + ch];
-        const float q[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-        float s[TPW];
-        if constexpr (TPW == 4) {
-          const float4 s4 = *reinterpret_cast<const float4*>(drow + head[t] * kTokens);
-          s[0] = s4.x, s[1] = s4.y, s[2] = s4.z, s[3] = s4.w;
-        } else {
-          const float2 s2 = *reinterpret_cast<const float2*>(drow + head[t] * kTokens);
-          s[0] = s2.x, s[1] = s2.y;
-        }
-#pragma unroll
-        for (int u = 0; u < TPW; ++u)
-#pragma unroll
-          for (int e = 0; e < 8; ++e) acc[u][t][e] = fmaf(s[u], q[e], acc[u][t][e]);
-      }
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += tile_step) {
+    const int64_t n0 = tile * kTokens;
+    // The tile's rows of v and val are contiguous: L2 fetches them while the products run,
+    // so the finish's loads below hit L2.
+    if (threadIdx.x == 0) {
+      const int64_t rows = min(int64_t(kTokens), g.N - n0);
+      prefetch_l2(v + n0 * g.d, uint32_t(rows * g.d * sizeof(bf16)));
+      prefetch_l2(val + n0 * g.d, uint32_t(rows * g.d * sizeof(float)));
     }
-    __syncthreads();  // the stage is consumed before the next iteration refills it
-  }
+    float acc[TPW][NT][8];
+#pragma unroll
+    for (int u = 0; u < TPW; ++u)
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[u][t][e] = 0.f;
 
-  // The finish, token by token: dot = v . key over the row, then dv chunk by chunk.
+    if constexpr (!PERSIST) load_stage(0, n0, 0);  // PERSIST: issued before the last finish
+    for (int st = 0; st < stages; ++st) {
+      const int buf = st & 1;
+      // The other buffer was consumed by the whole block (the barrier ending the last stage).
+      if (st + 1 < stages) {
+        load_stage(buf ^ 1, n0, (st + 1) * kSites);
+        cp_async_wait_groups<1>();
+      } else {
+        cp_async_wait_groups<0>();
+      }
+      __syncthreads();  // this stage's copies, every thread's, have landed
+      const int kc = min(kSites, ns - st * kSites);
+      const float* qb = qs + buf * kSites * g.d;
+      const float* db = ds + buf * kSites * g.H * kTokens + warp * TPW;
+#pragma unroll 1
+      for (int kk = 0; kk < kc; ++kk) {
+        const float4* qrow = reinterpret_cast<const float4*>(qb + kk * g.d);
+        const float* drow = db + kk * g.H * kTokens;
 #pragma unroll
-  for (int u = 0; u < TPW; ++u) {
-    const int64_t n = n0 + warp * TPW + u;
-    if (n >= g.N) break;  // uniform over the warp
-    Row<NT> rv;
-    load_row(rv, v + n * g.d, g.nchunks);
-    // val's row is loaded with v's, ahead of the dot that needs only v, so a token waits
-    // for one round trip, not two (ncu of the version without: half the kernel's stall
-    // samples were the finish's loads). Where that would spill (NT 5 at 4 tokens a warp,
-    // 249 registers without it; at 2 tokens a warp, the 128 of two blocks an SM), after
-    // the dot, with its lines and the next token's v row asked into L1 here (prefetch_l1:
-    // no registers), so that those loads wait for L1, not L2 (not yet timed).
-    constexpr bool kValAhead = TPW == 4 && NT <= 4;
-    const float4* vrow = reinterpret_cast<const float4*>(val + n * g.d);
-    if constexpr (!kValAhead) {
-      const bool next = u + 1 < TPW && n + 1 < g.N;
+        for (int t = 0; t < NT; ++t) {
+          const int ch = lane + 32 * t;
+          if (!FULL && ch >= g.nchunks) continue;
+          const float4 lo = qrow[ch], hi = qrow[half4 + ch];
+          const float q[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+          float s[TPW];
+          if constexpr (TPW == 4) {
+            const float4 s4 = *reinterpret_cast<const float4*>(drow + head[t] * kTokens);
+            s[0] = s4.x, s[1] = s4.y, s[2] = s4.z, s[3] = s4.w;
+          } else {
+            const float2 s2 = *reinterpret_cast<const float2*>(drow + head[t] * kTokens);
+            s[0] = s2.x, s[1] = s2.y;
+          }
+#pragma unroll
+          for (int u = 0; u < TPW; ++u)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[u][t][e] = fmaf(s[u], q[e], acc[u][t][e]);
+        }
+      }
+      __syncthreads();  // the stage is consumed before the next iteration refills it
+    }
+    if (PERSIST && tile + tile_step < tiles) load_stage(0, (tile + tile_step) * kTokens, 0);
+
+      // The finish, token by token: dot = v . key over the row, then dv chunk by chunk.
+#pragma unroll
+    for (int u = 0; u < TPW; ++u) {
+      const int64_t n = n0 + warp * TPW + u;
+      if (n >= g.N) break;  // uniform over the warp
+      Row<NT> rv;
+      load_row(rv, v + n * g.d, g.nchunks);
+      // val's row is loaded with v's, ahead of the dot that needs only v, so a token waits
+      // for one round trip, not two (ncu of the version without: half the kernel's stall
+      // samples were the finish's loads). Where that would spill (NT 5 at 4 tokens a warp,
+      // 249 registers without it; at 2 tokens a warp, the 128 of two blocks an SM), after
+      // the dot, with its lines and the next token's v row asked into L1 here (prefetch_l1:
+      // no registers), so that those loads wait for L1, not L2 (not yet timed).
+      constexpr bool kValAhead = TPW == 4 && NT <= 4;
+      const float4* vrow = reinterpret_cast<const float4*>(val + n * g.d);
+      if constexpr (!kValAhead) {
+        const bool next = u + 1 < TPW && n + 1 < g.N;
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+          const int ch = lane + 32 * t;
+          if (!FULL && ch >= g.nchunks) continue;
+          prefetch_l1(vrow + 2 * ch);
+          if (next) prefetch_l1(v + (n + 1) * g.d + 8 * ch);
+        }
+      }
+      float4 vlo[NT], vhi[NT];
+      auto load_val = [&] {
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+          const int ch = lane + 32 * t;
+          const bool in = FULL || ch < g.nchunks;
+          vlo[t] = in ? vrow[2 * ch] : make_float4(0.f, 0.f, 0.f, 0.f);
+          vhi[t] = in ? vrow[2 * ch + 1] : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+      };
+      if constexpr (kValAhead) load_val();
+      float dot = 0.f;
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) dot += elem(rv.raw[t], e) * acc[u][t][e];
+      const float r = inv_rms[n];
+      const float coef = r * r / float(g.d) * warp_sum(dot);
+      if constexpr (!kValAhead) load_val();
+      uint4* out = reinterpret_cast<uint4*>(dv + n * g.d);
 #pragma unroll
       for (int t = 0; t < NT; ++t) {
         const int ch = lane + 32 * t;
         if (!FULL && ch >= g.nchunks) continue;
-        prefetch_l1(vrow + 2 * ch);
-        if (next) prefetch_l1(v + (n + 1) * g.d + 8 * ch);
+        const float4 lo = vlo[t], hi = vhi[t];
+        float o[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+        for (int e = 0; e < 8; ++e) o[e] += acc[u][t][e] - coef * elem(rv.raw[t], e);
+        out[ch] = pack8(o);
       }
     }
-    float4 vlo[NT], vhi[NT];
-    auto load_val = [&] {
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        const int ch = lane + 32 * t;
-        const bool in = FULL || ch < g.nchunks;
-        vlo[t] = in ? vrow[2 * ch] : make_float4(0.f, 0.f, 0.f, 0.f);
-        vhi[t] = in ? vrow[2 * ch + 1] : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-    };
-    if constexpr (kValAhead) load_val();
-    float dot = 0.f;
-#pragma unroll
-    for (int t = 0; t < NT; ++t)
-#pragma unroll
-      for (int e = 0; e < 8; ++e) dot += elem(rv.raw[t], e) * acc[u][t][e];
-    const float r = inv_rms[n];
-    const float coef = r * r / float(g.d) * warp_sum(dot);
-    if constexpr (!kValAhead) load_val();
-    uint4* out = reinterpret_cast<uint4*>(dv + n * g.d);
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      const int ch = lane + 32 * t;
-      if (!FULL && ch >= g.nchunks) continue;
-      const float4 lo = vlo[t], hi = vhi[t];
-      float o[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-#pragma unroll
-      for (int e = 0; e < 8; ++e) o[e] += acc[u][t][e] - coef * elem(rv.raw[t], e);
-      out[ch] = pack8(o);
-    }
-  }
+  }  // tile
 }
 
 }  // namespace
 
 bool source_finish_key_fits(int64_t d, int heads, int version) {
   if (version < 2 || heads < 1 || d % heads != 0 || (d / heads) % 8 != 0) return false;
-  const int tpw = version == 2 ? 4 : 2;
+  const int tpw = version == 3 ? 2 : 4;
   if (ceil_div(d, 256) > kMaxNTFinishKey) return false;
   return finish_key_smem(int(d), heads, kWarps * tpw) <= 227 * 1024;
 }
@@ -226,22 +240,31 @@ bool source_finish_key(cudaStream_t s, bf16* dv, const float* val, const float* 
                        const float* qg, const bf16* v, const float* inv_rms, const Geometry& g,
                        int ns, int version) {
   if (ns < 1 || !aligned16(qg) || !source_finish_key_fits(g.d, g.H, version)) return false;
-  auto launch = [&](auto nt_tag, auto tpw_tag) {
+  auto launch = [&](auto nt_tag, auto tpw_tag, auto persist_tag) {
     constexpr int NT = decltype(nt_tag)::value, TPW = decltype(tpw_tag)::value;
+    constexpr bool PERSIST = decltype(persist_tag)::value;
     const size_t smem = finish_key_smem(g.d, g.H, block_tokens<TPW>());
-    auto kernel = g.nchunks == 32 * NT ? source_finish_key_kernel<NT, TPW, true>
-                                       : source_finish_key_kernel<NT, TPW, false>;
+    auto kernel = g.nchunks == 32 * NT ? source_finish_key_kernel<NT, TPW, true, PERSIST>
+                                       : source_finish_key_kernel<NT, TPW, false, PERSIST>;
     allow_smem(kernel, smem);
-    kernel<<<unsigned(ceil_div(g.N, int64_t(block_tokens<TPW>()))), 32 * kWarps, smem, s>>>(
-        dv, val, dsr, qg, v, inv_rms, g, ns);
+    int64_t blocks = ceil_div(g.N, int64_t(block_tokens<TPW>()));
+    if (PERSIST) {  // one wave, which the tests' grid cap may shrink to one block
+      blocks = std::min<int64_t>(
+          blocks, int64_t(sm_count()) * resident_blocks_per_sm(kernel, 32 * kWarps, smem));
+      if (g_grid_cap > 0) blocks = std::min<int64_t>(blocks, g_grid_cap);
+    }
+    kernel<<<unsigned(blocks), 32 * kWarps, smem, s>>>(dv, val, dsr, qg, v, inv_rms, g, ns);
     CUDA_CHECK_LAUNCH();
   };
   // NT = ceil(d / 256) chunk rows a lane (source_finish_key_fits: at most kMaxNTFinishKey).
   return dispatch_int<1, kMaxNTFinishKey>(int(ceil_div(g.d, 256)), [&](auto nt) {
+    using Four = std::integral_constant<int, 4>;
     if (version == 2)
-      launch(nt, std::integral_constant<int, 4>{});
+      launch(nt, Four{}, std::false_type{});
+    else if (version == 3)
+      launch(nt, std::integral_constant<int, 2>{}, std::false_type{});
     else
-      launch(nt, std::integral_constant<int, 2>{});
+      launch(nt, Four{}, std::true_type{});
   });
 }
 

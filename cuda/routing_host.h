@@ -38,7 +38,7 @@ const float* qg_rows_f32(cudaStream_t s, RoutingContext& ctx, const SiteParams& 
 void slot_key_grads(cudaStream_t s, RoutingContext& ctx, Tensor gsum, const float* dsr,
                     const bf16* v, const Geometry& g, int source, int ns);
 // An unfused slot's key path and finish in one kernel (routing_finish_key.cu; SourceFinish
-// versions 2-3): dv from its fp32 value row `val`, its pairs' ds r (dsr, [ns, H, N]), the
+// versions 2-4): dv from its fp32 value row `val`, its pairs' ds r (dsr, [ns, H, N]), the
 // q*g rows qg [ns, d], v and inv_rms. False (nothing launched) where `version` or the shape
 // does not allow it: the caller then runs the key GEMM and the finish kernel.
 bool source_finish_key_fits(int64_t d, int heads, int version);  // the width and heads
@@ -109,7 +109,7 @@ constexpr int kDeltaSiteVersions = 3, kDeltaSiteDefault = 2;        // routing_b
 constexpr int kSourceValueVersions = 7, kSourceValueDefault = 0;    // routing_backward.cu
 constexpr int kPairVersions = 16, kPairDefault = 16;                // routing_backward_tile.cu
 constexpr int kKeyGradVersions = 4, kKeyGradDefault = 4;            // routing_key_grads.cu
-constexpr int kSourceFinishVersions = 3, kSourceFinishDefault = 1;  // routing_finish_key.cu
+constexpr int kSourceFinishVersions = 4, kSourceFinishDefault = 1;  // routing_finish_key.cu
 extern int g_logits_version, g_qg_tables_version, g_mix_norm_version, g_mix_tile_version,
     g_mix_finish_version, g_delta_forward_version, g_delta_site_version, g_source_value_version,
     g_pair_version, g_key_grad_version, g_source_finish_version;

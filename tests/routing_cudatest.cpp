@@ -175,7 +175,7 @@ class RoutingParity : public CudaParity {
   // cuda::routing_backward_sum_order says the sums run in the defaults' order, else `close`
   // (the CPU reference's bounds: row parts sum each head's dot product in another order,
   // the key-gradient versions each key gradient, pair versions 12-13 their tensor cores,
-  // source-finish versions 2-3 each key row).
+  // source-finish versions 2-4 each key row).
   // Then every version again with the backward's one-wave grids capped at one block
   // (cuda::routing_set_grid_cap): each warp takes several tokens, through the kernels'
   // token loops and the stream versions' cursor across token boundaries, and must still
