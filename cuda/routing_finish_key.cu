@@ -24,12 +24,13 @@
 // row loads, twice the shared-memory reads a product), 4 is version 2 on a grid of one
 // wave whose blocks walk the token tiles, each issuing the next tile's first stage before
 // this tile's finish (ncu of version 2: 16% of its stall samples waited on a tile's first
-// stage, with nothing else in flight on the SM; not yet timed).
-// Measured (forty-sixth session, H100, a 350M step's 41 unfused slots, kernel_times.sh):
-// version 1 4.96 ms (GEMMs 2.05 + finish kernel 2.91), version 2 4.08, version 3 5.45
-// (before its L1 prefetches below, which are not yet timed, nor is d 1280); version 1
-// stays the default until version 2 is timed in the step (cuda/NOTES.md, "The unfused
-// slots' key path and finish in one kernel").
+// stage, with nothing else in flight on the SM).
+// Measured (H100, a step's unfused slots, kernel_times.sh): 350M (41 slots) version 1 4.96
+// ms (GEMMs 2.05 + finish kernel 2.91), version 2 4.07, version 3 5.45 (before its L1
+// prefetches), version 4 3.98; 1B (65 slots) version 1 10.68 (4.97 + 5.71), version 2
+// 10.04, version 4 9.88. In the step they have not shown it (350M version 2 level with 1
+// in two rounds; 1B version 4 1.3% slower in one; the whole GPU suite passes with version 4
+// as the default): version 1 stays the default (BENCHMARKS.md, forty-seventh session).
 // Sums: key[n][c] = sum over k ascending of fp32 fma((ds r)[k][head(c)][n], qg[k][c]),
 // another order than cuBLAS's, so dv's last bits differ from version 1's (the parity tests
 // hold both to the CPU reference's bounds; routing_backward_sum_order says so); the finish's
