@@ -127,7 +127,7 @@ __global__ void __launch_bounds__(32 * kWarps, TPW >= 4 ? 1 : 2)
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[u][t][e] = 0.f;
 
-    if constexpr (!PERSIST) load_stage(0, n0, 0);  // PERSIST: issued before the last finish
+    if constexpr (!PERSIST) load_stage(0, n0, 0);  // PERSIST: above, or before the last finish
     for (int st = 0; st < stages; ++st) {
       const int buf = st & 1;
       // The other buffer was consumed by the whole block (the barrier ending the last stage).
