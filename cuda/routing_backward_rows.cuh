@@ -331,15 +331,19 @@ __device__ __forceinline__ void slot_span(const StreamSlot<NT>& slot, Row<NT>& r
 }
 
 // ---------------------------------------------------------------- host side
-// token_blocks(warps) capped at the blocks of `kernel` that are resident at once: a grid of
-// one wave (a last, partial wave would leave most SMs idle at its end; the pair kernels).
-// routing_set_grid_cap (tests) caps it further.
+// `blocks` of `threads` threads capped at the blocks of `kernel` that are resident at once: a
+// grid of one wave (a last, partial wave would leave most SMs idle at its end; the kernels
+// that loop over their tokens). routing_set_grid_cap (tests) caps it further.
+template <class K>
+int one_wave(K kernel, int64_t blocks, int threads, size_t smem = 0) {
+  blocks = std::min<int64_t>(blocks,
+                             int64_t(sm_count()) * resident_blocks_per_sm(kernel, threads, smem));
+  return int(g_grid_cap > 0 ? std::min<int64_t>(blocks, g_grid_cap) : blocks);
+}
+// The same for the token kernels' blocks of kWarpsPerBlock warps, a warp a token.
 template <class K>
 int one_wave_blocks(K kernel, int64_t warps, size_t smem = 0) {
-  const int64_t blocks = std::min<int64_t>(
-      token_blocks(warps),
-      int64_t(sm_count()) * resident_blocks_per_sm(kernel, 32 * kWarpsPerBlock, smem));
-  return int(g_grid_cap > 0 ? std::min<int64_t>(blocks, g_grid_cap) : blocks);
+  return one_wave(kernel, token_blocks(warps), 32 * kWarpsPerBlock, smem);
 }
 
 // A stream kernel (source_value_pair_stream_kernel, source_value_stream_kernel) on a grid

@@ -248,12 +248,9 @@ bool source_finish_key(cudaStream_t s, bf16* dv, const float* val, const float* 
     auto kernel = g.nchunks == 32 * NT ? source_finish_key_kernel<NT, TPW, true, PERSIST>
                                        : source_finish_key_kernel<NT, TPW, false, PERSIST>;
     allow_smem(kernel, smem);
-    int64_t blocks = ceil_div(g.N, int64_t(block_tokens<TPW>()));
-    if (PERSIST) {  // one wave, which the tests' grid cap may shrink to one block
-      blocks = std::min<int64_t>(
-          blocks, int64_t(sm_count()) * resident_blocks_per_sm(kernel, 32 * kWarps, smem));
-      if (g_grid_cap > 0) blocks = std::min<int64_t>(blocks, g_grid_cap);
-    }
+    const int64_t tiles = ceil_div(g.N, int64_t(block_tokens<TPW>()));
+    // PERSIST: one wave, which the tests' grid cap may shrink to one block.
+    const int64_t blocks = PERSIST ? one_wave(kernel, tiles, 32 * kWarps, smem) : tiles;
     kernel<<<unsigned(blocks), 32 * kWarps, smem, s>>>(dv, val, dsr, qg, v, inv_rms, g, ns);
     CUDA_CHECK_LAUNCH();
   };
