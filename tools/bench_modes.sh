@@ -14,6 +14,12 @@
 #   median tokens/s and step time over the rounds, and the ratio of each round's pair:
 #   the GPU's clock drifts between runs (the 1B step runs at the power cap), so
 #   alternating rounds bound a ratio better than one run of each.
+#   POWER (0): 1 samples nvidia-smi's power draw and SM clock every 100 ms during each run
+#   (power_<round>_<mode>.csv in $OUT) and adds their medians over the timed steps to the
+#   line: the last steps x ms/step before the run's exit, less 0.3 s of teardown. Use
+#   STEPS >= 10 at 1B so that the window holds enough samples. Why: the 1B step runs at
+#   the power cap (cuda/NOTES.md, lead 0), so a kernel faster at a fixed clock can lose
+#   in the step by lowering the clock of everything else.
 set -uo pipefail
 caller_dir="$PWD"  # the default for $OUT: the folder it was called from, not the repo
 cd "$(dirname "$0")/.."
@@ -35,19 +41,50 @@ for ((round = 1; round <= rounds; ++round)); do
     args=(--steps "${STEPS:-10}" --warmup "${WARMUP:-3}")
     [ "${PROFILE:-0}" -gt 0 ] && [ "$round" = 1 ] && args+=(--profile "$PROFILE")
     echo "== $cfg (round $round)" >>"$prof"
+    sampler=""; power_csv="$dir/power_${round}_$mode.csv"
+    if [ "${POWER:-0}" = 1 ]; then
+      nvidia-smi --query-gpu=timestamp,power.draw,clocks.sm --format=csv,noheader,nounits \
+        -lms 100 >"$power_csv" 2>/dev/null &
+      sampler=$!
+    fi
     # One line per run, tagged with its round so that the summary pairs runs of a round.
-    if line=$("$MHAR" --log-level warn bench "$cfg" "${args[@]}" 2>>"$prof") && [ -n "$line" ]; then
-      printf '%s\n' "$line" | sed "s/^{/{\"bench_round\":$round,/" >>"$out"
+    line=$("$MHAR" --log-level warn bench "$cfg" "${args[@]}" 2>>"$prof"); run_rc=$?
+    tag="\"bench_round\":$round,"
+    if [ -n "$sampler" ]; then
+      # nvidia-smi's own timestamp format, so that the window needs no time zone.
+      tag+="\"power_csv\":\"$power_csv\",\"exit_stamp\":\"$(date '+%Y/%m/%d %H:%M:%S.%N')\","
+      kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null
+    fi
+    if [ $run_rc = 0 ] && [ -n "$line" ]; then
+      printf '%s\n' "$line" | sed "s|^{|{$tag|" >>"$out"
     else
       echo "BENCH_MODES $size $mode (round $round) FAILED (see profile.txt)"; rc=1
     fi
   done
 done
 python3 - "$out" <<'PY' || rc=1
-import json, statistics, sys
+import datetime, json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
 if not rows:
     sys.exit(1)
+def stamp(text):
+    return datetime.datetime.strptime(text.strip()[:26], "%Y/%m/%d %H:%M:%S.%f")
+def power(r):
+    """Median power (W) and SM clock (MHz) over the run's timed steps, or None."""
+    if "power_csv" not in r:
+        return None
+    end = stamp(r["exit_stamp"]) - datetime.timedelta(seconds=0.3)
+    start = end - datetime.timedelta(milliseconds=r["ms_per_step"] * r["steps_timed"])
+    watts, mhz = [], []
+    for row in open(r["power_csv"]):
+        f = [x.strip() for x in row.split(",")]
+        try:
+            t, w, c = stamp(f[0]), float(f[1]), float(f[2])
+        except (ValueError, IndexError):
+            continue  # a line cut by the sampler's kill, or "[N/A]"
+        if start <= t <= end:
+            watts.append(w); mhz.append(c)
+    return (statistics.median(watts), statistics.median(mhz), len(watts)) if watts else None
 def name(r):
     return r["config"].split("/")[-1].removesuffix(".json")
 by_mode = {}
@@ -69,6 +106,10 @@ for mode, rs in by_mode.items():
                  if r["bench_round"] in ref_round]
         line += (f"; median of {len(rs)} rounds, the rounds' ratios "
                  + " ".join(f"{p:.3f}" for p in pairs))
+    sampled = [p for p in map(power, rs) if p]
+    if sampled:
+        line += ("; power W / SM MHz (samples) per run: "
+                 + " ".join(f"{w:.0f}/{c:.0f}({n})" for w, c, n in sampled))
     print(line)
 PY
 exit "$rc"
