@@ -28,9 +28,11 @@
 // Measured (H100, a step's unfused slots, kernel_times.sh): 350M (41 slots) version 1 4.96
 // ms (GEMMs 2.05 + finish kernel 2.91), version 2 4.07, version 3 5.45 (before its L1
 // prefetches), version 4 3.98; 1B (65 slots) version 1 10.68 (4.97 + 5.71), version 2
-// 10.04, version 4 9.88. In the step they have not shown it (350M version 2 level with 1
-// in two rounds; 1B version 4 1.3% slower in one; the whole GPU suite passes with version 4
-// as the default): version 1 stays the default (BENCHMARKS.md, forty-seventh session).
+// 10.04, version 4 9.88. In the step they have not shown it: in alternating rounds at 1B
+// version 1 was 0.4-0.9% faster than 4, with the side stream and without it, and at 350M
+// they tied, every run at the card's power limit (BENCHMARKS.md, forty-seventh and
+// forty-eighth sessions). So version 1 stays the default; the whole GPU suite passes with
+// version 4 as the default.
 // Sums: key[n][c] = sum over k ascending of fp32 fma((ds r)[k][head(c)][n], qg[k][c]),
 // another order than cuBLAS's, so dv's last bits differ from version 1's (the parity tests
 // hold both to the CPU reference's bounds; routing_backward_sum_order says so); the finish's
