@@ -17,9 +17,9 @@
 #   POWER (0): 1 samples nvidia-smi's power draw and SM clock every 100 ms during each run
 #   (power_<round>_<mode>.csv in $OUT) and adds their medians over the timed steps to the
 #   line: the last steps x ms/step before the run's exit, less 0.3 s of teardown. Use
-#   STEPS >= 10 at 1B so that the window holds enough samples. Why: the 1B step runs at
-#   the power cap (cuda/NOTES.md, lead 0), so a kernel faster at a fixed clock can lose
-#   in the step by lowering the clock of everything else.
+#   STEPS >= 10 at 1B so that the window holds enough samples. Why: the steps run at the
+#   card's power limit (H100: 100M, 350M and 1B; cuda/NOTES.md, lead 0), so a kernel
+#   faster at a fixed clock can lose in the step by lowering the clock of everything else.
 set -uo pipefail
 caller_dir="$PWD"  # the default for $OUT: the folder it was called from, not the repo
 cd "$(dirname "$0")/.."
@@ -33,6 +33,9 @@ dir="${OUT:-$caller_dir}"; [[ "$dir" = /* ]] || dir="$caller_dir/$dir"
 mkdir -p "$dir"
 out="$dir/bench.jsonl"; prof="$dir/profile.txt"
 : >"$out"; : >"$prof"
+if [ "${POWER:-0}" = 1 ] && ! command -v nvidia-smi >/dev/null; then
+  echo "bench_modes.sh: POWER=1 samples with nvidia-smi, which is not on PATH" >&2; exit 2
+fi
 rc=0
 for ((round = 1; round <= rounds; ++round)); do
   for mode in "${modes[@]}"; do

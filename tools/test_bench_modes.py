@@ -7,6 +7,7 @@ Run by ctest (CMakeLists.txt: bench_modes_script) or by hand: python3 tools/test
 """
 import json
 import os
+import shutil
 import stat
 import subprocess
 import tempfile
@@ -106,6 +107,18 @@ class BenchModesTest(unittest.TestCase):
         self.assertIn("BENCH_MODES 100m nosuchmode: no configs/100m_nosuchmode.json", r.stdout)
         self.assertIn("1.000x the first", lines["100m_standard"])
 
+    def test_power_without_nvidia_smi_is_refused(self):
+        tmp = tempfile.mkdtemp(prefix="bench_modes_test_")
+        # A PATH of just what the script runs before it would sample, without nvidia-smi.
+        bin_dir = os.path.join(tmp, "bin")
+        os.makedirs(bin_dir)
+        for tool in ("bash", "dirname", "mkdir"):
+            os.symlink(shutil.which(tool), os.path.join(bin_dir, tool))
+        env = dict(os.environ, PATH=bin_dir, POWER="1", OUT=os.path.join(tmp, "out"))
+        r = subprocess.run([shutil.which("bash"), SCRIPT, "100m", "standard"], env=env,
+                           capture_output=True, text=True, timeout=60)
+        self.assertEqual(r.returncode, 2, r.stdout + r.stderr)
+        self.assertIn("POWER=1 samples with nvidia-smi, which is not on PATH", r.stderr)
 
 if __name__ == "__main__":
     unittest.main()
