@@ -56,6 +56,14 @@
 //                     numerator.
 //   params            every parameter (tied embedding counted once); also the
 //                     non-embedding count.
+//   energy_j_per_step, power_w, tokens_per_j, power_limit_w  (GPU) rank 0's GPU over the
+//                     timed steps, from the driver's energy counter (cuda/gpu_energy.h):
+//                     joules a step (the counter's difference over all timed steps /
+//                     steps), the mean draw over them, micro_batch * seq_len / joules a
+//                     step, and the enforced limit. The steps run at that limit on the
+//                     H100s, so joules a step are what a change must cut to speed the
+//                     step. The counter advances every few ms: time a second or more.
+//                     energy_method says where they came from, or why they are absent.
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -70,6 +78,7 @@
 
 #include "cli/commands.h"
 #include "cuda/device.h"
+#include "cuda/gpu_energy.h"
 #include "engine/backend_factory.h"
 #include "engine/communicator.h"
 #include "engine/config.h"
@@ -132,6 +141,9 @@ struct PhaseResult {
   std::string backend_name;
   nlohmann::json profile;  // --profile: OpProfiler::report
   std::string profile_table;
+  double energy_j = NAN;  // the GPU's over the timed steps (NaN: no counter)
+  double power_limit_w = NAN;
+  std::string energy_method;  // "nvml ..." or why there is none
 };
 
 PhaseResult run_phase(const Config& cfg, const BenchOptions& o, int local_rank,
@@ -167,10 +179,30 @@ PhaseResult run_phase(const Config& cfg, const BenchOptions& o, int local_rank,
   r.params = model.num_parameters();
   r.backend_name = backend->name();
   for (int i = 0; i < o.warmup; ++i) r.loss = step.run(r.steps++, batch).loss;
+  std::optional<cuda::GpuEnergyCounter> energy;
+  if (r.backend_name.rfind("cuda", 0) == 0) {
+    energy.emplace(local_rank);
+    r.energy_method = energy->available()
+                          ? "nvml total energy counter of rank 0's GPU over the timed steps"
+                          : "unavailable: " + energy->why_unavailable();
+  }
+  const double joules_before = energy ? energy->joules() : NAN;
   for (int i = 0; i < o.steps; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
     r.loss = step.run(r.steps++, batch).loss;  // ends with a device synchronisation
     r.times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  if (energy && energy->available()) {
+    r.energy_j = energy->joules() - joules_before;
+    r.power_limit_w = energy->power_limit_watts();
+    if (std::isnan(r.energy_j)) {
+      r.energy_method = "unavailable: a read of the energy counter failed";
+    } else if (r.energy_j <= 0) {
+      r.energy_method =
+          "unavailable: the energy counter did not advance over the timed steps "
+          "(time more of them)";
+      r.energy_j = NAN;
+    }
   }
   for (int i = 0; i < o.profile_steps; ++i) {
     profiler->begin_step();
@@ -291,6 +323,18 @@ void run_bench(const BenchOptions& o) {
     // The step time the communication adds (what the backward and the forward do not
     // hide), as a share of the data-parallel step.
     j["exposed_comm_share"] = (median - base_median) / median;
+  }
+  if (on_gpu) {
+    j["energy_method"] = r.energy_method;
+    if (std::isfinite(r.energy_j)) {
+      double seconds = 0;
+      for (double s : r.times) seconds += s;
+      const double per_step = r.energy_j / o.steps;
+      j["energy_j_per_step"] = per_step;
+      j["power_w"] = r.energy_j / seconds;
+      j["tokens_per_j"] = double(B) * T / per_step;
+    }
+    if (std::isfinite(r.power_limit_w)) j["power_limit_w"] = r.power_limit_w;
   }
   if (!r.profile.is_null()) {
     j["profile"] = r.profile;

@@ -26,4 +26,10 @@ std::string describe_device(int i) {
   return buf;
 }
 
+std::string pci_bus_id(int i) {
+  char buf[64] = {};
+  CUDA_CHECK(cudaDeviceGetPCIBusId(buf, int(sizeof buf), i));
+  return buf;
+}
+
 }  // namespace mhar::cuda

@@ -14,6 +14,8 @@
 #   median tokens/s and step time over the rounds, and the ratio of each round's pair:
 #   the GPU's clock drifts between runs (the 1B step runs at the power cap), so
 #   alternating rounds bound a ratio better than one run of each.
+#   Where `mhar bench` reads the GPU's energy counter, each line also has the mode's median
+#   joules a step against the first mode's and its mean draw against the power limit.
 #   POWER (0): 1 samples nvidia-smi's power draw and SM clock every 100 ms during each run
 #   (power_<round>_<mode>.csv in $OUT) and adds their medians over the timed steps to the
 #   line: the last steps x ms/step before the run's exit, less 0.3 s of teardown. Use
@@ -109,6 +111,12 @@ for mode, rs in by_mode.items():
                  if r["bench_round"] in ref_round]
         line += (f"; median of {len(rs)} rounds, the rounds' ratios "
                  + " ".join(f"{p:.3f}" for p in pairs))
+    if all("energy_j_per_step" in r for r in rs + ref):
+        # `mhar bench`'s own energy counter (cuda/gpu_energy.h): joules a step bound the
+        # step at the power limit, so each mode's against the first's.
+        j, ref_j = med(rs, "energy_j_per_step"), med(ref, "energy_j_per_step")
+        line += (f"; {j:.1f} J/step ({j / ref_j:.3f}x), {med(rs, 'power_w'):.0f} W"
+                 f" of {med(rs, 'power_limit_w'):.0f}")
     sampled = [p for p in map(power, rs) if p]
     if sampled:
         line += ("; power W / SM MHz (samples) per run: "

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """test_bench_modes.py: tools/bench_modes.sh on stand-ins for `mhar bench` and nvidia-smi whose
-right answers are known: each mode's tokens/s against the first mode's, the rounds' ratios, a
-run that fails, a mode without a config, and with POWER=1 the medians of the power and clock
-samples over the timed steps only (the stand-in GPU draws other watts before and after them).
+right answers are known: each mode's tokens/s and joules a step against the first mode's, the
+rounds' ratios, a run that fails, a mode without a config, and with POWER=1 the medians of the
+power and clock samples over the timed steps only (the stand-in GPU draws other watts before
+and after them).
 Run by ctest (CMakeLists.txt: bench_modes_script) or by hand: python3 tools/test_bench_modes.py
 """
 import json
@@ -37,7 +38,8 @@ phase(300, 1600); time.sleep(0.3)
 tps = {"standard": 1000.0, "mhar": 900.0}[mode]
 print(json.dumps({"config": cfg, "tokens_per_s": tps, "ms_per_step": ms, "steps_timed": steps,
                   "peak_mem_bytes": {"standard": 2**30, "mhar": 2**30 + 2**28}[mode],
-                  "mfu": tps / 1e4}))
+                  "mfu": tps / 1e4, "energy_j_per_step": {"standard": 50.0, "mhar": 60.0}[mode],
+                  "power_w": 625.0, "power_limit_w": 700.0}))
 '''
 
 # The stand-in nvidia-smi: a sample every 0.1 s in --format=csv,noheader,nounits of
@@ -83,7 +85,8 @@ class BenchModesTest(unittest.TestCase):
         self.assertIn("900 tok/s (0.900x the first)", mhar)
         self.assertIn("peak 1.25 GiB (1.250x)", mhar)
         self.assertIn("median of 2 rounds, the rounds' ratios 0.900 0.900", mhar)
-        self.assertNotIn("power", mhar)  # POWER unset: no sampler
+        self.assertIn("60.0 J/step (1.200x), 625 W of 700", mhar)
+        self.assertNotIn("SM MHz", mhar)  # POWER unset: no sampler
         with open(os.path.join(out, "bench.jsonl")) as f:
             rounds = [json.loads(l)["bench_round"] for l in f]
         self.assertEqual(rounds, [1, 1, 2, 2])

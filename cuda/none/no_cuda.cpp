@@ -15,6 +15,9 @@ int device_count() { return 0; }
 std::string describe_device(int i) {
   fail("CUDA device ", i, ": this mhar was built without CUDA (-DMHAR_WITH_CUDA=OFF)");
 }
+std::string pci_bus_id(int i) {
+  fail("CUDA device ", i, ": this mhar was built without CUDA (-DMHAR_WITH_CUDA=OFF)");
+}
 
 }  // namespace cuda
 

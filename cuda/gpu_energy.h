@@ -1,0 +1,42 @@
+// gpu_energy.h: the energy a GPU has drawn, from the driver's counter (NVML's total
+// energy consumption, Volta and later), so that `mhar bench` can report joules a step
+// and tokens a joule beside tokens a second.
+//
+// Why: the H100s and H200s run a training step at their power limit (cuda/NOTES.md, lead
+// 0), so the clock, and with it every kernel's time, follows the energy the step spends.
+// A kernel that is faster at a fixed clock but spends more energy can lose in the step;
+// joules a step say which way a change moved the budget that bounds it.
+//
+// NVML is the driver's library (libnvidia-ml.so.1), not the toolkit's: it is loaded at run
+// time, so neither the build nor a machine without the driver needs it. Where it cannot be
+// loaded or read (no driver, a CPU-only build, a GPU without the counter, a container
+// without access), the counter is unavailable and says why; it never fails the run.
+#pragma once
+#include <memory>
+#include <string>
+
+namespace mhar::cuda {
+
+class GpuEnergyCounter {
+ public:
+  explicit GpuEnergyCounter(int cuda_device);  // the CUDA ordinal; matched by PCI bus id
+  ~GpuEnergyCounter();
+  GpuEnergyCounter(const GpuEnergyCounter&) = delete;
+  GpuEnergyCounter& operator=(const GpuEnergyCounter&) = delete;
+
+  bool available() const { return why_unavailable_.empty(); }
+  const std::string& why_unavailable() const { return why_unavailable_; }
+  // Joules drawn since the driver loaded (a millijoule counter that the driver advances
+  // every few ms: read differences over seconds, not single steps of a small model), or NaN
+  // where unavailable or a read fails.
+  double joules() const;
+  // The power limit the driver enforces now, W, or NaN.
+  double power_limit_watts() const;
+
+ private:
+  struct Nvml;
+  std::unique_ptr<Nvml> nvml_;
+  std::string why_unavailable_;
+};
+
+}  // namespace mhar::cuda
