@@ -62,7 +62,8 @@
 //                     steps), the mean draw over them, micro_batch * seq_len / joules a
 //                     step, and the enforced limit. The steps run at that limit on the
 //                     H100s, so joules a step are what a change must cut to speed the
-//                     step. The counter advances every few ms: time a second or more.
+//                     step. How often the driver advances the counter is not
+//                     documented: time a second of steps or more.
 //                     energy_method says where they came from, or why they are absent.
 #include <spdlog/spdlog.h>
 

@@ -26,9 +26,9 @@ class GpuEnergyCounter {
 
   bool available() const { return why_unavailable_.empty(); }
   const std::string& why_unavailable() const { return why_unavailable_; }
-  // Joules drawn since the driver loaded (a millijoule counter that the driver advances
-  // every few ms: read differences over seconds, not single steps of a small model), or NaN
-  // where unavailable or a read fails.
+  // Joules drawn since the driver loaded (NVML counts millijoules; how often the driver
+  // advances the counter is not documented, so read differences over a second or more, not
+  // single steps of a small model), or NaN where unavailable or a read fails.
   double joules() const;
   // The power limit the driver enforces now, W, or NaN.
   double power_limit_watts() const;

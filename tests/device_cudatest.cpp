@@ -20,7 +20,8 @@ TEST(CudaDevice, DiscoveryIsSafeWithoutADevice) {
 // The driver's energy counter (cuda/gpu_energy.h) over a second and a half of device-to-
 // device copies: it must be readable where nvidia-smi is, advance, and give a mean draw
 // between an idle card's and the enforced limit (the card cannot average above its limit
-// over that long; 1.1x leaves the counter's few-ms update steps at both ends).
+// over that long; 1.1x leaves room for the counter's update steps at both ends, whose
+// period NVML does not document).
 TEST(CudaDevice, EnergyCounterAdvancesUnderLoad) {
   if (mhar::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
   mhar::cuda::GpuEnergyCounter counter(0);
