@@ -120,6 +120,8 @@ void fast_random_init(Model& model, uint64_t seed) {
   });
 }
 
+bool is_cuda_backend(const std::string& backend_name) { return backend_name.rfind("cuda", 0) == 0; }
+
 struct BenchOptions {
   std::string config_path, device = "auto";
   std::vector<std::string> overrides;
@@ -181,7 +183,7 @@ PhaseResult run_phase(const Config& cfg, const BenchOptions& o, int local_rank,
   r.backend_name = backend->name();
   for (int i = 0; i < o.warmup; ++i) r.loss = step.run(r.steps++, batch).loss;
   std::optional<cuda::GpuEnergyCounter> energy;
-  if (r.backend_name.rfind("cuda", 0) == 0) {
+  if (is_cuda_backend(r.backend_name)) {
     energy.emplace(local_rank);
     r.energy_method = energy->available()
                           ? "nvml total energy counter of rank 0's GPU over the timed steps"
@@ -279,7 +281,7 @@ void run_bench(const BenchOptions& o) {
   const double median = median_of(r.times);
   const double tokens_per_s = double(B) * T / median;  // per rank
   const double fpt = flops_per_token(cfg.model, T);
-  const bool on_gpu = r.backend_name.rfind("cuda", 0) == 0;
+  const bool on_gpu = is_cuda_backend(r.backend_name);
 
   nlohmann::json j = {
       {"tool", "mhar bench"},

@@ -31,13 +31,14 @@ modes=("$@"); [ ${#modes[@]} -gt 0 ] || modes=(standard mhar block_mhar)
 MHAR="${MHAR:-build-gpu/mhar}"
 rounds="${ROUNDS:-1}"
 [[ "$rounds" =~ ^[1-9][0-9]*$ ]] || { echo "bench_modes.sh: ROUNDS must be a positive integer, got '$rounds'" >&2; exit 2; }
+# Refused before $OUT's files are truncated, so that they keep the last run's results.
+if [ "${POWER:-0}" = 1 ] && ! command -v nvidia-smi >/dev/null; then
+  echo "bench_modes.sh: POWER=1 samples with nvidia-smi, which is not on PATH" >&2; exit 2
+fi
 dir="${OUT:-$caller_dir}"; [[ "$dir" = /* ]] || dir="$caller_dir/$dir"
 mkdir -p "$dir"
 out="$dir/bench.jsonl"; prof="$dir/profile.txt"
 : >"$out"; : >"$prof"
-if [ "${POWER:-0}" = 1 ] && ! command -v nvidia-smi >/dev/null; then
-  echo "bench_modes.sh: POWER=1 samples with nvidia-smi, which is not on PATH" >&2; exit 2
-fi
 rc=0
 for ((round = 1; round <= rounds; ++round)); do
   for mode in "${modes[@]}"; do

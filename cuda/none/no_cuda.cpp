@@ -12,12 +12,13 @@ namespace cuda {
 
 bool built_with_cuda() { return false; }
 int device_count() { return 0; }
-std::string describe_device(int i) {
+namespace {
+[[noreturn]] void no_device(int i) {
   fail("CUDA device ", i, ": this mhar was built without CUDA (-DMHAR_WITH_CUDA=OFF)");
 }
-std::string pci_bus_id(int i) {
-  fail("CUDA device ", i, ": this mhar was built without CUDA (-DMHAR_WITH_CUDA=OFF)");
-}
+}  // namespace
+std::string describe_device(int i) { no_device(i); }
+std::string pci_bus_id(int i) { no_device(i); }
 
 }  // namespace cuda
 
