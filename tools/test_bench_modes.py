@@ -60,6 +60,7 @@ while True:
 class BenchModesTest(unittest.TestCase):
     def run_script(self, modes, **env):
         tmp = tempfile.mkdtemp(prefix="bench_modes_test_")
+        self.addCleanup(shutil.rmtree, tmp, ignore_errors=True)
         bin_dir = os.path.join(tmp, "bin")
         os.makedirs(bin_dir)
         for name, text in (("mhar", FAKE_MHAR), ("nvidia-smi", FAKE_SMI)):
@@ -112,6 +113,7 @@ class BenchModesTest(unittest.TestCase):
 
     def test_power_without_nvidia_smi_is_refused(self):
         tmp = tempfile.mkdtemp(prefix="bench_modes_test_")
+        self.addCleanup(shutil.rmtree, tmp, ignore_errors=True)
         # A PATH of just what the script runs before it would sample, without nvidia-smi.
         bin_dir = os.path.join(tmp, "bin")
         os.makedirs(bin_dir)
