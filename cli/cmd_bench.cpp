@@ -60,10 +60,11 @@
 //                     timed steps, from the driver's energy counter (cuda/gpu_energy.h):
 //                     joules a step (the counter's difference over all timed steps /
 //                     steps), the mean draw over them, micro_batch * seq_len / joules a
-//                     step, and the enforced limit. The steps run at that limit on the
-//                     H100s, so joules a step are what a change must cut to speed the
-//                     step. How often the driver advances the counter is not
-//                     documented: time a second of steps or more.
+//                     step, and the enforced limit. A mean draw at the limit (every
+//                     mode and size on an H100, cuda/NOTES.md lead 0) says the step is
+//                     power-bound: its joules then follow its time. How often the driver
+//                     advances the counter is not documented: time a second of steps or
+//                     more.
 //                     energy_method says where they came from, or why they are absent.
 #include <spdlog/spdlog.h>
 
