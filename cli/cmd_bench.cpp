@@ -121,8 +121,6 @@ void fast_random_init(Model& model, uint64_t seed) {
   });
 }
 
-bool is_cuda_backend(const std::string& backend_name) { return backend_name.rfind("cuda", 0) == 0; }
-
 struct BenchOptions {
   std::string config_path, device = "auto";
   std::vector<std::string> overrides;

@@ -45,9 +45,11 @@ std::unique_ptr<Backend> make_backend(const std::string& device, int local_rank)
   fail("device \"", device, "\" is not a device; valid: auto, cpu, cuda");
 }
 
+bool is_cuda_backend(const std::string& backend_name) { return backend_name.rfind("cuda", 0) == 0; }
+
 std::unique_ptr<Communicator> make_communicator(Backend& backend) {
   if (!dist::info().mpi) return make_single_communicator();
-  if (backend.name().rfind("cuda", 0) == 0) return make_nccl_communicator(backend);
+  if (is_cuda_backend(backend.name())) return make_nccl_communicator(backend);
   return make_mpi_communicator(backend);
 }
 
