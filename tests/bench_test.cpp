@@ -92,6 +92,20 @@ TEST_F(BenchTest, SetOverridesAndStandardMode) {
   EXPECT_EQ(j.at("micro_batch"), 1);
 }
 
+// --profile's roofline for the memory-bound families: on a GPU the copy rate measured in
+// the run (tests/device_cudatest.cpp checks the measurement); on the CPU nothing to
+// measure, so the H200's 4.3 TB/s stands in and the JSON says why.
+TEST_F(BenchTest, ProfileNamesItsCopyRoofline) {
+  const Result r = run("bench " + cfg.string() + " --device cpu --steps 1 --warmup 0 --profile 1");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  const auto p = nlohmann::json::parse(r.out).at("profile");
+  EXPECT_DOUBLE_EQ(p.at("peak_tflops").get<double>(), 989.0);
+  EXPECT_DOUBLE_EQ(p.at("peak_tbps").get<double>(), 4.3);
+  const std::string method = p.at("copy_rate_method");
+  EXPECT_NE(method.find("not measured here"), std::string::npos) << method;
+  EXPECT_NE(method.find("cpu"), std::string::npos) << method;
+}
+
 TEST_F(BenchTest, RejectsBadArguments) {
   EXPECT_NE(run("bench " + cfg.string() + " --device cpu --steps 0").rc, 0);
   EXPECT_NE(run("bench " + (dir / "missing.json").string() + " --device cpu").rc, 0);

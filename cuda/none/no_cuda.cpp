@@ -1,6 +1,8 @@
 // no_cuda.cpp: the CUDA entry points of a build configured with -DMHAR_WITH_CUDA=OFF (a
 // machine without the CUDA toolkit). Discovery reports no device, so `auto` picks the CPU;
 // asking for the CUDA backend explicitly is an error that says how to get it.
+#include <cmath>
+
 #include "cuda/cuda_backend.h"
 #include "cuda/device.h"
 #include "engine/communicator.h"
@@ -19,6 +21,10 @@ namespace {
 }  // namespace
 std::string describe_device(int i) { no_device(i); }
 std::string pci_bus_id(int i) { no_device(i); }
+double measure_copy_bytes_per_s(std::string* why) {
+  if (why) *why = "this mhar was built without CUDA (-DMHAR_WITH_CUDA=OFF)";
+  return NAN;
+}
 
 }  // namespace cuda
 
