@@ -73,7 +73,7 @@ double measure_copy_bytes_per_s(std::string* why) {
   if (src) cudaFree(src);
   if (dst) cudaFree(dst);
   if (failed != cudaSuccess) {
-    cudaGetLastError();  // leave no sticky error for the caller's next check
+    cudaGetLastError();  // cleared, so that the caller's next check is not about this one
     if (why) *why = std::string(failed_call) + ": " + cudaGetErrorString(failed);
     return NAN;
   }
