@@ -75,9 +75,9 @@
 // kernels.h; the defaults are the measured fastest: mix tile 5 of 5, finish 6 of 6, the
 // norm in the finish 2 of 2, pair 16 of 16, the unfused value kernel by width of 7, the
 // key gradients 4 of 4, logits 9 of 9, the q*g tables 1 of 2, the delta site forward 1 of
-// 2, its backward 2 of 3; routing_host.h lists them with their files), so that one device
-// run times each (tests/op_timing_cudatest.cpp); every version
-// computes the same bits, but for the logits' choice between token kernel and GEMMs, the
+// 2, its backward 2 of 3, the backward tile's pass ahead 1 (off) of 2; routing_host.h lists them
+// with their files), so that one device run times each (tests/op_timing_cudatest.cpp); every
+// version computes the same bits, but for the logits' choice between token kernel and GEMMs, the
 // backward's row parts and fused key path, the key gradients' and pair version 12's
 // tensor cores (see there; routing_backward_sum_order tells the tests which).
 #include <algorithm>
@@ -99,6 +99,7 @@ int g_source_value_version = kSourceValueDefault;
 int g_pair_version = kPairDefault;
 int g_key_grad_version = kKeyGradDefault;
 int g_source_finish_version = kSourceFinishDefault;
+int g_back_ahead_version = kBackAheadDefault;
 int g_grid_cap = 0;
 int g_fused_key_max_sites = kFusedKeyMaxSites;
 
@@ -204,6 +205,8 @@ int routing_kernel_versions(RoutingKernel kernel) {
       return kQgTablesVersions;
     case RoutingKernel::SourceFinish:
       return kSourceFinishVersions;
+    case RoutingKernel::BackwardAhead:
+      return kBackAheadVersions;
   }
   return 0;
 }
@@ -212,28 +215,30 @@ int routing_set_kernel_version(RoutingKernel kernel, int version) {
   const int versions = routing_kernel_versions(kernel);
   MHAR_CHECK(version <= versions, "routing_set_kernel_version: version ", version, " of a kernel "
              "with versions 1 .. ", versions, " (<= 0: the default)");
-  int& v = kernel == RoutingKernel::MixTile        ? g_mix_tile_version
-           : kernel == RoutingKernel::BackwardPair ? g_pair_version
-           : kernel == RoutingKernel::DeltaSite    ? g_delta_site_version
-           : kernel == RoutingKernel::Logits       ? g_logits_version
-           : kernel == RoutingKernel::MixFinish    ? g_mix_finish_version
-           : kernel == RoutingKernel::SourceValue  ? g_source_value_version
-           : kernel == RoutingKernel::KeyGrad      ? g_key_grad_version
-           : kernel == RoutingKernel::MixNorm      ? g_mix_norm_version
-           : kernel == RoutingKernel::QgTables     ? g_qg_tables_version
-           : kernel == RoutingKernel::SourceFinish ? g_source_finish_version
-                                                   : g_delta_forward_version;
-  const int fallback = kernel == RoutingKernel::MixTile        ? kMixTileDefault
-                       : kernel == RoutingKernel::BackwardPair ? kPairDefault
-                       : kernel == RoutingKernel::DeltaSite    ? kDeltaSiteDefault
-                       : kernel == RoutingKernel::Logits       ? kLogitsDefault
-                       : kernel == RoutingKernel::MixFinish    ? kMixFinishDefault
-                       : kernel == RoutingKernel::SourceValue  ? kSourceValueDefault
-                       : kernel == RoutingKernel::KeyGrad      ? kKeyGradDefault
-                       : kernel == RoutingKernel::MixNorm      ? kMixNormDefault
-                       : kernel == RoutingKernel::QgTables     ? kQgTablesDefault
-                       : kernel == RoutingKernel::SourceFinish ? kSourceFinishDefault
-                                                               : kDeltaForwardDefault;
+  int& v = kernel == RoutingKernel::MixTile         ? g_mix_tile_version
+           : kernel == RoutingKernel::BackwardPair  ? g_pair_version
+           : kernel == RoutingKernel::DeltaSite     ? g_delta_site_version
+           : kernel == RoutingKernel::Logits        ? g_logits_version
+           : kernel == RoutingKernel::MixFinish     ? g_mix_finish_version
+           : kernel == RoutingKernel::SourceValue   ? g_source_value_version
+           : kernel == RoutingKernel::KeyGrad       ? g_key_grad_version
+           : kernel == RoutingKernel::MixNorm       ? g_mix_norm_version
+           : kernel == RoutingKernel::QgTables      ? g_qg_tables_version
+           : kernel == RoutingKernel::SourceFinish  ? g_source_finish_version
+           : kernel == RoutingKernel::BackwardAhead ? g_back_ahead_version
+                                                    : g_delta_forward_version;
+  const int fallback = kernel == RoutingKernel::MixTile         ? kMixTileDefault
+                       : kernel == RoutingKernel::BackwardPair  ? kPairDefault
+                       : kernel == RoutingKernel::DeltaSite     ? kDeltaSiteDefault
+                       : kernel == RoutingKernel::Logits        ? kLogitsDefault
+                       : kernel == RoutingKernel::MixFinish     ? kMixFinishDefault
+                       : kernel == RoutingKernel::SourceValue   ? kSourceValueDefault
+                       : kernel == RoutingKernel::KeyGrad       ? kKeyGradDefault
+                       : kernel == RoutingKernel::MixNorm       ? kMixNormDefault
+                       : kernel == RoutingKernel::QgTables      ? kQgTablesDefault
+                       : kernel == RoutingKernel::SourceFinish  ? kSourceFinishDefault
+                       : kernel == RoutingKernel::BackwardAhead ? kBackAheadDefault
+                                                                : kDeltaForwardDefault;
   const int before = v;
   v = version > 0 ? version : fallback;
   return before;

@@ -346,6 +346,83 @@ TEST_P(SideWork, SameBitsAsIssueOrder) {
   }
 }
 
+// The backward tiles' passes ahead of their turn (backend.h routing_source_backward_tile_ahead,
+// lab version backward_ahead=2) in a model whose width and depth take them (d 1024 as 350M's,
+// 6 layers: 13 sites, so the tiles at slots 4 and 2 have more sites than the fused limit):
+// on the side stream beside the sublayers' backwards (side_stream 2, 3) the losses and every
+// gradient bit for bit as in issue order (side_stream 1), which a race between the pass and
+// the ops it runs beside would break; and against the tiles without the pass, whose value
+// rows sum their sites in another order, every gradient within the whole-model bound
+// kTolGrad (a missing or doubled site would be far outside it). The passes must have run.
+TEST(BackwardAhead, SameBitsBesideAsInIssueOrder) {
+  if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  nlohmann::json model = tiny_gpu_model_json(256, 128);
+  model["d_model"] = 1024;
+  model["n_layers"] = 6;
+  model["n_heads"] = 8;
+  model["n_kv_heads"] = 4;
+  model["head_dim"] = 128;
+  model["d_ff"] = 2048;
+  const Config cfg =
+      config_from_json({{"model", model},
+                        {"residual", {{"mode", "mhar"}, {"heads", 8}}},
+                        {"train", {{"micro_batch", 2}, {"seq_len", 80}, {"warmup_steps", 0}}}},
+                       "model_cudatest");
+  const int B = 8, T = 128;
+  auto gpu = make_cuda_backend(0);
+  Model m(cfg.model, cfg.residual, *gpu, B, T);
+  randomize_weights(m, 42);
+  std::vector<int32_t> x[2], y[2];
+  for (int k = 0; k < 2; ++k) random_tokens(B * T, cfg.model.vocab_size, 7 + k, x[k], y[k]);
+  struct Result {
+    double loss[2];
+    std::vector<std::vector<double>> grads;
+  };
+  auto run = [&](int ahead, int side_stream) {
+    const int ahead_before =
+        cuda::routing_set_kernel_version(cuda::RoutingKernel::BackwardAhead, ahead);
+    const int side_before = cuda::side_stream_set_version(side_stream);
+    Result r;
+    m.zero_grads();
+    for (int k = 0; k < 2; ++k) {
+      r.loss[k] = m.forward(x[k].data(), y[k].data(), 0.5);
+      m.backward();
+    }
+    for (const Parameter& p : m.parameters()) r.grads.push_back(download(*gpu, p.grad));
+    cuda::side_stream_set_version(side_before);
+    cuda::routing_set_kernel_version(cuda::RoutingKernel::BackwardAhead, ahead_before);
+    return r;
+  };
+  const Result tiles = run(1, 1);
+  const int64_t passes_before = cuda::routing_back_ahead_passes();
+  const Result in_order = run(2, 1);
+  const int64_t passes = cuda::routing_back_ahead_passes() - passes_before;
+  EXPECT_EQ(passes, 4) << "two tiles a backward take the pass ahead, two backwards";
+  for (int k = 0; k < 2; ++k) EXPECT_EQ(in_order.loss[k], tiles.loss[k]) << "the forward";
+  double worst = 0;
+  for (size_t i = 0; i < m.parameters().size(); ++i) {
+    const double ref = norm(tiles.grads[i]);
+    if (ref == 0) continue;
+    worst = std::max(worst, rel_err(in_order.grads[i], tiles.grads[i]));
+    EXPECT_LT(rel_err(in_order.grads[i], tiles.grads[i]), kTolGrad) << m.parameters()[i].name;
+  }
+  for (int side_stream = 2; side_stream <= cuda::side_stream_versions(); ++side_stream) {
+    const Result beside = run(2, side_stream);
+    size_t differing = 0;
+    for (int k = 0; k < 2; ++k) EXPECT_EQ(beside.loss[k], in_order.loss[k]);
+    for (size_t i = 0; i < m.parameters().size(); ++i)
+      if (beside.grads[i] != in_order.grads[i]) {
+        ++differing;
+        ADD_FAILURE() << m.parameters()[i].name << " differs with the passes ahead beside, "
+                      << "side_stream " << side_stream;
+      }
+    std::printf(
+        "BACKWARD_AHEAD side_stream %d: %zu tensors, %zu differ from issue order; "
+        "against the tiles without it, worst rel_err %.3e\n",
+        side_stream, m.parameters().size(), differing, worst);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Modes, SideWork,
                          ::testing::Values(ModeCase{"standard", 0}, ModeCase{"mhar", 2},
                                            ModeCase{"mhar", 2, 3}, ModeCase{"hyper", 0},

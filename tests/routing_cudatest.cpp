@@ -289,6 +289,83 @@ class RoutingParity : public CudaParity {
         run, against_cpu);
     std::printf("BACKWARD_TILES %s: %d tiles of %d slots\n", tag.c_str(), tiles, k);
     against_cpu(got, tag);
+    if (lay.block == 1)
+      check_back_tiles_ahead(tag, k, lay, N, d, H, rows, history, xs, inv_rms, site_dx, mixed, pg,
+                             got, against_cpu);
+  }
+
+  // The tiles' passes ahead of their turn (routing_source_backward_tile_ahead, lab version
+  // backward_ahead=2), called as RoutedScheme::site_backward does: after each slot's call,
+  // for the tile that starts at the next slot. Each slot's value row then sums its sites in
+  // another order (the sites after the tile's first, then the rest), so dv is held to the
+  // CPU's bounds; the logit gradients, ubar and the key gradients are per-site sums and keep
+  // the plain tiles' bits (`tiled`). Where a pass ahead ran (the backend counts them), the
+  // site gradients after the tile's first slot hold NaN from then until the tile's older
+  // slot is done, so a tile call that read them again would show; and the width and
+  // layout of the 350M and 1B configs must take the pass (it would otherwise pass unrun).
+  // With the one-wave grids capped at one block too (the stream's cursor across tokens).
+  template <class Close>
+  void check_back_tiles_ahead(const std::string& tag, int k, const RoutingLayout& lay, int64_t N,
+                              int64_t d, int H, const std::vector<Tensor>& rows, Pair& history,
+                              Pair& xs, Pair& inv_rms, Pair& site_dx,
+                              const std::vector<double>& mixed, const RoutingParams& pg,
+                              const BackwardBits& tiled, Close&& against_cpu) {
+    const int S = lay.sites;
+    Buffer w(*gpu, DType::F32, {lay.pairs(), H, N}), ub(*gpu, DType::F32, {S, H, N});
+    Buffer gs(*gpu, DType::F32, {8, S, d}), dvt(*gpu, DType::BF16, {S, N, d});
+    const std::vector<double> dx_clean = site_dx.c.get();
+    const std::vector<double> nan_row(size_t(N * d), std::nan(""));
+    const int before = cuda::routing_set_kernel_version(cuda::RoutingKernel::BackwardAhead, 2);
+    int64_t passes = 0;
+    for (const bool one_block : {false, true}) {
+      const int cap_before = cuda::routing_set_grid_cap(one_block ? 1 : 0);
+      w.set(mixed);
+      ub.poison();
+      dvt.poison();
+      gs.set(std::vector<double>(size_t(8 * S * d), 0.0));
+      int ahead_of = -1;  // the slot whose tile's pass ran ahead, its later rows NaN
+      for (int i = S - 1; i >= 0; --i) {
+        if (const int count = lay.back_tile_count(i, k); count > 0)
+          gpu->routing_source_backward_tile(dvt.t()[i], w, ub, gs, rows, xs.g.t()[i], history.g,
+                                            inv_rms.g, pg, lay, i, count, H);
+        else
+          gpu->routing_source_backward(dvt.t()[i], w, ub, gs, rows, xs.g.t()[i], history.g.t()[i],
+                                       inv_rms.g.t()[i], pg, lay, i, H);
+        if (ahead_of >= 0 && i == ahead_of - 1) {  // the tile's older slot is done
+          gpu->synchronize();
+          for (int j = ahead_of + 1; j < S; ++j)
+            gpu->upload(site_dx.g.t()[j], dx_clean.data() + size_t(j) * size_t(N * d));
+          ahead_of = -1;
+        }
+        if (i < 1) continue;
+        if (const int count = lay.back_tile_count(i - 1, k); count > 0) {
+          const int64_t launched = cuda::routing_back_ahead_passes();
+          gpu->routing_source_backward_tile_ahead(w, ub, rows, history.g, inv_rms.g, pg, lay, i - 1,
+                                                  count, H);
+          if (cuda::routing_back_ahead_passes() > launched) {
+            ++passes;
+            ahead_of = i - 1;
+            gpu->synchronize();  // the pass has read them: from here on only site i - 1's
+            for (int j = i; j < S; ++j) gpu->upload(site_dx.g.t()[j], nan_row.data());
+          }
+        }
+      }
+      const BackwardBits got{dvt.get(), ub.get(), w.get(), gs.get()};
+      const std::string what = tag + (one_block ? ", one block" : "") + ", passes ahead";
+      against_cpu(got, what);
+      EXPECT_EQ(got.ubar, tiled.ubar) << what << " ubar";
+      EXPECT_EQ(got.weights, tiled.weights) << what << " ds*r";
+      EXPECT_EQ(got.gsum, tiled.gsum) << what << " key grads";
+      cuda::routing_set_grid_cap(cap_before);
+    }
+    cuda::routing_set_kernel_version(cuda::RoutingKernel::BackwardAhead, before);
+    std::printf("BACKWARD_AHEAD %s: %lld passes ahead\n", tag.c_str(), (long long)passes);
+    // (Full routing: slot i is read by S - i sites; a tile starts at slot 1 or 2.)
+    const bool model_width =
+        (d == 1024 || d == 1280) && H == 8 && k >= 2 && S - 2 > cuda::routing_fused_key_max_sites();
+    if (model_width) {
+      EXPECT_GT(passes, 0) << tag << ": the 350M / 1B shapes take the pass ahead";
+    }
   }
 
   // `block` s: block routing's layout (1: full routing).
