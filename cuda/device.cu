@@ -37,7 +37,7 @@ std::string pci_bus_id(int i) {
 
 double measure_copy_bytes_per_s(std::string* why) {
   // 512 MiB each way: ten times the H200's 50 MB L2, so the copies run from DRAM.
-  constexpr size_t kBytes = size_t(512) << 20;
+  constexpr size_t kBytes = kCopyRateBytes;
   constexpr int kWarmup = 2, kTimed = 7;
   void *src = nullptr, *dst = nullptr;
   cudaStream_t stream = nullptr;

@@ -2,6 +2,7 @@
 // machines without a GPU or driver: they report zero devices (and no copy rate) instead of
 // failing, so CPU-only runs and CI work unchanged.
 #pragma once
+#include <cstddef>
 #include <string>
 
 namespace mhar::cuda {
@@ -19,5 +20,6 @@ std::string pci_bus_id(int i);       // "0000:19:00.0": how the driver's tools n
 // left, a build without CUDA); it clears the runtime's last error after a failure, so a
 // caller's next error check is not about the measurement.
 double measure_copy_bytes_per_s(std::string* why);
+constexpr size_t kCopyRateBytes = size_t(512) << 20;  // what it copies each way
 
 }  // namespace mhar::cuda

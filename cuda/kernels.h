@@ -120,11 +120,10 @@ int cross_entropy_versions();
 // is an MHAR_CHECK); unbound, each slot is a grow-only buffer of the backend (a larger request
 // reallocates it, synchronising the stream). A slot's contents last until the next request of the
 // same slot; RoutingTile, RoutingBackTile and RoutingBackAhead carry a depth tile from one op to
-// the next
-// (routing_mix.cu, routing_backward.cu), RopeTable the cos/sin table from one call to the next (the
-// backend refills it when theta, head_dim or the positions change, and after every binding),
-// RoutingPassTables every site's q*g from the op of a bound pass that first needs them to the
-// pass's last (QgPassTables), the others are used within one op. A new slot, or a request that
+// the next (routing_mix.cu, routing_backward.cu), RopeTable the cos/sin table from one call to the
+// next (the backend refills it when theta, head_dim or the positions change, and after every
+// binding), RoutingPassTables every site's q*g from the op of a bound pass that first needs them to
+// the pass's last (QgPassTables), the others are used within one op. A new slot, or a request that
 // grows with another shape, needs its size in scratch_layout (cuda_backend.cu), or models will fail
 // the size check.
 enum class ScratchSlot {

@@ -658,6 +658,29 @@ bool between_tile_slots(const BackTile& tile, const void* weights, const void* u
          weights == tile.weights && ubar == tile.ubar && layout == tile.layout;
 }
 
+// The site gradients k = first .. last (the sites a slot's kernels read), checked [N, d] bf16.
+SiteRows site_rows(const char* what, const std::vector<Tensor>& site_dx, int sites, int first,
+                   int last, int64_t N, int d) {
+  MHAR_CHECK(int(site_dx.size()) == sites, "CUDA ", what, ": ", site_dx.size(),
+             " sites' gradients for ", sites, " sites");
+  SiteRows rows{};
+  for (int k = first; k <= last; ++k) {
+    check_dtype(site_dx[size_t(k)], DType::BF16, what, "site_dx");
+    check_numel(site_dx[size_t(k)], N * d, what, "site_dx");
+    rows.dx[k] = static_cast<const bf16*>(site_dx[size_t(k)].data);
+  }
+  return rows;
+}
+
+// The row parts of the fused form every slot takes at the value version in force (value
+// versions 5 and 7: source_value_fused_ring_kernel), or -1 where slots are not all fused.
+int fused_parts_log2_for(const Geometry& g) {
+  const int value_version = source_value_version(g.d);
+  return value_fuses_every_slot(value_version) && span_layout(g)
+             ? parts_log2_for(g, value_part_chunks(value_version))
+             : -1;
+}
+
 // One slot's backward (routing_source_backward), in one of three forms: plain; the first
 // slot of a backward depth tile (`older` set: that slot rides along, its share of the
 // sites >= source left in the RoutingBackTile scratch); or the tile's older slot
@@ -681,14 +704,7 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
   MHAR_CHECK(gsum.ndim == 3 && gsum.dim(1) == S && gsum.dim(2) == g.d, "CUDA ", what,
              ": gsum must be [C, ", S, ", ", g.d, "], got ", gsum.shape_str());
   for (const Tensor* t : {&dv, &x}) check_dtype(*t, DType::BF16, what, "dv/x");
-  MHAR_CHECK(int(site_dx.size()) == S, "CUDA ", what, ": ", site_dx.size(),
-             " sites' gradients for ", S, " sites");
-  SiteRows rows{};
-  for (int k = source; k <= layout.last_site(source); ++k) {
-    check_dtype(site_dx[size_t(k)], DType::BF16, what, "site_dx");
-    check_numel(site_dx[size_t(k)], N * g.d, what, "site_dx");
-    rows.dx[k] = static_cast<const bf16*>(site_dx[size_t(k)].data);
-  }
+  const SiteRows rows = site_rows(what, site_dx, S, source, layout.last_site(source), N, g.d);
   check_numel(x, N * g.d, what, "x");
   check_numel(dv, N * g.d, what, "dv");
   const SiteParams sp = site_params(what, params, g.d);
@@ -702,10 +718,7 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
   // the others write the fp32 value row for the key GEMM and finish kernel below. Value
   // versions 5 and 7 fuse every slot's key path (source_value_fused_ring_kernel).
   const int value_version = source_value_version(g.d);
-  const bool fuses_every_slot = value_fuses_every_slot(value_version);
-  const int fused_parts_log2 = !delta && fuses_every_slot && span_layout(g)
-                                   ? parts_log2_for(g, value_part_chunks(value_version))
-                                   : -1;
+  const int fused_parts_log2 = delta ? -1 : fused_parts_log2_for(g);
   const bool ring_fused = fused_parts_log2 >= 0;
   const bool fused = ring_fused || (span_layout(g) && ns <= g_fused_key_max_sites);
   float* val = fused ? nullptr
@@ -1042,22 +1055,12 @@ void routing_source_backward_tile_ahead(cudaStream_t s, cudaStream_t beside, Rou
   const Tensor v = history[source], older_v = history[source - 1];
   const Geometry g =
       source_geometry(what, weights, inv_rms[source], v, params, layout, source, heads);
-  const int value_version = source_value_version(g.d);
-  const int fused_parts_log2 = value_fuses_every_slot(value_version) && span_layout(g)
-                                   ? parts_log2_for(g, value_part_chunks(value_version))
-                                   : -1;
+  const int fused_parts_log2 = fused_parts_log2_for(g);
   if (!backward_ahead_applies(g, heads, fused_parts_log2)) return;
   const int64_t N = g.N;
   check_dtype(ubar, DType::F32, what, "ubar");
   check_numel(ubar, int64_t(layout.sites) * heads * N, what, "ubar");
-  MHAR_CHECK(int(site_dx.size()) == layout.sites, "CUDA ", what, ": ", site_dx.size(),
-             " sites' gradients for ", layout.sites, " sites");
-  SiteRows rows{};
-  for (int k = source + 1; k <= last; ++k) {
-    check_dtype(site_dx[size_t(k)], DType::BF16, what, "site_dx");
-    check_numel(site_dx[size_t(k)], N * g.d, what, "site_dx");
-    rows.dx[k] = static_cast<const bf16*>(site_dx[size_t(k)].data);
-  }
+  const SiteRows rows = site_rows(what, site_dx, layout.sites, source + 1, last, N, g.d);
   auto* val = static_cast<float*>(ctx.scratch(ScratchSlot::RoutingBackAhead, N * g.d * 4));
   auto* partial = static_cast<float*>(ctx.scratch(ScratchSlot::RoutingBackTile, N * g.d * 4));
   const TileSlot older{static_cast<const bf16*>(older_v.data),

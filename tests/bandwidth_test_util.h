@@ -50,7 +50,7 @@ class BandwidthTest : public CudaParity {
     const double bytes_per_s = cuda::measure_copy_bytes_per_s(&why);
     ASSERT_TRUE(bytes_per_s > 0) << "the copy rate could not be measured: " << why;
     copy_tbs_ = bytes_per_s * 1e-12;
-    const double bytes = 2.0 * double(size_t(512) << 20);  // its 512 MiB, read + written
+    const double bytes = 2.0 * double(cuda::kCopyRateBytes);  // read + written
     report("device copy (cuda::measure_copy_bytes_per_s, 512 MiB)", bytes,
            bytes / bytes_per_s * 1e3);
   }

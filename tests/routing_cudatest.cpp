@@ -291,17 +291,18 @@ class RoutingParity : public CudaParity {
     against_cpu(got, tag);
     if (lay.block == 1)
       check_back_tiles_ahead(tag, k, lay, N, d, H, rows, history, xs, inv_rms, site_dx, mixed, pg,
-                             got, against_cpu);
+                             against_cpu);
   }
 
   // The tiles' passes ahead of their turn (routing_source_backward_tile_ahead, lab version
   // backward_ahead=2), called as RoutedScheme::site_backward does: after each slot's call,
   // for the tile that starts at the next slot. Each slot's value row then sums its sites in
-  // another order (the sites after the tile's first, then the rest), so dv is held to the
-  // CPU's bounds; the logit gradients, ubar and the key gradients are per-site sums and keep
-  // the plain tiles' bits (`tiled`). Where a pass ahead ran (the backend counts them), the
-  // site gradients after the tile's first slot hold NaN from then until the tile's older
-  // slot is done, so a tile call that read them again would show; and the width and
+  // another order (the sites after the tile's first, then the rest), and the tile's first
+  // site moves from the pair kernel to the value kernel, whose per-head sums run in another
+  // order where it splits the row into parts (value version 3 at d 1024), so every output
+  // is held to the CPU's bounds, not to the plain tiles' bits. Where a pass ahead ran (the backend
+  // counts them), the site gradients after the tile's first slot hold NaN from then until the
+  // tile's older slot is done, so a tile call that read them again would show; and the width and
   // layout of the 350M and 1B configs must take the pass (it would otherwise pass unrun).
   // With the one-wave grids capped at one block too (the stream's cursor across tokens).
   template <class Close>
@@ -309,7 +310,7 @@ class RoutingParity : public CudaParity {
                               int64_t d, int H, const std::vector<Tensor>& rows, Pair& history,
                               Pair& xs, Pair& inv_rms, Pair& site_dx,
                               const std::vector<double>& mixed, const RoutingParams& pg,
-                              const BackwardBits& tiled, Close&& against_cpu) {
+                              Close&& against_cpu) {
     const int S = lay.sites;
     Buffer w(*gpu, DType::F32, {lay.pairs(), H, N}), ub(*gpu, DType::F32, {S, H, N});
     Buffer gs(*gpu, DType::F32, {8, S, d}), dvt(*gpu, DType::BF16, {S, N, d});
@@ -353,9 +354,6 @@ class RoutingParity : public CudaParity {
       const BackwardBits got{dvt.get(), ub.get(), w.get(), gs.get()};
       const std::string what = tag + (one_block ? ", one block" : "") + ", passes ahead";
       against_cpu(got, what);
-      EXPECT_EQ(got.ubar, tiled.ubar) << what << " ubar";
-      EXPECT_EQ(got.weights, tiled.weights) << what << " ds*r";
-      EXPECT_EQ(got.gsum, tiled.gsum) << what << " key grads";
       cuda::routing_set_grid_cap(cap_before);
     }
     cuda::routing_set_kernel_version(cuda::RoutingKernel::BackwardAhead, before);
