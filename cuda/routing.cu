@@ -189,58 +189,52 @@ void head_gemm(cudaStream_t s, cublasHandle_t blas, cublasOperation_t ta, cublas
 
 using namespace routing_detail;
 
-int routing_kernel_versions(RoutingKernel kernel) {
+namespace {
+// One lab kernel's setting: the version in force, how many there are, and the default.
+struct LabSetting {
+  int& current;
+  int versions;
+  int fallback;
+};
+LabSetting lab_setting(RoutingKernel kernel) {
   switch (kernel) {
-    case RoutingKernel::MixTile: return kMixTileVersions;
-    case RoutingKernel::BackwardPair: return kPairVersions;
-    case RoutingKernel::DeltaSite: return kDeltaSiteVersions;
-    case RoutingKernel::DeltaForward: return kDeltaForwardVersions;
-    case RoutingKernel::Logits: return kLogitsVersions;
-    case RoutingKernel::MixFinish: return kMixFinishVersions;
-    case RoutingKernel::SourceValue: return kSourceValueVersions;
-    case RoutingKernel::KeyGrad: return kKeyGradVersions;
+    case RoutingKernel::MixTile:
+      return {g_mix_tile_version, kMixTileVersions, kMixTileDefault};
+    case RoutingKernel::BackwardPair:
+      return {g_pair_version, kPairVersions, kPairDefault};
+    case RoutingKernel::DeltaSite:
+      return {g_delta_site_version, kDeltaSiteVersions, kDeltaSiteDefault};
+    case RoutingKernel::DeltaForward:
+      return {g_delta_forward_version, kDeltaForwardVersions, kDeltaForwardDefault};
+    case RoutingKernel::Logits:
+      return {g_logits_version, kLogitsVersions, kLogitsDefault};
+    case RoutingKernel::MixFinish:
+      return {g_mix_finish_version, kMixFinishVersions, kMixFinishDefault};
+    case RoutingKernel::SourceValue:
+      return {g_source_value_version, kSourceValueVersions, kSourceValueDefault};
+    case RoutingKernel::KeyGrad:
+      return {g_key_grad_version, kKeyGradVersions, kKeyGradDefault};
     case RoutingKernel::MixNorm:
-      return kMixNormVersions;
+      return {g_mix_norm_version, kMixNormVersions, kMixNormDefault};
     case RoutingKernel::QgTables:
-      return kQgTablesVersions;
+      return {g_qg_tables_version, kQgTablesVersions, kQgTablesDefault};
     case RoutingKernel::SourceFinish:
-      return kSourceFinishVersions;
+      return {g_source_finish_version, kSourceFinishVersions, kSourceFinishDefault};
     case RoutingKernel::BackwardAhead:
-      return kBackAheadVersions;
+      return {g_back_ahead_version, kBackAheadVersions, kBackAheadDefault};
   }
-  return 0;
+  fail("routing kernel lab: unknown kernel ", int(kernel));
 }
+}  // namespace
+
+int routing_kernel_versions(RoutingKernel kernel) { return lab_setting(kernel).versions; }
 
 int routing_set_kernel_version(RoutingKernel kernel, int version) {
-  const int versions = routing_kernel_versions(kernel);
-  MHAR_CHECK(version <= versions, "routing_set_kernel_version: version ", version, " of a kernel "
-             "with versions 1 .. ", versions, " (<= 0: the default)");
-  int& v = kernel == RoutingKernel::MixTile         ? g_mix_tile_version
-           : kernel == RoutingKernel::BackwardPair  ? g_pair_version
-           : kernel == RoutingKernel::DeltaSite     ? g_delta_site_version
-           : kernel == RoutingKernel::Logits        ? g_logits_version
-           : kernel == RoutingKernel::MixFinish     ? g_mix_finish_version
-           : kernel == RoutingKernel::SourceValue   ? g_source_value_version
-           : kernel == RoutingKernel::KeyGrad       ? g_key_grad_version
-           : kernel == RoutingKernel::MixNorm       ? g_mix_norm_version
-           : kernel == RoutingKernel::QgTables      ? g_qg_tables_version
-           : kernel == RoutingKernel::SourceFinish  ? g_source_finish_version
-           : kernel == RoutingKernel::BackwardAhead ? g_back_ahead_version
-                                                    : g_delta_forward_version;
-  const int fallback = kernel == RoutingKernel::MixTile         ? kMixTileDefault
-                       : kernel == RoutingKernel::BackwardPair  ? kPairDefault
-                       : kernel == RoutingKernel::DeltaSite     ? kDeltaSiteDefault
-                       : kernel == RoutingKernel::Logits        ? kLogitsDefault
-                       : kernel == RoutingKernel::MixFinish     ? kMixFinishDefault
-                       : kernel == RoutingKernel::SourceValue   ? kSourceValueDefault
-                       : kernel == RoutingKernel::KeyGrad       ? kKeyGradDefault
-                       : kernel == RoutingKernel::MixNorm       ? kMixNormDefault
-                       : kernel == RoutingKernel::QgTables      ? kQgTablesDefault
-                       : kernel == RoutingKernel::SourceFinish  ? kSourceFinishDefault
-                       : kernel == RoutingKernel::BackwardAhead ? kBackAheadDefault
-                                                                : kDeltaForwardDefault;
-  const int before = v;
-  v = version > 0 ? version : fallback;
+  const LabSetting lab = lab_setting(kernel);
+  MHAR_CHECK(version <= lab.versions, "routing_set_kernel_version: version ", version,
+             " of a kernel with versions 1 .. ", lab.versions, " (<= 0: the default)");
+  const int before = lab.current;
+  lab.current = version > 0 ? version : lab.fallback;
   return before;
 }
 
