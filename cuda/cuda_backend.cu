@@ -84,7 +84,7 @@ struct ScratchLayout {
 };
 ScratchLayout scratch_layout(const OpScratchShapes& s) {
   using Slot = cuda::ScratchSlot;
-  static_assert(kSlots == 14, "every slot is sized and placed below");
+  static_assert(kSlots == 13, "every slot is sized and placed below");
   ScratchLayout l;
   auto bytes = [&](Slot slot) -> size_t& { return l.bytes[size_t(slot)]; };
   const size_t N = size_t(std::max<int64_t>(s.tokens(), 0));
@@ -116,8 +116,6 @@ ScratchLayout scratch_layout(const OpScratchShapes& s) {
     if (std::min(s.backward_tile_slots,
                  cuda::routing_backward_tile_slots(lay, s.d_model, s.routing_heads)) >= 2)
       bytes(Slot::RoutingBackTile) = N * (d + 1) * sizeof(float);  // row + radial sum
-    bytes(Slot::RoutingBackAhead) =
-        cuda::routing_back_ahead_bytes(lay, int64_t(N), s.d_model, s.routing_heads);
   }
   const int n = s.hyper_streams;
   if (n >= 1 && n <= cuda::kHyperMaxStreams && N > 0) {
@@ -134,11 +132,8 @@ ScratchLayout scratch_layout(const OpScratchShapes& s) {
       std::max(up(bytes(Slot::RoutingTile)), up(bytes(Slot::RoutingBackTile)));
   l.offset[size_t(Slot::RoutingPassTables)] =
       l.offset[size_t(Slot::RopeTable)] + up(bytes(Slot::RopeTable));
-  // The backward tile's pass ahead runs beside the ops of the sublayer before its tile's
-  // call (routing_backward.cu), so its row has bytes of its own too.
-  l.offset[size_t(Slot::RoutingBackAhead)] =
+  const size_t tiles =
       l.offset[size_t(Slot::RoutingPassTables)] + up(bytes(Slot::RoutingPassTables));
-  const size_t tiles = l.offset[size_t(Slot::RoutingBackAhead)] + up(bytes(Slot::RoutingBackAhead));
   size_t local = 0;
   static const std::vector<std::vector<Slot>> groups = {
       {Slot::AttentionBackward},
@@ -199,8 +194,6 @@ class CudaBackend final : public Backend {
     cudaEventDestroy(side_done_);
     cudaEventDestroy(routing_ctx_.key_beside.ready);
     cudaEventDestroy(routing_ctx_.key_beside.done);
-    cudaEventDestroy(routing_ctx_.back_ahead.ready);
-    cudaEventDestroy(routing_ctx_.back_ahead.done);
     cudaFree(mm_side_.workspace);
     cublasDestroy(mm_side_.blas);
     cudaStreamDestroy(side_stream_);
@@ -262,9 +255,6 @@ class CudaBackend final : public Backend {
       routing_ctx_.tile = cuda::MixTile{};
       routing_ctx_.back_tile = cuda::BackTile{};
     }
-    // A backward tile's pass ahead still in flight (a pass that ended early) finishes before
-    // anything of the next binding runs; a tile call after it would no longer match.
-    cuda::routing_settle_back_ahead(main_stream_, routing_ctx_, true);
     // The RoPE table is refilled after every binding (a pass's; one small kernel): a slot
     // at the same address may belong to another plan and hold anything. So are the routing
     // q*g tables, once per pass: a binding starts a pass, unbinding ends it.
@@ -348,7 +338,6 @@ class CudaBackend final : public Backend {
     MHAR_CHECK(!on_side(), "synchronize() between side_work_begin() and side_work_end()");
     side_work_join();
     join_key_grads();
-    cuda::routing_settle_back_ahead(main_stream_, routing_ctx_, false);
     CUDA_CHECK(cudaStreamSynchronize(main_stream_));
   }
   void side_work_begin() override {
@@ -509,18 +498,6 @@ class CudaBackend final : public Backend {
   }
   int routing_backward_tile_slots(const RoutingLayout& layout, int64_t d, int heads) const override {
     return cuda::routing_backward_tile_slots(layout, d, heads);
-  }
-  // On the side stream where side work runs there (side_stream version >= 2), else in issue
-  // order on this one: the same bits either way.
-  void routing_source_backward_tile_ahead(Tensor weights, Tensor ubar,
-                                          const std::vector<Tensor>& site_dx, Tensor history,
-                                          Tensor inv_rms, const RoutingParams& p,
-                                          const RoutingLayout& layout, int source, int count,
-                                          int heads) override {
-    MHAR_CHECK(!on_side(), "routing_source_backward_tile_ahead inside side work");
-    cuda::routing_source_backward_tile_ahead(
-        stream_, cuda::side_stream_version >= 2 ? side_stream_ : nullptr, routing_ctx_, weights,
-        ubar, site_dx, history, inv_rms, p, layout, source, count, heads);
   }
   void routing_param_grads(const RoutingParams& p, Tensor gsum) override {
     join_key_grads();  // gsum's last adds
@@ -693,8 +670,6 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaEventCreateWithFlags(&side_done_, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventCreateWithFlags(&routing_ctx_.key_beside.ready, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventCreateWithFlags(&routing_ctx_.key_beside.done, cudaEventDisableTiming));
-    CUDA_CHECK(cudaEventCreateWithFlags(&routing_ctx_.back_ahead.ready, cudaEventDisableTiming));
-    CUDA_CHECK(cudaEventCreateWithFlags(&routing_ctx_.back_ahead.done, cudaEventDisableTiming));
     mm_side_.lt = mm_.lt;
     mm_side_.tune_scratch = mm_.tune_scratch;
     mm_side_.workspace_bytes = mm_.workspace_bytes;

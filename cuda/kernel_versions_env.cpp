@@ -48,7 +48,6 @@ std::vector<LabKernel> lab_kernels() {
           routing<RoutingKernel::MixNorm>("mix_norm"),
           routing<RoutingKernel::QgTables>("qg_tables"),
           routing<RoutingKernel::SourceFinish>("source_finish"),
-          routing<RoutingKernel::BackwardAhead>("backward_ahead"),
           norm<NormKernel::Forward>("norm_forward"),
           norm<NormKernel::Backward>("norm_backward"),
           norm<NormKernel::QkNormRope>("qk_norm_rope"),

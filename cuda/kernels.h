@@ -119,11 +119,11 @@ int cross_entropy_versions();
 // buffer (cuda_backend.cu lays them out from the model's shapes; a request beyond the planned size
 // is an MHAR_CHECK); unbound, each slot is a grow-only buffer of the backend (a larger request
 // reallocates it, synchronising the stream). A slot's contents last until the next request of the
-// same slot; RoutingTile, RoutingBackTile and RoutingBackAhead carry a depth tile from one op to
-// the next (routing_mix.cu, routing_backward.cu), RopeTable the cos/sin table from one call to the
-// next (the backend refills it when theta, head_dim or the positions change, and after every
-// binding), RoutingPassTables every site's q*g from the op of a bound pass that first needs them to
-// the pass's last (QgPassTables), the others are used within one op. A new slot, or a request that
+// same slot; RoutingTile and RoutingBackTile carry a depth tile from one op to the next
+// (routing_mix.cu, routing_backward.cu), RopeTable the cos/sin table from one call to the next (the
+// backend refills it when theta, head_dim or the positions change, and after every binding),
+// RoutingPassTables every site's q*g from the op of a bound pass that first needs them to the
+// pass's last (QgPassTables), the others are used within one op. A new slot, or a request that
 // grows with another shape, needs its size in scratch_layout (cuda_backend.cu), or models will fail
 // the size check.
 enum class ScratchSlot {
@@ -140,7 +140,6 @@ enum class ScratchSlot {
   RopeTable,
   RoutingPassTables,
   EmbeddingSort,
-  RoutingBackAhead,
   Count
 };
 using ScratchFn = std::function<void*(ScratchSlot, size_t)>;
@@ -161,8 +160,6 @@ inline const char* scratch_slot_name(ScratchSlot slot) {
       return "routing query-gain tables of a pass";
     case ScratchSlot::EmbeddingSort:
       return "embedding gradient's sorted token ids";
-    case ScratchSlot::RoutingBackAhead:
-      return "routing backward depth tile's pass ahead";
     case ScratchSlot::Count: break;
   }
   return "?";
@@ -267,8 +264,6 @@ struct MixTile {
 // in the RoutingBackTile scratch, valid until that slot's routing_source_backward. The
 // backward calls of the slots between the two leave it in flight; any other routing
 // backward call ends it.
-// After a pass ahead (BackAhead) the share covers the sites >= first + 1 only, and the older
-// slot's call resumes from site first on (`from`: the first site the share holds).
 struct BackTile {
   const void* weights = nullptr;
   const void* ubar = nullptr;
@@ -277,29 +272,7 @@ struct BackTile {
   RoutingLayout layout;
   int heads = 0;
   int first = -1;
-  int from = -1;
   int older() const { return first - layout.block; }  // RoutingLayout::back_tile_count
-};
-// A backward depth tile's pass ahead of its turn (backend.h
-// routing_source_backward_tile_ahead; the backward_ahead lab version 2, routing_backward.cu):
-// issued for the tile that starts at slot `source` once the gradients of the sites > source
-// exist, on `stream` (the backend's side stream) or, with it null, on the op's stream in issue
-// order. It leaves slot source's fp32 share of those sites in the RoutingBackAhead scratch, the
-// older slot's in the RoutingBackTile scratch, and both slots' pairs with those sites as ds r;
-// `done` follows it on `stream`. The tile's own call waits for `done` and resumes both slots;
-// any other routing backward call, a binding of the op scratch or a synchronize waits for it
-// too (`source` -1: none in flight).
-struct BackAhead {
-  const void* weights = nullptr;
-  const void* ubar = nullptr;
-  const void* v = nullptr;        // history row of slot source
-  const void* older_v = nullptr;  // history row of the older slot
-  const void* next_dx = nullptr;  // site_dx[source + 1], to recognise the same call sequence
-  RoutingLayout layout;
-  int heads = 0;
-  int source = -1;
-  cudaStream_t stream = nullptr;
-  cudaEvent_t ready = nullptr, done = nullptr;  // the backend's, made with its side stream
 };
 // Every site's q*g (token-independent: the logits' and the key paths' operand), computed
 // once per bound pass in the RoutingPassTables scratch rather than once per slot in
@@ -335,7 +308,6 @@ struct RoutingContext {
   ScratchFn scratch;
   MixTile tile;
   BackTile back_tile;
-  BackAhead back_ahead;
   QgPassTables qg;
   KeyGradsBeside key_beside;
 };
@@ -365,24 +337,6 @@ void routing_source_backward_tile(cudaStream_t s, RoutingContext& ctx, Tensor dv
                                   const RoutingParams& params, const RoutingLayout& layout,
                                   int source, int count, int heads);
 int routing_backward_tile_slots(const RoutingLayout& layout, int64_t d, int heads);
-// Backend::routing_source_backward_tile_ahead, on `beside` (null: on s, in issue order); the
-// events in ctx.back_ahead must exist where `beside` is given.
-void routing_source_backward_tile_ahead(cudaStream_t s, cudaStream_t beside, RoutingContext& ctx,
-                                        Tensor weights, Tensor ubar,
-                                        const std::vector<Tensor>& site_dx, Tensor history,
-                                        Tensor inv_rms, const RoutingParams& params,
-                                        const RoutingLayout& layout, int source, int count,
-                                        int heads);
-// The RoutingBackAhead scratch a model of these shapes needs at the backward_ahead version in
-// force (0 where the pass ahead cannot run).
-size_t routing_back_ahead_bytes(const RoutingLayout& layout, int64_t N, int64_t d, int heads);
-// Makes s wait for a pass ahead in flight; with `forget` the tile's call will no longer
-// resume from it (a binding of the op scratch: a pass ended), else it still will (a
-// synchronize).
-void routing_settle_back_ahead(cudaStream_t s, RoutingContext& ctx, bool forget);
-// Tests: how many passes ahead this process has launched (so that a test can tell that its
-// shapes took them).
-int64_t routing_back_ahead_passes();
 // Backend::delta_site_backward in one token kernel (+ the key gradients and dalpha's
 // partial sums) when the shapes allow it: span layout, bf16 rows, 16-byte aligned, the
 // slot read by its own site only. Returns false (nothing done) otherwise.
@@ -415,8 +369,7 @@ enum class RoutingKernel {
   KeyGrad,
   MixNorm,
   QgTables,
-  SourceFinish,
-  BackwardAhead
+  SourceFinish
 };
 int routing_set_kernel_version(RoutingKernel kernel, int version);
 int routing_kernel_versions(RoutingKernel kernel);

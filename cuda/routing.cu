@@ -75,9 +75,9 @@
 // kernels.h; the defaults are the measured fastest: mix tile 5 of 5, finish 6 of 6, the
 // norm in the finish 2 of 2, pair 16 of 16, the unfused value kernel by width of 7, the
 // key gradients 4 of 4, logits 9 of 9, the q*g tables 1 of 2, the delta site forward 1 of
-// 2, its backward 2 of 3, the backward tile's pass ahead 1 (off) of 2; routing_host.h lists them
-// with their files), so that one device run times each (tests/op_timing_cudatest.cpp); every
-// version computes the same bits, but for the logits' choice between token kernel and GEMMs, the
+// 2, its backward 2 of 3; routing_host.h lists them with their files), so that one device
+// run times each (tests/op_timing_cudatest.cpp); every version
+// computes the same bits, but for the logits' choice between token kernel and GEMMs, the
 // backward's row parts and fused key path, the key gradients' and pair version 12's
 // tensor cores (see there; routing_backward_sum_order tells the tests which).
 #include <algorithm>
@@ -99,7 +99,6 @@ int g_source_value_version = kSourceValueDefault;
 int g_pair_version = kPairDefault;
 int g_key_grad_version = kKeyGradDefault;
 int g_source_finish_version = kSourceFinishDefault;
-int g_back_ahead_version = kBackAheadDefault;
 int g_grid_cap = 0;
 int g_fused_key_max_sites = kFusedKeyMaxSites;
 
@@ -220,8 +219,6 @@ LabSetting lab_setting(RoutingKernel kernel) {
       return {g_qg_tables_version, kQgTablesVersions, kQgTablesDefault};
     case RoutingKernel::SourceFinish:
       return {g_source_finish_version, kSourceFinishVersions, kSourceFinishDefault};
-    case RoutingKernel::BackwardAhead:
-      return {g_back_ahead_version, kBackAheadVersions, kBackAheadDefault};
   }
   fail("routing kernel lab: unknown kernel ", int(kernel));
 }

@@ -658,42 +658,17 @@ bool between_tile_slots(const BackTile& tile, const void* weights, const void* u
          weights == tile.weights && ubar == tile.ubar && layout == tile.layout;
 }
 
-// The site gradients k = first .. last (the sites a slot's kernels read), checked [N, d] bf16.
-SiteRows site_rows(const char* what, const std::vector<Tensor>& site_dx, int sites, int first,
-                   int last, int64_t N, int d) {
-  MHAR_CHECK(int(site_dx.size()) == sites, "CUDA ", what, ": ", site_dx.size(),
-             " sites' gradients for ", sites, " sites");
-  SiteRows rows{};
-  for (int k = first; k <= last; ++k) {
-    check_dtype(site_dx[size_t(k)], DType::BF16, what, "site_dx");
-    check_numel(site_dx[size_t(k)], N * d, what, "site_dx");
-    rows.dx[k] = static_cast<const bf16*>(site_dx[size_t(k)].data);
-  }
-  return rows;
-}
-
-// The row parts of the fused form every slot takes at the value version in force (value
-// versions 5 and 7: source_value_fused_ring_kernel), or -1 where slots are not all fused.
-int fused_parts_log2_for(const Geometry& g) {
-  const int value_version = source_value_version(g.d);
-  return value_fuses_every_slot(value_version) && span_layout(g)
-             ? parts_log2_for(g, value_part_chunks(value_version))
-             : -1;
-}
-
 // One slot's backward (routing_source_backward), in one of three forms: plain; the first
 // slot of a backward depth tile (`older` set: that slot rides along, its share of the
 // sites >= source left in the RoutingBackTile scratch); or the tile's older slot
 // (`resume_last` >= source: its value row starts from that share and reads only the sites
-// source .. resume_last; the share is the RoutingBackTile scratch's, or `resume_row` where
-// given: slot source's own share from a pass ahead).
+// source .. resume_last).
 // `delta` (routing_delta_site_backward): the fused slot's kernel does the delta steps too.
 void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weights, Tensor ubar,
                      Tensor gsum, const std::vector<Tensor>& site_dx, Tensor x, Tensor v,
                      Tensor inv_rms, const RoutingParams& params, const RoutingLayout& layout,
                      int source, int heads, const TileSlot* older, int resume_last,
-                     const DeltaRows* delta = nullptr, Tensor dalpha = Tensor(),
-                     const float* resume_row = nullptr) {
+                     const DeltaRows* delta = nullptr, Tensor dalpha = Tensor()) {
   const char* what = "routing_source_backward";
   const Geometry g = source_geometry(what, weights, inv_rms, v, params, layout, source, heads);
   const int64_t N = g.N;
@@ -704,7 +679,14 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
   MHAR_CHECK(gsum.ndim == 3 && gsum.dim(1) == S && gsum.dim(2) == g.d, "CUDA ", what,
              ": gsum must be [C, ", S, ", ", g.d, "], got ", gsum.shape_str());
   for (const Tensor* t : {&dv, &x}) check_dtype(*t, DType::BF16, what, "dv/x");
-  const SiteRows rows = site_rows(what, site_dx, S, source, layout.last_site(source), N, g.d);
+  MHAR_CHECK(int(site_dx.size()) == S, "CUDA ", what, ": ", site_dx.size(),
+             " sites' gradients for ", S, " sites");
+  SiteRows rows{};
+  for (int k = source; k <= layout.last_site(source); ++k) {
+    check_dtype(site_dx[size_t(k)], DType::BF16, what, "site_dx");
+    check_numel(site_dx[size_t(k)], N * g.d, what, "site_dx");
+    rows.dx[k] = static_cast<const bf16*>(site_dx[size_t(k)].data);
+  }
   check_numel(x, N * g.d, what, "x");
   check_numel(dv, N * g.d, what, "dv");
   const SiteParams sp = site_params(what, params, g.d);
@@ -718,7 +700,10 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
   // the others write the fp32 value row for the key GEMM and finish kernel below. Value
   // versions 5 and 7 fuse every slot's key path (source_value_fused_ring_kernel).
   const int value_version = source_value_version(g.d);
-  const int fused_parts_log2 = delta ? -1 : fused_parts_log2_for(g);
+  const bool fuses_every_slot = value_fuses_every_slot(value_version);
+  const int fused_parts_log2 = !delta && fuses_every_slot && span_layout(g)
+                                   ? parts_log2_for(g, value_part_chunks(value_version))
+                                   : -1;
   const bool ring_fused = fused_parts_log2 >= 0;
   const bool fused = ring_fused || (span_layout(g) && ns <= g_fused_key_max_sites);
   float* val = fused ? nullptr
@@ -733,9 +718,8 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
     backward_tile(s, ctx, t);
   } else if (span_layout(g)) {
     const float* resume =
-        resume_last < 0 ? nullptr
-        : resume_row    ? resume_row
-                        : static_cast<const float*>(ctx.scratch(ScratchSlot::RoutingBackTile, 0));
+        resume_last >= 0 ? static_cast<const float*>(ctx.scratch(ScratchSlot::RoutingBackTile, 0))
+                         : nullptr;
     const int last = resume_last >= 0 ? resume_last : layout.last_site(source);
     auto value_ring_kernel = [&](auto ntp, int parts_log2) {
       constexpr int NT = decltype(ntp)::value;
@@ -852,41 +836,10 @@ int routing_backward_sum_order(int64_t d, int heads) {
          lane_chunks(value_parts);
 }
 
-void routing_settle_back_ahead(cudaStream_t s, RoutingContext& ctx, bool forget) {
-  BackAhead& a = ctx.back_ahead;
-  if (a.source < 0) return;
-  if (a.stream) CUDA_CHECK(cudaStreamWaitEvent(s, a.done, 0));
-  a.stream = nullptr;  // waited for: later waits would be no-ops
-  if (forget) a.source = -1;
-}
-
-namespace {
-int64_t g_back_ahead_passes = 0;
-}  // namespace
-int64_t routing_back_ahead_passes() { return g_back_ahead_passes; }
-
-namespace {
-// A routing backward call other than the tile's own while its pass ahead is in flight: the
-// ops between the two were to be no routing backward calls (backend.h); one for either slot
-// of the tile would read their pairs, which the pass overwrote with ds r, as softmax
-// weights, so say so rather than compute a wrong gradient.
-void settle_back_ahead_for(cudaStream_t s, RoutingContext& ctx, const void* weights, int source) {
-  const BackAhead a = ctx.back_ahead;
-  routing_settle_back_ahead(s, ctx, true);
-  MHAR_CHECK(a.source < 0 || weights != a.weights ||
-                 (source != a.source && source != a.source - a.layout.block),
-             "CUDA routing_source_backward: slot ", source,
-             " belongs to the backward depth tile at slot ", a.source,
-             " whose pass ahead ran (routing_source_backward_tile_ahead), but came without that "
-             "tile's call; backend.h's promise is broken");
-}
-}  // namespace
-
 void routing_source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weights,
                              Tensor ubar, Tensor gsum, const std::vector<Tensor>& site_dx, Tensor x,
                              Tensor v, Tensor inv_rms, const RoutingParams& params,
                              const RoutingLayout& layout, int source, int heads) {
-  settle_back_ahead_for(s, ctx, weights.data, source);
   // The older slot of the backward depth tile in flight: its share of the tile's sites is
   // in the scratch. A slot between the two leaves the tile in flight; any other call
   // ends it.
@@ -909,7 +862,7 @@ void routing_source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Ten
              "site gradients); routing_source_backward_tile's promise (backend.h) is broken");
   if (between_tile_slots(tile, weights.data, ubar.data, layout, source)) ctx.back_tile = tile;
   source_backward(s, ctx, dv, weights, ubar, gsum, site_dx, x, v, inv_rms, params, layout, source,
-                  heads, nullptr, resume ? tile.from - 1 : -1);
+                  heads, nullptr, resume ? tile.first - 1 : -1);
 }
 
 bool routing_delta_site_backward_fuses(const DeltaSiteBackward& a) {
@@ -939,7 +892,6 @@ bool routing_delta_site_backward(cudaStream_t s, RoutingContext& ctx, const Delt
   MHAR_CHECK(size_t(j) < a.site_dx->size() && (*a.site_dx)[size_t(j)].data == a.dr.data, "CUDA ",
              what, ": site_dx[", j, "] must be dr");
   if (!routing_delta_site_backward_fuses(a)) return false;
-  settle_back_ahead_for(s, ctx, a.weights.data, j);
   // A partial slot between a depth tile's two closed slots leaves the tile in flight.
   if (!between_tile_slots(ctx.back_tile, a.weights.data, a.ubar.data, lay, j))
     ctx.back_tile = BackTile{};
@@ -971,8 +923,6 @@ void routing_source_backward_tile(cudaStream_t s, RoutingContext& ctx, Tensor dv
                                   int source, int count, int heads) {
   const char* what = "routing_source_backward_tile";
   ctx.back_tile = BackTile{};
-  const BackAhead ahead = ctx.back_ahead;
-  routing_settle_back_ahead(s, ctx, true);
   MHAR_CHECK(history.ndim == 3 && history.dim(0) == layout.sources, what, ": history must be [",
              layout.sources, ", N, d], got ", history.shape_str());
   MHAR_CHECK(inv_rms.ndim == 2 && inv_rms.dim(0) == layout.sources, what, ": inv_rms must be [",
@@ -984,109 +934,23 @@ void routing_source_backward_tile(cudaStream_t s, RoutingContext& ctx, Tensor dv
              " (block ", layout.block,
              ": its slots are source, source - block, ..., closed "
              "slots; RoutingLayout::back_tile_count)");
-  const bool resumes_ahead =
-      ahead.source == source && ahead.weights == weights.data && ahead.ubar == ubar.data &&
-      ahead.layout == layout && ahead.heads == heads && source >= 1 && source < history.dim(0) &&
-      ahead.v == history[source].data && ahead.older_v == history[source - layout.block].data &&
-      size_t(source + 1) < site_dx.size() && ahead.next_dx == site_dx[size_t(source + 1)].data;
-  MHAR_CHECK(ahead.source < 0 || resumes_ahead || ahead.weights != weights.data, what, ": slot ",
-             source, " after the pass ahead of the tile at slot ", ahead.source,
-             " with other tensors (weights, ubar, history or the site gradients): "
-             "routing_source_backward_tile_ahead's promise (backend.h) is broken");
   const int ns = layout.last_site(source) - source + 1, older_slot = source - layout.block;
   // Tiles pair unfused slots only (the fused ones read few sites and have no value row).
   const bool tile =
       std::min(count, routing_backward_tile_slots(layout, history.dim(2), heads)) >= 2 &&
       ns > g_fused_key_max_sites && history.dim(1) > 0;
-  MHAR_CHECK(!resumes_ahead || tile, what, ": slot ", source,
-             " had a pass ahead but is no longer a tile (a lab setting changed between the calls)");
   if (!tile) {
     source_backward(s, ctx, dv, weights, ubar, gsum, site_dx, x, history[source], inv_rms[source],
                     params, layout, source, heads, nullptr, -1);
     return;
   }
-  if (resumes_ahead) {
-    // The pass ahead holds both slots' shares of the sites > source: slot source resumes
-    // from its own over site source, the older slot from the other over sites older ..
-    // source.
-    source_backward(s, ctx, dv, weights, ubar, gsum, site_dx, x, history[source], inv_rms[source],
-                    params, layout, source, heads, nullptr, source, nullptr, Tensor(),
-                    static_cast<const float*>(ctx.scratch(ScratchSlot::RoutingBackAhead, 0)));
-  } else {
-    const TileSlot older{static_cast<const bf16*>(history[older_slot].data),
-                         static_cast<const float*>(inv_rms[older_slot].data)};
-    source_backward(s, ctx, dv, weights, ubar, gsum, site_dx, x, history[source], inv_rms[source],
-                    params, layout, source, heads, &older, -1);
-  }
-  ctx.back_tile = BackTile{weights.data,
-                           ubar.data,
-                           history[older_slot].data,
-                           site_dx[size_t(source)].data,
-                           layout,
-                           heads,
-                           source,
-                           resumes_ahead ? source + 1 : source};
-}
-
-size_t routing_back_ahead_bytes(const RoutingLayout& layout, int64_t N, int64_t d, int heads) {
-  const bool may_run = g_back_ahead_version >= 2 && layout.block == 1 &&
-                       routing_backward_tile_slots(layout, d, heads) >= 2;
-  return may_run ? size_t(N) * size_t(d) * sizeof(float) : 0;
-}
-
-void routing_source_backward_tile_ahead(cudaStream_t s, cudaStream_t beside, RoutingContext& ctx,
-                                        Tensor weights, Tensor ubar,
-                                        const std::vector<Tensor>& site_dx, Tensor history,
-                                        Tensor inv_rms, const RoutingParams& params,
-                                        const RoutingLayout& layout, int source, int count,
-                                        int heads) {
-  const char* what = "routing_source_backward_tile_ahead";
-  routing_settle_back_ahead(s, ctx, true);  // one pass ahead in flight at a time
-  // Only where the tile's own call would take the unfused stream kernel (backward_ahead_applies)
-  // and has a site after its first; elsewhere the tile's call does all of it, as without this.
-  if (g_back_ahead_version < 2 || count < 2 || layout.block != 1 || source < 1 ||
-      source >= layout.sources || history.ndim != 3 || history.dim(0) != layout.sources ||
-      history.dim(1) <= 0 || inv_rms.ndim != 2 || inv_rms.dim(0) != layout.sources)
-    return;
-  const int last = layout.last_site(source), ns = last - source + 1;
-  if (ns < 2 || ns <= g_fused_key_max_sites ||
-      routing_backward_tile_slots(layout, history.dim(2), heads) < 2)
-    return;
-  const Tensor v = history[source], older_v = history[source - 1];
-  const Geometry g =
-      source_geometry(what, weights, inv_rms[source], v, params, layout, source, heads);
-  const int fused_parts_log2 = fused_parts_log2_for(g);
-  if (!backward_ahead_applies(g, heads, fused_parts_log2)) return;
-  const int64_t N = g.N;
-  check_dtype(ubar, DType::F32, what, "ubar");
-  check_numel(ubar, int64_t(layout.sites) * heads * N, what, "ubar");
-  const SiteRows rows = site_rows(what, site_dx, layout.sites, source + 1, last, N, g.d);
-  auto* val = static_cast<float*>(ctx.scratch(ScratchSlot::RoutingBackAhead, N * g.d * 4));
-  auto* partial = static_cast<float*>(ctx.scratch(ScratchSlot::RoutingBackTile, N * g.d * 4));
-  const TileSlot older{static_cast<const bf16*>(older_v.data),
-                       static_cast<const float*>(inv_rms[source - 1].data)};
-  const BackTileLaunch t{
-      weights, ubar,    inv_rms[source], rows, nullptr, static_cast<const bf16*>(v.data),
-      &older,  nullptr, nullptr,         val,  g,       heads,
-      source,  ns,      fused_parts_log2};
-  BackAhead& a = ctx.back_ahead;
-  if (beside) {
-    MHAR_CHECK(a.ready && a.done, "CUDA ", what, ": no events for a pass on another stream");
-    CUDA_CHECK(cudaEventRecord(a.ready, s));
-    CUDA_CHECK(cudaStreamWaitEvent(beside, a.ready, 0));
-  }
-  backward_tile_ahead(beside ? beside : s, t, partial);
-  if (beside) CUDA_CHECK(cudaEventRecord(a.done, beside));
-  ++g_back_ahead_passes;
-  a.weights = weights.data;
-  a.ubar = ubar.data;
-  a.v = v.data;
-  a.older_v = older_v.data;
-  a.next_dx = site_dx[size_t(source + 1)].data;
-  a.layout = layout;
-  a.heads = heads;
-  a.source = source;
-  a.stream = beside;
+  const TileSlot older{static_cast<const bf16*>(history[older_slot].data),
+                       static_cast<const float*>(inv_rms[older_slot].data)};
+  source_backward(s, ctx, dv, weights, ubar, gsum, site_dx, x, history[source], inv_rms[source],
+                  params, layout, source, heads, &older, -1);
+  ctx.back_tile = BackTile{
+      weights.data, ubar.data, history[older_slot].data, site_dx[size_t(source)].data, layout,
+      heads,        source};
 }
 
 }  // namespace mhar::cuda

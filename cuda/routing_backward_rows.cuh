@@ -423,12 +423,5 @@ struct BackTileLaunch {
 // The tile's pass: the pair kernel of the pair version in force, the older slot's share
 // left in the RoutingBackTile scratch.
 void backward_tile(cudaStream_t s, RoutingContext& ctx, const BackTileLaunch& t);
-// The tile's pass ahead of its turn (backend.h routing_source_backward_tile_ahead), where
-// the backward_ahead version asks for it and the tile takes the unfused stream kernel
-// (pair versions 8-16, whole rows, full routing): the sites source + 1 .. last of both
-// slots, slot source's share into t.val, the older slot's into `partial` (t.x null: site
-// source is left to the slot's own call).
-bool backward_ahead_applies(const Geometry& g, int heads, int fused_parts_log2);
-void backward_tile_ahead(cudaStream_t s, const BackTileLaunch& t, float* partial);
 
 }  // namespace mhar::cuda::routing_detail

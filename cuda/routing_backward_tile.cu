@@ -344,13 +344,9 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
 //   with KEY on a whole row: the same operations in the same order, so the same bits as
 //   the fused form's default). The q*g rows come from L1, so the carveout leaves L1 room
 //   (stream_carveout).
-// AHEAD (backward_ahead version 2, the unfused form only): the tile's pass ahead of its
-// turn (backend.h routing_source_backward_tile_ahead): the sites source + 1 .. last only,
-// whose ubar rows exist, so neither x nor site source's gradient is read; val and partial
-// get both slots' shares of those sites, which the slots' own calls resume from.
 
 template <int NT, int MIN_BLOCKS, bool COALESCED, bool KEY = false, int GC = 0, bool F32 = false,
-          bool QAHEAD = false, bool RADIAL = false, bool AHEAD = false>
+          bool QAHEAD = false, bool RADIAL = false>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
     source_value_pair_stream_kernel(float* __restrict__ val, bf16* __restrict__ dv0,
                                     float* __restrict__ partial, float* __restrict__ weights,
@@ -365,7 +361,6 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
   static_assert(!F32 || (KEY && GC > 0), "version 14 is version 11's fused form");
   static_assert(!QAHEAD || F32, "version 15 is version 14 with qg one site ahead");
   static_assert(!RADIAL || QAHEAD, "version 16 is version 15 with the radial sums at the end");
-  static_assert(!AHEAD || (COALESCED && !KEY), "the pass ahead: version 8's unfused stream");
   constexpr int R = stream_slots(NT);
   extern __shared__ float4 pair_stream_smem_raw[];
   // GC > 0 (version 11): the lanes a head as a compile-time constant (the host checks
@@ -384,20 +379,14 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
   const int hc = COALESCED ? lane : h;
   float* w0 = weights + g.lay.pair_base(source) * HN;
   float* w1 = weights + (g.lay.pair_base(older) + (source - older)) * HN;
-  // The stream's items: v0, v1, (x,) then the site rows from first_site on.
-  constexpr int kLead = AHEAD ? 2 : 3;
-  const int last = g.lay.last_site(source), first_site = AHEAD ? source + 1 : source,
-            items = last - first_site + 1 + kLead;
+  const int last = g.lay.last_site(source), items = last - source + 4;
   const int64_t first = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   // The cursor: item ci of token cn is the next to copy.
   int64_t cn = first;
   int ci = 0;
   auto issue = [&](StreamSlot<NT>& slot) {
     if (cn >= g.N) return;
-    const bf16* src = ci == 0             ? v0
-                      : ci == 1           ? v1
-                      : ci == 2 && !AHEAD ? x
-                                          : site_dx.dx[first_site + ci - kLead];
+    const bf16* src = ci == 0 ? v0 : ci == 1 ? v1 : ci == 2 ? x : site_dx.dx[source + ci - 3];
     const uint4* p = reinterpret_cast<const uint4*>(src + cn * g.d);
     if constexpr (COALESCED) {
       copy_chunks_async(slot, p);
@@ -409,13 +398,13 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
       if (ci == 0) {
         cp_async_ca(&slot.scalar[0][lane], inv_rms0 + cn, 4);
         cp_async_ca(&slot.scalar[1][lane], inv_rms1 + cn, 4);
-      } else if (ci >= kLead) {
-        const int k = first_site + ci - kLead;
-        const int64_t off = int64_t(k - source) * HN + int64_t(hc) * g.N + cn;
+      } else if (ci >= 3) {
+        const int64_t off = int64_t(ci - 3) * HN + int64_t(hc) * g.N + cn;
         cp_async_ca(&slot.scalar[0][lane], w0 + off, 4);
         cp_async_ca(&slot.scalar[1][lane], w1 + off, 4);
-        if (k > source)  // site source's ubar is made here from x
-          cp_async_ca(&slot.scalar[2][lane], ubar + (int64_t(k) * g.H + hc) * g.N + cn, 4);
+        if (ci > 3)
+          cp_async_ca(&slot.scalar[2][lane],
+                      ubar + (int64_t(source + ci - 3) * g.H + hc) * g.N + cn, 4);
       }
     }
     if (++ci == items) ci = 0, cn += warps;
@@ -442,10 +431,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
     }
     row_of(ring.take(issue), rv1);
     float ub;
-    if constexpr (AHEAD) {
-      row_of(ring.take(issue), rdx);
-      ub = ring.taken().scalar[2][sc];
-    } else {
+    {
       Row<NT> rx;
       row_of(ring.take(issue), rx);
       row_of(ring.take(issue), rdx);
@@ -460,7 +446,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
       for (int t = 0; t < NT; ++t)
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc0[t][e] = 0.f, acc1[t][e] = 0.f;
-      // Site first_site's weights sit in the slot just taken; read before the next take.
+      // Site `source`'s weights sit in the slot just taken; read before the next take.
       float a0 = ring.taken().scalar[0][sc], a1 = ring.taken().scalar[1][sc];
       float* w0h = w0 + int64_t(h) * g.N;
       float* w1h = w1 + int64_t(h) * g.N;
@@ -471,7 +457,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
       [[maybe_unused]] float q_next[NT][8];
       if constexpr (QAHEAD) load_qg_row(q_next, qrow_of(source));
 #pragma unroll 1
-      for (int k = first_site;; ++k) {
+      for (int k = source;; ++k) {
         float ds0, ds1;
         if constexpr (QAHEAD) {
           // RADIAL (version 16): the radial sums at the end (key_site_chunks).
@@ -660,35 +646,6 @@ void backward_tile(cudaStream_t s, RoutingContext& ctx, const BackTileLaunch& t)
         }
       });
   }
-}
-
-bool backward_ahead_applies(const Geometry& g, int heads, int fused_parts_log2) {
-  return g_back_ahead_version >= 2 && g_pair_version >= 8 && fused_parts_log2 < 0 &&
-         !(pair_on_tensor_cores(g_pair_version) && pair_mma_applies(g.d, heads)) &&
-         parts_log2_for(g, pair_part_chunks(g_pair_version)) <= 0 && span_layout(g) &&
-         g.d / 256 <= kBackTileMaxNT && g.lay.block == 1;
-}
-
-void backward_tile_ahead(cudaStream_t s, const BackTileLaunch& t, float* partial) {
-  const Geometry& g = t.g;
-  MHAR_CHECK(backward_ahead_applies(g, t.heads, t.fused_parts_log2) && !t.x && t.val,
-             "CUDA routing_source_backward_tile_ahead: no pass ahead at d ", g.d);
-  dispatch_span(g, [&](auto nt) {
-    constexpr int NT = decltype(nt)::value;
-    if constexpr (NT <= kBackTileMaxNT) {
-      constexpr int B = pair_blocks_per_sm(NT, 2);
-      auto kernel = [](auto gc) {
-        return source_value_pair_stream_kernel<NT, B, true, false, decltype(gc)::value, false,
-                                               false, false, true>;
-      };
-      auto stream = with_lanes_a_head(
-          g_pair_version >= 11, t.heads, kernel(std::integral_constant<int, 0>{}),
-          kernel(std::integral_constant<int, 8>{}), kernel(std::integral_constant<int, 4>{}));
-      launch_stream(s, stream, stream_smem<NT>(), B, g.N, t.val, nullptr, partial,
-                    t.weights.ptr<float>(), t.ubar.ptr<float>(), t.rows, t.x, t.v, t.older->v,
-                    t.inv_rms.ptr<float>(), t.older->inv_rms, nullptr, g, t.source);
-    }
-  });
 }
 
 }  // namespace routing_detail

@@ -110,10 +110,9 @@ constexpr int kSourceValueVersions = 7, kSourceValueDefault = 0;    // routing_b
 constexpr int kPairVersions = 16, kPairDefault = 16;                // routing_backward_tile.cu
 constexpr int kKeyGradVersions = 4, kKeyGradDefault = 4;            // routing_key_grads.cu
 constexpr int kSourceFinishVersions = 4, kSourceFinishDefault = 1;  // routing_finish_key.cu
-constexpr int kBackAheadVersions = 2, kBackAheadDefault = 1;        // routing_backward.cu
 extern int g_logits_version, g_qg_tables_version, g_mix_norm_version, g_mix_tile_version,
     g_mix_finish_version, g_delta_forward_version, g_delta_site_version, g_source_value_version,
-    g_pair_version, g_key_grad_version, g_source_finish_version, g_back_ahead_version;
+    g_pair_version, g_key_grad_version, g_source_finish_version;
 // The tests' knobs: a cap on the one-wave grids (routing_set_grid_cap) and the most sites
 // a slot may have for the fused backward (routing_set_fused_key_max_sites).
 extern int g_grid_cap, g_fused_key_max_sites;

@@ -488,25 +488,6 @@ class Backend {
     (void)layout, (void)d, (void)heads;
     return 1;
   }
-  // The tile's pass ahead of its turn, a speed-up with the same results (up to fp32
-  // summation order): called for the tile that starts at slot `source` (count, operands:
-  // its routing_source_backward_tile's) once site_dx[k] exists for every k > source, with
-  // the promise that the tile's call comes next among the routing backward calls, with the
-  // same tensors, and that the ops in between write none of site_dx[k > source], ubar,
-  // the weights, history or inv_rms. A backend may then begin the tile's pass over the sites
-  // k > source beside those ops (CUDA: on the side stream, beside the backward of the
-  // sublayer whose input gradient is site_dx[source]), so that the tile's call has only
-  // site source left. The default does nothing (the CPU reference); so may any backend for
-  // shapes where it does not pay.
-  virtual void routing_source_backward_tile_ahead(Tensor weights, Tensor ubar,
-                                                  const std::vector<Tensor>& site_dx,
-                                                  Tensor history, Tensor inv_rms,
-                                                  const RoutingParams& params,
-                                                  const RoutingLayout& layout, int source,
-                                                  int count, int heads) {
-    (void)weights, (void)ubar, (void)site_dx, (void)history, (void)inv_rms, (void)params;
-    (void)layout, (void)source, (void)count, (void)heads;
-  }
   // After slot 0's backward: with G_k = sum over slabs of gsum[:, k, :],
   //   dquery_k += g_k * G_k,  dgain_k += q_k * G_k   for every site k.
   virtual void routing_param_grads(const RoutingParams& params, Tensor gsum) = 0;

@@ -40,9 +40,8 @@ class ForwardingBackend : public Backend {
   int timing_mark() override { return in_.timing_mark(); }
   double timing_ms(int a, int b) override { return in_.timing_ms(a, b); }
   void timing_reset() override { in_.timing_reset(); }
-  // side_work_begin/end/join and routing_source_backward_tile_ahead are not forwarded: the
-  // inner backend sees every op in issue order, each tile whole (Backend's defaults), which
-  // is what a wrapper that watches or alters ops expects.
+  // side_work_begin/end/join are not forwarded: the inner backend sees every op in issue
+  // order (Backend's default), which is what a wrapper that watches or alters ops expects.
   void embedding_forward(Tensor o, Tensor t, Tensor w) override { in_.embedding_forward(o, t, w); }
   void embedding_backward(Tensor d, Tensor o, Tensor t) override { in_.embedding_backward(d, o, t); }
   void rmsnorm_forward(Tensor y, Tensor r, Tensor x, Tensor w, double eps) override {

@@ -184,14 +184,6 @@ void RoutedScheme::site_backward(int j) {
   // v_{j+1}'s.
   if (j + 1 < layout_.sources && continues_block(j + 1))
     c_.be.add_inplace(c_.act(source_dx_[size_t(j)]), c_.act(source_dx_[size_t(j + 1)]));
-  // The next tile, if it starts at slot j - 1, has every site gradient but site j - 1's:
-  // the backend may begin its pass now, beside sublayer j - 1's backward
-  // (backend.h, routing_source_backward_tile_ahead).
-  if (j >= 1)
-    if (const int count = layout_.back_tile_count(j - 1, back_tile_); count > 0)
-      c_.be.routing_source_backward_tile_ahead(c_.act(route_w_), c_.act(ubar_), dx,
-                                               c_.act(history_), c_.act(inv_rms_), params_, layout_,
-                                               j - 1, count, H_);
 }
 
 std::vector<double> RoutedScheme::routing_weights(int site) const {
