@@ -51,8 +51,9 @@ class BandwidthTest : public CudaParity {
     ASSERT_TRUE(bytes_per_s > 0) << "the copy rate could not be measured: " << why;
     copy_tbs_ = bytes_per_s * 1e-12;
     const double bytes = 2.0 * double(cuda::kCopyRateBytes);  // read + written
-    report("device copy (cuda::measure_copy_bytes_per_s, 512 MiB)", bytes,
-           bytes / bytes_per_s * 1e3);
+    report("device copy (cuda::measure_copy_bytes_per_s, " +
+               std::to_string(cuda::kCopyRateBytes >> 20) + " MiB)",
+           bytes, bytes / bytes_per_s * 1e3);
   }
   void report(const std::string& what, double bytes, double ms) {
     const double tbs = bytes / ms * 1e-9;
