@@ -15,12 +15,14 @@ namespace {
 // one dx_k row, each accumulator's operations in value_site's order (written out, not two
 // value_site calls, so that each dx_k element is unpacked once: the pair kernels are
 // register-bound).
+// Its lane-local part: the value paths and this lane's shares p0, p1 of the head dot
+// products, which pair_site then sums over the head's lanes (pair version 17 sums a site's
+// one site later, so that the shuffles overlap the next site's FMAs).
 template <int NT, class RV>
-__device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT][8], float& ds0,
-                                          float& ds1, const Row<NT>& rdx, const RV& rv0,
-                                          const RV& rv1, float a0, float a1, float ub, int G,
-                                          float* u0 = nullptr, float* u1 = nullptr) {
-  float p0 = 0.f, p1 = 0.f;
+__device__ __forceinline__ void pair_site_dots(float (&acc0)[NT][8], float (&acc1)[NT][8],
+                                               float& p0, float& p1, const Row<NT>& rdx,
+                                               const RV& rv0, const RV& rv1, float a0, float a1) {
+  p0 = 0.f, p1 = 0.f;
 #pragma unroll
   for (int t = 0; t < NT; ++t)
 #pragma unroll
@@ -31,6 +33,14 @@ __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT
       acc0[t][e] += a0 * dxe;
       acc1[t][e] += a1 * dxe;
     }
+}
+template <int NT, class RV>
+__device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT][8], float& ds0,
+                                          float& ds1, const Row<NT>& rdx, const RV& rv0,
+                                          const RV& rv1, float a0, float a1, float ub, int G,
+                                          float* u0 = nullptr, float* u1 = nullptr) {
+  float p0, p1;
+  pair_site_dots(acc0, acc1, p0, p1, rdx, rv0, rv1, a0, a1);
   const float h0 = head_sum(p0, G);
   ds0 = a0 * (h0 - ub);
   const float h1 = head_sum(p1, G);
@@ -137,6 +147,9 @@ __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT
 // 2.787-2.789, **16 + 7 2.722-2.724** (-3.6%); 350M and 1B: 16 as 15 (the unfused form).
 // 100M's mhar step, 3 alternating rounds: 38.7 / 38.6 ms (medians). The default since then,
 // with value version 7 at d <= 512.
+// 17 is 16 with the unfused form's site loop reshaped (source_value_pair_lean_kernel, below:
+// each site's head sums one site later, running offsets in the copy issue); the fused form
+// is 16's.
 
 template <int NT, int MIN_BLOCKS>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
@@ -509,6 +522,121 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
   cp_async_wait_groups<0>();  // nothing in flight into shared memory at exit
 }
 
+// Version 17 (written in the fifty-third session; not yet the default): version 11's
+// unfused stream kernel (350M's and 1B's tiles: whole rows, no key path, the lanes a head
+// G a compile-time constant) with its site loop reshaped by what ncu found in version 16's
+// (the same kernel there) at 350M (BENCHMARKS.md, fifty-third session: one mid-tile launch,
+// 504 us, 21 sites a token, 12 warps an SM, 0.33 instructions issued a scheduler cycle,
+// 436 instructions a site): of its stall samples, 14% on the head sums' FADDs waiting for
+// their shuffles (each site's dot products are summed at the end of its FMAs, so nothing
+// hides the two shuffle round trips), 17% on registers that the copy issue's LDGSTS and the
+// ds stores had not yet read (their queue is full: MIO throttle another 11%), and ~125 of
+// the 436 instructions the copy issue's 64-bit offsets and item branches. So:
+// - each site's head sums, ds and stores come one site later, after the next site's FMAs
+//   in the same basic block (pair_site_dots, then pair_site's sums), so the scheduler can
+//   put the shuffles among them;
+// - the issue keeps running offsets (the row's, and one for the three scalars: weights of
+//   both slots and ubar share [site][head][token]) instead of products a copy;
+// - the ds stores advance two pointers.
+// The same operations on the same values in the same order: version 16's bits.
+template <int NT, int MIN_BLOCKS, int G>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
+    source_value_pair_lean_kernel(float* __restrict__ val, bf16* __restrict__ /*dv0*/,
+                                  float* __restrict__ partial, float* __restrict__ weights,
+                                  float* __restrict__ ubar, const SiteRows site_dx,
+                                  const bf16* __restrict__ x, const bf16* __restrict__ v0,
+                                  const bf16* __restrict__ v1, const float* __restrict__ inv_rms0,
+                                  const float* __restrict__ inv_rms1,
+                                  const float* __restrict__ /*qg*/, const Geometry g, int source) {
+  static_assert(G >= 1 && G <= 32 && (G & (G - 1)) == 0, "G: the lanes a head, a power of two");
+  constexpr int R = stream_slots(NT);
+  extern __shared__ float4 pair_stream_smem_raw[];
+  const int lane = threadIdx.x & 31, h = lane / G;
+  const bool leader = lane % G == 0, copies_scalars = lane < g.H;
+  SlotRing<NT, R, true> ring{reinterpret_cast<StreamSlot<NT>*>(pair_stream_smem_raw) +
+                             (threadIdx.x >> 5) * R};
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5), HN = int64_t(g.H) * g.N;
+  const int older = source - g.lay.block;  // as in source_value_pair_span_kernel
+  float* w0 = weights + g.lay.pair_base(source) * HN;
+  float* w1 = weights + (g.lay.pair_base(older) + (source - older)) * HN;
+  const float* ub_sites = ubar + int64_t(source) * HN;  // ubar [site][head][token] from source
+  const int last = g.lay.last_site(source), items = last - source + 4;
+  const int64_t first = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  // The cursor: item ci of token cn is the next to copy; crow = cn d, and cs the offset of
+  // the scalars of head `lane` (the lanes < H copy one head's each) at item ci's site.
+  int64_t cn = first, crow = first * g.d, cs = int64_t(lane) * g.N + first;
+  int ci = 0;
+  auto issue = [&](StreamSlot<NT>& slot) {
+    if (cn >= g.N) return;
+    const bf16* src = ci == 0 ? v0 : ci == 1 ? v1 : ci == 2 ? x : site_dx.dx[source + ci - 3];
+    copy_chunks_async(slot, reinterpret_cast<const uint4*>(src + crow));
+    if (ci == 0) {
+      if (copies_scalars) {
+        cp_async_ca(&slot.scalar[0][lane], inv_rms0 + cn, 4);
+        cp_async_ca(&slot.scalar[1][lane], inv_rms1 + cn, 4);
+      }
+    } else if (ci >= 3) {
+      if (copies_scalars) {
+        cp_async_ca(&slot.scalar[0][lane], w0 + cs, 4);
+        cp_async_ca(&slot.scalar[1][lane], w1 + cs, 4);
+        if (ci > 3) cp_async_ca(&slot.scalar[2][lane], ub_sites + cs, 4);
+      }
+      cs += HN;
+    }
+    if (++ci == items) ci = 0, cn += warps, crow = cn * g.d, cs = int64_t(lane) * g.N + cn;
+  };
+#pragma unroll 1
+  for (int u = 0; u < R - 1; ++u) ring.refill(issue);
+  for (int64_t n = first; n < g.N; n += warps) {
+    Row<NT> rv0, rv1, rdx;
+    float r0, r1;
+    {
+      const StreamSlot<NT>& s0 = ring.take(issue);
+      slot_span(s0, rv0);
+      r0 = s0.scalar[0][0], r1 = s0.scalar[1][0];
+    }
+    slot_span(ring.take(issue), rv1);
+    float ub;
+    {
+      Row<NT> rx;
+      slot_span(ring.take(issue), rx);
+      slot_span(ring.take(issue), rdx);
+      ub = span_ubar_row(ubar, rdx, rx, g, source, n, G);
+    }
+    float acc0[NT][8], acc1[NT][8];
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc0[t][e] = 0.f, acc1[t][e] = 0.f;
+    // Site k's weights, ubar and lane shares of the head dot products, kept to site k + 1.
+    float a0 = ring.taken().scalar[0][h], a1 = ring.taken().scalar[1][h], p0, p1;
+    float* ds0_at = w0 + int64_t(h) * g.N + n;  // site k's pair entries, rewritten with ds r
+    float* ds1_at = w1 + int64_t(h) * g.N + n;
+    pair_site_dots(acc0, acc1, p0, p1, rdx, rv0, rv1, a0, a1);
+    // Site k - 1's sums, ds and stores (pair_site's), after site k's FMAs.
+    auto finish_site = [&] {
+      const float ds0 = a0 * (head_sum(p0, G) - ub);
+      const float ds1 = a1 * (head_sum(p1, G) - ub);
+      if (leader) *ds0_at = ds0 * r0, *ds1_at = ds1 * r1;
+      ds0_at += HN, ds1_at += HN;
+    };
+#pragma unroll 1
+    for (int k = source + 1; k <= last; ++k) {
+      const StreamSlot<NT>& s = ring.take(issue);
+      slot_span(s, rdx);
+      const float na0 = s.scalar[0][h], na1 = s.scalar[1][h], nub = s.scalar[2][h];
+      float q0, q1;
+      pair_site_dots(acc0, acc1, q0, q1, rdx, rv0, rv1, na0, na1);
+      finish_site();
+      a0 = na0, a1 = na1, ub = nub, p0 = q0, p1 = q1;
+    }
+    finish_site();
+    store_span_f32(val + n * g.d, acc0);
+    store_span_f32(partial + n * g.d, acc1);
+  }
+  cp_async_wait_groups<0>();  // nothing in flight into shared memory at exit
+}
+
 }  // namespace
 
 void backward_tile(cudaStream_t s, RoutingContext& ctx, const BackTileLaunch& t) {
@@ -551,13 +679,13 @@ void backward_tile(cudaStream_t s, RoutingContext& ctx, const BackTileLaunch& t)
         // radial sums at the end (with the constant lanes a head: pair_sums_radial_at_end).
         auto lanes_a_head = [&](auto gc) {
           constexpr int GC = decltype(gc)::value;
-          return g_pair_version == 16
+          return g_pair_version >= 16  // 17: 16's fused form
                      ? source_value_pair_stream_kernel<NT, B, true, true, GC, true, true, true>
-                 : g_pair_version == 15
-                     ? source_value_pair_stream_kernel<NT, B, true, true, GC, true, true>
-                 : g_pair_version == 14
-                     ? source_value_pair_stream_kernel<NT, B, true, true, GC, true>
-                     : source_value_pair_stream_kernel<NT, B, true, true, GC>;
+                     : g_pair_version == 15
+                           ? source_value_pair_stream_kernel<NT, B, true, true, GC, true, true>
+                       : g_pair_version == 14
+                           ? source_value_pair_stream_kernel<NT, B, true, true, GC, true>
+                           : source_value_pair_stream_kernel<NT, B, true, true, GC>;
         };
         auto stream = with_lanes_a_head(g_pair_version >= 11, heads,
                                         source_value_pair_stream_kernel<NT, B, true, true>,
@@ -616,6 +744,12 @@ void backward_tile(cudaStream_t s, RoutingContext& ctx, const BackTileLaunch& t)
         if constexpr (NT <= kBackTileMaxNT) {
           if (g_pair_version >= 7) {  // rows staged in shared memory
             constexpr int B = pair_blocks_per_sm(NT, 2);
+            if (g_pair_version >= 17 && lanes_a_head_constant(heads)) {
+              launch_pair_stream(heads == 4 ? source_value_pair_lean_kernel<NT, B, 8>
+                                            : source_value_pair_lean_kernel<NT, B, 4>,
+                                 stream_smem<NT>(), B, val, nullptr, partial, nullptr);
+              return;
+            }
             auto stream = with_lanes_a_head(g_pair_version >= 11, heads,
                                             g_pair_version >= 8
                                                 ? source_value_pair_stream_kernel<NT, B, true>
