@@ -84,7 +84,7 @@ struct ScratchLayout {
 };
 ScratchLayout scratch_layout(const OpScratchShapes& s) {
   using Slot = cuda::ScratchSlot;
-  static_assert(kSlots == 13, "every slot is sized and placed below");
+  static_assert(kSlots == 14, "every slot is sized and placed below");
   ScratchLayout l;
   auto bytes = [&](Slot slot) -> size_t& { return l.bytes[size_t(slot)]; };
   const size_t N = size_t(std::max<int64_t>(s.tokens(), 0));
@@ -114,8 +114,10 @@ ScratchLayout scratch_layout(const OpScratchShapes& s) {
         std::min(s.mix_tile_sites, cuda::routing_tile_sites(lay, s.d_model, s.routing_heads));
     if (k >= 2) bytes(Slot::RoutingTile) = size_t(k - 1) * (N * d + 2 * H * N) * sizeof(float);
     if (std::min(s.backward_tile_slots,
-                 cuda::routing_backward_tile_slots(lay, s.d_model, s.routing_heads)) >= 2)
+                 cuda::routing_backward_tile_slots(lay, s.d_model, s.routing_heads)) >= 2) {
       bytes(Slot::RoutingBackTile) = N * (d + 1) * sizeof(float);  // row + radial sum
+      bytes(Slot::RoutingPairDs) = cuda::routing_pair_ds_bytes(int64_t(N), int(ns), int(H));
+    }
   }
   const int n = s.hyper_streams;
   if (n >= 1 && n <= cuda::kHyperMaxStreams && N > 0) {
@@ -141,7 +143,8 @@ ScratchLayout scratch_layout(const OpScratchShapes& s) {
       {Slot::HyperPartials},
       {Slot::MatmulTune},
       {Slot::EmbeddingSort},
-      {Slot::RoutingTables, Slot::RoutingValueGrad, Slot::RoutingKeyGrad, Slot::RoutingPairSplit}};
+      {Slot::RoutingTables, Slot::RoutingValueGrad, Slot::RoutingKeyGrad, Slot::RoutingPairSplit,
+       Slot::RoutingPairDs}};
   for (const std::vector<Slot>& group : groups) {
     size_t at = tiles;
     for (Slot slot : group) {

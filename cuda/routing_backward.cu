@@ -907,6 +907,10 @@ bool routing_delta_site_backward(cudaStream_t s, RoutingContext& ctx, const Delt
   return true;
 }
 
+size_t routing_pair_ds_bytes(int64_t N, int sites, int heads) {
+  return lanes_a_head_constant(heads) ? size_t(N) * size_t(sites) * 2 * size_t(heads) * 4 : 0;
+}
+
 int routing_backward_tile_slots(const RoutingLayout& layout, int64_t d, int heads) {
   // The pair kernel: span layout, both slots' rows and value rows in registers (d <= 1280;
   // wider rows would spill). Full routing pairs every slot with the one before it, block

@@ -541,24 +541,25 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
 // The same operations on the same values in the same order: version 16's bits.
 template <int NT, int MIN_BLOCKS, int G>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
-    source_value_pair_lean_kernel(float* __restrict__ val, bf16* __restrict__ /*dv0*/,
-                                  float* __restrict__ partial, float* __restrict__ weights,
-                                  float* __restrict__ ubar, const SiteRows site_dx,
+    source_value_pair_lean_kernel(float* __restrict__ val, float* __restrict__ partial,
+                                  const float* __restrict__ weights, float* __restrict__ ubar,
+                                  float* __restrict__ ds_by_token, const SiteRows site_dx,
                                   const bf16* __restrict__ x, const bf16* __restrict__ v0,
                                   const bf16* __restrict__ v1, const float* __restrict__ inv_rms0,
-                                  const float* __restrict__ inv_rms1,
-                                  const float* __restrict__ /*qg*/, const Geometry g, int source) {
+                                  const float* __restrict__ inv_rms1, const Geometry g,
+                                  int source) {
   static_assert(G >= 1 && G <= 32 && (G & (G - 1)) == 0, "G: the lanes a head, a power of two");
+  constexpr int H = 32 / G;
   constexpr int R = stream_slots(NT);
   extern __shared__ float4 pair_stream_smem_raw[];
   const int lane = threadIdx.x & 31, h = lane / G;
-  const bool leader = lane % G == 0, copies_scalars = lane < g.H;
+  const bool copies_scalars = lane < H;
   SlotRing<NT, R, true> ring{reinterpret_cast<StreamSlot<NT>*>(pair_stream_smem_raw) +
                              (threadIdx.x >> 5) * R};
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5), HN = int64_t(g.H) * g.N;
   const int older = source - g.lay.block;  // as in source_value_pair_span_kernel
-  float* w0 = weights + g.lay.pair_base(source) * HN;
-  float* w1 = weights + (g.lay.pair_base(older) + (source - older)) * HN;
+  const float* w0 = weights + g.lay.pair_base(source) * HN;
+  const float* w1 = weights + (g.lay.pair_base(older) + (source - older)) * HN;
   const float* ub_sites = ubar + int64_t(source) * HN;  // ubar [site][head][token] from source
   const int last = g.lay.last_site(source), items = last - source + 4;
   const int64_t first = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -610,15 +611,19 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
       for (int e = 0; e < 8; ++e) acc0[t][e] = 0.f, acc1[t][e] = 0.f;
     // Site k's weights, ubar and lane shares of the head dot products, kept to site k + 1.
     float a0 = ring.taken().scalar[0][h], a1 = ring.taken().scalar[1][h], p0, p1;
-    float* ds0_at = w0 + int64_t(h) * g.N + n;  // site k's pair entries, rewritten with ds r
-    float* ds1_at = w1 + int64_t(h) * g.N + n;
+    // Site k's ds r of both slots, [site][token][slot][head]: lane l < 2 H stores slot l / H's
+    // head l % H (one 2 H-float run a token, where [pair][head][token] took 2 H sectors).
+    float* ds_at = ds_by_token + n * 2 * H + lane;
     pair_site_dots(acc0, acc1, p0, p1, rdx, rv0, rv1, a0, a1);
     // Site k - 1's sums, ds and stores (pair_site's), after site k's FMAs.
     auto finish_site = [&] {
       const float ds0 = a0 * (head_sum(p0, G) - ub);
       const float ds1 = a1 * (head_sum(p1, G) - ub);
-      if (leader) *ds0_at = ds0 * r0, *ds1_at = ds1 * r1;
-      ds0_at += HN, ds1_at += HN;
+      const int from = (lane % H) * G;  // a lane of head lane % H (each holds its head's sums)
+      const float head_ds0 = __shfl_sync(0xffffffffu, ds0, from);
+      const float head_ds1 = __shfl_sync(0xffffffffu, ds1, from);
+      if (lane < 2 * H) *ds_at = lane < H ? head_ds0 * r0 : head_ds1 * r1;
+      ds_at += g.N * 2 * H;
     };
 #pragma unroll 1
     for (int k = source + 1; k <= last; ++k) {
@@ -635,6 +640,33 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
     store_span_f32(partial + n * g.d, acc1);
   }
   cp_async_wait_groups<0>();  // nothing in flight into shared memory at exit
+}
+
+// Pair version 17's ds r, [site][token][slot][head] in ds_by_token, into the weights' pairs
+// [pair][head][token] of the tile's two slots from site `source` on (w0: slot source's, w1:
+// the older slot's), where the other versions write them in place: a block takes 128 tokens
+// of one site through shared memory, whole sectors read and written.
+constexpr int kDsTokens = 128;
+template <int H>
+__global__ void __launch_bounds__(256)
+    pair_ds_to_pairs_kernel(float* __restrict__ w0, float* __restrict__ w1,
+                            const float* __restrict__ ds_by_token, int64_t N) {
+  // Rows slot * H + head; the padding spreads a warp's stores (2 H rows by 16 / H tokens)
+  // over the 32 banks.
+  constexpr int kRows = 2 * H, kStride = kDsTokens + 16 / H;
+  __shared__ float tile[kRows][kStride];
+  const int j = blockIdx.y;
+  const int64_t n0 = int64_t(blockIdx.x) * kDsTokens;
+  const int toks = int(N - n0 < kDsTokens ? N - n0 : kDsTokens);
+  const float* src = ds_by_token + (int64_t(j) * N + n0) * kRows;
+  for (int i = threadIdx.x; i < toks * kRows; i += blockDim.x) tile[i % kRows][i / kRows] = src[i];
+  __syncthreads();
+  const int64_t at = int64_t(j) * H * N + n0;
+  for (int i = threadIdx.x; i < kRows * toks; i += blockDim.x) {
+    const int row = i / toks, tok = i % toks;
+    float* dst = row < H ? w0 + int64_t(row) * N : w1 + int64_t(row - H) * N;
+    dst[at + tok] = tile[row][tok];
+  }
 }
 
 }  // namespace
@@ -745,9 +777,24 @@ void backward_tile(cudaStream_t s, RoutingContext& ctx, const BackTileLaunch& t)
           if (g_pair_version >= 7) {  // rows staged in shared memory
             constexpr int B = pair_blocks_per_sm(NT, 2);
             if (g_pair_version >= 17 && lanes_a_head_constant(heads)) {
-              launch_pair_stream(heads == 4 ? source_value_pair_lean_kernel<NT, B, 8>
-                                            : source_value_pair_lean_kernel<NT, B, 4>,
-                                 stream_smem<NT>(), B, val, nullptr, partial, nullptr);
+              auto* ds = static_cast<float*>(
+                  ctx.scratch(ScratchSlot::RoutingPairDs, routing_pair_ds_bytes(N, ns, heads)));
+              launch_stream(s,
+                            heads == 4 ? source_value_pair_lean_kernel<NT, B, 8>
+                                       : source_value_pair_lean_kernel<NT, B, 4>,
+                            stream_smem<NT>(), B, N, val, partial, weights.ptr<float>(),
+                            ubar.ptr<float>(), ds, rows, x_in, v_in, older->v, inv_rms.ptr<float>(),
+                            older->inv_rms, g, source);
+              const int64_t HN = int64_t(heads) * N;
+              float* w0 = weights.ptr<float>() + g.lay.pair_base(source) * HN;
+              float* w1 =
+                  weights.ptr<float>() + (g.lay.pair_base(source - g.lay.block) + g.lay.block) * HN;
+              const dim3 grid(unsigned((N + kDsTokens - 1) / kDsTokens), unsigned(ns));
+              if (heads == 4)
+                pair_ds_to_pairs_kernel<4><<<grid, 256, 0, s>>>(w0, w1, ds, N);
+              else
+                pair_ds_to_pairs_kernel<8><<<grid, 256, 0, s>>>(w0, w1, ds, N);
+              CUDA_CHECK_LAUNCH();
               return;
             }
             auto stream = with_lanes_a_head(g_pair_version >= 11, heads,
