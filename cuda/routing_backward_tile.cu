@@ -148,8 +148,17 @@ __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT
 // 100M's mhar step, 3 alternating rounds: 38.7 / 38.6 ms (medians). The default since then,
 // with value version 7 at d <= 512.
 // 17 is 16 with the unfused form's site loop reshaped (source_value_pair_lean_kernel, below:
-// each site's head sums one site later, running offsets in the copy issue); the fused form
-// is 16's.
+// each site's head sums one site later, running offsets in the copy issue, ds r stored a
+// token's run at a time and moved to the pairs by a transpose kernel); the fused form is
+// 16's. Its bits are 16's (RoutingParity).
+// 18 is 17 with the fused form's ds r stored the same way (source_value_pair_stream_kernel
+// with BY_TOKEN; 100M's tiles, whose 4 heads' stores are 8 requests a site and token beside
+// the 1 KB row's 8). Written after the fifty-third session's device time was spent: **not
+// yet run**. Its bits should be 16's; RoutingParity checks every version against the
+// default's. To measure: `OP_TIMING=0
+// GTEST_FILTER='RoutingParity.ModelWidths:RoutingParity.SpanLayout'
+// LAB='OpTiming.DISABLED_RoutingPairVersions' AB=backward_pair=18 AB_MODES='standard mhar'
+// AB_ROUNDS=3 bash tools/gpu_check.sh` (the lab's pair list then {default, 18}).
 
 template <int NT, int MIN_BLOCKS>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
@@ -320,6 +329,19 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
                                   inv_rms0, inv_rms1, qg, g, source, parts_log2, wi, xch, round);
 }
 
+// Pair versions 17-18's store of one site's ds r for one token: the 2 H values of both slots
+// (ds0, ds1 of head h on each of its lanes, as pair_site leaves them) gathered to lanes
+// 0 .. 2 H - 1 and stored as one run, [slot][head], times the slots' inv_rms; `at` is this
+// lane's place in the run.
+template <int H>
+__device__ __forceinline__ void store_ds_by_token(float* at, float ds0, float ds1, float r0,
+                                                  float r1) {
+  const int lane = threadIdx.x & 31, from = (lane % H) * (32 / H);  // a lane of head lane % H
+  const float head_ds0 = __shfl_sync(0xffffffffu, ds0, from);
+  const float head_ds1 = __shfl_sync(0xffffffffu, ds1, from);
+  if (lane < 2 * H) *at = lane < H ? head_ds0 * r0 : head_ds1 * r1;
+}
+
 // ---------------------------------------------------------------- pair kernel, streamed
 // Versions 7 and 8 of the pair kernel (routing_set_kernel_version(BackwardPair, v)):
 // version 3's arithmetic (pair_site, the same bits) with its rows staged in shared memory
@@ -359,7 +381,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
 //   (stream_carveout).
 
 template <int NT, int MIN_BLOCKS, bool COALESCED, bool KEY = false, int GC = 0, bool F32 = false,
-          bool QAHEAD = false, bool RADIAL = false>
+          bool QAHEAD = false, bool RADIAL = false, bool BY_TOKEN = false>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
     source_value_pair_stream_kernel(float* __restrict__ val, bf16* __restrict__ dv0,
                                     float* __restrict__ partial, float* __restrict__ weights,
@@ -367,13 +389,15 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
                                     const bf16* __restrict__ x, const bf16* __restrict__ v0,
                                     const bf16* __restrict__ v1, const float* __restrict__ inv_rms0,
                                     const float* __restrict__ inv_rms1,
-                                    const float* __restrict__ qg, const Geometry g, int source) {
+                                    const float* __restrict__ qg, const Geometry g, int source,
+                                    float* __restrict__ ds_by_token) {
   static_assert(!KEY || COALESCED, "the fused form is version 9: version 8's copies");
   static_assert(GC == 0 || (COALESCED && GC <= 32 && (GC & (GC - 1)) == 0),
                 "version 11: version 8's copies, G a power of two");
   static_assert(!F32 || (KEY && GC > 0), "version 14 is version 11's fused form");
   static_assert(!QAHEAD || F32, "version 15 is version 14 with qg one site ahead");
   static_assert(!RADIAL || QAHEAD, "version 16 is version 15 with the radial sums at the end");
+  static_assert(!BY_TOKEN || RADIAL, "version 18's fused form is version 16's, ds r by token");
   constexpr int R = stream_slots(NT);
   extern __shared__ float4 pair_stream_smem_raw[];
   // GC > 0 (version 11): the lanes a head as a compile-time constant (the host checks
@@ -461,8 +485,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
         for (int e = 0; e < 8; ++e) acc0[t][e] = 0.f, acc1[t][e] = 0.f;
       // Site `source`'s weights sit in the slot just taken; read before the next take.
       float a0 = ring.taken().scalar[0][sc], a1 = ring.taken().scalar[1][sc];
-      float* w0h = w0 + int64_t(h) * g.N;
-      float* w1h = w1 + int64_t(h) * g.N;
+      [[maybe_unused]] float* w0h = w0 + int64_t(h) * g.N;  // not BY_TOKEN: ds r in place
+      [[maybe_unused]] float* w1h = w1 + int64_t(h) * g.N;
       auto qrow_of = [&](int k) {
         return reinterpret_cast<const float4*>(qg) + lane * 2 * NT + (k - source) * (g.d / 4);
       };
@@ -487,9 +511,15 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
             key_site(acc1, radial1, v1r, qrow_of(k), r1, ds1, G, leader);
           }
         }
-        // The shuffles synchronise the warp: no lane still needs the weights overwritten here.
-        const int64_t off = (k - source) * HN + n;
-        if (leader) w0h[off] = ds0 * r0, w1h[off] = ds1 * r1;
+        if constexpr (BY_TOKEN) {
+          // Version 18: the token's 2 H values as one run (pair version 17's store).
+          store_ds_by_token<32 / GC>(ds_by_token + ((k - source) * g.N + n) * (2 * 32 / GC) + lane,
+                                     ds0, ds1, r0, r1);
+        } else {
+          // The shuffles synchronise the warp: no lane still needs the weights overwritten here.
+          const int64_t off = (k - source) * HN + n;
+          if (leader) w0h[off] = ds0 * r0, w1h[off] = ds1 * r1;
+        }
         if (k == last) break;
         if constexpr (QAHEAD) load_qg_row(q_next, qrow_of(k + 1));
         const StreamSlot<NT>& s = ring.take(issue);
@@ -522,7 +552,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
   cp_async_wait_groups<0>();  // nothing in flight into shared memory at exit
 }
 
-// Version 17 (written in the fifty-third session; not yet the default): version 11's
+// Version 17 (fifty-third session): version 11's
 // unfused stream kernel (350M's and 1B's tiles: whole rows, no key path, the lanes a head
 // G a compile-time constant) with its site loop reshaped by what ncu found in version 16's
 // (the same kernel there) at 350M (BENCHMARKS.md, fifty-third session: one mid-tile launch,
@@ -537,7 +567,17 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
 //   put the shuffles among them;
 // - the issue keeps running offsets (the row's, and one for the three scalars: weights of
 //   both slots and ubar share [site][head][token]) instead of products a copy;
-// - the ds stores advance two pointers.
+// - ds r goes out a token at a time: its 2 H values (both slots, every head) gathered to
+//   lanes 0 .. 2 H - 1 by two shuffles and stored as one run into the RoutingPairDs scratch,
+//   [site][token][slot][head]; pair_ds_to_pairs_kernel then moves them to the pairs'
+//   [pair][head][token] rows, which the key gradients read. Version 16 stores each head's
+//   4 bytes into a sector of its own, 2 H sectors a site and token.
+// Measured as built step by step (fifty-third session, BENCHMARKS.md; a step's tiled
+// backward, OpTiming.DISABLED_RoutingPairVersions, three alternating rounds, H100): the
+// first two changes alone 350M 23.18 -> 22.92 ms, 1B 54.26 -> 53.57 (-1.1%, -1.3%); the
+// same kernel with its ds stores dropped (a timing-only edit, not kept) 20.03 and 47.09,
+// with the scalars' copies dropped too 19.20 and 44.40: the scattered stores were the
+// largest single cost, the scalars' 4-byte gathers the next (cuda/NOTES.md lead 2).
 // The same operations on the same values in the same order: version 16's bits.
 template <int NT, int MIN_BLOCKS, int G>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
@@ -619,10 +659,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
     auto finish_site = [&] {
       const float ds0 = a0 * (head_sum(p0, G) - ub);
       const float ds1 = a1 * (head_sum(p1, G) - ub);
-      const int from = (lane % H) * G;  // a lane of head lane % H (each holds its head's sums)
-      const float head_ds0 = __shfl_sync(0xffffffffu, ds0, from);
-      const float head_ds1 = __shfl_sync(0xffffffffu, ds1, from);
-      if (lane < 2 * H) *ds_at = lane < H ? head_ds0 * r0 : head_ds1 * r1;
+      store_ds_by_token<H>(ds_at, ds0, ds1, r0, r1);
       ds_at += g.N * 2 * H;
     };
 #pragma unroll 1
@@ -685,12 +722,29 @@ void backward_tile(cudaStream_t s, RoutingContext& ctx, const BackTileLaunch& t)
   const float* qg = t.qg;
   bf16* dv_out = t.dv;
   float* val = t.val;
-  // Pair versions 7-11 (source_value_pair_stream_kernel).
+  // Pair versions 7-16, 18 (source_value_pair_stream_kernel).
   auto launch_pair_stream = [&](auto kernel, size_t smem, int blocks_per_sm, float* val_out,
-                                bf16* dv0, float* partial, const float* key_qg) {
+                                bf16* dv0, float* partial, const float* key_qg,
+                                float* ds_by_token = nullptr) {
     launch_stream(s, kernel, smem, blocks_per_sm, N, val_out, dv0, partial, weights.ptr<float>(),
                   ubar.ptr<float>(), rows, x_in, v_in, older->v, inv_rms.ptr<float>(),
-                  older->inv_rms, key_qg, g, source);
+                  older->inv_rms, key_qg, g, source, ds_by_token);
+  };
+  // Versions 17-18's ds r by token: the scratch, and its move into the tile's pairs.
+  auto ds_scratch = [&] {
+    return static_cast<float*>(
+        ctx.scratch(ScratchSlot::RoutingPairDs, routing_pair_ds_bytes(N, ns, heads)));
+  };
+  auto ds_to_pairs = [&](const float* ds) {
+    const int64_t HN = int64_t(heads) * N;
+    float* w0 = weights.ptr<float>() + g.lay.pair_base(source) * HN;
+    float* w1 = weights.ptr<float>() + (g.lay.pair_base(source - g.lay.block) + g.lay.block) * HN;
+    const dim3 grid(unsigned((N + kDsTokens - 1) / kDsTokens), unsigned(ns));
+    if (heads == 4)
+      pair_ds_to_pairs_kernel<4><<<grid, 256, 0, s>>>(w0, w1, ds, N);
+    else
+      pair_ds_to_pairs_kernel<8><<<grid, 256, 0, s>>>(w0, w1, ds, N);
+    CUDA_CHECK_LAUNCH();
   };
   if (ring_fused) {
     // The older slot's radial sum so far follows its partial row.
@@ -708,16 +762,27 @@ void backward_tile(cudaStream_t s, RoutingContext& ctx, const BackTileLaunch& t)
         }
         constexpr int B = pair_blocks_per_sm(NT, 2);
         // 14: the slot rows held in fp32 registers; 15: and qg one site ahead; 16: and the
-        // radial sums at the end (with the constant lanes a head: pair_sums_radial_at_end).
+        // radial sums at the end (with the constant lanes a head: pair_sums_radial_at_end);
+        // 18: and ds r stored by token (17: 16's fused form).
+        if (g_pair_version >= 18 && lanes_a_head_constant(heads)) {
+          float* ds = ds_scratch();
+          launch_pair_stream(
+              heads == 4
+                  ? source_value_pair_stream_kernel<NT, B, true, true, 8, true, true, true, true>
+                  : source_value_pair_stream_kernel<NT, B, true, true, 4, true, true, true, true>,
+              stream_smem<NT>(), B, nullptr, dv_out, partial, qg, ds);
+          ds_to_pairs(ds);
+          return;
+        }
         auto lanes_a_head = [&](auto gc) {
           constexpr int GC = decltype(gc)::value;
-          return g_pair_version >= 16  // 17: 16's fused form
+          return g_pair_version >= 16
                      ? source_value_pair_stream_kernel<NT, B, true, true, GC, true, true, true>
-                     : g_pair_version == 15
-                           ? source_value_pair_stream_kernel<NT, B, true, true, GC, true, true>
-                       : g_pair_version == 14
-                           ? source_value_pair_stream_kernel<NT, B, true, true, GC, true>
-                           : source_value_pair_stream_kernel<NT, B, true, true, GC>;
+                 : g_pair_version == 15
+                     ? source_value_pair_stream_kernel<NT, B, true, true, GC, true, true>
+                 : g_pair_version == 14
+                     ? source_value_pair_stream_kernel<NT, B, true, true, GC, true>
+                     : source_value_pair_stream_kernel<NT, B, true, true, GC>;
         };
         auto stream = with_lanes_a_head(g_pair_version >= 11, heads,
                                         source_value_pair_stream_kernel<NT, B, true, true>,
@@ -777,24 +842,14 @@ void backward_tile(cudaStream_t s, RoutingContext& ctx, const BackTileLaunch& t)
           if (g_pair_version >= 7) {  // rows staged in shared memory
             constexpr int B = pair_blocks_per_sm(NT, 2);
             if (g_pair_version >= 17 && lanes_a_head_constant(heads)) {
-              auto* ds = static_cast<float*>(
-                  ctx.scratch(ScratchSlot::RoutingPairDs, routing_pair_ds_bytes(N, ns, heads)));
+              float* ds = ds_scratch();
               launch_stream(s,
                             heads == 4 ? source_value_pair_lean_kernel<NT, B, 8>
                                        : source_value_pair_lean_kernel<NT, B, 4>,
                             stream_smem<NT>(), B, N, val, partial, weights.ptr<float>(),
                             ubar.ptr<float>(), ds, rows, x_in, v_in, older->v, inv_rms.ptr<float>(),
                             older->inv_rms, g, source);
-              const int64_t HN = int64_t(heads) * N;
-              float* w0 = weights.ptr<float>() + g.lay.pair_base(source) * HN;
-              float* w1 =
-                  weights.ptr<float>() + (g.lay.pair_base(source - g.lay.block) + g.lay.block) * HN;
-              const dim3 grid(unsigned((N + kDsTokens - 1) / kDsTokens), unsigned(ns));
-              if (heads == 4)
-                pair_ds_to_pairs_kernel<4><<<grid, 256, 0, s>>>(w0, w1, ds, N);
-              else
-                pair_ds_to_pairs_kernel<8><<<grid, 256, 0, s>>>(w0, w1, ds, N);
-              CUDA_CHECK_LAUNCH();
+              ds_to_pairs(ds);
               return;
             }
             auto stream = with_lanes_a_head(g_pair_version >= 11, heads,

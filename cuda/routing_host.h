@@ -107,7 +107,7 @@ constexpr int kMixFinishVersions = 6, kMixFinishDefault = 6;        // routing_m
 constexpr int kDeltaForwardVersions = 2, kDeltaForwardDefault = 1;  // routing_delta_forward.cu
 constexpr int kDeltaSiteVersions = 3, kDeltaSiteDefault = 2;        // routing_backward.cu
 constexpr int kSourceValueVersions = 7, kSourceValueDefault = 0;    // routing_backward.cu
-constexpr int kPairVersions = 17, kPairDefault = 16;                // routing_backward_tile.cu
+constexpr int kPairVersions = 18, kPairDefault = 17;                // routing_backward_tile.cu
 constexpr int kKeyGradVersions = 4, kKeyGradDefault = 4;            // routing_key_grads.cu
 constexpr int kSourceFinishVersions = 4, kSourceFinishDefault = 1;  // routing_finish_key.cu
 extern int g_logits_version, g_qg_tables_version, g_mix_norm_version, g_mix_tile_version,

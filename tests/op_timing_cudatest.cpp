@@ -680,10 +680,11 @@ void OpTiming::routing_backward_sweeps(bool limits, bool versions, bool pairs) {
       cuda::routing_set_kernel_version(cuda::RoutingKernel::BackwardPair, 0);
     }
     cuda::routing_set_fused_key_max_sites(-1);
-    // The question in hand, alternating (fifty-third session: pair version 17 against the
-    // default; the thirty-second's was 15 and 16 against value versions 5 and 7).
+    // The question in hand, alternating: pair version 18 (the fused form's ds r by token,
+    // 100M) against the default, 17 (fifty-third session: 17 against 16, which it replaced;
+    // the thirty-second's was 15 and 16 against value versions 5 and 7).
     for (int round = 0; pairs && tile > 1 && round < 3; ++round)
-      for (const auto& [pair_v, value_v] : {std::pair{0, 0}, std::pair{17, 0}}) {
+      for (const auto& [pair_v, value_v] : {std::pair{0, 0}, std::pair{18, 0}}) {
         cuda::routing_set_kernel_version(cuda::RoutingKernel::BackwardPair, pair_v);
         cuda::routing_set_kernel_version(cuda::RoutingKernel::SourceValue, value_v);
         auto name = [](int v) { return v == 0 ? std::string("default") : "v" + std::to_string(v); };
