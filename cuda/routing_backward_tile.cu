@@ -343,6 +343,25 @@ __device__ __forceinline__ void store_ds_by_token(float* at, float ds0, float ds
 }
 
 // ---------------------------------------------------------------- pair kernel, streamed
+// A stream kernel's first four items of token n (v0's row with both slots' inv_rms at
+// scalar index rs, v1's row, x's row, site `source`'s gradient), taken from the ring and
+// read by row_of; x's row then gives ubar of site `source`, stored and returned.
+template <int NT, class Ring, class Issue, class RowOf>
+__device__ __forceinline__ float take_token_start(Ring& ring, Issue& issue, RowOf&& row_of, int rs,
+                                                  Row<NT>& rv0, Row<NT>& rv1, Row<NT>& rdx,
+                                                  float& r0, float& r1, float* ubar,
+                                                  const Geometry& g, int source, int64_t n, int G) {
+  {
+    const StreamSlot<NT>& s0 = ring.take(issue);
+    row_of(s0, rv0);
+    r0 = s0.scalar[0][rs], r1 = s0.scalar[1][rs];
+  }
+  row_of(ring.take(issue), rv1);
+  Row<NT> rx;
+  row_of(ring.take(issue), rx);
+  row_of(ring.take(issue), rdx);
+  return span_ubar_row(ubar, rdx, rx, g, source, n, G);
+}
 // Versions 7 and 8 of the pair kernel (routing_set_kernel_version(BackwardPair, v)):
 // version 3's arithmetic (pair_site, the same bits) with its rows staged in shared memory
 // by cp.async, stream_slots(NT) slots a warp, so that the rows in flight no longer
@@ -461,19 +480,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
   for (int64_t n = first; n < g.N; n += warps) {
     Row<NT> rv0, rv1, rdx;
     float r0, r1;
-    {
-      const StreamSlot<NT>& s0 = ring.take(issue);
-      row_of(s0, rv0);
-      r0 = s0.scalar[0][rs], r1 = s0.scalar[1][rs];
-    }
-    row_of(ring.take(issue), rv1);
-    float ub;
-    {
-      Row<NT> rx;
-      row_of(ring.take(issue), rx);
-      row_of(ring.take(issue), rdx);
-      ub = span_ubar_row(ubar, rdx, rx, g, source, n, G);
-    }
+    float ub =
+        take_token_start(ring, issue, row_of, rs, rv0, rv1, rdx, r0, r1, ubar, g, source, n, G);
     // The token's sites and stores, on the slot rows as given (version 14: widened to
     // fp32 once, see unpacked; else the bf16 words): the same operations either way.
     auto token = [&](const auto& v0r, const auto& v1r) {
@@ -631,19 +639,9 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
   for (int64_t n = first; n < g.N; n += warps) {
     Row<NT> rv0, rv1, rdx;
     float r0, r1;
-    {
-      const StreamSlot<NT>& s0 = ring.take(issue);
-      slot_span(s0, rv0);
-      r0 = s0.scalar[0][0], r1 = s0.scalar[1][0];
-    }
-    slot_span(ring.take(issue), rv1);
-    float ub;
-    {
-      Row<NT> rx;
-      slot_span(ring.take(issue), rx);
-      slot_span(ring.take(issue), rdx);
-      ub = span_ubar_row(ubar, rdx, rx, g, source, n, G);
-    }
+    auto row_of = [](const StreamSlot<NT>& slot, Row<NT>& r) { slot_span(slot, r); };
+    float ub =
+        take_token_start(ring, issue, row_of, 0, rv0, rv1, rdx, r0, r1, ubar, g, source, n, G);
     float acc0[NT][8], acc1[NT][8];
 #pragma unroll
     for (int t = 0; t < NT; ++t)
