@@ -560,10 +560,10 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
   cp_async_wait_groups<0>();  // nothing in flight into shared memory at exit
 }
 
-// Version 17 (fifty-third session): version 11's
-// unfused stream kernel (350M's and 1B's tiles: whole rows, no key path, the lanes a head
-// G a compile-time constant) with its site loop reshaped by what ncu found in version 16's
-// (the same kernel there) at 350M (BENCHMARKS.md, fifty-third session: one mid-tile launch,
+// Version 17 (fifty-third session; the default since): version 11's unfused stream kernel
+// (350M's and 1B's tiles: whole rows, no key path, the lanes a head G a compile-time
+// constant) with its site loop reshaped by what ncu found in version 16's (the same kernel
+// there) at 350M (BENCHMARKS.md, fifty-third session: one mid-tile launch,
 // 504 us, 21 sites a token, 12 warps an SM, 0.33 instructions issued a scheduler cycle,
 // 436 instructions a site): of its stall samples, 14% on the head sums' FADDs waiting for
 // their shuffles (each site's dot products are summed at the end of its FMAs, so nothing
@@ -677,7 +677,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
   cp_async_wait_groups<0>();  // nothing in flight into shared memory at exit
 }
 
-// Pair version 17's ds r, [site][token][slot][head] in ds_by_token, into the weights' pairs
+// Pair versions 17-18's ds r, [site][token][slot][head] in ds_by_token, into the weights' pairs
 // [pair][head][token] of the tile's two slots from site `source` on (w0: slot source's, w1:
 // the older slot's), where the other versions write them in place: a block takes 128 tokens
 // of one site through shared memory, whole sectors read and written.
