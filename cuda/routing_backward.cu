@@ -908,7 +908,9 @@ bool routing_delta_site_backward(cudaStream_t s, RoutingContext& ctx, const Delt
 }
 
 size_t routing_pair_ds_bytes(int64_t N, int sites, int heads) {
-  return lanes_a_head_constant(heads) ? size_t(N) * size_t(sites) * 2 * size_t(heads) * 4 : 0;
+  return lanes_a_head_constant(heads)
+             ? size_t(N) * size_t(sites) * 2 * size_t(heads) * sizeof(float)
+             : 0;
 }
 
 int routing_backward_tile_slots(const RoutingLayout& layout, int64_t d, int heads) {

@@ -208,8 +208,8 @@ constexpr bool pair_on_tensor_cores(int version) { return version == 12 || versi
 // version 7): H 4 or 8, the paper shapes (with_lanes_a_head).
 constexpr bool lanes_a_head_constant(int heads) { return heads == 4 || heads == 8; }
 // Whether a fused pair tile of whole rows (fused parts 0) runs version 16's stream kernel
-// (version 17's fused form is 16's),
-// whose radial sums come at the end in their own order (routing_backward_sum_order).
+// (versions 17 and 18 too: 17's fused form is 16's, 18's stores its ds r elsewhere), whose
+// radial sums come at the end in their own order (routing_backward_sum_order).
 constexpr bool pair_sums_radial_at_end(int version, int fused_parts_log2, int heads) {
   return version >= 16 && fused_parts_log2 == 0 && lanes_a_head_constant(heads);
 }

@@ -343,6 +343,13 @@ __device__ __forceinline__ void store_ds_by_token(float* at, float ds0, float ds
 }
 
 // ---------------------------------------------------------------- pair kernel, streamed
+// A stream pair kernel's item ci of a token: the rows of v0, v1, x, then the site gradients
+// from site `source` on.
+__device__ __forceinline__ const bf16* stream_item_row(int ci, const bf16* v0, const bf16* v1,
+                                                       const bf16* x, const SiteRows& site_dx,
+                                                       int source) {
+  return ci == 0 ? v0 : ci == 1 ? v1 : ci == 2 ? x : site_dx.dx[source + ci - 3];
+}
 // A stream kernel's first four items of token n (v0's row with both slots' inv_rms at
 // scalar index rs, v1's row, x's row, site `source`'s gradient), taken from the ring and
 // read by row_of; x's row then gives ubar of site `source`, stored and returned.
@@ -442,8 +449,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
   int ci = 0;
   auto issue = [&](StreamSlot<NT>& slot) {
     if (cn >= g.N) return;
-    const bf16* src = ci == 0 ? v0 : ci == 1 ? v1 : ci == 2 ? x : site_dx.dx[source + ci - 3];
-    const uint4* p = reinterpret_cast<const uint4*>(src + cn * g.d);
+    const uint4* p =
+        reinterpret_cast<const uint4*>(stream_item_row(ci, v0, v1, x, site_dx, source) + cn * g.d);
     if constexpr (COALESCED) {
       copy_chunks_async(slot, p);
     } else {
@@ -617,7 +624,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
   int ci = 0;
   auto issue = [&](StreamSlot<NT>& slot) {
     if (cn >= g.N) return;
-    const bf16* src = ci == 0 ? v0 : ci == 1 ? v1 : ci == 2 ? x : site_dx.dx[source + ci - 3];
+    const bf16* src = stream_item_row(ci, v0, v1, x, site_dx, source);
     copy_chunks_async(slot, reinterpret_cast<const uint4*>(src + crow));
     if (ci == 0) {
       if (copies_scalars) {
