@@ -117,6 +117,8 @@ ScratchLayout scratch_layout(const OpScratchShapes& s) {
                  cuda::routing_backward_tile_slots(lay, s.d_model, s.routing_heads)) >= 2) {
       bytes(Slot::RoutingBackTile) = N * (d + 1) * sizeof(float);  // row + radial sum
       bytes(Slot::RoutingPairDs) = cuda::routing_pair_ds_bytes(int64_t(N), int(ns), int(H));
+    } else {  // the plain calls' share (value versions 8-9)
+      bytes(Slot::RoutingPairDs) = cuda::routing_value_ds_bytes(int64_t(N), int(ns), int(H));
     }
   }
   const int n = s.hyper_streams;

@@ -152,7 +152,7 @@ inline const char* scratch_slot_name(ScratchSlot slot) {
     case ScratchSlot::RoutingKeyGrad: return "routing key gradient rows";
     case ScratchSlot::RoutingPairSplit: return "routing pair split";
     case ScratchSlot::RoutingPairDs:
-      return "routing backward tile's logit gradients by token";
+      return "routing backward's logit gradients by token";
     case ScratchSlot::RoutingTile: return "routing depth tile";
     case ScratchSlot::RoutingBackTile: return "routing backward depth tile";
     case ScratchSlot::HyperPartials: return "hyper partial sums";
@@ -341,8 +341,10 @@ void routing_source_backward_tile(cudaStream_t s, RoutingContext& ctx, Tensor dv
                                   int source, int count, int heads);
 int routing_backward_tile_slots(const RoutingLayout& layout, int64_t d, int heads);
 // The RoutingPairDs scratch a backward tile of N tokens, slots read by at most `sites` sites
-// and `heads` heads may ask for (pair version 17's ds r by token; 0 where it cannot run).
+// and `heads` heads may ask for (pair versions 17-18's ds r by token; 0 where it cannot run);
+// routing_value_ds_bytes, what one slot's plain call may ask for (value versions 8-9).
 size_t routing_pair_ds_bytes(int64_t N, int sites, int heads);
+size_t routing_value_ds_bytes(int64_t N, int sites, int heads);
 // Backend::delta_site_backward in one token kernel (+ the key gradients and dalpha's
 // partial sums) when the shapes allow it: span layout, bf16 rows, 16-byte aligned, the
 // slot read by its own site only. Returns false (nothing done) otherwise.

@@ -73,7 +73,7 @@
 // Kernel lab: the mix tile and finish kernels, the backward's pair kernel and the logits
 // keep their earlier versions, numbered, chosen at launch (routing_set_kernel_version,
 // kernels.h; the defaults are the measured fastest: mix tile 5 of 5, finish 6 of 6, the
-// norm in the finish 2 of 2, pair 17 of 18, the unfused value kernel by width of 7, the
+// norm in the finish 2 of 2, pair 17 of 18, the unfused value kernel by width of 9, the
 // key gradients 4 of 4, logits 9 of 9, the q*g tables 1 of 2, the delta site forward 1 of
 // 2, its backward 2 of 3; routing_host.h lists them with their files), so that one device
 // run times each (tests/op_timing_cudatest.cpp); every version

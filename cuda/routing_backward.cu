@@ -388,12 +388,28 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, value_span_blocks_per_sm(
 //   (thirty-second session, the tiled backward, pair version 16's list): 100M -1.3% alone,
 //   -3.6% with pair 16; 350M +11% and 1B +1.4% (there it runs as 5 does, on parts or
 //   not fused by default).
+// 8, 9 are 7 and 3 with the logit gradients stored a token at a time, as pair version 17
+//   does in the tiles: where the heads are 4 or 8, a site's ds r of the warp's heads is
+//   gathered to its first lanes by one shuffle and stored as one run into the RoutingPairDs
+//   scratch ([site][token][head]: a token's parts are consecutive warps, so the runs of its
+//   parts are adjacent), and ds_by_token_to_pairs moves them to the pairs' [pair][head][token]
+//   rows after the value pass; in place, each head's 4 bytes take a sector of their own (H
+//   store requests a site and token beside the row's d / 16 sectors). The same bits as 7
+//   and 3. Not yet measured (fifty-fourth session: built while no device could be started).
 // The default is therefore by width (version 0: source_value_version): 7 (5 before the
 // thirty-second session) where a lane holds the whole row in at most 2 chunks (d <= 512),
 // 3 at 4 chunks (d 1024), 6 at 5 (d 1280), else 2.
 // Whether a value version fuses every slot's key path (and the backward tiles' pair kernel
-// then takes its fused form): 5 and 7.
-constexpr bool value_fuses_every_slot(int version) { return version == 5 || version == 7; }
+// then takes its fused form): 5, 7 and 8.
+constexpr bool value_fuses_every_slot(int version) {
+  return version == 5 || version == 7 || version == 8;
+}
+// Whether its fused kernels form the radial sum once a token at the end: 7 and 8.
+constexpr bool value_radial_at_end(int version) { return version == 7 || version == 8; }
+// Whether its ring kernels store ds r a token at a time (heads 4 or 8): 8 and 9.
+constexpr bool value_ds_by_token(int version, int heads) {
+  return (version == 8 || version == 9) && lanes_a_head_constant(heads);
+}
 int source_value_version(int64_t d) {
   if (g_source_value_version > 0) return g_source_value_version;
   return d <= 512 ? 7 : d / 256 == 4 ? 3 : d / 256 == 5 ? 6 : 2;
@@ -431,11 +447,14 @@ constexpr int kValueRingMaxNT = 3;  // NT 4 spills 200 bytes at 2 sites ahead (p
 // (xch: the block's exchange for parts_sum; round: this warp's token count); else the
 // fp32 value row into val. Ring slot u holds site k = source + u (mod PF): its row,
 // weight and ubar.
-template <int NT, int PF, bool KEY, bool RADIAL = false>
+// BY_TOKEN (value versions 8-9): ds r into ds_by_token, [site - source][token][head], a
+// token's heads of this part as one run (see the version list), not in place.
+template <int NT, int PF, bool KEY, bool RADIAL = false, bool BY_TOKEN = false>
 __device__ __forceinline__ void value_ring_token(
     float* val, bf16* dv, float* weights, float* ubar, const SiteRows& site_dx, const bf16* x,
     const bf16* v, const float* inv_rms, const float* qg, const float* resume, const Geometry& g,
-    int source, int last, int parts_log2, int64_t wi, float (*xch)[kWarpsPerBlock], int round) {
+    int source, int last, int parts_log2, int64_t wi, float (*xch)[kWarpsPerBlock], int round,
+    float* ds_by_token) {
   const int lane = threadIdx.x & 31;
   const int64_t HN = int64_t(g.H) * g.N;
   const RowPart rp = row_part(wi, parts_log2, NT, g.H);
@@ -496,9 +515,17 @@ __device__ __forceinline__ void value_ring_token(
           key_site(acc, radial, rv, qrow, r, ds, rp.G, leader);
         }
       }
-      // head_sum's shuffles synchronise the warp: every lane has used a_k (read PF
-      // sites ago) before the leader overwrites it.
-      if (leader) w_src[(k - source) * HN + n] = ds * r;
+      if constexpr (BY_TOKEN) {
+        // The part's Hp heads from lanes 0, G, 2 G, ... to lanes 0 .. Hp - 1, one run.
+        const int Hp = 32 / rp.G, from = (lane % Hp) * rp.G;
+        const float head_ds = __shfl_sync(0xffffffffu, ds, from);
+        if (lane < Hp)
+          ds_by_token[((k - source) * g.N + n) * g.H + (rp.h - lane / rp.G) + lane] = head_ds * r;
+      } else {
+        // head_sum's shuffles synchronise the warp: every lane has used a_k (read PF
+        // sites ago) before the leader overwrites it.
+        if (leader) w_src[(k - source) * HN + n] = ds * r;
+      }
     }
   }
   if constexpr (KEY) {
@@ -516,36 +543,38 @@ __device__ __forceinline__ void value_ring_token(
   }
 }
 
-template <int NT, int PF>
+template <int NT, int PF, bool BY_TOKEN = false>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
     source_value_ring_span_kernel(float* __restrict__ val, float* __restrict__ weights,
                                   float* __restrict__ ubar, const SiteRows site_dx,
                                   const bf16* __restrict__ x, const bf16* __restrict__ v,
                                   const float* __restrict__ inv_rms,
                                   const float* __restrict__ resume, const Geometry g, int source,
-                                  int last, int parts_log2) {
+                                  int last, int parts_log2, float* __restrict__ ds_by_token) {
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
   for (int64_t wi = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
        wi < (g.N << parts_log2); wi += warps)
-    value_ring_token<NT, PF, false>(val, nullptr, weights, ubar, site_dx, x, v, inv_rms, nullptr,
-                                    resume, g, source, last, parts_log2, wi, nullptr, 0);
+    value_ring_token<NT, PF, false, false, BY_TOKEN>(val, nullptr, weights, ubar, site_dx, x, v,
+                                                     inv_rms, nullptr, resume, g, source, last,
+                                                     parts_log2, wi, nullptr, 0, ds_by_token);
 }
 
-template <int NT, int PF, bool RADIAL = false>
+template <int NT, int PF, bool RADIAL = false, bool BY_TOKEN = false>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
     source_value_fused_ring_kernel(bf16* __restrict__ dv, float* __restrict__ weights,
                                    float* __restrict__ ubar, const SiteRows site_dx,
                                    const bf16* __restrict__ x, const bf16* __restrict__ v,
                                    const float* __restrict__ inv_rms, const float* __restrict__ qg,
                                    const float* __restrict__ resume, const Geometry g, int source,
-                                   int last, int parts_log2) {
+                                   int last, int parts_log2, float* __restrict__ ds_by_token) {
   __shared__ float xch[2][kWarpsPerBlock];
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
   int round = 0;
   for (int64_t wi = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
        wi < (g.N << parts_log2); wi += warps, ++round)
-    value_ring_token<NT, PF, true, RADIAL>(nullptr, dv, weights, ubar, site_dx, x, v, inv_rms, qg,
-                                           resume, g, source, last, parts_log2, wi, xch, round);
+    value_ring_token<NT, PF, true, RADIAL, BY_TOKEN>(nullptr, dv, weights, ubar, site_dx, x, v,
+                                                     inv_rms, qg, resume, g, source, last,
+                                                     parts_log2, wi, xch, round, ds_by_token);
 }
 
 // Version 6 of the unfused value kernel (routing_set_kernel_version(SourceValue, 6); the
@@ -721,13 +750,22 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
         resume_last >= 0 ? static_cast<const float*>(ctx.scratch(ScratchSlot::RoutingBackTile, 0))
                          : nullptr;
     const int last = resume_last >= 0 ? resume_last : layout.last_site(source);
+    // Value versions 8-9: the ring kernels' ds r by token, moved into the pairs after them.
+    const bool by_token = value_ds_by_token(value_version, heads);
+    float* ds_by_token = nullptr;
+    if (by_token)
+      ds_by_token = static_cast<float*>(ctx.scratch(
+          ScratchSlot::RoutingPairDs, routing_value_ds_bytes(N, last - source + 1, heads)));
+    bool ds_pending = false;  // ds_by_token holds the call's ds r
     auto value_ring_kernel = [&](auto ntp, int parts_log2) {
       constexpr int NT = decltype(ntp)::value;
-      source_value_ring_span_kernel<NT, value_ring(NT)>
-          <<<token_blocks(N << parts_log2), 32 * kWarpsPerBlock, 0, s>>>(
-              val, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in, inv_rms.ptr<float>(),
-              resume, g, source, last, parts_log2);
+      auto kernel = by_token ? source_value_ring_span_kernel<NT, value_ring(NT), true>
+                             : source_value_ring_span_kernel<NT, value_ring(NT)>;
+      kernel<<<token_blocks(N << parts_log2), 32 * kWarpsPerBlock, 0, s>>>(
+          val, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in, inv_rms.ptr<float>(),
+          resume, g, source, last, parts_log2, ds_by_token);
       CUDA_CHECK_LAUNCH();
+      ds_pending = by_token;
     };
     // Versions 3-4: the ring on row parts, where the row splits.
     const int parts_log2 =
@@ -735,12 +773,16 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
     if (ring_fused) {
       dispatch_part_span(g.d / 256 >> fused_parts_log2, [&](auto ntp) {
         constexpr int NT = decltype(ntp)::value;
-        auto kernel = value_version == 7 ? source_value_fused_ring_kernel<NT, value_ring(NT), true>
-                                         : source_value_fused_ring_kernel<NT, value_ring(NT)>;
+        constexpr int PF = value_ring(NT);
+        auto kernel = by_token ? source_value_fused_ring_kernel<NT, PF, true, true>
+                      : value_radial_at_end(value_version)
+                          ? source_value_fused_ring_kernel<NT, PF, true>
+                          : source_value_fused_ring_kernel<NT, PF>;
         kernel<<<token_blocks(N << fused_parts_log2), 32 * kWarpsPerBlock, 0, s>>>(
             dv_out, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in, inv_rms.ptr<float>(),
-            qg, resume, g, source, last, fused_parts_log2);
+            qg, resume, g, source, last, fused_parts_log2, ds_by_token);
         CUDA_CHECK_LAUNCH();
+        ds_pending = by_token;
       });
     } else if (parts_log2 > 0) {
       dispatch_part_span(g.d / 256 >> parts_log2,
@@ -775,6 +817,9 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
             delta ? *delta : DeltaRows{});
         CUDA_CHECK_LAUNCH();
       });
+    if (ds_pending)
+      ds_by_token_to_pairs(s, weights.ptr<float>() + g.lay.pair_base(source) * g.H * N, nullptr,
+                           ds_by_token, N, last - source + 1, heads, 1);
     if (delta) delta_add_partials(s, dalpha, delta->partial, token_blocks(N));
   } else {
     MHAR_CHECK(resume_last < 0, "CUDA ", what, ": a backward depth tile outside the span layout");
@@ -826,7 +871,7 @@ int routing_backward_sum_order(int64_t d, int heads) {
   if (value_fuses_every_slot(value) && value_parts >= 0) {  // every slot fused, the pair's form too
     // The radial sums at the end (key_site_chunks): value version 7's plain calls, pair
     // version 16's stream kernel (whole rows).
-    return key_grads + 256 + lane_chunks(value_parts) + (value == 7 ? 4096 : 0) +
+    return key_grads + 256 + lane_chunks(value_parts) + (value_radial_at_end(value) ? 4096 : 0) +
            (pair_sums_radial_at_end(g_pair_version, value_parts, heads) ? 8192 : 0);
   }
   const int pair_mma_order =
@@ -908,9 +953,11 @@ bool routing_delta_site_backward(cudaStream_t s, RoutingContext& ctx, const Delt
 }
 
 size_t routing_pair_ds_bytes(int64_t N, int sites, int heads) {
-  return lanes_a_head_constant(heads)
-             ? size_t(N) * size_t(sites) * 2 * size_t(heads) * sizeof(float)
-             : 0;
+  return 2 * routing_value_ds_bytes(N, sites, heads);
+}
+size_t routing_value_ds_bytes(int64_t N, int sites, int heads) {
+  return lanes_a_head_constant(heads) ? size_t(N) * size_t(sites) * size_t(heads) * sizeof(float)
+                                      : 0;
 }
 
 int routing_backward_tile_slots(const RoutingLayout& layout, int64_t d, int heads) {

@@ -381,9 +381,9 @@ inline int row_parts_log2(const Geometry& g, int chunks) {
 }
 
 // The row parts' chunks a lane that each lab version asks for (0: whole rows): value
-// versions 3, 5 and 7 at most 2, 4 at most 1; pair versions 5 at most 2, 6 at most 1.
+// versions 3, 5, 7, 8 and 9 at most 2, 4 at most 1; pair versions 5 at most 2, 6 at most 1.
 inline int value_part_chunks(int version) {
-  return version == 3 || version == 5 || version == 7 ? 2 : version == 4 ? 1 : 0;
+  return version == 3 || version == 5 || version >= 7 ? 2 : version == 4 ? 1 : 0;
 }
 inline int pair_part_chunks(int version) { return version == 5 ? 2 : version == 6 ? 1 : 0; }
 // row_parts_log2 for `chunks` (0: the whole row, log2 0).
@@ -424,5 +424,12 @@ struct BackTileLaunch {
 // The tile's pass: the pair kernel of the pair version in force, the older slot's share
 // left in the RoutingBackTile scratch.
 void backward_tile(cudaStream_t s, RoutingContext& ctx, const BackTileLaunch& t);
+// Logit gradients stored by token (pair versions 17-18, value versions 8-9), ds r of `slots`
+// slots (1 or 2) for `sites` sites from the call's first, [site][token][slot][head] in
+// ds_by_token, moved into the weights' pairs [pair][head][token] that the key gradients read:
+// w0 the first slot's pairs at that site, w1 the older slot's (slots 2). heads 4 or 8
+// (lanes_a_head_constant).
+void ds_by_token_to_pairs(cudaStream_t s, float* w0, float* w1, const float* ds_by_token, int64_t N,
+                          int sites, int heads, int slots);
 
 }  // namespace mhar::cuda::routing_detail

@@ -584,7 +584,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
 //   both slots and ubar share [site][head][token]) instead of products a copy;
 // - ds r goes out a token at a time: its 2 H values (both slots, every head) gathered to
 //   lanes 0 .. 2 H - 1 by two shuffles and stored as one run into the RoutingPairDs scratch,
-//   [site][token][slot][head]; pair_ds_to_pairs_kernel then moves them to the pairs'
+//   [site][token][slot][head]; ds_by_token_to_pairs_kernel then moves them to the pairs'
 //   [pair][head][token] rows, which the key gradients read. Version 16 stores each head's
 //   4 bytes into a sector of its own, 2 H sectors a site and token.
 // Measured as built step by step (fifty-third session, BENCHMARKS.md; a step's tiled
@@ -684,18 +684,19 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
   cp_async_wait_groups<0>();  // nothing in flight into shared memory at exit
 }
 
-// Pair versions 17-18's ds r, [site][token][slot][head] in ds_by_token, into the weights' pairs
-// [pair][head][token] of the tile's two slots from site `source` on (w0: slot source's, w1:
-// the older slot's), where the other versions write them in place: a block takes 128 tokens
-// of one site through shared memory, whole sectors read and written.
+// Logit gradients stored a token at a time (pair versions 17-18, value versions 8-9): ds r
+// of SLOTS slots, [site][token][slot][head] in ds_by_token, into the weights' pairs
+// [pair][head][token] from site `source` on (w0: the first slot's, w1: a tile's older
+// slot's), where the other versions write them in place: a block takes 128 tokens of one
+// site through shared memory, whole sectors read and written.
 constexpr int kDsTokens = 128;
-template <int H>
+template <int H, int SLOTS>
 __global__ void __launch_bounds__(256)
-    pair_ds_to_pairs_kernel(float* __restrict__ w0, float* __restrict__ w1,
-                            const float* __restrict__ ds_by_token, int64_t N) {
-  // Rows slot * H + head; the padding spreads a warp's stores (2 H rows by 16 / H tokens)
-  // over the 32 banks.
-  constexpr int kRows = 2 * H, kStride = kDsTokens + 16 / H;
+    ds_by_token_to_pairs_kernel(float* __restrict__ w0, float* __restrict__ w1,
+                                const float* __restrict__ ds_by_token, int64_t N) {
+  // Rows slot * H + head; the padding spreads a warp's stores (SLOTS H rows by
+  // 32 / (SLOTS H) tokens) over the 32 banks.
+  constexpr int kRows = SLOTS * H, kStride = kDsTokens + 32 / kRows;
   __shared__ float tile[kRows][kStride];
   const int j = blockIdx.y;
   const int64_t n0 = int64_t(blockIdx.x) * kDsTokens;
@@ -712,6 +713,22 @@ __global__ void __launch_bounds__(256)
 }
 
 }  // namespace
+
+void ds_by_token_to_pairs(cudaStream_t s, float* w0, float* w1, const float* ds_by_token, int64_t N,
+                          int sites, int heads, int slots) {
+  MHAR_CHECK(lanes_a_head_constant(heads) && (slots == 1 || slots == 2),
+             "CUDA routing: logit gradients by token for ", heads, " heads and ", slots,
+             " slots (4 or 8 heads, 1 or 2 slots)");
+  const dim3 grid(unsigned((N + kDsTokens - 1) / kDsTokens), unsigned(sites));
+  auto launch = [&](auto kernel) {
+    kernel<<<grid, 256, 0, s>>>(w0, w1, ds_by_token, N);
+    CUDA_CHECK_LAUNCH();
+  };
+  if (slots == 1)
+    launch(heads == 4 ? ds_by_token_to_pairs_kernel<4, 1> : ds_by_token_to_pairs_kernel<8, 1>);
+  else
+    launch(heads == 4 ? ds_by_token_to_pairs_kernel<4, 2> : ds_by_token_to_pairs_kernel<8, 2>);
+}
 
 void backward_tile(cudaStream_t s, RoutingContext& ctx, const BackTileLaunch& t) {
   const char* what = "routing_source_backward";
@@ -744,12 +761,7 @@ void backward_tile(cudaStream_t s, RoutingContext& ctx, const BackTileLaunch& t)
     const int64_t HN = int64_t(heads) * N;
     float* w0 = weights.ptr<float>() + g.lay.pair_base(source) * HN;
     float* w1 = weights.ptr<float>() + (g.lay.pair_base(source - g.lay.block) + g.lay.block) * HN;
-    const dim3 grid(unsigned((N + kDsTokens - 1) / kDsTokens), unsigned(ns));
-    if (heads == 4)
-      pair_ds_to_pairs_kernel<4><<<grid, 256, 0, s>>>(w0, w1, ds, N);
-    else
-      pair_ds_to_pairs_kernel<8><<<grid, 256, 0, s>>>(w0, w1, ds, N);
-    CUDA_CHECK_LAUNCH();
+    ds_by_token_to_pairs(s, w0, w1, ds, N, ns, heads, 2);
   };
   if (ring_fused) {
     // The older slot's radial sum so far follows its partial row.

@@ -106,7 +106,7 @@ constexpr int kMixTileVersions = 5, kMixTileDefault = 5;            // routing_m
 constexpr int kMixFinishVersions = 6, kMixFinishDefault = 6;        // routing_mix.cu
 constexpr int kDeltaForwardVersions = 2, kDeltaForwardDefault = 1;  // routing_delta_forward.cu
 constexpr int kDeltaSiteVersions = 3, kDeltaSiteDefault = 2;        // routing_backward.cu
-constexpr int kSourceValueVersions = 7, kSourceValueDefault = 0;    // routing_backward.cu
+constexpr int kSourceValueVersions = 9, kSourceValueDefault = 0;    // routing_backward.cu
 constexpr int kPairVersions = 18, kPairDefault = 17;                // routing_backward_tile.cu
 constexpr int kKeyGradVersions = 4, kKeyGradDefault = 4;            // routing_key_grads.cu
 constexpr int kSourceFinishVersions = 4, kSourceFinishDefault = 1;  // routing_finish_key.cu

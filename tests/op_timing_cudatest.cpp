@@ -680,11 +680,14 @@ void OpTiming::routing_backward_sweeps(bool limits, bool versions, bool pairs) {
       cuda::routing_set_kernel_version(cuda::RoutingKernel::BackwardPair, 0);
     }
     cuda::routing_set_fused_key_max_sites(-1);
-    // The question in hand, alternating: pair version 18 (the fused form's ds r by token,
-    // 100M) against the default, 17 (fifty-third session: 17 against 16, which it replaced;
-    // the thirty-second's was 15 and 16 against value versions 5 and 7).
+    // The question in hand, alternating: the logit gradients stored by token in 100M's fused
+    // pair form (pair version 18) and in the plain calls' ring kernels (value version 8: 7
+    // so, 100M's default; 9: 3 so, 350M's), apart and together, against the defaults
+    // (fifty-third session: pair 17 against 16, which it replaced; the thirty-second's was
+    // 15 and 16 against value versions 5 and 7).
     for (int round = 0; pairs && tile > 1 && round < 3; ++round)
-      for (const auto& [pair_v, value_v] : {std::pair{0, 0}, std::pair{18, 0}}) {
+      for (const auto& [pair_v, value_v] : {std::pair{0, 0}, std::pair{18, 0}, std::pair{0, 8},
+                                            std::pair{0, 9}, std::pair{18, 8}}) {
         cuda::routing_set_kernel_version(cuda::RoutingKernel::BackwardPair, pair_v);
         cuda::routing_set_kernel_version(cuda::RoutingKernel::SourceValue, value_v);
         auto name = [](int v) { return v == 0 ? std::string("default") : "v" + std::to_string(v); };
