@@ -158,7 +158,8 @@ __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT
 // default's. To measure: `OP_TIMING=0
 // GTEST_FILTER='RoutingParity.ModelWidths:RoutingParity.SpanLayout'
 // LAB='OpTiming.DISABLED_RoutingPairVersions' AB=backward_pair=18 AB_MODES='standard mhar'
-// AB_ROUNDS=3 bash tools/gpu_check.sh` (the lab's pair list then {default, 18}).
+// AB_ROUNDS=3 bash tools/gpu_check.sh` (the lab's list: the defaults, pair 18, value versions
+// 8 and 9, pair 18 + value 8; value 8 is the same store in 100M's plain calls).
 
 template <int NT, int MIN_BLOCKS>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
