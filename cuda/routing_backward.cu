@@ -400,15 +400,16 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, value_span_blocks_per_sm(
 // thirty-second session) where a lane holds the whole row in at most 2 chunks (d <= 512),
 // 3 at 4 chunks (d 1024), 6 at 5 (d 1280), else 2.
 // Whether a value version fuses every slot's key path (and the backward tiles' pair kernel
-// then takes its fused form): 5, 7 and 8.
-constexpr bool value_fuses_every_slot(int version) {
-  return version == 5 || version == 7 || version == 8;
-}
-// Whether its fused kernels form the radial sum once a token at the end: 7 and 8.
-constexpr bool value_radial_at_end(int version) { return version == 7 || version == 8; }
-// Whether its ring kernels store ds r a token at a time (heads 4 or 8): 8 and 9.
+// then takes its fused form): 5 and 7.
+constexpr bool value_fuses_every_slot(int version) { return version == 5 || version == 7; }
+// Whether a version's ring kernels store ds r a token at a time (heads 4 or 8): 8 and 9, which
+// otherwise run the kernels of value_kernels_of(version), 7 and 3; every rule below the
+// launch (fusion, row parts, sum order) is that version's.
 constexpr bool value_ds_by_token(int version, int heads) {
   return (version == 8 || version == 9) && lanes_a_head_constant(heads);
+}
+constexpr int value_kernels_of(int version) {
+  return version == 8 ? 7 : version == 9 ? 3 : version;
 }
 int source_value_version(int64_t d) {
   if (g_source_value_version > 0) return g_source_value_version;
@@ -728,7 +729,8 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
   // Slots read by few sites take the fused span kernel (key path inside, dv written);
   // the others write the fp32 value row for the key GEMM and finish kernel below. Value
   // versions 5 and 7 fuse every slot's key path (source_value_fused_ring_kernel).
-  const int value_version = source_value_version(g.d);
+  const int value_choice = source_value_version(g.d);
+  const int value_version = value_kernels_of(value_choice);
   const bool fuses_every_slot = value_fuses_every_slot(value_version);
   const int fused_parts_log2 = !delta && fuses_every_slot && span_layout(g)
                                    ? parts_log2_for(g, value_part_chunks(value_version))
@@ -751,7 +753,7 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
                          : nullptr;
     const int last = resume_last >= 0 ? resume_last : layout.last_site(source);
     // Value versions 8-9: the ring kernels' ds r by token, moved into the pairs after them.
-    const bool by_token = value_ds_by_token(value_version, heads);
+    const bool by_token = value_ds_by_token(value_choice, heads);
     float* ds_by_token = nullptr;
     if (by_token)
       ds_by_token = static_cast<float*>(ctx.scratch(
@@ -774,10 +776,10 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
       dispatch_part_span(g.d / 256 >> fused_parts_log2, [&](auto ntp) {
         constexpr int NT = decltype(ntp)::value;
         constexpr int PF = value_ring(NT);
-        auto kernel = by_token ? source_value_fused_ring_kernel<NT, PF, true, true>
-                      : value_radial_at_end(value_version)
-                          ? source_value_fused_ring_kernel<NT, PF, true>
-                          : source_value_fused_ring_kernel<NT, PF>;
+        // Version 7 (by token: 8) forms its radial sums at the end, 5 a site at a time.
+        auto kernel = value_version != 7 ? source_value_fused_ring_kernel<NT, PF>
+                      : by_token         ? source_value_fused_ring_kernel<NT, PF, true, true>
+                                         : source_value_fused_ring_kernel<NT, PF, true>;
         kernel<<<token_blocks(N << fused_parts_log2), 32 * kWarpsPerBlock, 0, s>>>(
             dv_out, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in, inv_rms.ptr<float>(),
             qg, resume, g, source, last, fused_parts_log2, ds_by_token);
@@ -866,12 +868,12 @@ int routing_backward_sum_order(int64_t d, int heads) {
   g.d = int(d);
   g.H = heads;
   auto lane_chunks = [&](int parts_log2) { return g.d / 256 >> std::max(parts_log2, 0); };
-  const int value = source_value_version(d);
+  const int value = value_kernels_of(source_value_version(d));
   const int value_parts = parts_log2_for(g, value_part_chunks(value));
   if (value_fuses_every_slot(value) && value_parts >= 0) {  // every slot fused, the pair's form too
     // The radial sums at the end (key_site_chunks): value version 7's plain calls, pair
     // version 16's stream kernel (whole rows).
-    return key_grads + 256 + lane_chunks(value_parts) + (value_radial_at_end(value) ? 4096 : 0) +
+    return key_grads + 256 + lane_chunks(value_parts) + (value == 7 ? 4096 : 0) +
            (pair_sums_radial_at_end(g_pair_version, value_parts, heads) ? 8192 : 0);
   }
   const int pair_mma_order =

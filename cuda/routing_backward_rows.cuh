@@ -381,9 +381,9 @@ inline int row_parts_log2(const Geometry& g, int chunks) {
 }
 
 // The row parts' chunks a lane that each lab version asks for (0: whole rows): value
-// versions 3, 5, 7, 8 and 9 at most 2, 4 at most 1; pair versions 5 at most 2, 6 at most 1.
+// versions 3, 5 and 7 at most 2, 4 at most 1; pair versions 5 at most 2, 6 at most 1.
 inline int value_part_chunks(int version) {
-  return version == 3 || version == 5 || version >= 7 ? 2 : version == 4 ? 1 : 0;
+  return version == 3 || version == 5 || version == 7 ? 2 : version == 4 ? 1 : 0;
 }
 inline int pair_part_chunks(int version) { return version == 5 ? 2 : version == 6 ? 1 : 0; }
 // row_parts_log2 for `chunks` (0: the whole row, log2 0).
