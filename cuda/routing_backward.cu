@@ -395,10 +395,14 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, value_span_blocks_per_sm(
 //   parts are adjacent), and ds_by_token_to_pairs moves them to the pairs' [pair][head][token]
 //   rows after the value pass; in place, each head's 4 bytes take a sector of their own (H
 //   store requests a site and token beside the row's d / 16 sectors). The same bits as 7
-//   and 3. Not yet measured (fifty-fourth session: built while no device could be started).
+//   and 3. Measured (fifty-fifth session, BENCHMARKS.md; a step's tiled backward, three
+//   alternating rounds, H100): 9 at 350M 20.95 -> 20.82 ms (-0.6%; in the 350M step a tie,
+//   163.3 against 163.45 ms over six runs each); 8 at 100M 2.93 -> 2.99 (+2%): with 4 heads
+//   a site's stores are 4 requests beside the 1 KB row's 8, and the transpose after the
+//   call costs more than they did.
 // The default is therefore by width (version 0: source_value_version): 7 (5 before the
 // thirty-second session) where a lane holds the whole row in at most 2 chunks (d <= 512),
-// 3 at 4 chunks (d 1024), 6 at 5 (d 1280), else 2.
+// 9 (3 before the fifty-fifth session) at 4 chunks (d 1024), 6 at 5 (d 1280), else 2.
 // Whether a value version fuses every slot's key path (and the backward tiles' pair kernel
 // then takes its fused form): 5 and 7.
 constexpr bool value_fuses_every_slot(int version) { return version == 5 || version == 7; }
@@ -413,7 +417,7 @@ constexpr int value_kernels_of(int version) {
 }
 int source_value_version(int64_t d) {
   if (g_source_value_version > 0) return g_source_value_version;
-  return d <= 512 ? 7 : d / 256 == 4 ? 3 : d / 256 == 5 ? 6 : 2;
+  return d <= 512 ? 7 : d / 256 == 4 ? 9 : d / 256 == 5 ? 6 : 2;
 }
 // Sites in flight a warp (ptxas at 4 blocks an SM, <= 128 registers: no spills).
 constexpr int value_ring(int NT) { return NT <= 2 ? 4 : 2; }

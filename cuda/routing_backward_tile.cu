@@ -153,13 +153,11 @@ __device__ __forceinline__ void pair_site(float (&acc0)[NT][8], float (&acc1)[NT
 // 16's. Its bits are 16's (RoutingParity).
 // 18 is 17 with the fused form's ds r stored the same way (source_value_pair_stream_kernel
 // with BY_TOKEN; 100M's tiles, whose 4 heads' stores are 8 requests a site and token beside
-// the 1 KB row's 8). Written after the fifty-third session's device time was spent: **not
-// yet run**. Its bits should be 16's; RoutingParity checks every version against the
-// default's. To measure: `OP_TIMING=0
-// GTEST_FILTER='RoutingParity.ModelWidths:RoutingParity.SpanLayout'
-// LAB='OpTiming.DISABLED_RoutingPairVersions' AB=backward_pair=18 AB_MODES='standard mhar'
-// AB_ROUNDS=3 bash tools/gpu_check.sh` (the lab's list: the defaults, pair 18, value versions
-// 8 and 9, pair 18 + value 8; value 8 is the same store in 100M's plain calls).
+// the 1 KB row's 8). Its bits are 16's (RoutingParity, fifty-fifth session). Measured then
+// (BENCHMARKS.md; a step's tiled backward at 100M, three alternating rounds, H100): 2.930 ms
+// at the defaults, 3.022 with 18 (+3%), 3.076 with 18 and value version 8: at 4 heads the
+// transpose kernel after each tile costs more than the scattered stores it replaces. Not
+// the default; kept in the lab (the fused form at 8 heads, d <= 512, is untried).
 
 template <int NT, int MIN_BLOCKS>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
