@@ -757,21 +757,24 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
                          : nullptr;
     const int last = resume_last >= 0 ? resume_last : layout.last_site(source);
     // Value versions 8-9: the ring kernels' ds r by token, moved into the pairs after them.
+    // The scratch is taken only where a ring kernel runs, so ds_by_token set means the
+    // call's ds r wait there.
     const bool by_token = value_ds_by_token(value_choice, heads);
     float* ds_by_token = nullptr;
-    if (by_token)
+    auto by_token_scratch = [&]() -> float* {
+      if (!by_token) return nullptr;
       ds_by_token = static_cast<float*>(ctx.scratch(
           ScratchSlot::RoutingPairDs, routing_value_ds_bytes(N, last - source + 1, heads)));
-    bool ds_pending = false;  // ds_by_token holds the call's ds r
+      return ds_by_token;
+    };
     auto value_ring_kernel = [&](auto ntp, int parts_log2) {
       constexpr int NT = decltype(ntp)::value;
       auto kernel = by_token ? source_value_ring_span_kernel<NT, value_ring(NT), true>
                              : source_value_ring_span_kernel<NT, value_ring(NT)>;
       kernel<<<token_blocks(N << parts_log2), 32 * kWarpsPerBlock, 0, s>>>(
           val, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in, inv_rms.ptr<float>(),
-          resume, g, source, last, parts_log2, ds_by_token);
+          resume, g, source, last, parts_log2, by_token_scratch());
       CUDA_CHECK_LAUNCH();
-      ds_pending = by_token;
     };
     // Versions 3-4: the ring on row parts, where the row splits.
     const int parts_log2 =
@@ -786,9 +789,8 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
                                          : source_value_fused_ring_kernel<NT, PF, true>;
         kernel<<<token_blocks(N << fused_parts_log2), 32 * kWarpsPerBlock, 0, s>>>(
             dv_out, weights.ptr<float>(), ubar.ptr<float>(), rows, x_in, v_in, inv_rms.ptr<float>(),
-            qg, resume, g, source, last, fused_parts_log2, ds_by_token);
+            qg, resume, g, source, last, fused_parts_log2, by_token_scratch());
         CUDA_CHECK_LAUNCH();
-        ds_pending = by_token;
       });
     } else if (parts_log2 > 0) {
       dispatch_part_span(g.d / 256 >> parts_log2,
@@ -823,7 +825,7 @@ void source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weig
             delta ? *delta : DeltaRows{});
         CUDA_CHECK_LAUNCH();
       });
-    if (ds_pending)
+    if (ds_by_token)
       ds_by_token_to_pairs(s, weights.ptr<float>() + g.lay.pair_base(source) * g.H * N, nullptr,
                            ds_by_token, N, last - source + 1, heads, 1);
     if (delta) delta_add_partials(s, dalpha, delta->partial, token_blocks(N));
