@@ -485,6 +485,10 @@ class CudaBackend final : public Backend {
   int routing_tile_sites(const RoutingLayout& layout, int64_t d, int heads) const override {
     return cuda::routing_tile_sites(layout, d, heads);
   }
+  std::vector<int> routing_tile_plan(const RoutingLayout& layout, int64_t d,
+                                     int heads) const override {
+    return cuda::routing_tile_plan(layout, d, heads);
+  }
   void routing_source_backward(Tensor dv, Tensor weights, Tensor ubar, Tensor gsum,
                                const std::vector<Tensor>& site_dx, Tensor x, Tensor v,
                                Tensor inv_rms,

@@ -38,6 +38,7 @@ LabKernel norm(const char* name) {
 
 std::vector<LabKernel> lab_kernels() {
   return {routing<RoutingKernel::MixTile>("mix_tile"),
+          routing<RoutingKernel::TilePlan>("tile_plan"),
           routing<RoutingKernel::BackwardPair>("backward_pair"),
           routing<RoutingKernel::DeltaSite>("delta_site"),
           routing<RoutingKernel::DeltaForward>("delta_forward"),

@@ -326,7 +326,12 @@ void routing_mix_rmsnorm(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor y
                          int heads, Tensor norm_w, double eps);
 void routing_mix_tile(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weights,
                       Tensor history, const RoutingLayout& layout, int site, int count, int heads);
+// Backend::routing_tile_sites and routing_tile_plan: the largest tile (kTileSites where the
+// shape tiles, else 1) and the plan of fewest rows moved by routing_tile_rows, the traffic
+// model of a tile of `count` sites from site j0 (rows of N d bf16).
 int routing_tile_sites(const RoutingLayout& layout, int64_t d, int heads);
+std::vector<int> routing_tile_plan(const RoutingLayout& layout, int64_t d, int heads);
+int64_t routing_tile_rows(int j0, int count);
 // The RoutingPassTables scratch of `sites` sites of width d (QgPassTables).
 size_t routing_pass_tables_bytes(int sites, int64_t d);
 void routing_source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weights,
@@ -377,7 +382,8 @@ enum class RoutingKernel {
   KeyGrad,
   MixNorm,
   QgTables,
-  SourceFinish
+  SourceFinish,
+  TilePlan
 };
 int routing_set_kernel_version(RoutingKernel kernel, int version);
 int routing_kernel_versions(RoutingKernel kernel);

@@ -91,6 +91,7 @@ namespace routing_detail {
 int g_logits_version = kLogitsDefault;
 int g_qg_tables_version = kQgTablesDefault;
 int g_mix_norm_version = kMixNormDefault;
+int g_tile_plan_version = kTilePlanDefault;
 int g_mix_tile_version = kMixTileDefault;
 int g_mix_finish_version = kMixFinishDefault;
 int g_delta_forward_version = kDeltaForwardDefault;
@@ -219,6 +220,8 @@ LabSetting lab_setting(RoutingKernel kernel) {
       return {g_qg_tables_version, kQgTablesVersions, kQgTablesDefault};
     case RoutingKernel::SourceFinish:
       return {g_source_finish_version, kSourceFinishVersions, kSourceFinishDefault};
+    case RoutingKernel::TilePlan:
+      return {g_tile_plan_version, kTilePlanVersions, kTilePlanDefault};
   }
   fail("routing kernel lab: unknown kernel ", int(kernel));
 }

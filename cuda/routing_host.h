@@ -103,6 +103,7 @@ constexpr int kLogitsVersions = 9, kLogitsDefault = 9;              // routing_l
 constexpr int kQgTablesVersions = 2, kQgTablesDefault = 1;          // routing_logits.cu
 constexpr int kMixNormVersions = 2, kMixNormDefault = 2;            // routing_mix.cu
 constexpr int kMixTileVersions = 5, kMixTileDefault = 5;            // routing_mix.cu
+constexpr int kTilePlanVersions = 2, kTilePlanDefault = 2;          // routing_mix.cu
 constexpr int kMixFinishVersions = 6, kMixFinishDefault = 6;        // routing_mix.cu
 constexpr int kDeltaForwardVersions = 2, kDeltaForwardDefault = 1;  // routing_delta_forward.cu
 constexpr int kDeltaSiteVersions = 3, kDeltaSiteDefault = 2;        // routing_backward.cu
@@ -112,7 +113,7 @@ constexpr int kKeyGradVersions = 4, kKeyGradDefault = 4;            // routing_k
 constexpr int kSourceFinishVersions = 4, kSourceFinishDefault = 1;  // routing_finish_key.cu
 extern int g_logits_version, g_qg_tables_version, g_mix_norm_version, g_mix_tile_version,
     g_mix_finish_version, g_delta_forward_version, g_delta_site_version, g_source_value_version,
-    g_pair_version, g_key_grad_version, g_source_finish_version;
+    g_pair_version, g_key_grad_version, g_source_finish_version, g_tile_plan_version;
 // The tests' knobs: a cap on the one-wave grids (routing_set_grid_cap) and the most sites
 // a slot may have for the fused backward (routing_set_fused_key_max_sites).
 extern int g_grid_cap, g_fused_key_max_sites;

@@ -161,8 +161,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
 // every weight a_i = e^(s_i - M) / L is written as the plain mix writes it. Bytes for a
 // tile of k sites from j0 (rows R = N d 2): (j0 + 1) + 1 + 2 (k - 1) rows in the tile
 // kernel, 2 + m + 1 in site j0+m's finish; the plain mixes read sum_m (j0 + m + 1) + k.
-// routing_tile_sites picks the k <= kTileSites that moves the fewest bytes for the depth
-// (cuda/NOTES.md has the model per size).
+// routing_tile_plan picks tiles of up to kTileSites sites that move the fewest bytes
+// over the depth (routing_tile_rows, with the norms; cuda/NOTES.md has the model per size).
 constexpr int kTileSites = 8;
 constexpr int kTilePrefetch = 8;  // slot rows in flight per lane in the tile kernel
 
@@ -845,18 +845,6 @@ void routing_mix_rmsnorm(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor y
     rmsnorm_forward(s, y, rstd, x, norm_w, eps);
 }
 
-// Row-sized reads and writes of every site's mix with depth tiles of k (the tile kernels'
-// traffic model; k = 1: the plain mixes).
-int64_t tiled_mix_rows(int S, int k) {
-  int64_t rows = 0;
-  for (int j0 = 0; j0 < S; j0 += k) {
-    const int kk = std::min(k, S - j0);
-    rows += (j0 + 1) + 1 + 2 * (kk - 1);
-    for (int m = 1; m < kk; ++m) rows += 2 + m + 1;
-  }
-  return rows;
-}
-
 // mix_tile_kernel's shared weight tables: one per warp, `slots` x count x H floats.
 size_t tile_table_bytes(int slots, int count, int heads) {
   return size_t(kWarpsPerBlock) * size_t(slots) * size_t(count) * size_t(heads) * sizeof(float);
@@ -873,10 +861,65 @@ int routing_tile_sites(const RoutingLayout& layout, int64_t d, int heads) {
   if (layout.block != 1 || !shape ||
       tile_table_bytes(layout.sites, kTileSites, heads) > kTileTableMaxBytes)
     return 1;
-  int best = 1;  // the k with the fewest rows moved (S = 25: 4; 49 and 73: 8)
-  for (int k = 2; k <= kTileSites; ++k)
-    if (tiled_mix_rows(layout.sites, k) < tiled_mix_rows(layout.sites, best)) best = k;
-  return best;
+  return kTileSites;
+}
+
+// The traffic model of the mixes with their consumers' norms, in rows of N d bf16 (an fp32
+// partial row is 2), as the routed scheme calls them (routing_mix_rmsnorm at every site
+// but a tile's first, whose x rmsnorm_forward reads back):
+// - a site on its own (count 1): its j0 + 1 slots read, x written; the norm reads x, writes y;
+// - a tile of count >= 2 from site j0: the tile kernel reads the j0 + 1 slots and writes x
+//   and count - 1 fp32 partial rows; the norm of x as above; each later site j0 + m's
+//   finish reads its partial and the m newer slots and writes x and y (the norm inside).
+// The weights' and statistics' bytes (4 H per pair and token against 2 d per row: 1-3%)
+// are left out.
+int64_t routing_tile_rows(int j0, int count) {
+  if (count <= 1) return (j0 + 1) + 1 + 2;
+  int64_t rows = (j0 + 1) + 1 + 2 * (count - 1) + 2;
+  for (int m = 1; m < count; ++m) rows += 2 + m + 1 + 1;
+  return rows;
+}
+
+// RoutingKernel::TilePlan (kernel lab): 2 (the default) the tiles with the fewest rows
+// moved, of at most routing_tile_sites() sites each: a shortest path over the sites
+// (best[j]: the fewest rows for sites j .. S - 1). Tiles pay where their sites read many
+// slots, so the plan runs from sites mixed on their own at the start to the largest tiles
+// at the end; on ties the smaller tile (fewer partial rows in memory). 1: tiles of the one
+// fixed count with the fewest rows, from site 0 (the rule until the fifty-sixth session),
+// which move 3-7% more rows at the model shapes (cuda/NOTES.md has the figures per size).
+std::vector<int> routing_tile_plan(const RoutingLayout& layout, int64_t d, int heads) {
+  const int S = layout.sites, kmax = routing_tile_sites(layout, d, heads);
+  if (kmax <= 1) return std::vector<int>(size_t(std::max(S, 0)), 1);
+  if (g_tile_plan_version == 1) {
+    auto fixed = [&](int k) {
+      std::vector<int> plan;
+      for (int j = 0; j < S; j += k) plan.push_back(std::min(k, S - j));
+      return plan;
+    };
+    auto rows = [](const std::vector<int>& plan) {
+      int64_t r = 0;
+      int j = 0;
+      for (int count : plan) r += routing_tile_rows(j, count), j += count;
+      return r;
+    };
+    std::vector<int> best = fixed(1);
+    for (int k = 2; k <= kmax; ++k)
+      if (rows(fixed(k)) < rows(best)) best = fixed(k);
+    return best;
+  }
+  std::vector<int64_t> best(size_t(S) + 1, 0);
+  std::vector<int> first(size_t(S) + 1, 1);
+  for (int j = S - 1; j >= 0; --j) {
+    best[size_t(j)] = -1;
+    for (int count = 1; count <= std::min(kmax, S - j); ++count) {
+      const int64_t rows = routing_tile_rows(j, count) + best[size_t(j + count)];
+      if (best[size_t(j)] < 0 || rows < best[size_t(j)])
+        best[size_t(j)] = rows, first[size_t(j)] = count;
+    }
+  }
+  std::vector<int> plan;
+  for (int j = 0; j < S; j += first[size_t(j)]) plan.push_back(first[size_t(j)]);
+  return plan;
 }
 
 void routing_mix_tile(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weights, Tensor history,

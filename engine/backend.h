@@ -427,8 +427,11 @@ class Backend {
   // same weights and history, and that until then only slots > site and their pairs are
   // written. A backend may then read the slots <= site once for the whole tile, keeping
   // each later site's partial softmax sums in its own memory, so that those sites read
-  // only their newer slots. routing_tile_sites() is the tile this backend wants for a
-  // layout and width (1: it does not tile; the default and the CPU reference).
+  // only their newer slots. routing_tile_sites() is the largest tile this backend takes
+  // for a layout and width (1: it does not tile; the default and the CPU reference), and
+  // routing_tile_plan() the tiles it wants, in site order: their counts, which sum to
+  // layout.sites (a count of 1 is a site mixed on its own). The default plan is tiles of
+  // routing_tile_sites() from site 0.
   virtual void routing_mix_tile(Tensor x, Tensor weights, Tensor history,
                                 const RoutingLayout& layout, int site, int count, int heads) {
     (void)count;
@@ -437,6 +440,13 @@ class Backend {
   virtual int routing_tile_sites(const RoutingLayout& layout, int64_t d, int heads) const {
     (void)layout, (void)d, (void)heads;
     return 1;
+  }
+  virtual std::vector<int> routing_tile_plan(const RoutingLayout& layout, int64_t d,
+                                             int heads) const {
+    const int k = std::max(1, routing_tile_sites(layout, d, heads));
+    std::vector<int> plan;
+    for (int j = 0; j < layout.sites; j += k) plan.push_back(std::min(k, layout.sites - j));
+    return plan;
   }
   // Slot i's gradient, source-stationary: once the input gradient of every site k in
   // [i, last_site(i)] exists in site_dx[k] [N, d] (one tensor per site, so that the model

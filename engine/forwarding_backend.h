@@ -90,6 +90,10 @@ class ForwardingBackend : public Backend {
   int routing_tile_sites(const RoutingLayout& lay, int64_t d, int heads) const override {
     return in_.routing_tile_sites(lay, d, heads);
   }
+  std::vector<int> routing_tile_plan(const RoutingLayout& lay, int64_t d,
+                                     int heads) const override {
+    return in_.routing_tile_plan(lay, d, heads);
+  }
   void routing_source_backward(Tensor dv, Tensor w, Tensor ub, Tensor gs,
                                const std::vector<Tensor>& dx, Tensor x,
                                Tensor v, Tensor r, const RoutingParams& p,

@@ -32,13 +32,29 @@ namespace mhar {
 
 namespace {
 
+// The count of the plan's tile that starts at each site (0 inside a tile), after checking
+// that the plan covers the sites in order.
+std::vector<int> tile_starts(const std::vector<int>& plan, const RoutingLayout& layout) {
+  std::vector<int> at(size_t(std::max(layout.sites, 1)), 0);
+  int j = 0;
+  for (int count : plan) {
+    MHAR_CHECK(count >= 1 && j + count <= layout.sites, "routing tile plan: a tile of ", count,
+               " sites at site ", j, " of ", layout.sites);
+    at[size_t(j)] = count;
+    j += count;
+  }
+  MHAR_CHECK(j == layout.sites, "routing tile plan: its tiles cover ", j, " of ", layout.sites,
+             " sites");
+  return at;
+}
+
 class RoutedScheme final : public ResidualScheme {
  public:
   explicit RoutedScheme(const SchemeContext& ctx)
       : c_(ctx),
         layout_(RoutingLayout::blocks(ctx.cfg.n_sites(), ctx.res.routing_block())),
         H_(ctx.res.heads),
-        tile_(ctx.be.routing_tile_sites(layout_, ctx.cfg.d_model, H_)),
+        tile_at_(tile_starts(ctx.be.routing_tile_plan(layout_, ctx.cfg.d_model, H_), layout_)),
         back_tile_(ctx.be.routing_backward_tile_slots(layout_, ctx.cfg.d_model, H_)) {
     MHAR_CHECK(H_ >= 1 && c_.cfg.d_model % H_ == 0, "routing heads ", H_);
   }
@@ -58,7 +74,7 @@ class RoutedScheme final : public ResidualScheme {
   void op_scratch_shapes(OpScratchShapes& shapes) const override {
     shapes.routing = layout_;
     shapes.routing_heads = H_;
-    shapes.mix_tile_sites = tile_;  // site_forward's tiles: min(tile_, sites - j) sites
+    shapes.mix_tile_sites = std::max(1, *std::max_element(tile_at_.begin(), tile_at_.end()));
     shapes.backward_tile_slots = back_tile_;
   }
   void site_forward(int j) override { mix(j, nullptr); }
@@ -99,7 +115,9 @@ class RoutedScheme final : public ResidualScheme {
   SchemeContext c_;
   RoutingLayout layout_;
   int H_;
-  int tile_;       // depth tile in sites (backend.h, routing_tile_sites); 1: no tiling
+  // The depth tiles (backend.h, routing_tile_plan): the count of the tile that starts at
+  // site j, 0 where site j is inside one; 1 is a site mixed on its own.
+  std::vector<int> tile_at_;
   int back_tile_;  // backward depth tile in slots (routing_backward_tile_slots)
   std::vector<int> query_, gain_;  // parameter indices, per site
   RoutingParams params_;           // their tensors and gradients
@@ -149,10 +167,10 @@ bool RoutedScheme::mix(int j, const SiteNorm* norm) {
   Tensor hist = c_.act(history_), w = c_.act(route_w_), x = c_.act(site_x_[size_t(j)]);
   c_.be.routing_source_logits(w, c_.act(inv_rms_)[j], hist[j], params_, layout_, j, H_,
                               c_.cfg.rms_eps);
-  // Depth tiles start at sites 0, k, 2k, ...: the backend reads the slots <= j once for
-  // the tile's sites (backend.h, routing_mix_tile).
-  if (tile_ > 1 && j % tile_ == 0) {
-    c_.be.routing_mix_tile(x, w, hist, layout_, j, std::min(tile_, layout_.sites - j), H_);
+  // A depth tile of the backend's plan starts here: the backend reads the slots <= j once
+  // for the tile's sites (backend.h, routing_mix_tile).
+  if (tile_at_[size_t(j)] > 1) {
+    c_.be.routing_mix_tile(x, w, hist, layout_, j, tile_at_[size_t(j)], H_);
     return false;
   }
   if (!norm) {

@@ -50,6 +50,11 @@ class ScratchWatcher final : public ForwardingBackend {
   int routing_tile_sites(const RoutingLayout& lay, int64_t, int) const override {
     return lay.block == 1 ? 3 : 1;
   }
+  std::vector<int> routing_tile_plan(const RoutingLayout& lay, int64_t d,
+                                     int heads) const override {
+    return Backend::routing_tile_plan(lay, d,
+                                      heads);  // tiles of 3 (ForwardingBackend's: the CPU's)
+  }
   int routing_backward_tile_slots(const RoutingLayout&, int64_t, int) const override { return 2; }
 
   // What is bound while ops run: the model's own ops (through matmul, the norms' backward)

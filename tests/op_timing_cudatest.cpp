@@ -118,6 +118,66 @@ class OpTiming : public CudaParity {
   }
 };
 
+// The depth-tiled mixes as the layer loop runs them (a tile kernel at each tile's first
+// site, the finish kernels between).
+// The consumers' norms of the mixes (routing_mix_rmsnorm): outputs ys [S, N, d] and
+// rstds [S, N], one weight row.
+struct MixNorms {
+  Buffer &ys, &rstds, &w;
+  double eps;
+};
+
+// With `norms`, as the routed scheme calls them: a tile's first site normalised by
+// rmsnorm_forward, the others by routing_mix_rmsnorm.
+// `plan`: the tiles' counts in site order (Backend::routing_tile_plan; a count of 1 is a
+// plain mix, which tiles_only leaves out with the finishes).
+void tiled_mixes(Backend& gpu, Buffer& xs, Buffer& weights, Buffer& hist, const RoutingLayout& lay,
+                 const std::vector<int>& plan, int H, bool tiles_only,
+                 const MixNorms* norms = nullptr) {
+  int start = 0;
+  for (int count : plan) {
+    for (int i = start; i < start + count; ++i)
+      if (i == start && count > 1) {
+        gpu.routing_mix_tile(xs.t()[i], weights, hist, lay, i, count, H);
+        if (norms)
+          gpu.rmsnorm_forward(norms->ys.t()[i], norms->rstds.t()[i], xs.t()[i], norms->w,
+                              norms->eps);
+      } else if (tiles_only) {
+        continue;
+      } else if (norms) {
+        gpu.routing_mix_rmsnorm(xs.t()[i], norms->ys.t()[i], norms->rstds.t()[i], weights, hist,
+                                lay, i, H, norms->w, norms->eps);
+      } else {
+        gpu.routing_mix(xs.t()[i], weights, hist, lay, i, H);
+      }
+    start += count;
+  }
+}
+
+// Tiles of k sites from site 0 (the plan of one fixed tile, the rule before the fifty-sixth
+// session), and the one of those with the fewest rows by cuda::routing_tile_rows.
+std::vector<int> uniform_tiles(int S, int k) {
+  std::vector<int> plan;
+  for (int j = 0; j < S; j += k) plan.push_back(std::min(k, S - j));
+  return plan;
+}
+int64_t plan_rows(const std::vector<int>& plan) {
+  int64_t rows = 0, j = 0;
+  for (int count : plan) rows += cuda::routing_tile_rows(int(j), count), j += count;
+  return rows;
+}
+std::vector<int> best_uniform_tiles(int S, int kmax) {
+  std::vector<int> best = uniform_tiles(S, 1);
+  for (int k = 2; k <= kmax; ++k)
+    if (plan_rows(uniform_tiles(S, k)) < plan_rows(best)) best = uniform_tiles(S, k);
+  return best;
+}
+std::string plan_str(const std::vector<int>& plan) {
+  std::string out;
+  for (int count : plan) out += (out.empty() ? "" : ",") + std::to_string(count);
+  return out;
+}
+
 TEST_F(OpTiming, DISABLED_ModelShapes) {
   const int64_t N = 16384, d = 2048, ff = 6144;  // 8 x 2048 tokens of a ~1B-wide model
   {
@@ -192,26 +252,27 @@ TEST_F(OpTiming, DISABLED_ModelShapes) {
     // logits: time both and subtract the logits alone.
     report("routing_mix, all sites " + tag, time_ms([&] { logits(); mixes(); }, 2) -
                time_ms(logits, 2), 0, row * (double(P) + S) + 2 * stats);
-    // Depth tiles of k sites (routing_mix_tile) as the layer loop runs them. Bytes: per
-    // tile from j0, the tile kernel's j0 + 1 slots, x and k - 1 fp32 partial rows, then
-    // each later site's partial, newer slots and x (backend.h; cuda/routing_mix.cu).
-    if (const int k = gpu->routing_tile_sites(lay, d, H); k > 1) {
-      auto tiled = [&] {
-        for (int i = 0; i < S; ++i)
-          if (i % k == 0)
-            gpu->routing_mix_tile(xs.t()[i], weights, hist, lay, i, std::min(k, S - i), H);
-          else
-            gpu->routing_mix(xs.t()[i], weights, hist, lay, i, H);
-      };
+    // The backend's depth tiles (routing_mix_tile) as the layer loop runs them. Bytes: per
+    // tile of kk from j0, the tile kernel's j0 + 1 slots, x and kk - 1 fp32 partial rows,
+    // then each later site's partial, newer slots and x (backend.h; cuda/routing_mix.cu).
+    if (const std::vector<int> plan = gpu->routing_tile_plan(lay, d, H);
+        *std::max_element(plan.begin(), plan.end()) > 1) {
       double rows = 0;
-      for (int j0 = 0; j0 < S; j0 += k) {
-        const int kk = std::min(k, S - j0);
+      int j0 = 0;
+      for (const int kk : plan) {
         rows += (j0 + 1) + 1 + 2.0 * (kk - 1);
         for (int m = 1; m < kk; ++m) rows += 2 + m + 1;
+        j0 += kk;
       }
-      report("routing_mix, all sites, depth tiles of " + std::to_string(k) + " " + tag,
-             time_ms([&] { logits(); tiled(); }, 2) - time_ms(logits, 2), 0,
-             row * rows + 2 * stats);
+      report("routing_mix, all sites, depth tiles " + plan_str(plan) + " " + tag,
+             time_ms(
+                 [&] {
+                   logits();
+                   tiled_mixes(*gpu, xs, weights, hist, lay, plan, H, false);
+                 },
+                 2) -
+                 time_ms(logits, 2),
+             0, row * rows + 2 * stats);
     }
     logits();
     mixes();
@@ -258,36 +319,6 @@ TEST_F(OpTiming, DISABLED_ModelShapes) {
     report("swiglu_forward [16384 x 6144]", time_ms([&] { gpu->swiglu_forward(h, gu); }), 0,
            3 * 2.0 * n);
   }
-}
-
-// The depth-tiled mixes as the layer loop runs them (tile kernel at sites 0, k, 2k, ...,
-// the finish kernels between), for each of the mix tile kernel's numbered versions
-// (cuda::routing_set_kernel_version).
-// The consumers' norms of the mixes (routing_mix_rmsnorm): outputs ys [S, N, d] and
-// rstds [S, N], one weight row.
-struct MixNorms {
-  Buffer &ys, &rstds, &w;
-  double eps;
-};
-
-// With `norms`, as the routed scheme calls them: a tile's first site normalised by
-// rmsnorm_forward, the others by routing_mix_rmsnorm.
-void tiled_mixes(Backend& gpu, Buffer& xs, Buffer& weights, Buffer& hist, const RoutingLayout& lay,
-                 int k, int H, bool tiles_only, const MixNorms* norms = nullptr) {
-  const int S = lay.sites;
-  for (int i = 0; i < S; ++i)
-    if (i % k == 0) {
-      gpu.routing_mix_tile(xs.t()[i], weights, hist, lay, i, std::min(k, S - i), H);
-      if (norms)
-        gpu.rmsnorm_forward(norms->ys.t()[i], norms->rstds.t()[i], xs.t()[i], norms->w, norms->eps);
-    } else if (tiles_only) {
-      continue;
-    } else if (norms) {
-      gpu.routing_mix_rmsnorm(xs.t()[i], norms->ys.t()[i], norms->rstds.t()[i], weights, hist, lay,
-                              i, H, norms->w, norms->eps);
-    } else {
-      gpu.routing_mix(xs.t()[i], weights, hist, lay, i, H);
-    }
 }
 
 // Is cuBLASLt's first heuristic choice the fastest for the 1B step's products, and does
@@ -482,7 +513,7 @@ TEST_F(OpTiming, DISABLED_RoutingTiles1B) {
   const int64_t N = 16384, d = 1280;
   const int S = 73, H = 8;
   const RoutingLayout lay = RoutingLayout::full(S);
-  const int k = gpu->routing_tile_sites(lay, d, H);
+  const std::vector<int> k = gpu->routing_tile_plan(lay, d, H);
   Buffer hist = random_gpu(DType::BF16, {S, N, d});
   Buffer weights = random_gpu(DType::F32, {lay.pairs(), H, N}, 3.0);
   Buffer xs(*gpu, DType::BF16, {S, N, d});
@@ -494,7 +525,7 @@ TEST_F(OpTiming, DISABLED_RoutingTiles1B) {
     tiled_mixes(*gpu, xs, weights, hist, lay, k, H, false);
     gpu->synchronize();
     const auto t1 = std::chrono::steady_clock::now();
-    report("routing_mix, all sites, tiles of " + std::to_string(k) + ", tile kernel v" +
+    report("routing_mix, all sites, tiles " + plan_str(k) + ", tile kernel v" +
                std::to_string(version) + " (one cold pass)",
            std::chrono::duration<double, std::milli>(t1 - t0).count(), 0, 0);
   }
@@ -520,23 +551,25 @@ TEST_F(OpTiming, DISABLED_RoutingTileVersions) {
     const RoutingLayout lay = RoutingLayout::full(sh.S);
     const int64_t d = sh.d, P = lay.pairs();
     const int S = sh.S, H = sh.H;
-    const int k = gpu->routing_tile_sites(lay, d, H);
-    ASSERT_GT(k, 1) << sh.name << ": the model shape no longer tiles";
+    const std::vector<int> k = gpu->routing_tile_plan(lay, d, H);  // the tiles' counts
+    ASSERT_GT(*std::max_element(k.begin(), k.end()), 1)
+        << sh.name << ": the model shape no longer tiles";
     Buffer hist = random_gpu(DType::BF16, {S, N, d});
     Buffer weights = random_gpu(DType::F32, {P, H, N}, 3.0);
     Buffer xs(*gpu, DType::BF16, {S, N, d});
     const double row = 2.0 * N * d, stat = 4.0 * H * N;  // a row; one fp32 per head and token
     double tile_bytes = 0, step_bytes = 2 * stat * double(P);
-    for (int j0 = 0; j0 < S; j0 += k) {
-      const int kk = std::min(k, S - j0);
-      tile_bytes += row * ((j0 + 1) + 1 + 2.0 * (kk - 1)) +
-                    stat * (double(j0 + 1) * kk + (j0 + 1) + 2.0 * (kk - 1));
+    int j0 = 0;
+    for (const int kk : k) {
+      if (kk > 1)
+        tile_bytes += row * ((j0 + 1) + 1 + 2.0 * (kk - 1)) +
+                      stat * (double(j0 + 1) * kk + (j0 + 1) + 2.0 * (kk - 1));
       step_bytes += row * ((j0 + 1) + 1 + 2.0 * (kk - 1));
       for (int m = 1; m < kk; ++m) step_bytes += row * (2 + m + 1);
+      j0 += kk;
     }
     const std::string tag = std::string(sh.name) + " d" + std::to_string(d) + " S" +
-                            std::to_string(S) + " H" + std::to_string(H) + ", tiles of " +
-                            std::to_string(k);
+                            std::to_string(S) + " H" + std::to_string(H) + ", tiles " + plan_str(k);
     report("routing_mix, all sites, untiled, " + tag,
            time_ms([&] {
              for (int i = 0; i < S; ++i) gpu->routing_mix(xs.t()[i], weights, hist, lay, i, H);
@@ -585,6 +618,38 @@ TEST_F(OpTiming, DISABLED_RoutingTileVersions) {
             time_ms(normed_step, 3), 0, step_bytes + S * (row + 4.0 * N));
       }
     cuda::routing_set_kernel_version(cuda::RoutingKernel::MixNorm, 0);
+  }
+}
+
+// The depth-tile plan (Backend::routing_tile_plan: tiles that grow with the depth, the
+// fewest rows by cuda::routing_tile_rows) against the plan of one fixed tile with the
+// fewest rows (the rule before the fifty-sixth session), each a whole step's mixes with
+// their consumers' norms as the routed scheme calls them, at the three full-routing model
+// shapes; in turn, three rounds, so that drift shows. Bytes: the traffic model's rows and
+// every pair's logit read and weight written.
+TEST_F(OpTiming, DISABLED_RoutingTilePlans) {
+  const int64_t N = 16384;
+  for (const FullRoutingShape& sh : kFullRoutingShapes) {
+    const RoutingLayout lay = RoutingLayout::full(sh.S);
+    const int64_t d = sh.d, P = lay.pairs();
+    const int S = sh.S, H = sh.H;
+    const std::vector<int> plan = gpu->routing_tile_plan(lay, d, H);
+    const std::vector<int> fixed = best_uniform_tiles(S, gpu->routing_tile_sites(lay, d, H));
+    Buffer hist = random_gpu(DType::BF16, {S, N, d});
+    Buffer weights = random_gpu(DType::F32, {P, H, N}, 3.0);
+    Buffer xs(*gpu, DType::BF16, {S, N, d}), ys(*gpu, DType::BF16, {S, N, d});
+    Buffer rstds(*gpu, DType::F32, {S, N});
+    Buffer norm_w = random_gpu(DType::BF16, {d});
+    const MixNorms norms{ys, rstds, norm_w, 1e-6};
+    const double row = 2.0 * N * d, stat = 4.0 * H * N;
+    const std::string tag = std::string(sh.name) + " d" + std::to_string(d) + " S" +
+                            std::to_string(S) + " H" + std::to_string(H);
+    for (int round = 0; round < 3; ++round)
+      for (const std::vector<int>* p : {&fixed, &plan})
+        report("routing_mix + norms, all sites, tiles " + plan_str(*p) + " (" +
+                   std::to_string(plan_rows(*p)) + " rows), " + tag,
+               time_ms([&] { tiled_mixes(*gpu, xs, weights, hist, lay, *p, H, false, &norms); }, 3),
+               0, row * double(plan_rows(*p)) + 2 * stat * double(P));
   }
 }
 

@@ -186,6 +186,11 @@ class MixNormRecorder final : public ForwardingBackend {
   std::vector<Fused> fused;
   std::vector<const void*> normed;  // x of each rmsnorm_forward
   int routing_tile_sites(const RoutingLayout&, int64_t, int) const override { return 3; }
+  std::vector<int> routing_tile_plan(const RoutingLayout& lay, int64_t d,
+                                     int heads) const override {
+    return Backend::routing_tile_plan(lay, d,
+                                      heads);  // tiles of 3 (ForwardingBackend's: the CPU's)
+  }
   void routing_mix_rmsnorm(Tensor x, Tensor y, Tensor rstd, Tensor weights, Tensor history,
                            const RoutingLayout& layout, int site, int heads, Tensor norm_w,
                            double eps) override {

@@ -31,14 +31,16 @@ class RoutingParity : public CudaParity {
     QgPassTablesOn(const QgPassTablesOn&) = delete;
     QgPassTablesOn& operator=(const QgPassTablesOn&) = delete;
   };
-  // Depth tiles (routing_mix_tile, k sites from 0, k, 2k, ...) as the layer loop runs
-  // them: slot j is written just before site j's mix and the later slots hold NaN, so a
-  // tile that read ahead would show; x and the normalised weights against the CPU's plain
+  // Depth tiles (routing_mix_tile; `plan` their counts in site order, as
+  // Backend::routing_tile_plan gives them) as the layer loop runs them: slot j is written
+  // just before site j's mix and the later slots hold NaN, so a tile that read ahead would
+  // show; x and the normalised weights against the CPU's plain
   // mixes (xs.c, weights.c). Then a tile cut short: slot 0 rewritten and its logits made
   // again (the next forward) before site 1's mix, which must see the new slot.
-  void check_tiles(const std::string& tag, int k, const RoutingLayout& lay, int64_t N, int64_t d,
-                   int H, Pair& history, const std::vector<double>& raw_logits, Pair& xs,
-                   Pair& weights, const RoutingParams& pc, const RoutingParams& pg, double eps) {
+  void check_tiles(const std::string& tag, const std::vector<int>& plan, const RoutingLayout& lay,
+                   int64_t N, int64_t d, int H, Pair& history,
+                   const std::vector<double>& raw_logits, Pair& xs, Pair& weights,
+                   const RoutingParams& pc, const RoutingParams& pg, double eps) {
     const int S = lay.sites;
     const std::vector<double> clean = history.c.get();
     Buffer hist(*gpu, DType::BF16, {S, N, d}), x(*gpu, DType::BF16, {S, N, d});
@@ -46,6 +48,9 @@ class RoutingParity : public CudaParity {
     // The consumers' norms (normed steps): outputs and one weight row.
     Buffer y(*gpu, DType::BF16, {S, N, d}), rstd(*gpu, DType::F32, {S, N});
     const Pair norm_w = random_pair(DType::BF16, {d});
+    // The count of the tile that starts at each site (0 inside a tile).
+    std::vector<int> tile_at(size_t(S), 0);
+    for (int j = 0, t = 0; j < S; j += plan[size_t(t++)]) tile_at[size_t(j)] = plan[size_t(t)];
     // The step's mixes from the raw logits, each slot written just before its site's mix.
     // normed: with the consumers' norms as the routed scheme calls them (a tile's first
     // site by rmsnorm_forward, the others by routing_mix_rmsnorm).
@@ -57,8 +62,8 @@ class RoutingParity : public CudaParity {
       w.set(raw_logits);
       for (int j = 0; j < S; ++j) {
         gpu->upload(hist.t()[j], clean.data() + size_t(j) * size_t(N * d));
-        if (j % k == 0) {
-          gpu->routing_mix_tile(x.t()[j], w, hist, lay, j, std::min(k, S - j), H);
+        if (tile_at[size_t(j)] > 1) {
+          gpu->routing_mix_tile(x.t()[j], w, hist, lay, j, tile_at[size_t(j)], H);
           if (normed) gpu->rmsnorm_forward(y.t()[j], rstd.t()[j], x.t()[j], norm_w.g, eps);
         } else if (normed) {
           gpu->routing_mix_rmsnorm(x.t()[j], y.t()[j], rstd.t()[j], w, hist, lay, j, H, norm_w.g,
@@ -135,7 +140,7 @@ class RoutingParity : public CudaParity {
     wc.set(raw_logits);
     hist.set(clean);
     w.set(raw_logits);
-    gpu->routing_mix_tile(x.t()[0], w, hist, lay, 0, std::min(k, S), H);
+    gpu->routing_mix_tile(x.t()[0], w, hist, lay, 0, std::min(std::max(plan[0], 2), S), H);
     gpu->upload(hist.t()[0], changed.data());
     gpu->routing_source_logits(w, inv_rms_g, hist.t()[0], pg, lay, 0, H, eps);
     cpu->routing_source_logits(wc, inv_rms_c, hc.t()[0], pc, lay, 0, H, eps);
@@ -411,8 +416,20 @@ class RoutingParity : public CudaParity {
       EXPECT_EQ(x_poisoned.g.get(), x_clean.g.get())
           << "routing_mix read a source after site " << j << " " << tag;
     }
-    if (const int k = gpu->routing_tile_sites(lay, d, H); k > 1)
-      check_tiles(tag, k, lay, N, d, H, history, raw_logits, xs, weights, pc, pg, eps);
+    // The backend's plan, and tiles of its largest count from site 0 (every tile size at
+    // the first site, and a last tile cut short by the depth, where the plan has none).
+    if (const int k = gpu->routing_tile_sites(lay, d, H); k > 1) {
+      const std::vector<int> plan = gpu->routing_tile_plan(lay, d, H);
+      std::vector<int> fixed;
+      for (int j = 0; j < S; j += k) fixed.push_back(std::min(k, S - j));
+      for (const std::vector<int>* p : {&plan, static_cast<const std::vector<int>*>(&fixed)}) {
+        std::string counts;
+        for (int c : *p) counts += (counts.empty() ? "" : ",") + std::to_string(c);
+        if (*std::max_element(p->begin(), p->end()) > 1 && (p == &plan || fixed != plan))
+          check_tiles(tag + " tiles " + counts, *p, lay, N, d, H, history, raw_logits, xs, weights,
+                      pc, pg, eps);
+      }
+    }
     weights.g.set(weights.c.get());
     xs.c.set(xs.g.get());  // the GPU's bf16 site inputs on both sides
 
@@ -645,6 +662,68 @@ TEST_F(RoutingParity, LogitsVersions) {
 TEST_F(RoutingParity, ManyHeads) {
   check(13, 512, 5, 64);  // H > 32: per-head softmax statistics in shared memory
   check(12, 96, 4, 48);   // H > 32 and heads of 2 features
+}
+
+// The depth-tile plan (cuda::routing_tile_plan, host code: runs without a GPU) covers the
+// sites in order with tiles the kernels take, and no partition of the sites into such tiles
+// moves fewer rows by its traffic model (cuda::routing_tile_rows): against every
+// partition where there are few enough to list (S <= 14), else against tiles of every
+// fixed count and against the plan with any two neighbouring tiles' sites redistributed.
+TEST(RoutingTilePlan, CoversTheSitesWithTheFewestRows) {
+  auto rows = [](const std::vector<int>& plan) {
+    int64_t r = 0;
+    int j = 0;
+    for (int c : plan) r += cuda::routing_tile_rows(j, c), j += c;
+    return r;
+  };
+  for (const auto& [d, H] : {std::pair<int64_t, int>{512, 4}, {1024, 8}, {1280, 8}}) {
+    for (int S = 1; S <= 80; ++S) {
+      const RoutingLayout lay = RoutingLayout::full(S);
+      const int kmax = cuda::routing_tile_sites(lay, d, H);
+      ASSERT_GT(kmax, 1) << "d " << d << " H " << H << " S " << S;
+      const std::vector<int> plan = cuda::routing_tile_plan(lay, d, H);
+      const std::string what = "d " + std::to_string(d) + " S " + std::to_string(S);
+      int covered = 0;
+      for (int c : plan) {
+        EXPECT_TRUE(c >= 1 && c <= kmax) << what << ": a tile of " << c;
+        covered += c;
+      }
+      ASSERT_EQ(covered, S) << what;
+      const int64_t best = rows(plan);
+      if (S <= 14) {
+        // Every composition of S into parts <= kmax: bit b of `cuts` set = a tile ends
+        // after site b.
+        for (int cuts = 0; cuts < (1 << (S - 1)); ++cuts) {
+          std::vector<int> other;
+          int len = 1;
+          for (int b = 0; b < S - 1; ++b, ++len)
+            if (cuts >> b & 1) other.push_back(len), len = 0;
+          other.push_back(len);
+          if (*std::max_element(other.begin(), other.end()) <= kmax) {
+            EXPECT_LE(best, rows(other)) << what;
+          }
+        }
+        continue;
+      }
+      for (int k = 1; k <= kmax; ++k) {
+        std::vector<int> fixed;
+        for (int j = 0; j < S; j += k) fixed.push_back(std::min(k, S - j));
+        EXPECT_LE(best, rows(fixed)) << what << ", tiles of " << k;
+      }
+      for (size_t t = 0; t + 1 < plan.size(); ++t)
+        for (int first = 1; first < plan[t] + plan[t + 1]; ++first) {
+          std::vector<int> other = plan;
+          other[t] = first, other[t + 1] = plan[t] + plan[t + 1] - first;
+          if (other[t] <= kmax && other[t + 1] <= kmax) {
+            EXPECT_LE(best, rows(other)) << what;
+          }
+        }
+    }
+  }
+  // Shapes that do not tile (block layouts; heads that do not tile the warp): one site a
+  // tile.
+  EXPECT_EQ(cuda::routing_tile_plan(RoutingLayout::blocks(25, 3), 512, 4), std::vector<int>(25, 1));
+  EXPECT_EQ(cuda::routing_tile_plan(RoutingLayout::full(25), 512, 3), std::vector<int>(25, 1));
 }
 
 }  // namespace

@@ -192,9 +192,10 @@ TEST(RoutingIdentity, BlocksOfOneAreFullRouting) {
   }
 }
 
-// A backend that asks for depth tiles of k sites (backend.h, routing_mix_tile) and holds
-// the layer loop to the promise a tiling backend relies on: tiles start at sites 0, k,
-// 2k, ... with count min(k, sites - site); the tile's later sites come next, in order,
+// A backend that asks for depth tiles (backend.h, routing_mix_tile: tiles of k sites from
+// site 0, or the counts of `plan` in site order, where given) and holds the layer loop to
+// the promise a tiling backend relies on: tiles start where the plan says, with its
+// count, and a count of 1 comes as a plain mix; the tile's later sites come next, in order,
 // through routing_mix with the same tensors; until then the slots <= the tile's first
 // site and their pairs for the tile's sites are left as they were. The same for the
 // backward's tiles of k slots (routing_source_backward_tile): in full routing they start
@@ -208,8 +209,9 @@ TEST(RoutingIdentity, BlocksOfOneAreFullRouting) {
 // of those sites are left as they were. The ops themselves are the inner backend's.
 class TileAuditor final : public ForwardingBackend {
  public:
-  TileAuditor(Backend& inner, int k) : ForwardingBackend(inner), k_(k) {}
-  int tiles = 0, tiled_sites = 0;
+  TileAuditor(Backend& inner, int k, std::vector<int> plan = {})
+      : ForwardingBackend(inner), k_(k), plan_(std::move(plan)) {}
+  int tiles = 0, tiled_sites = 0, lone_sites = 0;
   int back_tiles = 0, back_tiled_slots = 0, back_plain = 0;
 
   int routing_backward_tile_slots(const RoutingLayout&, int64_t, int) const override { return k_; }
@@ -271,11 +273,24 @@ class TileAuditor final : public ForwardingBackend {
   }
 
   int routing_tile_sites(const RoutingLayout&, int64_t, int) const override { return k_; }
+  std::vector<int> routing_tile_plan(const RoutingLayout& lay, int64_t d,
+                                     int heads) const override {
+    return plan_.empty() ? Backend::routing_tile_plan(lay, d, heads) : plan_;
+  }
+  // The count of the plan's tile that starts at `site` (0 inside a tile).
+  int tile_at(const RoutingLayout& lay, int site) const {
+    int j = 0;
+    for (int count : routing_tile_plan(lay, 0, 0)) {
+      if (j == site) return count;
+      j += count;
+    }
+    return 0;
+  }
   void routing_mix_tile(Tensor x, Tensor w, Tensor h, const RoutingLayout& lay, int site,
                         int count, int heads) override {
     EXPECT_EQ(next_, -1) << "a tile began at site " << site << " before site " << next_;
-    EXPECT_EQ(site % k_, 0) << "tile at site " << site;
-    EXPECT_EQ(count, std::min(k_, lay.sites - site)) << "tile at site " << site;
+    EXPECT_GT(tile_at(lay, site), 1) << "tile at site " << site;
+    EXPECT_EQ(count, tile_at(lay, site)) << "tile at site " << site;
     ++tiles;
     first_ = site;
     end_ = site + count;
@@ -287,8 +302,13 @@ class TileAuditor final : public ForwardingBackend {
   }
   void routing_mix(Tensor x, Tensor w, Tensor h, const RoutingLayout& lay, int site,
                    int heads) override {
-    EXPECT_NE(site % k_, 0) << "site " << site << " starts a tile but came as a plain mix";
-    EXPECT_EQ(site, next_) << "site " << site << " out of its tile's order";
+    EXPECT_LE(tile_at(lay, site), 1) << "site " << site << " starts a tile but came as a plain mix";
+    if (tile_at(lay, site) == 1) {
+      EXPECT_EQ(next_, -1) << "site " << site << " (a tile of one) came inside a tile";
+      ++lone_sites;
+    } else {
+      EXPECT_EQ(site, next_) << "site " << site << " out of its tile's order";
+    }
     if (site == next_) {
       EXPECT_EQ(w.data, w_);
       EXPECT_EQ(h.data, h_);
@@ -322,7 +342,9 @@ class TileAuditor final : public ForwardingBackend {
     }
     return out;
   }
-  int k_, first_ = -1, end_ = -1, next_ = -1;
+  int k_;
+  std::vector<int> plan_;
+  int first_ = -1, end_ = -1, next_ = -1;
   const void *w_ = nullptr, *h_ = nullptr;
   State snapshot_;
 
@@ -361,13 +383,19 @@ class TileAuditor final : public ForwardingBackend {
 // untiled model's bit for bit,
 // for tiles of 2 and 3 sites, full and block routing, one and several heads.
 TEST(RoutingIdentity, DepthTilesKeepTheLayerLoopsPromise) {
-  for (int k : {2, 3})
+  // k = 0: a plan of tiles that grow with the depth (1, 2, 3, ...), as the CUDA
+  // backend's plan does.
+  for (int k : {2, 3, 0})
     for (int s : {0, 2, 3})
       for (int heads : {1, 4}) {
         const ResidualMode mode = heads == 1 ? ResidualMode::AttnRes : ResidualMode::Mhar;
         Config c = tiny_config(mode, heads, false, s);
         auto cpu = make_cpu_backend(DType::F64);
-        TileAuditor tiled_be(*cpu, k);
+        const int S = c.model.n_sites();
+        std::vector<int> plan;
+        for (int j = 0, count = 1; k == 0 && j < S; j += plan.back(), ++count)
+          plan.push_back(std::min(count, S - j));
+        TileAuditor tiled_be(*cpu, k == 0 ? 2 : k, plan);
         Model plain(c.model, c.residual, *cpu, 2, 5), tiled(c.model, c.residual, tiled_be, 2, 5);
         randomize_weights(plain, 31);
         copy_weights(plain, tiled);
@@ -379,9 +407,12 @@ TEST(RoutingIdentity, DepthTilesKeepTheLayerLoopsPromise) {
                                 " heads " + std::to_string(heads);
         EXPECT_EQ(plain.forward(tok.data(), tgt.data(), 1.0),
                   tiled.forward(tok.data(), tgt.data(), 1.0)) << tag;
-        const int S = c.model.n_sites();
-        EXPECT_EQ(tiled_be.tiles, (S + k - 1) / k) << tag;
-        EXPECT_EQ(tiled_be.tiles + tiled_be.tiled_sites, S) << tag;
+        const std::vector<int> want = tiled_be.routing_tile_plan(RoutingLayout::full(S), 0, 0);
+        EXPECT_EQ(tiled_be.tiles,
+                  std::count_if(want.begin(), want.end(), [](int count) { return count > 1; }))
+            << tag;
+        EXPECT_EQ(tiled_be.lone_sites, std::count(want.begin(), want.end(), 1)) << tag;
+        EXPECT_EQ(tiled_be.tiles + tiled_be.tiled_sites + tiled_be.lone_sites, S) << tag;
         EXPECT_EQ(download(*cpu, plain.logits()), download(*cpu, tiled.logits())) << tag;
         plain.backward();
         tiled.backward();
