@@ -482,6 +482,12 @@ class CudaBackend final : public Backend {
                         int site, int count, int heads) override {
     cuda::routing_mix_tile(stream_, routing_ctx_, x, weights, history, layout, site, count, heads);
   }
+  void routing_mix_tile_rmsnorm(Tensor x, Tensor y, Tensor rstd, Tensor weights, Tensor history,
+                                const RoutingLayout& layout, int site, int count, int heads,
+                                Tensor norm_w, double eps) override {
+    cuda::routing_mix_tile_rmsnorm(stream_, routing_ctx_, x, y, rstd, weights, history, layout,
+                                   site, count, heads, norm_w, eps);
+  }
   int routing_tile_sites(const RoutingLayout& layout, int64_t d, int heads) const override {
     return cuda::routing_tile_sites(layout, d, heads);
   }

@@ -326,6 +326,11 @@ void routing_mix_rmsnorm(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor y
                          int heads, Tensor norm_w, double eps);
 void routing_mix_tile(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weights,
                       Tensor history, const RoutingLayout& layout, int site, int count, int heads);
+// Backend::routing_mix_tile_rmsnorm: the norm fused into tile kernel version 5 where
+// rmsnorm_forward_row_fusable, else the two ops.
+void routing_mix_tile_rmsnorm(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor y, Tensor rstd,
+                              Tensor weights, Tensor history, const RoutingLayout& layout, int site,
+                              int count, int heads, Tensor norm_w, double eps);
 // Backend::routing_tile_sites and routing_tile_plan: the largest tile (kTileSites where the
 // shape tiles, else 1) and the plan of fewest rows moved by routing_tile_rows, the traffic
 // model of a tile of `count` sites from site j0 (rows of N d bf16).

@@ -55,6 +55,24 @@ __device__ __forceinline__ void store_row_normed(bf16* x, const float (&f)[NT][8
   if (lane == 0) nm.rstd[n] = r;
 }
 
+// The norm of token n's row once the lane's chunks lane + 32 t (t ascending) are stored in
+// x and their squares summed into ss in that order (add_squares8), as the tile kernel
+// does pass by pass: rmsnorm_forward's bits, as store_row_normed gives them. The chunks
+// come back from x (the lane's own stores, still in L1 or L2), so no pass keeps them.
+__device__ __forceinline__ void norm_stored_row(const bf16* x, float ss, const RowNorm& nm,
+                                                int64_t n, int d, int nchunks) {
+  const int lane = threadIdx.x & 31;
+  const float r = rms_rstd(group_sum<32>(ss), d, nm.eps);
+  for (int ch = lane; ch < nchunks; ch += 32) {
+    float wf[8], v[8];
+    load8(nm.w + 8 * ch, wf);
+    unpack8(reinterpret_cast<const uint4*>(x + n * d)[ch], v);
+    norm_chunk8(v, r, wf);
+    store8(nm.y + n * d + 8 * ch, v);
+  }
+  if (lane == 0) nm.rstd[n] = r;
+}
+
 // ---------------------------------------------------------------- mix (one site)
 template <int NT, bool ALIGNED>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock)
@@ -301,11 +319,14 @@ constexpr int kTileRingDeep = 12;
 // 8.953 -> 8.146 (2.93 TB/s); 3 and 4 were no faster than 2 (cuda/NOTES.md, "Tile kernel
 // versions 2 to 4").
 
-template <int K, int R, int MIN_BLOCKS, bool COOP = false>
+// NORM (version 5 in routing_mix_tile_rmsnorm): site j0's row normed by the consumer's
+// norm `nm` after its last pass (norm_stored_row), which saves the norm's own launch and
+// its read of x.
+template <int K, int R, int MIN_BLOCKS, bool COOP = false, bool NORM = false>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
     mix_tile_ring_kernel(bf16* __restrict__ x, float* __restrict__ weights,
                          const bf16* __restrict__ hist, float* __restrict__ partial,
-                         float* __restrict__ pstat, const Geometry g, int site0) {
+                         float* __restrict__ pstat, const Geometry g, int site0, const RowNorm nm) {
   constexpr int KP = (K + 3) / 4 * 4;
   extern __shared__ float4 ring_tables[];  // per warp: (site0 + 1) H KP floats
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -399,6 +420,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
 #pragma unroll
       for (int e = 0; e < 8; ++e) acc[m][e] = 0.f;
     int i = 0, p = 0;
+    float ss = 0.f;  // NORM: the squares of the lane's stored x chunks, pass after pass
     const float4* tw =
         reinterpret_cast<const float4*>(T + (lane < g.nchunks ? lane / cph : 0) * KP);
     // Whole rounds of the ring: the steps past the last (at most R - 1 per token)
@@ -423,7 +445,9 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
         if (++i == nsrc) {
           const int ch = lane + 32 * p;
           if (ch < g.nchunks) {
-            reinterpret_cast<uint4*>(x + n * g.d)[ch] = pack8(acc[0]);
+            const uint4 xv = pack8(acc[0]);
+            reinterpret_cast<uint4*>(x + n * g.d)[ch] = xv;
+            if constexpr (NORM) add_squares8(ss, xv);
             float4* out = reinterpret_cast<float4*>(partial + n * g.d) + 2 * ch;
 #pragma unroll
             for (int m = 1; m < K; ++m, out += Nd / 4) store8_f32(out, acc[m]);
@@ -438,6 +462,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, MIN_BLOCKS)
         }
       }
     }
+    if constexpr (NORM) norm_stored_row(x, ss, nm, n, g.d, g.nchunks);
   }
 }
 
@@ -831,14 +856,18 @@ void routing_mix(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weights, 
   mix_site(s, ctx, x, weights, history, layout, site, heads, RowNorm{});
 }
 
-// routing_mix_rmsnorm (kernel lab, routing_set_kernel_version(MixNorm, v)): 1 the mix, then
-// rmsnorm_forward's own launch; 2 (the default) the norm inside the finish kernel of a
-// depth tile's later site (finish versions 4 and 6; elsewhere as 1). The same bits.
+// routing_mix_rmsnorm and routing_mix_tile_rmsnorm (kernel lab,
+// routing_set_kernel_version(MixNorm, v)): 1 the mix, then rmsnorm_forward's own launch;
+// 2 (the default) the norm inside the finish kernel of a depth tile's later site (finish
+// versions 4 and 6) and inside the tile kernel at its first site (tile version 5),
+// elsewhere as 1; 3 the finishes' norm only (the rule until the fifty-sixth session). The
+// same bits.
 void routing_mix_rmsnorm(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor y, Tensor rstd,
                          Tensor weights, Tensor history, const RoutingLayout& layout, int site,
                          int heads, Tensor norm_w, double eps) {
   RowNorm nm;
-  if (g_mix_norm_version == 2 && rmsnorm_forward_row_fusable(y, rstd, x, norm_w))
+  if ((g_mix_norm_version == 2 || g_mix_norm_version == 3) &&
+      rmsnorm_forward_row_fusable(y, rstd, x, norm_w))
     nm = RowNorm{static_cast<bf16*>(y.data), rstd.ptr<float>(),
                  static_cast<const bf16*>(norm_w.data), float(eps)};
   if (!mix_site(s, ctx, x, weights, history, layout, site, heads, nm))
@@ -922,8 +951,11 @@ std::vector<int> routing_tile_plan(const RoutingLayout& layout, int64_t d, int h
   return plan;
 }
 
-void routing_mix_tile(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weights, Tensor history,
-                      const RoutingLayout& layout, int site, int count, int heads) {
+// routing_mix_tile, and with `nm` the norm of site j0's x inside the tile kernel (version
+// 5) where it can: true when y and rstd are written.
+static bool mix_tile_site(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weights,
+                          Tensor history, const RoutingLayout& layout, int site, int count,
+                          int heads, const RowNorm& nm) {
   const char* what = "routing_mix_tile";
   ctx.tile = MixTile{};
   MHAR_CHECK(count >= 1 && site >= 0 && site + count <= layout.sites, what, ": sites ", site, " + ",
@@ -933,8 +965,9 @@ void routing_mix_tile(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weig
   const int k = std::min(count, routing_tile_sites(layout, history.dim(2), heads));
   if (k <= 1 || history.dim(1) == 0) {
     routing_mix(s, ctx, x, weights, history, layout, site, heads);
-    return;
+    return false;
   }
+  const bool norm = nm.y != nullptr && g_mix_tile_version == 5;
   const Geometry g = geometry(what, history.dim(1), history.dim(2), heads, layout);
   check_weights(what, weights, g);
   check_dtype(history, DType::BF16, what, "history");
@@ -962,12 +995,14 @@ void routing_mix_tile(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weig
       }
       kernel<<<blocks, 32 * kWarpsPerBlock, smem, s>>>(
           static_cast<bf16*>(x.data), weights.ptr<float>(), static_cast<const bf16*>(history.data),
-          partial, partial + partial_floats, g, site);
+          partial, partial + partial_floats, g, site, nm);
       CUDA_CHECK_LAUNCH();
     };
     auto ring = [&](auto k_tag) {
       constexpr int K = decltype(k_tag)::value;
-      if (g_mix_tile_version == 5)
+      if (g_mix_tile_version == 5 && norm)
+        launch(mix_tile_ring_kernel<K, tile_ring(K), 4, true, true>);
+      else if (g_mix_tile_version == 5)
         launch(mix_tile_ring_kernel<K, tile_ring(K), 4, true>);
       else if (g_mix_tile_version == 4)
         launch(mix_tile_ring_kernel<K, kTileRingDeep, 3>);
@@ -992,6 +1027,25 @@ void routing_mix_tile(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weig
       launch(mix_tile_kernel<kTileSites>);
   }
   ctx.tile = MixTile{weights.data, history.data, layout, heads, site, k, site + 1};
+  return norm;
+}
+
+void routing_mix_tile(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weights, Tensor history,
+                      const RoutingLayout& layout, int site, int count, int heads) {
+  mix_tile_site(s, ctx, x, weights, history, layout, site, count, heads, RowNorm{});
+}
+
+// routing_mix_tile_rmsnorm: the norm inside tile kernel version 5 at MixNorm version 2
+// where rmsnorm_forward_row_fusable, else the tile then rmsnorm_forward. The same bits.
+void routing_mix_tile_rmsnorm(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor y, Tensor rstd,
+                              Tensor weights, Tensor history, const RoutingLayout& layout, int site,
+                              int count, int heads, Tensor norm_w, double eps) {
+  RowNorm nm;
+  if (g_mix_norm_version == 2 && rmsnorm_forward_row_fusable(y, rstd, x, norm_w))
+    nm = RowNorm{static_cast<bf16*>(y.data), rstd.ptr<float>(),
+                 static_cast<const bf16*>(norm_w.data), float(eps)};
+  if (!mix_tile_site(s, ctx, x, weights, history, layout, site, count, heads, nm))
+    rmsnorm_forward(s, y, rstd, x, norm_w, eps);
 }
 
 }  // namespace mhar::cuda

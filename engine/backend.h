@@ -437,6 +437,15 @@ class Backend {
     (void)count;
     routing_mix(x, weights, history, layout, site, heads);
   }
+  // A tile's first site with its consumer's input norm: exactly routing_mix_tile(x, ...),
+  // then rmsnorm_forward(y, rstd, x, norm_w, eps), as routing_mix_rmsnorm is to routing_mix
+  // (CUDA: the norm inside the tile kernel's last pass over the site's row).
+  virtual void routing_mix_tile_rmsnorm(Tensor x, Tensor y, Tensor rstd, Tensor weights,
+                                        Tensor history, const RoutingLayout& layout, int site,
+                                        int count, int heads, Tensor norm_w, double eps) {
+    routing_mix_tile(x, weights, history, layout, site, count, heads);
+    rmsnorm_forward(y, rstd, x, norm_w, eps);
+  }
   virtual int routing_tile_sites(const RoutingLayout& layout, int64_t d, int heads) const {
     (void)layout, (void)d, (void)heads;
     return 1;

@@ -87,6 +87,11 @@ class ForwardingBackend : public Backend {
                         int count, int heads) override {
     in_.routing_mix_tile(x, w, h, lay, site, count, heads);
   }
+  void routing_mix_tile_rmsnorm(Tensor x, Tensor y, Tensor r, Tensor w, Tensor h,
+                                const RoutingLayout& lay, int site, int count, int heads,
+                                Tensor norm_w, double eps) override {
+    in_.routing_mix_tile_rmsnorm(x, y, r, w, h, lay, site, count, heads, norm_w, eps);
+  }
   int routing_tile_sites(const RoutingLayout& lay, int64_t d, int heads) const override {
     return in_.routing_tile_sites(lay, d, heads);
   }

@@ -369,6 +369,20 @@ void OpProfiler::routing_mix_tile(Tensor x, Tensor weights, Tensor history,
   Span s(*this, __func__, OpFamily::Routing, (src + 1 + 2.0 * (count - 1)) * row + w);
   in_.routing_mix_tile(x, weights, history, layout, site, count, heads);
 }
+void OpProfiler::routing_mix_tile_rmsnorm(Tensor x, Tensor y, Tensor rstd, Tensor weights,
+                                          Tensor history, const RoutingLayout& layout, int site,
+                                          int count, int heads, Tensor norm_w, double eps) {
+  // routing_mix_tile's bytes plus the norm's outputs (as routing_mix_rmsnorm counts them).
+  const int src = layout.site_sources(site);
+  const double row = double(x.bytes());
+  const double w = 2.0 * src * heads * double(x.dim(0)) * dtype_size(weights.dtype) * count;
+  tile_first_ = site;
+  tile_end_ = site + count;
+  Span s(*this, __func__, OpFamily::Routing,
+         (src + 1 + 2.0 * (count - 1)) * row + w + bytes_of({y, rstd, norm_w}));
+  in_.routing_mix_tile_rmsnorm(x, y, rstd, weights, history, layout, site, count, heads, norm_w,
+                               eps);
+}
 void OpProfiler::routing_source_backward(Tensor dv, Tensor weights, Tensor ubar, Tensor gsum,
                                          const std::vector<Tensor>& site_dx, Tensor x, Tensor v, Tensor inv_rms,
                                          const RoutingParams& params, const RoutingLayout& layout, int source,

@@ -111,6 +111,9 @@ class OpProfiler final : public ForwardingBackend {
                            double eps) override;
   void routing_mix_tile(Tensor x, Tensor weights, Tensor history, const RoutingLayout& layout,
                         int site, int count, int heads) override;
+  void routing_mix_tile_rmsnorm(Tensor x, Tensor y, Tensor rstd, Tensor weights, Tensor history,
+                                const RoutingLayout& layout, int site, int count, int heads,
+                                Tensor norm_w, double eps) override;
   void routing_source_backward(Tensor dv, Tensor weights, Tensor ubar, Tensor gsum,
                                const std::vector<Tensor>& site_dx, Tensor x, Tensor v, Tensor inv_rms,
                                const RoutingParams& params, const RoutingLayout& layout, int source,

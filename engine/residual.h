@@ -106,8 +106,8 @@ class ResidualScheme {
   // are written, bit for bit what rmsnorm_forward of x_j would write). false: only x_j
   // is written and the model normalises it. The standard scheme fuses its residual add
   // with the norm (Backend::add_rmsnorm_forward), the routed schemes their mix
-  // (Backend::routing_mix_rmsnorm, but for a depth tile's first site); the default fuses
-  // nothing.
+  // (Backend::routing_mix_rmsnorm; routing_mix_tile_rmsnorm at a depth tile's first site);
+  // the default fuses nothing.
   virtual bool site_forward_normed(int j, const SiteNorm& norm) {
     (void)norm;
     site_forward(j);

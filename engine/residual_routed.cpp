@@ -13,7 +13,8 @@
 // every later site that reads it are computed once (routing_source_logits; the queries
 // are parameters), then site j's sources are mixed (routing_mix_rmsnorm, with the
 // consumer's input norm, which a backend may fuse into the mix's pass; at the start of
-// each depth tile routing_mix_tile, when the backend tiles, and the model's norm). The
+// each depth tile of the backend's plan routing_mix_tile_rmsnorm, the same with the
+// tile's promise). The
 // backward is source-stationary: site j's backward event builds the whole gradient of
 // slot j from the input gradients of the sites that read it (at the start of each
 // backward depth tile, routing_source_backward_tile, when the backend tiles: the backend
@@ -102,8 +103,9 @@ class RoutedScheme final : public ResidualScheme {
   }
 
  private:
-  // Site j's logits and mix; with `norm`, the consumer's norm in the same call where the
-  // site is not a depth tile's first (Backend::routing_mix_rmsnorm): true when written.
+  // Site j's logits and mix; with `norm`, the consumer's norm in the same call
+  // (Backend::routing_mix_rmsnorm, routing_mix_tile_rmsnorm at a tile's first site): true
+  // when written.
   bool mix(int j, const SiteNorm* norm);
   // Whether sublayer output v_i (i >= 1) joins the block of v_{i-1}.
   bool continues_block(int i) const { return i >= 2 && (i - 1) % layout_.block != 0; }
@@ -170,8 +172,13 @@ bool RoutedScheme::mix(int j, const SiteNorm* norm) {
   // A depth tile of the backend's plan starts here: the backend reads the slots <= j once
   // for the tile's sites (backend.h, routing_mix_tile).
   if (tile_at_[size_t(j)] > 1) {
-    c_.be.routing_mix_tile(x, w, hist, layout_, j, tile_at_[size_t(j)], H_);
-    return false;
+    if (!norm) {
+      c_.be.routing_mix_tile(x, w, hist, layout_, j, tile_at_[size_t(j)], H_);
+      return false;
+    }
+    c_.be.routing_mix_tile_rmsnorm(x, norm->y, norm->rstd, w, hist, layout_, j, tile_at_[size_t(j)],
+                                   H_, norm->w, norm->eps);
+    return true;
   }
   if (!norm) {
     c_.be.routing_mix(x, w, hist, layout_, j, H_);

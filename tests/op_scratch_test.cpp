@@ -50,10 +50,10 @@ class ScratchWatcher final : public ForwardingBackend {
   int routing_tile_sites(const RoutingLayout& lay, int64_t, int) const override {
     return lay.block == 1 ? 3 : 1;
   }
+  // Tiles of 3 (ForwardingBackend's plan would be the CPU's: no tiles).
   std::vector<int> routing_tile_plan(const RoutingLayout& lay, int64_t d,
                                      int heads) const override {
-    return Backend::routing_tile_plan(lay, d,
-                                      heads);  // tiles of 3 (ForwardingBackend's: the CPU's)
+    return Backend::routing_tile_plan(lay, d, heads);
   }
   int routing_backward_tile_slots(const RoutingLayout&, int64_t, int) const override { return 2; }
 

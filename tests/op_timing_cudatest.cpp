@@ -127,8 +127,8 @@ struct MixNorms {
   double eps;
 };
 
-// With `norms`, as the routed scheme calls them: a tile's first site normalised by
-// rmsnorm_forward, the others by routing_mix_rmsnorm.
+// With `norms`, as the routed scheme calls them: a tile's first site by
+// routing_mix_tile_rmsnorm, the others by routing_mix_rmsnorm.
 // `plan`: the tiles' counts in site order (Backend::routing_tile_plan; a count of 1 is a
 // plain mix, which tiles_only leaves out with the finishes).
 void tiled_mixes(Backend& gpu, Buffer& xs, Buffer& weights, Buffer& hist, const RoutingLayout& lay,
@@ -137,11 +137,11 @@ void tiled_mixes(Backend& gpu, Buffer& xs, Buffer& weights, Buffer& hist, const 
   int start = 0;
   for (int count : plan) {
     for (int i = start; i < start + count; ++i)
-      if (i == start && count > 1) {
+      if (i == start && count > 1 && norms) {
+        gpu.routing_mix_tile_rmsnorm(xs.t()[i], norms->ys.t()[i], norms->rstds.t()[i], weights,
+                                     hist, lay, i, count, H, norms->w, norms->eps);
+      } else if (i == start && count > 1) {
         gpu.routing_mix_tile(xs.t()[i], weights, hist, lay, i, count, H);
-        if (norms)
-          gpu.rmsnorm_forward(norms->ys.t()[i], norms->rstds.t()[i], xs.t()[i], norms->w,
-                              norms->eps);
       } else if (tiles_only) {
         continue;
       } else if (norms) {
@@ -603,15 +603,16 @@ TEST_F(OpTiming, DISABLED_RoutingTileVersions) {
     }
     cuda::routing_set_kernel_version(cuda::RoutingKernel::MixFinish, 0);
     // The mixes with their consumers' norms, as the routed scheme calls them
-    // (routing_mix_rmsnorm; a tile's first site normalised by rmsnorm_forward): MixNorm
-    // version 1 (the norm's own launch) and 2 (inside the finish), in turn, twice. Bytes:
-    // the step's plus each norm's output written (version 1 also reads x back).
+    // (routing_mix_rmsnorm; routing_mix_tile_rmsnorm at a tile's first site): MixNorm
+    // version 1 (the norm's own launch), 2 (inside the finishes and tile kernels) and 3
+    // (the finishes only), in turn, twice. Bytes: the step's plus each norm's output
+    // written (version 1 also reads x back).
     Buffer ys(*gpu, DType::BF16, {S, N, d}), rstds(*gpu, DType::F32, {S, N});
     Buffer norm_w = random_gpu(DType::BF16, {d});
     const MixNorms norms{ys, rstds, norm_w, 1e-6};
     auto normed_step = [&] { tiled_mixes(*gpu, xs, weights, hist, lay, k, H, false, &norms); };
     for (int round = 0; round < 2; ++round)
-      for (int version : {1, 2}) {
+      for (int version : {1, 2, 3}) {
         cuda::routing_set_kernel_version(cuda::RoutingKernel::MixNorm, version);
         report(
             "routing_mix + norms, all sites, tiled, norm v" + std::to_string(version) + ", " + tag,
@@ -625,8 +626,10 @@ TEST_F(OpTiming, DISABLED_RoutingTileVersions) {
 // fewest rows by cuda::routing_tile_rows) against the plan of one fixed tile with the
 // fewest rows (the rule before the fifty-sixth session), each a whole step's mixes with
 // their consumers' norms as the routed scheme calls them, at the three full-routing model
-// shapes; in turn, three rounds, so that drift shows. Bytes: the traffic model's rows and
-// every pair's logit read and weight written.
+// shapes: the fixed tiles with the norm fused in the finishes only (MixNorm 3: all as
+// before), the plan so, and the plan with the norm in the tile kernel too (MixNorm 2, the
+// default); in turn, three rounds, so that drift shows. Bytes: the traffic model's rows
+// (with the norm fused in the tile kernel) and every pair's logit read and weight written.
 TEST_F(OpTiming, DISABLED_RoutingTilePlans) {
   const int64_t N = 16384;
   for (const FullRoutingShape& sh : kFullRoutingShapes) {
@@ -645,11 +648,15 @@ TEST_F(OpTiming, DISABLED_RoutingTilePlans) {
     const std::string tag = std::string(sh.name) + " d" + std::to_string(d) + " S" +
                             std::to_string(S) + " H" + std::to_string(H);
     for (int round = 0; round < 3; ++round)
-      for (const std::vector<int>* p : {&fixed, &plan})
-        report("routing_mix + norms, all sites, tiles " + plan_str(*p) + " (" +
-                   std::to_string(plan_rows(*p)) + " rows), " + tag,
+      for (const auto& [p, norm_version] :
+           {std::pair{&fixed, 3}, std::pair{&plan, 3}, std::pair{&plan, 2}}) {
+        cuda::routing_set_kernel_version(cuda::RoutingKernel::MixNorm, norm_version);
+        report("routing_mix + norms v" + std::to_string(norm_version) + ", tiles " + plan_str(*p) +
+                   " (" + std::to_string(plan_rows(*p)) + " rows), " + tag,
                time_ms([&] { tiled_mixes(*gpu, xs, weights, hist, lay, *p, H, false, &norms); }, 3),
                0, row * double(plan_rows(*p)) + 2 * stat * double(P));
+      }
+    cuda::routing_set_kernel_version(cuda::RoutingKernel::MixNorm, 0);
   }
 }
 

@@ -12,9 +12,9 @@
 //   buffer of its own, then add_inplace into the running sum). The CPU's "+=" adds the
 //   finished dx_j value to the old one, so the sums and their order are the old path's.
 // - The routed schemes' counterpart: each site's mix and its consumer's norm in one call
-//   (Backend::routing_mix_rmsnorm) but at a depth tile's first site; its bits against the
-//   two ops are the CUDA parity test's (tests/routing_cudatest.cpp), since the CPU's
-//   default is the two ops.
+//   (Backend::routing_mix_rmsnorm; routing_mix_tile_rmsnorm at a depth tile's first site);
+//   their bits against the two ops are the CUDA parity test's (tests/routing_cudatest.cpp),
+//   since the CPU's default is the two ops.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -179,23 +179,30 @@ class MixNormRecorder final : public ForwardingBackend {
  public:
   using ForwardingBackend::ForwardingBackend;
   struct Fused {
-    int site;
+    int site, tile_count;  // tile_count 0: routing_mix_rmsnorm
     const void *x, *y, *rstd, *w;
     double eps;
   };
   std::vector<Fused> fused;
   std::vector<const void*> normed;  // x of each rmsnorm_forward
   int routing_tile_sites(const RoutingLayout&, int64_t, int) const override { return 3; }
+  // Tiles of 3 (ForwardingBackend's plan would be the CPU's: no tiles).
   std::vector<int> routing_tile_plan(const RoutingLayout& lay, int64_t d,
                                      int heads) const override {
-    return Backend::routing_tile_plan(lay, d,
-                                      heads);  // tiles of 3 (ForwardingBackend's: the CPU's)
+    return Backend::routing_tile_plan(lay, d, heads);
   }
   void routing_mix_rmsnorm(Tensor x, Tensor y, Tensor rstd, Tensor weights, Tensor history,
                            const RoutingLayout& layout, int site, int heads, Tensor norm_w,
                            double eps) override {
-    fused.push_back({site, x.data, y.data, rstd.data, norm_w.data, eps});
+    fused.push_back({site, 0, x.data, y.data, rstd.data, norm_w.data, eps});
     in_.routing_mix_rmsnorm(x, y, rstd, weights, history, layout, site, heads, norm_w, eps);
+  }
+  void routing_mix_tile_rmsnorm(Tensor x, Tensor y, Tensor rstd, Tensor weights, Tensor history,
+                                const RoutingLayout& layout, int site, int count, int heads,
+                                Tensor norm_w, double eps) override {
+    fused.push_back({site, count, x.data, y.data, rstd.data, norm_w.data, eps});
+    in_.routing_mix_tile_rmsnorm(x, y, rstd, weights, history, layout, site, count, heads, norm_w,
+                                 eps);
   }
   void rmsnorm_forward(Tensor y, Tensor rstd, Tensor x, Tensor w, double eps) override {
     normed.push_back(x.data);
@@ -203,8 +210,9 @@ class MixNormRecorder final : public ForwardingBackend {
   }
 };
 
-// The routed schemes hand each site's consumer norm to the mix (routing_mix_rmsnorm),
-// but at a depth tile's first site, whose mix (routing_mix_tile) the model normalises.
+// The routed schemes hand each site's consumer norm to the mix: routing_mix_rmsnorm, and
+// routing_mix_tile_rmsnorm (with the tile's count) at a depth tile's first site; the model
+// normalises no site input itself.
 TEST(ResidualFusion, RoutedSchemesFuseTheConsumersNormIntoTheMix) {
   for (ResidualMode mode : {ResidualMode::AttnRes, ResidualMode::Mhar}) {
     SCOPED_TRACE(residual_mode_name(mode));
@@ -217,14 +225,12 @@ TEST(ResidualFusion, RoutedSchemesFuseTheConsumersNormIntoTheMix) {
     size_t next = 0;
     for (int j = 0; j <= 2 * L; ++j) {
       SCOPED_TRACE("site " + std::to_string(j));
-      const bool plain = j % 3 == 0;
-      EXPECT_EQ(std::count(rec.normed.begin(), rec.normed.end(), m.site_input(j).data),
-                plain ? 1 : 0);
-      if (plain) continue;
+      EXPECT_EQ(std::count(rec.normed.begin(), rec.normed.end(), m.site_input(j).data), 0);
       ASSERT_LT(next, rec.fused.size());
       const MixNormRecorder::Fused& f = rec.fused[next++];
       const std::string wname = consumer_norm_weight(j, L);
       EXPECT_EQ(f.site, j);
+      EXPECT_EQ(f.tile_count, j % 3 == 0 ? std::min(3, 2 * L + 1 - j) : 0);
       EXPECT_EQ(f.x, m.site_input(j).data);
       EXPECT_EQ(f.w, m.parameter(wname).value.data);
       EXPECT_EQ(f.eps, c.model.rms_eps);

@@ -53,7 +53,7 @@ class RoutingParity : public CudaParity {
     for (int j = 0, t = 0; j < S; j += plan[size_t(t++)]) tile_at[size_t(j)] = plan[size_t(t)];
     // The step's mixes from the raw logits, each slot written just before its site's mix.
     // normed: with the consumers' norms as the routed scheme calls them (a tile's first
-    // site by rmsnorm_forward, the others by routing_mix_rmsnorm).
+    // site by routing_mix_tile_rmsnorm, the others by routing_mix_rmsnorm).
     auto mix_step = [&](bool normed = false) {
       hist.poison();
       x.poison();
@@ -62,9 +62,11 @@ class RoutingParity : public CudaParity {
       w.set(raw_logits);
       for (int j = 0; j < S; ++j) {
         gpu->upload(hist.t()[j], clean.data() + size_t(j) * size_t(N * d));
-        if (tile_at[size_t(j)] > 1) {
+        if (tile_at[size_t(j)] > 1 && normed) {
+          gpu->routing_mix_tile_rmsnorm(x.t()[j], y.t()[j], rstd.t()[j], w, hist, lay, j,
+                                        tile_at[size_t(j)], H, norm_w.g, eps);
+        } else if (tile_at[size_t(j)] > 1) {
           gpu->routing_mix_tile(x.t()[j], w, hist, lay, j, tile_at[size_t(j)], H);
-          if (normed) gpu->rmsnorm_forward(y.t()[j], rstd.t()[j], x.t()[j], norm_w.g, eps);
         } else if (normed) {
           gpu->routing_mix_rmsnorm(x.t()[j], y.t()[j], rstd.t()[j], w, hist, lay, j, H, norm_w.g,
                                    eps);
@@ -99,34 +101,40 @@ class RoutingParity : public CudaParity {
         cuda::routing_set_kernel_version(kernel, 0);
       }
     }
-    // The mix with its consumer's norm (routing_mix_rmsnorm, as the routed scheme calls
-    // it: at every site but a tile's first): x and the weights routing_mix's bits, y and
-    // rstd those of rmsnorm_forward of that x, for every finish version (4 and 6 fuse the
-    // norm into their pass, the others run the two ops).
+    // The mix with its consumer's norm (routing_mix_rmsnorm, and routing_mix_tile_rmsnorm
+    // at a tile's first site, as the routed scheme calls them): x and the weights
+    // routing_mix's bits, y and rstd those of rmsnorm_forward of that x, for every finish
+    // version (4 and 6 fuse the norm into their pass, the others run the two ops) and every
+    // tile version (5 fuses it).
     {
       Buffer y_ref(*gpu, DType::BF16, {S, N, d}), rstd_ref(*gpu, DType::F32, {S, N});
       mix_step();
       for (int j = 0; j < S; ++j)
         gpu->rmsnorm_forward(y_ref.t()[j], rstd_ref.t()[j], x.t()[j], norm_w.g, eps);
       const std::vector<std::vector<double>> want = {x.get(), w.get(), y_ref.get(), rstd_ref.get()};
-      const int versions = cuda::routing_kernel_versions(cuda::RoutingKernel::MixFinish);
-      for (int run = 0; run <= 2 * versions + 1; ++run) {
-        // Finish versions 0 (the default) .. versions, each with the norm fused (MixNorm
-        // 2) and on its own (1).
-        const int version = run / 2, norm_version = 1 + run % 2;
-        cuda::routing_set_kernel_version(cuda::RoutingKernel::MixFinish, version);
-        cuda::routing_set_kernel_version(cuda::RoutingKernel::MixNorm, norm_version);
-        mix_step(true);
-        const std::vector<std::vector<double>> got = {x.get(), w.get(), y.get(), rstd.get()};
-        const char* names[] = {"x", "weights", "y", "rstd"};
-        for (size_t o = 0; o < got.size(); ++o) {
-          int64_t diff = 0;
-          for (size_t e = 0; e < got[o].size(); ++e) diff += !(got[o][e] == want[o][e]);
-          EXPECT_EQ(diff, 0) << "routing_mix_rmsnorm " << names[o] << ", finish v" << version
-                             << ", norm v" << norm_version << " " << tag;
+      for (const auto& [kernel, name] : {std::pair{cuda::RoutingKernel::MixFinish, "finish"},
+                                         std::pair{cuda::RoutingKernel::MixTile, "tile"}}) {
+        const int versions = cuda::routing_kernel_versions(kernel);
+        const int norms = cuda::routing_kernel_versions(cuda::RoutingKernel::MixNorm);
+        for (int run = 0; run < (versions + 1) * norms; ++run) {
+          // Versions 0 (the default) .. versions, each at every MixNorm version (1 the
+          // norm on its own, 2 fused in the finishes and the tile kernel, 3 in the
+          // finishes only).
+          const int version = run / norms, norm_version = 1 + run % norms;
+          cuda::routing_set_kernel_version(kernel, version);
+          cuda::routing_set_kernel_version(cuda::RoutingKernel::MixNorm, norm_version);
+          mix_step(true);
+          const std::vector<std::vector<double>> got = {x.get(), w.get(), y.get(), rstd.get()};
+          const char* names[] = {"x", "weights", "y", "rstd"};
+          for (size_t o = 0; o < got.size(); ++o) {
+            int64_t diff = 0;
+            for (size_t e = 0; e < got[o].size(); ++e) diff += !(got[o][e] == want[o][e]);
+            EXPECT_EQ(diff, 0) << "routing_mix_rmsnorm " << names[o] << ", " << name << " v"
+                               << version << ", norm v" << norm_version << " " << tag;
+          }
         }
+        cuda::routing_set_kernel_version(kernel, 0);
       }
-      cuda::routing_set_kernel_version(cuda::RoutingKernel::MixFinish, 0);
       cuda::routing_set_kernel_version(cuda::RoutingKernel::MixNorm, 0);
     }
     if (S < 2) return;

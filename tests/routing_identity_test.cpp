@@ -288,6 +288,29 @@ class TileAuditor final : public ForwardingBackend {
   }
   void routing_mix_tile(Tensor x, Tensor w, Tensor h, const RoutingLayout& lay, int site,
                         int count, int heads) override {
+    audit_tile(w, h, lay, site, count);
+    in_.routing_mix_tile(x, w, h, lay, site, count, heads);
+  }
+  void routing_mix_tile_rmsnorm(Tensor x, Tensor y, Tensor r, Tensor w, Tensor h,
+                                const RoutingLayout& lay, int site, int count, int heads,
+                                Tensor norm_w, double eps) override {
+    audit_tile(w, h, lay, site, count);
+    in_.routing_mix_tile_rmsnorm(x, y, r, w, h, lay, site, count, heads, norm_w, eps);
+  }
+  void routing_mix(Tensor x, Tensor w, Tensor h, const RoutingLayout& lay, int site,
+                   int heads) override {
+    audit_mix(w, h, lay, site);
+    in_.routing_mix(x, w, h, lay, site, heads);
+  }
+  void routing_mix_rmsnorm(Tensor x, Tensor y, Tensor r, Tensor w, Tensor h,
+                           const RoutingLayout& lay, int site, int heads, Tensor norm_w,
+                           double eps) override {
+    audit_mix(w, h, lay, site);
+    in_.routing_mix_rmsnorm(x, y, r, w, h, lay, site, heads, norm_w, eps);
+  }
+
+ private:
+  void audit_tile(Tensor w, Tensor h, const RoutingLayout& lay, int site, int count) {
     EXPECT_EQ(next_, -1) << "a tile began at site " << site << " before site " << next_;
     EXPECT_GT(tile_at(lay, site), 1) << "tile at site " << site;
     EXPECT_EQ(count, tile_at(lay, site)) << "tile at site " << site;
@@ -298,10 +321,8 @@ class TileAuditor final : public ForwardingBackend {
     w_ = w.data;
     h_ = h.data;
     snapshot_ = old_state(w, h, lay);
-    in_.routing_mix_tile(x, w, h, lay, site, count, heads);
   }
-  void routing_mix(Tensor x, Tensor w, Tensor h, const RoutingLayout& lay, int site,
-                   int heads) override {
+  void audit_mix(Tensor w, Tensor h, const RoutingLayout& lay, int site) {
     EXPECT_LE(tile_at(lay, site), 1) << "site " << site << " starts a tile but came as a plain mix";
     if (tile_at(lay, site) == 1) {
       EXPECT_EQ(next_, -1) << "site " << site << " (a tile of one) came inside a tile";
@@ -325,10 +346,8 @@ class TileAuditor final : public ForwardingBackend {
       ++tiled_sites;
       next_ = site + 1 < end_ ? site + 1 : -1;
     }
-    in_.routing_mix(x, w, h, lay, site, heads);
   }
 
- private:
   // The slots <= first_ (key (i, -1)) and their pairs for the tile's later sites (key
   // (i, k): raw logits until site k's mix).
   using State = std::map<std::pair<int, int>, std::vector<double>>;
