@@ -894,17 +894,18 @@ int routing_tile_sites(const RoutingLayout& layout, int64_t d, int heads) {
 }
 
 // The traffic model of the mixes with their consumers' norms, in rows of N d bf16 (an fp32
-// partial row is 2), as the routed scheme calls them (routing_mix_rmsnorm at every site
-// but a tile's first, whose x rmsnorm_forward reads back):
-// - a site on its own (count 1): its j0 + 1 slots read, x written; the norm reads x, writes y;
-// - a tile of count >= 2 from site j0: the tile kernel reads the j0 + 1 slots and writes x
-//   and count - 1 fp32 partial rows; the norm of x as above; each later site j0 + m's
-//   finish reads its partial and the m newer slots and writes x and y (the norm inside).
+// partial row is 2), as the routed scheme calls them (routing_mix_tile_rmsnorm at a
+// tile's first site, routing_mix_rmsnorm at the others):
+// - a site on its own (count 1): its j0 + 1 slots read, x written; the norm's own launch
+//   reads x back and writes y;
+// - a tile of count >= 2 from site j0: the tile kernel reads the j0 + 1 slots and writes x,
+//   y and count - 1 fp32 partial rows; each later site j0 + m's finish reads its partial
+//   and the m newer slots and writes x and y (the norm inside both kernels).
 // The weights' and statistics' bytes (4 H per pair and token against 2 d per row: 1-3%)
 // are left out.
 int64_t routing_tile_rows(int j0, int count) {
   if (count <= 1) return (j0 + 1) + 1 + 2;
-  int64_t rows = (j0 + 1) + 1 + 2 * (count - 1) + 2;
+  int64_t rows = (j0 + 1) + 1 + 2 * (count - 1) + 1;
   for (int m = 1; m < count; ++m) rows += 2 + m + 1 + 1;
   return rows;
 }
@@ -915,7 +916,7 @@ int64_t routing_tile_rows(int j0, int count) {
 // slots, so the plan runs from sites mixed on their own at the start to the largest tiles
 // at the end; on ties the smaller tile (fewer partial rows in memory). 1: tiles of the one
 // fixed count with the fewest rows, from site 0 (the rule until the fifty-sixth session),
-// which move 3-7% more rows at the model shapes (cuda/NOTES.md has the figures per size).
+// which move 5-8% more rows at the model shapes (cuda/NOTES.md has the figures per size).
 std::vector<int> routing_tile_plan(const RoutingLayout& layout, int64_t d, int heads) {
   const int S = layout.sites, kmax = routing_tile_sites(layout, d, heads);
   if (kmax <= 1) return std::vector<int>(size_t(std::max(S, 0)), 1);
