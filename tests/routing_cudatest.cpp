@@ -678,6 +678,11 @@ TEST_F(RoutingParity, ManyHeads) {
 // partition where there are few enough to list (S <= 14), else against tiles of every
 // fixed count and against the plan with any two neighbouring tiles' sites redistributed.
 TEST(RoutingTilePlan, CoversTheSitesWithTheFewestRows) {
+  // TilePlan version 2 (the plan), whichever is the default, while in scope.
+  struct PlanVersion {
+    int before = cuda::routing_set_kernel_version(cuda::RoutingKernel::TilePlan, 2);
+    ~PlanVersion() { cuda::routing_set_kernel_version(cuda::RoutingKernel::TilePlan, before); }
+  } plan_version;
   auto rows = [](const std::vector<int>& plan) {
     int64_t r = 0;
     int j = 0;
