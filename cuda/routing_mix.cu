@@ -858,10 +858,10 @@ void routing_mix(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weights, 
 
 // routing_mix_rmsnorm and routing_mix_tile_rmsnorm (kernel lab,
 // routing_set_kernel_version(MixNorm, v)): 1 the mix, then rmsnorm_forward's own launch;
-// 2 (the default) the norm inside the finish kernel of a depth tile's later site (finish
-// versions 4 and 6) and inside the tile kernel at its first site (tile version 5),
-// elsewhere as 1; 3 the finishes' norm only (the rule until the fifty-sixth session). The
-// same bits.
+// 2 the norm inside the finish kernel of a depth tile's later site (finish versions 4 and
+// 6) and inside the tile kernel at its first site (tile version 5; built in the fifty-sixth
+// session, not yet run on a GPU), elsewhere as 1; 3 (the default) the finishes' norm only.
+// The same bits.
 void routing_mix_rmsnorm(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor y, Tensor rstd,
                          Tensor weights, Tensor history, const RoutingLayout& layout, int site,
                          int heads, Tensor norm_w, double eps) {
@@ -910,12 +910,13 @@ int64_t routing_tile_rows(int j0, int count) {
   return rows;
 }
 
-// RoutingKernel::TilePlan (kernel lab): 2 (the default) the tiles with the fewest rows
+// RoutingKernel::TilePlan (kernel lab): 2 (built in the fifty-sixth session, not yet run on
+// a GPU, so not yet the default) the tiles with the fewest rows
 // moved, of at most routing_tile_sites() sites each: a shortest path over the sites
 // (best[j]: the fewest rows for sites j .. S - 1). Tiles pay where their sites read many
 // slots, so the plan runs from sites mixed on their own at the start to the largest tiles
-// at the end; on ties the smaller tile (fewer partial rows in memory). 1: tiles of the one
-// fixed count with the fewest rows, from site 0 (the rule until the fifty-sixth session),
+// at the end; on ties the smaller tile (fewer partial rows in memory). 1 (the default): tiles
+// of the one fixed count with the fewest rows, from site 0 (the rule so far),
 // which move 5-8% more rows at the model shapes (cuda/NOTES.md has the figures per size).
 std::vector<int> routing_tile_plan(const RoutingLayout& layout, int64_t d, int heads) {
   const int S = layout.sites, kmax = routing_tile_sites(layout, d, heads);
