@@ -357,8 +357,8 @@ void OpProfiler::routing_mix_rmsnorm(Tensor x, Tensor y, Tensor rstd, Tensor wei
          mix_bytes(x, weights, layout, site, heads) + bytes_of({y, rstd, norm_w}));
   in_.routing_mix_rmsnorm(x, y, rstd, weights, history, layout, site, heads, norm_w, eps);
 }
-void OpProfiler::routing_mix_tile(Tensor x, Tensor weights, Tensor history,
-                                  const RoutingLayout& layout, int site, int count, int heads) {
+double OpProfiler::begin_tile_bytes(Tensor x, Tensor weights, const RoutingLayout& layout, int site,
+                                    int count, int heads) {
   // The first site's mix (its sources read once) plus the fp32 partial sums (two rows'
   // bytes each) of the tile's count - 1 later sites over the same sources.
   const int src = layout.site_sources(site);
@@ -366,20 +366,20 @@ void OpProfiler::routing_mix_tile(Tensor x, Tensor weights, Tensor history,
   const double w = 2.0 * src * heads * double(x.dim(0)) * dtype_size(weights.dtype) * count;
   tile_first_ = site;
   tile_end_ = site + count;
-  Span s(*this, __func__, OpFamily::Routing, (src + 1 + 2.0 * (count - 1)) * row + w);
+  return (src + 1 + 2.0 * (count - 1)) * row + w;
+}
+void OpProfiler::routing_mix_tile(Tensor x, Tensor weights, Tensor history,
+                                  const RoutingLayout& layout, int site, int count, int heads) {
+  Span s(*this, __func__, OpFamily::Routing,
+         begin_tile_bytes(x, weights, layout, site, count, heads));
   in_.routing_mix_tile(x, weights, history, layout, site, count, heads);
 }
 void OpProfiler::routing_mix_tile_rmsnorm(Tensor x, Tensor y, Tensor rstd, Tensor weights,
                                           Tensor history, const RoutingLayout& layout, int site,
                                           int count, int heads, Tensor norm_w, double eps) {
   // routing_mix_tile's bytes plus the norm's outputs (as routing_mix_rmsnorm counts them).
-  const int src = layout.site_sources(site);
-  const double row = double(x.bytes());
-  const double w = 2.0 * src * heads * double(x.dim(0)) * dtype_size(weights.dtype) * count;
-  tile_first_ = site;
-  tile_end_ = site + count;
   Span s(*this, __func__, OpFamily::Routing,
-         (src + 1 + 2.0 * (count - 1)) * row + w + bytes_of({y, rstd, norm_w}));
+         begin_tile_bytes(x, weights, layout, site, count, heads) + bytes_of({y, rstd, norm_w}));
   in_.routing_mix_tile_rmsnorm(x, y, rstd, weights, history, layout, site, count, heads, norm_w,
                                eps);
 }

@@ -196,6 +196,10 @@ class OpProfiler final : public ForwardingBackend {
   // The depth tile in flight (routing_mix_tile): sites (tile_first_, tile_end_) read
   // their partial sums and newer slots only, which their bytes count.
   int tile_first_ = -1, tile_end_ = -1;
+  // A tile's first site's bytes (routing_mix_tile, routing_mix_tile_rmsnorm), starting the
+  // tile in flight.
+  double begin_tile_bytes(Tensor x, Tensor weights, const RoutingLayout& layout, int site,
+                          int count, int heads);
   // A mix's bytes (routing_mix, routing_mix_rmsnorm), ending the tile at its last site.
   double mix_bytes(Tensor x, Tensor weights, const RoutingLayout& layout, int site, int heads);
   // The backward depth tile in flight (routing_source_backward_tile): its older slots,
