@@ -103,7 +103,7 @@ constexpr int kLogitsVersions = 9, kLogitsDefault = 9;              // routing_l
 constexpr int kQgTablesVersions = 2, kQgTablesDefault = 1;          // routing_logits.cu
 constexpr int kMixNormVersions = 3, kMixNormDefault = 3;            // routing_mix.cu
 constexpr int kMixTileVersions = 5, kMixTileDefault = 5;            // routing_mix.cu
-constexpr int kTilePlanVersions = 2, kTilePlanDefault = 1;          // routing_mix.cu
+constexpr int kTilePlanVersions = 3, kTilePlanDefault = 3;          // routing_mix.cu
 constexpr int kMixFinishVersions = 6, kMixFinishDefault = 6;        // routing_mix.cu
 constexpr int kDeltaForwardVersions = 2, kDeltaForwardDefault = 1;  // routing_delta_forward.cu
 constexpr int kDeltaSiteVersions = 3, kDeltaSiteDefault = 2;        // routing_backward.cu

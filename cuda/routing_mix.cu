@@ -910,14 +910,15 @@ int64_t routing_tile_rows(int j0, int count) {
   return rows;
 }
 
-// RoutingKernel::TilePlan (kernel lab): 2 (built in the fifty-sixth session, not yet run on
-// a GPU, so not yet the default) the tiles with the fewest rows
-// moved, of at most routing_tile_sites() sites each: a shortest path over the sites
-// (best[j]: the fewest rows for sites j .. S - 1). Tiles pay where their sites read many
-// slots, so the plan runs from sites mixed on their own at the start to the largest tiles
-// at the end; on ties the smaller tile (fewer partial rows in memory). 1 (the default): tiles
-// of the one fixed count with the fewest rows, from site 0 (the rule so far),
-// which move 5-8% more rows at the model shapes (cuda/NOTES.md has the figures per size).
+// RoutingKernel::TilePlan (kernel lab). 2: the tiles with the fewest rows moved, of at
+// most routing_tile_sites() sites each: a shortest path over the sites (best[j]: the fewest
+// rows for sites j .. S - 1). Tiles pay where their sites read many slots, so the plan runs
+// from sites mixed on their own at the start to the largest tiles at the end; on ties the
+// smaller tile (fewer partial rows in memory). 3: the same with tiles of at most 7, because
+// the 8-site tile kernel moves its bytes ~10% slower than the 7-site one (H100, 2026-12-07:
+// the plan's 8s made 350M and 1B 2% and 5% slower than fixed 7s for 4.6% and 7% fewer
+// rows; cuda/NOTES.md "Tiles that grow with the depth"). 1: tiles of the one fixed count
+// with the fewest rows, from site 0 (the rule before the fifty-seventh session).
 std::vector<int> routing_tile_plan(const RoutingLayout& layout, int64_t d, int heads) {
   const int S = layout.sites, kmax = routing_tile_sites(layout, d, heads);
   if (kmax <= 1) return std::vector<int>(size_t(std::max(S, 0)), 1);
@@ -938,11 +939,12 @@ std::vector<int> routing_tile_plan(const RoutingLayout& layout, int64_t d, int h
       if (rows(fixed(k)) < rows(best)) best = fixed(k);
     return best;
   }
+  const int cap = g_tile_plan_version == 3 ? std::min(kmax, kTileSites - 1) : kmax;
   std::vector<int64_t> best(size_t(S) + 1, 0);
   std::vector<int> first(size_t(S) + 1, 1);
   for (int j = S - 1; j >= 0; --j) {
     best[size_t(j)] = -1;
-    for (int count = 1; count <= std::min(kmax, S - j); ++count) {
+    for (int count = 1; count <= std::min(cap, S - j); ++count) {
       const int64_t rows = routing_tile_rows(j, count) + best[size_t(j + count)];
       if (best[size_t(j)] < 0 || rows < best[size_t(j)])
         best[size_t(j)] = rows, first[size_t(j)] = count;

@@ -622,21 +622,28 @@ TEST_F(OpTiming, DISABLED_RoutingTileVersions) {
   }
 }
 
-// The depth-tile plan (Backend::routing_tile_plan: tiles that grow with the depth, the
+// The depth-tile plans (Backend::routing_tile_plan: tiles that grow with the depth, the
 // fewest rows by cuda::routing_tile_rows) against the plan of one fixed tile with the
-// fewest rows (the rule before the fifty-sixth session), each a whole step's mixes with
+// fewest rows (the rule before the fifty-seventh session), each a whole step's mixes with
 // their consumers' norms as the routed scheme calls them, at the three full-routing model
-// shapes: the fixed tiles with the norm fused in the finishes only (MixNorm 3: all as
-// before), the plan so, and the plan with the norm in the tile kernel too (MixNorm 2, the
-// default); in turn, three rounds, so that drift shows. Bytes: the traffic model's rows
-// (with the norm fused in the tile kernel) and every pair's logit read and weight written.
+// shapes: the fixed tiles with the norm fused in the finishes only (MixNorm 3), the plans
+// of tiles up to 8 (TilePlan 2) and up to 7 (TilePlan 3) so, and the latter with the norm
+// in the tile kernel too (MixNorm 2); in turn, three rounds, so that drift shows. Bytes:
+// the traffic model's rows (with the norm fused in the tile kernel) and every pair's logit
+// read and weight written.
 TEST_F(OpTiming, DISABLED_RoutingTilePlans) {
   const int64_t N = 16384;
   for (const FullRoutingShape& sh : kFullRoutingShapes) {
     const RoutingLayout lay = RoutingLayout::full(sh.S);
     const int64_t d = sh.d, P = lay.pairs();
     const int S = sh.S, H = sh.H;
-    const std::vector<int> plan = gpu->routing_tile_plan(lay, d, H);
+    // The plans of TilePlan versions 2 (tiles up to 8) and 3 (up to 7), whichever is the
+    // default.
+    const int plan_default = cuda::routing_set_kernel_version(cuda::RoutingKernel::TilePlan, 2);
+    const std::vector<int> plan8 = gpu->routing_tile_plan(lay, d, H);
+    cuda::routing_set_kernel_version(cuda::RoutingKernel::TilePlan, 3);
+    const std::vector<int> plan7 = gpu->routing_tile_plan(lay, d, H);
+    cuda::routing_set_kernel_version(cuda::RoutingKernel::TilePlan, plan_default);
     const std::vector<int> fixed = best_uniform_tiles(S, gpu->routing_tile_sites(lay, d, H));
     Buffer hist = random_gpu(DType::BF16, {S, N, d});
     Buffer weights = random_gpu(DType::F32, {P, H, N}, 3.0);
@@ -648,8 +655,8 @@ TEST_F(OpTiming, DISABLED_RoutingTilePlans) {
     const std::string tag = std::string(sh.name) + " d" + std::to_string(d) + " S" +
                             std::to_string(S) + " H" + std::to_string(H);
     for (int round = 0; round < 3; ++round)
-      for (const auto& [p, norm_version] :
-           {std::pair{&fixed, 3}, std::pair{&plan, 3}, std::pair{&plan, 2}}) {
+      for (const auto& [p, norm_version] : {std::pair{&fixed, 3}, std::pair{&plan8, 3},
+                                            std::pair{&plan7, 3}, std::pair{&plan7, 2}}) {
         cuda::routing_set_kernel_version(cuda::RoutingKernel::MixNorm, norm_version);
         report("routing_mix + norms v" + std::to_string(norm_version) + ", tiles " + plan_str(*p) +
                    " (" + std::to_string(plan_rows(*p)) + " rows), " + tag,

@@ -34,7 +34,8 @@
 #                   (s, default 240) bounding them; their TIMING, BANDWIDTH and SCALING
 #                   lines in the summary
 #   AB=VERSIONS     then time the step at these lab versions against the defaults:
-#                   tools/bench_modes.sh AB_SIZE (default 100m) AB_MODES (default
+#                   tools/bench_modes.sh AB_SIZE (default 100m; several sizes in turn,
+#                   e.g. "100m 1b") AB_MODES (default
 #                   "standard mhar"), AB_ROUNDS (default 2) rounds, each the defaults then
 #                   MHAR_KERNEL_VERSIONS=VERSIONS (e.g. AB=key_grad=4; README, "Kernel
 #                   lab"); STEPS (default 8) and WARMUP (2) as bench_modes takes them
@@ -195,13 +196,15 @@ if [ -n "${AB:-}" ]; then
   echo "== step A/B: MHAR_KERNEL_VERSIONS=$AB against the defaults (at $(elapsed))"
   ab_dir="$PWD/$BUILD_DIR/ab"
   mkdir -p "$ab_dir"
-  for ((round = 1; round <= ${AB_ROUNDS:-2}; ++round)); do
-    for versions in "" "$AB"; do
-      # bench_modes.sh writes its files into $OUT: a folder of its own, not the logs'.
-      MHAR_KERNEL_VERSIONS="$versions" OUT="$ab_dir" STEPS="${STEPS:-8}" WARMUP="${WARMUP:-2}" \
-        MHAR="$PWD/$BUILD_DIR/mhar" timeout 200 bash tools/bench_modes.sh "${AB_SIZE:-100m}" \
-        ${AB_MODES:-standard mhar} 2>&1 | grep BENCH_MODES |
-        sed "s/^/[round $round, ${versions:-defaults}] /" | tee -a "$LOG_DIR/ab.txt"
+  for size in ${AB_SIZE:-100m}; do
+    for ((round = 1; round <= ${AB_ROUNDS:-2}; ++round)); do
+      for versions in "" "$AB"; do
+        # bench_modes.sh writes its files into $OUT: a folder of its own, not the logs'.
+        MHAR_KERNEL_VERSIONS="$versions" OUT="$ab_dir" STEPS="${STEPS:-8}" WARMUP="${WARMUP:-2}" \
+          MHAR="$PWD/$BUILD_DIR/mhar" timeout 200 bash tools/bench_modes.sh "$size" \
+          ${AB_MODES:-standard mhar} 2>&1 | grep BENCH_MODES |
+          sed "s/^/[round $round, ${versions:-defaults}] /" | tee -a "$LOG_DIR/ab.txt"
+      done
     done
   done
 fi
