@@ -333,10 +333,12 @@ void routing_mix_tile_rmsnorm(cudaStream_t s, RoutingContext& ctx, Tensor x, Ten
                               int count, int heads, Tensor norm_w, double eps);
 // Backend::routing_tile_sites and routing_tile_plan: the largest tile (kTileSites where the
 // shape tiles, else 1) and the plan of fewest rows moved by routing_tile_rows, the traffic
-// model of a tile of `count` sites from site j0 (rows of N d bf16).
+// model of a tile of `count` sites from site j0 (rows of N d bf16; routing_plan_rows: a
+// plan's from site 0).
 int routing_tile_sites(const RoutingLayout& layout, int64_t d, int heads);
 std::vector<int> routing_tile_plan(const RoutingLayout& layout, int64_t d, int heads);
 int64_t routing_tile_rows(int j0, int count);
+int64_t routing_plan_rows(const std::vector<int>& plan);
 // The RoutingPassTables scratch of `sites` sites of width d (QgPassTables).
 size_t routing_pass_tables_bytes(int sites, int64_t d);
 void routing_source_backward(cudaStream_t s, RoutingContext& ctx, Tensor dv, Tensor weights,

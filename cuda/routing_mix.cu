@@ -909,6 +909,12 @@ int64_t routing_tile_rows(int j0, int count) {
   for (int m = 1; m < count; ++m) rows += 2 + m + 1 + 1;
   return rows;
 }
+int64_t routing_plan_rows(const std::vector<int>& plan) {
+  int64_t rows = 0;
+  int j0 = 0;
+  for (int count : plan) rows += routing_tile_rows(j0, count), j0 += count;
+  return rows;
+}
 
 // RoutingKernel::TilePlan (kernel lab). 2: the tiles with the fewest rows moved, of at
 // most routing_tile_sites() sites each: a shortest path over the sites (best[j]: the fewest
@@ -923,20 +929,10 @@ std::vector<int> routing_tile_plan(const RoutingLayout& layout, int64_t d, int h
   const int S = layout.sites, kmax = routing_tile_sites(layout, d, heads);
   if (kmax <= 1) return std::vector<int>(size_t(std::max(S, 0)), 1);
   if (g_tile_plan_version == 1) {
-    auto fixed = [&](int k) {
-      std::vector<int> plan;
-      for (int j = 0; j < S; j += k) plan.push_back(std::min(k, S - j));
-      return plan;
-    };
-    auto rows = [](const std::vector<int>& plan) {
-      int64_t r = 0;
-      int j = 0;
-      for (int count : plan) r += routing_tile_rows(j, count), j += count;
-      return r;
-    };
-    std::vector<int> best = fixed(1);
+    std::vector<int> best = layout.uniform_tiles(1);
     for (int k = 2; k <= kmax; ++k)
-      if (rows(fixed(k)) < rows(best)) best = fixed(k);
+      if (routing_plan_rows(layout.uniform_tiles(k)) < routing_plan_rows(best))
+        best = layout.uniform_tiles(k);
     return best;
   }
   const int cap = g_tile_plan_version == 3 ? std::min(kmax, kTileSites - 1) : kmax;

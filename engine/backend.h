@@ -97,6 +97,14 @@ struct RoutingLayout {
     if (block == 1) return (sources - 1 - i) % k == 0 ? std::min(k, i + 1) : 0;
     return closes_block(i) && (i / block) % k == k - 1 ? k : 0;
   }
+  // Forward depth tiles (Backend::routing_tile_plan): tiles of k sites from site 0, their
+  // counts in site order (the last one shorter where k does not divide the sites).
+  std::vector<int> uniform_tiles(int k) const {
+    std::vector<int> plan;
+    for (int j = 0; j < sites; j += std::max(k, 1))
+      plan.push_back(std::min(std::max(k, 1), sites - j));
+    return plan;
+  }
   bool operator==(const RoutingLayout& o) const {
     return sources == o.sources && sites == o.sites && block == o.block;
   }
@@ -452,10 +460,7 @@ class Backend {
   }
   virtual std::vector<int> routing_tile_plan(const RoutingLayout& layout, int64_t d,
                                              int heads) const {
-    const int k = std::max(1, routing_tile_sites(layout, d, heads));
-    std::vector<int> plan;
-    for (int j = 0; j < layout.sites; j += k) plan.push_back(std::min(k, layout.sites - j));
-    return plan;
+    return layout.uniform_tiles(routing_tile_sites(layout, d, heads));
   }
   // Slot i's gradient, source-stationary: once the input gradient of every site k in
   // [i, last_site(i)] exists in site_dx[k] [N, d] (one tensor per site, so that the model

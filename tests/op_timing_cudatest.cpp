@@ -154,24 +154,6 @@ void tiled_mixes(Backend& gpu, Buffer& xs, Buffer& weights, Buffer& hist, const 
   }
 }
 
-// Tiles of k sites from site 0 (the plan of one fixed tile, the rule before the fifty-sixth
-// session), and the one of those with the fewest rows by cuda::routing_tile_rows.
-std::vector<int> uniform_tiles(int S, int k) {
-  std::vector<int> plan;
-  for (int j = 0; j < S; j += k) plan.push_back(std::min(k, S - j));
-  return plan;
-}
-int64_t plan_rows(const std::vector<int>& plan) {
-  int64_t rows = 0, j = 0;
-  for (int count : plan) rows += cuda::routing_tile_rows(int(j), count), j += count;
-  return rows;
-}
-std::vector<int> best_uniform_tiles(int S, int kmax) {
-  std::vector<int> best = uniform_tiles(S, 1);
-  for (int k = 2; k <= kmax; ++k)
-    if (plan_rows(uniform_tiles(S, k)) < plan_rows(best)) best = uniform_tiles(S, k);
-  return best;
-}
 std::string plan_str(const std::vector<int>& plan) {
   std::string out;
   for (int count : plan) out += (out.empty() ? "" : ",") + std::to_string(count);
@@ -637,14 +619,15 @@ TEST_F(OpTiming, DISABLED_RoutingTilePlans) {
     const RoutingLayout lay = RoutingLayout::full(sh.S);
     const int64_t d = sh.d, P = lay.pairs();
     const int S = sh.S, H = sh.H;
-    // The plans of TilePlan versions 2 (tiles up to 8) and 3 (up to 7), whichever is the
-    // default.
-    const int plan_default = cuda::routing_set_kernel_version(cuda::RoutingKernel::TilePlan, 2);
+    // The plans of TilePlan versions 1 (fixed tiles), 2 (tiles up to 8) and 3 (up to 7),
+    // whichever is the default.
+    const int plan_default = cuda::routing_set_kernel_version(cuda::RoutingKernel::TilePlan, 1);
+    const std::vector<int> fixed = gpu->routing_tile_plan(lay, d, H);
+    cuda::routing_set_kernel_version(cuda::RoutingKernel::TilePlan, 2);
     const std::vector<int> plan8 = gpu->routing_tile_plan(lay, d, H);
     cuda::routing_set_kernel_version(cuda::RoutingKernel::TilePlan, 3);
     const std::vector<int> plan7 = gpu->routing_tile_plan(lay, d, H);
     cuda::routing_set_kernel_version(cuda::RoutingKernel::TilePlan, plan_default);
-    const std::vector<int> fixed = best_uniform_tiles(S, gpu->routing_tile_sites(lay, d, H));
     Buffer hist = random_gpu(DType::BF16, {S, N, d});
     Buffer weights = random_gpu(DType::F32, {P, H, N}, 3.0);
     Buffer xs(*gpu, DType::BF16, {S, N, d}), ys(*gpu, DType::BF16, {S, N, d});
@@ -659,9 +642,9 @@ TEST_F(OpTiming, DISABLED_RoutingTilePlans) {
                                             std::pair{&plan7, 3}, std::pair{&plan7, 2}}) {
         cuda::routing_set_kernel_version(cuda::RoutingKernel::MixNorm, norm_version);
         report("routing_mix + norms v" + std::to_string(norm_version) + ", tiles " + plan_str(*p) +
-                   " (" + std::to_string(plan_rows(*p)) + " rows), " + tag,
+                   " (" + std::to_string(cuda::routing_plan_rows(*p)) + " rows), " + tag,
                time_ms([&] { tiled_mixes(*gpu, xs, weights, hist, lay, *p, H, false, &norms); }, 3),
-               0, row * double(plan_rows(*p)) + 2 * stat * double(P));
+               0, row * double(cuda::routing_plan_rows(*p)) + 2 * stat * double(P));
       }
     cuda::routing_set_kernel_version(cuda::RoutingKernel::MixNorm, 0);
   }

@@ -428,9 +428,8 @@ class RoutingParity : public CudaParity {
     // the first site, and a last tile cut short by the depth, where the plan has none).
     if (const int k = gpu->routing_tile_sites(lay, d, H); k > 1) {
       const std::vector<int> plan = gpu->routing_tile_plan(lay, d, H);
-      std::vector<int> fixed;
-      for (int j = 0; j < S; j += k) fixed.push_back(std::min(k, S - j));
-      for (const std::vector<int>* p : {&plan, static_cast<const std::vector<int>*>(&fixed)}) {
+      const std::vector<int> fixed = lay.uniform_tiles(k);
+      for (const std::vector<int>* p : {&plan, &fixed}) {
         std::string counts;
         for (int c : *p) counts += (counts.empty() ? "" : ",") + std::to_string(c);
         if (*std::max_element(p->begin(), p->end()) > 1 && (p == &plan || fixed != plan))
@@ -685,12 +684,7 @@ TEST(RoutingTilePlan, CoversTheSitesWithTheFewestRows) {
     int before = cuda::routing_set_kernel_version(cuda::RoutingKernel::TilePlan, 0);
     ~PlanVersion() { cuda::routing_set_kernel_version(cuda::RoutingKernel::TilePlan, before); }
   } plan_version;
-  auto rows = [](const std::vector<int>& plan) {
-    int64_t r = 0;
-    int j = 0;
-    for (int c : plan) r += cuda::routing_tile_rows(j, c), j += c;
-    return r;
-  };
+  auto rows = cuda::routing_plan_rows;
   for (const int version : {2, 3})
     for (const auto& [d, H] : {std::pair<int64_t, int>{512, 4}, {1024, 8}, {1280, 8}}) {
       cuda::routing_set_kernel_version(cuda::RoutingKernel::TilePlan, version);
@@ -725,9 +719,7 @@ TEST(RoutingTilePlan, CoversTheSitesWithTheFewestRows) {
           continue;
         }
         for (int k = 1; k <= kmax; ++k) {
-          std::vector<int> fixed;
-          for (int j = 0; j < S; j += k) fixed.push_back(std::min(k, S - j));
-          EXPECT_LE(best, rows(fixed)) << what << ", tiles of " << k;
+          EXPECT_LE(best, rows(lay.uniform_tiles(k))) << what << ", tiles of " << k;
         }
         for (size_t t = 0; t + 1 < plan.size(); ++t)
           for (int first = 1; first < plan[t] + plan[t + 1]; ++first) {
