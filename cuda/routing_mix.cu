@@ -179,8 +179,9 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
 // every weight a_i = e^(s_i - M) / L is written as the plain mix writes it. Bytes for a
 // tile of k sites from j0 (rows R = N d 2): (j0 + 1) + 1 + 2 (k - 1) rows in the tile
 // kernel, 2 + m + 1 in site j0+m's finish; the plain mixes read sum_m (j0 + m + 1) + k.
-// routing_tile_plan picks tiles of up to kTileSites sites that move the fewest bytes
-// over the depth (routing_tile_rows, with the norms; cuda/NOTES.md has the model per size).
+// routing_tile_plan picks tiles of up to kTileSites - 1 sites (by default; the 8-site
+// kernel measured slower a byte) that move the fewest bytes over the depth
+// (routing_tile_rows, with the norms; cuda/NOTES.md has the model per size).
 constexpr int kTileSites = 8;
 constexpr int kTilePrefetch = 8;  // slot rows in flight per lane in the tile kernel
 
