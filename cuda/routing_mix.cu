@@ -922,7 +922,7 @@ int64_t routing_plan_rows(const std::vector<int>& plan) {
 // rows for sites j .. S - 1). Tiles pay where their sites read many slots, so the plan runs
 // from sites mixed on their own at the start to the largest tiles at the end; on ties the
 // smaller tile (fewer partial rows in memory). 3: the same with tiles of at most 7, because
-// the 8-site tile kernel moves its bytes ~10% slower than the 7-site one (H100, 2026-12-07:
+// the 8-site tile kernel moves its bytes 6-11% slower than the 7-site one (H100, 2026-12-07:
 // the plan's 8s made 350M and 1B 2% and 5% slower than fixed 7s for 4.6% and 7% fewer
 // rows; cuda/NOTES.md "Tiles that grow with the depth"). 1: tiles of the one fixed count
 // with the fewest rows, from site 0 (the rule before the fifty-seventh session).
