@@ -100,9 +100,9 @@ struct RoutingLayout {
   // Forward depth tiles (Backend::routing_tile_plan): tiles of k sites from site 0, their
   // counts in site order (the last one shorter where k does not divide the sites).
   std::vector<int> uniform_tiles(int k) const {
+    const int count = std::max(k, 1);
     std::vector<int> plan;
-    for (int j = 0; j < sites; j += std::max(k, 1))
-      plan.push_back(std::min(std::max(k, 1), sites - j));
+    for (int j = 0; j < sites; j += count) plan.push_back(std::min(count, sites - j));
     return plan;
   }
   bool operator==(const RoutingLayout& o) const {
