@@ -109,6 +109,33 @@ class OpTiming : public CudaParity {
     gpu->copy(st.mixed, st.weights);
     return st;
   }
+  // One full-routing shape's mixes as the tile labs time them: random history and logits
+  // (the work does not depend on their values; the mixes normalise the logits in place,
+  // which keeps them finite for the next repetition), the sites' outputs xs, a row's bytes
+  // and one fp32 per head and token, and the shape's name for the report lines.
+  struct MixStep {
+    RoutingLayout lay;
+    int64_t d, P;
+    int S, H;
+    Buffer hist, weights, xs;
+    double row, stat;
+    std::string tag;
+  };
+  MixStep mix_step(const FullRoutingShape& sh, int64_t N) {
+    const RoutingLayout lay = RoutingLayout::full(sh.S);
+    return MixStep{lay,
+                   sh.d,
+                   lay.pairs(),
+                   sh.S,
+                   sh.H,
+                   random_gpu(DType::BF16, {sh.S, N, sh.d}),
+                   random_gpu(DType::F32, {lay.pairs(), sh.H, N}, 3.0),
+                   Buffer(*gpu, DType::BF16, {sh.S, N, sh.d}),
+                   2.0 * N * sh.d,
+                   4.0 * sh.H * N,
+                   std::string(sh.name) + " d" + std::to_string(sh.d) + " S" +
+                       std::to_string(sh.S) + " H" + std::to_string(sh.H)};
+  }
   void routing_backward_sweeps(bool limits, bool versions, bool pairs = false);
   static void report(const std::string& what, double ms, double flop, double bytes) {
     std::printf("TIMING %-58s %9.3f ms", what.c_str(), ms);
@@ -158,6 +185,21 @@ std::string plan_str(const std::vector<int>& plan) {
   std::string out;
   for (int count : plan) out += (out.empty() ? "" : ",") + std::to_string(count);
   return out;
+}
+
+// The rows of N d bf16 a step's tiled mixes must move without their consumers' norms
+// (cuda::routing_plan_rows counts those too): per tile of kk sites from j0, the tile
+// kernel's j0 + 1 slots, x and kk - 1 fp32 partial rows, then each later site's partial,
+// newer slots and x (backend.h; cuda/routing_mix.cu); a plain site (kk = 1) its slots and x.
+double mix_rows(const std::vector<int>& plan) {
+  double rows = 0;
+  int j0 = 0;
+  for (const int kk : plan) {
+    rows += (j0 + 1) + 1 + 2.0 * (kk - 1);
+    for (int m = 1; m < kk; ++m) rows += 2 + m + 1;
+    j0 += kk;
+  }
+  return rows;
 }
 
 TEST_F(OpTiming, DISABLED_ModelShapes) {
@@ -234,18 +276,10 @@ TEST_F(OpTiming, DISABLED_ModelShapes) {
     // logits: time both and subtract the logits alone.
     report("routing_mix, all sites " + tag, time_ms([&] { logits(); mixes(); }, 2) -
                time_ms(logits, 2), 0, row * (double(P) + S) + 2 * stats);
-    // The backend's depth tiles (routing_mix_tile) as the layer loop runs them. Bytes: per
-    // tile of kk from j0, the tile kernel's j0 + 1 slots, x and kk - 1 fp32 partial rows,
-    // then each later site's partial, newer slots and x (backend.h; cuda/routing_mix.cu).
+    // The backend's depth tiles (routing_mix_tile) as the layer loop runs them (bytes:
+    // mix_rows).
     if (const std::vector<int> plan = gpu->routing_tile_plan(lay, d, H);
         *std::max_element(plan.begin(), plan.end()) > 1) {
-      double rows = 0;
-      int j0 = 0;
-      for (const int kk : plan) {
-        rows += (j0 + 1) + 1 + 2.0 * (kk - 1);
-        for (int m = 1; m < kk; ++m) rows += 2 + m + 1;
-        j0 += kk;
-      }
       report("routing_mix, all sites, depth tiles " + plan_str(plan) + " " + tag,
              time_ms(
                  [&] {
@@ -254,7 +288,7 @@ TEST_F(OpTiming, DISABLED_ModelShapes) {
                  },
                  2) -
                  time_ms(logits, 2),
-             0, row * rows + 2 * stats);
+             0, row * mix_rows(plan) + 2 * stats);
     }
     logits();
     mixes();
@@ -524,34 +558,30 @@ TEST_F(OpTiming, DISABLED_RoutingTiles1B) {
 //     every pair's logit read and weight written once (as in ModelShapes).
 // The untiled mixes of the same step are timed beside them for reference, and each
 // version of the finish kernel (the tiles' later sites) at the default tile kernel, and the
-// mixes with their consumers' norms with and without the norm in the finish. Random logits
-// (the work does not depend on their values; the mixes normalise them in place, which
-// keeps them finite for the next repetition).
+// mixes with their consumers' norms with and without the norm in the finish (mix_step's
+// random logits).
 TEST_F(OpTiming, DISABLED_RoutingTileVersions) {
   const int64_t N = 16384;
   for (const FullRoutingShape& sh : kFullRoutingShapes) {
-    const RoutingLayout lay = RoutingLayout::full(sh.S);
-    const int64_t d = sh.d, P = lay.pairs();
-    const int S = sh.S, H = sh.H;
+    MixStep m = mix_step(sh, N);
+    const RoutingLayout& lay = m.lay;
+    const int64_t d = m.d, P = m.P;
+    const int S = m.S, H = m.H;
+    Buffer &hist = m.hist, &weights = m.weights, &xs = m.xs;
+    const double row = m.row, stat = m.stat;
     const std::vector<int> k = gpu->routing_tile_plan(lay, d, H);  // the tiles' counts
     ASSERT_GT(*std::max_element(k.begin(), k.end()), 1)
         << sh.name << ": the model shape no longer tiles";
-    Buffer hist = random_gpu(DType::BF16, {S, N, d});
-    Buffer weights = random_gpu(DType::F32, {P, H, N}, 3.0);
-    Buffer xs(*gpu, DType::BF16, {S, N, d});
-    const double row = 2.0 * N * d, stat = 4.0 * H * N;  // a row; one fp32 per head and token
-    double tile_bytes = 0, step_bytes = 2 * stat * double(P);
+    double tile_bytes = 0;
     int j0 = 0;
     for (const int kk : k) {
       if (kk > 1)
         tile_bytes += row * ((j0 + 1) + 1 + 2.0 * (kk - 1)) +
                       stat * (double(j0 + 1) * kk + (j0 + 1) + 2.0 * (kk - 1));
-      step_bytes += row * ((j0 + 1) + 1 + 2.0 * (kk - 1));
-      for (int m = 1; m < kk; ++m) step_bytes += row * (2 + m + 1);
       j0 += kk;
     }
-    const std::string tag = std::string(sh.name) + " d" + std::to_string(d) + " S" +
-                            std::to_string(S) + " H" + std::to_string(H) + ", tiles " + plan_str(k);
+    const double step_bytes = row * mix_rows(k) + 2 * stat * double(P);
+    const std::string tag = m.tag + ", tiles " + plan_str(k);
     report("routing_mix, all sites, untiled, " + tag,
            time_ms([&] {
              for (int i = 0; i < S; ++i) gpu->routing_mix(xs.t()[i], weights, hist, lay, i, H);
@@ -616,9 +646,10 @@ TEST_F(OpTiming, DISABLED_RoutingTileVersions) {
 TEST_F(OpTiming, DISABLED_RoutingTilePlans) {
   const int64_t N = 16384;
   for (const FullRoutingShape& sh : kFullRoutingShapes) {
-    const RoutingLayout lay = RoutingLayout::full(sh.S);
-    const int64_t d = sh.d, P = lay.pairs();
-    const int S = sh.S, H = sh.H;
+    MixStep m = mix_step(sh, N);
+    const RoutingLayout& lay = m.lay;
+    const int64_t d = m.d;
+    const int S = m.S, H = m.H;
     // The plans of TilePlan versions 1 (fixed tiles), 2 (tiles up to 8) and 3 (up to 7),
     // whichever is the default.
     const int plan_default = cuda::routing_set_kernel_version(cuda::RoutingKernel::TilePlan, 1);
@@ -628,23 +659,19 @@ TEST_F(OpTiming, DISABLED_RoutingTilePlans) {
     cuda::routing_set_kernel_version(cuda::RoutingKernel::TilePlan, 3);
     const std::vector<int> plan7 = gpu->routing_tile_plan(lay, d, H);
     cuda::routing_set_kernel_version(cuda::RoutingKernel::TilePlan, plan_default);
-    Buffer hist = random_gpu(DType::BF16, {S, N, d});
-    Buffer weights = random_gpu(DType::F32, {P, H, N}, 3.0);
-    Buffer xs(*gpu, DType::BF16, {S, N, d}), ys(*gpu, DType::BF16, {S, N, d});
-    Buffer rstds(*gpu, DType::F32, {S, N});
+    Buffer ys(*gpu, DType::BF16, {S, N, d}), rstds(*gpu, DType::F32, {S, N});
     Buffer norm_w = random_gpu(DType::BF16, {d});
     const MixNorms norms{ys, rstds, norm_w, 1e-6};
-    const double row = 2.0 * N * d, stat = 4.0 * H * N;
-    const std::string tag = std::string(sh.name) + " d" + std::to_string(d) + " S" +
-                            std::to_string(S) + " H" + std::to_string(H);
     for (int round = 0; round < 3; ++round)
       for (const auto& [p, norm_version] : {std::pair{&fixed, 3}, std::pair{&plan8, 3},
                                             std::pair{&plan7, 3}, std::pair{&plan7, 2}}) {
         cuda::routing_set_kernel_version(cuda::RoutingKernel::MixNorm, norm_version);
-        report("routing_mix + norms v" + std::to_string(norm_version) + ", tiles " + plan_str(*p) +
-                   " (" + std::to_string(cuda::routing_plan_rows(*p)) + " rows), " + tag,
-               time_ms([&] { tiled_mixes(*gpu, xs, weights, hist, lay, *p, H, false, &norms); }, 3),
-               0, row * double(cuda::routing_plan_rows(*p)) + 2 * stat * double(P));
+        report(
+            "routing_mix + norms v" + std::to_string(norm_version) + ", tiles " + plan_str(*p) +
+                " (" + std::to_string(cuda::routing_plan_rows(*p)) + " rows), " + m.tag,
+            time_ms([&] { tiled_mixes(*gpu, m.xs, m.weights, m.hist, lay, *p, H, false, &norms); },
+                    3),
+            0, m.row * double(cuda::routing_plan_rows(*p)) + 2 * m.stat * double(m.P));
       }
     cuda::routing_set_kernel_version(cuda::RoutingKernel::MixNorm, 0);
   }
