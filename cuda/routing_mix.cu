@@ -27,6 +27,26 @@ struct RowNorm {
 // the row (t ascending) and runs the same code on them (rmsnorm_row.cuh: the stored bf16
 // values' squares, the lanes' butterfly, rstd, y); where its rows are narrower than a warp
 // (d <= 128), the lanes past the row add exact zeros here.
+// The norm's second half, token n: rstd from the lanes' sums of squares ss, then y from the
+// row's bf16 chunks lane + 32 t that this lane holds in xv.
+template <int NT>
+__device__ __forceinline__ void norm_held_row(const uint4 (&xv)[NT], float ss, const RowNorm& nm,
+                                              int64_t n, int d, int nchunks) {
+  const int lane = threadIdx.x & 31;
+  const float r = rms_rstd(group_sum<32>(ss), d, nm.eps);
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const int ch = lane + 32 * t;
+    if (ch >= nchunks) continue;
+    float wf[8], v[8];
+    load8(nm.w + 8 * ch, wf);
+    unpack8(xv[t], v);
+    norm_chunk8(v, r, wf);
+    store8(nm.y + n * d + 8 * ch, v);
+  }
+  if (lane == 0) nm.rstd[n] = r;
+}
+
 template <int NT>
 __device__ __forceinline__ void store_row_normed(bf16* x, const float (&f)[NT][8],
                                                  const RowNorm& nm, int64_t n, int d, int nchunks) {
@@ -41,18 +61,7 @@ __device__ __forceinline__ void store_row_normed(bf16* x, const float (&f)[NT][8
     reinterpret_cast<uint4*>(x + n * d)[ch] = xv[t];
     add_squares8(ss, xv[t]);
   }
-  const float r = rms_rstd(group_sum<32>(ss), d, nm.eps);
-#pragma unroll
-  for (int t = 0; t < NT; ++t) {
-    const int ch = lane + 32 * t;
-    if (ch >= nchunks) continue;
-    float wf[8], v[8];
-    load8(nm.w + 8 * ch, wf);
-    unpack8(xv[t], v);
-    norm_chunk8(v, r, wf);
-    store8(nm.y + n * d + 8 * ch, v);
-  }
-  if (lane == 0) nm.rstd[n] = r;
+  norm_held_row(xv, ss, nm, n, d, nchunks);
 }
 
 // The norm of token n's row once the lane's chunks lane + 32 t (t ascending) are stored in
@@ -73,11 +82,33 @@ __device__ __forceinline__ void norm_stored_row(const bf16* x, float ss, const R
   if (lane == 0) nm.rstd[n] = r;
 }
 
+// The norm of token n's row x once the warp has stored it in another order than the
+// norm's (the span layout: lane l holds chunks l NT .. l NT + NT - 1): each lane reads the
+// norm's chunks lane + 32 t back (L2; the warp barrier orders the other lanes' stores
+// before the loads) and runs store_row_normed's arithmetic on them: rmsnorm_forward's bits.
+template <int NT>
+__device__ __forceinline__ void norm_row_stored_by_warp(const bf16* x, const RowNorm& nm, int64_t n,
+                                                        int d, int nchunks) {
+  __syncwarp();
+  const int lane = threadIdx.x & 31;
+  uint4 xv[NT];
+  float ss = 0.f;
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const int ch = lane + 32 * t;
+    if (ch >= nchunks) continue;
+    xv[t] = reinterpret_cast<const uint4*>(x + n * d)[ch];
+    add_squares8(ss, xv[t]);
+  }
+  norm_held_row(xv, ss, nm, n, d, nchunks);
+}
+
 // ---------------------------------------------------------------- mix (one site)
-template <int NT, bool ALIGNED>
+// NORM (MixNorm version 4): the consumer's norm `nm` of each token's x as it is stored.
+template <int NT, bool ALIGNED, bool NORM = false>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock)
     mix_kernel(bf16* __restrict__ x, float* __restrict__ weights, const bf16* __restrict__ hist,
-               const Geometry g, int site) {
+               const Geometry g, int site, const RowNorm nm) {
   extern __shared__ float smem[];
   float* m_sh = smem + (threadIdx.x >> 5) * 2 * g.H;  // per head: max, 1/sum
   float* linv_sh = m_sh + g.H;
@@ -164,7 +195,10 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
         s_cur = s_nxt;
       }
     }
-    store_row(x + n * g.d, acc, g.nchunks);
+    if constexpr (NORM)
+      store_row_normed(x, acc, nm, n, g.d, g.nchunks);
+    else
+      store_row(x + n * g.d, acc, g.nchunks);
     __syncwarp();  // m_sh/linv_sh are rewritten for the next token
   }
 }
@@ -739,24 +773,26 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
   }
 }
 
-template <int NT>
+template <int NT, bool NORM = false>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, span_blocks_per_sm(NT))
     mix_span_kernel(bf16* __restrict__ x, float* __restrict__ weights,
-                    const bf16* __restrict__ hist, const Geometry g, int site) {
+                    const bf16* __restrict__ hist, const Geometry g, int site, const RowNorm nm) {
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
   for (int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); n < g.N;
        n += warps) {
     float acc[NT][8];
     mix_span_token<NT, false>(acc, weights, hist, g, site, n, Row<NT>{});
     store_span(x + n * g.d, acc);
+    if constexpr (NORM) norm_row_stored_by_warp<NT>(x, nm, n, g.d, g.nchunks);
   }
 }
 
 // routing_mix; with nm.y set, also the consumer's norm where the site is a depth tile's
-// later one and its finish kernel has the fused form (versions 4 and 6): true when y and
-// rstd were written.
+// later one and its finish kernel has the fused form (versions 4 and 6), and with
+// `plain_norm` where it is mixed on its own: true when y and rstd were written.
 bool mix_site(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weights, Tensor history,
-              const RoutingLayout& layout, int site, int heads, const RowNorm& nm) {
+              const RoutingLayout& layout, int site, int heads, const RowNorm& nm,
+              bool plain_norm = false) {
   const char* what = "routing_mix";
   MHAR_CHECK(history.ndim == 3 && history.dim(0) == layout.sources, what, ": history must be [",
              layout.sources, ", N, d], got ", history.shape_str());
@@ -826,25 +862,30 @@ bool mix_site(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weights, Ten
     return norm;
   }
   if (g.N == 0) return false;
+  const bool norm = plain_norm && nm.y != nullptr;
+  auto* xp = static_cast<bf16*>(x.data);
+  auto* hp = static_cast<const bf16*>(history.data);
   if (span_layout(g)) {
     dispatch_span(g, [&](auto nt) {
-      mix_span_kernel<decltype(nt)::value><<<token_blocks(g.N), 32 * kWarpsPerBlock, 0, s>>>(
-          static_cast<bf16*>(x.data), weights.ptr<float>(), static_cast<const bf16*>(history.data),
-          g, site);
+      constexpr int NT = decltype(nt)::value;
+      auto kernel = norm ? mix_span_kernel<NT, true> : mix_span_kernel<NT>;
+      kernel<<<token_blocks(g.N), 32 * kWarpsPerBlock, 0, s>>>(xp, weights.ptr<float>(), hp, g,
+                                                               site, nm);
       CUDA_CHECK_LAUNCH();
     });
-    return false;
+    return norm;
   }
   const size_t smem = sizeof(float) * kWarpsPerBlock * 2 * heads;
   dispatch_rows(g, [&](auto nt, auto al) {
-    auto kernel = mix_kernel<decltype(nt)::value, decltype(al)::value>;
+    constexpr int NT = decltype(nt)::value;
+    constexpr bool AL = decltype(al)::value;
+    auto kernel = norm ? mix_kernel<NT, AL, true> : mix_kernel<NT, AL>;
     allow_smem(kernel, smem);
-    kernel<<<token_blocks(g.N), 32 * kWarpsPerBlock, smem, s>>>(
-        static_cast<bf16*>(x.data), weights.ptr<float>(), static_cast<const bf16*>(history.data), g,
-        site);
+    kernel<<<token_blocks(g.N), 32 * kWarpsPerBlock, smem, s>>>(xp, weights.ptr<float>(), hp, g,
+                                                                site, nm);
     CUDA_CHECK_LAUNCH();
   });
-  return false;
+  return norm;
 }
 
 }  // namespace
@@ -863,16 +904,18 @@ void routing_mix(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weights, 
 // 6) and inside the tile kernel at its first site (tile version 5), elsewhere as 1 (the
 // default: with tiles of at most 7, a step's mixes 0.04-0.08 ms faster than 3 at 100M, 350M
 // and 1B, H100, 2026-12-08; it lost only to 8-site tiles, whose NORM form spills); 3 the
-// finishes' norm only. The same bits.
+// finishes' norm only; 4 version 2 and the norm inside the plain mix kernels too (a site
+// mixed on its own: the plan's first sites, every site of a block layout, which never
+// tiles), whose lanes read their norm chunks back where the warp stored the row in the span
+// layout's order (norm_row_stored_by_warp). The same bits.
 void routing_mix_rmsnorm(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor y, Tensor rstd,
                          Tensor weights, Tensor history, const RoutingLayout& layout, int site,
                          int heads, Tensor norm_w, double eps) {
   RowNorm nm;
-  if ((g_mix_norm_version == 2 || g_mix_norm_version == 3) &&
-      rmsnorm_forward_row_fusable(y, rstd, x, norm_w))
+  if (g_mix_norm_version >= 2 && rmsnorm_forward_row_fusable(y, rstd, x, norm_w))
     nm = RowNorm{static_cast<bf16*>(y.data), rstd.ptr<float>(),
                  static_cast<const bf16*>(norm_w.data), float(eps)};
-  if (!mix_site(s, ctx, x, weights, history, layout, site, heads, nm))
+  if (!mix_site(s, ctx, x, weights, history, layout, site, heads, nm, g_mix_norm_version == 4))
     rmsnorm_forward(s, y, rstd, x, norm_w, eps);
 }
 
@@ -1038,13 +1081,14 @@ void routing_mix_tile(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weig
   mix_tile_site(s, ctx, x, weights, history, layout, site, count, heads, RowNorm{});
 }
 
-// routing_mix_tile_rmsnorm: the norm inside tile kernel version 5 at MixNorm version 2
-// where rmsnorm_forward_row_fusable, else the tile then rmsnorm_forward. The same bits.
+// routing_mix_tile_rmsnorm: the norm inside tile kernel version 5 at MixNorm versions 2 and
+// 4 where rmsnorm_forward_row_fusable, else the tile then rmsnorm_forward. The same bits.
 void routing_mix_tile_rmsnorm(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor y, Tensor rstd,
                               Tensor weights, Tensor history, const RoutingLayout& layout, int site,
                               int count, int heads, Tensor norm_w, double eps) {
   RowNorm nm;
-  if (g_mix_norm_version == 2 && rmsnorm_forward_row_fusable(y, rstd, x, norm_w))
+  if ((g_mix_norm_version == 2 || g_mix_norm_version == 4) &&
+      rmsnorm_forward_row_fusable(y, rstd, x, norm_w))
     nm = RowNorm{static_cast<bf16*>(y.data), rstd.ptr<float>(),
                  static_cast<const bf16*>(norm_w.data), float(eps)};
   if (!mix_tile_site(s, ctx, x, weights, history, layout, site, count, heads, nm))

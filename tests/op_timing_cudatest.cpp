@@ -640,7 +640,8 @@ TEST_F(OpTiming, DISABLED_RoutingTileVersions) {
 // their consumers' norms as the routed scheme calls them, at the three full-routing model
 // shapes: the fixed tiles with the norm fused in the finishes only (MixNorm 3), the plans
 // of tiles up to 8 (TilePlan 2) and up to 7 (TilePlan 3) so, and the latter with the norm
-// in the tile kernel too (MixNorm 2); in turn, three rounds, so that drift shows. Bytes:
+// in the tile kernel too (MixNorm 2), and in the plain mixes too (MixNorm 4); in turn, three
+// rounds, so that drift shows. Bytes:
 // the traffic model's rows (with the norm fused in the tile kernel) and every pair's logit
 // read and weight written.
 TEST_F(OpTiming, DISABLED_RoutingTilePlans) {
@@ -663,8 +664,9 @@ TEST_F(OpTiming, DISABLED_RoutingTilePlans) {
     Buffer norm_w = random_gpu(DType::BF16, {d});
     const MixNorms norms{ys, rstds, norm_w, 1e-6};
     for (int round = 0; round < 3; ++round)
-      for (const auto& [p, norm_version] : {std::pair{&fixed, 3}, std::pair{&plan8, 3},
-                                            std::pair{&plan7, 3}, std::pair{&plan7, 2}}) {
+      for (const auto& [p, norm_version] :
+           {std::pair{&fixed, 3}, std::pair{&plan8, 3}, std::pair{&plan7, 3}, std::pair{&plan7, 2},
+            std::pair{&plan7, 4}}) {
         cuda::routing_set_kernel_version(cuda::RoutingKernel::MixNorm, norm_version);
         report(
             "routing_mix + norms v" + std::to_string(norm_version) + ", tiles " + plan_str(*p) +

@@ -424,6 +424,39 @@ class RoutingParity : public CudaParity {
       EXPECT_EQ(x_poisoned.g.get(), x_clean.g.get())
           << "routing_mix read a source after site " << j << " " << tag;
     }
+    {  // routing_mix_rmsnorm at every site, each mixed on its own (no tile in flight; the
+       // tiles' fused forms are check_tiles'): x and the weights routing_mix's bits, y and
+       // rstd those of rmsnorm_forward of that x, at every MixNorm version (4 fuses the norm
+       // into the plain mix kernels, which read it back where they store in the span order).
+      const Pair norm_w = random_pair(DType::BF16, {d});
+      Buffer x(*gpu, DType::BF16, {S, N, d}), y(*gpu, DType::BF16, {S, N, d});
+      Buffer y_ref(*gpu, DType::BF16, {S, N, d}), rstd(*gpu, DType::F32, {S, N});
+      Buffer rstd_ref(*gpu, DType::F32, {S, N}), w(*gpu, DType::F32, {P, H, N});
+      for (int j = 0; j < S; ++j)
+        gpu->rmsnorm_forward(y_ref.t()[j], rstd_ref.t()[j], xs.g.t()[j], norm_w.g, eps);
+      const std::vector<std::vector<double>> want = {xs.g.get(), weights.g.get(), y_ref.get(),
+                                                     rstd_ref.get()};
+      const int norms = cuda::routing_kernel_versions(cuda::RoutingKernel::MixNorm);
+      for (int version = 1; version <= norms; ++version) {
+        cuda::routing_set_kernel_version(cuda::RoutingKernel::MixNorm, version);
+        x.poison();
+        y.poison();
+        rstd.poison();
+        w.set(raw_logits);
+        for (int j = 0; j < S; ++j)
+          gpu->routing_mix_rmsnorm(x.t()[j], y.t()[j], rstd.t()[j], w, history.g, lay, j, H,
+                                   norm_w.g, eps);
+        const std::vector<std::vector<double>> got = {x.get(), w.get(), y.get(), rstd.get()};
+        const char* names[] = {"x", "weights", "y", "rstd"};
+        for (size_t o = 0; o < got.size(); ++o) {
+          int64_t diff = 0;
+          for (size_t e = 0; e < got[o].size(); ++e) diff += !(got[o][e] == want[o][e]);
+          EXPECT_EQ(diff, 0) << "plain routing_mix_rmsnorm " << names[o] << ", norm v" << version
+                             << " " << tag;
+        }
+      }
+      cuda::routing_set_kernel_version(cuda::RoutingKernel::MixNorm, 0);
+    }
     // The backend's plan, and tiles of its largest count from site 0 (every tile size at
     // the first site, and a last tile cut short by the depth, where the plan has none).
     if (const int k = gpu->routing_tile_sites(lay, d, H); k > 1) {
