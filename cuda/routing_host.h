@@ -101,7 +101,7 @@ constexpr int kFusedKeyMaxSites = 8;
 // kernels in the file named.
 constexpr int kLogitsVersions = 9, kLogitsDefault = 9;              // routing_logits.cu
 constexpr int kQgTablesVersions = 2, kQgTablesDefault = 1;          // routing_logits.cu
-constexpr int kMixNormVersions = 4, kMixNormDefault = 2;            // routing_mix.cu
+constexpr int kMixNormVersions = 4, kMixNormDefault = 4;            // routing_mix.cu
 constexpr int kMixTileVersions = 5, kMixTileDefault = 5;            // routing_mix.cu
 constexpr int kTilePlanVersions = 3, kTilePlanDefault = 3;          // routing_mix.cu
 constexpr int kMixFinishVersions = 6, kMixFinishDefault = 6;        // routing_mix.cu

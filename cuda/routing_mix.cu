@@ -901,13 +901,14 @@ void routing_mix(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor weights, 
 // routing_mix_rmsnorm and routing_mix_tile_rmsnorm (kernel lab,
 // routing_set_kernel_version(MixNorm, v)): 1 the mix, then rmsnorm_forward's own launch;
 // 2 the norm inside the finish kernel of a depth tile's later site (finish versions 4 and
-// 6) and inside the tile kernel at its first site (tile version 5), elsewhere as 1 (the
-// default: with tiles of at most 7, a step's mixes 0.04-0.08 ms faster than 3 at 100M, 350M
-// and 1B, H100, 2026-12-08; it lost only to 8-site tiles, whose NORM form spills); 3 the
-// finishes' norm only; 4 version 2 and the norm inside the plain mix kernels too (a site
+// 6) and inside the tile kernel at its first site (tile version 5), elsewhere as 1 (with
+// tiles of at most 7, a step's mixes 0.04-0.08 ms faster than 3 at 100M, 350M and 1B, H100,
+// 2026-12-08; it lost only to 8-site tiles, whose NORM form spills); 3 the finishes' norm
+// only; 4 (the default) version 2 and the norm inside the plain mix kernels too (a site
 // mixed on its own: the plan's first sites, every site of a block layout, which never
 // tiles), whose lanes read their norm chunks back where the warp stored the row in the span
-// layout's order (norm_row_stored_by_warp). The same bits.
+// layout's order (norm_row_stored_by_warp): a full-routing step's mixes 0.02-0.06 ms faster
+// than 2 at every size (H100, 2026-12-08). The same bits.
 void routing_mix_rmsnorm(cudaStream_t s, RoutingContext& ctx, Tensor x, Tensor y, Tensor rstd,
                          Tensor weights, Tensor history, const RoutingLayout& layout, int site,
                          int heads, Tensor norm_w, double eps) {

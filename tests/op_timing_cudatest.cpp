@@ -38,6 +38,11 @@ constexpr RoutingShape kRoutingShapes[] = {{"100M", 512, 25, 4, 1},
                                            {"1B", 1280, 73, 8, 1},
                                            {"1B block9", 1280, 73, 8, 9}};
 
+// The block configs (configs/{100m,350m,1b}_block_mhar.json): blocks of 3, 6 and 9
+// sublayers, every site mixed on its own (block layouts never tile).
+constexpr RoutingShape kBlockRoutingShapes[] = {
+    {"100M block3", 512, 25, 4, 3}, {"350M block6", 1024, 49, 8, 6}, {"1B block9", 1280, 73, 8, 9}};
+
 class OpTiming : public CudaParity {
  protected:
   double time_ms(const std::function<void()>& op, int reps = 10) {
@@ -674,6 +679,44 @@ TEST_F(OpTiming, DISABLED_RoutingTilePlans) {
             time_ms([&] { tiled_mixes(*gpu, m.xs, m.weights, m.hist, lay, *p, H, false, &norms); },
                     3),
             0, m.row * double(cuda::routing_plan_rows(*p)) + 2 * m.stat * double(m.P));
+      }
+    cuda::routing_set_kernel_version(cuda::RoutingKernel::MixNorm, 0);
+  }
+}
+
+// The plain mixes with their consumers' norms at the block configs' shapes, a whole step's
+// routing_mix_rmsnorm as the routed scheme calls them: MixNorm 2 (at these sites the norm by
+// its own launch) and 4 (inside the plain mix kernel), in turn, three rounds. Bytes: each
+// site's source rows and logits read, x, y, rstd and the weights written (version 2 also
+// reads x back, which is what it costs). Random logits, as mix_step's.
+TEST_F(OpTiming, DISABLED_RoutingPlainMixNorms) {
+  const int64_t N = 16384;
+  for (const RoutingShape& sh : kBlockRoutingShapes) {
+    const RoutingLayout lay = RoutingLayout::blocks(sh.S, sh.block);
+    const int64_t d = sh.d;
+    const int S = sh.S, H = sh.H;
+    Buffer hist = random_gpu(DType::BF16, {lay.sources, N, d});
+    Buffer weights = random_gpu(DType::F32, {lay.pairs(), H, N}, 3.0);
+    Buffer xs(*gpu, DType::BF16, {S, N, d}), ys(*gpu, DType::BF16, {S, N, d});
+    Buffer rstds(*gpu, DType::F32, {S, N});
+    Buffer norm_w = random_gpu(DType::BF16, {d});
+    const double row = 2.0 * N * d, stat = 4.0 * H * N;
+    double bytes = 0;
+    for (int j = 0; j < S; ++j)
+      bytes += row * (lay.site_sources(j) + 2) + 4.0 * N + 2 * stat * lay.site_sources(j);
+    const std::string tag = std::string(sh.name) + " d" + std::to_string(d) + " S" +
+                            std::to_string(S) + " H" + std::to_string(H);
+    auto step = [&] {
+      for (int j = 0; j < S; ++j)
+        gpu->routing_mix_rmsnorm(xs.t()[j], ys.t()[j], rstds.t()[j], weights, hist, lay, j, H,
+                                 norm_w, 1e-6);
+    };
+    for (int round = 0; round < 3; ++round)
+      for (int version : {2, 4}) {
+        cuda::routing_set_kernel_version(cuda::RoutingKernel::MixNorm, version);
+        report(
+            "routing_mix + norms, every site plain, norm v" + std::to_string(version) + ", " + tag,
+            time_ms(step, 3), 0, bytes);
       }
     cuda::routing_set_kernel_version(cuda::RoutingKernel::MixNorm, 0);
   }
