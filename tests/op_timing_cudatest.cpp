@@ -114,32 +114,39 @@ class OpTiming : public CudaParity {
     gpu->copy(st.mixed, st.weights);
     return st;
   }
-  // One full-routing shape's mixes as the tile labs time them: random history and logits
-  // (the work does not depend on their values; the mixes normalise the logits in place,
-  // which keeps them finite for the next repetition), the sites' outputs xs, a row's bytes
-  // and one fp32 per head and token, and the shape's name for the report lines.
+  // One routing shape's mixes as the mix labs time them: random history and logits (the
+  // work does not depend on their values; the mixes normalise the logits in place, which
+  // keeps them finite for the next repetition), the sites' outputs xs and their consumers'
+  // norms (ys, rstds, one weight row), a row's bytes and one fp32 per head and token, and
+  // the shape's name for the report lines.
   struct MixStep {
     RoutingLayout lay;
     int64_t d, P;
     int S, H;
-    Buffer hist, weights, xs;
+    Buffer hist, weights, xs, ys, rstds, norm_w;
     double row, stat;
     std::string tag;
   };
-  MixStep mix_step(const FullRoutingShape& sh, int64_t N) {
-    const RoutingLayout lay = RoutingLayout::full(sh.S);
+  MixStep mix_step(const char* name, int64_t d, int S, int H, int block, int64_t N) {
+    const RoutingLayout lay = RoutingLayout::blocks(S, block);
     return MixStep{lay,
-                   sh.d,
+                   d,
                    lay.pairs(),
-                   sh.S,
-                   sh.H,
-                   random_gpu(DType::BF16, {sh.S, N, sh.d}),
-                   random_gpu(DType::F32, {lay.pairs(), sh.H, N}, 3.0),
-                   Buffer(*gpu, DType::BF16, {sh.S, N, sh.d}),
-                   2.0 * N * sh.d,
-                   4.0 * sh.H * N,
-                   std::string(sh.name) + " d" + std::to_string(sh.d) + " S" +
-                       std::to_string(sh.S) + " H" + std::to_string(sh.H)};
+                   S,
+                   H,
+                   random_gpu(DType::BF16, {lay.sources, N, d}),
+                   random_gpu(DType::F32, {lay.pairs(), H, N}, 3.0),
+                   Buffer(*gpu, DType::BF16, {S, N, d}),
+                   Buffer(*gpu, DType::BF16, {S, N, d}),
+                   Buffer(*gpu, DType::F32, {S, N}),
+                   random_gpu(DType::BF16, {d}),
+                   2.0 * N * d,
+                   4.0 * H * N,
+                   std::string(name) + " d" + std::to_string(d) + " S" + std::to_string(S) + " H" +
+                       std::to_string(H)};
+  }
+  MixStep mix_step(const FullRoutingShape& sh, int64_t N) {
+    return mix_step(sh.name, sh.d, sh.S, sh.H, 1, N);
   }
   void routing_backward_sweeps(bool limits, bool versions, bool pairs = false);
   static void report(const std::string& what, double ms, double flop, double bytes) {
@@ -621,15 +628,13 @@ TEST_F(OpTiming, DISABLED_RoutingTileVersions) {
     cuda::routing_set_kernel_version(cuda::RoutingKernel::MixFinish, 0);
     // The mixes with their consumers' norms, as the routed scheme calls them
     // (routing_mix_rmsnorm; routing_mix_tile_rmsnorm at a tile's first site): MixNorm
-    // version 1 (the norm's own launch), 2 (inside the finishes and tile kernels) and 3
-    // (the finishes only), in turn, twice. Bytes: the step's plus each norm's output
-    // written (version 1 also reads x back).
-    Buffer ys(*gpu, DType::BF16, {S, N, d}), rstds(*gpu, DType::F32, {S, N});
-    Buffer norm_w = random_gpu(DType::BF16, {d});
-    const MixNorms norms{ys, rstds, norm_w, 1e-6};
+    // version 1 (the norm's own launch), 2 (inside the finishes and tile kernels), 3 (the
+    // finishes only) and 4 (2 and the plain mixes), in turn, twice. Bytes: the step's plus
+    // each norm's output written (version 1 also reads x back).
+    const MixNorms norms{m.ys, m.rstds, m.norm_w, 1e-6};
     auto normed_step = [&] { tiled_mixes(*gpu, xs, weights, hist, lay, k, H, false, &norms); };
     for (int round = 0; round < 2; ++round)
-      for (int version : {1, 2, 3}) {
+      for (int version : {1, 2, 3, 4}) {
         cuda::routing_set_kernel_version(cuda::RoutingKernel::MixNorm, version);
         report(
             "routing_mix + norms, all sites, tiled, norm v" + std::to_string(version) + ", " + tag,
@@ -655,7 +660,7 @@ TEST_F(OpTiming, DISABLED_RoutingTilePlans) {
     MixStep m = mix_step(sh, N);
     const RoutingLayout& lay = m.lay;
     const int64_t d = m.d;
-    const int S = m.S, H = m.H;
+    const int H = m.H;
     // The plans of TilePlan versions 1 (fixed tiles), 2 (tiles up to 8) and 3 (up to 7),
     // whichever is the default.
     const int plan_default = cuda::routing_set_kernel_version(cuda::RoutingKernel::TilePlan, 1);
@@ -665,9 +670,7 @@ TEST_F(OpTiming, DISABLED_RoutingTilePlans) {
     cuda::routing_set_kernel_version(cuda::RoutingKernel::TilePlan, 3);
     const std::vector<int> plan7 = gpu->routing_tile_plan(lay, d, H);
     cuda::routing_set_kernel_version(cuda::RoutingKernel::TilePlan, plan_default);
-    Buffer ys(*gpu, DType::BF16, {S, N, d}), rstds(*gpu, DType::F32, {S, N});
-    Buffer norm_w = random_gpu(DType::BF16, {d});
-    const MixNorms norms{ys, rstds, norm_w, 1e-6};
+    const MixNorms norms{m.ys, m.rstds, m.norm_w, 1e-6};
     for (int round = 0; round < 3; ++round)
       for (const auto& [p, norm_version] :
            {std::pair{&fixed, 3}, std::pair{&plan8, 3}, std::pair{&plan7, 3}, std::pair{&plan7, 2},
@@ -692,31 +695,21 @@ TEST_F(OpTiming, DISABLED_RoutingTilePlans) {
 TEST_F(OpTiming, DISABLED_RoutingPlainMixNorms) {
   const int64_t N = 16384;
   for (const RoutingShape& sh : kBlockRoutingShapes) {
-    const RoutingLayout lay = RoutingLayout::blocks(sh.S, sh.block);
-    const int64_t d = sh.d;
-    const int S = sh.S, H = sh.H;
-    Buffer hist = random_gpu(DType::BF16, {lay.sources, N, d});
-    Buffer weights = random_gpu(DType::F32, {lay.pairs(), H, N}, 3.0);
-    Buffer xs(*gpu, DType::BF16, {S, N, d}), ys(*gpu, DType::BF16, {S, N, d});
-    Buffer rstds(*gpu, DType::F32, {S, N});
-    Buffer norm_w = random_gpu(DType::BF16, {d});
-    const double row = 2.0 * N * d, stat = 4.0 * H * N;
+    MixStep m = mix_step(sh.name, sh.d, sh.S, sh.H, sh.block, N);
     double bytes = 0;
-    for (int j = 0; j < S; ++j)
-      bytes += row * (lay.site_sources(j) + 2) + 4.0 * N + 2 * stat * lay.site_sources(j);
-    const std::string tag = std::string(sh.name) + " d" + std::to_string(d) + " S" +
-                            std::to_string(S) + " H" + std::to_string(H);
+    for (int j = 0; j < m.S; ++j)
+      bytes += m.row * (m.lay.site_sources(j) + 2) + 4.0 * N + 2 * m.stat * m.lay.site_sources(j);
     auto step = [&] {
-      for (int j = 0; j < S; ++j)
-        gpu->routing_mix_rmsnorm(xs.t()[j], ys.t()[j], rstds.t()[j], weights, hist, lay, j, H,
-                                 norm_w, 1e-6);
+      for (int j = 0; j < m.S; ++j)
+        gpu->routing_mix_rmsnorm(m.xs.t()[j], m.ys.t()[j], m.rstds.t()[j], m.weights, m.hist, m.lay,
+                                 j, m.H, m.norm_w, 1e-6);
     };
     for (int round = 0; round < 3; ++round)
       for (int version : {2, 4}) {
         cuda::routing_set_kernel_version(cuda::RoutingKernel::MixNorm, version);
-        report(
-            "routing_mix + norms, every site plain, norm v" + std::to_string(version) + ", " + tag,
-            time_ms(step, 3), 0, bytes);
+        report("routing_mix + norms, every site plain, norm v" + std::to_string(version) + ", " +
+                   m.tag,
+               time_ms(step, 3), 0, bytes);
       }
     cuda::routing_set_kernel_version(cuda::RoutingKernel::MixNorm, 0);
   }
