@@ -21,26 +21,18 @@ struct RowNorm {
   float eps = 0.f;
 };
 
-// The norm of token n's row from the bf16 chunks lane + 32 t (t ascending) that
-// chunk(t, ch) gives this lane, as x holds them, with the bits of rmsnorm_forward's vector
-// kernel (norm.cu, rmsnorm_forward_vec_kernel; the host checked
-// rmsnorm_forward_row_fusable): that kernel's lane holds the same chunks and runs the same
-// code on them (rmsnorm_row.cuh: the stored bf16 values' squares, the lanes' butterfly,
-// rstd, y); where its rows are narrower than a warp (d <= 128), the lanes past the row add
-// exact zeros here.
-template <int NT, class Chunk>
-__device__ __forceinline__ void norm_row_chunks(Chunk&& chunk, const RowNorm& nm, int64_t n, int d,
-                                                int nchunks) {
+// store_row of token n's row into x, then its norm, with the bits of rmsnorm_forward's
+// vector kernel (norm.cu, rmsnorm_forward_vec_kernel; the host checked
+// rmsnorm_forward_row_fusable): that kernel's lane holds the same chunks lane + 32 t of
+// the row (t ascending) and runs the same code on them (rmsnorm_row.cuh: the stored bf16
+// values' squares, the lanes' butterfly, rstd, y); where its rows are narrower than a warp
+// (d <= 128), the lanes past the row add exact zeros here.
+// The norm's second half, token n: rstd from the lanes' sums of squares ss, then y from the
+// row's bf16 chunks lane + 32 t that this lane holds in xv.
+template <int NT>
+__device__ __forceinline__ void norm_held_row(const uint4 (&xv)[NT], float ss, const RowNorm& nm,
+                                              int64_t n, int d, int nchunks) {
   const int lane = threadIdx.x & 31;
-  uint4 xv[NT];
-  float ss = 0.f;
-#pragma unroll
-  for (int t = 0; t < NT; ++t) {
-    const int ch = lane + 32 * t;
-    if (ch >= nchunks) continue;
-    xv[t] = chunk(t, ch);
-    add_squares8(ss, xv[t]);
-  }
   const float r = rms_rstd(group_sum<32>(ss), d, nm.eps);
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
@@ -55,17 +47,21 @@ __device__ __forceinline__ void norm_row_chunks(Chunk&& chunk, const RowNorm& nm
   if (lane == 0) nm.rstd[n] = r;
 }
 
-// store_row of token n's row into x, then its norm (norm_row_chunks).
 template <int NT>
 __device__ __forceinline__ void store_row_normed(bf16* x, const float (&f)[NT][8],
                                                  const RowNorm& nm, int64_t n, int d, int nchunks) {
-  norm_row_chunks<NT>(
-      [&](int t, int ch) {
-        const uint4 packed = pack8(f[t]);
-        reinterpret_cast<uint4*>(x + n * d)[ch] = packed;
-        return packed;
-      },
-      nm, n, d, nchunks);
+  const int lane = threadIdx.x & 31;
+  uint4 xv[NT];
+  float ss = 0.f;
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const int ch = lane + 32 * t;
+    if (ch >= nchunks) continue;
+    xv[t] = pack8(f[t]);
+    reinterpret_cast<uint4*>(x + n * d)[ch] = xv[t];
+    add_squares8(ss, xv[t]);
+  }
+  norm_held_row(xv, ss, nm, n, d, nchunks);
 }
 
 // The norm of token n's row once the lane's chunks lane + 32 t (t ascending) are stored in
@@ -89,13 +85,22 @@ __device__ __forceinline__ void norm_stored_row(const bf16* x, float ss, const R
 // The norm of token n's row x once the warp has stored it in another order than the
 // norm's (the span layout: lane l holds chunks l NT .. l NT + NT - 1): each lane reads the
 // norm's chunks lane + 32 t back (L2; the warp barrier orders the other lanes' stores
-// before the loads) and norms them (norm_row_chunks): rmsnorm_forward's bits.
+// before the loads) and runs store_row_normed's arithmetic on them: rmsnorm_forward's bits.
 template <int NT>
 __device__ __forceinline__ void norm_row_stored_by_warp(const bf16* x, const RowNorm& nm, int64_t n,
                                                         int d, int nchunks) {
   __syncwarp();
-  norm_row_chunks<NT>([&](int, int ch) { return reinterpret_cast<const uint4*>(x + n * d)[ch]; },
-                      nm, n, d, nchunks);
+  const int lane = threadIdx.x & 31;
+  uint4 xv[NT];
+  float ss = 0.f;
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const int ch = lane + 32 * t;
+    if (ch >= nchunks) continue;
+    xv[t] = reinterpret_cast<const uint4*>(x + n * d)[ch];
+    add_squares8(ss, xv[t]);
+  }
+  norm_held_row(xv, ss, nm, n, d, nchunks);
 }
 
 // ---------------------------------------------------------------- mix (one site)

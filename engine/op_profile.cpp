@@ -353,8 +353,8 @@ void OpProfiler::routing_mix_rmsnorm(Tensor x, Tensor y, Tensor rstd, Tensor wei
                                      int heads, Tensor norm_w, double eps) {
   // The mix's bytes plus the norm's outputs: the bytes a fused pass must move (the two
   // ops would also read x back). Counted as routing, the norm's time with it: inside the
-  // pass where the backend fuses it, else its own launch inside this call (the CPU; the
-  // CUDA backend's tile starts at `mix_norm=3`), which the profile cannot split.
+  // pass where the backend fuses it, else its own launch inside this call (the CPU; on
+  // CUDA, at some sites at the lab's MixNorm versions 1-3), which the profile cannot split.
   Span s(*this, __func__, OpFamily::Routing,
          mix_bytes(x, weights, layout, site, heads) + bytes_of({y, rstd, norm_w}));
   in_.routing_mix_rmsnorm(x, y, rstd, weights, history, layout, site, heads, norm_w, eps);
