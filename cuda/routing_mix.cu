@@ -86,6 +86,9 @@ __device__ __forceinline__ void norm_stored_row(const bf16* x, float ss, const R
 // norm's (the span layout: lane l holds chunks l NT .. l NT + NT - 1): each lane reads the
 // norm's chunks lane + 32 t back (L2; the warp barrier orders the other lanes' stores
 // before the loads) and runs store_row_normed's arithmetic on them: rmsnorm_forward's bits.
+// Its load loop mirrors store_row_normed's store loop on purpose: one helper for both
+// (chunks from a callable) changed the PTX of 35 finish kernels (tools/ptx_same.py,
+// 2026-12-08), which needs a GPU parity run before it can replace the tested form.
 template <int NT>
 __device__ __forceinline__ void norm_row_stored_by_warp(const bf16* x, const RowNorm& nm, int64_t n,
                                                         int d, int nchunks) {
